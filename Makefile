@@ -1,0 +1,95 @@
+# Two commands matter: `make run` (set up, then serve on the CPU) and
+# `make test` (set up, then lint and the whole suite). Everything else is a
+# step they share.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP_VERSION := 26.3
+BUF := tools/buf/node_modules/.bin/buf
+
+VENV_STAMP := $(VENV)/.installed-dev-lock
+STUB_STAMP := classify_common/gen/.stamp
+PROTO_FILES := $(shell find proto -name '*.proto')
+
+# `make buf-lint` / `make buf-breaking` read these, so a test can point them at
+# a copy of the contract with a planted fault.
+PROTO_ROOT ?= proto
+IMAGE_DIR ?= build/proto
+# A git ref or a directory holding the contract to compare against.
+BUF_AGAINST ?= main
+
+PYTHON_SOURCES := capability orchestrator classify_common tests tools
+
+.PHONY: help setup run test lint proto buf-lint buf-breaking ruff mypy pytest lock clean
+
+help:
+	@echo "make run    set up, then start capability + orchestrator on the CPU"
+	@echo "make test   set up, then lint and run the whole test suite"
+	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy"
+	@echo "make proto  regenerate Python stubs from proto/"
+	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
+
+setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF)
+
+$(VENV_STAMP): requirements/dev.lock
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check pip==$(PIP_VERSION)
+	# The lock is complete, so nothing is resolved at install time.
+	$(PY) -m pip install --quiet --no-deps -r requirements/dev.lock
+	touch $@
+
+$(STUB_STAMP): $(VENV_STAMP) $(PROTO_FILES) tools/protoc.py
+	$(PY) tools/protoc.py stubs
+	touch $@
+
+proto: $(STUB_STAMP)
+
+$(BUF): tools/buf/package.json tools/buf/package-lock.json
+	cd tools/buf && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+run: setup
+	$(PY) tools/run_stack.py
+
+test: setup lint pytest
+
+lint: buf-lint buf-breaking ruff mypy
+
+buf-lint: $(BUF) $(VENV_STAMP)
+	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
+	$(BUF) lint $(IMAGE_DIR)/current.binpb --config buf.yaml --path ai
+	@echo "buf lint: ok"
+
+buf-breaking: $(BUF) $(VENV_STAMP)
+	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
+	@rc=0; $(PY) tools/protoc.py image --against $(BUF_AGAINST) --out $(IMAGE_DIR)/against.binpb || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "buf breaking: no contract at $(BUF_AGAINST) to compare against; skipped"; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	$(BUF) breaking $(IMAGE_DIR)/current.binpb --against $(IMAGE_DIR)/against.binpb --config buf.yaml --path ai; \
+	echo "buf breaking against $(BUF_AGAINST): ok"
+
+ruff: $(VENV_STAMP)
+	$(VENV)/bin/ruff check $(PYTHON_SOURCES)
+	$(VENV)/bin/ruff format --check $(PYTHON_SOURCES)
+
+mypy: $(VENV_STAMP) $(STUB_STAMP)
+	$(VENV)/bin/mypy $(PYTHON_SOURCES)
+
+pytest: setup
+	$(PY) -m pytest
+
+lock: $(VENV_STAMP)
+	mkdir -p build
+	for name in runtime dev; do \
+	  $(PY) -m pip install --quiet --dry-run --ignore-installed \
+	    --report build/$$name-report.json -r requirements/$$name.in; \
+	  $(PY) tools/lock.py build/$$name-report.json requirements/$$name.in > requirements/$$name.lock; \
+	done
+
+clean:
+	rm -rf $(VENV) build classify_common/gen tools/buf/node_modules .mypy_cache .ruff_cache .pytest_cache
