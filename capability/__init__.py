@@ -1,0 +1,1 @@
+"""Capability layer: stateless gRPC model servers (see server.py for the wiring)."""

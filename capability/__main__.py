@@ -1,0 +1,3 @@
+from capability.server import main
+
+main()

@@ -1,0 +1,44 @@
+"""Per-request identity (request ID, trace ID), carried in a contextvar.
+
+The server interceptor sets it when a call arrives; logs, errors and outgoing
+calls read it, so nothing has to pass IDs down by hand.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+# Same rule as ClassifyRequest.request_id in the contract.
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+REQUEST_ID_HEADER = "x-request-id"
+TRACE_ID_HEADER = "x-trace-id"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    request_id: str
+    # 32 lowercase hex digits (W3C trace-id); empty outside a traced call.
+    trace_id: str
+
+
+_current: ContextVar[RequestContext | None] = ContextVar("classify_request", default=None)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def is_valid_request_id(value: str) -> bool:
+    return REQUEST_ID_PATTERN.fullmatch(value) is not None
+
+
+def current_request() -> RequestContext | None:
+    return _current.get()
+
+
+def bind_request(context: RequestContext) -> None:
+    """Make `context` the current request for this task (asyncio copies contextvars per task)."""
+    _current.set(context)

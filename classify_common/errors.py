@@ -1,0 +1,209 @@
+"""The one error taxonomy of both layers, and the one table that maps it to gRPC.
+
+    ServiceError
+    ├── ClientError               the request is wrong; never retried
+    │   ├── InvalidRequest        INVALID_ARGUMENT, one FieldViolation per broken rule
+    │   └── NotFound              NOT_FOUND
+    │       ├── ModelNotFound
+    │       └── ResultNotFound
+    ├── MethodNotServed           UNIMPLEMENTED: ask the other layer
+    ├── ModelError                the model could not answer; eligible for fallback
+    │   ├── ModelNotReady         UNAVAILABLE: loading or warming up
+    │   └── ModelUnavailable      UNAVAILABLE: the capability server is unreachable
+    ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
+    ├── DeadlineExpired           DEADLINE_EXCEEDED
+    ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
+    └── InternalError             INTERNAL: a bug
+
+Each error knows its machine-readable `reason` (sent as google.rpc.ErrorInfo)
+and the rich details that go with its status. Code that catches a lower-layer
+exception re-raises one of these with `raise ... from exc`; the server
+interceptor turns them into statuses (see `status_for`), so no handler picks a
+status code itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+
+ERROR_DOMAIN = "classify.ai"
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One broken validation rule: where, which rule, and what is wrong."""
+
+    field: str
+    rule: str
+    message: str
+
+
+class ServiceError(Exception):
+    """Base of every error a client may see."""
+
+    reason = "SERVICE_ERROR"
+
+    def __init__(self, message: str, **context: object) -> None:
+        super().__init__(message)
+        self.message = message
+        # Sent to the client as ErrorInfo metadata; keep values short.
+        self.context = {key: str(value) for key, value in context.items()}
+
+    def details(self) -> list[Message]:
+        """Rich status details (google.rpc.*) that go with this error."""
+        return [
+            error_details_pb2.ErrorInfo(
+                reason=self.reason, domain=ERROR_DOMAIN, metadata=self.context
+            )
+        ]
+
+
+class ClientError(ServiceError):
+    """The request itself is wrong; retrying it unchanged cannot help."""
+
+    reason = "CLIENT_ERROR"
+
+
+class InvalidRequest(ClientError):
+    """The request broke one or more validation rules."""
+
+    reason = "INVALID_REQUEST"
+
+    def __init__(self, violations: Sequence[FieldViolation]) -> None:
+        fields = ", ".join(f"{v.field}: {v.message}" for v in violations)
+        super().__init__(f"invalid request: {fields}", violations=len(violations))
+        self.violations = tuple(violations)
+
+    def details(self) -> list[Message]:
+        bad_request = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, reason=v.rule, description=v.message
+                )
+                for v in self.violations
+            ]
+        )
+        return [*super().details(), bad_request]
+
+
+class NotFound(ClientError):
+    """The named thing does not exist here."""
+
+    reason = "NOT_FOUND"
+
+
+class ModelNotFound(NotFound):
+    """No model of that name is held by this server."""
+
+    reason = "MODEL_NOT_FOUND"
+
+
+class ResultNotFound(NotFound):
+    """No stored result has that request ID, or it has expired."""
+
+    reason = "RESULT_NOT_FOUND"
+
+
+class MethodNotServed(ServiceError):
+    """This layer does not serve that RPC (e.g. GetResult on a capability server)."""
+
+    reason = "METHOD_NOT_SERVED"
+
+
+class ModelError(ServiceError):
+    """The model could not answer; another model may (fallback-eligible)."""
+
+    reason = "MODEL_ERROR"
+
+
+class ModelNotReady(ModelError):
+    """The model is loading or warming up and cannot serve yet."""
+
+    reason = "MODEL_NOT_READY"
+
+
+class ModelUnavailable(ModelError):
+    """The capability server holding the model could not be reached."""
+
+    reason = "MODEL_UNAVAILABLE"
+
+
+class Overloaded(ServiceError):
+    """Too much work queued; try again after `retry_after_seconds`."""
+
+    reason = "OVERLOADED"
+
+    def __init__(self, message: str, *, retry_after_seconds: float, **context: object) -> None:
+        super().__init__(message, **context)
+        self.retry_after_seconds = retry_after_seconds
+
+    def details(self) -> list[Message]:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
+        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
+
+
+class DeadlineExpired(ServiceError):
+    """The request's deadline passed before an answer was ready."""
+
+    reason = "DEADLINE_EXPIRED"
+
+
+class ReloadRefused(ServiceError):
+    """A model reload failed its checks; the previous version keeps serving."""
+
+    reason = "RELOAD_REFUSED"
+
+
+class InternalError(ServiceError):
+    """Something broke that is not the caller's fault: a bug to report."""
+
+    reason = "INTERNAL"
+
+
+# The one table from error class to status code. Looked up along the class's
+# MRO, so a subclass inherits its parent's code unless listed itself.
+GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    ClientError: grpc.StatusCode.INVALID_ARGUMENT,
+    MethodNotServed: grpc.StatusCode.UNIMPLEMENTED,
+    ModelError: grpc.StatusCode.UNAVAILABLE,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ReloadRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    InternalError: grpc.StatusCode.INTERNAL,
+    ServiceError: grpc.StatusCode.INTERNAL,
+}
+
+# Status codes that mean "the model could not answer": a route may try its
+# fallback backends. Client errors never qualify.
+FALLBACK_ELIGIBLE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+
+
+def grpc_code_for(error: ServiceError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        code = GRPC_CODE_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        if code is not None:
+            return code
+    raise AssertionError(f"{type(error).__name__} is not a ServiceError")
+
+
+def status_for(error: ServiceError) -> status_pb2.Status:
+    """The google.rpc.Status (code, message, details) that a client receives."""
+    details = []
+    for detail in error.details():
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        details.append(packed)
+    return status_pb2.Status(
+        code=grpc_code_for(error).value[0], message=error.message, details=details
+    )

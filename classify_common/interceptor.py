@@ -1,0 +1,132 @@
+"""The request lifecycle every contract RPC goes through, as one server interceptor.
+
+For each call to an `ai.classify.v1` method it
+1. continues the caller's trace (W3C traceparent) in a server span,
+2. binds the request ID (the request's own `request_id`, else `x-request-id`
+   metadata, else a new one) and the trace ID to the request context,
+3. validates the request against the contract's protovalidate rules, so an
+   invalid request never reaches a handler, let alone a model,
+4. maps any ServiceError to its status (errors.status_for) with rich details,
+   and any other exception to INTERNAL,
+5. sends `x-request-id` and `x-trace-id` as trailing metadata, on every
+   outcome, and counts the call.
+Handlers therefore only convert messages and call the domain layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from classify_common.context import (
+    REQUEST_ID_HEADER,
+    TRACE_ID_HEADER,
+    RequestContext,
+    bind_request,
+    is_valid_request_id,
+    new_request_id,
+)
+from classify_common.errors import InternalError, ServiceError, grpc_code_for, status_for
+from classify_common.metrics import RpcMetrics
+from classify_common.tracing import extract_context, format_trace_id, get_tracer
+from classify_common.validation import validate_request
+
+CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+log = logging.getLogger(__name__)
+
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+
+
+def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    own = getattr(request, "request_id", "")
+    if isinstance(own, str) and is_valid_request_id(own):
+        return own
+    for key, value in metadata:
+        if key == REQUEST_ID_HEADER and isinstance(value, str) and is_valid_request_id(value):
+            return value
+    return new_request_id()
+
+
+class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: RpcMetrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if (
+            handler is None
+            or handler.unary_unary is None
+            or not method.startswith(CONTRACT_METHOD_PREFIX)
+        ):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap(method, handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
+        async def run_lifecycle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            started = time.perf_counter()
+            metadata = tuple(context.invocation_metadata() or ())
+            code = grpc.StatusCode.OK
+            with get_tracer().start_as_current_span(
+                method.lstrip("/"),
+                context=extract_context(metadata),
+                kind=SpanKind.SERVER,
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
+                ids = RequestContext(choose_request_id(request, metadata), format_trace_id(span))
+                bind_request(ids)
+                trailers = ((REQUEST_ID_HEADER, ids.request_id), (TRACE_ID_HEADER, ids.trace_id))
+                try:
+                    validate_request(request)
+                    response = await behavior(request, context)
+                except ServiceError as error:
+                    code = grpc_code_for(error)
+                    await self._abort(context, span, error, trailers)
+                except Exception as exc:
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    code = grpc.StatusCode.INTERNAL
+                    log.exception("unhandled error in %s", method)
+                    error = InternalError(f"internal error ({type(exc).__name__})")
+                    await self._abort(context, span, error, trailers)
+                finally:
+                    self._metrics.observe(method, code.name, time.perf_counter() - started)
+                context.set_trailing_metadata(trailers)
+                return response
+
+        return run_lifecycle
+
+    @staticmethod
+    async def _abort(
+        context: grpc.aio.ServicerContext[Any, Any],
+        span: trace.Span,
+        error: ServiceError,
+        trailers: tuple[tuple[str, str], ...],
+    ) -> None:
+        status = status_for(error)
+        code = grpc_code_for(error)
+        span.set_status(Status(StatusCode.ERROR, error.message))
+        span.set_attribute("rpc.grpc.status_code", status.code)
+        log.info("request failed", extra={"code": code.name, "reason": error.reason})
+        await context.abort(
+            code,
+            error.message,
+            trailing_metadata=(*trailers, (STATUS_DETAILS_KEY, status.SerializeToString())),
+        )

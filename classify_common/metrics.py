@@ -1,0 +1,52 @@
+"""Prometheus metrics every gRPC server of ours exports, and the /metrics endpoint.
+
+Metric names are module constants; each server owns its CollectorRegistry
+(tests make a fresh one per server, so deltas are exact).
+"""
+
+from __future__ import annotations
+
+from http.server import HTTPServer
+from threading import Thread
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+RPC_REQUESTS_TOTAL = "classify_rpc_requests_total"
+RPC_DURATION_SECONDS = "classify_rpc_duration_seconds"
+
+
+class RpcMetrics:
+    """Requests by method and final status code, and their latency."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            RPC_REQUESTS_TOTAL,
+            "RPCs handled, by full method name and gRPC status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            RPC_DURATION_SECONDS,
+            "Time from receiving an RPC to its answer, in seconds.",
+            ["method", "code"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self.requests.labels(method, code).inc()
+        self.duration.labels(method, code).observe(seconds)
+
+
+class MetricsEndpoint:
+    """An HTTP /metrics endpoint on its own thread; port 0 picks a free port."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server: HTTPServer
+        self._thread: Thread
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,101 @@
+"""What every gRPC server of ours has: the lifecycle interceptor, health, reflection,
+a /metrics endpoint, and a graceful stop.
+
+Health starts NOT_SERVING for every service and turns SERVING only when the
+owner calls `set_serving(True)` (after warm-up); on stop it turns NOT_SERVING
+first, so load balancers drain the server before in-flight calls are cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from classify_common.interceptor import RequestLifecycleInterceptor
+from classify_common.metrics import MetricsEndpoint, RpcMetrics
+
+log = logging.getLogger(__name__)
+
+# Keepalive pings from clients every 10 s are fine (orchestrator channels use
+# them); without this, the server's default policy answers GOAWAY.
+SERVER_OPTIONS: Sequence[tuple[str, int]] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+)
+METRICS_DISABLED = -1
+
+
+class GrpcServing:
+    def __init__(
+        self,
+        *,
+        service_names: Sequence[str],
+        host: str,
+        port: int,
+        metrics_port: int,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.service_names = tuple(service_names)
+        self.registry = registry
+        self._address = f"{host}:{port}"
+        self._metrics_host = host
+        self._metrics_port = metrics_port
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self.server = grpc.aio.server(
+            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry))],
+            options=SERVER_OPTIONS,
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = 0
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        self.port = self.server.add_insecure_port(self._address)
+        if self.port == 0:
+            raise OSError(f"could not bind {self._address}")
+        await self.server.start()
+        if self._metrics_port != METRICS_DISABLED:
+            self._metrics_endpoint = MetricsEndpoint(
+                self.registry, self._metrics_host, self._metrics_port
+            )
+            self.metrics_port = self._metrics_endpoint.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        # "" is the whole server, as the standard health protocol defines it.
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_seconds: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_seconds)
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
+            self._metrics_endpoint = None
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return on SIGINT or SIGTERM (Ctrl-C, `docker stop`, Kubernetes)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutdown signal received")
