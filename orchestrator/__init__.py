@@ -1,0 +1,1 @@
+"""Orchestration layer: the public front door (see server.py for the wiring)."""

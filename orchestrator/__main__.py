@@ -1,0 +1,3 @@
+from orchestrator.server import main
+
+main()

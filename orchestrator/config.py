@@ -1,0 +1,68 @@
+"""Orchestrator settings: flags override environment variables override defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from classify_common.settings import SettingsError, add_setting, check_port
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9101
+DEFAULT_ROUTES_FILE = Path("routes.yaml")
+DEFAULT_GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    # Interface to bind; containers set 0.0.0.0.
+    host: str = DEFAULT_HOST
+    # Public gRPC port, 0..65535; 0 picks a free port (logged in the "serving" line).
+    port: int = DEFAULT_PORT
+    # Prometheus /metrics port, 0..65535; 0 picks a free one, -1 disables it.
+    metrics_port: int = DEFAULT_METRICS_PORT
+    # The route table (see routes.yaml for its format).
+    routes_file: Path = DEFAULT_ROUTES_FILE
+    # Seconds in-flight calls get to finish on SIGTERM, 0..300.
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        check_port(self.port, "--port", "ORCHESTRATOR_PORT")
+        check_port(
+            self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
+        )
+        if not 0 <= self.grace_seconds <= 300:
+            raise SettingsError(
+                f"--grace-seconds / ORCHESTRATOR_GRACE_SECONDS: {self.grace_seconds} is outside 0..300"
+            )
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ
+    ) -> OrchestratorSettings:
+        parser = argparse.ArgumentParser(
+            prog="python -m orchestrator", description="Public front door of the classify service."
+        )
+        add_setting(parser, "--host", "ORCHESTRATOR_HOST", DEFAULT_HOST, "interface to bind", environ)
+        add_setting(
+            parser, "--port", "ORCHESTRATOR_PORT", DEFAULT_PORT, "gRPC port (0: any free)", environ, int
+        )
+        add_setting(
+            parser, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", DEFAULT_METRICS_PORT,
+            "Prometheus port (0: any free, -1: off)", environ, int,
+        )
+        add_setting(
+            parser, "--routes-file", "ORCHESTRATOR_ROUTES_FILE", DEFAULT_ROUTES_FILE,
+            "routes.yaml to load", environ, Path,
+        )
+        add_setting(
+            parser, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS", DEFAULT_GRACE_SECONDS,
+            "drain time on shutdown", environ, float,
+        )
+        add_setting(parser, "--log-level", "ORCHESTRATOR_LOG_LEVEL", "INFO", "log level", environ)
+        return cls(**vars(parser.parse_args(argv)))

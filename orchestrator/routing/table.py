@@ -1,0 +1,152 @@
+"""Load routes.yaml into validated, immutable values.
+
+Every error names where in the file the bad value sits
+(`backends.topic-minilm.timeout: ...`), unknown keys are errors, and every
+backend a route names must exist, so a typo fails at load, not at the first
+request that needs it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SUPPORTED_VERSION = 1
+MIN_TIMEOUT_SECONDS = 0.001
+MAX_TIMEOUT_SECONDS = 60.0
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
+_TARGET = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$")
+
+
+class RoutesFileError(ValueError):
+    """routes.yaml is malformed; the message starts with the path of the bad value."""
+
+    def __init__(self, where: str, problem: str, *, file: str = "") -> None:
+        location = ": ".join(part for part in (file, where) if part)
+        super().__init__(f"{location}: {problem}" if location else problem)
+        self.where = where
+        self.problem = problem
+        self.file = file
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    model: str
+    targets: tuple[str, ...]
+    timeout_seconds: float
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    backend: Backend
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    backends: Mapping[str, Backend]
+    routes: tuple[Route, ...]
+
+    @property
+    def default_route(self) -> Route:
+        return self.routes[-1]
+
+    def select(self) -> Route:
+        # Only the default route exists until routes gain `match` rules.
+        return self.default_route
+
+
+def _mapping(value: Any, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RoutesFileError(where, f"expected a mapping, got {type(value).__name__}")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise RoutesFileError(
+            f"{where}.{unknown[0]}" if where else unknown[0],
+            f"unknown key (allowed: {', '.join(sorted(allowed))})",
+        )
+    missing = sorted(required - set(value))
+    if missing:
+        raise RoutesFileError(where, f"missing required key {missing[0]!r}")
+    return value
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise RoutesFileError(
+            where, f"{value!r} is not a name (lowercase letters, digits, '.', '_', '-')"
+        )
+    return value
+
+
+def parse_duration(value: Any, where: str) -> float:
+    """'250ms' or '2s' (or '1.5s') to seconds, within the allowed range."""
+    match = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise RoutesFileError(where, f"{value!r} is not a duration like 500ms or 2s")
+    seconds = float(match[1]) / (1000 if match[2] == "ms" else 1)
+    if not MIN_TIMEOUT_SECONDS <= seconds <= MAX_TIMEOUT_SECONDS:
+        raise RoutesFileError(where, f"{value} is outside 1ms..60s")
+    return seconds
+
+
+def _backend(name: str, spec: Any) -> Backend:
+    where = f"backends.{name}"
+    spec = _mapping(spec, where, {"model", "targets", "timeout"}, {"model", "targets"})
+    targets = spec["targets"]
+    if not isinstance(targets, list) or not targets:
+        raise RoutesFileError(f"{where}.targets", "expected a non-empty list of host:port")
+    for index, target in enumerate(targets):
+        if not isinstance(target, str) or not _TARGET.fullmatch(target):
+            raise RoutesFileError(f"{where}.targets[{index}]", f"{target!r} is not host:port")
+    return Backend(
+        name=_name(name, where),
+        model=_name(spec["model"], f"{where}.model"),
+        targets=tuple(targets),
+        timeout_seconds=parse_duration(spec.get("timeout", "5s"), f"{where}.timeout"),
+    )
+
+
+def parse_routes(document: Any) -> RouteTable:
+    top = _mapping(document, "", {"version", "backends", "routes"}, {"version", "backends", "routes"})
+    if top["version"] != SUPPORTED_VERSION:
+        raise RoutesFileError("version", f"{top['version']!r} is not supported (expected 1)")
+    if not isinstance(top["backends"], dict) or not top["backends"]:
+        raise RoutesFileError("backends", "expected a non-empty mapping of name to backend")
+    backends = {name: _backend(name, spec) for name, spec in top["backends"].items()}
+    if not isinstance(top["routes"], list) or not top["routes"]:
+        raise RoutesFileError("routes", "expected a non-empty list of routes")
+    routes: list[Route] = []
+    seen: set[str] = set()
+    for index, spec in enumerate(top["routes"]):
+        where = f"routes[{index}]"
+        spec = _mapping(spec, where, {"name", "backend"}, {"name", "backend"})
+        name = _name(spec["name"], f"{where}.name")
+        if name in seen:
+            raise RoutesFileError(f"{where}.name", f"duplicate route name {name!r}")
+        seen.add(name)
+        backend = backends.get(spec["backend"])
+        if backend is None:
+            raise RoutesFileError(f"{where}.backend", f"unknown backend {spec['backend']!r}")
+        routes.append(Route(name=name, backend=backend))
+    return RouteTable(backends=backends, routes=tuple(routes))
+
+
+def load_routes(path: Path) -> RouteTable:
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RoutesFileError("", f"cannot read: {exc.strerror}", file=str(path)) from exc
+    except yaml.YAMLError as exc:
+        raise RoutesFileError("", f"not valid YAML: {exc}", file=str(path)) from exc
+    try:
+        return parse_routes(document)
+    except RoutesFileError as exc:
+        raise RoutesFileError(exc.where, exc.problem, file=str(path)) from None

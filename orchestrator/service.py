@@ -1,0 +1,37 @@
+"""Thin servicer for the public ClassifyService.
+
+Validation, request IDs, tracing and error statuses happen around these
+methods in classify_common.interceptor; routing and upstream calls in Dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from classify_common.context import current_request
+from classify_common.errors import ResultNotFound
+from orchestrator.dispatch import Dispatcher
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
+        ids = current_request()
+        assert ids is not None, "the lifecycle interceptor binds every contract call"
+        return await self._dispatcher.classify(request, ids, context.time_remaining())
+
+    async def GetResult(self, request: pb.GetResultRequest, context: Context) -> pb.ClassifyResponse:
+        # No result outlives its route's budget yet (every answer is DONE), so
+        # there is nothing to poll; the result store arrives with time budgets.
+        raise ResultNotFound(
+            f"no result is stored for request {request.request_id!r}",
+            request_id=request.request_id,
+        )

@@ -1,0 +1,75 @@
+"""Translate a capability server's failure into our error taxonomy.
+
+The orchestrator never forwards a raw upstream status: each code becomes the
+ServiceError that means the same thing one layer up, so the client sees one
+consistent set of codes and the request/trace IDs of the orchestrator.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from classify_common.errors import (
+    DeadlineExpired,
+    FieldViolation,
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    ModelUnavailable,
+    Overloaded,
+    ServiceError,
+)
+
+# When an overloaded server sends no RetryInfo, clients wait this long.
+DEFAULT_RETRY_AFTER_SECONDS = 1.0
+
+
+def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    if status is None:
+        return []
+    unpacked: list[object] = []
+    for packed in status.details:
+        for kind in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if packed.Is(kind.DESCRIPTOR):
+                message = kind()
+                packed.Unpack(message)
+                unpacked.append(message)
+    return unpacked
+
+
+def translate_upstream_error(error: grpc.aio.AioRpcError, backend: str, target: str) -> ServiceError:
+    code = error.code()
+    where = {"backend": backend, "target": target, "upstream_code": code.name}
+    details = _upstream_details(error)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        violations = [
+            FieldViolation(field=v.field, rule=v.reason, message=v.description)
+            for detail in details
+            if isinstance(detail, error_details_pb2.BadRequest)
+            for v in detail.field_violations
+        ]
+        if violations:
+            return InvalidRequest(violations)
+        return InternalError(f"backend {backend} rejected the request: {error.details()}", **where)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_after = next(
+            (
+                d.retry_delay.ToTimedelta().total_seconds()
+                for d in details
+                if isinstance(d, error_details_pb2.RetryInfo)
+            ),
+            DEFAULT_RETRY_AFTER_SECONDS,
+        )
+        return Overloaded(
+            f"backend {backend} is overloaded", retry_after_seconds=retry_after, **where
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExpired(f"backend {backend} did not answer in time", **where)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ModelNotFound(f"backend {backend}: {error.details()}", **where)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return ModelUnavailable(f"backend {backend} is unavailable: {error.details()}", **where)
+    return InternalError(f"backend {backend} failed with {code.name}: {error.details()}", **where)

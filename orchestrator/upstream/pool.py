@@ -1,0 +1,87 @@
+"""One grpc.aio channel per capability replica, and the call that carries a deadline.
+
+A call's timeout is the smaller of the backend's timeout and the caller's
+remaining deadline minus a safety margin, so the capability server sees a
+deadline that still leaves the orchestrator time to answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+
+import grpc
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from classify_common.context import REQUEST_ID_HEADER
+from classify_common.errors import DeadlineExpired
+from classify_common.tracing import inject_context
+from orchestrator.routing import Backend
+from orchestrator.upstream.errors import translate_upstream_error
+
+# Time kept back from the caller's deadline for the orchestrator's own work
+# (answering, serialising) after the capability call returns.
+DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
+
+CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+)
+
+
+def call_timeout(backend_timeout: float, client_remaining: float | None) -> float:
+    """Seconds the upstream call may take, or DeadlineExpired when none are left."""
+    timeout = backend_timeout
+    if client_remaining is not None:
+        timeout = min(timeout, client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS)
+    if timeout <= 0:
+        raise DeadlineExpired("the deadline passed before the backend could be called")
+    return timeout
+
+
+class BackendPool:
+    """The replicas of one backend, taken in turn."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._channels = {
+            target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
+        }
+        self._next: Iterator[tuple[str, pb_grpc.ClassifyServiceStub]] = itertools.cycle(
+            [(target, pb_grpc.ClassifyServiceStub(ch)) for target, ch in self._channels.items()]
+        )
+
+    async def classify(
+        self, request: pb.ClassifyRequest, *, request_id: str, client_remaining: float | None
+    ) -> pb.ClassifyResponse:
+        timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+        target, stub = next(self._next)
+        metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id))
+        try:
+            response: pb.ClassifyResponse = await stub.Classify(
+                request, timeout=timeout, metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise translate_upstream_error(exc, self.backend.name, target) from exc
+        return response
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class UpstreamPools:
+    """A BackendPool for every backend in the route table."""
+
+    def __init__(self, backends: Mapping[str, Backend]) -> None:
+        self._pools = {name: BackendPool(backend) for name, backend in backends.items()}
+
+    def pool(self, backend: Backend) -> BackendPool:
+        return self._pools[backend.name]
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            await pool.close()

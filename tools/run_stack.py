@@ -1,0 +1,91 @@
+"""`make run`: start a capability server and the orchestrator in the foreground.
+
+The capability server starts first; the orchestrator starts once the model
+reports SERVING through gRPC health. Ctrl-C (or SIGTERM) stops both: each
+drains its in-flight calls, and this script waits for them to exit.
+Ports and paths come from the same environment variables the servers read
+(CAPABILITY_PORT, ORCHESTRATOR_PORT, ORCHESTRATOR_ROUTES_FILE, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY_TIMEOUT_SECONDS = 120.0
+STOP_TIMEOUT_SECONDS = 20.0
+EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
+
+
+def wait_until_serving(name: str, process: subprocess.Popen[bytes], target: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with code {process.returncode} before serving")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise SystemExit(f"{name} did not report SERVING within {READY_TIMEOUT_SECONDS:.0f}s")
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> int:
+    capability_port = os.environ.get("CAPABILITY_PORT", "50052")
+    orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", "50051")
+    python = sys.executable
+    processes: list[subprocess.Popen[bytes]] = []
+    # Children run in their own sessions, out of reach of the terminal's
+    # Ctrl-C; this script turns Ctrl-C or SIGTERM into one orderly SIGTERM each.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        print(f"starting capability server on :{capability_port} (loading the model)...")
+        capability = subprocess.Popen([python, "-m", "capability"], start_new_session=True)
+        processes.append(capability)
+        wait_until_serving("capability", capability, f"127.0.0.1:{capability_port}")
+        orchestrator = subprocess.Popen([python, "-m", "orchestrator"], start_new_session=True)
+        processes.append(orchestrator)
+        wait_until_serving("orchestrator", orchestrator, f"127.0.0.1:{orchestrator_port}")
+        print(
+            "\nReady. In another terminal:\n"
+            f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
+            f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_TEXT}\"}}' "
+            f"127.0.0.1:{orchestrator_port} ai.classify.v1.ClassifyService/Classify\n"
+            "Ctrl-C stops both servers.\n",
+            flush=True,
+        )
+        while all(process.poll() is None for process in processes):
+            time.sleep(0.5)
+        failed = next(process for process in processes if process.poll() is not None)
+        print(f"a server exited with code {failed.returncode}; stopping the other", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        return 0
+    finally:
+        stop(processes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
