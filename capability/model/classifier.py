@@ -1,0 +1,274 @@
+"""The classifier the servers call: tokenizer + encoder + zero-shot head, and its loader."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from capability.model.encoder import EncoderConfig, SentenceEncoder
+from capability.model.errors import ModelLoadError
+from capability.model.tokenizer import TextTokenizer, TokenBatch
+from capability.model.zero_shot import (
+    DEFAULT_LABELS,
+    LabelSpec,
+    ZeroShotHead,
+    label_prototype_text,
+)
+
+
+@dataclass(frozen=True)
+class ClassifyBatchResult:
+    """What one `classify` call found, one entry per input text, in input order."""
+
+    probabilities: Tensor  # (B, L) float32 on the CPU; columns follow `TextClassifier.labels`
+    token_counts: tuple[int, ...]  # tokens the model saw per text, [CLS]/[SEP] included
+    truncated: tuple[bool, ...]  # whether the text was cut to fit the token budget
+
+
+class TextClassifier:
+    """Classifies texts into `labels`; owns the model and the device it runs on.
+
+    Not thread-safe: callers serialise `classify` calls (the model would not run faster
+    concurrently, and `forward_count` is a plain integer).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: TextTokenizer,
+        encoder: SentenceEncoder,
+        head: ZeroShotHead,
+        labels: Sequence[LabelSpec],
+        max_seq_length: int,
+        device: torch.device,
+    ) -> None:
+        if len(labels) != head.prototypes.shape[0]:
+            raise ValueError(f"{len(labels)} labels but {head.prototypes.shape[0]} prototypes")
+        if not 2 <= max_seq_length <= encoder.config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_length {max_seq_length} must be within "
+                f"[2, {encoder.config.max_position_embeddings}]"
+            )
+        self.tokenizer = tokenizer
+        self.encoder = encoder.eval()
+        self.head = head.eval()
+        self.labels: tuple[LabelSpec, ...] = tuple(labels)
+        # The longest input the model was trained for; callers may ask for less, never more.
+        self.max_seq_length = max_seq_length
+        self.device = device
+        # Model forward passes so far, warm-up included; exported as a metric, and how
+        # tests prove a rejected request never reached the model.
+        self.forward_count = 0
+
+    def token_budget(self, max_length: int | None) -> int:
+        """Tokens per text a call may use: the caller's limit, capped by the model's own."""
+        if max_length is None:
+            return self.max_seq_length
+        return min(max_length, self.max_seq_length)
+
+    @torch.inference_mode()
+    def classify(self, texts: Sequence[str], max_length: int | None = None) -> ClassifyBatchResult:
+        """Label probabilities for each text, truncated to `token_budget(max_length)` tokens."""
+        batch = self.tokenizer.encode(texts, self.token_budget(max_length))
+        embeddings = self._embed_batch(batch)  # (B, H)
+        probabilities: Tensor = self.head(embeddings)  # (B, L)
+        return ClassifyBatchResult(
+            probabilities=probabilities.float().cpu(),
+            token_counts=batch.lengths,
+            truncated=batch.truncated,
+        )
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str], max_length: int | None = None) -> Tensor:
+        """Unit-length sentence embeddings (B, H), on the model's device."""
+        return self._embed_batch(self.tokenizer.encode(texts, self.token_budget(max_length)))
+
+    def warm_up(self) -> None:
+        """Run one small batch so first-request latency excludes allocator and kernel setup."""
+        self.classify(["warm-up text for the classifier", "a second, longer warm-up text " * 4])
+
+    def _embed_batch(self, batch: TokenBatch) -> Tensor:
+        # An empty request has nothing to run; answering without a forward keeps
+        # `forward_count` equal to the passes the model really made.
+        if not batch.lengths:
+            return torch.empty((0, self.encoder.config.hidden_size), device=self.device)
+        input_ids = batch.input_ids.to(self.device, non_blocking=True)  # (B, T)
+        attention_mask = batch.attention_mask.to(self.device, non_blocking=True)  # (B, T)
+        self.forward_count += 1
+        embeddings: Tensor = self.encoder(input_ids, attention_mask)  # (B, H)
+        return embeddings
+
+
+# Checkpoint tensors the model deliberately does not use. Anything else the model lacks
+# is an error, so a checkpoint of some other architecture cannot half-load.
+_UNUSED_CHECKPOINT_KEYS = frozenset(
+    {
+        # BERT's [CLS] pooler (dense + tanh) for next-sentence prediction; sentence
+        # embeddings here mean-pool the token vectors instead.
+        "pooler.dense.weight",
+        "pooler.dense.bias",
+        # A saved arange(512); positions are computed on the fly, so the buffer is redundant.
+        "embeddings.position_ids",
+    }
+)
+
+
+def load_minilm_classifier(
+    model_dir: Path,
+    device: torch.device | str = "cpu",
+    labels: Sequence[LabelSpec] = DEFAULT_LABELS,
+) -> TextClassifier:
+    """Build a ready classifier from a sentence-transformers MiniLM folder, on `device`.
+
+    Reads `config.json`, `sentence_bert_config.json`, `1_Pooling/config.json`,
+    `tokenizer.json` and `model.safetensors`; raises `ModelLoadError` naming the file
+    when one is missing or does not describe a model this package implements.
+    """
+    model_dir = Path(model_dir)
+    target = torch.device(device)
+    if not labels:
+        raise ValueError("a classifier needs at least one label")
+
+    bert_config = _read_json_object(model_dir / "config.json")
+    try:
+        config = EncoderConfig.from_bert_config(bert_config)
+    except ValueError as exc:
+        raise ModelLoadError(f"config.json: {exc}") from exc
+
+    st_config = _read_json_object(model_dir / "sentence_bert_config.json")
+    max_seq_length = st_config.get("max_seq_length")
+    if (
+        not isinstance(max_seq_length, int)
+        or isinstance(max_seq_length, bool)
+        or not 2 <= max_seq_length <= config.max_position_embeddings
+    ):
+        raise ModelLoadError(
+            f"sentence_bert_config.json: max_seq_length must be an integer in "
+            f"[2, {config.max_position_embeddings}], got {max_seq_length!r}"
+        )
+    lowercase = st_config.get("do_lower_case", False)
+    if not isinstance(lowercase, bool):
+        raise ModelLoadError(
+            f"sentence_bert_config.json: do_lower_case must be true or false, got {lowercase!r}"
+        )
+
+    _require_mean_pooling(model_dir / "1_Pooling" / "config.json", config.hidden_size)
+    tokenizer = _load_tokenizer(model_dir / "tokenizer.json", lowercase, config)
+
+    with target:
+        # Built directly on the target device so weights never take a detour through
+        # host memory; the random initialisation is overwritten by the checkpoint below.
+        encoder = SentenceEncoder(config)
+    _load_weights(encoder, model_dir / "model.safetensors", target)
+    encoder.eval()
+
+    label_texts = [label_prototype_text(label) for label in labels]
+    with torch.inference_mode():
+        batch = tokenizer.encode(label_texts, max_seq_length)
+        prototypes: Tensor = encoder(
+            batch.input_ids.to(target), batch.attention_mask.to(target)
+        )  # (L, H)
+    # Cloned out of inference mode so the buffer is an ordinary tensor that later
+    # `.to()` calls or state-dict loads may touch.
+    head = ZeroShotHead(prototypes.clone())
+    return TextClassifier(
+        tokenizer=tokenizer,
+        encoder=encoder,
+        head=head.eval(),
+        labels=labels,
+        max_seq_length=max_seq_length,
+        device=target,
+    )
+
+
+def _read_json_object(path: Path) -> dict[str, object]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path.name}: not found in {path.parent}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"{path.name}: cannot be read: {exc}") from exc
+    try:
+        parsed: object = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path.name}: not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ModelLoadError(f"{path.name}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _require_mean_pooling(path: Path, hidden_size: int) -> None:
+    pooling = _read_json_object(path)
+    modes = {key: value for key, value in pooling.items() if key.startswith("pooling_mode_")}
+    enabled = sorted(key for key, value in modes.items() if value is True)
+    if enabled != ["pooling_mode_mean_tokens"]:
+        raise ModelLoadError(
+            f"1_Pooling/{path.name}: only mean pooling is implemented, but the enabled "
+            f"pooling modes are {enabled or 'none'}"
+        )
+    dimension = pooling.get("word_embedding_dimension", hidden_size)
+    if dimension != hidden_size:
+        raise ModelLoadError(
+            f"1_Pooling/{path.name}: word_embedding_dimension {dimension!r} does not match "
+            f"hidden_size {hidden_size} in config.json"
+        )
+
+
+def _load_tokenizer(path: Path, lowercase: bool, config: EncoderConfig) -> TextTokenizer:
+    if not path.is_file():
+        raise ModelLoadError(f"{path.name}: not found in {path.parent}")
+    try:
+        tokenizer = TextTokenizer.from_file(path, lowercase=lowercase)
+    except Exception as exc:  # the Rust tokenizer raises bare Exception on a bad file
+        raise ModelLoadError(f"{path.name}: cannot be loaded: {exc}") from exc
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"{path.name}: {tokenizer.vocab_size} tokens do not fit the "
+            f"{config.vocab_size}-row embedding table in config.json"
+        )
+    return tokenizer
+
+
+def _load_weights(encoder: SentenceEncoder, path: Path, device: torch.device) -> None:
+    if not path.is_file():
+        raise ModelLoadError(f"{path.name}: not found in {path.parent}")
+    try:
+        # safetensors holds raw tensors only, so loading cannot execute code (unlike pickle).
+        checkpoint = load_file(path, device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ModelLoadError(f"{path.name}: cannot be read: {exc}") from exc
+
+    weights = {k: v for k, v in checkpoint.items() if k not in _UNUSED_CHECKPOINT_KEYS}
+    _check_weights_fit(encoder.state_dict(), weights, path.name)
+    encoder.load_state_dict(weights, strict=True)
+
+
+def _check_weights_fit(
+    expected: Mapping[str, Tensor], weights: Mapping[str, Tensor], file_name: str
+) -> None:
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{file_name}: weights do not match the model; "
+            f"missing {_abbreviate(missing)}, unexpected {_abbreviate(unexpected)}"
+        )
+    mismatched = [
+        f"{key} {tuple(weights[key].shape)} != {tuple(expected[key].shape)}"
+        for key in sorted(expected)
+        if weights[key].shape != expected[key].shape
+    ]
+    if mismatched:
+        raise ModelLoadError(f"{file_name}: weight shapes do not match config.json: {mismatched}")
+
+
+def _abbreviate(keys: list[str], shown: int = 5) -> str:
+    if len(keys) <= shown:
+        return str(keys)
+    return f"{keys[:shown]} and {len(keys) - shown} more"

@@ -1,0 +1,105 @@
+"""Text -> padded token-id batches, the way the sentence-transformers reference does it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A right-padded batch of token ids ready for `SentenceEncoder`."""
+
+    input_ids: torch.Tensor  # (B, T) int64, [PAD] after each text's last real token
+    attention_mask: torch.Tensor  # (B, T) int64, 1 for real tokens, 0 for padding
+    lengths: tuple[int, ...]  # real tokens per text after truncation, [CLS]/[SEP] included
+    truncated: tuple[bool, ...]  # whether the text lost tokens to the budget
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of the batch's positions that are padding: compute spent on nothing."""
+        positions = self.input_ids.numel()
+        if positions == 0:
+            return 0.0
+        return 1.0 - sum(self.lengths) / positions
+
+
+class TextTokenizer:
+    """BERT WordPiece tokenization, truncated to a per-call budget, padded to the batch's longest.
+
+    The shipped `tokenizer.json` carries its own settings (truncate and pad everything to
+    128 tokens), which disagree with the reference pipeline (truncate at the model's
+    `max_seq_length`, pad to the longest text). Both are switched off at construction and
+    done here instead, per call, without mutating the shared Rust tokenizer, so one
+    instance can serve concurrent callers with different budgets.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, lowercase: bool, pad_token: str = "[PAD]") -> None:
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        pad_id = tokenizer.token_to_id(pad_token)
+        if pad_id is None:
+            raise ValueError(f"the vocabulary has no {pad_token!r} token")
+        # Truncation below keeps the first and the last special token of each encoding,
+        # which is only right for a one-before, one-after template like BERT's [CLS] A [SEP].
+        empty = tokenizer.encode("")
+        if empty.special_tokens_mask != [1, 1]:
+            raise ValueError(
+                "the post-processor must wrap a text in exactly one leading and one trailing "
+                f"special token; it turns an empty text into {empty.tokens}"
+            )
+        self._tokenizer = tokenizer
+        self._lowercase = lowercase
+        self.pad_token_id: int = pad_id
+        self.special_tokens_per_text = 2
+
+    @classmethod
+    def from_file(cls, path: Path, *, lowercase: bool) -> TextTokenizer:
+        """Load a `tokenizer.json`; `lowercase` is sentence-transformers' `do_lower_case`."""
+        return cls(Tokenizer.from_file(str(path)), lowercase=lowercase)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, texts: Sequence[str], max_length: int) -> TokenBatch:
+        """Tokenize `texts`, cutting each to `max_length` tokens including [CLS] and [SEP]."""
+        if max_length < self.special_tokens_per_text:
+            raise ValueError(
+                f"max_length {max_length} leaves no room for the "
+                f"{self.special_tokens_per_text} special tokens"
+            )
+        # The reference lowercases before tokenizing when do_lower_case is set; this
+        # tokenizer's normalizer lowercases too, so for MiniLM the flag changes nothing.
+        prepared = [text.lower() if self._lowercase else text for text in texts]
+        encodings = self._tokenizer.encode_batch(prepared, add_special_tokens=True)
+
+        rows: list[list[int]] = []
+        truncated: list[bool] = []
+        for encoding in encodings:
+            ids = encoding.ids
+            too_long = len(ids) > max_length
+            if too_long:
+                # Drop tokens from the end of the text but keep the closing [SEP], which is
+                # what the reference's longest-first truncation yields for a single text.
+                ids = [*ids[: max_length - 1], ids[-1]]
+            rows.append(ids)
+            truncated.append(too_long)
+
+        lengths = tuple(len(ids) for ids in rows)
+        width = max(lengths, default=0)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.int64)  # (B, T)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)  # (B, T)
+        for row, ids in enumerate(rows):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            attention_mask[row, : len(ids)] = 1
+        return TokenBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            lengths=lengths,
+            truncated=tuple(truncated),
+        )
