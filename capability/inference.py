@@ -132,8 +132,12 @@ class InferenceEngine:
         self._metrics.model_load_seconds.labels(model.name).set(model.load_seconds)
         log.info(
             "model ready",
-            extra={"model": model.name, "version": model.version, "device": str(self.device),
-                   "load_seconds": round(model.load_seconds, 3)},
+            extra={
+                "model": model.name,
+                "version": model.version,
+                "device": str(self.device),
+                "load_seconds": round(model.load_seconds, 3),
+            },
         )
         return model
 

@@ -9,8 +9,12 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from ai.classify.v1 import classify_service_pb2, classify_service_pb2_grpc, model_service_pb2
-from ai.classify.v1 import model_service_pb2_grpc
+from ai.classify.v1 import (
+    classify_service_pb2,
+    classify_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
 from capability.config import CapabilitySettings
 from capability.inference import InferenceEngine, resolve_device
 from capability.metrics import CapabilityMetrics
@@ -79,8 +83,12 @@ async def serve(settings: CapabilitySettings) -> None:
         await server.warm_up()
         log.info(
             "serving",
-            extra={"port": server.port, "metrics_port": server.serving.metrics_port,
-                   "model": settings.model_name, "device": str(server.engine.device)},
+            extra={
+                "port": server.port,
+                "metrics_port": server.serving.metrics_port,
+                "model": settings.model_name,
+                "device": str(server.engine.device),
+            },
         )
         await wait_for_shutdown_signal()
     finally:

@@ -48,7 +48,9 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             status=pb.RESULT_STATUS_DONE,
         )
 
-    async def GetResult(self, request: pb.GetResultRequest, context: Context) -> pb.ClassifyResponse:
+    async def GetResult(
+        self, request: pb.GetResultRequest, context: Context
+    ) -> pb.ClassifyResponse:
         # Results that outlive a time budget are kept by the orchestrator, not here.
         raise MethodNotServed(
             "GetResult is served by the orchestrator; capability servers keep no results",
@@ -65,7 +67,10 @@ def describe(model: ServedModel, device: str) -> model_pb.ModelInfo:
         name=model.name,
         version=model.version,
         state=model_pb.MODEL_STATE_READY,
-        labels=[model_pb.ModelLabel(name=l.name, description=l.description) for l in model.labels],
+        labels=[
+            model_pb.ModelLabel(name=label.name, description=label.description)
+            for label in model.labels
+        ],
         max_sequence_length=model.classifier.max_seq_length,
         devices=[device],
         source=str(model.source),

@@ -191,7 +191,7 @@ FALLBACK_ELIGIBLE_CODES = frozenset(
 
 def grpc_code_for(error: ServiceError) -> grpc.StatusCode:
     for cls in type(error).__mro__:
-        code = GRPC_CODE_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        code = GRPC_CODE_BY_ERROR.get(cls)
         if code is not None:
             return code
     raise AssertionError(f"{type(error).__name__} is not a ServiceError")

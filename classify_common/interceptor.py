@@ -9,7 +9,7 @@ For each call to an `ai.classify.v1` method it
 4. maps any ServiceError to its status (errors.status_for) with rich details,
    and any other exception to INTERNAL,
 5. sends `x-request-id` and `x-trace-id` as trailing metadata, on every
-   outcome, and counts the call.
+   outcome, counts the call and writes one access-log line for it.
 Handlers therefore only convert messages and call the domain layer.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from opentelemetry import trace
@@ -61,11 +61,13 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         if (
             handler is None
             or handler.unary_unary is None
@@ -73,7 +75,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         ):
             return handler
         return grpc.unary_unary_rpc_method_handler(
-            self._wrap(method, handler.unary_unary),
+            # On a grpc.aio server every behavior is a coroutine function.
+            self._wrap(method, cast(UnaryBehavior, handler.unary_unary)),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
@@ -104,10 +107,19 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                         raise
                     code = grpc.StatusCode.INTERNAL
                     log.exception("unhandled error in %s", method)
-                    error = InternalError(f"internal error ({type(exc).__name__})")
-                    await self._abort(context, span, error, trailers)
+                    internal = InternalError(f"internal error ({type(exc).__name__})")
+                    await self._abort(context, span, internal, trailers)
                 finally:
-                    self._metrics.observe(method, code.name, time.perf_counter() - started)
+                    elapsed = time.perf_counter() - started
+                    self._metrics.observe(method, code.name, elapsed)
+                    log.info(
+                        "rpc",
+                        extra={
+                            "method": method,
+                            "code": code.name,
+                            "duration_ms": round(elapsed * 1000, 2),
+                        },
+                    )
                 context.set_trailing_metadata(trailers)
                 return response
 
@@ -124,7 +136,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         code = grpc_code_for(error)
         span.set_status(Status(StatusCode.ERROR, error.message))
         span.set_attribute("rpc.grpc.status_code", status.code)
-        log.info("request failed", extra={"code": code.name, "reason": error.reason})
+        log.info("request failed", extra={"reason": error.reason, "error": error.message})
         await context.abort(
             code,
             error.message,

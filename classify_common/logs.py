@@ -32,9 +32,11 @@ class JsonFormatter(logging.Formatter):
         if request is not None:
             entry["request_id"] = request.request_id
             entry["trace_id"] = request.trace_id
-        for key, value in vars(record).items():
-            if key not in _STANDARD_RECORD_ATTRS and not key.startswith("_"):
-                entry[key] = value
+        entry.update(
+            (key, value)
+            for key, value in vars(record).items()
+            if key not in _STANDARD_RECORD_ATTRS and not key.startswith("_")
+        )
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

@@ -32,8 +32,15 @@ def add_setting(
     )
 
 
+def check_range(value: float, low: float, high: float, flag: str, env: str) -> None:
+    if not low <= value <= high:
+        raise SettingsError(f"{flag} / {env}: {value} is outside {low:g}..{high:g}")
+
+
 def check_port(value: int, flag: str, env: str, *, allow_disabled: bool = False) -> None:
     low = -1 if allow_disabled else 0
     if not low <= value <= 65535:
         extra = ", -1 disables it" if allow_disabled else ""
-        raise SettingsError(f"{flag} / {env}: port {value} is outside 0..65535 (0 picks a free port{extra})")
+        raise SettingsError(
+            f"{flag} / {env}: port {value} is outside 0..65535 (0 picks a free port{extra})"
+        )

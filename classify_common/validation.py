@@ -11,8 +11,13 @@ from classify_common.errors import FieldViolation, InvalidRequest
 _validator = protovalidate.Validator()
 
 
-def field_path_to_string(path: protovalidate.FieldPathPb) -> str:
-    """Render a protovalidate field path the way a user writes it: `labels[2].name`."""
+def field_path_to_string(path: protovalidate.FieldPathPb | None) -> str:
+    """Render a protovalidate field path the way a user writes it: `labels[2].name`.
+
+    A rule on the whole message has no path; it is reported as the empty field.
+    """
+    if path is None:
+        return ""
     parts: list[str] = []
     for element in path.elements:
         text = element.field_name

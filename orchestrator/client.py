@@ -72,7 +72,7 @@ def format_error(error: grpc.RpcError) -> str:
             lines += [
                 f"  {v.field}: {v.description} [{v.reason}]" for v in bad_request.field_violations
             ]
-    trailers = dict(call.trailing_metadata() or ())
+    trailers = {key: str(value) for key, value in call.trailing_metadata() or ()}
     lines.append(f"request   {trailers.get(REQUEST_ID_HEADER, '-')}")
     lines.append(f"trace     {trailers.get(TRACE_ID_HEADER, '-')}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from classify_common.settings import SettingsError, add_setting, check_port
+from classify_common.settings import add_setting, check_port, check_range
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -36,10 +36,7 @@ class OrchestratorSettings:
         check_port(
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
-        if not 0 <= self.grace_seconds <= 300:
-            raise SettingsError(
-                f"--grace-seconds / ORCHESTRATOR_GRACE_SECONDS: {self.grace_seconds} is outside 0..300"
-            )
+        check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
 
     @classmethod
     def from_args(
@@ -48,21 +45,44 @@ class OrchestratorSettings:
         parser = argparse.ArgumentParser(
             prog="python -m orchestrator", description="Public front door of the classify service."
         )
-        add_setting(parser, "--host", "ORCHESTRATOR_HOST", DEFAULT_HOST, "interface to bind", environ)
         add_setting(
-            parser, "--port", "ORCHESTRATOR_PORT", DEFAULT_PORT, "gRPC port (0: any free)", environ, int
+            parser, "--host", "ORCHESTRATOR_HOST", DEFAULT_HOST, "interface to bind", environ
         )
         add_setting(
-            parser, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", DEFAULT_METRICS_PORT,
-            "Prometheus port (0: any free, -1: off)", environ, int,
+            parser,
+            "--port",
+            "ORCHESTRATOR_PORT",
+            DEFAULT_PORT,
+            "gRPC port (0: any free)",
+            environ,
+            int,
         )
         add_setting(
-            parser, "--routes-file", "ORCHESTRATOR_ROUTES_FILE", DEFAULT_ROUTES_FILE,
-            "routes.yaml to load", environ, Path,
+            parser,
+            "--metrics-port",
+            "ORCHESTRATOR_METRICS_PORT",
+            DEFAULT_METRICS_PORT,
+            "Prometheus port (0: any free, -1: off)",
+            environ,
+            int,
         )
         add_setting(
-            parser, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS", DEFAULT_GRACE_SECONDS,
-            "drain time on shutdown", environ, float,
+            parser,
+            "--routes-file",
+            "ORCHESTRATOR_ROUTES_FILE",
+            DEFAULT_ROUTES_FILE,
+            "routes.yaml to load",
+            environ,
+            Path,
+        )
+        add_setting(
+            parser,
+            "--grace-seconds",
+            "ORCHESTRATOR_GRACE_SECONDS",
+            DEFAULT_GRACE_SECONDS,
+            "drain time on shutdown",
+            environ,
+            float,
         )
         add_setting(parser, "--log-level", "ORCHESTRATOR_LOG_LEVEL", "INFO", "log level", environ)
         return cls(**vars(parser.parse_args(argv)))

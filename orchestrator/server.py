@@ -64,9 +64,12 @@ async def serve(settings: OrchestratorSettings) -> None:
         await server.start()
         log.info(
             "serving",
-            extra={"port": server.port, "metrics_port": server.serving.metrics_port,
-                   "routes_file": str(settings.routes_file),
-                   "routes": [route.name for route in server.routes.routes]},
+            extra={
+                "port": server.port,
+                "metrics_port": server.serving.metrics_port,
+                "routes_file": str(settings.routes_file),
+                "routes": [route.name for route in server.routes.routes],
+            },
         )
         await wait_for_shutdown_signal()
     finally:

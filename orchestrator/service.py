@@ -28,7 +28,9 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         assert ids is not None, "the lifecycle interceptor binds every contract call"
         return await self._dispatcher.classify(request, ids, context.time_remaining())
 
-    async def GetResult(self, request: pb.GetResultRequest, context: Context) -> pb.ClassifyResponse:
+    async def GetResult(
+        self, request: pb.GetResultRequest, context: Context
+    ) -> pb.ClassifyResponse:
         # No result outlives its route's budget yet (every answer is DONE), so
         # there is nothing to poll; the result store arrives with time budgets.
         raise ResultNotFound(

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,7 +27,8 @@ EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
 def wait_until_serving(name: str, process: subprocess.Popen[bytes], target: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_SECONDS
     with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
+        # typeshed's HealthStub declares no methods; Check is generated at runtime.
+        health: Any = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise SystemExit(f"{name} exited with code {process.returncode} before serving")
@@ -70,7 +72,7 @@ def main() -> int:
         print(
             "\nReady. In another terminal:\n"
             f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
-            f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_TEXT}\"}}' "
+            f'  grpcurl -plaintext -d \'{{"text": "{EXAMPLE_TEXT}"}}\' '
             f"127.0.0.1:{orchestrator_port} ai.classify.v1.ClassifyService/Classify\n"
             "Ctrl-C stops both servers.\n",
             flush=True,

@@ -115,7 +115,9 @@ def _backend(name: str, spec: Any) -> Backend:
 
 
 def parse_routes(document: Any) -> RouteTable:
-    top = _mapping(document, "", {"version", "backends", "routes"}, {"version", "backends", "routes"})
+    top = _mapping(
+        document, "", {"version", "backends", "routes"}, {"version", "backends", "routes"}
+    )
     if top["version"] != SUPPORTED_VERSION:
         raise RoutesFileError("version", f"{top['version']!r} is not supported (expected 1)")
     if not isinstance(top["backends"], dict) or not top["backends"]:

@@ -40,7 +40,9 @@ def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
     return unpacked
 
 
-def translate_upstream_error(error: grpc.aio.AioRpcError, backend: str, target: str) -> ServiceError:
+def translate_upstream_error(
+    error: grpc.aio.AioRpcError, backend: str, target: str
+) -> ServiceError:
     code = error.code()
     where = {"backend": backend, "target": target, "upstream_code": code.name}
     details = _upstream_details(error)

@@ -50,7 +50,7 @@ class BackendPool:
         self._channels = {
             target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
         }
-        self._next: Iterator[tuple[str, pb_grpc.ClassifyServiceStub]] = itertools.cycle(
+        self._next: Iterator[tuple[str, pb_grpc.ClassifyServiceAsyncStub]] = itertools.cycle(
             [(target, pb_grpc.ClassifyServiceStub(ch)) for target, ch in self._channels.items()]
         )
 

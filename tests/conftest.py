@@ -1,0 +1,184 @@
+"""Real servers on loopback ports for the tests.
+
+In-process fixtures (one event loop for the session) start a CapabilityServer
+and an OrchestratorServer on port 0 with fresh Prometheus registries, so tests
+can read exact metric deltas and spans. `start_process` runs the real
+`python -m ...` entry points as separate processes for the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from capability.config import CapabilitySettings
+from capability.server import CapabilityServer
+from classify_common.tracing import configure_tracing
+from orchestrator.config import OrchestratorSettings
+from orchestrator.server import OrchestratorServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROCESS_READY_TIMEOUT_SECONDS = 120.0
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> InMemorySpanExporter:
+    """Every span of the in-process servers, in memory."""
+    configure_tracing("tests")
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def write_routes(path: Path, targets: list[str], timeout: str = "5s") -> Path:
+    target_list = ", ".join(f'"{t}"' for t in targets)
+    path.write_text(
+        "version: 1\n"
+        "backends:\n"
+        "  topic-minilm:\n"
+        "    model: topic-minilm\n"
+        f"    targets: [{target_list}]\n"
+        f"    timeout: {timeout}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: topic-minilm\n"
+    )
+    return path
+
+
+@pytest_asyncio.fixture(scope="session")
+async def capability(span_exporter: InMemorySpanExporter) -> AsyncIterator[CapabilityServer]:
+    server = CapabilityServer(
+        CapabilitySettings(port=0, metrics_port=-1, device="cpu"), registry=CollectorRegistry()
+    )
+    await server.start()
+    await server.warm_up()
+    yield server
+    await server.stop(grace_seconds=0)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def orchestrator(
+    capability: CapabilityServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[OrchestratorServer]:
+    routes = write_routes(
+        tmp_path_factory.mktemp("routes") / "routes.yaml", [f"127.0.0.1:{capability.port}"]
+    )
+    server = OrchestratorServer(
+        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    yield server
+    await server.stop(grace_seconds=0)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def orchestrator_stub(
+    orchestrator: OrchestratorServer,
+) -> AsyncIterator[classify_service_pb2_grpc.ClassifyServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        yield classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def capability_channel(capability: CapabilityServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="session")
+def capability_stub(
+    capability_channel: grpc.aio.Channel,
+) -> classify_service_pb2_grpc.ClassifyServiceAsyncStub:
+    return classify_service_pb2_grpc.ClassifyServiceStub(capability_channel)
+
+
+@pytest.fixture(scope="session")
+def model_stub(
+    capability_channel: grpc.aio.Channel,
+) -> model_service_pb2_grpc.ModelServiceAsyncStub:
+    return model_service_pb2_grpc.ModelServiceStub(capability_channel)
+
+
+@dataclass
+class ServerProcess:
+    """A server started as its own OS process, with its parsed JSON log lines."""
+
+    process: subprocess.Popen[str]
+    ready: dict[str, Any]
+    log_lines: list[dict[str, Any]]
+
+    @property
+    def port(self) -> int:
+        return int(self.ready["port"])
+
+    def read_logs(self) -> list[dict[str, Any]]:
+        """Stop the process and return every JSON log line it wrote."""
+        self.stop()
+        assert self.process.stderr is not None
+        self.log_lines += [json.loads(line) for line in self.process.stderr if line.startswith("{")]
+        return self.log_lines
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def _read_until_serving(stream: IO[str], process: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + PROCESS_READY_TIMEOUT_SECONDS
+    lines: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            raise AssertionError(f"process exited ({process.poll()}) before serving: {lines}")
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+            if lines[-1]["event"] == "serving":
+                return lines
+    raise AssertionError(f"no 'serving' line within {PROCESS_READY_TIMEOUT_SECONDS}s: {lines}")
+
+
+@pytest.fixture
+def start_process() -> Iterator[Any]:
+    """Start `python -m MODULE ARGS...`; returns once it logs "serving"; stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(module: str, *args: str) -> ServerProcess:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert process.stderr is not None
+        lines = _read_until_serving(process.stderr, process)
+        server = ServerProcess(process=process, ready=lines[-1], log_lines=lines)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,188 @@
+"""Every protovalidate rule of the contract, rejected by a real server with the right
+field violation, before any model work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.metrics import MODEL_FORWARD_TOTAL
+from capability.server import CapabilityServer
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+
+
+def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "INVALID_ARGUMENT must carry google.rpc.Status details"
+    found: list[tuple[str, str]] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            found += [(v.field, v.reason) for v in bad_request.field_violations]
+    return found
+
+
+def trailers_of(error: grpc.aio.AioRpcError) -> dict[str, Any]:
+    return dict(error.trailing_metadata() or ())
+
+
+def model_forwards(server: CapabilityServer) -> float:
+    value = server.registry.get_sample_value(MODEL_FORWARD_TOTAL, {"model": "topic-minilm"})
+    return value or 0.0
+
+
+INVALID_REQUESTS = [
+    pytest.param(pb.ClassifyRequest(text=""), [("text", "required")], id="empty-text"),
+    pytest.param(pb.ClassifyRequest(text=" \t\n "), [("text", "text.not_blank")], id="blank-text"),
+    pytest.param(
+        pb.ClassifyRequest(text="a" * 100_001), [("text", "string.max_len")], id="text-too-long"
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", max_length=0),
+        [("max_length", "int32.gte_lte")],
+        id="max-length-0",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", max_length=1025),
+        [("max_length", "int32.gte_lte")],
+        id="max-length-1025",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", top_k=0), [("top_k", "int32.gte_lte")], id="top-k-0"
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", top_k=101), [("top_k", "int32.gte_lte")], id="top-k-101"
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", model="Topic MiniLM"),
+        [("model", "string.pattern")],
+        id="model-pattern",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", model="m" * 65),
+        [("model", "string.max_len")],
+        id="model-too-long",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", priority=7),  # type: ignore[arg-type]
+        [("priority", "enum.defined_only")],
+        id="priority-undefined",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", request_id="-starts-with-dash"),
+        [("request_id", "string.pattern")],
+        id="request-id-pattern",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="ok", request_id="r" * 129),
+        [("request_id", "string.max_len")],
+        id="request-id-too-long",
+    ),
+    pytest.param(
+        pb.ClassifyRequest(text="", top_k=0, max_length=2000),
+        [("text", "required"), ("max_length", "int32.gte_lte"), ("top_k", "int32.gte_lte")],
+        id="three-rules-at-once",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_message", "expected"), INVALID_REQUESTS)
+async def test_orchestrator_rejects_each_broken_rule_with_its_field_violation(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    capability: CapabilityServer,
+    request_message: pb.ClassifyRequest,
+    expected: list[tuple[str, str]],
+) -> None:
+    forwards_before = model_forwards(capability)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await orchestrator_stub.Classify(request_message)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(caught.value) == expected
+    trailers = trailers_of(caught.value)
+    assert trailers["x-request-id"]
+    assert len(trailers["x-trace-id"]) == 32
+    assert model_forwards(capability) == forwards_before
+
+
+@pytest.mark.parametrize(("request_message", "expected"), INVALID_REQUESTS[:4])
+async def test_capability_server_validates_on_its_own(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    capability: CapabilityServer,
+    request_message: pb.ClassifyRequest,
+    expected: list[tuple[str, str]],
+) -> None:
+    forwards_before = model_forwards(capability)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await capability_stub.Classify(request_message)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(caught.value) == expected
+    assert model_forwards(capability) == forwards_before
+
+
+async def test_empty_text_never_reaches_the_model(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    capability: CapabilityServer,
+) -> None:
+    served = capability.engine.served
+    assert served is not None
+    passes_before = served.classifier.forward_count
+    metric_before = model_forwards(capability)
+
+    for stub in (orchestrator_stub, capability_stub):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=""))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert served.classifier.forward_count == passes_before
+    assert model_forwards(capability) == metric_before
+
+    # The counter does move for a request that is valid, by exactly one.
+    await orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    assert served.classifier.forward_count == passes_before + 1
+    assert model_forwards(capability) == metric_before + 1
+
+
+async def test_text_of_exactly_100000_characters_is_accepted_and_truncated(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    response = await orchestrator_stub.Classify(pb.ClassifyRequest(text="é" * 100_000, top_k=1))
+    assert response.status == pb.RESULT_STATUS_DONE
+    assert len(response.labels) == 1
+
+
+async def test_client_request_id_is_kept_and_reported_in_trailers(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    call = orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="client:42"))
+    response = await call
+    trailers = dict(await call.trailing_metadata() or ())
+    assert response.request_id == "client:42"
+    assert trailers["x-request-id"] == "client:42"
+    assert trailers["x-trace-id"] == response.trace_id
+
+
+async def test_get_result_rejects_missing_request_id(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await orchestrator_stub.GetResult(pb.GetResultRequest())
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(caught.value) == [("request_id", "required")]
+
+
+async def test_model_service_rejects_malformed_model_name(
+    model_stub: model_service_pb2_grpc.ModelServiceAsyncStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await model_stub.GetModel(model_pb.GetModelRequest(name="Not A Name"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(caught.value) == [("name", "string.pattern")]
