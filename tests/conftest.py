@@ -38,9 +38,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCESS_READY_TIMEOUT_SECONDS = 120.0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def span_exporter() -> InMemorySpanExporter:
-    """Every span of the in-process servers, in memory."""
+    """Every span of the in-process servers, in memory.
+
+    Autouse: the servers' `main` configures tracing, so every in-process test
+    must too, or trace IDs would be empty."""
     configure_tracing("tests")
     provider = trace.get_tracer_provider()
     assert isinstance(provider, TracerProvider)

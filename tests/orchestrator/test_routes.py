@@ -1,0 +1,94 @@
+"""routes.yaml loading: the shipped file loads; every bad value is named by its path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.routing import RoutesFileError, load_routes
+from tests.conftest import REPO_ROOT
+
+VALID = """\
+version: 1
+backends:
+  topic-minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:50052", "10.0.0.7:50052"]
+    timeout: 250ms
+routes:
+  - name: default
+    backend: topic-minilm
+"""
+
+
+def load_text(tmp_path: Path, text: str) -> object:
+    path = tmp_path / "routes.yaml"
+    path.write_text(text)
+    return load_routes(path)
+
+
+def test_shipped_routes_file_loads_with_a_default_route() -> None:
+    table = load_routes(REPO_ROOT / "routes.yaml")
+    assert table.default_route.name == "default"
+    assert table.default_route.backend.targets == ("127.0.0.1:50052",)
+    assert table.default_route.backend.timeout_seconds == 5.0
+
+
+def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID)
+    backend = load_routes(path).select().backend
+    assert backend.targets == ("127.0.0.1:50052", "10.0.0.7:50052")
+    assert backend.timeout_seconds == 0.25
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("backend: topic-minilm\n", "backend: bow\n", "routes[0].backend: unknown backend 'bow'"),
+        ("timeout: 250ms", "timeout: 2h", "backends.topic-minilm.timeout: '2h' is not a duration"),
+        (
+            "timeout: 250ms",
+            "timeout: 90s",
+            "backends.topic-minilm.timeout: 90s is outside 1ms..60s",
+        ),
+        (
+            "timeout: 250ms",
+            "timeout: 250ms\n    colour: red",
+            "backends.topic-minilm.colour: unknown key",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"10.0.0.7"',
+            "backends.topic-minilm.targets[1]: '10.0.0.7' is not host:port",
+        ),
+        ("version: 1", "version: 2", "version: 2 is not supported"),
+        (
+            "  - name: default\n",
+            "  - name: Default Route\n",
+            "routes[0].name: 'Default Route' is not a name",
+        ),
+    ],
+)
+def test_bad_value_is_reported_with_its_path(
+    tmp_path: Path, old: str, new: str, message: str
+) -> None:
+    assert old in VALID
+    with pytest.raises(RoutesFileError) as caught:
+        load_text(tmp_path, VALID.replace(old, new))
+    assert message in str(caught.value)
+    assert str(tmp_path / "routes.yaml") in str(caught.value)
+
+
+def test_duplicate_route_names_are_refused(tmp_path: Path) -> None:
+    text = VALID + "  - name: default\n    backend: topic-minilm\n"
+    with pytest.raises(RoutesFileError, match=r"routes\[1\]\.name: duplicate route name 'default'"):
+        load_text(tmp_path, text)
+
+
+def test_unreadable_and_malformed_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(RoutesFileError, match="cannot read"):
+        load_routes(tmp_path / "missing.yaml")
+    with pytest.raises(RoutesFileError, match="not valid YAML"):
+        load_text(tmp_path, "version: [1\n")

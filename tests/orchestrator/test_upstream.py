@@ -1,0 +1,152 @@
+"""The orchestrator's calls to capability servers: deadlines, failures, one trace."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.errors import DeadlineExpired
+from classify_common.metrics import RPC_REQUESTS_TOTAL
+from orchestrator.config import OrchestratorSettings
+from orchestrator.server import OrchestratorServer
+from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
+from tests.conftest import write_routes
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
+
+StartOrchestrator = Callable[..., Awaitable[OrchestratorServer]]
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> str:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    raise AssertionError("no ErrorInfo in the status details")
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on (bound, read, released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest_asyncio.fixture
+async def orchestrator_to(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
+    """Start an orchestrator whose one backend is `targets` with `timeout`."""
+    started: list[OrchestratorServer] = []
+
+    async def start(targets: list[str], backend_timeout: str = "5s") -> OrchestratorServer:
+        routes = write_routes(tmp_path / f"routes-{len(started)}.yaml", targets, backend_timeout)
+        server = OrchestratorServer(
+            OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+            registry=CollectorRegistry(),
+        )
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_seconds=0)
+
+
+def test_call_timeout_takes_the_tighter_of_backend_timeout_and_client_deadline() -> None:
+    assert call_timeout(5.0, None) == 5.0
+    assert call_timeout(5.0, 1.0) == pytest.approx(1.0 - DEADLINE_SAFETY_MARGIN_SECONDS)
+    assert call_timeout(0.5, 30.0) == 0.5
+    with pytest.raises(DeadlineExpired):
+        call_timeout(5.0, DEADLINE_SAFETY_MARGIN_SECONDS / 2)
+
+
+async def test_unreachable_capability_is_a_model_error_with_ids(
+    orchestrator_to: StartOrchestrator,
+) -> None:
+    server = await orchestrator_to([f"127.0.0.1:{closed_port()}"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(caught.value) == "MODEL_UNAVAILABLE"
+    trailers = dict(caught.value.trailing_metadata() or ())
+    assert trailers["x-request-id"]
+    assert len(trailers["x-trace-id"]) == 32
+    counted = server.registry.get_sample_value(
+        RPC_REQUESTS_TOTAL,
+        {"method": "/ai.classify.v1.ClassifyService/Classify", "code": "UNAVAILABLE"},
+    )
+    assert counted == 1.0
+
+
+async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
+    orchestrator_to: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    # 1 ms cannot cover tokenising and six encoder layers on any machine.
+    server = await orchestrator_to([f"127.0.0.1:{capability.port}"], "1ms")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error_reason(caught.value) == "DEADLINE_EXPIRED"
+    assert dict(caught.value.trailing_metadata() or ())["x-request-id"]
+
+
+async def test_get_result_answers_not_found_for_unknown_request(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await orchestrator_stub.GetResult(pb.GetResultRequest(request_id="never-seen"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(caught.value) == "RESULT_NOT_FOUND"
+
+
+async def test_one_trace_spans_orchestrator_and_capability(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    span_exporter.clear()
+    response = await orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER))
+
+    spans = [
+        s
+        for s in span_exporter.get_finished_spans()
+        if s.context is not None and format(s.context.trace_id, "032x") == response.trace_id
+    ]
+    assert [s.name for s in spans] == [CLASSIFY_SPAN, CLASSIFY_SPAN]
+    capability_span, orchestrator_span = spans  # the inner call finishes first
+    assert all(s.kind == SpanKind.SERVER for s in spans)
+    assert orchestrator_span.parent is None
+    assert capability_span.parent is not None
+    assert orchestrator_span.context is not None
+    assert capability_span.parent.span_id == orchestrator_span.context.span_id
+
+
+async def test_client_traceparent_is_continued(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    response = await orchestrator_stub.Classify(
+        pb.ClassifyRequest(text=STRIKER),
+        metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),),
+    )
+    assert response.trace_id == trace_id

@@ -1,0 +1,126 @@
+"""One request from a client through two real processes: orchestrator, then capability."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from tests.conftest import REPO_ROOT, ServerProcess, write_routes
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
+
+
+@pytest.fixture
+def stack(
+    tmp_path: Path, start_process: Callable[..., ServerProcess]
+) -> tuple[ServerProcess, ServerProcess]:
+    capability = start_process(
+        "capability", "--port", "0", "--metrics-port", "0", "--device", "cpu"
+    )
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    orchestrator = start_process(
+        "orchestrator", "--port", "0", "--metrics-port", "0", "--routes-file", str(routes)
+    )
+    return orchestrator, capability
+
+
+def rpc_log_line(lines: list[dict[str, object]], request_id: str) -> dict[str, object]:
+    matches = [
+        line
+        for line in lines
+        if line.get("event") == "rpc"
+        and line.get("method") == CLASSIFY_METHOD
+        and line.get("request_id") == request_id
+    ]
+    assert len(matches) == 1, f"expected one access-log line for {request_id}: {lines}"
+    return matches[0]
+
+
+def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
+    stack: tuple[ServerProcess, ServerProcess],
+) -> None:
+    orchestrator, capability = stack
+    with grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response, call = stub.Classify.with_call(
+            pb.ClassifyRequest(text=STRIKER, request_id="e2e-1"), timeout=30
+        )
+
+    assert response.labels[0].name == "sports"
+    assert response.status == pb.RESULT_STATUS_DONE
+    assert response.route == "default"
+    assert response.fallback is False
+    assert response.model.name == "topic-minilm"
+    assert response.request_id == "e2e-1"
+    assert dict(call.trailing_metadata())["x-trace-id"] == response.trace_id
+
+    # Both processes logged the call under the same request ID and trace ID.
+    front = rpc_log_line(orchestrator.read_logs(), "e2e-1")
+    back = rpc_log_line(capability.read_logs(), "e2e-1")
+    assert front["code"] == back["code"] == "OK"
+    assert front["trace_id"] == back["trace_id"] == response.trace_id
+
+
+def test_command_line_client_prints_sports_for_the_striker_sentence(
+    stack: tuple[ServerProcess, ServerProcess],
+) -> None:
+    orchestrator, _ = stack
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.client",
+            "--target",
+            f"127.0.0.1:{orchestrator.port}",
+            STRIKER,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    first_line, *rest = result.stdout.splitlines()
+    assert first_line.split()[0] == "sports"
+    assert any(line.startswith("model     topic-minilm") for line in rest)
+    assert any(line.startswith("request   ") and len(line.split()[1]) == 32 for line in rest)
+
+
+def test_command_line_client_reports_violations_and_ids_on_a_reject(
+    stack: tuple[ServerProcess, ServerProcess],
+) -> None:
+    orchestrator, _ = stack
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.client",
+            "--target",
+            f"127.0.0.1:{orchestrator.port}",
+            "--top-k",
+            "0",
+            "--request-id",
+            "cli-reject",
+            "   ",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: INVALID_ARGUMENT")
+    assert (
+        "  text: must contain at least one non-whitespace character [text.not_blank]"
+        in result.stderr
+    )
+    assert "  top_k: " in result.stderr
+    assert "request   cli-reject" in result.stderr
