@@ -72,8 +72,9 @@ def main() -> int:
         print(
             "\nReady. In another terminal:\n"
             f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
-            f'  grpcurl -plaintext -d \'{{"text": "{EXAMPLE_TEXT}"}}\' '
-            f"127.0.0.1:{orchestrator_port} ai.classify.v1.ClassifyService/Classify\n"
+            "  tools/buf/node_modules/.bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
+            f'    -d \'{{"text": "{EXAMPLE_TEXT}"}}\' \\\n'
+            f"    http://127.0.0.1:{orchestrator_port}/ai.classify.v1.ClassifyService/Classify\n"
             "Ctrl-C stops both servers.\n",
             flush=True,
         )
