@@ -69,24 +69,28 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     assert front["trace_id"] == back["trace_id"] == response.trace_id
 
 
-def test_command_line_client_prints_sports_for_the_striker_sentence(
-    stack: tuple[ServerProcess, ServerProcess],
-) -> None:
-    orchestrator, _ = stack
-    result = subprocess.run(
+def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "orchestrator.client",
             "--target",
-            f"127.0.0.1:{orchestrator.port}",
-            STRIKER,
+            f"127.0.0.1:{target_port}",
+            *args,
         ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_command_line_client_prints_sports_for_the_striker_sentence(
+    stack: tuple[ServerProcess, ServerProcess],
+) -> None:
+    orchestrator, _ = stack
+    result = run_client(orchestrator.port, STRIKER)
     assert result.returncode == 0, result.stderr
     first_line, *rest = result.stdout.splitlines()
     assert first_line.split()[0] == "sports"
@@ -98,24 +102,7 @@ def test_command_line_client_reports_violations_and_ids_on_a_reject(
     stack: tuple[ServerProcess, ServerProcess],
 ) -> None:
     orchestrator, _ = stack
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.client",
-            "--target",
-            f"127.0.0.1:{orchestrator.port}",
-            "--top-k",
-            "0",
-            "--request-id",
-            "cli-reject",
-            "   ",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_client(orchestrator.port, "--top-k", "0", "--request-id", "cli-reject", "   ")
     assert result.returncode == 1
     assert result.stderr.startswith("error: INVALID_ARGUMENT")
     assert (

@@ -8,9 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -18,19 +16,9 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings, default_model_dir
 from capability.server import CapabilityServer
+from tests.status_details import error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
-
-
-def error_reason(error: grpc.aio.AioRpcError) -> str:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return str(info.reason)
-    raise AssertionError("no ErrorInfo in the status details")
 
 
 async def health_status(channel: grpc.aio.Channel, service: str) -> int:

@@ -3,36 +3,17 @@ field violation, before any model work."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_FORWARD_TOTAL
 from capability.server import CapabilityServer
+from tests.status_details import trailers_of, violations_of
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
-
-
-def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None, "INVALID_ARGUMENT must carry google.rpc.Status details"
-    found: list[tuple[str, str]] = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            found += [(v.field, v.reason) for v in bad_request.field_violations]
-    return found
-
-
-def trailers_of(error: grpc.aio.AioRpcError) -> dict[str, Any]:
-    return dict(error.trailing_metadata() or ())
 
 
 def model_forwards(server: CapabilityServer) -> float:

@@ -9,8 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
@@ -24,22 +22,12 @@ from orchestrator.config import OrchestratorSettings
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import write_routes
+from tests.status_details import error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
 StartOrchestrator = Callable[..., Awaitable[OrchestratorServer]]
-
-
-def error_reason(error: grpc.aio.AioRpcError) -> str:
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    assert status is not None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return str(info.reason)
-    raise AssertionError("no ErrorInfo in the status details")
 
 
 def closed_port() -> int:

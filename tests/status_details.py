@@ -1,0 +1,38 @@
+"""Read the rich status details (google.rpc.*) and trailers of a failed call."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+
+def _status(error: grpc.aio.AioRpcError) -> status_pb2.Status:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "a failed call must carry google.rpc.Status details"
+    return status
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> str:
+    """The ErrorInfo reason (e.g. MODEL_NOT_READY) of a failed call."""
+    for detail in _status(error).details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    raise AssertionError("no ErrorInfo in the status details")
+
+
+def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    """(field, rule id) of each BadRequest field violation, in order."""
+    found: list[tuple[str, str]] = []
+    for detail in _status(error).details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            found += [(v.field, v.reason) for v in bad_request.field_violations]
+    return found
+
+
+def trailers_of(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return {key: str(value) for key, value in error.trailing_metadata() or ()}
