@@ -7,7 +7,7 @@ from capability.model.classifier import (
 )
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
-from capability.model.tokenizer import TextTokenizer, TokenBatch
+from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
 from capability.model.zero_shot import (
     DEFAULT_LABELS,
     DEFAULT_SCALE,
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_LABELS",
     "DEFAULT_SCALE",
     "ClassifyBatchResult",
+    "EncodedText",
     "EncoderConfig",
     "LabelSpec",
     "ModelLoadError",

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
-from capability.model.tokenizer import TextTokenizer, TokenBatch
+from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
 from capability.model.zero_shot import (
     DEFAULT_LABELS,
     LabelSpec,
@@ -72,10 +72,18 @@ class TextClassifier:
             return self.max_seq_length
         return min(max_length, self.max_seq_length)
 
-    @torch.inference_mode()
     def classify(self, texts: Sequence[str], max_length: int | None = None) -> ClassifyBatchResult:
         """Label probabilities for each text, truncated to `token_budget(max_length)` tokens."""
-        batch = self.tokenizer.encode(texts, self.token_budget(max_length))
+        return self.run(self.tokenize(texts, max_length))
+
+    def tokenize(self, texts: Sequence[str], max_length: int | None = None) -> list[EncodedText]:
+        """Each text's token ids within `token_budget(max_length)`; no model work."""
+        return self.tokenizer.encode_each(texts, self.token_budget(max_length))
+
+    @torch.inference_mode()
+    def run(self, encoded: Sequence[EncodedText]) -> ClassifyBatchResult:
+        """Pad already-tokenized texts into one batch and run the model once."""
+        batch = self.tokenizer.collate(encoded)
         embeddings = self._embed_batch(batch)  # (B, H)
         probabilities: Tensor = self.head(embeddings)  # (B, L)
         return ClassifyBatchResult(

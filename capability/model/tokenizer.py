@@ -11,6 +11,21 @@ from tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)
+class EncodedText:
+    """One text's token ids after truncation, before padding.
+
+    The serving path tokenizes each request on arrival (so its length is known when
+    batches are grouped by length) and pads a group only when the batch is formed.
+    """
+
+    ids: tuple[int, ...]  # [CLS] ... [SEP], at most the budget long
+    truncated: bool  # whether the text lost tokens to the budget
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """A right-padded batch of token ids ready for `SentenceEncoder`."""
 
@@ -68,6 +83,10 @@ class TextTokenizer:
 
     def encode(self, texts: Sequence[str], max_length: int) -> TokenBatch:
         """Tokenize `texts`, cutting each to `max_length` tokens including [CLS] and [SEP]."""
+        return self.collate(self.encode_each(texts, max_length))
+
+    def encode_each(self, texts: Sequence[str], max_length: int) -> list[EncodedText]:
+        """Tokenize and truncate each text on its own, without padding."""
         if max_length < self.special_tokens_per_text:
             raise ValueError(
                 f"max_length {max_length} leaves no room for the "
@@ -78,8 +97,7 @@ class TextTokenizer:
         prepared = [text.lower() if self._lowercase else text for text in texts]
         encodings = self._tokenizer.encode_batch(prepared, add_special_tokens=True)
 
-        rows: list[list[int]] = []
-        truncated: list[bool] = []
+        encoded: list[EncodedText] = []
         for encoding in encodings:
             ids = encoding.ids
             too_long = len(ids) > max_length
@@ -87,9 +105,12 @@ class TextTokenizer:
                 # Drop tokens from the end of the text but keep the closing [SEP], which is
                 # what the reference's longest-first truncation yields for a single text.
                 ids = [*ids[: max_length - 1], ids[-1]]
-            rows.append(ids)
-            truncated.append(too_long)
+            encoded.append(EncodedText(ids=tuple(ids), truncated=too_long))
+        return encoded
 
+    def collate(self, encoded: Sequence[EncodedText]) -> TokenBatch:
+        """Right-pad encoded texts to the longest of them."""
+        rows = [text.ids for text in encoded]
         lengths = tuple(len(ids) for ids in rows)
         width = max(lengths, default=0)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.int64)  # (B, T)
@@ -101,5 +122,5 @@ class TextTokenizer:
             input_ids=input_ids,
             attention_mask=attention_mask,
             lengths=lengths,
-            truncated=tuple(truncated),
+            truncated=tuple(text.truncated for text in encoded),
         )
