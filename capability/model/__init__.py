@@ -1,12 +1,28 @@
-"""The text classifier behind the capability servers: all-MiniLM-L6-v2 plus a zero-shot head."""
+"""The text classifiers behind the capability servers: sentence encoders, heads, tokenizer.
+
+Encoders: all-MiniLM-L6-v2 in plain PyTorch (`SentenceEncoder`) and the static average of
+its word vectors (`StaticEmbeddingEncoder`). Heads: zero-shot prototypes (`ZeroShotHead`)
+and linear (`LinearHead`). Model files hold no I/O; loaders live in `classifier.py` (a
+sentence-transformers folder) and in `capability.bundle` (model bundles).
+"""
 
 from capability.model.classifier import (
+    PRECISION_DTYPES,
     ClassifyBatchResult,
     TextClassifier,
+    TextEncoder,
+    embed_label_prototypes,
     load_minilm_classifier,
+    load_tokenizer,
 )
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
+from capability.model.heads import ClassifierHead, LinearHead, linear_head_from_zero_shot
+from capability.model.static import (
+    STATIC_ZERO_SHOT_SCALE,
+    StaticEmbeddingEncoder,
+    StaticEncoderConfig,
+)
 from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
 from capability.model.zero_shot import (
     DEFAULT_LABELS,
@@ -19,16 +35,26 @@ from capability.model.zero_shot import (
 __all__ = [
     "DEFAULT_LABELS",
     "DEFAULT_SCALE",
+    "PRECISION_DTYPES",
+    "STATIC_ZERO_SHOT_SCALE",
+    "ClassifierHead",
     "ClassifyBatchResult",
     "EncodedText",
     "EncoderConfig",
     "LabelSpec",
+    "LinearHead",
     "ModelLoadError",
     "SentenceEncoder",
+    "StaticEmbeddingEncoder",
+    "StaticEncoderConfig",
     "TextClassifier",
+    "TextEncoder",
     "TextTokenizer",
     "TokenBatch",
     "ZeroShotHead",
+    "embed_label_prototypes",
     "label_prototype_text",
+    "linear_head_from_zero_shot",
     "load_minilm_classifier",
+    "load_tokenizer",
 ]

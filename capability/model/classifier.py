@@ -1,4 +1,10 @@
-"""The classifier the servers call: tokenizer + encoder + zero-shot head, and its loader."""
+"""The classifier the servers call: tokenizer + sentence encoder + head, and MiniLM's loader.
+
+`TextClassifier` works with any encoder in `TextEncoder` (the BERT encoder, or the static
+word-vector average) and any head in `ClassifierHead` (zero-shot prototypes, or linear).
+Model bundles (capability/bundle) build one from their own files; `load_minilm_classifier`
+builds one straight from a sentence-transformers folder.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from torch import Tensor
 
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
+from capability.model.heads import ClassifierHead
+from capability.model.static import StaticEmbeddingEncoder
 from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
 from capability.model.zero_shot import (
     DEFAULT_LABELS,
@@ -20,6 +28,19 @@ from capability.model.zero_shot import (
     ZeroShotHead,
     label_prototype_text,
 )
+
+# Every sentence encoder a classifier can run; a closed set because the bundle format
+# names each architecture.
+TextEncoder = SentenceEncoder | StaticEmbeddingEncoder
+
+# The numeric precisions an encoder can compute in. bf16 casts the encoder's weights, so
+# every matmul runs in bfloat16: on the project's 2-core Xeon test machine (AMX) that gave
+# 1.5-1.6x the fp32 throughput at batch 32 and ~10% lower single-text latency (see
+# bench/model_quality.py), while CPU autocast (fp32 weights, cast per op) gave 1.45x the
+# throughput but 2.4x the single-text latency, paying a weight cast on every call. Heads
+# always compute in float32: they are tiny, and a bf16 cosine (3 significant digits)
+# times a scale of 40 would move logits by ~0.04.
+PRECISION_DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -34,34 +55,46 @@ class ClassifyBatchResult:
 class TextClassifier:
     """Classifies texts into `labels`; owns the model and the device it runs on.
 
-    Not thread-safe: callers serialise `classify` calls (the model would not run faster
-    concurrently, and `forward_count` is a plain integer).
+    `tokenize` touches only the (thread-safe) Rust tokenizer, so it may run on any number
+    of threads while one thread calls `run`. `run`, `classify` and `warm_up` are not
+    thread-safe: callers serialise them (the model would not run faster concurrently,
+    and `forward_count` is a plain integer).
     """
 
     def __init__(
         self,
         *,
         tokenizer: TextTokenizer,
-        encoder: SentenceEncoder,
-        head: ZeroShotHead,
+        encoder: TextEncoder,
+        head: ClassifierHead,
         labels: Sequence[LabelSpec],
         max_seq_length: int,
         device: torch.device,
+        precision: str = "fp32",
     ) -> None:
-        if len(labels) != head.prototypes.shape[0]:
-            raise ValueError(f"{len(labels)} labels but {head.prototypes.shape[0]} prototypes")
-        if not 2 <= max_seq_length <= encoder.config.max_position_embeddings:
+        if len(labels) != head.num_labels:
+            raise ValueError(f"{len(labels)} labels but the head scores {head.num_labels}")
+        if head.hidden_size != encoder.hidden_size:
             raise ValueError(
-                f"max_seq_length {max_seq_length} must be within "
-                f"[2, {encoder.config.max_position_embeddings}]"
+                f"the head reads {head.hidden_size}-wide embeddings but the encoder "
+                f"returns {encoder.hidden_size}"
+            )
+        limit = encoder.max_tokens
+        if max_seq_length < 2 or (limit is not None and max_seq_length > limit):
+            raise ValueError(f"max_seq_length {max_seq_length} must be within [2, {limit}]")
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(
+                f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}"
             )
         self.tokenizer = tokenizer
-        self.encoder = encoder.eval()
-        self.head = head.eval()
+        # `.to(dtype)` is a no-op when a loader already built the encoder in this precision.
+        self.encoder = encoder.to(dtype=PRECISION_DTYPES[precision]).eval()
+        self.head = head.float().eval()
         self.labels: tuple[LabelSpec, ...] = tuple(labels)
         # The longest input the model was trained for; callers may ask for less, never more.
         self.max_seq_length = max_seq_length
         self.device = device
+        self.precision = precision
         # Model forward passes so far, warm-up included; exported as a metric, and how
         # tests prove a rejected request never reached the model.
         self.forward_count = 0
@@ -82,9 +115,9 @@ class TextClassifier:
 
     @torch.inference_mode()
     def run(self, encoded: Sequence[EncodedText]) -> ClassifyBatchResult:
-        """Pad already-tokenized texts into one batch and run the model once."""
+        """Pad already-tokenized texts to the longest of them and run the model once."""
         batch = self.tokenizer.collate(encoded)
-        embeddings = self._embed_batch(batch)  # (B, H)
+        embeddings = self._embed_batch(batch)  # (B, H) float32
         probabilities: Tensor = self.head(embeddings)  # (B, L)
         return ClassifyBatchResult(
             probabilities=probabilities.float().cpu(),
@@ -94,23 +127,56 @@ class TextClassifier:
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str], max_length: int | None = None) -> Tensor:
-        """Unit-length sentence embeddings (B, H), on the model's device."""
+        """Unit-length float32 sentence embeddings (B, H), on the model's device."""
         return self._embed_batch(self.tokenizer.encode(texts, self.token_budget(max_length)))
 
     def warm_up(self) -> None:
         """Run one small batch so first-request latency excludes allocator and kernel setup."""
         self.classify(["warm-up text for the classifier", "a second, longer warm-up text " * 4])
 
+    def memory_bytes(self) -> int:
+        """Bytes the model's parameters and buffers occupy on `device`."""
+        tensors = [
+            *self.encoder.parameters(),
+            *self.encoder.buffers(),
+            *self.head.parameters(),
+            *self.head.buffers(),
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _embed_batch(self, batch: TokenBatch) -> Tensor:
         # An empty request has nothing to run; answering without a forward keeps
         # `forward_count` equal to the passes the model really made.
         if not batch.lengths:
-            return torch.empty((0, self.encoder.config.hidden_size), device=self.device)
+            return torch.empty((0, self.encoder.hidden_size), device=self.device)
         input_ids = batch.input_ids.to(self.device, non_blocking=True)  # (B, T)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)  # (B, T)
         self.forward_count += 1
-        embeddings: Tensor = self.encoder(input_ids, attention_mask)  # (B, H)
+        embeddings: Tensor = self.encoder(input_ids, attention_mask)  # (B, H) float32
         return embeddings
+
+
+def embed_label_prototypes(
+    encoder: TextEncoder,
+    tokenizer: TextTokenizer,
+    labels: Sequence[LabelSpec],
+    max_length: int,
+    device: torch.device,
+) -> Tensor:
+    """Each label's prototype (L, H): the encoder's embedding of `label_prototype_text`.
+
+    A zero-shot head compares texts with these, so they must come from the same encoder
+    (and tokenizer) that will embed the texts.
+    """
+    texts = [label_prototype_text(label) for label in labels]
+    with torch.inference_mode():
+        batch = tokenizer.encode(texts, max_length)
+        prototypes: Tensor = encoder(
+            batch.input_ids.to(device), batch.attention_mask.to(device)
+        )  # (L, H)
+    # Cloned out of inference mode so the result is an ordinary tensor that later
+    # `.to()` calls or state-dict loads may touch.
+    return prototypes.clone()
 
 
 # Checkpoint tensors the model deliberately does not use. Anything else the model lacks
@@ -131,12 +197,15 @@ def load_minilm_classifier(
     model_dir: Path,
     device: torch.device | str = "cpu",
     labels: Sequence[LabelSpec] = DEFAULT_LABELS,
+    *,
+    precision: str = "fp32",
 ) -> TextClassifier:
     """Build a ready classifier from a sentence-transformers MiniLM folder, on `device`.
 
     Reads `config.json`, `sentence_bert_config.json`, `1_Pooling/config.json`,
     `tokenizer.json` and `model.safetensors`; raises `ModelLoadError` naming the file
     when one is missing or does not describe a model this package implements.
+    Prototypes are always embedded in float32; `precision` applies to texts afterwards.
     """
     model_dir = Path(model_dir)
     target = torch.device(device)
@@ -167,7 +236,7 @@ def load_minilm_classifier(
         )
 
     _require_mean_pooling(model_dir / "1_Pooling" / "config.json", config.hidden_size)
-    tokenizer = _load_tokenizer(model_dir / "tokenizer.json", lowercase, config)
+    tokenizer = load_tokenizer(model_dir / "tokenizer.json", lowercase, config.vocab_size)
 
     with target:
         # Built directly on the target device so weights never take a detour through
@@ -176,22 +245,15 @@ def load_minilm_classifier(
     _load_weights(encoder, model_dir / "model.safetensors", target)
     encoder.eval()
 
-    label_texts = [label_prototype_text(label) for label in labels]
-    with torch.inference_mode():
-        batch = tokenizer.encode(label_texts, max_seq_length)
-        prototypes: Tensor = encoder(
-            batch.input_ids.to(target), batch.attention_mask.to(target)
-        )  # (L, H)
-    # Cloned out of inference mode so the buffer is an ordinary tensor that later
-    # `.to()` calls or state-dict loads may touch.
-    head = ZeroShotHead(prototypes.clone())
+    prototypes = embed_label_prototypes(encoder, tokenizer, labels, max_seq_length, target)
     return TextClassifier(
         tokenizer=tokenizer,
         encoder=encoder,
-        head=head.eval(),
+        head=ZeroShotHead(prototypes),
         labels=labels,
         max_seq_length=max_seq_length,
         device=target,
+        precision=precision,
     )
 
 
@@ -228,17 +290,18 @@ def _require_mean_pooling(path: Path, hidden_size: int) -> None:
         )
 
 
-def _load_tokenizer(path: Path, lowercase: bool, config: EncoderConfig) -> TextTokenizer:
+def load_tokenizer(path: Path, lowercase: bool, vocab_size: int) -> TextTokenizer:
+    """Load a `tokenizer.json` whose ids all fit a `vocab_size`-row embedding table."""
     if not path.is_file():
         raise ModelLoadError(f"{path.name}: not found in {path.parent}")
     try:
         tokenizer = TextTokenizer.from_file(path, lowercase=lowercase)
     except Exception as exc:  # the Rust tokenizer raises bare Exception on a bad file
         raise ModelLoadError(f"{path.name}: cannot be loaded: {exc}") from exc
-    if tokenizer.vocab_size > config.vocab_size:
+    if tokenizer.vocab_size > vocab_size:
         raise ModelLoadError(
             f"{path.name}: {tokenizer.vocab_size} tokens do not fit the "
-            f"{config.vocab_size}-row embedding table in config.json"
+            f"{vocab_size}-row embedding table in config.json"
         )
     return tokenizer
 

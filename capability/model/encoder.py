@@ -268,8 +268,21 @@ class SentenceEncoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
 
+    @property
+    def hidden_size(self) -> int:
+        """Width H of the sentence embeddings this module returns."""
+        return self.config.hidden_size
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Longest input, [CLS]/[SEP] included: the learned position table's length."""
+        return self.config.max_position_embeddings
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """`input_ids` (B, T) int64 and `attention_mask` (B, T), 1 for real tokens -> (B, H)."""
+        """`input_ids` (B, T) int64 and `attention_mask` (B, T), 1 for real tokens -> (B, H).
+
+        The embeddings are float32 whatever dtype the weights are in.
+        """
         if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and attention_mask "
@@ -293,7 +306,11 @@ def mean_pool_and_normalise(tokens: Tensor, is_real: Tensor) -> Tensor:
 
     Padded positions hold finite but meaningless vectors (their queries still attend to
     real keys), so they are weighted out here rather than trusted to be zero.
+    The result is always float32.
     """
+    # A bfloat16 model would otherwise sum up to hundreds of token vectors with 8 bits of
+    # mantissa; for a float32 model `.float()` returns the same tensor, so nothing changes.
+    tokens = tokens.float()  # (B, T, H)
     weights = is_real.unsqueeze(-1).to(tokens.dtype)  # (B, T, 1)
     summed = (tokens * weights).sum(dim=1)  # (B, H)
     # The clamp only guards an all-padding row, which the tokenizer never produces

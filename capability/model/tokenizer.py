@@ -78,6 +78,11 @@ class TextTokenizer:
         return cls(Tokenizer.from_file(str(path)), lowercase=lowercase)
 
     @property
+    def lowercase(self) -> bool:
+        """Whether texts are lowercased before tokenizing (sentence-transformers' do_lower_case)."""
+        return self._lowercase
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 

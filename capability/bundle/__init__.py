@@ -1,0 +1,43 @@
+"""Model bundles: one verified directory per model version, loaded onto a device.
+
+    <root>/<model-name>/<version>/  config.json, tokenizer.json, per-module weight files,
+                                    manifest.json (size + SHA-256 of every other file)
+
+`build_bundle` writes one (also `python -m capability.bundle build`), `verify_bundle`
+checks one against its manifest, `load_bundle` verifies, loads and warms one up. Every
+refusal is a `BundleError` (a `ModelLoadError`) whose message starts with the file at
+fault. See format.py for the layout and loader.py for the load stages.
+"""
+
+from capability.bundle.builder import HEAD_CHOICES, MODEL_KINDS, build_bundle
+from capability.bundle.errors import (
+    BundleConfigInvalid,
+    BundleError,
+    BundleFileMissing,
+    BundleHashMismatch,
+    BundleShapeMismatch,
+    UnexpectedBundleFile,
+    UnsafeWeights,
+)
+from capability.bundle.format import BundleConfig
+from capability.bundle.loader import STAGES, LoadedBundle, load_bundle
+from capability.bundle.manifest import verify_bundle, write_manifest
+
+__all__ = [
+    "HEAD_CHOICES",
+    "MODEL_KINDS",
+    "STAGES",
+    "BundleConfig",
+    "BundleConfigInvalid",
+    "BundleError",
+    "BundleFileMissing",
+    "BundleHashMismatch",
+    "BundleShapeMismatch",
+    "LoadedBundle",
+    "UnexpectedBundleFile",
+    "UnsafeWeights",
+    "build_bundle",
+    "load_bundle",
+    "verify_bundle",
+    "write_manifest",
+]

