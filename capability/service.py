@@ -1,4 +1,4 @@
-"""Thin servicers: protobuf in, one engine call, protobuf out.
+"""Thin servicers: protobuf in, one domain call, protobuf out.
 
 Validation, request IDs, tracing and error statuses are handled around these
 methods by classify_common.interceptor.
@@ -6,24 +6,20 @@ methods by classify_common.interceptor.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from ai.classify.v1 import (
-    classify_service_pb2 as pb,
-)
-from ai.classify.v1 import (
-    classify_service_pb2_grpc as pb_grpc,
-)
-from ai.classify.v1 import (
-    model_service_pb2 as model_pb,
-)
-from ai.classify.v1 import (
-    model_service_pb2_grpc as model_pb_grpc,
-)
-from capability.inference import InferenceEngine, ServedModel
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
+from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from capability.bundle import LoadedBundle
+from capability.lifecycle import ModelLifecycle
+from capability.workers import WorkerPool
 from classify_common.context import current_request
 from classify_common.errors import MethodNotServed
 
@@ -31,20 +27,36 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
-    def __init__(self, engine: InferenceEngine) -> None:
-        self._engine = engine
+    def __init__(self, pool: WorkerPool, default_model: str) -> None:
+        self._pool = pool
+        self._default_model = default_model
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
-        max_length = request.max_length if request.HasField("max_length") else None
-        result = await self._engine.classify(request.text, max_length)
-        scores = result.scores[: request.top_k] if request.HasField("top_k") else result.scores
         ids = current_request()
+        assert ids is not None, "the lifecycle interceptor binds every contract call"
+        remaining = context.time_remaining()
+        result = await self._pool.classify(
+            request.model or self._default_model,
+            request.text,
+            max_length=request.max_length if request.HasField("max_length") else None,
+            priority=PRIORITY_BATCH
+            if request.priority == pb.PRIORITY_BATCH
+            else PRIORITY_INTERACTIVE,
+            request_id=ids.request_id,
+            deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
+        )
+        names = (label.name for label in result.bundle.classifier.labels)
+        ranked = sorted(
+            zip(names, result.probabilities, strict=True), key=lambda p: p[1], reverse=True
+        )
+        if request.HasField("top_k"):
+            ranked = ranked[: request.top_k]
         return pb.ClassifyResponse(
-            labels=[pb.Label(name=name, score=score) for name, score in scores],
-            confidence=result.scores[0][1],
-            model=pb.ModelRef(name=result.model.name, version=result.model.version),
-            request_id=ids.request_id if ids else request.request_id,
-            trace_id=ids.trace_id if ids else "",
+            labels=[pb.Label(name=name, score=score) for name, score in ranked],
+            confidence=ranked[0][1],
+            model=pb.ModelRef(name=result.bundle.name, version=result.bundle.version),
+            request_id=ids.request_id,
+            trace_id=ids.trace_id,
             status=pb.RESULT_STATUS_DONE,
         )
 
@@ -58,56 +70,55 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         )
 
 
-def describe(model: ServedModel, device: str) -> model_pb.ModelInfo:
+def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
     loaded_at = timestamp_pb2.Timestamp()
-    loaded_at.FromDatetime(model.loaded_at)
+    loaded_at.FromDatetime(pool.live_since(bundle.name))
     load_duration = duration_pb2.Duration()
-    load_duration.FromNanoseconds(int(model.load_seconds * 1e9))
+    load_duration.FromNanoseconds(int(bundle.load_seconds * 1e9))
+    classifier = bundle.classifier
     return model_pb.ModelInfo(
-        name=model.name,
-        version=model.version,
+        name=bundle.name,
+        version=bundle.version,
         state=model_pb.MODEL_STATE_READY,
         labels=[
             model_pb.ModelLabel(name=label.name, description=label.description)
-            for label in model.labels
+            for label in classifier.labels
         ],
-        max_sequence_length=model.classifier.max_seq_length,
-        devices=[device],
-        source=str(model.source),
+        max_sequence_length=classifier.max_seq_length,
+        devices=[worker.name for worker in pool.workers],
+        source=str(bundle.directory),
         loaded_at=loaded_at,
         load_duration=load_duration,
+        precision=bundle.precision,
+        memory_bytes=bundle.memory_bytes,
+        digest=bundle.digest,
+        architecture=bundle.architecture,
     )
 
 
 class ModelServicer(model_pb_grpc.ModelServiceServicer):
-    def __init__(self, engine: InferenceEngine) -> None:
-        self._engine = engine
+    def __init__(self, pool: WorkerPool, lifecycle: ModelLifecycle) -> None:
+        self._pool = pool
+        self._lifecycle = lifecycle
 
     async def ListModels(
         self, request: model_pb.ListModelsRequest, context: Context
     ) -> model_pb.ListModelsResponse:
-        served = self._engine.served
-        if served is None:
-            info = model_pb.ModelInfo(
-                name=self._engine.model_name,
-                state=model_pb.MODEL_STATE_LOADING,
-                devices=[str(self._engine.device)],
-                source=str(self._engine.source),
-            )
-        else:
-            info = describe(served, str(self._engine.device))
-        return model_pb.ListModelsResponse(models=[info])
+        return model_pb.ListModelsResponse(
+            models=[describe(bundle, self._pool) for bundle in self._pool.models().values()]
+        )
 
     async def GetModel(
         self, request: model_pb.GetModelRequest, context: Context
     ) -> model_pb.GetModelResponse:
-        served = self._engine.model(request.name)
-        return model_pb.GetModelResponse(model=describe(served, str(self._engine.device)))
+        return model_pb.GetModelResponse(
+            model=describe(self._pool.serving(request.name), self._pool)
+        )
 
     async def ReloadModel(
         self, request: model_pb.ReloadModelRequest, context: Context
     ) -> model_pb.ReloadModelResponse:
-        served, previous_version = await self._engine.reload(request.name)
+        bundle, previous = await self._lifecycle.reload(request.name, request.version or None)
         return model_pb.ReloadModelResponse(
-            model=describe(served, str(self._engine.device)), previous_version=previous_version
+            model=describe(bundle, self._pool), previous_version=previous
         )

@@ -9,9 +9,15 @@
     ├── MethodNotServed           UNIMPLEMENTED: ask the other layer
     ├── ModelError                the model could not answer; eligible for fallback
     │   ├── ModelNotReady         UNAVAILABLE: loading or warming up
-    │   └── ModelUnavailable      UNAVAILABLE: the capability server is unreachable
+    │   ├── ModelUnavailable      UNAVAILABLE: the capability server is unreachable
+    │   ├── ModelFault            UNAVAILABLE: NaN output, failed batch, crashed worker
+    │   └── ServerDraining        UNAVAILABLE: shutting down, try another replica
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
+    │   ├── QueueFull             the worker's bounded queue has no room
+    │   └── DeviceMemoryPressure  device memory use is past its threshold
     ├── DeadlineExpired           DEADLINE_EXCEEDED
+    │   ├── DeadlineUnreachable   refused at admission: predicted service > time left
+    │   └── ExpiredInQueue        evicted unseen by the model when its deadline passed
     ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
     └── InternalError             INTERNAL: a bug
 
@@ -134,6 +140,18 @@ class ModelUnavailable(ModelError):
     reason = "MODEL_UNAVAILABLE"
 
 
+class ModelFault(ModelError):
+    """The model produced no usable answer: non-finite output, a failed batch, a crash."""
+
+    reason = "MODEL_FAULT"
+
+
+class ServerDraining(ModelError):
+    """The server is shutting down and admits no new work; another replica can."""
+
+    reason = "SERVER_DRAINING"
+
+
 class Overloaded(ServiceError):
     """Too much work queued; try again after `retry_after_seconds`."""
 
@@ -149,10 +167,34 @@ class Overloaded(ServiceError):
         return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
 
 
+class QueueFull(Overloaded):
+    """The worker's bounded queue is full; the request was not queued."""
+
+    reason = "QUEUE_FULL"
+
+
+class DeviceMemoryPressure(Overloaded):
+    """Device memory in use is past the admission threshold."""
+
+    reason = "DEVICE_MEMORY_PRESSURE"
+
+
 class DeadlineExpired(ServiceError):
     """The request's deadline passed before an answer was ready."""
 
     reason = "DEADLINE_EXPIRED"
+
+
+class DeadlineUnreachable(DeadlineExpired):
+    """Refused at admission: the time left is less than the predicted service time."""
+
+    reason = "DEADLINE_UNREACHABLE"
+
+
+class ExpiredInQueue(DeadlineExpired):
+    """The deadline passed while queued; the request was evicted without being computed."""
+
+    reason = "EXPIRED_IN_QUEUE"
 
 
 class ReloadRefused(ServiceError):

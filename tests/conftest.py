@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from capability.bundle import build_bundle
 from capability.config import CapabilitySettings
 from capability.server import CapabilityServer
 from classify_common.tracing import configure_tracing
@@ -36,6 +37,38 @@ from orchestrator.server import OrchestratorServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCESS_READY_TIMEOUT_SECONDS = 120.0
+
+
+def metric_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
+    return sum(
+        sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model root with version 1 of both real models, built from the gt package."""
+    root = tmp_path_factory.mktemp("models")
+    build_bundle("topic-minilm", root / "topic-minilm" / "1", progress=False)
+    build_bundle("topic-static", root / "topic-static" / "1", progress=False)
+    return root
+
+
+def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySettings:
+    """In-process test settings: any free port, no /metrics port, CPU, no watcher."""
+    values: dict[str, Any] = {
+        "port": 0,
+        "metrics_port": -1,
+        "device": "cpu",
+        "model_root": model_root,
+        "watch_seconds": 0,
+        **overrides,
+    }
+    return CapabilitySettings(**values)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -69,10 +102,10 @@ def write_routes(path: Path, targets: list[str], timeout: str = "5s") -> Path:
 
 
 @pytest_asyncio.fixture(scope="session")
-async def capability(span_exporter: InMemorySpanExporter) -> AsyncIterator[CapabilityServer]:
-    server = CapabilityServer(
-        CapabilitySettings(port=0, metrics_port=-1, device="cpu"), registry=CollectorRegistry()
-    )
+async def capability(
+    span_exporter: InMemorySpanExporter, model_root: Path
+) -> AsyncIterator[CapabilityServer]:
+    server = CapabilityServer(capability_settings(model_root), registry=CollectorRegistry())
     await server.start()
     await server.warm_up()
     yield server
@@ -121,6 +154,26 @@ def model_stub(
     capability_channel: grpc.aio.Channel,
 ) -> model_service_pb2_grpc.ModelServiceAsyncStub:
     return model_service_pb2_grpc.ModelServiceStub(capability_channel)
+
+
+@pytest_asyncio.fixture
+async def start_capability(model_root: Path) -> AsyncIterator[Any]:
+    """Start an extra in-process capability server with settings overrides; warmed up."""
+    started: list[CapabilityServer] = []
+
+    async def start(**overrides: Any) -> CapabilityServer:
+        server = CapabilityServer(
+            capability_settings(overrides.pop("model_root", model_root), **overrides),
+            registry=CollectorRegistry(),
+        )
+        started.append(server)
+        await server.start()
+        await server.warm_up()
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_seconds=0)
 
 
 @dataclass

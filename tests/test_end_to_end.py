@@ -20,10 +20,20 @@ CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 
 @pytest.fixture
 def stack(
-    tmp_path: Path, start_process: Callable[..., ServerProcess]
+    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
 ) -> tuple[ServerProcess, ServerProcess]:
     capability = start_process(
-        "capability", "--port", "0", "--metrics-port", "0", "--device", "cpu"
+        "capability",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--device",
+        "cpu",
+        "--model-root",
+        str(model_root),
+        "--watch-seconds",
+        "0",
     )
     routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
     orchestrator = start_process(

@@ -40,6 +40,27 @@ def test_grace_period_is_bounded() -> None:
         CapabilitySettings(grace_seconds=301)
 
 
-def test_missing_model_dir_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="--model-dir / CAPABILITY_MODEL_DIR"):
-        CapabilitySettings(model_dir=tmp_path / "absent")
+def test_worker_count_is_bounded() -> None:
+    with pytest.raises(SettingsError, match="--cpu-workers / CAPABILITY_CPU_WORKERS"):
+        CapabilitySettings.from_args([], environ={"CAPABILITY_CPU_WORKERS": "0"})
+
+
+def test_models_flag_is_a_comma_separated_list() -> None:
+    settings = CapabilitySettings.from_args(["--models", "topic-minilm, topic-static"], environ={})
+    assert settings.models == ("topic-minilm", "topic-static")
+
+
+def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path: Path) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-static:\n  max_batch_size: 64\n  max_wait_ms: 2\n  precision: bf16\n")
+    settings = CapabilitySettings(model_config=config)
+    static = settings.per_model["topic-static"]
+    assert static.batching.max_batch_size == 64
+    assert static.batching.max_wait_seconds == 0.002
+    assert static.precision == "bf16"
+    config.write_text("topic-static:\n  max_batch: 64\n")
+    with pytest.raises(SettingsError, match=r"topic-static\.max_batch: unknown key"):
+        CapabilitySettings(model_config=config)
+    config.write_text("topic-static:\n  max_batch_size: 0\n")
+    with pytest.raises(SettingsError, match=r"topic-static: max_batch_size 0 is outside 1\.\.1024"):
+        CapabilitySettings(model_config=config)

@@ -1,8 +1,9 @@
-"""The capability server over real gRPC: health around warm-up, ModelService, reload."""
+"""The capability server over real gRPC: health around warm-up, ModelService, reloads."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,12 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from capability.config import CapabilitySettings, default_model_dir
 from capability.server import CapabilityServer
-from tests.status_details import error_reason
+from tests.conftest import capability_settings
+from tests.status_details import error_reason, violations_of
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
+StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 
 
 async def health_status(channel: grpc.aio.Channel, service: str) -> int:
@@ -30,10 +32,15 @@ async def health_status(channel: grpc.aio.Channel, service: str) -> int:
     return int(reply.status)
 
 
-async def test_health_is_not_serving_until_warm_up_finishes() -> None:
-    server = CapabilityServer(
-        CapabilitySettings(port=0, metrics_port=-1, device="cpu"), registry=CollectorRegistry()
-    )
+def copy_version(model_root: Path, target_root: Path, model: str, version: str) -> Path:
+    """Copy version 1 of `model` from the session root to `target_root/model/version`."""
+    destination = target_root / model / version
+    shutil.copytree(model_root / model / "1", destination)
+    return destination
+
+
+async def test_health_is_not_serving_until_warm_up_finishes(model_root: Path) -> None:
+    server = CapabilityServer(capability_settings(model_root), registry=CollectorRegistry())
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -64,18 +71,32 @@ async def test_health_is_not_serving_until_warm_up_finishes() -> None:
 
 async def test_capability_answers_with_model_version_and_sorted_labels(
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
-    capability: CapabilityServer,
 ) -> None:
     response = await capability_stub.Classify(pb.ClassifyRequest(text=STRIKER, top_k=2))
-    served = capability.engine.served
-    assert served is not None
     assert response.labels[0].name == "sports"
     assert len(response.labels) == 2
     assert response.labels[0].score >= response.labels[1].score
     assert response.confidence == response.labels[0].score
-    assert response.model.name == "topic-minilm"
-    assert response.model.version == served.version
-    assert len(response.model.version) == 12
+    assert (response.model.name, response.model.version) == ("topic-minilm", "1")
+
+
+async def test_model_hint_selects_the_static_model(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    response = await capability_stub.Classify(
+        pb.ClassifyRequest(text=STRIKER, model="topic-static")
+    )
+    assert response.model.name == "topic-static"
+    assert response.labels[0].name == "sports"
+
+
+async def test_unknown_model_hint_is_not_found(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await capability_stub.Classify(pb.ClassifyRequest(text=STRIKER, model="no-such-model"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(caught.value) == "MODEL_NOT_FOUND"
 
 
 async def test_capability_does_not_serve_get_result(
@@ -86,20 +107,28 @@ async def test_capability_does_not_serve_get_result(
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-async def test_model_service_lists_and_describes_the_serving_model(
-    model_stub: model_service_pb2_grpc.ModelServiceAsyncStub, capability: CapabilityServer
+async def test_model_service_lists_and_describes_both_models(
+    model_stub: model_service_pb2_grpc.ModelServiceAsyncStub,
 ) -> None:
     listed = await model_stub.ListModels(model_pb.ListModelsRequest())
+    assert [m.name for m in listed.models] == ["topic-minilm", "topic-static"]
     described = await model_stub.GetModel(model_pb.GetModelRequest(name="topic-minilm"))
-    assert [m.name for m in listed.models] == ["topic-minilm"]
     info = described.model
     assert info == listed.models[0]
     assert info.state == model_pb.MODEL_STATE_READY
+    assert info.version == "1"
     assert [label.name for label in info.labels] == ["world", "sports", "business", "sci_tech"]
     assert all(label.description for label in info.labels)
     assert info.max_sequence_length == 256
-    assert list(info.devices) == ["cpu"]
+    assert list(info.devices) == ["cpu:0"]
+    assert info.precision == "fp32"
+    assert info.architecture == "bert-encoder"
+    assert len(info.digest) == 64
+    assert info.memory_bytes > 20_000_000  # ~22.7 M parameters in fp32
     assert info.load_duration.ToNanoseconds() > 0
+    static = listed.models[1]
+    assert static.architecture == "static-embedding"
+    assert static.memory_bytes < info.memory_bytes
 
 
 async def test_model_service_answers_not_found_for_unknown_model(
@@ -111,34 +140,75 @@ async def test_model_service_answers_not_found_for_unknown_model(
     assert error_reason(caught.value) == "MODEL_NOT_FOUND"
 
 
-async def test_failed_reload_is_refused_naming_the_file_and_old_version_keeps_serving(
-    tmp_path: Path,
+@pytest.mark.parametrize("version", ["..", "../topic-static", "1/../../x", ".hidden"])
+async def test_reload_version_cannot_leave_the_model_root(
+    model_stub: model_service_pb2_grpc.ModelServiceAsyncStub, version: str
 ) -> None:
-    model_dir = tmp_path / "model"
-    shutil.copytree(default_model_dir(), model_dir)
-    server = CapabilityServer(
-        CapabilitySettings(port=0, metrics_port=-1, device="cpu", model_dir=model_dir),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    await server.warm_up()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            models = model_service_pb2_grpc.ModelServiceStub(channel)
-            classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await model_stub.ReloadModel(
+            model_pb.ReloadModelRequest(name="topic-minilm", version=version)
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(caught.value) == [("version", "string.pattern")]
 
-            reloaded = await models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm"))
-            version = reloaded.model.version
-            assert reloaded.previous_version == version  # same weights, same version
 
-            (model_dir / "tokenizer.json").unlink()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm"))
-            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "tokenizer.json" in (caught.value.details() or "")
+def flip_one_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
-            response = await classify.Classify(pb.ClassifyRequest(text=STRIKER))
-            assert response.model.version == version
-            assert response.labels[0].name == "sports"
-    finally:
-        await server.stop(grace_seconds=0)
+
+@pytest.mark.parametrize(
+    ("damage", "named_file"),
+    [
+        pytest.param(
+            lambda d: flip_one_byte(d / "layer_03.safetensors"),
+            "layer_03.safetensors",
+            id="hash-mismatch",
+        ),
+        pytest.param(
+            lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json", id="missing-file"
+        ),
+    ],
+)
+async def test_damaged_bundle_is_refused_naming_the_file_and_old_version_keeps_serving(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    damage: Callable[[Path], None],
+    named_file: str,
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-minilm", "1")
+    server = await start_capability(model_root=root, models=("topic-minilm",))
+    damage(copy_version(model_root, root, "topic-minilm", "2"))
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm", version="2"))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert named_file in (caught.value.details() or "")
+        assert "version 1 keeps serving" in (caught.value.details() or "")
+
+        response = await classify.Classify(pb.ClassifyRequest(text=STRIKER))
+        assert response.model.version == "1"
+        assert response.labels[0].name == "sports"
+
+
+async def test_reload_switches_versions_and_reports_the_previous_one(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-minilm", "1")
+    server = await start_capability(model_root=root, models=("topic-minilm",))
+    copy_version(model_root, root, "topic-minilm", "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        reloaded = await models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm"))
+        assert (reloaded.model.version, reloaded.previous_version) == ("2", "1")
+        response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+            pb.ClassifyRequest(text=STRIKER)
+        )
+        assert response.model.version == "2"

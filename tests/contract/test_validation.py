@@ -9,16 +9,16 @@ import pytest
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from capability.metrics import MODEL_FORWARD_TOTAL
+from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
+from tests.conftest import metric_sum
 from tests.status_details import trailers_of, violations_of
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 
 
-def model_forwards(server: CapabilityServer) -> float:
-    value = server.registry.get_sample_value(MODEL_FORWARD_TOTAL, {"model": "topic-minilm"})
-    return value or 0.0
+def texts_computed(server: CapabilityServer) -> float:
+    return metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
 
 
 INVALID_REQUESTS = [
@@ -83,7 +83,7 @@ async def test_orchestrator_rejects_each_broken_rule_with_its_field_violation(
     request_message: pb.ClassifyRequest,
     expected: list[tuple[str, str]],
 ) -> None:
-    forwards_before = model_forwards(capability)
+    forwards_before = texts_computed(capability)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await orchestrator_stub.Classify(request_message)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -91,7 +91,7 @@ async def test_orchestrator_rejects_each_broken_rule_with_its_field_violation(
     trailers = trailers_of(caught.value)
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
-    assert model_forwards(capability) == forwards_before
+    assert texts_computed(capability) == forwards_before
 
 
 @pytest.mark.parametrize(("request_message", "expected"), INVALID_REQUESTS[:4])
@@ -101,12 +101,12 @@ async def test_capability_server_validates_on_its_own(
     request_message: pb.ClassifyRequest,
     expected: list[tuple[str, str]],
 ) -> None:
-    forwards_before = model_forwards(capability)
+    forwards_before = texts_computed(capability)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await capability_stub.Classify(request_message)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violations_of(caught.value) == expected
-    assert model_forwards(capability) == forwards_before
+    assert texts_computed(capability) == forwards_before
 
 
 async def test_empty_text_never_reaches_the_model(
@@ -114,22 +114,21 @@ async def test_empty_text_never_reaches_the_model(
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
     capability: CapabilityServer,
 ) -> None:
-    served = capability.engine.served
-    assert served is not None
+    served = capability.pool.serving("topic-minilm")
     passes_before = served.classifier.forward_count
-    metric_before = model_forwards(capability)
+    metric_before = texts_computed(capability)
 
     for stub in (orchestrator_stub, capability_stub):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Classify(pb.ClassifyRequest(text=""))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert served.classifier.forward_count == passes_before
-    assert model_forwards(capability) == metric_before
+    assert texts_computed(capability) == metric_before
 
     # The counter does move for a request that is valid, by exactly one.
     await orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER))
     assert served.classifier.forward_count == passes_before + 1
-    assert model_forwards(capability) == metric_before + 1
+    assert texts_computed(capability) == metric_before + 1
 
 
 async def test_text_of_exactly_100000_characters_is_accepted_and_truncated(

@@ -1,0 +1,262 @@
+"""`make bench-capability`: our server against the raw model ceiling and a naive server.
+
+All three are measured in one run on this machine, with the same bundle, precision
+and torch threads, so the ratios mean something on a noisy shared host:
+
+1. ceiling: in-process batched forward passes of pre-tokenized short texts at
+   each batch size; the best throughput is the ceiling.
+2. ours: `python -m capability` (one CPU worker, dynamic batching) under 1, 8,
+   32 and 128 concurrent gRPC clients.
+3. naive: a gRPC server in this file that runs one forward per request, as
+   the simplest model server would, under the same clients.
+
+Prints a table and writes build/bench/capability_server.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
+from capability.bundle import load_bundle  # noqa: E402
+
+RESULTS = REPO_ROOT / "build" / "bench" / "capability_server.json"
+BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
+CONCURRENCY = (1, 8, 32, 128)
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+SHORT_TEXTS = [
+    "The striker scored twice in the final minutes of the cup match",
+    "Shares fell sharply after the bank cut its profit forecast",
+    "The new chip doubles battery life in laptops",
+    "Rebels and the army agreed to a ceasefire in the capital",
+    "The goalkeeper saved a penalty in extra time",
+    "Central bank raises interest rates by half a point",
+    "Astronomers detect water vapour on a distant exoplanet",
+    "Parliament votes on the new election law today",
+]
+
+
+def measure_ceiling(seconds_per_size: float) -> dict[str, Any]:
+    """Texts/s of back-to-back forward passes, per batch size, no server in the way."""
+    bundle = load_bundle(BUNDLE, "cpu")
+    classifier = bundle.classifier
+    per_size: dict[int, float] = {}
+    for size in BATCH_SIZES:
+        texts = [SHORT_TEXTS[i % len(SHORT_TEXTS)] for i in range(size)]
+        encoded = classifier.tokenize(texts)
+        classifier.run(encoded)  # warm this shape
+        done = 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds_per_size:
+            classifier.run(encoded)
+            done += size
+        per_size[size] = done / (time.perf_counter() - started)
+    best = max(per_size, key=lambda size: per_size[size])
+    return {
+        "texts_per_second_by_batch_size": per_size,
+        "best_batch_size": best,
+        "ceiling_texts_per_second": per_size[best],
+    }
+
+
+class NaiveServicer(pb_grpc.ClassifyServiceServicer):
+    """One request, one forward pass, on a single thread: no queue, no batching."""
+
+    def __init__(self) -> None:
+        self._classifier = load_bundle(BUNDLE, "cpu").classifier
+        self._device = ThreadPoolExecutor(max_workers=1)
+
+    async def GetResult(self, request: pb.GetResultRequest, context: Any) -> pb.ClassifyResponse:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the naive server keeps no results")
+        raise AssertionError("abort raises")
+
+    async def Classify(self, request: pb.ClassifyRequest, context: Any) -> pb.ClassifyResponse:  # noqa: N802
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._device, self._classifier.classify, [request.text])
+        scores = result.probabilities[0].tolist()
+        labels = sorted(
+            zip((label.name for label in self._classifier.labels), scores, strict=True),
+            key=lambda pair: pair[1],
+            reverse=True,
+        )
+        return pb.ClassifyResponse(
+            labels=[pb.Label(name=name, score=score) for name, score in labels],
+            confidence=labels[0][1],
+            status=pb.RESULT_STATUS_DONE,
+        )
+
+
+async def serve_naive(port: int) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(NaiveServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+async def drive(target: str, concurrency: int, seconds: float) -> dict[str, float]:
+    """`concurrency` clients in closed loop for `seconds`; throughput and latency."""
+    latencies: list[float] = []
+    errors = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ClassifyServiceStub(channel)
+        # One warm-up call per client so connection set-up is not measured.
+        await asyncio.gather(
+            *(stub.Classify(pb.ClassifyRequest(text=SHORT_TEXTS[0])) for _ in range(concurrency))
+        )
+        stop_at = time.perf_counter() + seconds
+
+        async def client(offset: int) -> None:
+            nonlocal errors
+            n = offset
+            while time.perf_counter() < stop_at:
+                started = time.perf_counter()
+                try:
+                    await stub.Classify(
+                        pb.ClassifyRequest(text=SHORT_TEXTS[n % len(SHORT_TEXTS)]), timeout=30
+                    )
+                    latencies.append(time.perf_counter() - started)
+                except grpc.aio.AioRpcError:
+                    errors += 1
+                n += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "requests_per_second": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan"),
+        "errors": errors,
+    }
+
+
+def start(command: list[str], ready_marker: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if ready_marker in line:
+            return process
+    raise SystemExit(f"{command} exited before it was ready")
+
+
+def run_load(target: str, seconds: float) -> dict[int, dict[str, float]]:
+    return {c: asyncio.run(drive(target, c, seconds)) for c in CONCURRENCY}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=6.0, help="load per concurrency level")
+    parser.add_argument("--naive-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.naive_server:
+        asyncio.run(serve_naive(args.naive_server))
+        return
+
+    threads = torch.get_num_threads()
+    print(f"ceiling: in-process forward passes ({threads} torch threads)...", flush=True)
+    ceiling = measure_ceiling(seconds_per_size=2.0)
+
+    print("ours: python -m capability ...", flush=True)
+    ours_process = start(
+        [
+            sys.executable,
+            "-m",
+            "capability",
+            "--port",
+            "50352",
+            "--metrics-port",
+            "-1",
+            "--models",
+            "topic-minilm",
+            "--device",
+            "cpu",
+        ],
+        '"event": "serving"',
+    )
+    try:
+        ours = run_load("127.0.0.1:50352", args.seconds)
+    finally:
+        ours_process.terminate()
+        ours_process.wait(30)
+
+    print("naive: one forward per request ...", flush=True)
+    naive_process = start([sys.executable, __file__, "--naive-server", "50353"], "ready")
+    try:
+        naive = run_load("127.0.0.1:50353", args.seconds)
+    finally:
+        naive_process.terminate()
+        naive_process.wait(30)
+
+    top = ceiling["ceiling_texts_per_second"]
+    print()
+    print(
+        f"raw ceiling: {top:.0f} texts/s at batch {ceiling['best_batch_size']} "
+        f"(by batch size: "
+        + ", ".join(f"{b}: {t:.0f}" for b, t in ceiling["texts_per_second_by_batch_size"].items())
+        + ")"
+    )
+    print(
+        f"{'clients':>7} | {'ours req/s':>10} {'p50 ms':>7} {'p99 ms':>7} {'/ceiling':>8} | "
+        f"{'naive req/s':>11} {'p50 ms':>7} {'p99 ms':>7} {'/ceiling':>8} | {'ours/naive':>10}"
+    )
+    for c in CONCURRENCY:
+        o, n = ours[c], naive[c]
+        print(
+            f"{c:>7} | {o['requests_per_second']:>10.0f} {o['p50_ms']:>7.1f} {o['p99_ms']:>7.1f} "
+            f"{o['requests_per_second'] / top:>8.2f} | {n['requests_per_second']:>11.0f} "
+            f"{n['p50_ms']:>7.1f} {n['p99_ms']:>7.1f} {n['requests_per_second'] / top:>8.2f} | "
+            f"{o['requests_per_second'] / n['requests_per_second']:>10.2f}"
+        )
+    errors = sum(r["errors"] for r in (*ours.values(), *naive.values()))
+    print(f"errors: {errors}")
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "torch_threads": threads,
+                    "torch": torch.__version__,
+                },
+                "ceiling": ceiling,
+                "ours": ours,
+                "naive": naive,
+            },
+            indent=2,
+        )
+    )
+    print(f"results: {RESULTS.relative_to(REPO_ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

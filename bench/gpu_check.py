@@ -1,0 +1,85 @@
+"""`make gpu-check`: a worker per GPU, a batch-size sweep, memory and the TF32 state.
+
+Runs in under five minutes. Without CUDA it runs the same sweep on the CPU
+through the same code path, so the script itself is checked on every machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from capability.batching import BatchingSettings  # noqa: E402
+from capability.metrics import CapabilityMetrics  # noqa: E402
+from capability.workers import WorkerPool, discover_devices  # noqa: E402
+from capability.workers.cuda import configure_cuda_defaults, read_device_memory, tf32_enabled  # noqa: E402
+
+BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
+BATCH_SIZES = (1, 8, 32, 128, 256)
+SECONDS_PER_SIZE = 3.0
+TEXT = "The striker scored twice in the final minutes of the cup match"
+MIB = 1024 * 1024
+
+
+async def main() -> None:
+    configure_cuda_defaults()
+    devices = discover_devices("auto", cpu_workers=1)
+    print(
+        f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, "
+        f"devices: {[str(d) for d in devices]}"
+    )
+    for device in devices:
+        if device.type == "cuda":
+            print(f"  {device}: {torch.cuda.get_device_name(device)}")
+    print(f"TF32 enabled: {tf32_enabled()} (expected False)")
+    pool = WorkerPool(devices, CapabilityMetrics(CollectorRegistry()), memory_threshold=0.82)
+    try:
+        bundle = await pool.load(BUNDLE, BatchingSettings())
+        print(
+            f"model {bundle.name} v{bundle.version}, load {bundle.load_seconds:.2f} s per replica"
+        )
+        for worker in pool.workers:
+            classifier = worker.replicas[bundle.name].bundle.classifier
+            print(
+                f"\n{worker.name}: batch | texts/s | batch latency p50 ms | p99 ms | "
+                "allocated MiB | reserved MiB | peak MiB"
+            )
+            for size in BATCH_SIZES:
+                encoded = classifier.tokenize([TEXT] * size)
+                await worker.run_on_device(classifier.run, encoded)
+                timings: list[float] = []
+                stop_at = time.perf_counter() + SECONDS_PER_SIZE
+                while time.perf_counter() < stop_at:
+                    started = time.perf_counter()
+                    # run() copies probabilities to the host, so the device has finished.
+                    await worker.run_on_device(classifier.run, encoded)
+                    timings.append(time.perf_counter() - started)
+                timings.sort()
+                memory = read_device_memory(worker.device)
+                memory_text = (
+                    f"{memory.allocated_bytes / MIB:13.0f} | {memory.reserved_bytes / MIB:12.0f} | "
+                    f"{memory.peak_allocated_bytes / MIB:8.0f}"
+                    if memory
+                    else "            - |            - |        -"
+                )
+                print(
+                    f"{worker.name:>8}: {size:5d} | {size * len(timings) / sum(timings):7.0f} | "
+                    f"{statistics.median(timings) * 1000:20.2f} | "
+                    f"{timings[int(0.99 * (len(timings) - 1))] * 1000:6.2f} | {memory_text}"
+                )
+    finally:
+        await pool.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,48 @@
+"""Per-model batching settings: validated values with measured defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from classify_common.settings import SettingsError
+
+# Defaults measured with `make bench-capability` on a 2-core CPU machine (see
+# README, "Batching"): beyond 32 a CPU batch gains no throughput, and a 5 ms
+# window fills batches under load while adding at most 5 ms when idle.
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_MAX_WAIT_SECONDS = 0.005
+DEFAULT_QUEUE_CAPACITY = 256
+# Upper token bounds of the length buckets. A batch is formed from one bucket,
+# so a text pads to at most its bucket's bound.
+DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    # Most texts in one forward pass, 1..1024.
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    # Longest the oldest queued request waits for its batch to fill, seconds, 0..1.
+    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
+    # Requests one worker may hold queued for one model, 1..100000; more are
+    # refused with RESOURCE_EXHAUSTED, never buffered.
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    # Ascending token bounds; a text longer than the last bound joins the last bucket.
+    length_buckets: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch_size <= 1024:
+            raise SettingsError(f"max_batch_size {self.max_batch_size} is outside 1..1024")
+        if not 0 <= self.max_wait_seconds <= 1:
+            raise SettingsError(f"max_wait_seconds {self.max_wait_seconds} is outside 0..1")
+        if not 1 <= self.queue_capacity <= 100_000:
+            raise SettingsError(f"queue_capacity {self.queue_capacity} is outside 1..100000")
+        buckets = self.length_buckets
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise SettingsError(f"length_buckets {buckets} must be ascending positive integers")
+
+    def bucket_of(self, tokens: int) -> int:
+        """Index of the bucket a text of `tokens` tokens belongs to."""
+        for index, bound in enumerate(self.length_buckets):
+            if tokens <= bound:
+                return index
+        return len(self.length_buckets) - 1

@@ -1,0 +1,171 @@
+"""Which model versions exist, which serve, and how a new one takes over.
+
+The model root holds one folder per model and one bundle folder per version:
+`<root>/topic-minilm/1/`, `<root>/topic-minilm/2/`, ... The newest version
+(numeric names by value, others after them by name) is loaded at start. A
+reload loads a named or the newest version; the watcher reloads whenever a
+newer version folder appears, so a deploy is "copy the bundle in". Every path
+is built from validated names and checked to stay inside the root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from capability.bundle import BundleError, LoadedBundle
+from capability.config import ModelServingSettings
+from capability.metrics import CapabilityMetrics
+from capability.workers import WorkerPool
+from classify_common.errors import ModelNotFound, ReloadRefused
+
+log = logging.getLogger(__name__)
+
+NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
+VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MANIFEST = "manifest.json"
+
+
+def version_order(version: str) -> tuple[int, int, str]:
+    """Numeric versions sort by value (2 < 10), before any named ones."""
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+class ModelRoot:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def model_names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            path.name
+            for path in self.root.iterdir()
+            if path.is_dir() and NAME_PATTERN.fullmatch(path.name) and self.versions(path.name)
+        )
+
+    def versions(self, name: str) -> list[str]:
+        """Version folders of `name` that hold a manifest, oldest first."""
+        folder = self._model_folder(name)
+        if not folder.is_dir():
+            return []
+        found = [
+            path.name
+            for path in folder.iterdir()
+            if path.is_dir()
+            and VERSION_PATTERN.fullmatch(path.name)
+            and (path / MANIFEST).is_file()
+        ]
+        return sorted(found, key=version_order)
+
+    def newest(self, name: str) -> str | None:
+        versions = self.versions(name)
+        return versions[-1] if versions else None
+
+    def version_dir(self, name: str, version: str) -> Path:
+        """The folder of one version, refusing any name that could leave the root."""
+        if not VERSION_PATTERN.fullmatch(version) or version in (".", ".."):
+            raise ModelNotFound(f"{version!r} is not a version name", model=name)
+        path = (self._model_folder(name) / version).resolve()
+        if not path.is_relative_to(self.root):
+            raise ModelNotFound(f"version {version!r} of {name!r} is outside the model root")
+        if not (path / MANIFEST).is_file():
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r} under the model root", model=name
+            )
+        return path
+
+    def _model_folder(self, name: str) -> Path:
+        if not NAME_PATTERN.fullmatch(name):
+            raise ModelNotFound(f"{name!r} is not a model name", model=name)
+        return self.root / name
+
+
+class ModelLifecycle:
+    def __init__(
+        self,
+        root: ModelRoot,
+        pool: WorkerPool,
+        serving_settings: Mapping[str, ModelServingSettings],
+        default_settings: ModelServingSettings,
+        metrics: CapabilityMetrics,
+    ) -> None:
+        self.root = root
+        self.pool = pool
+        self._settings = serving_settings
+        self._default_settings = default_settings
+        self._metrics = metrics
+        self._locks: dict[str, asyncio.Lock] = {}
+        # (model, version) pairs whose load failed, so the watcher does not retry
+        # a broken bundle every poll; a new version folder is tried afresh.
+        self._refused: set[tuple[str, str]] = set()
+
+    def settings_for(self, name: str) -> ModelServingSettings:
+        return self._settings.get(name, self._default_settings)
+
+    async def load_initial(self, names: tuple[str, ...]) -> None:
+        """Load the newest version of each model (all under the root when `names` is empty)."""
+        wanted = names or tuple(self.root.model_names())
+        if not wanted:
+            raise ModelNotFound(f"no model bundles under {self.root}; run `make bundles`")
+        for name in wanted:
+            version = self.root.newest(name)
+            if version is None:
+                raise ModelNotFound(f"model {name!r} has no bundle under {self.root}", model=name)
+            await self._load(name, version)
+
+    async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
+        """Load `version` (default: newest) of a served model; returns (new, previous version)."""
+        previous = self.pool.serving(name)
+        target = version or self.root.newest(name)
+        if target is None:
+            raise ModelNotFound(f"model {name!r} has no bundle under {self.root}", model=name)
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            try:
+                bundle = await self._load(name, target)
+            except (BundleError, OSError) as exc:
+                self._refused.add((name, target))
+                self._metrics.reloads.labels(name, "refused").inc()
+                log.warning(
+                    "reload refused",
+                    extra={
+                        "model": name,
+                        "version": target,
+                        "error": str(exc),
+                        "serving": previous.version,
+                    },
+                )
+                raise ReloadRefused(
+                    f"version {target} of {name!r} refused, version {previous.version} keeps "
+                    f"serving: {exc}",
+                    model=name,
+                    version=target,
+                ) from exc
+        self._metrics.reloads.labels(name, "ok").inc()
+        return bundle, previous.version
+
+    async def _load(self, name: str, version: str) -> LoadedBundle:
+        directory = self.root.version_dir(name, version)
+        settings = self.settings_for(name)
+        return await self.pool.load(
+            directory, settings.batching, settings.precision, expected_name=name
+        )
+
+    async def watch(self, interval_seconds: float) -> None:
+        """Reload a model whenever a newer version folder than the serving one appears."""
+        while True:
+            await asyncio.sleep(interval_seconds)
+            for name, serving in self.pool.models().items():
+                newest = self.root.newest(name)
+                if newest is None or (name, newest) in self._refused:
+                    continue
+                if version_order(newest) > version_order(serving.version):
+                    log.info("new version found", extra={"model": name, "version": newest})
+                    # A refusal is logged and counted in reload; the old version serves on.
+                    with contextlib.suppress(ReloadRefused):
+                        await self.reload(name, newest)

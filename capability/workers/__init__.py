@@ -1,0 +1,6 @@
+"""One worker per device, and the pool that dispatches requests to them."""
+
+from capability.workers.pool import WorkerPool, discover_devices
+from capability.workers.worker import DeviceWorker, ModelReplica, TextResult
+
+__all__ = ["DeviceWorker", "ModelReplica", "TextResult", "WorkerPool", "discover_devices"]

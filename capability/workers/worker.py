@@ -1,0 +1,351 @@
+"""One worker per device: it owns the device, its model replicas and their queues.
+
+Every call that touches the device runs on the worker's single device thread,
+so nothing else uses the device, and the event loop never blocks on a model.
+A worker holds one active ModelReplica per model, each with its own bounded
+queue and batching task. A reload installs a new replica beside the old one
+and switches new admissions to it; the old replica finishes what it admitted,
+then retires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from capability.batching import BatchingSettings, PendingRequest, RequestQueue, ServiceTimeModel
+from capability.bundle import LoadedBundle
+from capability.metrics import CapabilityMetrics
+from capability.model import EncodedText
+from classify_common.errors import (
+    DeadlineUnreachable,
+    DeviceMemoryPressure,
+    ModelFault,
+    ServerDraining,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Seconds a worker's batching loop waits before restarting after a crash, so a
+# fault that recurs at once does not spin the loop.
+RESTART_BACKOFF_SECONDS = 0.1
+# Shapes timed at warm-up to seed the service-time fit: (texts, tokens each).
+WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """One text's label probabilities and the exact model version that computed them."""
+
+    probabilities: tuple[float, ...]
+    bundle: LoadedBundle
+    token_count: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    probabilities: torch.Tensor  # (B, L) float32 on the CPU
+    finite_rows: tuple[bool, ...]
+    padded_tokens: int
+    seconds: float
+
+
+class ModelReplica:
+    """One version of one model on one worker, with its queue and batching task."""
+
+    def __init__(
+        self,
+        bundle: LoadedBundle,
+        worker: DeviceWorker,
+        settings: BatchingSettings,
+        metrics: CapabilityMetrics,
+    ) -> None:
+        self.bundle = bundle
+        self.worker = worker
+        self.settings = settings
+        self.service_time = ServiceTimeModel()
+        self._metrics = metrics
+        self.queue: RequestQueue[TextResult] = RequestQueue(
+            settings,
+            retry_after=self._predict_drain_seconds,
+            on_evicted=lambda request: metrics.evictions.labels(bundle.name).inc(),
+        )
+        self.in_flight = 0
+        # Routed here and being tokenized, not yet queued: counted as load so a
+        # burst does not all pick the same worker before any of it is queued.
+        self.arriving = 0
+        self.draining = False
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def name(self) -> str:
+        return self.bundle.name
+
+    @property
+    def load(self) -> int:
+        """Texts arriving, queued or computing: what least-loaded dispatch compares."""
+        return self.arriving + len(self.queue) + self.in_flight
+
+    def _predict_drain_seconds(self, depth: int) -> float:
+        full_batches = math.ceil(depth / self.settings.max_batch_size)
+        per_batch = self.service_time.predict(
+            self.settings.max_batch_size, self.settings.length_buckets[0]
+        )
+        return max(full_batches * per_batch, 0.001)
+
+    def predicted_service_seconds(self, tokens: int) -> float:
+        """Time the batch this text would join is expected to take on the device."""
+        bucket = self.settings.bucket_of(tokens)
+        bound = max(self.settings.length_buckets[bucket], tokens)
+        size = min(self.queue.depth_in_bucket(bucket) + 1, self.settings.max_batch_size)
+        return self.service_time.predict(size, bound)
+
+    def admit(
+        self, encoded: EncodedText, *, priority: int, request_id: str, deadline: float | None
+    ) -> asyncio.Future[TextResult]:
+        if self.draining:
+            raise ServerDraining(f"model {self.name} version {self.bundle.version} is retiring")
+        if deadline is not None:
+            remaining = deadline - asyncio.get_running_loop().time()
+            predicted = self.predicted_service_seconds(len(encoded))
+            if remaining < predicted:
+                raise DeadlineUnreachable(
+                    f"{remaining * 1000:.0f} ms left, but the model needs about "
+                    f"{predicted * 1000:.0f} ms",
+                    remaining_ms=round(remaining * 1000),
+                    predicted_ms=round(predicted * 1000),
+                )
+        future = self.queue.admit(
+            encoded, priority=priority, request_id=request_id, deadline=deadline
+        )
+        self._idle.clear()
+        self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
+        return future
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(
+            self._supervise(), name=f"batcher-{self.worker.name}-{self.name}"
+        )
+
+    async def warm_up(self) -> None:
+        """Time a few batch shapes on the device to seed the service-time fit."""
+        for texts, tokens in WARM_UP_SHAPES:
+            encoded = [EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)]
+            await self.worker.run_on_device(self._compute, encoded * texts)
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                await self._run_batches()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug in the loop itself, not a model fault (those are answered per
+                # batch): every waiter of the lost batch was answered in _run_one;
+                # restart so the queue keeps being served.
+                log.exception(
+                    "batching loop crashed; restarting", extra={"worker": self.worker.name}
+                )
+                self._metrics.worker_restarts.labels(self.worker.name).inc()
+                await asyncio.sleep(RESTART_BACKOFF_SECONDS)
+
+    async def _run_batches(self) -> None:
+        while True:
+            await self.queue.wait_not_empty()
+            # The batch is formed only once the device is ours: until then requests
+            # keep joining the queue, so a later interactive request still goes
+            # first and a busy device yields fuller batches.
+            async with self.worker.device_turn:
+                batch = await self.queue.next_batch()
+                self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
+                await self._run_one(batch)
+            if not self.queue and not self.in_flight:
+                self._idle.set()
+
+    async def _run_one(self, batch: list[PendingRequest[TextResult]]) -> None:
+        live = [request for request in batch if not request.future.done()]
+        if not live:
+            return
+        self.in_flight = len(live)
+        try:
+            outcome = await self.worker.execute(self._compute, [r.encoded for r in live])
+        except Exception as exc:
+            ids = [request.request_id for request in live]
+            log.exception(
+                "batch failed",
+                extra={"model": self.name, "worker": self.worker.name, "request_ids": ids},
+            )
+            self._metrics.batch_failures.labels(self.name, self.worker.name).inc()
+            for request in live:
+                if not request.future.done():
+                    request.future.set_exception(
+                        ModelFault(f"the batch failed on {self.worker.name}: {type(exc).__name__}")
+                    )
+            return
+        finally:
+            self.in_flight = 0
+        self._record(live, outcome)
+        for row, request in enumerate(live):
+            if request.future.done():
+                continue  # the caller went away; the result has no one to go to
+            if not outcome.finite_rows[row]:
+                request.future.set_exception(ModelFault("the model produced non-finite scores"))
+                continue
+            request.future.set_result(
+                TextResult(
+                    probabilities=tuple(outcome.probabilities[row].tolist()),
+                    bundle=self.bundle,
+                    token_count=len(request.encoded),
+                    truncated=request.encoded.truncated,
+                )
+            )
+
+    def _record(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
+        worker = self.worker.name
+        self._metrics.model_forwards.labels(self.name, worker).inc()
+        self._metrics.model_texts.labels(self.name, worker).inc(len(batch))
+        self._metrics.batch_size.labels(self.name, worker).observe(len(batch))
+        real_tokens = sum(len(request.encoded) for request in batch)
+        self._metrics.padding_ratio.labels(self.name).observe(
+            1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
+        )
+
+    def _compute(self, encoded: list[EncodedText]) -> BatchOutcome:
+        """On the device thread: one forward pass, timed for the service-time fit."""
+        started = time.perf_counter()
+        result = self.bundle.classifier.run(encoded)
+        seconds = time.perf_counter() - started
+        padded = max(len(text) for text in encoded)
+        self.service_time.record(len(encoded), padded, seconds)
+        finite = torch.isfinite(result.probabilities).all(dim=1)
+        return BatchOutcome(
+            probabilities=result.probabilities,
+            finite_rows=tuple(bool(ok) for ok in finite.tolist()),
+            padded_tokens=padded,
+            seconds=seconds,
+        )
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is queued or computing."""
+        while self.queue or self.in_flight:
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def stop(self, error: Exception) -> None:
+        self.queue.fail_all(error)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(KeyError):  # never set when nothing was admitted
+            self._metrics.queue_depth.remove(self.name, self.worker.name)
+
+
+class DeviceWorker:
+    """Owns one device: its thread, its replicas, and admission to them."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        name: str,
+        metrics: CapabilityMetrics,
+        *,
+        memory_threshold: float,
+    ) -> None:
+        self.device = device
+        self.name = name
+        self._metrics = metrics
+        self._memory_threshold = memory_threshold
+        self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"device-{name}")
+        # Whoever holds this may use the device next (FIFO): batches of every
+        # replica, warm-ups and maintenance take turns through it.
+        self.device_turn = asyncio.Lock()
+        self.replicas: dict[str, ModelReplica] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    async def run_on_device(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on this worker's device thread when it is its turn."""
+        async with self.device_turn:
+            return await self.execute(fn, *args)
+
+    async def execute(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on the device thread; the caller holds `device_turn`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._device_thread, fn, *args)
+
+    def memory_in_use(self) -> float | None:
+        """Share of device memory in use (CUDA), or None where it is not measured."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return 1.0 - free / total
+
+    def check_memory(self, model: str) -> None:
+        in_use = self.memory_in_use()
+        if in_use is not None and in_use > self._memory_threshold:
+            raise DeviceMemoryPressure(
+                f"{self.name} memory is {in_use:.0%} used (threshold {self._memory_threshold:.0%})",
+                retry_after_seconds=0.5,
+                worker=self.name,
+            )
+
+    async def install(self, bundle: LoadedBundle, settings: BatchingSettings) -> None:
+        """Warm a replica of `bundle` here, then make it the one new requests join."""
+        replica = ModelReplica(bundle, self, settings, self._metrics)
+        await replica.warm_up()
+        replica.start()
+        previous = self.replicas.get(bundle.name)
+        self.replicas[bundle.name] = replica
+        self._metrics.model_info.labels(
+            bundle.name, bundle.version, self.name, bundle.precision
+        ).set(1)
+        self._metrics.model_load_seconds.labels(bundle.name, self.name).set(bundle.load_seconds)
+        if previous is not None:
+            task = asyncio.create_task(self._retire(previous))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, replica: ModelReplica) -> None:
+        """Finish what the old version admitted, then let it go."""
+        replica.draining = True
+        await replica.wait_idle()
+        await replica.stop(ServerDraining("the model version was replaced"))
+        bundle = replica.bundle
+        if self.replicas.get(bundle.name) is not replica:
+            # Only drop the info series if the new version does not share its labels.
+            current = self.replicas.get(bundle.name)
+            if current is None or current.bundle.version != bundle.version:
+                self._metrics.model_info.remove(
+                    bundle.name, bundle.version, self.name, bundle.precision
+                )
+        log.info(
+            "model version retired",
+            extra={"model": bundle.name, "version": bundle.version, "worker": self.name},
+        )
+
+    async def drain(self) -> None:
+        """Stop admitting and wait until every admitted request is answered."""
+        for replica in self.replicas.values():
+            replica.draining = True
+        await asyncio.gather(*(replica.wait_idle() for replica in self.replicas.values()))
+        if self._retiring:
+            await asyncio.gather(*self._retiring)
+
+    async def close(self) -> None:
+        for replica in self.replicas.values():
+            await replica.stop(ServerDraining("the server is shutting down"))
+        self._device_thread.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,121 @@
+"""The request queue and service-time model on a real event loop (no device involved)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from capability.batching import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    BatchingSettings,
+    RequestQueue,
+    ServiceTimeModel,
+)
+from capability.model import EncodedText
+from classify_common.errors import ExpiredInQueue, QueueFull
+
+
+def text(tokens: int) -> EncodedText:
+    return EncodedText(ids=tuple(range(tokens)), truncated=False)
+
+
+def make_queue(**overrides: object) -> RequestQueue[str]:
+    settings = BatchingSettings(**{"max_wait_seconds": 0.0, **overrides})  # type: ignore[arg-type]
+    return RequestQueue(settings, retry_after=lambda depth: 0.25 * depth)
+
+
+async def test_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+    queue = make_queue(queue_capacity=3)
+    for n in range(3):
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=None)
+    with pytest.raises(QueueFull) as caught:
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id="r3", deadline=None)
+    assert caught.value.retry_after_seconds == 0.75
+    assert len(queue) == 3
+    assert queue.high_water == 3
+
+
+async def test_request_expiring_in_the_queue_is_answered_at_its_deadline_and_never_batched() -> (
+    None
+):
+    queue = make_queue()
+    loop = asyncio.get_running_loop()
+    expiring = queue.admit(
+        text(8), priority=PRIORITY_INTERACTIVE, request_id="late", deadline=loop.time() + 0.05
+    )
+    # Nothing takes batches meanwhile: the eviction does not wait for a worker.
+    with pytest.raises(ExpiredInQueue):
+        await asyncio.wait_for(expiring, timeout=5)
+    assert len(queue) == 0
+    keeper = queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id="ok", deadline=None)
+    batch = await queue.next_batch()
+    assert [r.request_id for r in batch] == ["ok"]
+    assert not keeper.done()
+
+
+async def test_interactive_requests_are_batched_before_older_batch_requests() -> None:
+    queue = make_queue(max_batch_size=2, length_buckets=(16, 64))
+    for n in range(2):
+        queue.admit(text(40), priority=PRIORITY_BATCH, request_id=f"batch{n}", deadline=None)
+    for n in range(2):
+        queue.admit(text(40), priority=PRIORITY_INTERACTIVE, request_id=f"live{n}", deadline=None)
+    first = await queue.next_batch()
+    second = await queue.next_batch()
+    assert [r.request_id for r in first] == ["live0", "live1"]
+    assert [r.request_id for r in second] == ["batch0", "batch1"]
+
+
+async def test_batches_hold_one_length_bucket_and_top_up_with_lower_priority() -> None:
+    queue = make_queue(max_batch_size=4, length_buckets=(16, 64))
+    queue.admit(text(10), priority=PRIORITY_INTERACTIVE, request_id="short", deadline=None)
+    queue.admit(text(50), priority=PRIORITY_INTERACTIVE, request_id="long", deadline=None)
+    queue.admit(text(12), priority=PRIORITY_BATCH, request_id="short-batch", deadline=None)
+    first = await queue.next_batch()
+    second = await queue.next_batch()
+    assert [r.request_id for r in first] == ["short", "short-batch"]
+    assert [r.request_id for r in second] == ["long"]
+
+
+async def test_batch_closes_when_full_without_waiting_for_the_window() -> None:
+    queue = make_queue(max_batch_size=3, max_wait_seconds=1.0)
+    for n in range(3):
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=None)
+    # A full batch is returned without awaiting the 1 s window at all.
+    batch = await asyncio.wait_for(queue.next_batch(), timeout=0.5)
+    assert len(batch) == 3
+
+
+async def test_partial_batch_closes_after_the_oldest_waited_max_wait() -> None:
+    queue = make_queue(max_batch_size=8, max_wait_seconds=0.02)
+    queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id="alone", deadline=None)
+    batch = await asyncio.wait_for(queue.next_batch(), timeout=5)
+    assert [r.request_id for r in batch] == ["alone"]
+
+
+async def test_fail_all_answers_every_waiter() -> None:
+    queue = make_queue()
+    futures = [
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=None)
+        for n in range(5)
+    ]
+    queue.fail_all(RuntimeError("stopping"))
+    for future in futures:
+        with pytest.raises(RuntimeError, match="stopping"):
+            await future
+    assert len(queue) == 0
+
+
+def test_service_time_fit_recovers_launch_per_text_and_per_token_costs() -> None:
+    model = ServiceTimeModel()
+    launch, per_text, per_token = 0.002, 0.0005, 0.00001
+    for batch_size in (1, 2, 4, 8, 16, 32):
+        for tokens in (16, 64, 256):
+            model.record(
+                batch_size, tokens, launch + per_text * batch_size + per_token * batch_size * tokens
+            )
+    assert model.predict(10, 100) == pytest.approx(
+        launch + per_text * 10 + per_token * 1000, rel=1e-3
+    )
+    assert model.predict(1, 16) > 0

@@ -1,0 +1,281 @@
+"""Queues, batching, workers, reloads and shutdown of a real capability server.
+
+To make queueing deterministic without timing, tests occupy a worker's device
+thread with a call that waits on an event: requests then queue exactly as they
+would behind a long batch, and the test decides when the device frees up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.batching import PRIORITY_INTERACTIVE
+from capability.metrics import (
+    ADMISSIONS_REFUSED_TOTAL,
+    BATCH_SIZE,
+    EVICTIONS_TOTAL,
+    MODEL_FORWARD_TOTAL,
+    MODEL_TEXTS_TOTAL,
+)
+from capability.model import EncodedText
+from capability.server import CapabilityServer
+from capability.workers import DeviceWorker, ModelReplica
+from classify_common.errors import DeadlineUnreachable
+from tests.conftest import metric_sum
+from tests.status_details import error_reason
+
+StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
+TEXTS = [
+    "The striker scored twice in the final minutes of the cup match",
+    "Shares fell sharply after the bank cut its profit forecast",
+    "The new chip doubles battery life in laptops",
+    "Rebels and the army agreed to a ceasefire in the capital",
+    "The goalkeeper saved a penalty in extra time",
+    "Central bank raises interest rates by half a point",
+    "Astronomers detect water vapour on a distant exoplanet",
+    "Parliament votes on the new election law today",
+]
+
+
+@contextlib.asynccontextmanager
+async def device_occupied(worker: DeviceWorker) -> AsyncIterator[None]:
+    """Hold the worker's device thread until the block exits, like a long batch would."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(60)
+
+    holding = asyncio.ensure_future(worker.run_on_device(hold))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    try:
+        yield
+    finally:
+        release.set()
+        await holding
+
+
+def queue_has(replica: ModelReplica, depth: int) -> bool:
+    return len(replica.queue) == depth
+
+
+async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_seconds
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def classify_stub(server: CapabilityServer) -> AsyncIterator[Any]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+
+async def test_queue_overflow_is_refused_at_once_and_the_queue_never_grows(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), queue_capacity=4, max_batch_size=4)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            calls = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t))) for t in TEXTS * 3
+            ]
+            # While the device is still busy, everything beyond capacity is already answered.
+            await wait_until(lambda: sum(call.done() for call in calls) == len(calls) - 4)
+            refused = [call for call in calls if call.done()]
+            for call in refused:
+                error = call.exception()
+                assert isinstance(error, grpc.aio.AioRpcError)
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert error_reason(error) == "QUEUE_FULL"
+            assert len(replica.queue) == 4
+        answered = await asyncio.gather(*(c for c in calls if c not in refused))
+    assert all(response.labels for response in answered)
+    assert replica.queue.high_water == 4
+    assert (
+        metric_sum(
+            server.registry, ADMISSIONS_REFUSED_TOTAL, model="topic-minilm", reason="QUEUE_FULL"
+        )
+        == len(calls) - 4
+    )
+
+
+async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_computed(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    async with classify_stub(server) as stub, device_occupied(worker):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=TEXTS[0]), timeout=0.5)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Evicted now, while the device is still held: it did not wait for the batch.
+        await wait_until(
+            lambda: metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 1
+        )
+    await worker.replicas["topic-minilm"].wait_idle()
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before
+
+
+async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
+    capability: CapabilityServer,
+) -> None:
+    replica = capability.pool.workers[0].replicas["topic-minilm"]
+    assert replica.predicted_service_seconds(20) > 0  # learned from warm-up batches
+    tight = asyncio.get_running_loop().time() + replica.predicted_service_seconds(20) / 10
+    with pytest.raises(DeadlineUnreachable):
+        replica.admit(
+            EncodedText(ids=tuple(range(20)), truncated=False),
+            priority=PRIORITY_INTERACTIVE,
+            request_id="too-tight",
+            deadline=tight,
+        )
+    assert len(replica.queue) == 0
+
+
+async def test_interactive_requests_are_served_before_queued_batch_requests(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=1)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    finished: list[str] = []
+
+    async def call(stub: Any, name: str, priority: int) -> None:
+        await stub.Classify(pb.ClassifyRequest(text=TEXTS[0], priority=priority))  # type: ignore[arg-type]
+        finished.append(name)
+
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            tasks = []
+            order = [(f"batch{n}", pb.PRIORITY_BATCH) for n in range(3)]
+            order += [(f"live{n}", pb.PRIORITY_INTERACTIVE) for n in range(3)]
+            for queued, (name, priority) in enumerate(order, start=1):
+                # One at a time, so the queue's arrival order is the order above.
+                tasks.append(asyncio.ensure_future(call(stub, name, priority)))
+                await wait_until(partial(queue_has, replica, queued))
+        await asyncio.gather(*tasks)
+    assert finished == ["live0", "live1", "live2", "batch0", "batch1", "batch2"]
+
+
+async def test_batched_results_equal_unbatched_results(start_capability: StartCapability) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=8, max_wait_ms=200)
+    worker = server.pool.workers[0]
+    async with classify_stub(server) as stub:
+        one_by_one = [await stub.Classify(pb.ClassifyRequest(text=text)) for text in TEXTS]
+        batches_before = metric_sum(server.registry, f"{BATCH_SIZE}_count", model="topic-minilm")
+        async with device_occupied(worker):
+            calls = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t))) for t in TEXTS
+            ]
+            await wait_until(lambda: len(worker.replicas["topic-minilm"].queue) == len(TEXTS))
+        together = await asyncio.gather(*calls)
+    batches = (
+        metric_sum(server.registry, f"{BATCH_SIZE}_count", model="topic-minilm") - batches_before
+    )
+    assert batches < len(TEXTS)  # they really shared forward passes
+    for alone, batched in zip(one_by_one, together, strict=True):
+        assert [label.name for label in alone.labels] == [label.name for label in batched.labels]
+        for a, b in zip(alone.labels, batched.labels, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+
+
+async def test_two_cpu_workers_share_the_load(start_capability: StartCapability) -> None:
+    server = await start_capability(models=("topic-minilm",), cpu_workers=2, max_batch_size=4)
+    assert [worker.name for worker in server.pool.workers] == ["cpu:0", "cpu:1"]
+
+    def texts_on(name: str) -> float:
+        return metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm", worker=name)
+
+    async with classify_stub(server) as stub:
+        async with device_occupied(server.pool.workers[0]):
+            # With cpu:0 held, least-loaded dispatch sends all but what cpu:0 queued to cpu:1.
+            calls = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t))) for t in TEXTS * 2
+            ]
+            await wait_until(lambda: sum(call.done() for call in calls) >= len(TEXTS))
+            assert texts_on("cpu:0") == 0
+            assert texts_on("cpu:1") >= len(TEXTS)
+        await asyncio.gather(*calls)
+    assert texts_on("cpu:0") + texts_on("cpu:1") == len(TEXTS) * 2
+    assert texts_on("cpu:0") > 0
+
+
+async def test_new_version_folder_is_picked_up_under_load_without_a_failed_request(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-minilm" / "1", root / "topic-minilm" / "1")
+    server = await start_capability(model_root=root, models=("topic-minilm",), watch_seconds=0.2)
+    versions: list[str] = []
+    failures: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def client(stub: Any, offset: int) -> None:
+        n = offset
+        while not stop.is_set():
+            try:
+                response = await stub.Classify(
+                    pb.ClassifyRequest(text=TEXTS[n % len(TEXTS)]), timeout=30
+                )
+                versions.append(response.model.version)
+            except grpc.aio.AioRpcError as error:
+                failures.append(error)
+            n += 1
+
+    async with classify_stub(server) as stub:
+        clients = [asyncio.ensure_future(client(stub, offset)) for offset in range(4)]
+        await wait_until(lambda: len(versions) >= 10)
+        # Deploy: copy the bundle in beside the root, then move it into place at once.
+        staging = tmp_path / "staging"
+        shutil.copytree(model_root / "topic-minilm" / "1", staging)
+        staging.rename(root / "topic-minilm" / "2")
+        await wait_until(lambda: versions[-10:] == ["2"] * 10, limit_seconds=60)
+        stop.set()
+        await asyncio.gather(*clients)
+    assert failures == []
+    assert versions[0] == "1"
+    assert set(versions) == {"1", "2"}
+    switch = versions.index("2")
+    assert set(versions[switch:]) <= {"1", "2"}  # in-flight ones finish on version 1
+
+
+async def test_graceful_shutdown_answers_everything_admitted(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
+    worker = server.pool.workers[0]
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            calls = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t))) for t in TEXTS
+            ]
+            await wait_until(lambda: len(worker.replicas["topic-minilm"].queue) == len(TEXTS))
+            stopping = asyncio.ensure_future(server.stop(grace_seconds=30))
+            await wait_until(lambda: server.pool.draining)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Classify(pb.ClassifyRequest(text=TEXTS[0]))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        answered = await asyncio.gather(*calls)
+        await stopping
+    assert len(answered) == len(TEXTS)
+    assert all(response.labels for response in answered)
+    assert answered[0].labels[0].name == "sports"
+    assert metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm") >= len(TEXTS) / 2
