@@ -151,20 +151,31 @@ async def drive(target: str, concurrency: int, seconds: float) -> dict[str, floa
     }
 
 
-def start(command: list[str], ready_marker: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if ready_marker in line:
+def start(command: list[str], ready_marker: str, log_name: str) -> subprocess.Popen[bytes]:
+    """Start a server with its output in build/bench/LOG_NAME; return once it is ready.
+
+    NOTE: output goes to a file, not a pipe: a pipe nobody reads fills up and
+    stalls the writer.
+    """
+    log_path = RESULTS.parent / log_name
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if ready_marker in log_path.read_text(errors="replace"):
             return process
-    raise SystemExit(f"{command} exited before it was ready")
+        if process.poll() is not None:
+            raise SystemExit(f"{command} exited ({process.returncode}); see {log_path}")
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"{command} was not ready in 120 s; see {log_path}")
 
 
 def run_load(target: str, seconds: float) -> dict[int, dict[str, float]]:
@@ -200,6 +211,7 @@ def main() -> None:
             "cpu",
         ],
         '"event": "serving"',
+        "ours.log",
     )
     try:
         ours = run_load("127.0.0.1:50352", args.seconds)
@@ -208,7 +220,9 @@ def main() -> None:
         ours_process.wait(30)
 
     print("naive: one forward per request ...", flush=True)
-    naive_process = start([sys.executable, __file__, "--naive-server", "50353"], "ready")
+    naive_process = start(
+        [sys.executable, __file__, "--naive-server", "50353"], "ready", "naive.log"
+    )
     try:
         naive = run_load("127.0.0.1:50353", args.seconds)
     finally:

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import grpc
 import pytest
@@ -178,22 +178,33 @@ async def start_capability(model_root: Path) -> AsyncIterator[Any]:
 
 @dataclass
 class ServerProcess:
-    """A server started as its own OS process, with its parsed JSON log lines."""
+    """A server started as its own OS process, logging JSON lines to a file.
 
-    process: subprocess.Popen[str]
+    NOTE: a file, not a pipe: a pipe that nobody drains fills up and stalls the
+    server's log writer.
+    """
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
     ready: dict[str, Any]
-    log_lines: list[dict[str, Any]]
 
     @property
     def port(self) -> int:
         return int(self.ready["port"])
 
+    def log_lines(self) -> list[dict[str, Any]]:
+        parsed = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                parsed.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line still being written, or not a log record
+        return parsed
+
     def read_logs(self) -> list[dict[str, Any]]:
-        """Stop the process and return every JSON log line it wrote."""
+        """Stop the process (flushing its logs) and return every JSON line it wrote."""
         self.stop()
-        assert self.process.stderr is not None
-        self.log_lines += [json.loads(line) for line in self.process.stderr if line.startswith("{")]
-        return self.log_lines
+        return self.log_lines()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -201,39 +212,35 @@ class ServerProcess:
             self.process.wait(timeout=30)
 
 
-def _read_until_serving(stream: IO[str], process: subprocess.Popen[str]) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + PROCESS_READY_TIMEOUT_SECONDS
-    lines: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
-            raise AssertionError(f"process exited ({process.poll()}) before serving: {lines}")
-        if line.startswith("{"):
-            lines.append(json.loads(line))
-            if lines[-1]["event"] == "serving":
-                return lines
-    raise AssertionError(f"no 'serving' line within {PROCESS_READY_TIMEOUT_SECONDS}s: {lines}")
-
-
 @pytest.fixture
-def start_process() -> Iterator[Any]:
+def start_process(tmp_path: Path) -> Iterator[Any]:
     """Start `python -m MODULE ARGS...`; returns once it logs "serving"; stopped after the test."""
     started: list[ServerProcess] = []
 
     def start(module: str, *args: str) -> ServerProcess:
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=REPO_ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert process.stderr is not None
-        lines = _read_until_serving(process.stderr, process)
-        server = ServerProcess(process=process, ready=lines[-1], log_lines=lines)
+        log_path = tmp_path / f"{module}-{len(started)}.log"
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=REPO_ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        server = ServerProcess(process=process, log_path=log_path, ready={})
         started.append(server)
-        return server
+        deadline = time.monotonic() + PROCESS_READY_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            serving = [line for line in server.log_lines() if line.get("event") == "serving"]
+            if serving:
+                server.ready = serving[0]
+                return server
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"{module} exited ({process.returncode}): {log_path.read_text()}"
+                )
+            time.sleep(0.1)
+        raise AssertionError(f"{module} did not log 'serving' in {PROCESS_READY_TIMEOUT_SECONDS}s")
 
     yield start
     for server in started:
