@@ -109,8 +109,11 @@ class CapabilitySettings:
     default_model: str = DEFAULT_MODEL
     # "auto" (one worker per CUDA device, else CPU), "cpu", or devices "cuda:0,cuda:1".
     device: str = DEFAULT_DEVICE
-    # CPU workers when running on the CPU, 1..64. Each gets cores/workers threads.
+    # CPU workers when running on the CPU, 1..64.
     cpu_workers: int = DEFAULT_CPU_WORKERS
+    # torch intra-op threads on the CPU, 0..256; 0 leaves one core to the serving
+    # loop and splits the rest between the CPU workers.
+    torch_threads: int = 0
     # Server-wide batching defaults; --model-config overrides them per model.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_wait_ms: float = DEFAULT_MAX_WAIT_SECONDS * 1000
@@ -137,6 +140,7 @@ class CapabilitySettings:
                 f"--device / CAPABILITY_DEVICE: {self.device!r} is not auto, cpu or cuda:N[,cuda:M]"
             )
         check_range(self.cpu_workers, 1, 64, "--cpu-workers", "CAPABILITY_CPU_WORKERS")
+        check_range(self.torch_threads, 0, 256, "--torch-threads", "CAPABILITY_TORCH_THREADS")
         check_range(
             self.memory_threshold, 0.1, 1.0, "--memory-threshold", "CAPABILITY_MEMORY_THRESHOLD"
         )
@@ -209,6 +213,13 @@ class CapabilitySettings:
         )
         setting("--device", "CAPABILITY_DEVICE", DEFAULT_DEVICE, "auto, cpu, or cuda:N[,cuda:M]")
         setting("--cpu-workers", "CAPABILITY_CPU_WORKERS", DEFAULT_CPU_WORKERS, "CPU workers", int)
+        setting(
+            "--torch-threads",
+            "CAPABILITY_TORCH_THREADS",
+            0,
+            "torch CPU threads (0: all cores but one, split between workers)",
+            int,
+        )
         setting(
             "--max-batch-size",
             "CAPABILITY_MAX_BATCH_SIZE",

@@ -36,10 +36,20 @@ SERVICE_NAMES = (
 )
 
 
-def share_cpu_threads(cpu_workers: int) -> None:
-    """Give each CPU worker an equal share of the cores (torch's pool is per process)."""
+def share_cpu_threads(cpu_workers: int, torch_threads: int) -> int:
+    """Set torch's intra-op threads (one pool per process, shared by the CPU workers).
+
+    Auto (0) leaves one core to the event loop and gRPC and splits the rest
+    between the workers. Measured on 2 cores (`make bench-capability`): with
+    both cores given to torch, the serving loop's ~0.3 core of work stalls
+    torch's parallel ops and the server reached ~52% of the 2-thread ceiling;
+    with one thread it reaches the 1-thread ceiling's throughput almost fully,
+    at the same absolute rate.
+    """
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // cpu_workers))
+    threads = torch_threads or max(1, (cores - 1) // cpu_workers)
+    torch.set_num_threads(threads)
+    return threads
 
 
 class CapabilityServer:
@@ -135,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = CapabilitySettings.from_args(argv)
     configure_cuda_defaults()
     if settings.device == "cpu" or not torch.cuda.is_available():
-        share_cpu_threads(settings.cpu_workers)
+        share_cpu_threads(settings.cpu_workers, settings.torch_threads)
     configure_logging("capability", settings.log_level)
     configure_tracing("capability")
     try:

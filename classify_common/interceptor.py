@@ -58,6 +58,8 @@ def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: RpcMetrics) -> None:
         self._metrics = metrics
+        # Looked up once: get_tracer builds a new tracer object on every call.
+        self._tracer = get_tracer()
 
     async def intercept_service(
         self,
@@ -86,7 +88,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
             code = grpc.StatusCode.OK
-            with get_tracer().start_as_current_span(
+            with self._tracer.start_as_current_span(
                 method.lstrip("/"),
                 context=extract_context(metadata),
                 kind=SpanKind.SERVER,

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # Tokenizing runs in Rust and releases the GIL; a couple of threads keep long
 # texts from stalling the event loop without competing with the model for cores.
 TOKENIZER_THREADS = 2
+# Texts up to this many characters are tokenized on the event loop (tens of
+# microseconds), which costs less than the hop to a tokenizer thread and back.
+INLINE_TOKENIZE_CHARS = 2_000
 
 
 def discover_devices(setting: str, cpu_workers: int) -> list[torch.device]:
@@ -108,8 +111,14 @@ class WorkerPool:
                 f"config.json: names model {bundles[0].name!r}, but the bundle sits under "
                 f"{expected_name!r}"
             )
-        for worker, bundle in zip(self.workers, bundles, strict=True):
-            await worker.install(bundle, settings)
+        # Every replica warms up before any worker switches: a version that fails
+        # on one device serves on none.
+        replicas = [
+            await worker.prepare(bundle, settings)
+            for worker, bundle in zip(self.workers, bundles, strict=True)
+        ]
+        for worker, replica in zip(self.workers, replicas, strict=True):
+            await worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
         log.info(
             "model version serving",
@@ -151,11 +160,13 @@ class WorkerPool:
         replica.arriving += 1
         try:
             replica.worker.check_memory(model)
-            loop = asyncio.get_running_loop()
             classifier = replica.bundle.classifier
-            (encoded,) = await loop.run_in_executor(
-                self._tokenizers, classifier.tokenize, [text], max_length
-            )
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                (encoded,) = classifier.tokenize([text], max_length)
+            else:
+                (encoded,) = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizers, classifier.tokenize, [text], max_length
+                )
             future = replica.admit(
                 encoded,
                 priority=PRIORITY_BATCH if priority == PRIORITY_BATCH else PRIORITY_INTERACTIVE,

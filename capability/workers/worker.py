@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from capability.batching import BatchingSettings, PendingRequest, RequestQueue, ServiceTimeModel
-from capability.bundle import LoadedBundle
+from capability.bundle import BundleError, LoadedBundle
 from capability.metrics import CapabilityMetrics
 from capability.model import EncodedText
 from classify_common.errors import (
@@ -142,10 +142,16 @@ class ModelReplica:
         )
 
     async def warm_up(self) -> None:
-        """Time a few batch shapes on the device to seed the service-time fit."""
+        """Time a few batch shapes on the device to seed the service-time fit, and refuse
+        a version whose scores are not finite."""
         for texts, tokens in WARM_UP_SHAPES:
             encoded = [EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)]
-            await self.worker.run_on_device(self._compute, encoded * texts)
+            outcome = await self.worker.run_on_device(self._compute, encoded * texts)
+            if not all(outcome.finite_rows):
+                raise BundleError(
+                    f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
+                    "non-finite scores"
+                )
 
     async def _supervise(self) -> None:
         while True:
@@ -303,10 +309,15 @@ class DeviceWorker:
                 worker=self.name,
             )
 
-    async def install(self, bundle: LoadedBundle, settings: BatchingSettings) -> None:
-        """Warm a replica of `bundle` here, then make it the one new requests join."""
+    async def prepare(self, bundle: LoadedBundle, settings: BatchingSettings) -> ModelReplica:
+        """A warmed-up replica of `bundle` on this device, not yet serving."""
         replica = ModelReplica(bundle, self, settings, self._metrics)
         await replica.warm_up()
+        return replica
+
+    async def activate(self, replica: ModelReplica) -> None:
+        """Make `replica` the one new requests join; the previous version retires."""
+        bundle = replica.bundle
         replica.start()
         previous = self.replicas.get(bundle.name)
         self.replicas[bundle.name] = replica

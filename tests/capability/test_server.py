@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -9,12 +10,15 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
+from safetensors.torch import load_file, save_file
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle import write_manifest
 from capability.server import CapabilityServer
 from tests.conftest import capability_settings
 from tests.status_details import error_reason, violations_of
@@ -212,3 +216,66 @@ async def test_reload_switches_versions_and_reports_the_previous_one(
             pb.ClassifyRequest(text=STRIKER)
         )
         assert response.model.version == "2"
+
+
+class _MakesDirectoryWhenUnpickled:
+    """Unpickling this calls os.mkdir(marker): a harmless stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], None], tuple[str]]:
+        return (os.mkdir, (str(self.marker),))
+
+
+async def reload_refusal(
+    server: CapabilityServer, model: str, version: str
+) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await models.ReloadModel(model_pb.ReloadModelRequest(name=model, version=version))
+        response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+            pb.ClassifyRequest(text=STRIKER, model=model)
+        )
+        assert response.model.version == "1", "the old version must keep serving"
+    return caught.value
+
+
+async def test_pickled_code_in_a_new_version_is_refused_and_never_runs(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-static", "1")
+    server = await start_capability(model_root=root, models=("topic-static",))
+    bundle = copy_version(model_root, root, "topic-static", "2")
+    marker = tmp_path / "payload-ran"
+    (bundle / "head.safetensors").unlink()
+    torch.save({"prototypes": _MakesDirectoryWhenUnpickled(marker)}, bundle / "head.pt")
+    write_manifest(bundle)  # true hashes: the refusal must come from the unpickler
+
+    error = await reload_refusal(server, "topic-static", "2")
+
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "head.pt" in (error.details() or "")
+    assert not marker.exists()
+
+
+async def test_version_whose_warm_up_scores_are_not_finite_is_refused(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-static", "1")
+    server = await start_capability(model_root=root, models=("topic-static",))
+    bundle = copy_version(model_root, root, "topic-static", "2")
+    head = load_file(bundle / "head.safetensors")
+    save_file(
+        {name: torch.full_like(t, float("nan")) for name, t in head.items()},
+        bundle / "head.safetensors",
+    )
+    write_manifest(bundle)
+
+    error = await reload_refusal(server, "topic-static", "2")
+
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "non-finite" in (error.details() or "")
