@@ -183,42 +183,44 @@ class ModelReplica:
                 self._idle.set()
 
     async def _run_one(self, batch: list[PendingRequest[TextResult]]) -> None:
+        """Compute one batch; every waiter in it gets exactly one outcome, whatever fails."""
         live = [request for request in batch if not request.future.done()]
         if not live:
             return
         self.in_flight = len(live)
         try:
             outcome = await self.worker.execute(self._compute, [r.encoded for r in live])
+            self._record(live, outcome)
+            for row, request in enumerate(live):
+                if request.future.done():
+                    continue  # the caller went away; the result has no one to go to
+                if not outcome.finite_rows[row]:
+                    request.future.set_exception(ModelFault("the model produced non-finite scores"))
+                    continue
+                request.future.set_result(
+                    TextResult(
+                        probabilities=tuple(outcome.probabilities[row].tolist()),
+                        bundle=self.bundle,
+                        token_count=len(request.encoded),
+                        truncated=request.encoded.truncated,
+                    )
+                )
         except Exception as exc:
-            ids = [request.request_id for request in live]
             log.exception(
                 "batch failed",
-                extra={"model": self.name, "worker": self.worker.name, "request_ids": ids},
+                extra={
+                    "model": self.name,
+                    "worker": self.worker.name,
+                    "request_ids": [request.request_id for request in live],
+                },
             )
             self._metrics.batch_failures.labels(self.name, self.worker.name).inc()
+            fault = ModelFault(f"the batch failed on {self.worker.name}: {type(exc).__name__}")
             for request in live:
                 if not request.future.done():
-                    request.future.set_exception(
-                        ModelFault(f"the batch failed on {self.worker.name}: {type(exc).__name__}")
-                    )
-            return
+                    request.future.set_exception(fault)
         finally:
             self.in_flight = 0
-        self._record(live, outcome)
-        for row, request in enumerate(live):
-            if request.future.done():
-                continue  # the caller went away; the result has no one to go to
-            if not outcome.finite_rows[row]:
-                request.future.set_exception(ModelFault("the model produced non-finite scores"))
-                continue
-            request.future.set_result(
-                TextResult(
-                    probabilities=tuple(outcome.probabilities[row].tolist()),
-                    bundle=self.bundle,
-                    token_count=len(request.encoded),
-                    truncated=request.encoded.truncated,
-                )
-            )
 
     def _record(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
         worker = self.worker.name

@@ -24,6 +24,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.batching import PRIORITY_INTERACTIVE
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
+    BATCH_FAILURES_TOTAL,
     BATCH_SIZE,
     EVICTIONS_TOTAL,
     MODEL_FORWARD_TOTAL,
@@ -32,7 +33,7 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
-from classify_common.errors import DeadlineUnreachable
+from classify_common.errors import DeadlineUnreachable, ModelFault
 from tests.conftest import metric_sum
 from tests.status_details import error_reason
 
@@ -279,3 +280,26 @@ async def test_graceful_shutdown_answers_everything_admitted(
     assert all(response.labels for response in answered)
     assert answered[0].labels[0].name == "sports"
     assert metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm") >= len(TEXTS) / 2
+
+
+async def test_failed_batch_answers_every_waiter_and_the_worker_keeps_serving(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=4)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    # A token id outside the vocabulary makes the forward pass itself raise.
+    broken = EncodedText(ids=(101, 10_000_000, 102), truncated=False)
+    valid = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+    async with device_occupied(worker):
+        waiters = [
+            replica.admit(encoded, priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None)
+            for name, encoded in (("broken", broken), ("same-batch", valid))
+        ]
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(outcome, ModelFault) for outcome in outcomes)
+    assert metric_sum(server.registry, BATCH_FAILURES_TOTAL, model="topic-minilm") == 1
+
+    async with classify_stub(server) as stub:
+        response = await stub.Classify(pb.ClassifyRequest(text=TEXTS[0]))
+    assert response.labels[0].name == "sports"
