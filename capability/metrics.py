@@ -20,6 +20,8 @@ EVICTIONS_TOTAL = "classify_queue_evictions_total"
 BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
+DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
+DEVICE_UTILISATION = "classify_device_utilisation"
 
 
 class CapabilityMetrics:

@@ -23,7 +23,7 @@ from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
 from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
-from capability.workers.cuda import configure_cuda_defaults
+from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.tracing import configure_tracing
@@ -62,6 +62,9 @@ class CapabilityServer:
         metrics = CapabilityMetrics(self.registry)
         devices = discover_devices(settings.device, settings.cpu_workers)
         self.pool = WorkerPool(devices, metrics, memory_threshold=settings.memory_threshold)
+        self.registry.register(
+            DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])
+        )
         self.lifecycle = ModelLifecycle(
             ModelRoot(settings.model_root),
             self.pool,

@@ -9,9 +9,14 @@ variable-length batches otherwise cause. Both must be set before CUDA starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from capability.metrics import DEVICE_MEMORY_BYTES, DEVICE_UTILISATION
 
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_SETTING = "expandable_segments:True"
@@ -55,3 +60,34 @@ def read_device_memory(device: torch.device) -> DeviceMemory | None:
         total_bytes=total,
         utilisation=utilisation,
     )
+
+
+class DeviceMemoryCollector(Collector):
+    """CUDA memory (allocated, reserved, peak, total) and NVML utilisation per worker,
+    read when Prometheus scrapes; CPU workers report nothing."""
+
+    def __init__(self, devices: Callable[[], Iterable[tuple[str, torch.device]]]) -> None:
+        self._devices = devices
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        memory = GaugeMetricFamily(
+            DEVICE_MEMORY_BYTES, "Device memory by kind, in bytes.", labels=["worker", "kind"]
+        )
+        utilisation = GaugeMetricFamily(
+            DEVICE_UTILISATION, "Share of time the GPU was busy (NVML), 0..1.", labels=["worker"]
+        )
+        for name, device in self._devices():
+            reading: DeviceMemory | None = read_device_memory(device)
+            if reading is None:
+                continue
+            for kind, value in (
+                ("allocated", reading.allocated_bytes),
+                ("reserved", reading.reserved_bytes),
+                ("peak", reading.peak_allocated_bytes),
+                ("total", reading.total_bytes),
+            ):
+                memory.add_metric([name, kind], value)
+            if reading.utilisation is not None:
+                utilisation.add_metric([name], reading.utilisation)
+        yield memory
+        yield utilisation

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from safetensors.torch import load_file, save_file
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -279,3 +279,17 @@ async def test_version_whose_warm_up_scores_are_not_finite_is_refused(
 
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "non-finite" in (error.details() or "")
+
+
+async def test_metrics_scrape_reports_queue_and_model_series_and_no_cuda_series_on_cpu(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    await capability_stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    exposition = generate_latest(capability.registry).decode()
+    assert (
+        'classify_model_info{model="topic-minilm",precision="fp32",version="1",worker="cpu:0"} 1.0'
+        in exposition
+    )
+    assert 'classify_queue_depth{model="topic-minilm",worker="cpu:0"}' in exposition
+    assert "classify_device_memory_bytes{" not in exposition  # CPU workers have no device memory
