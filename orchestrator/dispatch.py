@@ -1,32 +1,104 @@
-"""The orchestrator's domain step: pick the route, call its backend, complete the answer."""
+"""The orchestrator's domain step: pick the route, call its backends, complete the answer.
+
+A call tries the route's primary backend with its retry policy: a retryable
+failure is tried again on another replica after a jittered backoff, within the
+attempt limit and the caller's deadline. When the backend still fails with a
+model error or overload, the route's fallback backends are tried in order, and
+the answer says `fallback=true`. Client errors are returned at once, never
+retried or sent elsewhere.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
-from orchestrator.routing import RouteTable
+from classify_common.errors import FALLBACK_ELIGIBLE_CODES, ServiceError, grpc_code_for
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.policy import backoff_seconds
+from orchestrator.routing import Backend, Route, RouteTable
 from orchestrator.upstream import UpstreamPools
+
+log = logging.getLogger(__name__)
 
 
 class Dispatcher:
-    def __init__(self, routes: RouteTable, upstream: UpstreamPools) -> None:
+    def __init__(
+        self, routes: RouteTable, upstream: UpstreamPools, metrics: OrchestratorMetrics
+    ) -> None:
         self._routes = routes
         self._upstream = upstream
+        self._metrics = metrics
 
     async def classify(
         self, request: pb.ClassifyRequest, ids: RequestContext, client_remaining: float | None
     ) -> pb.ClassifyResponse:
         route = self._routes.select()
+        deadline = None
+        if client_remaining is not None:
+            deadline = asyncio.get_running_loop().time() + client_remaining
+        failure: ServiceError | None = None
+        for backend in route.backends:
+            try:
+                response = await self._call_backend(route, backend, request, ids, deadline)
+            except ServiceError as error:
+                if grpc_code_for(error) not in FALLBACK_ELIGIBLE_CODES:
+                    raise
+                failure = error
+                log.info(
+                    "backend failed",
+                    extra={"route": route.name, "backend": backend.name, "reason": error.reason},
+                )
+                continue
+            if backend is not route.backend:
+                assert failure is not None
+                self._metrics.fallbacks.labels(
+                    route.name, route.backend.name, backend.name, failure.reason
+                ).inc()
+            response.request_id = ids.request_id
+            response.trace_id = ids.trace_id
+            response.route = route.name
+            response.status = pb.RESULT_STATUS_DONE
+            response.fallback = backend is not route.backend
+            return response
+        assert failure is not None, "a route has at least one backend"
+        raise failure
+
+    async def _call_backend(
+        self,
+        route: Route,
+        backend: Backend,
+        request: pb.ClassifyRequest,
+        ids: RequestContext,
+        deadline: float | None,
+    ) -> pb.ClassifyResponse:
+        """Attempts on one backend under the route's retry policy."""
+        pool = self._upstream.pool(backend)
         forwarded = pb.ClassifyRequest()
         forwarded.CopyFrom(request)
-        # The capability server logs under the same ID as the orchestrator.
+        # The backend serves one model; the capability server logs under our ID.
+        forwarded.model = backend.model
         forwarded.request_id = ids.request_id
-        response = await self._upstream.pool(route.backend).classify(
-            forwarded, request_id=ids.request_id, client_remaining=client_remaining
-        )
-        response.request_id = ids.request_id
-        response.trace_id = ids.trace_id
-        response.route = route.name
-        response.status = pb.RESULT_STATUS_DONE
-        response.fallback = False
-        return response
+        loop = asyncio.get_running_loop()
+        tried: set[str] = set()
+        attempt = 1
+        while True:
+            target = pool.pick(avoid=tried)
+            tried.add(target)
+            remaining = None if deadline is None else deadline - loop.time()
+            try:
+                return await pool.classify(
+                    forwarded, target=target, request_id=ids.request_id, client_remaining=remaining
+                )
+            except ServiceError as error:
+                code = grpc_code_for(error)
+                if attempt >= route.retry.max_attempts or not route.retry.retries(code):
+                    raise
+                wait = backoff_seconds(route.retry, attempt)
+                if deadline is not None and loop.time() + wait >= deadline:
+                    raise
+                self._metrics.retries.labels(route.name, backend.name, error.reason).inc()
+                await asyncio.sleep(wait)
+                attempt += 1

@@ -15,6 +15,7 @@ from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
+from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.service import ClassifyServicer
 from orchestrator.upstream import UpstreamPools
@@ -41,7 +42,10 @@ class OrchestratorServer:
             registry=self.registry,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(Dispatcher(self.routes, self.upstream)), self.serving.server
+            ClassifyServicer(
+                Dispatcher(self.routes, self.upstream, OrchestratorMetrics(self.registry))
+            ),
+            self.serving.server,
         )
 
     @property

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
+
+from orchestrator.policy import RetryPolicy
 
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
@@ -47,6 +50,15 @@ class Backend:
 class Route:
     name: str
     backend: Backend
+    # Tried in order when the backend before them fails with a model error or
+    # overload, after its retries.
+    fallback: tuple[Backend, ...] = ()
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        """The primary backend, then its fallbacks."""
+        return (self.backend, *self.fallback)
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,41 @@ def parse_duration(value: Any, where: str) -> float:
     return seconds
 
 
+_RETRY_KEYS = {"max_attempts", "initial_backoff", "max_backoff", "multiplier", "retryable_codes"}
+
+
+def _retry_policy(spec: Any, where: str) -> RetryPolicy:
+    spec = _mapping(spec, where, _RETRY_KEYS, set())
+    defaults = RetryPolicy()
+    codes = spec.get("retryable_codes", sorted(c.name for c in defaults.retryable_codes))
+    if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
+        raise RoutesFileError(f"{where}.retryable_codes", "expected a list of status code names")
+    try:
+        parsed_codes = frozenset(grpc.StatusCode[code] for code in codes)
+    except KeyError as exc:
+        raise RoutesFileError(f"{where}.retryable_codes", f"unknown status code {exc}") from None
+    attempts = spec.get("max_attempts", defaults.max_attempts)
+    multiplier = spec.get("multiplier", defaults.multiplier)
+    if not isinstance(attempts, int) or isinstance(attempts, bool):
+        raise RoutesFileError(f"{where}.max_attempts", f"{attempts!r} is not an integer")
+    if not isinstance(multiplier, int | float) or isinstance(multiplier, bool):
+        raise RoutesFileError(f"{where}.multiplier", f"{multiplier!r} is not a number")
+    try:
+        return RetryPolicy(
+            max_attempts=attempts,
+            initial_backoff_seconds=parse_duration(
+                spec.get("initial_backoff", "25ms"), f"{where}.initial_backoff"
+            ),
+            max_backoff_seconds=parse_duration(
+                spec.get("max_backoff", "250ms"), f"{where}.max_backoff"
+            ),
+            multiplier=float(multiplier),
+            retryable_codes=parsed_codes,
+        )
+    except ValueError as exc:
+        raise RoutesFileError(where, str(exc)) from None
+
+
 def _backend(name: str, spec: Any) -> Backend:
     where = f"backends.{name}"
     spec = _mapping(spec, where, {"model", "targets", "timeout"}, {"model", "targets"})
@@ -129,7 +176,7 @@ def parse_routes(document: Any) -> RouteTable:
     seen: set[str] = set()
     for index, spec in enumerate(top["routes"]):
         where = f"routes[{index}]"
-        spec = _mapping(spec, where, {"name", "backend"}, {"name", "backend"})
+        spec = _mapping(spec, where, {"name", "backend", "fallback", "retry"}, {"name", "backend"})
         name = _name(spec["name"], f"{where}.name")
         if name in seen:
             raise RoutesFileError(f"{where}.name", f"duplicate route name {name!r}")
@@ -137,7 +184,23 @@ def parse_routes(document: Any) -> RouteTable:
         backend = backends.get(spec["backend"])
         if backend is None:
             raise RoutesFileError(f"{where}.backend", f"unknown backend {spec['backend']!r}")
-        routes.append(Route(name=name, backend=backend))
+        fallback_names = spec.get("fallback", [])
+        if not isinstance(fallback_names, list):
+            raise RoutesFileError(f"{where}.fallback", "expected a list of backend names")
+        fallback: list[Backend] = []
+        for position, fallback_name in enumerate(fallback_names):
+            at = f"{where}.fallback[{position}]"
+            candidate = backends.get(fallback_name)
+            if candidate is None:
+                raise RoutesFileError(at, f"unknown backend {fallback_name!r}")
+            # A backend tried twice in one call would loop back to a failure.
+            if candidate in (backend, *fallback):
+                raise RoutesFileError(
+                    at, f"backend {fallback_name!r} is already tried earlier in this route"
+                )
+            fallback.append(candidate)
+        retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
+        routes.append(Route(name=name, backend=backend, fallback=tuple(fallback), retry=retry))
     return RouteTable(backends=backends, routes=tuple(routes))
 
 

@@ -8,7 +8,7 @@ deadline that still leaves the orchestrator time to answer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -50,15 +50,31 @@ class BackendPool:
         self._channels = {
             target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
         }
-        self._next: Iterator[tuple[str, pb_grpc.ClassifyServiceAsyncStub]] = itertools.cycle(
-            [(target, pb_grpc.ClassifyServiceStub(ch)) for target, ch in self._channels.items()]
-        )
+        self._stubs = {
+            target: pb_grpc.ClassifyServiceStub(channel)
+            for target, channel in self._channels.items()
+        }
+        self._turns: Iterator[str] = itertools.cycle(backend.targets)
+
+    def pick(self, avoid: Collection[str] = ()) -> str:
+        """The next replica in turn, skipping `avoid` (already tried) while others remain."""
+        for _ in self.backend.targets:
+            target = next(self._turns)
+            if target not in avoid:
+                return target
+        return next(self._turns)
 
     async def classify(
-        self, request: pb.ClassifyRequest, *, request_id: str, client_remaining: float | None
+        self,
+        request: pb.ClassifyRequest,
+        *,
+        target: str,
+        request_id: str,
+        client_remaining: float | None,
     ) -> pb.ClassifyResponse:
+        """One attempt on one replica; failures come back as ServiceErrors."""
         timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
-        target, stub = next(self._next)
+        stub = self._stubs[target]
         metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id))
         try:
             response: pb.ClassifyResponse = await stub.Classify(

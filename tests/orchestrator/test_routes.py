@@ -30,9 +30,12 @@ def load_text(tmp_path: Path, text: str) -> object:
 
 def test_shipped_routes_file_loads_with_a_default_route() -> None:
     table = load_routes(REPO_ROOT / "routes.yaml")
-    assert table.default_route.name == "default"
-    assert table.default_route.backend.targets == ("127.0.0.1:50052",)
-    assert table.default_route.backend.timeout_seconds == 5.0
+    route = table.default_route
+    assert route.name == "default"
+    assert route.backend.targets == ("127.0.0.1:50052",)
+    assert route.backend.timeout_seconds == 5.0
+    assert [b.model for b in route.fallback] == ["topic-static"]
+    assert route.retry.max_attempts == 3
 
 
 def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> None:

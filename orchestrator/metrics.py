@@ -1,0 +1,25 @@
+"""Orchestrator metrics beyond the per-RPC ones every server has."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
+MODEL_FALLBACK_TOTAL = "model_fallback_total"
+
+
+class OrchestratorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.retries = Counter(
+            UPSTREAM_RETRIES_TOTAL,
+            "Attempts after the first on a backend, by route, backend and the failure retried.",
+            ["route", "backend", "reason"],
+            registry=registry,
+        )
+        # The name the design uses, without our prefix, so dashboards can rely on it.
+        self.fallbacks = Counter(
+            MODEL_FALLBACK_TOTAL,
+            "Calls answered by a fallback backend, by route, failed and answering backend, reason.",
+            ["route", "from", "to", "reason"],
+            registry=registry,
+        )

@@ -1,0 +1,199 @@
+"""Retries and model fallback through a real orchestrator and a real capability server."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.config import OrchestratorSettings
+from orchestrator.metrics import MODEL_FALLBACK_TOTAL, UPSTREAM_RETRIES_TOTAL
+from orchestrator.policy import RetryPolicy, backoff_seconds
+from orchestrator.routing import RoutesFileError, load_routes
+from orchestrator.server import OrchestratorServer
+from tests.conftest import metric_sum
+from tests.status_details import error_reason
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+StartOrchestrator = Callable[[str], Awaitable[OrchestratorServer]]
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on (bound, read, released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest_asyncio.fixture
+async def orchestrator_with(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
+    """Start an orchestrator on a routes.yaml given as text."""
+    started: list[OrchestratorServer] = []
+
+    async def start(routes_yaml: str) -> OrchestratorServer:
+        path = tmp_path / f"routes-{len(started)}.yaml"
+        path.write_text(routes_yaml)
+        server = OrchestratorServer(
+            OrchestratorSettings(port=0, metrics_port=-1, routes_file=path),
+            registry=CollectorRegistry(),
+        )
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_seconds=0)
+
+
+async def classify_many(
+    server: OrchestratorServer, count: int, **fields: object
+) -> list[pb.ClassifyResponse]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        return [
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, **fields), timeout=30)  # type: ignore[arg-type]
+            for _ in range(count)
+        ]
+
+
+def test_backoff_is_full_jitter_under_a_growing_capped_bound() -> None:
+    policy = RetryPolicy(initial_backoff_seconds=0.1, max_backoff_seconds=0.3, multiplier=2)
+    rng = random.Random(7)
+    for attempt, bound in ((1, 0.1), (2, 0.2), (3, 0.3), (4, 0.3)):
+        waits = [backoff_seconds(policy, attempt, rng) for _ in range(200)]
+        assert min(waits) >= 0
+        assert max(waits) <= bound
+        assert max(waits) > bound * 0.8  # the whole range is used, not a fixed delay
+
+
+async def test_dead_replica_is_retried_on_the_live_one_without_a_failed_call(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{closed_port()}", "127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+"""
+    )
+    responses = await classify_many(server, 8)
+    assert all(r.labels[0].name == "sports" and not r.fallback for r in responses)
+    retried = metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL, route="default", backend="minilm")
+    assert retried >= 1
+    assert retried == metric_sum(
+        server.registry, UPSTREAM_RETRIES_TOTAL, reason="MODEL_UNAVAILABLE"
+    )
+
+
+async def test_failing_primary_is_answered_by_the_fallback_model_and_counted(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{closed_port()}"]
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+    retry: {{max_attempts: 2, initial_backoff: 1ms, max_backoff: 5ms}}
+"""
+    )
+    responses = await classify_many(server, 5)
+    assert all(r.fallback for r in responses)
+    assert {(r.model.name, r.labels[0].name, r.route) for r in responses} == {
+        ("topic-static", "sports", "default")
+    }
+    counted = metric_sum(
+        server.registry,
+        MODEL_FALLBACK_TOTAL,
+        route="default",
+        reason="MODEL_UNAVAILABLE",
+        **{"from": "minilm", "to": "static"},
+    )
+    assert counted == 5
+    # max_attempts 2: each call retried the dead primary once before falling back.
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL, backend="minilm") == 5
+
+
+async def test_client_errors_are_neither_retried_nor_sent_to_the_fallback(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  missing:
+    model: no-such-model
+    targets: ["127.0.0.1:{capability.port}"]
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: missing
+    fallback: [static]
+"""
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await classify_many(server, 1)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(caught.value) == "MODEL_NOT_FOUND"
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL) == 0
+
+
+BASE = """version: 1
+backends:
+  a: {model: topic-minilm, targets: ["127.0.0.1:1"]}
+  b: {model: topic-static, targets: ["127.0.0.1:2"]}
+routes:
+  - name: default
+    backend: a
+"""
+
+
+@pytest.mark.parametrize(
+    ("route_lines", "message"),
+    [
+        ("    fallback: [c]\n", "routes[0].fallback[0]: unknown backend 'c'"),
+        ("    fallback: [a]\n", "routes[0].fallback[0]: backend 'a' is already tried earlier"),
+        ("    fallback: [b, b]\n", "routes[0].fallback[1]: backend 'b' is already tried earlier"),
+        ("    retry: {max_attempts: 9}\n", "routes[0].retry: max_attempts 9 is outside 1..5"),
+        (
+            "    retry: {retryable_codes: [INVALID_ARGUMENT]}\n",
+            "INVALID_ARGUMENT may not be retried",
+        ),
+        (
+            "    retry: {retryable_codes: [NOPE]}\n",
+            "routes[0].retry.retryable_codes: unknown status code",
+        ),
+        ("    retry: {backoff: 1s}\n", "routes[0].retry.backoff: unknown key"),
+    ],
+)
+def test_bad_fallback_or_retry_settings_are_refused_with_their_path(
+    tmp_path: Path, route_lines: str, message: str
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(BASE + route_lines)
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert message in str(caught.value)
