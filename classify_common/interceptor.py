@@ -134,6 +134,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         error: ServiceError,
         trailers: tuple[tuple[str, str], ...],
     ) -> None:
+        # The IDs travel in the ErrorInfo too, for clients that only keep the status.
+        error.context.update(dict(trailers))
         status = status_for(error)
         code = grpc_code_for(error)
         span.set_status(Status(StatusCode.ERROR, error.message))

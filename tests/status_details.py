@@ -13,14 +13,23 @@ def _status(error: grpc.aio.AioRpcError) -> status_pb2.Status:
     return status
 
 
-def error_reason(error: grpc.aio.AioRpcError) -> str:
-    """The ErrorInfo reason (e.g. MODEL_NOT_READY) of a failed call."""
+def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     for detail in _status(error).details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            return str(info.reason)
+            return info
     raise AssertionError("no ErrorInfo in the status details")
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> str:
+    """The ErrorInfo reason (e.g. MODEL_NOT_READY) of a failed call, after checking that
+    its ErrorInfo and its trailers carry the same request and trace IDs."""
+    info = error_info(error)
+    trailers = trailers_of(error)
+    assert info.metadata["x-request-id"] == trailers["x-request-id"]
+    assert info.metadata["x-trace-id"] == trailers["x-trace-id"]
+    return str(info.reason)
 
 
 def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
