@@ -17,7 +17,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import FALLBACK_ELIGIBLE_CODES, ServiceError, grpc_code_for
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.policy import backoff_seconds
+from orchestrator.policy import RetryBudget, backoff_seconds
 from orchestrator.routing import Backend, Route, RouteTable
 from orchestrator.upstream import UpstreamPools
 
@@ -31,11 +31,13 @@ class Dispatcher:
         self._routes = routes
         self._upstream = upstream
         self._metrics = metrics
+        self._retry_budget = RetryBudget(routes.retry_budget)
 
     async def classify(
         self, request: pb.ClassifyRequest, ids: RequestContext, client_remaining: float | None
     ) -> pb.ClassifyResponse:
         route = self._routes.select()
+        self._retry_budget.record_request()
         deadline = None
         if client_remaining is not None:
             deadline = asyncio.get_running_loop().time() + client_remaining
@@ -98,6 +100,9 @@ class Dispatcher:
                     raise
                 wait = backoff_seconds(route.retry, attempt)
                 if deadline is not None and loop.time() + wait >= deadline:
+                    raise
+                if not self._retry_budget.try_spend():
+                    self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()
                     raise
                 self._metrics.retries.labels(route.name, backend.name, error.reason).inc()
                 await asyncio.sleep(wait)

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
 MODEL_FALLBACK_TOTAL = "model_fallback_total"
+RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 
 
 class OrchestratorMetrics:
@@ -14,6 +15,12 @@ class OrchestratorMetrics:
             UPSTREAM_RETRIES_TOTAL,
             "Attempts after the first on a backend, by route, backend and the failure retried.",
             ["route", "backend", "reason"],
+            registry=registry,
+        )
+        self.retry_budget_exhausted = Counter(
+            RETRY_BUDGET_EXHAUSTED_TOTAL,
+            "Retries not made because the retry budget was spent.",
+            ["route", "backend"],
             registry=registry,
         )
         # The name the design uses, without our prefix, so dashboards can rely on it.

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import yaml
 
-from orchestrator.policy import RetryPolicy
+from orchestrator.policy import RetryBudgetSettings, RetryPolicy
 
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
@@ -65,6 +65,7 @@ class Route:
 class RouteTable:
     backends: Mapping[str, Backend]
     routes: tuple[Route, ...]
+    retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
 
     @property
     def default_route(self) -> Route:
@@ -163,7 +164,10 @@ def _backend(name: str, spec: Any) -> Backend:
 
 def parse_routes(document: Any) -> RouteTable:
     top = _mapping(
-        document, "", {"version", "backends", "routes"}, {"version", "backends", "routes"}
+        document,
+        "",
+        {"version", "backends", "routes", "retry_budget"},
+        {"version", "backends", "routes"},
     )
     if top["version"] != SUPPORTED_VERSION:
         raise RoutesFileError("version", f"{top['version']!r} is not supported (expected 1)")
@@ -201,7 +205,29 @@ def parse_routes(document: Any) -> RouteTable:
             fallback.append(candidate)
         retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
         routes.append(Route(name=name, backend=backend, fallback=tuple(fallback), retry=retry))
-    return RouteTable(backends=backends, routes=tuple(routes))
+    budget = _retry_budget(top["retry_budget"]) if "retry_budget" in top else RetryBudgetSettings()
+    return RouteTable(backends=backends, routes=tuple(routes), retry_budget=budget)
+
+
+def _retry_budget(spec: Any) -> RetryBudgetSettings:
+    where = "retry_budget"
+    spec = _mapping(spec, where, {"ratio", "min_retries_per_second", "window"}, set())
+    for key in ("ratio", "min_retries_per_second"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not a number")
+    defaults = RetryBudgetSettings()
+    window = parse_duration(spec.get("window", f"{defaults.window_seconds}s"), f"{where}.window")
+    try:
+        return RetryBudgetSettings(
+            ratio=float(spec.get("ratio", defaults.ratio)),
+            min_retries_per_second=float(
+                spec.get("min_retries_per_second", defaults.min_retries_per_second)
+            ),
+            window_seconds=max(1, round(window)),
+        )
+    except ValueError as exc:
+        raise RoutesFileError(where, str(exc)) from None
 
 
 def load_routes(path: Path) -> RouteTable:

@@ -16,8 +16,12 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.config import OrchestratorSettings
-from orchestrator.metrics import MODEL_FALLBACK_TOTAL, UPSTREAM_RETRIES_TOTAL
-from orchestrator.policy import RetryPolicy, backoff_seconds
+from orchestrator.metrics import (
+    MODEL_FALLBACK_TOTAL,
+    RETRY_BUDGET_EXHAUSTED_TOTAL,
+    UPSTREAM_RETRIES_TOTAL,
+)
+from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, backoff_seconds
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import metric_sum
@@ -197,3 +201,48 @@ def test_bad_fallback_or_retry_settings_are_refused_with_their_path(
     with pytest.raises(RoutesFileError) as caught:
         load_routes(path)
     assert message in str(caught.value)
+
+
+def test_retry_budget_allows_a_share_of_recent_requests_plus_a_floor() -> None:
+    now = [1000.0]
+    budget = RetryBudget(
+        RetryBudgetSettings(ratio=0.2, min_retries_per_second=0.1, window_seconds=10),
+        clock=lambda: now[0],
+    )
+    for _ in range(20):
+        budget.record_request()
+    # 0.1/s x 10 s = 1 from the floor, plus 20 x 0.2 = 4 from traffic.
+    assert [budget.try_spend() for _ in range(6)] == [True] * 5 + [False]
+    now[0] += 11  # the window has moved past all of it
+    assert budget.try_spend()  # the floor alone
+    assert not budget.try_spend()
+
+
+async def test_retry_budget_stops_a_retry_storm_when_every_replica_fails(
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+retry_budget: {{ratio: 0.1, min_retries_per_second: 0, window: 10s}}
+backends:
+  dead:
+    model: topic-minilm
+    targets: ["127.0.0.1:{closed_port()}", "127.0.0.1:{closed_port()}"]
+routes:
+  - name: default
+    backend: dead
+    retry: {{max_attempts: 5, initial_backoff: 1ms, max_backoff: 2ms}}
+"""
+    )
+    calls = 30
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for _ in range(calls):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    retries = metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL)
+    # Without the budget: 4 retries per call, 120 in all.
+    assert retries <= 0.1 * calls
+    # Attempts were not what stopped them (5 allowed): each call ended on a refusal.
+    assert metric_sum(server.registry, RETRY_BUDGET_EXHAUSTED_TOTAL) == calls
