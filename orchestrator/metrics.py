@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter
 UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
 MODEL_FALLBACK_TOTAL = "model_fallback_total"
 RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
+OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 
 
 class OrchestratorMetrics:
@@ -21,6 +22,12 @@ class OrchestratorMetrics:
             RETRY_BUDGET_EXHAUSTED_TOTAL,
             "Retries not made because the retry budget was spent.",
             ["route", "backend"],
+            registry=registry,
+        )
+        self.outlier_ejections = Counter(
+            OUTLIER_EJECTIONS_TOTAL,
+            "Replicas taken out of rotation after failing in a row.",
+            ["backend", "target"],
             registry=registry,
         )
         # The name the design uses, without our prefix, so dashboards can rely on it.

@@ -16,7 +16,7 @@ from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.routing import RoutesFileError, load_routes
+from orchestrator.routing import Backend, RoutesFileError, load_routes
 from orchestrator.service import ClassifyServicer
 from orchestrator.upstream import UpstreamPools
 
@@ -33,7 +33,18 @@ class OrchestratorServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         # A bad routes file stops start-up here, with the bad value's path in the message.
         self.routes = load_routes(settings.routes_file)
-        self.upstream = UpstreamPools(self.routes.backends)
+        metrics = OrchestratorMetrics(self.registry)
+
+        def count_ejection(backend: Backend, target: str, seconds: float) -> None:
+            metrics.outlier_ejections.labels(backend.name, target).inc()
+            log.warning(
+                "replica ejected",
+                extra={"backend": backend.name, "target": target, "seconds": seconds},
+            )
+
+        self.upstream = UpstreamPools(
+            self.routes.backends, self.routes.outlier_ejection, on_ejected=count_ejection
+        )
         self.serving = GrpcServing(
             service_names=SERVICE_NAMES,
             host=settings.host,
@@ -42,9 +53,7 @@ class OrchestratorServer:
             registry=self.registry,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(
-                Dispatcher(self.routes, self.upstream, OrchestratorMetrics(self.registry))
-            ),
+            ClassifyServicer(Dispatcher(self.routes, self.upstream, metrics)),
             self.serving.server,
         )
 

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import yaml
 
-from orchestrator.policy import RetryBudgetSettings, RetryPolicy
+from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
@@ -66,6 +66,7 @@ class RouteTable:
     backends: Mapping[str, Backend]
     routes: tuple[Route, ...]
     retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
+    outlier_ejection: OutlierSettings = field(default_factory=OutlierSettings)
 
     @property
     def default_route(self) -> Route:
@@ -166,7 +167,7 @@ def parse_routes(document: Any) -> RouteTable:
     top = _mapping(
         document,
         "",
-        {"version", "backends", "routes", "retry_budget"},
+        {"version", "backends", "routes", "retry_budget", "outlier_ejection"},
         {"version", "backends", "routes"},
     )
     if top["version"] != SUPPORTED_VERSION:
@@ -206,7 +207,40 @@ def parse_routes(document: Any) -> RouteTable:
         retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
         routes.append(Route(name=name, backend=backend, fallback=tuple(fallback), retry=retry))
     budget = _retry_budget(top["retry_budget"]) if "retry_budget" in top else RetryBudgetSettings()
-    return RouteTable(backends=backends, routes=tuple(routes), retry_budget=budget)
+    outliers = (
+        _outlier_settings(top["outlier_ejection"])
+        if "outlier_ejection" in top
+        else OutlierSettings()
+    )
+    return RouteTable(
+        backends=backends, routes=tuple(routes), retry_budget=budget, outlier_ejection=outliers
+    )
+
+
+def _outlier_settings(spec: Any) -> OutlierSettings:
+    where = "outlier_ejection"
+    keys = {"consecutive_failures", "base_ejection", "max_ejection", "max_ejected_percent"}
+    spec = _mapping(spec, where, keys, set())
+    for key in ("consecutive_failures", "max_ejected_percent"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not an integer")
+    defaults = OutlierSettings()
+    try:
+        return OutlierSettings(
+            consecutive_failures=spec.get("consecutive_failures", defaults.consecutive_failures),
+            base_ejection_seconds=parse_duration(
+                spec.get("base_ejection", f"{defaults.base_ejection_seconds}s"),
+                f"{where}.base_ejection",
+            ),
+            max_ejection_seconds=parse_duration(
+                spec.get("max_ejection", f"{defaults.max_ejection_seconds}s"),
+                f"{where}.max_ejection",
+            ),
+            max_ejected_percent=spec.get("max_ejected_percent", defaults.max_ejected_percent),
+        )
+    except ValueError as exc:
+        raise RoutesFileError(where, str(exc)) from None
 
 
 def _retry_budget(spec: Any) -> RetryBudgetSettings:

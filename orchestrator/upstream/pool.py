@@ -8,7 +8,8 @@ deadline that still leaves the orchestrator time to answer.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from functools import partial
 
 import grpc
 
@@ -17,6 +18,7 @@ from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import REQUEST_ID_HEADER
 from classify_common.errors import DeadlineExpired
 from classify_common.tracing import inject_context
+from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import Backend
 from orchestrator.upstream.errors import translate_upstream_error
 
@@ -43,10 +45,16 @@ def call_timeout(backend_timeout: float, client_remaining: float | None) -> floa
 
 
 class BackendPool:
-    """The replicas of one backend, taken in turn."""
+    """The replicas of one backend, taken in turn, minus those ejected as outliers."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        outliers: OutlierSettings,
+        on_ejected: Callable[[str, float], None] = lambda target, seconds: None,
+    ) -> None:
         self.backend = backend
+        self.outliers = OutlierDetector(backend.targets, outliers, on_ejected=on_ejected)
         self._channels = {
             target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
         }
@@ -57,12 +65,19 @@ class BackendPool:
         self._turns: Iterator[str] = itertools.cycle(backend.targets)
 
     def pick(self, avoid: Collection[str] = ()) -> str:
-        """The next replica in turn, skipping `avoid` (already tried) while others remain."""
-        for _ in self.backend.targets:
-            target = next(self._turns)
-            if target not in avoid:
-                return target
-        return next(self._turns)
+        """The next replica in turn: not ejected and not in `avoid` (already tried) if
+        there is one, else not ejected, else any."""
+        rules: tuple[Callable[[str], bool], ...] = (
+            lambda t: t not in avoid and not self.outliers.is_ejected(t),
+            lambda t: not self.outliers.is_ejected(t),
+            lambda t: True,
+        )
+        for acceptable in rules:
+            for _ in self.backend.targets:
+                target = next(self._turns)
+                if acceptable(target):
+                    return target
+        raise AssertionError("a backend has at least one target")
 
     async def classify(
         self,
@@ -81,7 +96,10 @@ class BackendPool:
                 request, timeout=timeout, metadata=metadata
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.outliers.record_failure(target)
             raise translate_upstream_error(exc, self.backend.name, target) from exc
+        self.outliers.record_success(target)
         return response
 
     async def close(self) -> None:
@@ -92,8 +110,16 @@ class BackendPool:
 class UpstreamPools:
     """A BackendPool for every backend in the route table."""
 
-    def __init__(self, backends: Mapping[str, Backend]) -> None:
-        self._pools = {name: BackendPool(backend) for name, backend in backends.items()}
+    def __init__(
+        self,
+        backends: Mapping[str, Backend],
+        outliers: OutlierSettings,
+        on_ejected: Callable[[Backend, str, float], None] = lambda backend, target, seconds: None,
+    ) -> None:
+        self._pools = {
+            name: BackendPool(backend, outliers, partial(on_ejected, backend))
+            for name, backend in backends.items()
+        }
 
     def pool(self, backend: Backend) -> BackendPool:
         return self._pools[backend.name]

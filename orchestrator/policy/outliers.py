@@ -1,0 +1,96 @@
+"""Outlier ejection: a replica that keeps failing is taken out of rotation for a while.
+
+After `consecutive_failures` UNAVAILABLE answers in a row, a replica is ejected
+for `base_ejection · 2^(times ejected before)`, capped at `max_ejection`, and
+readmitted when that time is up; a success resets its count. At most
+`max_ejected_percent` of a backend's replicas are out at once, and never all of
+them: with every replica failing, ejecting would only turn errors into no
+service at all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+DEFAULT_CONSECUTIVE_FAILURES = 3
+DEFAULT_BASE_EJECTION_SECONDS = 1.0
+DEFAULT_MAX_EJECTION_SECONDS = 30.0
+DEFAULT_MAX_EJECTED_PERCENT = 50
+
+
+@dataclass(frozen=True)
+class OutlierSettings:
+    # Failures in a row that eject a replica, 1..100.
+    consecutive_failures: int = DEFAULT_CONSECUTIVE_FAILURES
+    # First ejection, seconds, 0.001..600; doubles with each ejection.
+    base_ejection_seconds: float = DEFAULT_BASE_EJECTION_SECONDS
+    # Longest ejection, seconds, >= base, <= 3600.
+    max_ejection_seconds: float = DEFAULT_MAX_EJECTION_SECONDS
+    # Share of a backend's replicas that may be out at once, 0..100 (never all).
+    max_ejected_percent: int = DEFAULT_MAX_EJECTED_PERCENT
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.consecutive_failures <= 100:
+            raise ValueError(f"consecutive_failures {self.consecutive_failures} is outside 1..100")
+        if not 0.001 <= self.base_ejection_seconds <= 600:
+            raise ValueError(f"base_ejection {self.base_ejection_seconds}s is outside 1ms..600s")
+        if not self.base_ejection_seconds <= self.max_ejection_seconds <= 3600:
+            raise ValueError("max_ejection must be at least base_ejection and at most 3600s")
+        if not 0 <= self.max_ejected_percent <= 100:
+            raise ValueError(f"max_ejected_percent {self.max_ejected_percent} is outside 0..100")
+
+
+@dataclass
+class _ReplicaState:
+    failures_in_a_row: int = 0
+    times_ejected: int = 0
+    ejected_until: float = 0.0
+
+
+class OutlierDetector:
+    """Per-backend replica health; call from the event loop."""
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        settings: OutlierSettings,
+        *,
+        on_ejected: Callable[[str, float], None] = lambda target, seconds: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._states = {target: _ReplicaState() for target in targets}
+        self._on_ejected = on_ejected
+        self._clock = clock
+        # Never all: with one replica, ejection is off.
+        self._max_ejected = min(
+            len(targets) - 1, math.floor(len(targets) * settings.max_ejected_percent / 100)
+        )
+
+    def is_ejected(self, target: str) -> bool:
+        return self._states[target].ejected_until > self._clock()
+
+    def record_success(self, target: str) -> None:
+        state = self._states[target]
+        state.failures_in_a_row = 0
+        state.times_ejected = 0
+
+    def record_failure(self, target: str) -> None:
+        state = self._states[target]
+        state.failures_in_a_row += 1
+        if state.failures_in_a_row < self.settings.consecutive_failures or self.is_ejected(target):
+            return
+        ejected_now = sum(self.is_ejected(t) for t in self._states)
+        if ejected_now >= self._max_ejected:
+            return
+        seconds = min(
+            self.settings.base_ejection_seconds * 2**state.times_ejected,
+            self.settings.max_ejection_seconds,
+        )
+        state.ejected_until = self._clock() + seconds
+        state.times_ejected += 1
+        state.failures_in_a_row = 0
+        self._on_ejected(target, seconds)

@@ -1,0 +1,167 @@
+"""Outlier ejection: unit rules with a fake clock, then a replica killed under real load."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import MODEL_TEXTS_TOTAL
+from capability.server import CapabilityServer
+from orchestrator.config import OrchestratorSettings
+from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
+from orchestrator.policy import OutlierDetector, OutlierSettings
+from orchestrator.routing import RoutesFileError, load_routes
+from orchestrator.server import OrchestratorServer
+from tests.conftest import capability_settings, metric_sum
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+
+
+def make_detector(targets: list[str], now: list[float]) -> tuple[OutlierDetector, list[float]]:
+    ejections: list[float] = []
+    detector = OutlierDetector(
+        targets,
+        OutlierSettings(consecutive_failures=2, base_ejection_seconds=1, max_ejection_seconds=3),
+        on_ejected=lambda target, seconds: ejections.append(seconds),
+        clock=lambda: now[0],
+    )
+    return detector, ejections
+
+
+def test_replica_is_ejected_after_failures_in_a_row_for_a_doubling_capped_time() -> None:
+    now = [0.0]
+    detector, ejections = make_detector(["a", "b", "c", "d"], now)
+    for _ in range(3):
+        detector.record_failure("a")
+        detector.record_failure("a")
+        assert detector.is_ejected("a")
+        now[0] += ejections[-1]  # readmitted when its time is up
+        assert not detector.is_ejected("a")
+    assert ejections == [1, 2, 3]
+
+
+def test_a_success_resets_the_count() -> None:
+    now = [0.0]
+    detector, ejections = make_detector(["a", "b"], now)
+    detector.record_failure("a")
+    detector.record_success("a")
+    detector.record_failure("a")
+    assert not detector.is_ejected("a")
+    assert ejections == []
+
+
+def test_the_last_replicas_are_never_all_ejected() -> None:
+    now = [0.0]
+    detector, _ = make_detector(["a", "b"], now)
+    for target in ("a", "b"):
+        detector.record_failure(target)
+        detector.record_failure(target)
+    assert detector.is_ejected("a")
+    assert not detector.is_ejected("b")
+
+
+async def test_killed_replica_costs_no_call_is_ejected_and_readmitted_when_back(
+    model_root: Path, tmp_path: Path
+) -> None:
+    replicas = []
+    for _ in range(2):
+        server = CapabilityServer(
+            capability_settings(model_root, models=("topic-static",)), registry=CollectorRegistry()
+        )
+        await server.start()
+        await server.warm_up()
+        replicas.append(server)
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+outlier_ejection: {{consecutive_failures: 2, base_ejection: 300ms}}
+backends:
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{replicas[0].port}", "127.0.0.1:{replicas[1].port}"]
+routes:
+  - name: default
+    backend: static
+    retry: {{max_attempts: 3, initial_backoff: 1ms, max_backoff: 5ms}}
+"""
+    )
+    orchestrator = OrchestratorServer(
+        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    failures: list[grpc.aio.AioRpcError] = []
+    answered = 0
+    stop = asyncio.Event()
+
+    async def client(stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub) -> None:
+        nonlocal answered
+        while not stop.is_set():
+            try:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+                answered += 1
+            except grpc.aio.AioRpcError as error:
+                failures.append(error)
+
+    dead_port = replicas[1].port
+    dead_target = f"127.0.0.1:{dead_port}"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            clients = [asyncio.ensure_future(client(stub)) for _ in range(4)]
+            await asyncio.sleep(0.5)
+            await replicas[1].stop(grace_seconds=0)  # killed mid-load
+            await asyncio.sleep(1.0)
+            assert (
+                metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL, target=dead_target) >= 1
+            )
+
+            # The replica comes back on the same address, and is used again once readmitted.
+            returned = CapabilityServer(
+                capability_settings(model_root, models=("topic-static",), port=dead_port),
+                registry=CollectorRegistry(),
+            )
+            await returned.start()
+            await returned.warm_up()
+            replicas.append(returned)
+            for _ in range(200):
+                if metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5:
+                    break
+                await asyncio.sleep(0.05)
+            stop.set()
+            await asyncio.gather(*clients)
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        for server in replicas:
+            await server.stop(grace_seconds=0)
+    assert failures == []
+    assert answered > 20
+    assert metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5, "the replica was not readmitted"
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("{consecutive_failures: 0}", "consecutive_failures 0 is outside 1..100"),
+        ("{max_ejected_percent: 150}", "max_ejected_percent 150 is outside 0..100"),
+        ("{base_ejection: 5s, max_ejection: 1s}", "max_ejection must be at least base_ejection"),
+        ("{ejection: 5s}", "outlier_ejection.ejection: unknown key"),
+    ],
+)
+def test_bad_outlier_settings_are_refused_with_their_path(
+    tmp_path: Path, setting: str, message: str
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        f"version: 1\noutlier_ejection: {setting}\nbackends:\n  a: {{model: m, targets: ['h:1']}}\n"
+        "routes:\n  - {name: d, backend: a}\n"
+    )
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert message in str(caught.value)
