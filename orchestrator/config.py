@@ -15,6 +15,7 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9101
 DEFAULT_ROUTES_FILE = Path("routes.yaml")
 DEFAULT_GRACE_SECONDS = 10.0
+DEFAULT_ROUTES_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class OrchestratorSettings:
     metrics_port: int = DEFAULT_METRICS_PORT
     # The route table (see routes.yaml for its format).
     routes_file: Path = DEFAULT_ROUTES_FILE
+    # Seconds between looks at the routes file for edits, 0 (off) or 0.05..60.
+    routes_poll_seconds: float = DEFAULT_ROUTES_POLL_SECONDS
     # Seconds in-flight calls get to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -37,6 +40,14 @@ class OrchestratorSettings:
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
+        if self.routes_poll_seconds != 0:
+            check_range(
+                self.routes_poll_seconds,
+                0.05,
+                60,
+                "--routes-poll-seconds",
+                "ORCHESTRATOR_ROUTES_POLL_SECONDS",
+            )
 
     @classmethod
     def from_args(
@@ -74,6 +85,15 @@ class OrchestratorSettings:
             "routes.yaml to load",
             environ,
             Path,
+        )
+        add_setting(
+            parser,
+            "--routes-poll-seconds",
+            "ORCHESTRATOR_ROUTES_POLL_SECONDS",
+            DEFAULT_ROUTES_POLL_SECONDS,
+            "look for routes file edits every N seconds (0: never)",
+            environ,
+            float,
         )
         add_setting(
             parser,

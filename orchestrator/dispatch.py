@@ -24,27 +24,79 @@ from orchestrator.upstream import UpstreamPools
 log = logging.getLogger(__name__)
 
 
+class RoutingState:
+    """One version of routes.yaml and what it needs to serve: channels, retry budget.
+
+    Calls count themselves in and out, so a replaced state closes its channels
+    only after the calls that started on it have finished.
+    """
+
+    def __init__(self, table: RouteTable, upstream: UpstreamPools) -> None:
+        self.table = table
+        self.upstream = upstream
+        self.retry_budget = RetryBudget(table.retry_budget)
+        self.in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._drained.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._drained.set()
+
+    async def close_when_drained(self) -> None:
+        await self._drained.wait()
+        await self.upstream.close()
+
+
 class Dispatcher:
-    def __init__(
-        self, routes: RouteTable, upstream: UpstreamPools, metrics: OrchestratorMetrics
-    ) -> None:
-        self._routes = routes
-        self._upstream = upstream
+    def __init__(self, state: RoutingState, metrics: OrchestratorMetrics) -> None:
+        self.state = state
         self._metrics = metrics
-        self._retry_budget = RetryBudget(routes.retry_budget)
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def replace(self, state: RoutingState) -> None:
+        """Serve new calls from `state`; the old one closes once its calls are done."""
+        old, self.state = self.state, state
+        task = asyncio.get_running_loop().create_task(old.close_when_drained())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._retiring)
+        await self.state.upstream.close()
 
     async def classify(
         self, request: pb.ClassifyRequest, ids: RequestContext, client_remaining: float | None
     ) -> pb.ClassifyResponse:
-        route = self._routes.select()
-        self._retry_budget.record_request()
+        # Taken once: a reload during this call does not change the rules it follows.
+        state = self.state
+        state.enter()
+        try:
+            return await self._classify(state, request, ids, client_remaining)
+        finally:
+            state.leave()
+
+    async def _classify(
+        self,
+        state: RoutingState,
+        request: pb.ClassifyRequest,
+        ids: RequestContext,
+        client_remaining: float | None,
+    ) -> pb.ClassifyResponse:
+        route = state.table.select()
+        state.retry_budget.record_request()
         deadline = None
         if client_remaining is not None:
             deadline = asyncio.get_running_loop().time() + client_remaining
         failure: ServiceError | None = None
         for backend in route.backends:
             try:
-                response = await self._call_backend(route, backend, request, ids, deadline)
+                response = await self._call_backend(state, route, backend, request, ids, deadline)
             except ServiceError as error:
                 if grpc_code_for(error) not in FALLBACK_ELIGIBLE_CODES:
                     raise
@@ -70,6 +122,7 @@ class Dispatcher:
 
     async def _call_backend(
         self,
+        state: RoutingState,
         route: Route,
         backend: Backend,
         request: pb.ClassifyRequest,
@@ -77,7 +130,7 @@ class Dispatcher:
         deadline: float | None,
     ) -> pb.ClassifyResponse:
         """Attempts on one backend under the route's retry policy."""
-        pool = self._upstream.pool(backend)
+        pool = state.upstream.pool(backend)
         forwarded = pb.ClassifyRequest()
         forwarded.CopyFrom(request)
         # The backend serves one model; the capability server logs under our ID.
@@ -101,7 +154,7 @@ class Dispatcher:
                 wait = backoff_seconds(route.retry, attempt)
                 if deadline is not None and loop.time() + wait >= deadline:
                     raise
-                if not self._retry_budget.try_spend():
+                if not state.retry_budget.try_spend():
                     self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()
                     raise
                 self._metrics.retries.labels(route.name, backend.name, error.reason).inc()

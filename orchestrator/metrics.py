@@ -8,6 +8,7 @@ UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
 MODEL_FALLBACK_TOTAL = "model_fallback_total"
 RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
+ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
 
 
 class OrchestratorMetrics:
@@ -28,6 +29,12 @@ class OrchestratorMetrics:
             OUTLIER_EJECTIONS_TOTAL,
             "Replicas taken out of rotation after failing in a row.",
             ["backend", "target"],
+            registry=registry,
+        )
+        self.routes_reloads = Counter(
+            ROUTES_RELOADS_TOTAL,
+            "Edits of the routes file, by outcome: ok (applied) or failed (refused).",
+            ["outcome"],
             registry=registry,
         )
         # The name the design uses, without our prefix, so dashboards can rely on it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -14,9 +15,10 @@ from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
-from orchestrator.dispatch import Dispatcher
+from orchestrator.dispatch import Dispatcher, RoutingState
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.routing import Backend, RoutesFileError, load_routes
+from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
+from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.service import ClassifyServicer
 from orchestrator.upstream import UpstreamPools
 
@@ -26,24 +28,16 @@ SERVICE_NAMES = (classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyServi
 
 
 class OrchestratorServer:
-    """Loads the route table, opens upstream channels, serves ClassifyService."""
+    """Loads the route table, opens upstream channels, serves ClassifyService, and
+    applies valid edits of the routes file while serving."""
 
     def __init__(self, settings: OrchestratorSettings, registry: CollectorRegistry | None = None):
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = OrchestratorMetrics(self.registry)
         # A bad routes file stops start-up here, with the bad value's path in the message.
-        self.routes = load_routes(settings.routes_file)
-        metrics = OrchestratorMetrics(self.registry)
-
-        def count_ejection(backend: Backend, target: str, seconds: float) -> None:
-            metrics.outlier_ejections.labels(backend.name, target).inc()
-            log.warning(
-                "replica ejected",
-                extra={"backend": backend.name, "target": target, "seconds": seconds},
-            )
-
-        self.upstream = UpstreamPools(
-            self.routes.backends, self.routes.outlier_ejection, on_ejected=count_ejection
+        self.dispatcher = Dispatcher(
+            self._routing_state(load_routes(settings.routes_file)), self.metrics
         )
         self.serving = GrpcServing(
             service_names=SERVICE_NAMES,
@@ -53,9 +47,32 @@ class OrchestratorServer:
             registry=self.registry,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(Dispatcher(self.routes, self.upstream, metrics)),
-            self.serving.server,
+            ClassifyServicer(self.dispatcher), self.serving.server
         )
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def routes(self) -> RouteTable:
+        return self.dispatcher.state.table
+
+    def _routing_state(self, table: RouteTable) -> RoutingState:
+        def count_ejection(backend: Backend, target: str, seconds: float) -> None:
+            self.metrics.outlier_ejections.labels(backend.name, target).inc()
+            log.warning(
+                "replica ejected",
+                extra={"backend": backend.name, "target": target, "seconds": seconds},
+            )
+
+        upstream = UpstreamPools(table.backends, table.outlier_ejection, on_ejected=count_ejection)
+        return RoutingState(table, upstream)
+
+    def _apply_routes(self, table: RouteTable) -> None:
+        self.dispatcher.replace(self._routing_state(table))
+        self.metrics.routes_reloads.labels("ok").inc()
+        log.info("routes reloaded", extra={"routes": [route.name for route in table.routes]})
+
+    def _refuse_routes(self, error: RoutesFileError) -> None:
+        self.metrics.routes_reloads.labels("failed").inc()
 
     @property
     def port(self) -> int:
@@ -64,11 +81,24 @@ class OrchestratorServer:
     async def start(self) -> None:
         await self.serving.start()
         await self.serving.set_serving(True)
+        if self.settings.routes_poll_seconds > 0:
+            watcher = RoutesWatcher(
+                self.settings.routes_file,
+                self._apply_routes,
+                self._refuse_routes,
+                self.settings.routes_poll_seconds,
+            )
+            self._watcher = asyncio.create_task(watcher.run(), name="routes-watcher")
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         await self.serving.stop(grace)
-        await self.upstream.close()
+        await self.dispatcher.close()
 
 
 async def serve(settings: OrchestratorSettings) -> None:

@@ -1,0 +1,62 @@
+"""Watch routes.yaml and hand every valid new version to a callback.
+
+The file is polled rather than watched with inotify: polling sees a
+Kubernetes ConfigMap update, which swaps a symlink (`..data`) instead of
+writing the file, and needs no platform support. `os.stat` follows links, so
+the identity checked (inode, size, mtime) is that of the file really read.
+A file that fails to load is logged and counted, and the routes in force stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.routing.table import RoutesFileError, RouteTable, load_routes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_SECONDS = 0.5
+
+
+def file_identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+class RoutesWatcher:
+    def __init__(
+        self,
+        path: Path,
+        on_change: Callable[[RouteTable], None],
+        on_failure: Callable[[RoutesFileError], None],
+        poll_seconds: float = DEFAULT_POLL_SECONDS,
+    ) -> None:
+        self._path = path
+        self._on_change = on_change
+        self._on_failure = on_failure
+        self._poll_seconds = poll_seconds
+        self._seen = file_identity(path)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_seconds)
+            identity = file_identity(self._path)
+            if identity == self._seen:
+                continue
+            self._seen = identity
+            try:
+                table = load_routes(self._path)
+            except RoutesFileError as error:
+                log.error(
+                    "routes file refused; the routes in force stay", extra={"error": str(error)}
+                )
+                self._on_failure(error)
+                continue
+            self._on_change(table)

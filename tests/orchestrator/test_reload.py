@@ -1,0 +1,132 @@
+"""Live edits of routes.yaml through a real orchestrator under continuous load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.config import OrchestratorSettings
+from orchestrator.metrics import ROUTES_RELOADS_TOTAL
+from orchestrator.server import OrchestratorServer
+from tests.conftest import metric_sum
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+
+
+def routes_to(default_backend: str, capability_port: int) -> str:
+    return f"""version: 1
+backends:
+  minilm: {{model: topic-minilm, targets: ["127.0.0.1:{capability_port}"]}}
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability_port}"]}}
+routes:
+  - name: default
+    backend: {default_backend}
+"""
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write beside, then rename over: readers see the old file or the new one, whole."""
+    staging = path.with_name(path.name + ".new")
+    staging.write_text(text)
+    staging.replace(path)
+
+
+async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_seconds
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+class LoadedOrchestrator:
+    """An orchestrator on a routes file, and clients calling it without pause."""
+
+    def __init__(self, routes_file: Path) -> None:
+        self.server = OrchestratorServer(
+            OrchestratorSettings(
+                port=0, metrics_port=-1, routes_file=routes_file, routes_poll_seconds=0.05
+            ),
+            registry=CollectorRegistry(),
+        )
+        self.models: list[str] = []
+        self.failures: list[grpc.aio.AioRpcError] = []
+        self._stop = asyncio.Event()
+        self._clients: list[asyncio.Future[None]] = []
+        self._channel: grpc.aio.Channel | None = None
+
+    async def __aenter__(self) -> LoadedOrchestrator:
+        await self.server.start()
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}")
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(self._channel)
+        self._clients = [asyncio.ensure_future(self._client(stub)) for _ in range(4)]
+        await wait_until(lambda: len(self.models) >= 8)
+        return self
+
+    async def _client(self, stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub) -> None:
+        while not self._stop.is_set():
+            try:
+                response = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+                self.models.append(response.model.name)
+            except grpc.aio.AioRpcError as error:
+                self.failures.append(error)
+
+    def reloads(self, outcome: str) -> float:
+        return metric_sum(self.server.registry, ROUTES_RELOADS_TOTAL, outcome=outcome)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._clients)
+        assert self._channel is not None
+        await self._channel.close()
+        await self.server.stop(grace_seconds=0)
+
+
+async def test_edit_moving_the_default_route_applies_under_load_and_a_broken_edit_changes_nothing(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    async with LoadedOrchestrator(routes) as loaded:
+        assert set(loaded.models) == {"topic-minilm"}
+
+        replace_file(routes, routes_to("static", capability.port))
+        await wait_until(lambda: loaded.models[-8:] == ["topic-static"] * 8)
+        assert loaded.reloads("ok") == 1
+
+        replace_file(routes, routes_to("no-such-backend", capability.port))
+        await wait_until(lambda: loaded.reloads("failed") == 1)
+        served_before = len(loaded.models)
+        await wait_until(lambda: len(loaded.models) >= served_before + 8)
+        assert set(loaded.models[served_before:]) == {"topic-static"}
+    assert loaded.failures == []
+
+
+async def test_kubernetes_configmap_symlink_swap_is_applied(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    # A ConfigMap volume: routes.yaml -> ..data/routes.yaml, ..data -> a timestamped folder;
+    # an update writes a new folder and swaps the ..data link.
+    first = tmp_path / "..2026_11_30_01"
+    first.mkdir()
+    (first / "routes.yaml").write_text(routes_to("minilm", capability.port))
+    (tmp_path / "..data").symlink_to(first.name)
+    (tmp_path / "routes.yaml").symlink_to("..data/routes.yaml")
+
+    async with LoadedOrchestrator(tmp_path / "routes.yaml") as loaded:
+        second = tmp_path / "..2026_11_30_02"
+        second.mkdir()
+        (second / "routes.yaml").write_text(routes_to("static", capability.port))
+        (tmp_path / "..data_tmp").symlink_to(second.name)
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+
+        await wait_until(lambda: loaded.models[-8:] == ["topic-static"] * 8)
+    assert loaded.failures == []
