@@ -7,6 +7,8 @@ consistent set of codes and the request/trace IDs of the orchestrator.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -21,6 +23,8 @@ from classify_common.errors import (
     Overloaded,
     ServiceError,
 )
+
+log = logging.getLogger(__name__)
 
 # When an overloaded server sends no RetryInfo, clients wait this long.
 DEFAULT_RETRY_AFTER_SECONDS = 1.0
@@ -43,8 +47,17 @@ def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
 def translate_upstream_error(
     error: grpc.aio.AioRpcError, backend: str, target: str
 ) -> ServiceError:
+    """The client-facing error for a failed capability call.
+
+    NOTE: the upstream's own message and the replica's address are logged here
+    and never copied into the client's error: they can name internal hosts.
+    """
     code = error.code()
-    where = {"backend": backend, "target": target, "upstream_code": code.name}
+    log.warning(
+        "capability call failed",
+        extra={"backend": backend, "target": target, "code": code.name, "details": error.details()},
+    )
+    where = {"backend": backend, "upstream_code": code.name}
     details = _upstream_details(error)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = [
@@ -55,7 +68,7 @@ def translate_upstream_error(
         ]
         if violations:
             return InvalidRequest(violations)
-        return InternalError(f"backend {backend} rejected the request: {error.details()}", **where)
+        return InternalError(f"backend {backend} rejected the request", **where)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         retry_after = next(
             (
@@ -71,7 +84,7 @@ def translate_upstream_error(
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExpired(f"backend {backend} did not answer in time", **where)
     if code == grpc.StatusCode.NOT_FOUND:
-        return ModelNotFound(f"backend {backend}: {error.details()}", **where)
+        return ModelNotFound(f"backend {backend} does not serve the requested model", **where)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return ModelUnavailable(f"backend {backend} is unavailable: {error.details()}", **where)
-    return InternalError(f"backend {backend} failed with {code.name}: {error.details()}", **where)
+        return ModelUnavailable(f"backend {backend} is unavailable", **where)
+    return InternalError(f"backend {backend} failed with {code.name}", **where)

@@ -22,7 +22,7 @@ from orchestrator.config import OrchestratorSettings
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import write_routes
-from tests.status_details import error_reason
+from tests.status_details import error_info, error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
@@ -75,6 +75,9 @@ async def test_unreachable_capability_is_a_model_error_with_ids(
             await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert error_reason(caught.value) == "MODEL_UNAVAILABLE"
+    # No internal address or upstream text reaches the client, in the message or details.
+    assert caught.value.details() == "backend topic-minilm is unavailable"
+    assert "127.0.0.1" not in str(error_info(caught.value))
     trailers = dict(caught.value.trailing_metadata() or ())
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
