@@ -28,7 +28,7 @@ BUF_AGAINST ?= main
 
 PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
 
-.PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean \
+.PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	bench bench-capability bench-models gpu-check
 
 help:
@@ -74,7 +74,7 @@ run: setup bundles
 
 test: setup lint pytest
 
-lint: buf-lint buf-breaking ruff mypy
+lint: buf-lint buf-breaking ruff mypy check-routes
 
 buf-lint: $(BUF) $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
@@ -88,6 +88,9 @@ buf-breaking: $(BUF) $(VENV_STAMP)
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(BUF) breaking $(IMAGE_DIR)/current.binpb --against $(IMAGE_DIR)/against.binpb --config buf.yaml --path ai; \
 	echo "buf breaking against $(BUF_AGAINST): ok"
+
+check-routes: $(STUB_STAMP)
+	$(PY) -m orchestrator.routing check routes.yaml
 
 ruff: $(VENV_STAMP)
 	$(VENV)/bin/ruff check $(PYTHON_SOURCES)

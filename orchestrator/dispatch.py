@@ -12,16 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import FALLBACK_ELIGIBLE_CODES, ServiceError, grpc_code_for
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy import RetryBudget, backoff_seconds
-from orchestrator.routing import Backend, Route, RouteTable
+from orchestrator.routing import Backend, RequestFacts, Route, RouteTable
 from orchestrator.upstream import UpstreamPools
 
 log = logging.getLogger(__name__)
+
+
+def request_facts(
+    request: pb.ClassifyRequest, ids: RequestContext, headers: Mapping[str, str]
+) -> RequestFacts:
+    return RequestFacts(
+        text_chars=len(request.text),
+        model=request.model,
+        priority="batch" if request.priority == pb.PRIORITY_BATCH else "interactive",
+        request_id=ids.request_id,
+        headers=headers,
+    )
 
 
 class RoutingState:
@@ -71,24 +84,29 @@ class Dispatcher:
         await self.state.upstream.close()
 
     async def classify(
-        self, request: pb.ClassifyRequest, ids: RequestContext, client_remaining: float | None
+        self,
+        request: pb.ClassifyRequest,
+        ids: RequestContext,
+        client_remaining: float | None,
+        headers: Mapping[str, str],
     ) -> pb.ClassifyResponse:
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
         state.enter()
         try:
-            return await self._classify(state, request, ids, client_remaining)
+            route = state.table.select(request_facts(request, ids, headers))
+            return await self._classify(state, route, request, ids, client_remaining)
         finally:
             state.leave()
 
     async def _classify(
         self,
         state: RoutingState,
+        route: Route,
         request: pb.ClassifyRequest,
         ids: RequestContext,
         client_remaining: float | None,
     ) -> pb.ClassifyResponse:
-        route = state.table.select()
         state.retry_budget.record_request()
         deadline = None
         if client_remaining is not None:

@@ -26,7 +26,12 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
         ids = current_request()
         assert ids is not None, "the lifecycle interceptor binds every contract call"
-        return await self._dispatcher.classify(request, ids, context.time_remaining())
+        headers = {
+            key.lower(): value
+            for key, value in context.invocation_metadata() or ()
+            if isinstance(value, str)
+        }
+        return await self._dispatcher.classify(request, ids, context.time_remaining(), headers)
 
     async def GetResult(
         self, request: pb.GetResultRequest, context: Context

@@ -1,5 +1,14 @@
-"""routes.yaml: schema, loading and route selection."""
+"""routes.yaml: schema, loading, route selection, and the live watcher."""
 
+from orchestrator.routing.match import RequestFacts, RouteMatch
 from orchestrator.routing.table import Backend, Route, RoutesFileError, RouteTable, load_routes
 
-__all__ = ["Backend", "Route", "RouteTable", "RoutesFileError", "load_routes"]
+__all__ = [
+    "Backend",
+    "RequestFacts",
+    "Route",
+    "RouteMatch",
+    "RouteTable",
+    "RoutesFileError",
+    "load_routes",
+]

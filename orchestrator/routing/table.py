@@ -18,6 +18,7 @@ import grpc
 import yaml
 
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
+from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, RouteMatch
 
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
@@ -30,12 +31,16 @@ _TARGET = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$")
 class RoutesFileError(ValueError):
     """routes.yaml is malformed; the message starts with the path of the bad value."""
 
-    def __init__(self, where: str, problem: str, *, file: str = "") -> None:
-        location = ": ".join(part for part in (file, where) if part)
+    def __init__(
+        self, where: str, problem: str, *, file: str = "", line: int | None = None
+    ) -> None:
+        place = f"{file}:{line}" if file and line else file
+        location = ": ".join(part for part in (place, where) if part)
         super().__init__(f"{location}: {problem}" if location else problem)
         self.where = where
         self.problem = problem
         self.file = file
+        self.line = line
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Backend:
 class Route:
     name: str
     backend: Backend
+    match: RouteMatch = field(default_factory=RouteMatch)
     # Tried in order when the backend before them fails with a model error or
     # overload, after its retries.
     fallback: tuple[Backend, ...] = ()
@@ -72,8 +78,11 @@ class RouteTable:
     def default_route(self) -> Route:
         return self.routes[-1]
 
-    def select(self) -> Route:
-        # Only the default route exists until routes gain `match` rules.
+    def select(self, facts: RequestFacts) -> Route:
+        """The first route whose match holds; the last route matches everything."""
+        for route in self.routes:
+            if not route.match.failed_conditions(facts):
+                return route
         return self.default_route
 
 
@@ -146,6 +155,63 @@ def _retry_policy(spec: Any, where: str) -> RetryPolicy:
         raise RoutesFileError(where, str(exc)) from None
 
 
+def _route_match(spec: Any, where: str) -> RouteMatch:
+    keys = {"model", "priority", "min_chars", "max_chars", "header", "percent"}
+    spec = _mapping(spec, where, keys, set())
+    if not spec:
+        raise RoutesFileError(where, "an empty match matches everything; leave it out instead")
+    models = spec.get("model", [])
+    if isinstance(models, str):
+        models = [models]
+    if not isinstance(models, list):
+        raise RoutesFileError(f"{where}.model", "expected a model name or a list of them")
+    for index, model in enumerate(models):
+        _name(model, f"{where}.model[{index}]")
+    priority = spec.get("priority")
+    if priority is not None and priority not in PRIORITIES:
+        raise RoutesFileError(f"{where}.priority", f"{priority!r} is not one of {PRIORITIES}")
+    bounds: dict[str, int | None] = {}
+    for key in ("min_chars", "max_chars"):
+        value = spec.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not a non-negative integer")
+        bounds[key] = value
+    low, high = bounds["min_chars"], bounds["max_chars"]
+    if low is not None and high is not None and low > high:
+        raise RoutesFileError(where, "min_chars is greater than max_chars")
+    header = None
+    if "header" in spec:
+        header_spec = _mapping(
+            spec["header"], f"{where}.header", {"name", "values"}, {"name", "values"}
+        )
+        header_name = header_spec["name"]
+        values = header_spec["values"]
+        if not isinstance(header_name, str) or not header_name:
+            raise RoutesFileError(f"{where}.header.name", "expected a metadata key")
+        if (
+            not isinstance(values, list)
+            or not values
+            or not all(isinstance(v, str) for v in values)
+        ):
+            raise RoutesFileError(f"{where}.header.values", "expected a non-empty list of strings")
+        header = HeaderMatch(name=header_name.lower(), values=frozenset(values))
+    percent = spec.get("percent")
+    if percent is not None and (
+        not isinstance(percent, int) or isinstance(percent, bool) or not 1 <= percent <= 100
+    ):
+        raise RoutesFileError(f"{where}.percent", f"{percent!r} is not a whole percentage 1..100")
+    return RouteMatch(
+        models=frozenset(models),
+        priority=priority,
+        min_chars=bounds["min_chars"],
+        max_chars=bounds["max_chars"],
+        header=header,
+        percent=percent,
+    )
+
+
 def _backend(name: str, spec: Any) -> Backend:
     where = f"backends.{name}"
     spec = _mapping(spec, where, {"model", "targets", "timeout"}, {"model", "targets"})
@@ -181,7 +247,9 @@ def parse_routes(document: Any) -> RouteTable:
     seen: set[str] = set()
     for index, spec in enumerate(top["routes"]):
         where = f"routes[{index}]"
-        spec = _mapping(spec, where, {"name", "backend", "fallback", "retry"}, {"name", "backend"})
+        spec = _mapping(
+            spec, where, {"name", "backend", "match", "fallback", "retry"}, {"name", "backend"}
+        )
         name = _name(spec["name"], f"{where}.name")
         if name in seen:
             raise RoutesFileError(f"{where}.name", f"duplicate route name {name!r}")
@@ -205,7 +273,15 @@ def parse_routes(document: Any) -> RouteTable:
                 )
             fallback.append(candidate)
         retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
-        routes.append(Route(name=name, backend=backend, fallback=tuple(fallback), retry=retry))
+        match = _route_match(spec["match"], f"{where}.match") if "match" in spec else RouteMatch()
+        routes.append(
+            Route(name=name, backend=backend, match=match, fallback=tuple(fallback), retry=retry)
+        )
+    if not routes[-1].match.is_catch_all:
+        raise RoutesFileError(
+            f"routes[{len(routes) - 1}].match",
+            "the last route is the default and must match everything",
+        )
     budget = _retry_budget(top["retry_budget"]) if "retry_budget" in top else RetryBudgetSettings()
     outliers = (
         _outlier_settings(top["outlier_ejection"])
@@ -264,9 +340,33 @@ def _retry_budget(spec: Any) -> RetryBudgetSettings:
         raise RoutesFileError(where, str(exc)) from None
 
 
+def _line_index(node: yaml.Node, path: str = "") -> dict[str, int]:
+    """Path of every value in the document (`routes[2].fallback[0]`) to its 1-based line."""
+    lines = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = f"{path}.{key_node.value}" if path else str(key_node.value)
+            lines.update(_line_index(value_node, child))
+            lines[child] = key_node.start_mark.line + 1  # the key's line reads best
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines.update(_line_index(item, f"{path}[{index}]"))
+    return lines
+
+
+def _line_of(where: str, lines: dict[str, int]) -> int | None:
+    """The line of `where`, or of its nearest enclosing value (for a missing key)."""
+    while where:
+        if where in lines:
+            return lines[where]
+        where = where[: max(where.rfind("."), where.rfind("["), 0)]
+    return None
+
+
 def load_routes(path: Path) -> RouteTable:
     try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        document = yaml.safe_load(text)
     except OSError as exc:
         raise RoutesFileError("", f"cannot read: {exc.strerror}", file=str(path)) from exc
     except yaml.YAMLError as exc:
@@ -274,4 +374,6 @@ def load_routes(path: Path) -> RouteTable:
     try:
         return parse_routes(document)
     except RoutesFileError as exc:
-        raise RoutesFileError(exc.where, exc.problem, file=str(path)) from None
+        node = yaml.compose(text)
+        line = _line_of(exc.where, _line_index(node)) if node is not None else None
+        raise RoutesFileError(exc.where, exc.problem, file=str(path), line=line) from None

@@ -30,6 +30,7 @@ def load_text(tmp_path: Path, text: str) -> object:
 
 def test_shipped_routes_file_loads_with_a_default_route() -> None:
     table = load_routes(REPO_ROOT / "routes.yaml")
+    assert [route.name for route in table.routes] == ["static-hint", "default"]
     route = table.default_route
     assert route.name == "default"
     assert route.backend.targets == ("127.0.0.1:50052",)
@@ -41,7 +42,7 @@ def test_shipped_routes_file_loads_with_a_default_route() -> None:
 def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> None:
     path = tmp_path / "routes.yaml"
     path.write_text(VALID)
-    backend = load_routes(path).select().backend
+    backend = load_routes(path).default_route.backend
     assert backend.targets == ("127.0.0.1:50052", "10.0.0.7:50052")
     assert backend.timeout_seconds == 0.25
 

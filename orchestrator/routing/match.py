@@ -1,0 +1,94 @@
+"""What a route matches on, and the facts of a request it is matched against.
+
+Every condition a route lists must hold (they combine with AND); a route that
+lists none matches everything, which is what the final default route does.
+`percent` sends a stable share of traffic to a route (a canary): a request ID
+always lands in the same one of 100 slots, so a retried or polled request
+follows the same route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PRIORITIES = ("interactive", "batch")
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """The parts of a request routes may look at."""
+
+    text_chars: int
+    model: str  # the client's model hint; "" when none
+    priority: str  # "interactive" or "batch"
+    request_id: str
+    # Lower-case gRPC metadata keys to values (e.g. tenant headers).
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class HeaderMatch:
+    name: str  # lower-case metadata key
+    values: frozenset[str]
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    # Model hints this route takes; empty: any hint or none.
+    models: frozenset[str] = frozenset()
+    # "interactive" or "batch"; None: either.
+    priority: str | None = None
+    # Inclusive bounds on the text length, in characters.
+    min_chars: int | None = None
+    max_chars: int | None = None
+    header: HeaderMatch | None = None
+    # Share of requests, 1..100, chosen by a hash of the request ID; None: all.
+    percent: int | None = None
+
+    @property
+    def is_catch_all(self) -> bool:
+        return self == RouteMatch()
+
+    def conditions(self) -> list[str]:
+        """Each condition in words, for `explain`."""
+        words = []
+        if self.models:
+            words.append(f"model in {sorted(self.models)}")
+        if self.priority is not None:
+            words.append(f"priority {self.priority}")
+        if self.min_chars is not None:
+            words.append(f"text >= {self.min_chars} chars")
+        if self.max_chars is not None:
+            words.append(f"text <= {self.max_chars} chars")
+        if self.header is not None:
+            words.append(f"header {self.header.name} in {sorted(self.header.values)}")
+        if self.percent is not None:
+            words.append(f"{self.percent}% of request IDs")
+        return words or ["everything"]
+
+    def failed_conditions(self, facts: RequestFacts) -> list[str]:
+        """The conditions `facts` do not meet (empty: the route matches)."""
+        failed = []
+        if self.models and facts.model not in self.models:
+            failed.append(f"model {facts.model or '(none)'!r} not in {sorted(self.models)}")
+        if self.priority is not None and facts.priority != self.priority:
+            failed.append(f"priority is {facts.priority}")
+        if self.min_chars is not None and facts.text_chars < self.min_chars:
+            failed.append(f"text has {facts.text_chars} < {self.min_chars} chars")
+        if self.max_chars is not None and facts.text_chars > self.max_chars:
+            failed.append(f"text has {facts.text_chars} > {self.max_chars} chars")
+        if self.header is not None:
+            value = facts.headers.get(self.header.name)
+            if value not in self.header.values:
+                failed.append(f"header {self.header.name} is {value!r}")
+        if self.percent is not None and percent_slot(facts.request_id) >= self.percent:
+            failed.append(f"request ID falls outside the {self.percent}% share")
+        return failed
+
+
+def percent_slot(request_id: str) -> int:
+    """A stable slot in 0..99 for a request ID."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 100

@@ -1,0 +1,197 @@
+"""Route matching of every kind, `explain`, `check`, and a header match through real servers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.config import OrchestratorSettings
+from orchestrator.routing import RequestFacts, RoutesFileError, RouteTable, load_routes
+from orchestrator.routing.explain import explain
+from orchestrator.server import OrchestratorServer
+from tests.conftest import REPO_ROOT
+
+ROUTES = """version: 1
+backends:
+  minilm: {model: topic-minilm, targets: ["127.0.0.1:50052"]}
+  static: {model: topic-static, targets: ["127.0.0.1:50052"]}
+routes:
+  - name: hinted
+    match: {model: [topic-static, cheap]}
+    backend: static
+  - name: batch
+    match: {priority: batch}
+    backend: static
+  - name: long
+    match: {min_chars: 1000, max_chars: 100000}
+    backend: static
+  - name: tenant
+    match: {header: {name: X-Tenant, values: [acme]}}
+    backend: static
+  - name: canary
+    match: {percent: 10}
+    backend: static
+    fallback: [minilm]
+  - name: default
+    backend: minilm
+    fallback: [static]
+"""
+
+
+def facts(**overrides: object) -> RequestFacts:
+    values: dict[str, object] = {
+        "text_chars": 20,
+        "model": "",
+        "priority": "interactive",
+        "request_id": "fixed-id-1",
+        "headers": {},
+        **overrides,
+    }
+    return RequestFacts(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> RouteTable:
+    path = tmp_path / "routes.yaml"
+    path.write_text(ROUTES)
+    return load_routes(path)
+
+
+def not_canary(table: RouteTable) -> str:
+    """A request ID outside the 10% canary share."""
+    return next(
+        f"id-{n}" for n in range(100) if table.select(facts(request_id=f"id-{n}")).name == "default"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "route"),
+    [
+        ({"model": "cheap"}, "hinted"),
+        ({"model": "topic-minilm"}, "default"),
+        ({"priority": "batch"}, "batch"),
+        ({"text_chars": 1000}, "long"),
+        ({"text_chars": 999}, "default"),
+        ({"headers": {"x-tenant": "acme"}}, "tenant"),
+        ({"headers": {"x-tenant": "other"}}, "default"),
+    ],
+)
+def test_each_kind_of_match_selects_its_route(
+    table: RouteTable, overrides: dict[str, object], route: str
+) -> None:
+    overrides.setdefault("request_id", not_canary(table))
+    assert table.select(facts(**overrides)).name == route
+
+
+def test_percent_split_takes_a_stable_share_of_request_ids(table: RouteTable) -> None:
+    chosen = [table.select(facts(request_id=f"request-{n}")).name for n in range(2000)]
+    share = chosen.count("canary") / len(chosen)
+    assert 0.07 < share < 0.13
+    # The same ID always lands on the same route, so a retry or poll follows it.
+    assert all(table.select(facts(request_id=f"request-{n}")).name == chosen[n] for n in range(200))
+
+
+def test_explain_names_the_route_why_others_were_skipped_and_the_backends(
+    table: RouteTable,
+) -> None:
+    text = explain(table, facts(priority="batch", request_id=not_canary(table)))
+    assert text.splitlines() == [
+        "routes[0] hinted: skipped, model '(none)' not in ['cheap', 'topic-static']",
+        "routes[1] batch: MATCHES (priority batch)",
+        "backends tried in order (retry: up to 3 attempts each):",
+        "  1. static (primary): model topic-static, timeout 5s, replicas 127.0.0.1:50052",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            (
+                "  - name: default\n    backend: minilm\n",
+                "  - name: default\n    backend: minilm\n    match: {priority: batch}\n",
+            ),
+            "routes[5].match: the last route is the default and must match everything",
+        ),
+        (
+            ("match: {priority: batch}", "match: {priority: urgent}"),
+            "routes[1].match.priority: 'urgent' is not one of",
+        ),
+        (
+            ("match: {percent: 10}", "match: {percent: 0}"),
+            "routes[4].match.percent: 0 is not a whole percentage",
+        ),
+        (
+            ("match: {min_chars: 1000, max_chars: 100000}", "match: {min_chars: 10, max_chars: 5}"),
+            "routes[2].match: min_chars is greater than max_chars",
+        ),
+        (
+            ("match: {priority: batch}", "match: {}"),
+            "routes[1].match: an empty match matches everything",
+        ),
+        (
+            ("match: {priority: batch}", "match: {tenant: acme}"),
+            "routes[1].match.tenant: unknown key",
+        ),
+    ],
+)
+def test_bad_match_is_refused_with_path_and_line(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
+    old, new = change
+    assert old in ROUTES
+    path = tmp_path / "routes.yaml"
+    path.write_text(ROUTES.replace(old, new, 1))
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert message in str(caught.value)
+    assert caught.value.line is not None
+    assert str(caught.value).startswith(f"{path}:{caught.value.line}: ")
+
+
+def test_check_command_passes_the_shipped_file_and_fails_a_broken_one(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(ROUTES.replace("fallback: [static]", "fallback: [bow]"))
+    command = [sys.executable, "-m", "orchestrator.routing", "check"]
+    good = subprocess.run([*command, "routes.yaml"], cwd=REPO_ROOT, capture_output=True, text=True)
+    bad = subprocess.run([*command, str(broken)], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.startswith("routes.yaml: ok (")
+    assert bad.returncode == 1
+    line = broken.read_text().splitlines().index("    fallback: [bow]") + 1
+    assert f"{broken}:{line}: routes[5].fallback[0]: unknown backend 'bow'" in bad.stderr
+
+
+async def test_tenant_header_routes_to_its_backend_through_real_servers(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        ROUTES.replace("50052", str(capability.port)).replace("percent: 10", "percent: 1")
+    )
+    server = OrchestratorServer(
+        OrchestratorSettings(port=0, metrics_port=-1, routes_file=path, routes_poll_seconds=0),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(
+                text="The striker scored twice in the final minutes of the cup match",
+                request_id=not_canary(server.routes),
+            )
+            tenant = await stub.Classify(request, metadata=(("x-tenant", "acme"),))
+            plain = await stub.Classify(request)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert (tenant.route, tenant.model.name) == ("tenant", "topic-static")
+    assert (plain.route, plain.model.name) == ("default", "topic-minilm")
