@@ -16,6 +16,8 @@ DEFAULT_METRICS_PORT = 9101
 DEFAULT_ROUTES_FILE = Path("routes.yaml")
 DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_ROUTES_POLL_SECONDS = 0.5
+DEFAULT_RESULTS_CAPACITY = 10_000
+DEFAULT_RESULTS_TTL_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class OrchestratorSettings:
     routes_file: Path = DEFAULT_ROUTES_FILE
     # Seconds between looks at the routes file for edits, 0 (off) or 0.05..60.
     routes_poll_seconds: float = DEFAULT_ROUTES_POLL_SECONDS
+    # Results kept for GetResult after a PROCESSING answer, 1..1000000, oldest dropped first.
+    results_capacity: int = DEFAULT_RESULTS_CAPACITY
+    # Seconds a kept result can be polled, 1..86400.
+    results_ttl_seconds: float = DEFAULT_RESULTS_TTL_SECONDS
     # Seconds in-flight calls get to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -40,6 +46,20 @@ class OrchestratorSettings:
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
+        check_range(
+            self.results_capacity,
+            1,
+            1_000_000,
+            "--results-capacity",
+            "ORCHESTRATOR_RESULTS_CAPACITY",
+        )
+        check_range(
+            self.results_ttl_seconds,
+            1,
+            86400,
+            "--results-ttl-seconds",
+            "ORCHESTRATOR_RESULTS_TTL_SECONDS",
+        )
         if self.routes_poll_seconds != 0:
             check_range(
                 self.routes_poll_seconds,
@@ -85,6 +105,24 @@ class OrchestratorSettings:
             "routes.yaml to load",
             environ,
             Path,
+        )
+        add_setting(
+            parser,
+            "--results-capacity",
+            "ORCHESTRATOR_RESULTS_CAPACITY",
+            DEFAULT_RESULTS_CAPACITY,
+            "results kept for GetResult",
+            environ,
+            int,
+        )
+        add_setting(
+            parser,
+            "--results-ttl-seconds",
+            "ORCHESTRATOR_RESULTS_TTL_SECONDS",
+            DEFAULT_RESULTS_TTL_SECONDS,
+            "how long a kept result can be polled",
+            environ,
+            float,
         )
         add_setting(
             parser,

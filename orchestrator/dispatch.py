@@ -16,11 +16,19 @@ from collections.abc import Mapping
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
-from classify_common.errors import FALLBACK_ELIGIBLE_CODES, ServiceError, grpc_code_for
+from classify_common.errors import (
+    FALLBACK_ELIGIBLE_CODES,
+    DeadlineExpired,
+    InternalError,
+    ServiceError,
+    grpc_code_for,
+)
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy import RetryBudget, backoff_seconds
+from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RequestFacts, Route, RouteTable
 from orchestrator.upstream import UpstreamPools
+from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +75,15 @@ class RoutingState:
 
 
 class Dispatcher:
-    def __init__(self, state: RoutingState, metrics: OrchestratorMetrics) -> None:
+    def __init__(
+        self, state: RoutingState, metrics: OrchestratorMetrics, results: ResultStore
+    ) -> None:
         self.state = state
+        self.results = results
         self._metrics = metrics
         self._retiring: set[asyncio.Task[None]] = set()
+        # Calls that outlived their budget and still run, for GetResult.
+        self._background: set[asyncio.Task[pb.ClassifyResponse]] = set()
 
     def replace(self, state: RoutingState) -> None:
         """Serve new calls from `state`; the old one closes once its calls are done."""
@@ -80,6 +93,9 @@ class Dispatcher:
         task.add_done_callback(self._retiring.discard)
 
     async def close(self) -> None:
+        for work in self._background:
+            work.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*self._retiring)
         await self.state.upstream.close()
 
@@ -92,12 +108,88 @@ class Dispatcher:
     ) -> pb.ClassifyResponse:
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
+        route = state.table.select(request_facts(request, ids, headers))
+        if route.budget_seconds is None:
+            return await self._run_on(state, route, request, ids, client_remaining)
+        return await self._classify_within_budget(state, route, request, ids, client_remaining)
+
+    async def _run_on(
+        self,
+        state: RoutingState,
+        route: Route,
+        request: pb.ClassifyRequest,
+        ids: RequestContext,
+        client_remaining: float | None,
+    ) -> pb.ClassifyResponse:
         state.enter()
         try:
-            route = state.table.select(request_facts(request, ids, headers))
             return await self._classify(state, route, request, ids, client_remaining)
         finally:
             state.leave()
+
+    async def _classify_within_budget(
+        self,
+        state: RoutingState,
+        route: Route,
+        request: pb.ClassifyRequest,
+        ids: RequestContext,
+        client_remaining: float | None,
+    ) -> pb.ClassifyResponse:
+        """Wait for the answer up to the route's budget; past it, answer PROCESSING and keep
+        the work going so GetResult can return its result.
+
+        The upstream calls are not bound by the client's deadline here: the work is
+        meant to outlive the wait, bounded by each backend's own timeout.
+        """
+        assert route.budget_seconds is not None
+        work = asyncio.create_task(self._run_on(state, route, request, ids, None))
+        self._background.add(work)
+        work.add_done_callback(self._background.discard)
+        wait = route.budget_seconds
+        if client_remaining is not None:
+            wait = min(wait, client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS)
+        try:
+            # shield: the client leaving (its deadline, a cancel) must not stop the work.
+            return await asyncio.wait_for(asyncio.shield(work), timeout=max(wait, 0))
+        except TimeoutError:
+            self._keep_for_polling(work, route, ids)
+            if client_remaining is not None and wait < route.budget_seconds:
+                raise DeadlineExpired(
+                    "the deadline passed while the model was working; poll GetResult",
+                    request_id=ids.request_id,
+                ) from None
+            self._metrics.processing.labels(route.name).inc()
+            return self._processing_response(route, ids)
+        except asyncio.CancelledError:
+            self._keep_for_polling(work, route, ids)
+            raise
+
+    def _processing_response(self, route: Route, ids: RequestContext) -> pb.ClassifyResponse:
+        return pb.ClassifyResponse(
+            request_id=ids.request_id,
+            trace_id=ids.trace_id,
+            status=pb.RESULT_STATUS_PROCESSING,
+            route=route.name,
+        )
+
+    def _keep_for_polling(
+        self, work: asyncio.Task[pb.ClassifyResponse], route: Route, ids: RequestContext
+    ) -> None:
+        self.results.hold(ids.request_id, self._processing_response(route, ids))
+
+        def store(finished: asyncio.Task[pb.ClassifyResponse]) -> None:
+            if finished.cancelled():
+                return
+            error = finished.exception()
+            if error is None:
+                self.results.finish(ids.request_id, response=finished.result())
+            elif isinstance(error, ServiceError):
+                self.results.finish(ids.request_id, error=error)
+            else:
+                log.error("background call failed", exc_info=error)
+                self.results.finish(ids.request_id, error=InternalError("internal error"))
+
+        work.add_done_callback(store)
 
     async def _classify(
         self,

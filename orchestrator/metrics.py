@@ -9,6 +9,7 @@ MODEL_FALLBACK_TOTAL = "model_fallback_total"
 RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
+PROCESSING_TOTAL = "classify_processing_total"
 
 
 class OrchestratorMetrics:
@@ -35,6 +36,12 @@ class OrchestratorMetrics:
             ROUTES_RELOADS_TOTAL,
             "Edits of the routes file, by outcome: ok (applied) or failed (refused).",
             ["outcome"],
+            registry=registry,
+        )
+        self.processing = Counter(
+            PROCESSING_TOTAL,
+            "Calls answered PROCESSING because the route's time budget ran out first.",
+            ["route"],
             registry=registry,
         )
         # The name the design uses, without our prefix, so dashboards can rely on it.

@@ -17,6 +17,7 @@ from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher, RoutingState
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.service import ClassifyServicer
@@ -37,7 +38,9 @@ class OrchestratorServer:
         self.metrics = OrchestratorMetrics(self.registry)
         # A bad routes file stops start-up here, with the bad value's path in the message.
         self.dispatcher = Dispatcher(
-            self._routing_state(load_routes(settings.routes_file)), self.metrics
+            self._routing_state(load_routes(settings.routes_file)),
+            self.metrics,
+            ResultStore(settings.results_capacity, settings.results_ttl_seconds),
         )
         self.serving = GrpcServing(
             service_names=SERVICE_NAMES,

@@ -13,7 +13,6 @@ import grpc
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import current_request
-from classify_common.errors import ResultNotFound
 from orchestrator.dispatch import Dispatcher
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -36,9 +35,4 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     async def GetResult(
         self, request: pb.GetResultRequest, context: Context
     ) -> pb.ClassifyResponse:
-        # No result outlives its route's budget yet (every answer is DONE), so
-        # there is nothing to poll; the result store arrives with time budgets.
-        raise ResultNotFound(
-            f"no result is stored for request {request.request_id!r}",
-            request_id=request.request_id,
-        )
+        return self._dispatcher.results.get(request.request_id)

@@ -60,6 +60,9 @@ class Route:
     # overload, after its retries.
     fallback: tuple[Backend, ...] = ()
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Longest a client waits on this route, retries and fallbacks included; when it
+    # runs out the client gets PROCESSING and polls GetResult. None: no budget.
+    budget_seconds: float | None = None
 
     @property
     def backends(self) -> tuple[Backend, ...]:
@@ -248,7 +251,10 @@ def parse_routes(document: Any) -> RouteTable:
     for index, spec in enumerate(top["routes"]):
         where = f"routes[{index}]"
         spec = _mapping(
-            spec, where, {"name", "backend", "match", "fallback", "retry"}, {"name", "backend"}
+            spec,
+            where,
+            {"name", "backend", "match", "fallback", "retry", "budget"},
+            {"name", "backend"},
         )
         name = _name(spec["name"], f"{where}.name")
         if name in seen:
@@ -274,8 +280,18 @@ def parse_routes(document: Any) -> RouteTable:
             fallback.append(candidate)
         retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
         match = _route_match(spec["match"], f"{where}.match") if "match" in spec else RouteMatch()
+        time_budget = (
+            parse_duration(spec["budget"], f"{where}.budget") if "budget" in spec else None
+        )
         routes.append(
-            Route(name=name, backend=backend, match=match, fallback=tuple(fallback), retry=retry)
+            Route(
+                name=name,
+                backend=backend,
+                match=match,
+                fallback=tuple(fallback),
+                retry=retry,
+                budget_seconds=time_budget,
+            )
         )
     if not routes[-1].match.is_catch_all:
         raise RoutesFileError(

@@ -1,0 +1,129 @@
+"""Time budgets: PROCESSING, then GetResult with the real result; the store's bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.errors import ModelUnavailable, ResultNotFound
+from orchestrator.config import OrchestratorSettings
+from orchestrator.metrics import PROCESSING_TOTAL
+from orchestrator.results import ResultStore
+from orchestrator.server import OrchestratorServer
+from tests.capability.test_serving import device_occupied
+from tests.conftest import metric_sum
+from tests.status_details import error_reason
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+
+
+def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:
+    now = [0.0]
+    store = ResultStore(capacity=2, ttl_seconds=10, clock=lambda: now[0])
+    pending = pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_PROCESSING)
+    store.hold("a", pending)
+    assert store.get("a").status == pb.RESULT_STATUS_PROCESSING
+    store.finish("a", response=pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_DONE))
+    assert store.get("a").status == pb.RESULT_STATUS_DONE
+
+    store.hold("b", pending)
+    store.finish("b", error=ModelUnavailable("backend down"))
+    with pytest.raises(ModelUnavailable):
+        store.get("b")
+
+    store.hold("c", pending)  # over capacity: the oldest, "a", goes
+    assert store.dropped == 1
+    with pytest.raises(ResultNotFound):
+        store.get("a")
+    now[0] = 10.0  # "b" and "c" expire
+    with pytest.raises(ResultNotFound):
+        store.get("c")
+    store.finish("never-held", response=pending)  # an outcome nobody waits for is not kept
+    with pytest.raises(ResultNotFound):
+        store.get("never-held")
+
+
+async def start_orchestrator(capability: CapabilityServer, tmp_path: Path) -> OrchestratorServer:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+backends:
+  minilm: {{model: topic-minilm, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
+routes:
+  - name: default
+    backend: minilm
+    budget: 200ms
+"""
+    )
+    server = OrchestratorServer(
+        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    return server
+
+
+async def poll_until_done(
+    stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub, request_id: str
+) -> pb.ClassifyResponse:
+    for _ in range(500):
+        response = await stub.GetResult(pb.GetResultRequest(request_id=request_id))
+        if response.status == pb.RESULT_STATUS_DONE:
+            return response
+        await asyncio.sleep(0.02)
+    raise AssertionError("the result never arrived")
+
+
+async def test_budget_exceeded_answers_processing_then_get_result_returns_the_result(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    server = await start_orchestrator(capability, tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(capability.pool.workers[0]):
+                first = await stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="slow-1"))
+                assert first.status == pb.RESULT_STATUS_PROCESSING
+                assert (first.request_id, first.route, len(first.labels)) == (
+                    "slow-1",
+                    "default",
+                    0,
+                )
+                polled = await stub.GetResult(pb.GetResultRequest(request_id="slow-1"))
+                assert polled.status == pb.RESULT_STATUS_PROCESSING
+            done = await poll_until_done(stub, "slow-1")
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.GetResult(pb.GetResultRequest(request_id="never-sent"))
+    finally:
+        await server.stop(grace_seconds=0)
+    assert done.labels[0].name == "sports"
+    assert (done.request_id, done.trace_id) == ("slow-1", first.trace_id)
+    assert metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 1
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(unknown.value) == "RESULT_NOT_FOUND"
+
+
+async def test_client_deadline_first_is_deadline_exceeded_but_the_result_is_kept(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    server = await start_orchestrator(capability, tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(capability.pool.workers[0]):
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await stub.Classify(
+                        pb.ClassifyRequest(text=STRIKER, request_id="late-1"), timeout=0.1
+                    )
+                assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            done = await poll_until_done(stub, "late-1")
+    finally:
+        await server.stop(grace_seconds=0)
+    assert done.labels[0].name == "sports"
