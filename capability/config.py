@@ -124,6 +124,9 @@ class CapabilitySettings:
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
     # Seconds between looks for new version folders, 0 (off) or 0.1..3600.
     watch_seconds: float = DEFAULT_WATCH_SECONDS
+    # File with the token the orchestrator must send (x-internal-token); None accepts
+    # any caller (development only).
+    internal_token_file: Path | None = None
     # Seconds admitted work gets to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -264,6 +267,13 @@ class CapabilitySettings:
             DEFAULT_GRACE_SECONDS,
             "drain time on shutdown",
             float,
+        )
+        setting(
+            "--internal-token-file",
+            "CAPABILITY_INTERNAL_TOKEN_FILE",
+            None,
+            "token required from callers (none: any caller, development only)",
+            Path,
         )
         setting("--log-level", "CAPABILITY_LOG_LEVEL", "INFO", "log level")
         values = vars(parser.parse_args(argv))

@@ -21,11 +21,13 @@ from ai.classify.v1 import (
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
+from capability.security import InternalTokenGate
 from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
 from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
+from classify_common.settings import read_secret
 from classify_common.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ def share_cpu_threads(cpu_workers: int, torch_threads: int) -> int:
     threads = torch_threads or max(1, (cores - 1) // cpu_workers)
     torch.set_num_threads(threads)
     return threads
+
+
+def internal_gate(settings: CapabilitySettings) -> InternalTokenGate | None:
+    token = read_secret(settings.internal_token_file)
+    if token is None:
+        log.warning("no internal token: any caller may use this server (development only)")
+        return None
+    return InternalTokenGate(token)
 
 
 class CapabilityServer:
@@ -78,6 +88,7 @@ class CapabilityServer:
             port=settings.port,
             metrics_port=settings.metrics_port,
             registry=self.registry,
+            gate=internal_gate(settings),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.pool, settings.default_model), self.serving.server

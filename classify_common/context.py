@@ -15,6 +15,8 @@ from dataclasses import dataclass
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-trace-id"
+# Sent by the orchestrator to capability servers, which refuse calls without it.
+INTERNAL_TOKEN_HEADER = "x-internal-token"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
     ServiceError
     ├── ClientError               the request is wrong; never retried
     │   ├── InvalidRequest        INVALID_ARGUMENT, one FieldViolation per broken rule
+    │   ├── Unauthenticated       UNAUTHENTICATED: no, unknown or wrong credentials
+    │   ├── PermissionDenied      PERMISSION_DENIED: the caller's role may not do this
     │   └── NotFound              NOT_FOUND
     │       ├── ModelNotFound
     │       └── ResultNotFound
@@ -13,6 +15,7 @@
     │   ├── ModelFault            UNAVAILABLE: NaN output, failed batch, crashed worker
     │   └── ServerDraining        UNAVAILABLE: shutting down, try another replica
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
+    │   ├── RateLimited           the tenant's token bucket is empty
     │   ├── QueueFull             the worker's bounded queue has no room
     │   └── DeviceMemoryPressure  device memory use is past its threshold
     ├── DeadlineExpired           DEADLINE_EXCEEDED
@@ -98,6 +101,18 @@ class InvalidRequest(ClientError):
         return [*super().details(), bad_request]
 
 
+class Unauthenticated(ClientError):
+    """The call carries no credentials, or ones that are not valid."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ClientError):
+    """The caller is known but its role may not make this call."""
+
+    reason = "PERMISSION_DENIED"
+
+
 class NotFound(ClientError):
     """The named thing does not exist here."""
 
@@ -167,6 +182,12 @@ class Overloaded(ServiceError):
         return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
 
 
+class RateLimited(Overloaded):
+    """The caller's tenant has used its rate; retry after the hint."""
+
+    reason = "RATE_LIMITED"
+
+
 class QueueFull(Overloaded):
     """The worker's bounded queue is full; the request was not queued."""
 
@@ -213,6 +234,8 @@ class InternalError(ServiceError):
 # MRO, so a subclass inherits its parent's code unless listed itself.
 GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     ClientError: grpc.StatusCode.INVALID_ARGUMENT,
     MethodNotServed: grpc.StatusCode.UNIMPLEMENTED,

@@ -4,6 +4,8 @@ For each call to an `ai.classify.v1` method it
 1. continues the caller's trace (W3C traceparent) in a server span,
 2. binds the request ID (the request's own `request_id`, else `x-request-id`
    metadata, else a new one) and the trace ID to the request context,
+2b. runs the server's gate (authentication, rate limits), if it has one, so a
+   refused caller reaches no handler,
 3. validates the request against the contract's protovalidate rules, so an
    invalid request never reaches a handler, let alone a model,
 4. maps any ServiceError to its status (errors.status_for) with rich details,
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
@@ -43,6 +45,9 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 log = logging.getLogger(__name__)
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+# Called with the full method name and the request metadata (lower-case keys);
+# raises a ServiceError to refuse the call.
+Gate = Callable[[str, Mapping[str, str]], None]
 
 
 def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes]]) -> str:
@@ -56,8 +61,9 @@ def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes
 
 
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: RpcMetrics) -> None:
+    def __init__(self, metrics: RpcMetrics, gate: Gate | None = None) -> None:
         self._metrics = metrics
+        self._gate = gate
         # Looked up once: get_tracer builds a new tracer object on every call.
         self._tracer = get_tracer()
 
@@ -99,6 +105,11 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 bind_request(ids)
                 trailers = ((REQUEST_ID_HEADER, ids.request_id), (TRACE_ID_HEADER, ids.trace_id))
                 try:
+                    if self._gate is not None:
+                        self._gate(
+                            method,
+                            {k.lower(): v for k, v in metadata if isinstance(v, str)},
+                        )
                     validate_request(request)
                     response = await behavior(request, context)
                 except ServiceError as error:

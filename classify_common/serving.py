@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from classify_common.interceptor import RequestLifecycleInterceptor
+from classify_common.interceptor import Gate, RequestLifecycleInterceptor
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class GrpcServing:
         port: int,
         metrics_port: int,
         registry: CollectorRegistry,
+        gate: Gate | None = None,
     ) -> None:
         self.service_names = tuple(service_names)
         self.registry = registry
@@ -50,7 +51,7 @@ class GrpcServing:
         self._metrics_port = metrics_port
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.server = grpc.aio.server(
-            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry))],
+            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry), gate)],
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()

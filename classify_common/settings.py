@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from pathlib import Path
 
 
 class SettingsError(ValueError):
@@ -30,6 +31,16 @@ def add_setting(
         default=kind(environ[env]) if env in environ else default,
         help=f"{help_text} [env {env}; default {default}]",
     )
+
+
+def read_secret(path: Path | None) -> str | None:
+    """A token from a file (surrounding whitespace dropped), or None without a file."""
+    if path is None:
+        return None
+    secret = path.read_text(encoding="utf-8").strip()
+    if not secret:
+        raise SettingsError(f"{path} is empty")
+    return secret
 
 
 def check_range(value: float, low: float, high: float, flag: str, env: str) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
@@ -26,6 +27,7 @@ from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import REQUEST_ID_HEADER, TRACE_ID_HEADER
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+LOCAL_KEY_FILE = Path(".run/api-key")
 DEFAULT_TIMEOUT_SECONDS = 10.0
 BAR_WIDTH = 30
 PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}
@@ -78,6 +80,14 @@ def format_error(error: grpc.RpcError) -> str:
     return "\n".join(lines)
 
 
+def credentials(flag: str | None) -> tuple[tuple[str, str], ...]:
+    """`authorization` metadata from the flag, the environment or the local key file."""
+    key = flag or os.environ.get("CLASSIFY_API_KEY")
+    if key is None and LOCAL_KEY_FILE.is_file():
+        key = LOCAL_KEY_FILE.read_text().strip()
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.client", description="Classify a text."
@@ -97,6 +107,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="deadline in seconds"
     )
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"API key [env CLASSIFY_API_KEY; else {LOCAL_KEY_FILE}, written by `make run`]",
+    )
     return parser.parse_args(argv)
 
 
@@ -105,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.ClassifyServiceStub(channel)
         try:
-            response = stub.Classify(build_request(args), timeout=args.timeout)
+            response = stub.Classify(
+                build_request(args), timeout=args.timeout, metadata=credentials(args.api_key)
+            )
         except grpc.RpcError as error:
             print(format_error(error), file=sys.stderr)
             return 1

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from classify_common.settings import add_setting, check_port, check_range
+from classify_common.settings import SettingsError, add_setting, check_port, check_range
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -30,6 +30,13 @@ class OrchestratorSettings:
     metrics_port: int = DEFAULT_METRICS_PORT
     # The route table (see routes.yaml for its format).
     routes_file: Path = DEFAULT_ROUTES_FILE
+    # "required" (default) or "disabled" (development only: every caller is anonymous).
+    auth: str = "required"
+    # YAML of hashed API keys, tenants, roles and tenant rate limits; needed when auth
+    # is required (see orchestrator/security/keys.py).
+    api_keys_file: Path | None = None
+    # File holding the token capability servers require from the orchestrator; None sends none.
+    internal_token_file: Path | None = None
     # Seconds between looks at the routes file for edits, 0 (off) or 0.05..60.
     routes_poll_seconds: float = DEFAULT_ROUTES_POLL_SECONDS
     # Results kept for GetResult after a PROCESSING answer, 1..1000000, oldest dropped first.
@@ -46,6 +53,15 @@ class OrchestratorSettings:
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
+        if self.auth not in ("required", "disabled"):
+            raise SettingsError(
+                f"--auth / ORCHESTRATOR_AUTH: {self.auth!r} is not required or disabled"
+            )
+        if self.auth == "required" and self.api_keys_file is None:
+            raise SettingsError(
+                "--api-keys-file / ORCHESTRATOR_API_KEYS_FILE is needed while --auth is required "
+                "(`make run` creates one in .run/)"
+            )
         check_range(
             self.results_capacity,
             1,
@@ -103,6 +119,32 @@ class OrchestratorSettings:
             "ORCHESTRATOR_ROUTES_FILE",
             DEFAULT_ROUTES_FILE,
             "routes.yaml to load",
+            environ,
+            Path,
+        )
+        add_setting(
+            parser,
+            "--auth",
+            "ORCHESTRATOR_AUTH",
+            "required",
+            "required or disabled (dev only)",
+            environ,
+        )
+        add_setting(
+            parser,
+            "--api-keys-file",
+            "ORCHESTRATOR_API_KEYS_FILE",
+            None,
+            "YAML of hashed API keys and tenant limits",
+            environ,
+            Path,
+        )
+        add_setting(
+            parser,
+            "--internal-token-file",
+            "ORCHESTRATOR_INTERNAL_TOKEN_FILE",
+            None,
+            "token sent to capability servers",
             environ,
             Path,
         )

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2, classify_service_pb2_grpc
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
+from classify_common.settings import read_secret
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher, RoutingState
@@ -20,6 +21,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
+from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer
 from orchestrator.upstream import UpstreamPools
 
@@ -36,7 +38,15 @@ class OrchestratorServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = OrchestratorMetrics(self.registry)
-        # A bad routes file stops start-up here, with the bad value's path in the message.
+        # Bad keys or routes files stop start-up here, with the bad value named.
+        keys = (
+            load_api_keys(settings.api_keys_file)
+            if settings.auth == "required" and settings.api_keys_file is not None
+            else None
+        )
+        if keys is None:
+            log.warning("authentication is disabled: every caller is anonymous (development only)")
+        self._internal_token = read_secret(settings.internal_token_file)
         self.dispatcher = Dispatcher(
             self._routing_state(load_routes(settings.routes_file)),
             self.metrics,
@@ -48,6 +58,7 @@ class OrchestratorServer:
             port=settings.port,
             metrics_port=settings.metrics_port,
             registry=self.registry,
+            gate=CallerGate(keys),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
@@ -66,7 +77,12 @@ class OrchestratorServer:
                 extra={"backend": backend.name, "target": target, "seconds": seconds},
             )
 
-        upstream = UpstreamPools(table.backends, table.outlier_ejection, on_ejected=count_ejection)
+        upstream = UpstreamPools(
+            table.backends,
+            table.outlier_ejection,
+            on_ejected=count_ejection,
+            internal_token=self._internal_token,
+        )
         return RoutingState(table, upstream)
 
     def _apply_routes(self, table: RouteTable) -> None:
@@ -129,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_tracing("orchestrator")
     try:
         asyncio.run(serve(settings))
-    except RoutesFileError as exc:
-        log.error("cannot start: bad routes file", extra={"error": str(exc)})
+    except (RoutesFileError, KeysFileError, OSError) as exc:
+        log.error("cannot start", extra={"error": str(exc)})
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

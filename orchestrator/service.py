@@ -14,6 +14,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import current_request
 from orchestrator.dispatch import Dispatcher
+from orchestrator.security.gate import ANONYMOUS, TENANT_HEADER, current_caller
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -30,6 +31,10 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             for key, value in context.invocation_metadata() or ()
             if isinstance(value, str)
         }
+        # The authenticated tenant, not what the client claims, is what routes see.
+        caller = current_caller()
+        if caller is not ANONYMOUS:
+            headers[TENANT_HEADER] = caller.tenant
         return await self._dispatcher.classify(request, ids, context.time_remaining(), headers)
 
     async def GetResult(

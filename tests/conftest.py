@@ -58,6 +58,12 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def orchestrator_settings(**overrides: Any) -> OrchestratorSettings:
+    """In-process test settings: any free port, no /metrics port, auth off unless given."""
+    values: dict[str, Any] = {"port": 0, "metrics_port": -1, "auth": "disabled", **overrides}
+    return OrchestratorSettings(**values)
+
+
 def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySettings:
     """In-process test settings: any free port, no /metrics port, CPU, no watcher."""
     values: dict[str, Any] = {
@@ -120,7 +126,7 @@ async def orchestrator(
         tmp_path_factory.mktemp("routes") / "routes.yaml", [f"127.0.0.1:{capability.port}"]
     )
     server = OrchestratorServer(
-        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+        orchestrator_settings(routes_file=routes),
         registry=CollectorRegistry(),
     )
     await server.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,8 +14,10 @@ import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from orchestrator.security import hash_key, new_key
 from tests.conftest import REPO_ROOT, ServerProcess, write_routes
 
+API_KEY = new_key()
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 
@@ -22,6 +26,12 @@ CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 def stack(
     tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
 ) -> tuple[ServerProcess, ServerProcess]:
+    token_file = tmp_path / "internal-token"
+    token_file.write_text(secrets.token_urlsafe(16))
+    keys_file = tmp_path / "api-keys.yaml"
+    keys_file.write_text(
+        f"keys:\n  - {{id: e2e, sha256: {hash_key(API_KEY)}, tenant: e2e, role: user}}\n"
+    )
     capability = start_process(
         "capability",
         "--port",
@@ -34,10 +44,22 @@ def stack(
         str(model_root),
         "--watch-seconds",
         "0",
+        "--internal-token-file",
+        str(token_file),
     )
     routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
     orchestrator = start_process(
-        "orchestrator", "--port", "0", "--metrics-port", "0", "--routes-file", str(routes)
+        "orchestrator",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--routes-file",
+        str(routes),
+        "--api-keys-file",
+        str(keys_file),
+        "--internal-token-file",
+        str(token_file),
     )
     return orchestrator, capability
 
@@ -61,7 +83,9 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     with grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         response, call = stub.Classify.with_call(
-            pb.ClassifyRequest(text=STRIKER, request_id="e2e-1"), timeout=30
+            pb.ClassifyRequest(text=STRIKER, request_id="e2e-1"),
+            timeout=30,
+            metadata=(("authorization", f"Bearer {API_KEY}"),),
         )
 
     assert response.labels[0].name == "sports"
@@ -93,6 +117,7 @@ def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "CLASSIFY_API_KEY": API_KEY},
     )
 
 

@@ -13,8 +13,18 @@ from orchestrator.config import OrchestratorSettings
 
 def test_defaults_are_the_documented_ports() -> None:
     assert CapabilitySettings.from_args([], environ={}).port == 50052
-    assert OrchestratorSettings.from_args([], environ={}).port == 50051
-    assert OrchestratorSettings.from_args([], environ={}).routes_file == Path("routes.yaml")
+    orchestrator = OrchestratorSettings.from_args(["--api-keys-file", "keys.yaml"], environ={})
+    assert orchestrator.port == 50051
+    assert orchestrator.routes_file == Path("routes.yaml")
+    assert orchestrator.auth == "required"
+
+
+def test_auth_is_required_unless_switched_off_explicitly() -> None:
+    with pytest.raises(
+        SettingsError, match="--api-keys-file / ORCHESTRATOR_API_KEYS_FILE is needed"
+    ):
+        OrchestratorSettings.from_args([], environ={})
+    assert OrchestratorSettings.from_args(["--auth", "disabled"], environ={}).auth == "disabled"
 
 
 def test_environment_overrides_default_and_flag_overrides_environment() -> None:
@@ -27,7 +37,9 @@ def test_environment_overrides_default_and_flag_overrides_environment() -> None:
 
 def test_out_of_range_port_names_flag_and_variable() -> None:
     with pytest.raises(SettingsError, match=r"--port / ORCHESTRATOR_PORT: port 70000"):
-        OrchestratorSettings.from_args([], environ={"ORCHESTRATOR_PORT": "70000"})
+        OrchestratorSettings.from_args(
+            ["--auth", "disabled"], environ={"ORCHESTRATOR_PORT": "70000"}
+        )
 
 
 def test_unknown_device_is_refused() -> None:

@@ -10,15 +10,23 @@ Ports and paths come from the same environment variables the servers read
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from orchestrator.security import hash_key, new_key  # noqa: E402
+
+RUN_DIR = Path(".run")
 READY_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 20.0
 EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
@@ -53,26 +61,64 @@ def stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.kill()
 
 
+def ensure_local_credentials() -> dict[str, str]:
+    """Create, once, a local API key (user role) and the internal token, under .run/.
+
+    Returns the environment that points both servers at them.
+    """
+    RUN_DIR.mkdir(exist_ok=True)
+    key_file, keys_file, token_file = (
+        RUN_DIR / "api-key",
+        RUN_DIR / "api-keys.yaml",
+        RUN_DIR / "internal-token",
+    )
+    if not (key_file.is_file() and keys_file.is_file()):
+        key = new_key()
+        key_file.write_text(key + "\n")
+        keys_file.write_text(
+            "# Made by `make run`; add keys with `python -m orchestrator.security new-key`.\n"
+            "keys:\n"
+            f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n"
+            "tenants:\n  local: {rate_per_second: 200, burst: 400}\n"
+        )
+        print(f"created a local API key in {key_file} (the client reads it from there)")
+    if not token_file.is_file():
+        token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    for path in (key_file, keys_file, token_file):
+        path.chmod(0o600)
+    return {
+        "ORCHESTRATOR_API_KEYS_FILE": str(keys_file),
+        "ORCHESTRATOR_INTERNAL_TOKEN_FILE": str(token_file),
+        "CAPABILITY_INTERNAL_TOKEN_FILE": str(token_file),
+    }
+
+
 def main() -> int:
     capability_port = os.environ.get("CAPABILITY_PORT", "50052")
     orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", "50051")
     python = sys.executable
+    environment = {**os.environ, **ensure_local_credentials()}
     processes: list[subprocess.Popen[bytes]] = []
     # Children run in their own sessions, out of reach of the terminal's
     # Ctrl-C; this script turns Ctrl-C or SIGTERM into one orderly SIGTERM each.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         print(f"starting capability server on :{capability_port} (loading the model)...")
-        capability = subprocess.Popen([python, "-m", "capability"], start_new_session=True)
+        capability = subprocess.Popen(
+            [python, "-m", "capability"], env=environment, start_new_session=True
+        )
         processes.append(capability)
         wait_until_serving("capability", capability, f"127.0.0.1:{capability_port}")
-        orchestrator = subprocess.Popen([python, "-m", "orchestrator"], start_new_session=True)
+        orchestrator = subprocess.Popen(
+            [python, "-m", "orchestrator"], env=environment, start_new_session=True
+        )
         processes.append(orchestrator)
         wait_until_serving("orchestrator", orchestrator, f"127.0.0.1:{orchestrator_port}")
         print(
             "\nReady. In another terminal:\n"
             f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
             "  tools/buf/node_modules/.bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
+            '    -H "authorization: Bearer $(cat .run/api-key)" \\\n'
             f'    -d \'{{"text": "{EXAMPLE_TEXT}"}}\' \\\n'
             f"    http://127.0.0.1:{orchestrator_port}/ai.classify.v1.ClassifyService/Classify\n"
             "Ctrl-C stops both servers.\n",

@@ -15,7 +15,7 @@ import grpc
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_common.context import REQUEST_ID_HEADER
+from classify_common.context import INTERNAL_TOKEN_HEADER, REQUEST_ID_HEADER
 from classify_common.errors import DeadlineExpired
 from classify_common.tracing import inject_context
 from orchestrator.policy import OutlierDetector, OutlierSettings
@@ -52,9 +52,13 @@ class BackendPool:
         backend: Backend,
         outliers: OutlierSettings,
         on_ejected: Callable[[str, float], None] = lambda target, seconds: None,
+        internal_token: str | None = None,
     ) -> None:
         self.backend = backend
         self.outliers = OutlierDetector(backend.targets, outliers, on_ejected=on_ejected)
+        self._credentials: tuple[tuple[str, str], ...] = (
+            ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
+        )
         self._channels = {
             target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
         }
@@ -90,7 +94,7 @@ class BackendPool:
         """One attempt on one replica; failures come back as ServiceErrors."""
         timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
         stub = self._stubs[target]
-        metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id))
+        metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id), *self._credentials)
         try:
             response: pb.ClassifyResponse = await stub.Classify(
                 request, timeout=timeout, metadata=metadata
@@ -115,9 +119,10 @@ class UpstreamPools:
         backends: Mapping[str, Backend],
         outliers: OutlierSettings,
         on_ejected: Callable[[Backend, str, float], None] = lambda backend, target, seconds: None,
+        internal_token: str | None = None,
     ) -> None:
         self._pools = {
-            name: BackendPool(backend, outliers, partial(on_ejected, backend))
+            name: BackendPool(backend, outliers, partial(on_ejected, backend), internal_token)
             for name, backend in backends.items()
         }
 

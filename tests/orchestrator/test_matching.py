@@ -13,11 +13,10 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from orchestrator.config import OrchestratorSettings
 from orchestrator.routing import RequestFacts, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.explain import explain
 from orchestrator.server import OrchestratorServer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, orchestrator_settings
 
 ROUTES = """version: 1
 backends:
@@ -178,7 +177,7 @@ async def test_tenant_header_routes_to_its_backend_through_real_servers(
         ROUTES.replace("50052", str(capability.port)).replace("percent: 10", "percent: 1")
     )
     server = OrchestratorServer(
-        OrchestratorSettings(port=0, metrics_port=-1, routes_file=path, routes_poll_seconds=0),
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=path, routes_poll_seconds=0),
         registry=CollectorRegistry(),
     )
     await server.start()

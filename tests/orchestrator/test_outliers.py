@@ -13,12 +13,11 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
-from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.conftest import capability_settings, metric_sum
+from tests.conftest import capability_settings, metric_sum, orchestrator_settings
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 
@@ -92,7 +91,7 @@ routes:
 """
     )
     orchestrator = OrchestratorServer(
-        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
         registry=CollectorRegistry(),
     )
     await orchestrator.start()

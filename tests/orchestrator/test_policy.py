@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import (
     MODEL_FALLBACK_TOTAL,
     RETRY_BUDGET_EXHAUSTED_TOTAL,
@@ -24,7 +23,7 @@ from orchestrator.metrics import (
 from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, backoff_seconds
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.conftest import metric_sum
+from tests.conftest import metric_sum, orchestrator_settings
 from tests.status_details import error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
@@ -47,7 +46,7 @@ async def orchestrator_with(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
         path = tmp_path / f"routes-{len(started)}.yaml"
         path.write_text(routes_yaml)
         server = OrchestratorServer(
-            OrchestratorSettings(port=0, metrics_port=-1, routes_file=path),
+            orchestrator_settings(port=0, metrics_port=-1, routes_file=path),
             registry=CollectorRegistry(),
         )
         await server.start()

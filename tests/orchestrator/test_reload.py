@@ -13,10 +13,9 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import metric_sum
+from tests.conftest import metric_sum, orchestrator_settings
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
 
@@ -52,7 +51,7 @@ class LoadedOrchestrator:
 
     def __init__(self, routes_file: Path) -> None:
         self.server = OrchestratorServer(
-            OrchestratorSettings(
+            orchestrator_settings(
                 port=0, metrics_port=-1, routes_file=routes_file, routes_poll_seconds=0.05
             ),
             registry=CollectorRegistry(),

@@ -13,12 +13,11 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.errors import ModelUnavailable, ResultNotFound
-from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.results import ResultStore
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_serving import device_occupied
-from tests.conftest import metric_sum
+from tests.conftest import metric_sum, orchestrator_settings
 from tests.status_details import error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
@@ -63,7 +62,7 @@ routes:
 """
     )
     server = OrchestratorServer(
-        OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0),
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0),
         registry=CollectorRegistry(),
     )
     await server.start()

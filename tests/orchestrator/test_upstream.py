@@ -18,10 +18,9 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.errors import DeadlineExpired
 from classify_common.metrics import RPC_REQUESTS_TOTAL
-from orchestrator.config import OrchestratorSettings
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
-from tests.conftest import write_routes
+from tests.conftest import orchestrator_settings, write_routes
 from tests.status_details import error_info, error_reason
 
 STRIKER = "The striker scored twice in the final minutes of the cup match"
@@ -45,7 +44,7 @@ async def orchestrator_to(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
     async def start(targets: list[str], backend_timeout: str = "5s") -> OrchestratorServer:
         routes = write_routes(tmp_path / f"routes-{len(started)}.yaml", targets, backend_timeout)
         server = OrchestratorServer(
-            OrchestratorSettings(port=0, metrics_port=-1, routes_file=routes),
+            orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
             registry=CollectorRegistry(),
         )
         await server.start()

@@ -1,0 +1,97 @@
+"""API keys, stored hashed, each naming a tenant and a role.
+
+The keys file (YAML) holds only SHA-256 hashes of the keys, never the keys:
+
+    keys:
+      - id: laptop            # a label for logs; never the key itself
+        sha256: 9f86d0...     # python -m orchestrator.security new-key prints both
+        tenant: local
+        role: user            # user or admin
+    tenants:                  # optional rate limits, token bucket per tenant
+      local: {rate_per_second: 50, burst: 100}
+
+Keys are long random tokens, so one unsalted SHA-256 is enough to keep a
+leaked file from revealing them; comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.security.limits import TokenBucketSettings
+
+ROLES = ("user", "admin")
+KEY_PREFIX = "ck_"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class KeysFileError(ValueError):
+    """The keys file is malformed; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    key_id: str
+    tenant: str
+    role: str
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    callers_by_hash: Mapping[str, Caller]
+    tenant_limits: Mapping[str, TokenBucketSettings]
+
+    def identify(self, key: str) -> Caller | None:
+        digest = hash_key(key)
+        for stored, caller in self.callers_by_hash.items():
+            if hmac.compare_digest(stored, digest):
+                return caller
+        return None
+
+
+def load_api_keys(path: Path) -> ApiKeys:
+    try:
+        document: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise KeysFileError(f"{path}: {exc}") from exc
+    if not isinstance(document, dict) or set(document) - {"keys", "tenants"}:
+        raise KeysFileError(f"{path}: expected a mapping with `keys` and optional `tenants`")
+    callers: dict[str, Caller] = {}
+    for index, entry in enumerate(document.get("keys") or []):
+        where = f"{path}: keys[{index}]"
+        if not isinstance(entry, dict) or set(entry) != {"id", "sha256", "tenant", "role"}:
+            raise KeysFileError(f"{where}: needs exactly id, sha256, tenant and role")
+        if not isinstance(entry["sha256"], str) or not _HEX64.fullmatch(entry["sha256"]):
+            raise KeysFileError(f"{where}.sha256: not 64 lower-case hex digits")
+        if entry["role"] not in ROLES:
+            raise KeysFileError(f"{where}.role: {entry['role']!r} is not one of {ROLES}")
+        callers[entry["sha256"]] = Caller(str(entry["id"]), str(entry["tenant"]), entry["role"])
+    limits: dict[str, TokenBucketSettings] = {}
+    for tenant, spec in (document.get("tenants") or {}).items():
+        where = f"{path}: tenants.{tenant}"
+        if not isinstance(spec, dict) or set(spec) != {"rate_per_second", "burst"}:
+            raise KeysFileError(f"{where}: needs exactly rate_per_second and burst")
+        try:
+            limits[str(tenant)] = TokenBucketSettings(
+                float(spec["rate_per_second"]), int(spec["burst"])
+            )
+        except (TypeError, ValueError) as exc:
+            raise KeysFileError(f"{where}: {exc}") from exc
+    return ApiKeys(callers, limits)

@@ -1,0 +1,169 @@
+"""Who may call: API keys, the capability servers' internal token, per-tenant rate limits."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import MODEL_TEXTS_TOTAL
+from capability.server import CapabilityServer
+from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
+from orchestrator.server import OrchestratorServer
+from tests.conftest import capability_settings, metric_sum, orchestrator_settings
+from tests.status_details import error_info, error_reason
+
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+ACME_KEY, OTHER_KEY = new_key(), new_key()
+TOKEN = "internal-token-for-tests"
+Start = Callable[..., Awaitable[tuple[OrchestratorServer, CapabilityServer]]]
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest_asyncio.fixture
+async def secured(model_root: Path, tmp_path: Path) -> AsyncIterator[Start]:
+    """A capability server requiring the internal token, behind an orchestrator with keys."""
+    started: list[Any] = []
+
+    async def start(tenants: str = "") -> tuple[OrchestratorServer, CapabilityServer]:
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        capability = CapabilityServer(
+            capability_settings(
+                model_root, models=("topic-static",), internal_token_file=token_file
+            ),
+            registry=CollectorRegistry(),
+        )
+        started.append(capability)
+        await capability.start()
+        await capability.warm_up()
+        keys = tmp_path / "keys.yaml"
+        keys.write_text(
+            "keys:\n"
+            f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
+            f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n" + tenants
+        )
+        routes = tmp_path / "routes.yaml"
+        routes.write_text(
+            f"""version: 1
+backends:
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+routes:
+  - name: acme-only
+    match: {{header: {{name: x-tenant, values: [acme]}}}}
+    backend: static
+  - name: default
+    backend: static
+"""
+        )
+        orchestrator = OrchestratorServer(
+            orchestrator_settings(
+                routes_file=routes,
+                auth="required",
+                api_keys_file=keys,
+                internal_token_file=token_file,
+            ),
+            registry=CollectorRegistry(),
+        )
+        started.append(orchestrator)
+        await orchestrator.start()
+        return orchestrator, capability
+
+    yield start
+    for server in reversed(started):
+        await server.stop(grace_seconds=0)
+
+
+async def call(server: Any, **kwargs: Any) -> pb.ClassifyResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response: pb.ClassifyResponse = await stub.Classify(
+            pb.ClassifyRequest(text=STRIKER), **kwargs
+        )
+        return response
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [(), bearer("ck_not-a-key"), (("authorization", ACME_KEY),)],
+    ids=["no-key", "wrong-key", "not-bearer"],
+)
+async def test_missing_or_wrong_key_is_refused_before_any_model(
+    secured: Start, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    orchestrator, capability = await secured()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(orchestrator, metadata=metadata)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert error_reason(caught.value) == "UNAUTHENTICATED"
+    assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
+    # A valid key goes through, and the orchestrator's token gets it past the capability.
+    assert (await call(orchestrator, metadata=bearer(ACME_KEY))).labels[0].name == "sports"
+
+
+async def test_capability_refuses_callers_without_the_internal_token(secured: Start) -> None:
+    _, capability = await secured()
+    for metadata in ((), (("x-internal-token", "guess"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(capability, metadata=metadata)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
+    # Probes still work without it.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        health: Any = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
+    orchestrator, _ = await secured("tenants:\n  acme: {rate_per_second: 0.01, burst: 2}\n")
+    for _ in range(2):
+        await call(orchestrator, metadata=bearer(ACME_KEY))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(orchestrator, metadata=bearer(ACME_KEY))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_reason(caught.value) == "RATE_LIMITED"
+    assert error_info(caught.value).metadata["tenant"] == "acme"
+    for _ in range(3):  # another tenant is not held back
+        await call(orchestrator, metadata=bearer(OTHER_KEY))
+
+
+async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: Start) -> None:
+    orchestrator, _ = await secured()
+    spoofed = await call(orchestrator, metadata=(*bearer(OTHER_KEY), ("x-tenant", "acme")))
+    genuine = await call(orchestrator, metadata=bearer(ACME_KEY))
+    assert (spoofed.route, genuine.route) == ("default", "acme-only")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keys:\n  - {id: a, sha256: abc, tenant: t, role: user}\n", "keys[0].sha256: not 64"),
+        (
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: t, role: root}}\n",
+            "keys[0].role: 'root'",
+        ),
+        (
+            "keys: []\ntenants:\n  t: {rate_per_second: 0, burst: 1}\n",
+            "tenants.t: rate_per_second 0",
+        ),
+        ("users: []\n", "expected a mapping with `keys`"),
+    ],
+)
+def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(KeysFileError, match=re.escape(message)):
+        load_api_keys(path)
