@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,15 @@ from orchestrator.server import OrchestratorServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCESS_READY_TIMEOUT_SECONDS = 120.0
+# The acceptance sentence: every sports-aware model must put `sports` first.
+STRIKER = "The striker scored twice in the final minutes of the cup match"
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on (bound, read, released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def metric_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -15,10 +15,9 @@ import pytest
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from orchestrator.security import hash_key, new_key
-from tests.conftest import REPO_ROOT, ServerProcess, write_routes
+from tests.conftest import REPO_ROOT, STRIKER, ServerProcess, write_routes
 
 API_KEY = new_key()
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 
 

@@ -20,10 +20,9 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
 from capability.server import CapabilityServer
-from tests.conftest import capability_settings
+from tests.conftest import STRIKER, capability_settings
 from tests.status_details import error_reason, violations_of
 
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 
 

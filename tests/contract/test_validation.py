@@ -11,10 +11,8 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
-from tests.conftest import metric_sum
+from tests.conftest import STRIKER, metric_sum
 from tests.status_details import trailers_of, violations_of
-
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 
 
 def texts_computed(server: CapabilityServer) -> float:

@@ -17,9 +17,7 @@ from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.conftest import capability_settings, metric_sum, orchestrator_settings
-
-STRIKER = "The striker scored twice in the final minutes of the cup match"
+from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
 
 
 def make_detector(targets: list[str], now: list[float]) -> tuple[OutlierDetector, list[float]]:

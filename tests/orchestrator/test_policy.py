@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -23,18 +22,10 @@ from orchestrator.metrics import (
 from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, backoff_seconds
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.conftest import metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
 from tests.status_details import error_reason
 
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 StartOrchestrator = Callable[[str], Awaitable[OrchestratorServer]]
-
-
-def closed_port() -> int:
-    """A loopback port that nothing listens on (bound, read, released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest_asyncio.fixture

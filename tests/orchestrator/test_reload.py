@@ -15,9 +15,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import metric_sum, orchestrator_settings
-
-STRIKER = "The striker scored twice in the final minutes of the cup match"
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings
 
 
 def routes_to(default_backend: str, capability_port: int) -> str:

@@ -17,10 +17,8 @@ from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.results import ResultStore
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_serving import device_occupied
-from tests.conftest import metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings
 from tests.status_details import error_reason
-
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 
 
 def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:

@@ -19,10 +19,9 @@ from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
-from tests.conftest import capability_settings, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
 from tests.status_details import error_info, error_reason
 
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 ACME_KEY, OTHER_KEY = new_key(), new_key()
 TOKEN = "internal-token-for-tests"
 Start = Callable[..., Awaitable[tuple[OrchestratorServer, CapabilityServer]]]

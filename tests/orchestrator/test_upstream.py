@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -20,20 +19,12 @@ from classify_common.errors import DeadlineExpired
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
-from tests.conftest import orchestrator_settings, write_routes
+from tests.conftest import STRIKER, closed_port, orchestrator_settings, write_routes
 from tests.status_details import error_info, error_reason
 
-STRIKER = "The striker scored twice in the final minutes of the cup match"
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
 StartOrchestrator = Callable[..., Awaitable[OrchestratorServer]]
-
-
-def closed_port() -> int:
-    """A loopback port that nothing listens on (bound, read, released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest_asyncio.fixture
