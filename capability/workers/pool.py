@@ -157,7 +157,7 @@ class WorkerPool:
         if self.draining:
             raise ServerDraining("the server is shutting down; send the request elsewhere")
         replica = self._least_loaded(model)
-        replica.arriving += 1
+        replica.begin_arrival()
         try:
             replica.worker.check_memory(model)
             classifier = replica.bundle.classifier
@@ -177,7 +177,7 @@ class WorkerPool:
             self._metrics.admissions_refused.labels(model, refused.reason).inc()
             raise
         finally:
-            replica.arriving -= 1
+            replica.end_arrival()
         return await future
 
     async def drain(self) -> None:

@@ -84,9 +84,9 @@ class ModelReplica:
         )
         self.in_flight = 0
         # Routed here and being tokenized, not yet queued: counted as load so a
-        # burst does not all pick the same worker before any of it is queued.
+        # burst does not all pick the same worker, and waited for before retiring.
         self.arriving = 0
-        self.draining = False
+        self.stopped = False
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -114,11 +114,26 @@ class ModelReplica:
         size = min(self.queue.depth_in_bucket(bucket) + 1, self.settings.max_batch_size)
         return self.service_time.predict(size, bound)
 
+    def begin_arrival(self) -> None:
+        self.arriving += 1
+        self._idle.clear()
+
+    def end_arrival(self) -> None:
+        self.arriving -= 1
+        self._set_idle_if_nothing_left()
+
+    def _set_idle_if_nothing_left(self) -> None:
+        if not (self.arriving or self.queue or self.in_flight):
+            self._idle.set()
+
     def admit(
         self, encoded: EncodedText, *, priority: int, request_id: str, deadline: float | None
     ) -> asyncio.Future[TextResult]:
-        if self.draining:
-            raise ServerDraining(f"model {self.name} version {self.bundle.version} is retiring")
+        """Queue a text tokenized by this replica. Requests routed here before a newer
+        version took over are still admitted: they finish on the version they started
+        with. Only a stopped replica refuses."""
+        if self.stopped:
+            raise ServerDraining(f"model {self.name} version {self.bundle.version} has stopped")
         if deadline is not None:
             remaining = deadline - asyncio.get_running_loop().time()
             predicted = self.predicted_service_seconds(len(encoded))
@@ -179,8 +194,7 @@ class ModelReplica:
                 batch = await self.queue.next_batch()
                 self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
                 await self._run_one(batch)
-            if not self.queue and not self.in_flight:
-                self._idle.set()
+            self._set_idle_if_nothing_left()
 
     async def _run_one(self, batch: list[PendingRequest[TextResult]]) -> None:
         """Compute one batch; every waiter in it gets exactly one outcome, whatever fails."""
@@ -248,12 +262,13 @@ class ModelReplica:
         )
 
     async def wait_idle(self) -> None:
-        """Return once nothing is queued or computing."""
-        while self.queue or self.in_flight:
+        """Return once nothing is arriving, queued or computing."""
+        while self.arriving or self.queue or self.in_flight:
             self._idle.clear()
             await self._idle.wait()
 
     async def stop(self, error: Exception) -> None:
+        self.stopped = True
         self.queue.fail_all(error)
         if self._task is not None:
             self._task.cancel()
@@ -333,8 +348,7 @@ class DeviceWorker:
             task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, replica: ModelReplica) -> None:
-        """Finish what the old version admitted, then let it go."""
-        replica.draining = True
+        """Finish what the old version admitted (and what was on its way), then let it go."""
         await replica.wait_idle()
         await replica.stop(ServerDraining("the model version was replaced"))
         bundle = replica.bundle
@@ -351,9 +365,7 @@ class DeviceWorker:
         )
 
     async def drain(self) -> None:
-        """Stop admitting and wait until every admitted request is answered."""
-        for replica in self.replicas.values():
-            replica.draining = True
+        """Wait until every request routed here is answered (the pool admits no new ones)."""
         await asyncio.gather(*(replica.wait_idle() for replica in self.replicas.values()))
         if self._retiring:
             await asyncio.gather(*self._retiring)

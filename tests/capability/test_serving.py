@@ -303,3 +303,28 @@ async def test_failed_batch_answers_every_waiter_and_the_worker_keeps_serving(
     async with classify_stub(server) as stub:
         response = await stub.Classify(pb.ClassifyRequest(text=TEXTS[0]))
     assert response.labels[0].name == "sports"
+
+
+async def test_request_routed_before_a_reload_is_served_by_the_old_version_then_it_retires(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-minilm" / "1", root / "topic-minilm" / "1")
+    server = await start_capability(model_root=root, models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    old = worker.replicas["topic-minilm"]
+    # A long text is tokenized on a thread: it has picked version 1 and is on its way.
+    old.begin_arrival()
+    shutil.copytree(model_root / "topic-minilm" / "1", root / "topic-minilm" / "2")
+    await server.lifecycle.reload("topic-minilm", "2")
+    assert worker.replicas["topic-minilm"].bundle.version == "2"
+    assert not old.stopped  # it waits for what was routed to it
+
+    encoded = old.bundle.classifier.tokenize([TEXTS[0]])[0]
+    answer = old.admit(
+        encoded, priority=PRIORITY_INTERACTIVE, request_id="straggler", deadline=None
+    )
+    old.end_arrival()
+    result = await answer
+    assert result.bundle.version == "1"
+    await wait_until(lambda: old.stopped)
