@@ -21,8 +21,15 @@ import torch
 from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, BatchingSettings
 from capability.bundle import BundleError, LoadedBundle, load_bundle
 from capability.metrics import CapabilityMetrics
+from capability.model import EncodedText
 from capability.workers.worker import DeviceWorker, ModelReplica, TextResult
-from classify_common.errors import ModelNotFound, ModelNotReady, ServerDraining, ServiceError
+from classify_common.errors import (
+    ModelFault,
+    ModelNotFound,
+    ModelNotReady,
+    ServerDraining,
+    ServiceError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +167,7 @@ class WorkerPool:
         replica.begin_arrival()
         try:
             replica.worker.check_memory(model)
-            classifier = replica.bundle.classifier
-            if len(text) <= INLINE_TOKENIZE_CHARS:
-                (encoded,) = classifier.tokenize([text], max_length)
-            else:
-                (encoded,) = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizers, classifier.tokenize, [text], max_length
-                )
+            encoded = await self._tokenize(replica, text, max_length)
             future = replica.admit(
                 encoded,
                 priority=PRIORITY_BATCH if priority == PRIORITY_BATCH else PRIORITY_INTERACTIVE,
@@ -179,6 +180,23 @@ class WorkerPool:
         finally:
             replica.end_arrival()
         return await future
+
+    async def _tokenize(
+        self, replica: ModelReplica, text: str, max_length: int | None
+    ) -> EncodedText:
+        """The text's tokens for `replica`'s model; a tokenizer failure is a model fault."""
+        classifier = replica.bundle.classifier
+        try:
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                (encoded,) = classifier.tokenize([text], max_length)
+            else:
+                (encoded,) = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizers, classifier.tokenize, [text], max_length
+                )
+        except Exception as exc:
+            log.exception("tokenizing failed", extra={"model": replica.name})
+            raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
+        return encoded
 
     async def drain(self) -> None:
         """Refuse new requests; return when every admitted one has its answer."""
