@@ -25,7 +25,10 @@ MIN_TIMEOUT_SECONDS = 0.001
 MAX_TIMEOUT_SECONDS = 60.0
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
-_TARGET = re.compile(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$")
+# host:port, [ipv6]:port, or dns:///name:port (a name resolved to many replicas,
+# such as a Kubernetes headless service, balanced by gRPC's round robin).
+_TARGET = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$|^dns:///[^\s:/]+:\d{1,5}$")
+MAX_CONCURRENCY_LIMIT = 100_000
 
 
 class RoutesFileError(ValueError):
@@ -49,6 +52,9 @@ class Backend:
     model: str
     targets: tuple[str, ...]
     timeout_seconds: float
+    # Calls in flight to this backend at most; more are refused at once as overload
+    # (so the route's fallback takes them). None: no limit.
+    max_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,18 +223,32 @@ def _route_match(spec: Any, where: str) -> RouteMatch:
 
 def _backend(name: str, spec: Any) -> Backend:
     where = f"backends.{name}"
-    spec = _mapping(spec, where, {"model", "targets", "timeout"}, {"model", "targets"})
+    spec = _mapping(
+        spec, where, {"model", "targets", "timeout", "max_concurrency"}, {"model", "targets"}
+    )
+    limit = spec.get("max_concurrency")
+    if limit is not None and (
+        not isinstance(limit, int)
+        or isinstance(limit, bool)
+        or not 1 <= limit <= MAX_CONCURRENCY_LIMIT
+    ):
+        raise RoutesFileError(
+            f"{where}.max_concurrency", f"{limit!r} is not an integer in 1..100000"
+        )
     targets = spec["targets"]
     if not isinstance(targets, list) or not targets:
         raise RoutesFileError(f"{where}.targets", "expected a non-empty list of host:port")
     for index, target in enumerate(targets):
         if not isinstance(target, str) or not _TARGET.fullmatch(target):
-            raise RoutesFileError(f"{where}.targets[{index}]", f"{target!r} is not host:port")
+            raise RoutesFileError(
+                f"{where}.targets[{index}]", f"{target!r} is not host:port or dns:///name:port"
+            )
     return Backend(
         name=_name(name, where),
         model=_name(spec["model"], f"{where}.model"),
         targets=tuple(targets),
         timeout_seconds=parse_duration(spec.get("timeout", "5s"), f"{where}.timeout"),
+        max_concurrency=limit,
     )
 
 

@@ -16,12 +16,14 @@ import grpc
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER, REQUEST_ID_HEADER
-from classify_common.errors import DeadlineExpired
+from classify_common.errors import DeadlineExpired, Overloaded
 from classify_common.tracing import inject_context
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import Backend
 from orchestrator.upstream.errors import translate_upstream_error
 
+# Hint sent with a concurrency-limit refusal: about one typical call.
+CONCURRENCY_RETRY_AFTER_SECONDS = 0.05
 # Time kept back from the caller's deadline for the orchestrator's own work
 # (answering, serialising) after the capability call returns.
 DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
@@ -32,6 +34,15 @@ CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
 )
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """One channel per target; a dns:/// name gets round robin over every address it
+    resolves to (gRPC re-resolves as pods come and go)."""
+    options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
+    if target.startswith("dns:///"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    return grpc.aio.insecure_channel(target, options)
 
 
 def call_timeout(backend_timeout: float, client_remaining: float | None) -> float:
@@ -59,9 +70,8 @@ class BackendPool:
         self._credentials: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
-        self._channels = {
-            target: grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) for target in backend.targets
-        }
+        self._channels = {target: open_channel(target) for target in backend.targets}
+        self.in_flight = 0
         self._stubs = {
             target: pb_grpc.ClassifyServiceStub(channel)
             for target, channel in self._channels.items()
@@ -93,8 +103,16 @@ class BackendPool:
     ) -> pb.ClassifyResponse:
         """One attempt on one replica; failures come back as ServiceErrors."""
         timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+        limit = self.backend.max_concurrency
+        if limit is not None and self.in_flight >= limit:
+            raise Overloaded(
+                f"backend {self.backend.name} is at its concurrency limit",
+                retry_after_seconds=CONCURRENCY_RETRY_AFTER_SECONDS,
+                backend=self.backend.name,
+            )
         stub = self._stubs[target]
         metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id), *self._credentials)
+        self.in_flight += 1
         try:
             response: pb.ClassifyResponse = await stub.Classify(
                 request, timeout=timeout, metadata=metadata
@@ -103,6 +121,8 @@ class BackendPool:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.outliers.record_failure(target)
             raise translate_upstream_error(exc, self.backend.name, target) from exc
+        finally:
+            self.in_flight -= 1
         self.outliers.record_success(target)
         return response
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from orchestrator.metrics import (
 from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, backoff_seconds
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
+from tests.capability.test_serving import device_occupied
 from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
 from tests.status_details import error_reason
 
@@ -236,3 +238,69 @@ routes:
     assert retries <= 0.1 * calls
     # Attempts were not what stopped them (5 allowed): each call ended on a refusal.
     assert metric_sum(server.registry, RETRY_BUDGET_EXHAUSTED_TOTAL) == calls
+
+
+async def test_dns_target_is_resolved_and_served(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["dns:///127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+"""
+    )
+    responses = await classify_many(server, 3)
+    assert all(r.labels[0].name == "sports" for r in responses)
+
+
+async def test_backend_at_its_concurrency_limit_sheds_to_the_fallback(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{capability.port}"]
+    max_concurrency: 2
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+    retry: {{max_attempts: 1}}
+"""
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            # Two calls hold the primary's two slots while the device is busy...
+            held = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
+                for _ in range(2)
+            ]
+            pool = server.dispatcher.state.upstream.pool(server.routes.default_route.backend)
+            for _ in range(500):
+                if pool.in_flight == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.in_flight == 2
+            # ...so the third is refused there at once and handed to the fallback, which
+            # also waits for the held device: it is answered after the release.
+            third = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
+            fallback = server.dispatcher.state.upstream.pool(server.routes.backends["static"])
+            for _ in range(500):
+                if fallback.in_flight == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert fallback.in_flight == 1
+        answers = await asyncio.gather(*held, third)
+    assert [a.fallback for a in answers] == [False, False, True]
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL, reason="OVERLOADED") == 1
