@@ -10,24 +10,33 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from ai.classify.v1 import classify_service_pb2, classify_service_pb2_grpc
+from ai.classify.v1 import (
+    classify_service_pb2,
+    classify_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.settings import read_secret
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher, RoutingState
+from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
-from orchestrator.service import ClassifyServicer
+from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.upstream import UpstreamPools
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAMES = (classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyService"].full_name,)
+SERVICE_NAMES = (
+    classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyService"].full_name,
+    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+)
 
 
 class OrchestratorServer:
@@ -62,6 +71,9 @@ class OrchestratorServer:
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
+        )
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
+            ModelServicer(FleetModels(self.dispatcher)), self.serving.server
         )
         self._watcher: asyncio.Task[None] | None = None
 

@@ -12,11 +12,36 @@ import grpc
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import current_request
 from orchestrator.dispatch import Dispatcher
+from orchestrator.fleet import FleetModels
 from orchestrator.security.gate import ANONYMOUS, TENANT_HEADER, current_caller
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class ModelServicer(model_pb_grpc.ModelServiceServicer):
+    """The fleet's models; reloading needs the admin role (see orchestrator.fleet)."""
+
+    def __init__(self, fleet: FleetModels) -> None:
+        self._fleet = fleet
+
+    async def ListModels(
+        self, request: model_pb.ListModelsRequest, context: Context
+    ) -> model_pb.ListModelsResponse:
+        return await self._fleet.list_models(request)
+
+    async def GetModel(
+        self, request: model_pb.GetModelRequest, context: Context
+    ) -> model_pb.GetModelResponse:
+        return await self._fleet.get_model(request)
+
+    async def ReloadModel(
+        self, request: model_pb.ReloadModelRequest, context: Context
+    ) -> model_pb.ReloadModelResponse:
+        return await self._fleet.reload_model(request)
 
 
 class ClassifyServicer(pb_grpc.ClassifyServiceServicer):

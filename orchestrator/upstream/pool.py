@@ -15,6 +15,7 @@ import grpc
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER, REQUEST_ID_HEADER
 from classify_common.errors import DeadlineExpired, Overloaded
 from classify_common.tracing import inject_context
@@ -77,6 +78,15 @@ class BackendPool:
             for target, channel in self._channels.items()
         }
         self._turns: Iterator[str] = itertools.cycle(backend.targets)
+
+    def model_service(self, target: str) -> model_pb_grpc.ModelServiceAsyncStub:
+        """The operator API of one replica, over the same channel as its calls."""
+        return model_pb_grpc.ModelServiceStub(self._channels[target])
+
+    @property
+    def credentials(self) -> tuple[tuple[str, str], ...]:
+        """Metadata that authenticates the orchestrator to capability servers."""
+        return self._credentials
 
     def pick(self, avoid: Collection[str] = ()) -> str:
         """The next replica in turn: not ejected and not in `avoid` (already tried) if
@@ -148,6 +158,9 @@ class UpstreamPools:
 
     def pool(self, backend: Backend) -> BackendPool:
         return self._pools[backend.name]
+
+    def pools(self) -> list[BackendPool]:
+        return list(self._pools.values())
 
     async def close(self) -> None:
         for pool in self._pools.values():

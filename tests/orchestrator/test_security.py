@@ -14,15 +14,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
-from ai.classify.v1 import classify_service_pb2_grpc
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
+from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
 from tests.status_details import error_info, error_reason
 
-ACME_KEY, OTHER_KEY = new_key(), new_key()
+ACME_KEY, OTHER_KEY, ADMIN_KEY = new_key(), new_key(), new_key()
 TOKEN = "internal-token-for-tests"
 Start = Callable[..., Awaitable[tuple[OrchestratorServer, CapabilityServer]]]
 
@@ -52,7 +54,8 @@ async def secured(model_root: Path, tmp_path: Path) -> AsyncIterator[Start]:
         keys.write_text(
             "keys:\n"
             f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
-            f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n" + tenants
+            f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n"
+            f"  - {{id: ops, sha256: {hash_key(ADMIN_KEY)}, tenant: ops, role: admin}}\n" + tenants
         )
         routes = tmp_path / "routes.yaml"
         routes.write_text(
@@ -166,3 +169,19 @@ def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, me
     path.write_text(text)
     with pytest.raises(KeysFileError, match=re.escape(message)):
         load_api_keys(path)
+
+
+async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Start) -> None:
+    orchestrator, capability = await secured()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        listed = await models.ListModels(model_pb.ListModelsRequest(), metadata=bearer(ACME_KEY))
+        assert [m.name for m in listed.models] == ["topic-static"]
+        reload = model_pb.ReloadModelRequest(name="topic-static")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await models.ReloadModel(reload, metadata=bearer(ACME_KEY))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error_reason(caught.value) == "PERMISSION_DENIED"
+        reloaded = await models.ReloadModel(reload, metadata=bearer(ADMIN_KEY))
+    assert (reloaded.model.name, reloaded.previous_version) == ("topic-static", "1")
+    assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1

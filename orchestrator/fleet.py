@@ -1,0 +1,104 @@
+"""The fleet's models, for the orchestrator's ModelService.
+
+Listing and describing go to the capability replicas; any authenticated caller
+may use them. ReloadModel needs the admin role and reaches every replica of
+every backend that serves the model, so a fleet switches versions with one
+call. Capability servers themselves accept it only with the internal token,
+which only the orchestrator holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from ai.classify.v1 import model_service_pb2 as model_pb
+from classify_common.errors import ModelNotFound, PermissionDenied, ReloadRefused
+from orchestrator.dispatch import Dispatcher
+from orchestrator.security.gate import current_caller
+from orchestrator.upstream.errors import translate_upstream_error
+from orchestrator.upstream.pool import BackendPool
+
+log = logging.getLogger(__name__)
+
+ADMIN_ROLE = "admin"
+OPERATOR_CALL_TIMEOUT_SECONDS = 120.0
+
+
+class FleetModels:
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    def _replicas(self, model: str | None = None) -> list[tuple[BackendPool, str]]:
+        """(pool, target) of every distinct replica, of one model's backends if given."""
+        seen: set[str] = set()
+        replicas = []
+        for pool in self._dispatcher.state.upstream.pools():
+            if model is not None and pool.backend.model != model:
+                continue
+            for target in pool.backend.targets:
+                if target not in seen:
+                    seen.add(target)
+                    replicas.append((pool, target))
+        return replicas
+
+    async def list_models(self, request: model_pb.ListModelsRequest) -> model_pb.ListModelsResponse:
+        models: dict[str, model_pb.ModelInfo] = {}
+        for pool, target in self._replicas():
+            try:
+                listed = await pool.model_service(target).ListModels(
+                    request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
+                )
+            except grpc.aio.AioRpcError as error:
+                translate_upstream_error(error, pool.backend.name, target)  # logs it
+                continue
+            for info in listed.models:
+                models.setdefault(info.name, info)
+        return model_pb.ListModelsResponse(models=[models[name] for name in sorted(models)])
+
+    async def get_model(self, request: model_pb.GetModelRequest) -> model_pb.GetModelResponse:
+        replicas = self._replicas(request.name)
+        if not replicas:
+            raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
+        pool, target = replicas[0]
+        try:
+            response: model_pb.GetModelResponse = await pool.model_service(target).GetModel(
+                request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
+            )
+        except grpc.aio.AioRpcError as error:
+            raise translate_upstream_error(error, pool.backend.name, target) from error
+        return response
+
+    async def reload_model(
+        self, request: model_pb.ReloadModelRequest
+    ) -> model_pb.ReloadModelResponse:
+        caller = current_caller()
+        if caller.role != ADMIN_ROLE:
+            raise PermissionDenied("reloading a model needs the admin role", key=caller.key_id)
+        replicas = self._replicas(request.name)
+        if not replicas:
+            raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
+        answers: list[model_pb.ReloadModelResponse] = []
+        refused: list[str] = []
+        for pool, target in replicas:
+            try:
+                answers.append(
+                    await pool.model_service(target).ReloadModel(
+                        request, timeout=OPERATOR_CALL_TIMEOUT_SECONDS, metadata=pool.credentials
+                    )
+                )
+            except grpc.aio.AioRpcError as error:
+                translate_upstream_error(error, pool.backend.name, target)  # logs it
+                # The refusal names the bundle file that failed; an admin needs it.
+                refused.append(f"{pool.backend.name}: {error.details()}")
+        log.info(
+            "fleet reload",
+            extra={"model": request.name, "reloaded": len(answers), "refused": len(refused)},
+        )
+        if refused:
+            raise ReloadRefused(
+                f"{len(refused)} of {len(replicas)} replicas refused: " + "; ".join(refused),
+                model=request.name,
+            )
+        return answers[0]
