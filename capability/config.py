@@ -32,6 +32,7 @@ from capability.batching.settings import (
     DEFAULT_QUEUE_CAPACITY,
 )
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
+from classify_common.tls import ServerTls, server_tls
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
@@ -124,6 +125,11 @@ class CapabilitySettings:
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
     # Seconds between looks for new version folders, 0 (off) or 0.1..3600.
     watch_seconds: float = DEFAULT_WATCH_SECONDS
+    # TLS: PEM certificate and key to serve with; with a client CA, callers must present
+    # a certificate it signed (mTLS). None of them: plaintext.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
     # File with the token the orchestrator must send (x-internal-token); None accepts
     # any caller (development only).
     internal_token_file: Path | None = None
@@ -152,6 +158,7 @@ class CapabilitySettings:
                 self.watch_seconds, 0.1, 3600, "--watch-seconds", "CAPABILITY_WATCH_SECONDS"
             )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "CAPABILITY_GRACE_SECONDS")
+        self.server_tls()  # refuses an incomplete set of TLS files now, not at bind time
         try:
             defaults = self.default_serving()
         except SettingsError as exc:
@@ -164,6 +171,14 @@ class CapabilitySettings:
             except (OSError, yaml.YAMLError) as exc:
                 raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
             object.__setattr__(self, "per_model", parse_model_config(document, defaults))
+
+    def server_tls(self) -> ServerTls | None:
+        return server_tls(
+            self.tls_cert_file,
+            self.tls_key_file,
+            self.tls_client_ca_file,
+            "--tls-cert-file / --tls-key-file / --tls-client-ca-file",
+        )
 
     def default_serving(self) -> ModelServingSettings:
         return ModelServingSettings(
@@ -273,6 +288,15 @@ class CapabilitySettings:
             "CAPABILITY_INTERNAL_TOKEN_FILE",
             None,
             "token required from callers (none: any caller, development only)",
+            Path,
+        )
+        setting("--tls-cert-file", "CAPABILITY_TLS_CERT_FILE", None, "PEM certificate (TLS)", Path)
+        setting("--tls-key-file", "CAPABILITY_TLS_KEY_FILE", None, "PEM private key (TLS)", Path)
+        setting(
+            "--tls-client-ca-file",
+            "CAPABILITY_TLS_CLIENT_CA_FILE",
+            None,
+            "CA that client certificates must be signed by (mTLS)",
             Path,
         )
         setting("--log-level", "CAPABILITY_LOG_LEVEL", "INFO", "log level")

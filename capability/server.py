@@ -89,6 +89,7 @@ class CapabilityServer:
             metrics_port=settings.metrics_port,
             registry=self.registry,
             gate=internal_gate(settings),
+            tls=settings.server_tls(),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.pool, settings.default_model), self.serving.server
@@ -128,7 +129,10 @@ class CapabilityServer:
         try:
             await asyncio.wait_for(self.pool.drain(), timeout=grace)
         except TimeoutError:
-            log.warning("grace period over with work still queued", extra={"grace_seconds": grace})
+            if self.pool.has_work():
+                log.warning(
+                    "grace period over with work still queued", extra={"grace_seconds": grace}
+                )
         # Answers that are ready still need a moment to be written to the wire.
         await self.serving.stop(grace_seconds=min(grace, 1.0))
         await self.pool.close()

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from classify_common.interceptor import Gate, RequestLifecycleInterceptor
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
+from classify_common.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ class GrpcServing:
         metrics_port: int,
         registry: CollectorRegistry,
         gate: Gate | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.service_names = tuple(service_names)
+        self._tls = tls
         self.registry = registry
         self._address = f"{host}:{port}"
         self._metrics_host = host
@@ -64,7 +67,10 @@ class GrpcServing:
 
     async def start(self) -> None:
         await self.set_serving(False)
-        self.port = self.server.add_insecure_port(self._address)
+        if self._tls is not None:
+            self.port = self.server.add_secure_port(self._address, self._tls.credentials())
+        else:
+            self.port = self.server.add_insecure_port(self._address)
         if self.port == 0:
             raise OSError(f"could not bind {self._address}")
         await self.server.start()

@@ -107,6 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="deadline in seconds"
     )
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.add_argument("--ca-file", help="CA to verify a TLS orchestrator [env CLASSIFY_CA_FILE]")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -117,7 +118,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
+    ca_file = args.ca_file or os.environ.get("CLASSIFY_CA_FILE")
+    channel = (
+        grpc.secure_channel(args.target, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()))
+        if ca_file
+        else grpc.insecure_channel(args.target)
+    )
+    with channel:
         stub = pb_grpc.ClassifyServiceStub(channel)
         try:
             response = stub.Classify(

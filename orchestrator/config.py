@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
+from classify_common.tls import ClientTls, ServerTls, client_tls, server_tls
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -37,6 +38,16 @@ class OrchestratorSettings:
     api_keys_file: Path | None = None
     # File holding the token capability servers require from the orchestrator; None sends none.
     internal_token_file: Path | None = None
+    # TLS: PEM certificate and key to serve with; with a client CA, callers must present
+    # a certificate it signed (mTLS). None of them: plaintext.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    # TLS to capability servers: the CA their certificates are signed by, and the
+    # orchestrator's own certificate and key where they require mTLS. None: plaintext.
+    upstream_ca_file: Path | None = None
+    upstream_cert_file: Path | None = None
+    upstream_key_file: Path | None = None
     # Seconds between looks at the routes file for edits, 0 (off) or 0.05..60.
     routes_poll_seconds: float = DEFAULT_ROUTES_POLL_SECONDS
     # Results kept for GetResult after a PROCESSING answer, 1..1000000, oldest dropped first.
@@ -53,6 +64,8 @@ class OrchestratorSettings:
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
+        self.server_tls()  # refuse an incomplete set of TLS files now
+        self.upstream_tls()
         if self.auth not in ("required", "disabled"):
             raise SettingsError(
                 f"--auth / ORCHESTRATOR_AUTH: {self.auth!r} is not required or disabled"
@@ -84,6 +97,22 @@ class OrchestratorSettings:
                 "--routes-poll-seconds",
                 "ORCHESTRATOR_ROUTES_POLL_SECONDS",
             )
+
+    def server_tls(self) -> ServerTls | None:
+        return server_tls(
+            self.tls_cert_file,
+            self.tls_key_file,
+            self.tls_client_ca_file,
+            "--tls-cert-file / --tls-key-file / --tls-client-ca-file",
+        )
+
+    def upstream_tls(self) -> ClientTls | None:
+        return client_tls(
+            self.upstream_ca_file,
+            self.upstream_cert_file,
+            self.upstream_key_file,
+            "--upstream-ca-file / --upstream-cert-file / --upstream-key-file",
+        )
 
     @classmethod
     def from_args(
@@ -184,5 +213,30 @@ class OrchestratorSettings:
             environ,
             float,
         )
+        for flag, env, text in (
+            (
+                "--tls-cert-file",
+                "ORCHESTRATOR_TLS_CERT_FILE",
+                "PEM certificate to serve with (TLS)",
+            ),
+            ("--tls-key-file", "ORCHESTRATOR_TLS_KEY_FILE", "PEM private key (TLS)"),
+            (
+                "--tls-client-ca-file",
+                "ORCHESTRATOR_TLS_CLIENT_CA_FILE",
+                "CA for client certificates (mTLS)",
+            ),
+            (
+                "--upstream-ca-file",
+                "ORCHESTRATOR_UPSTREAM_CA_FILE",
+                "CA of the capability servers' certificates",
+            ),
+            (
+                "--upstream-cert-file",
+                "ORCHESTRATOR_UPSTREAM_CERT_FILE",
+                "certificate shown to capability servers",
+            ),
+            ("--upstream-key-file", "ORCHESTRATOR_UPSTREAM_KEY_FILE", "key of that certificate"),
+        ):
+            add_setting(parser, flag, env, None, text, environ, Path)
         add_setting(parser, "--log-level", "ORCHESTRATOR_LOG_LEVEL", "INFO", "log level", environ)
         return cls(**vars(parser.parse_args(argv)))

@@ -68,6 +68,7 @@ class OrchestratorServer:
             metrics_port=settings.metrics_port,
             registry=self.registry,
             gate=CallerGate(keys),
+            tls=settings.server_tls(),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
@@ -94,6 +95,7 @@ class OrchestratorServer:
             table.outlier_ejection,
             on_ejected=count_ejection,
             internal_token=self._internal_token,
+            tls=self.settings.upstream_tls(),
         )
         return RoutingState(table, upstream)
 

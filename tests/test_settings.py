@@ -76,3 +76,13 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
     config.write_text("topic-static:\n  max_batch_size: 0\n")
     with pytest.raises(SettingsError, match=r"topic-static: max_batch_size 0 is outside 1\.\.1024"):
         CapabilitySettings(model_config=config)
+
+
+def test_incomplete_tls_settings_are_refused_with_the_flags_named(tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    with pytest.raises(SettingsError, match="give both the certificate and the key"):
+        CapabilitySettings(tls_cert_file=pem)
+    with pytest.raises(SettingsError, match="a client CA needs a certificate and key too"):
+        CapabilitySettings(tls_client_ca_file=pem)
+    with pytest.raises(SettingsError, match=r"--upstream-ca-file .*needs the CA file too"):
+        OrchestratorSettings(auth="disabled", upstream_cert_file=pem)

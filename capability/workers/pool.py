@@ -198,6 +198,10 @@ class WorkerPool:
             raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
         return encoded
 
+    def has_work(self) -> bool:
+        """Whether any request is arriving, queued or computing on any worker."""
+        return any(replica.load for worker in self.workers for replica in worker.replicas.values())
+
     async def drain(self) -> None:
         """Refuse new requests; return when every admitted one has its answer."""
         self.draining = True

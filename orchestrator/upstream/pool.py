@@ -8,6 +8,7 @@ deadline that still leaves the orchestrator time to answer.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import partial
 
@@ -18,6 +19,7 @@ from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER, REQUEST_ID_HEADER
 from classify_common.errors import DeadlineExpired, Overloaded
+from classify_common.tls import ClientTls
 from classify_common.tracing import inject_context
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import Backend
@@ -37,12 +39,26 @@ CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
 )
 
 
-def open_channel(target: str) -> grpc.aio.Channel:
+# Round robin over the target's addresses (one for host:port, all of them for a
+# dns:/// name), each watched through gRPC health: a replica that reports
+# NOT_SERVING (warming up, draining on SIGTERM) gets no calls until it is back.
+HEALTH_CHECKED = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "ai.classify.v1.ClassifyService"},
+    }
+)
+
+
+def open_channel(target: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
     """One channel per target; a dns:/// name gets round robin over every address it
     resolves to (gRPC re-resolves as pods come and go)."""
-    options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
-    if target.startswith("dns:///"):
-        options.append(("grpc.lb_policy_name", "round_robin"))
+    options: list[tuple[str, str | int]] = [
+        *CHANNEL_OPTIONS,
+        ("grpc.service_config", HEALTH_CHECKED),
+    ]
+    if tls is not None:
+        return grpc.aio.secure_channel(target, tls.credentials(), options)
     return grpc.aio.insecure_channel(target, options)
 
 
@@ -65,13 +81,14 @@ class BackendPool:
         outliers: OutlierSettings,
         on_ejected: Callable[[str, float], None] = lambda target, seconds: None,
         internal_token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.backend = backend
         self.outliers = OutlierDetector(backend.targets, outliers, on_ejected=on_ejected)
         self._credentials: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
-        self._channels = {target: open_channel(target) for target in backend.targets}
+        self._channels = {target: open_channel(target, tls) for target in backend.targets}
         self.in_flight = 0
         self._stubs = {
             target: pb_grpc.ClassifyServiceStub(channel)
@@ -150,9 +167,10 @@ class UpstreamPools:
         outliers: OutlierSettings,
         on_ejected: Callable[[Backend, str, float], None] = lambda backend, target, seconds: None,
         internal_token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self._pools = {
-            name: BackendPool(backend, outliers, partial(on_ejected, backend), internal_token)
+            name: BackendPool(backend, outliers, partial(on_ejected, backend), internal_token, tls)
             for name, backend in backends.items()
         }
 

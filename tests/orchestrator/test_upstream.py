@@ -19,7 +19,14 @@ from classify_common.errors import DeadlineExpired
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
-from tests.conftest import STRIKER, closed_port, orchestrator_settings, write_routes
+from tests.conftest import (
+    STRIKER,
+    capability_settings,
+    closed_port,
+    metric_sum,
+    orchestrator_settings,
+    write_routes,
+)
 from tests.status_details import error_info, error_reason
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
@@ -131,3 +138,22 @@ async def test_client_traceparent_is_continued(
         metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),),
     )
     assert response.trace_id == trace_id
+
+
+async def test_replica_reporting_not_serving_gets_no_calls(
+    orchestrator_to: StartOrchestrator, model_root: Path
+) -> None:
+    # Started but not warmed up: its health says NOT_SERVING.
+    cold = CapabilityServer(capability_settings(model_root), registry=CollectorRegistry())
+    await cold.start()
+    try:
+        server = await orchestrator_to([f"127.0.0.1:{cold.port}"])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The channel's health check kept every attempt from reaching the server.
+        assert metric_sum(cold.registry, RPC_REQUESTS_TOTAL) == 0
+    finally:
+        await cold.stop(grace_seconds=0)

@@ -1,0 +1,79 @@
+"""TLS for both layers, from PEM files named in the settings.
+
+A server with a certificate and key serves TLS; given a client CA as well it
+requires client certificates signed by it (mTLS), which is how capability
+servers can admit the orchestrator alone. Clients trust a CA file, and present
+their own certificate where the server asks for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from classify_common.settings import SettingsError
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    cert_file: Path
+    key_file: Path
+    # When set, clients must present a certificate signed by this CA (mTLS).
+    client_ca_file: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(_read(self.key_file), _read(self.cert_file))],
+            root_certificates=_read(self.client_ca_file) if self.client_ca_file else None,
+            require_client_auth=self.client_ca_file is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca_file: Path
+    # The client's own certificate and key, for servers that require mTLS.
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file),
+            private_key=_read(self.key_file) if self.key_file else None,
+            certificate_chain=_read(self.cert_file) if self.cert_file else None,
+        )
+
+
+def server_tls(
+    cert: Path | None, key: Path | None, client_ca: Path | None, flags: str
+) -> ServerTls | None:
+    """Server TLS from the three settings, or None for plaintext; `flags` names them."""
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise SettingsError(f"{flags}: a client CA needs a certificate and key too")
+        return None
+    if cert is None or key is None:
+        raise SettingsError(f"{flags}: give both the certificate and the key")
+    return ServerTls(cert, key, client_ca)
+
+
+def client_tls(
+    ca: Path | None, cert: Path | None, key: Path | None, flags: str
+) -> ClientTls | None:
+    """Client TLS from the three settings, or None for plaintext; `flags` names them."""
+    if ca is None:
+        if cert is not None or key is not None:
+            raise SettingsError(f"{flags}: a client certificate needs the CA file too")
+        return None
+    if (cert is None) != (key is None):
+        raise SettingsError(f"{flags}: give both the client certificate and its key")
+    return ClientTls(ca, cert, key)

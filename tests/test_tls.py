@@ -1,0 +1,133 @@
+"""TLS at the front door and mutual TLS between the layers, with certificates made here."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, capability_settings, orchestrator_settings
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certificates(directory: Path) -> None:
+    """A test CA, and a server and a client certificate it signed (valid for 127.0.0.1)."""
+    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl(
+        "req",
+        "-x509",
+        *curve,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=classify-test-ca",
+        cwd=directory,
+    )
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        openssl(
+            "req",
+            *curve,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=directory,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            cwd=directory,
+        )
+
+
+async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
+    model_root: Path, tmp_path: Path
+) -> None:
+    make_certificates(tmp_path)
+    capability = CapabilityServer(
+        capability_settings(
+            model_root,
+            models=("topic-static",),
+            tls_cert_file=tmp_path / "server.pem",
+            tls_key_file=tmp_path / "server.key",
+            tls_client_ca_file=tmp_path / "ca.pem",
+        ),
+        registry=CollectorRegistry(),
+    )
+    await capability.start()
+    await capability.warm_up()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\nbackends:\n"
+        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n  - {name: default, backend: static}\n"
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            tls_cert_file=tmp_path / "server.pem",
+            tls_key_file=tmp_path / "server.key",
+            upstream_ca_file=tmp_path / "ca.pem",
+            upstream_cert_file=tmp_path / "client.pem",
+            upstream_key_file=tmp_path / "client.key",
+        ),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    trust = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
+    request = pb.ClassifyRequest(text=STRIKER)
+    try:
+        async with grpc.aio.secure_channel(f"127.0.0.1:{orchestrator.port}", trust) as channel:
+            response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+                request
+            )
+        assert response.labels[0].name == "sports"
+
+        # No client certificate: the capability server does not complete the handshake.
+        async with grpc.aio.secure_channel(f"127.0.0.1:{capability.port}", trust) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as no_cert:
+                await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+                    request, timeout=5
+                )
+        assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        # Plaintext to a TLS front door fails as well.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+                await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+                    request, timeout=5
+                )
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        await capability.stop(grace_seconds=0)
