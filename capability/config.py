@@ -133,6 +133,11 @@ class CapabilitySettings:
     # File with the token the orchestrator must send (x-internal-token); None accepts
     # any caller (development only).
     internal_token_file: Path | None = None
+    # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None exports nothing.
+    otlp_endpoint: str | None = None
+    # Share of traces started here that are kept, 0..1 (parent-based: a caller's
+    # decision wins).
+    trace_sample_ratio: float = 1.0
     # Seconds admitted work gets to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -158,6 +163,9 @@ class CapabilitySettings:
                 self.watch_seconds, 0.1, 3600, "--watch-seconds", "CAPABILITY_WATCH_SECONDS"
             )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "CAPABILITY_GRACE_SECONDS")
+        check_range(
+            self.trace_sample_ratio, 0, 1, "--trace-sample-ratio", "CAPABILITY_TRACE_SAMPLE_RATIO"
+        )
         self.server_tls()  # refuses an incomplete set of TLS files now, not at bind time
         try:
             defaults = self.default_serving()
@@ -298,6 +306,19 @@ class CapabilitySettings:
             None,
             "CA that client certificates must be signed by (mTLS)",
             Path,
+        )
+        setting(
+            "--otlp-endpoint",
+            "CAPABILITY_OTLP_ENDPOINT",
+            None,
+            "OTLP gRPC host:port (none: no export)",
+        )
+        setting(
+            "--trace-sample-ratio",
+            "CAPABILITY_TRACE_SAMPLE_RATIO",
+            1.0,
+            "share of traces kept",
+            float,
         )
         setting("--log-level", "CAPABILITY_LOG_LEVEL", "INFO", "log level")
         values = vars(parser.parse_args(argv))

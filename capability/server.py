@@ -165,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if settings.device == "cpu" or not torch.cuda.is_available():
         share_cpu_threads(settings.cpu_workers, settings.torch_threads)
     configure_logging("capability", settings.log_level)
-    configure_tracing("capability")
+    tracing = configure_tracing("capability", settings.otlp_endpoint, settings.trace_sample_ratio)
     try:
         asyncio.run(serve(settings))
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        tracing.shutdown()  # sends the spans still queued

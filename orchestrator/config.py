@@ -54,6 +54,10 @@ class OrchestratorSettings:
     results_capacity: int = DEFAULT_RESULTS_CAPACITY
     # Seconds a kept result can be polled, 1..86400.
     results_ttl_seconds: float = DEFAULT_RESULTS_TTL_SECONDS
+    # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None exports nothing.
+    otlp_endpoint: str | None = None
+    # Share of traces started here that are kept, 0..1 (parent-based).
+    trace_sample_ratio: float = 1.0
     # Seconds in-flight calls get to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -64,6 +68,9 @@ class OrchestratorSettings:
             self.metrics_port, "--metrics-port", "ORCHESTRATOR_METRICS_PORT", allow_disabled=True
         )
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
+        check_range(
+            self.trace_sample_ratio, 0, 1, "--trace-sample-ratio", "ORCHESTRATOR_TRACE_SAMPLE_RATIO"
+        )
         self.server_tls()  # refuse an incomplete set of TLS files now
         self.upstream_tls()
         if self.auth not in ("required", "disabled"):
@@ -238,5 +245,22 @@ class OrchestratorSettings:
             ("--upstream-key-file", "ORCHESTRATOR_UPSTREAM_KEY_FILE", "key of that certificate"),
         ):
             add_setting(parser, flag, env, None, text, environ, Path)
+        add_setting(
+            parser,
+            "--otlp-endpoint",
+            "ORCHESTRATOR_OTLP_ENDPOINT",
+            None,
+            "OTLP gRPC host:port for spans (none: no export)",
+            environ,
+        )
+        add_setting(
+            parser,
+            "--trace-sample-ratio",
+            "ORCHESTRATOR_TRACE_SAMPLE_RATIO",
+            1.0,
+            "share of new traces kept, 0..1",
+            environ,
+            float,
+        )
         add_setting(parser, "--log-level", "ORCHESTRATOR_LOG_LEVEL", "INFO", "log level", environ)
         return cls(**vars(parser.parse_args(argv)))

@@ -156,7 +156,7 @@ async def serve(settings: OrchestratorSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     settings = OrchestratorSettings.from_args(argv)
     configure_logging("orchestrator", settings.log_level)
-    configure_tracing("orchestrator")
+    tracing = configure_tracing("orchestrator", settings.otlp_endpoint, settings.trace_sample_ratio)
     try:
         asyncio.run(serve(settings))
     except (RoutesFileError, KeysFileError, OSError) as exc:
@@ -164,3 +164,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        tracing.shutdown()  # sends the spans still queued
