@@ -124,7 +124,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                     await self._abort(context, span, internal, trailers)
                 finally:
                     elapsed = time.perf_counter() - started
-                    self._metrics.observe(method, code.name, elapsed)
+                    self._metrics.observe(method, code.name, elapsed, ids.trace_id)
                     log.info(
                         "rpc",
                         extra={

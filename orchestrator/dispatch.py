@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -109,9 +110,28 @@ class Dispatcher:
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
         route = state.table.select(request_facts(request, ids, headers))
-        if route.budget_seconds is None:
-            return await self._run_on(state, route, request, ids, client_remaining)
-        return await self._classify_within_budget(state, route, request, ids, client_remaining)
+        started = time.perf_counter()
+        model, code = "", "OK"
+        try:
+            if route.budget_seconds is None:
+                response = await self._run_on(state, route, request, ids, client_remaining)
+            else:
+                response = await self._classify_within_budget(
+                    state, route, request, ids, client_remaining
+                )
+            model = response.model.name
+            return response
+        except ServiceError as error:
+            code = grpc_code_for(error).name
+            raise
+        except asyncio.CancelledError:  # the client went away
+            code = "CANCELLED"
+            raise
+        finally:
+            self._metrics.request_duration.labels(route.name, model, code).observe(
+                time.perf_counter() - started,
+                exemplar={"trace_id": ids.trace_id} if ids.trace_id else None,
+            )
 
     async def _run_on(
         self,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
 MODEL_FALLBACK_TOTAL = "model_fallback_total"
@@ -10,6 +10,7 @@ RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
 PROCESSING_TOTAL = "classify_processing_total"
+REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 
 
 class OrchestratorMetrics:
@@ -36,6 +37,13 @@ class OrchestratorMetrics:
             ROUTES_RELOADS_TOTAL,
             "Edits of the routes file, by outcome: ok (applied) or failed (refused).",
             ["outcome"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            REQUEST_DURATION_SECONDS,
+            "Classify calls from routing to answer, by route, answering model and code.",
+            ["route", "model", "code"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=registry,
         )
         self.processing = Counter(

@@ -11,12 +11,14 @@ import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.errors import DeadlineExpired
 from classify_common.metrics import RPC_REQUESTS_TOTAL
+from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import (
@@ -157,3 +159,23 @@ async def test_replica_reporting_not_serving_gets_no_calls(
         assert metric_sum(cold.registry, RPC_REQUESTS_TOTAL) == 0
     finally:
         await cold.stop(grace_seconds=0)
+
+
+async def test_latency_histograms_carry_route_model_and_a_trace_exemplar(
+    orchestrator: OrchestratorServer,
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    response = await orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    # prometheus_client's OpenMetrics writer has no type hints.
+    exposition = generate_openmetrics(orchestrator.registry).decode()  # type: ignore[no-untyped-call]
+    bucket_lines = [
+        line
+        for line in exposition.splitlines()
+        if line.startswith(REQUEST_DURATION_SECONDS + "_bucket{")
+        and 'route="default"' in line
+        and 'model="topic-minilm"' in line
+        and 'code="OK"' in line
+    ]
+    assert bucket_lines
+    # OpenMetrics exemplars: `... # {trace_id="..."} value timestamp` on the bucket hit.
+    assert any(f'# {{trace_id="{response.trace_id}"}}' in line for line in bucket_lines)
