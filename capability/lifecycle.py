@@ -111,11 +111,11 @@ class ModelLifecycle:
         """Load the newest version of each model (all under the root when `names` is empty)."""
         wanted = names or tuple(self.root.model_names())
         if not wanted:
-            raise ModelNotFound(f"no model bundles under {self.root}; run `make bundles`")
+            raise ModelNotFound(f"no model bundles under {self.root.root}; run `make bundles`")
         for name in wanted:
             version = self.root.newest(name)
             if version is None:
-                raise ModelNotFound(f"model {name!r} has no bundle under {self.root}", model=name)
+                raise ModelNotFound(f"model {name!r} has no bundle under {self.root.root}", model=name)
             await self._load(name, version)
 
     async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
@@ -123,7 +123,7 @@ class ModelLifecycle:
         previous = self.pool.serving(name)
         target = version or self.root.newest(name)
         if target is None:
-            raise ModelNotFound(f"model {name!r} has no bundle under {self.root}", model=name)
+            raise ModelNotFound(f"model {name!r} has no bundle under {self.root.root}", model=name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
             try:

@@ -18,6 +18,7 @@ from ai.classify.v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
+from capability.bundle import BundleError
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
@@ -25,6 +26,7 @@ from capability.security import InternalTokenGate
 from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
 from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
+from classify_common.errors import ServiceError
 from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.settings import read_secret
@@ -168,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tracing = configure_tracing("capability", settings.otlp_endpoint, settings.trace_sample_ratio)
     try:
         asyncio.run(serve(settings))
+    except (ServiceError, BundleError, OSError) as exc:
+        # A start-up failure (no bundles under the root, a refused bundle, a port in
+        # use) is one clear log line, not a traceback.
+        log.error("cannot start", extra={"error": str(exc)})
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     finally:
