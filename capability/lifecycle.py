@@ -115,7 +115,9 @@ class ModelLifecycle:
         for name in wanted:
             version = self.root.newest(name)
             if version is None:
-                raise ModelNotFound(f"model {name!r} has no bundle under {self.root.root}", model=name)
+                raise ModelNotFound(
+                    f"model {name!r} has no bundle under {self.root.root}", model=name
+                )
             await self._load(name, version)
 
     async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
