@@ -1,0 +1,105 @@
+"""Create, once, the credentials a deployment needs, in one folder.
+
+    python tools/make_credentials.py DIR [--tenant local] [--rate 200] [--burst 400]
+        [--owner UID:GID]
+
+Writes, each only if it is missing (so a restart keeps the keys clients hold):
+    api-key          a new API key (user role), for the client: give it out, keep it secret
+    api-keys.yaml    the orchestrator's --api-keys-file: that key's SHA-256, tenant and role,
+                     and the tenant's rate limit
+    internal-token   the token the orchestrator sends and capability servers require
+                     (--internal-token-file on both)
+
+Files are mode 0600, owned by --owner when given. The compose stack runs this
+once in a `credentials` service, into a volume both servers mount; on
+Kubernetes, run it on your machine and create the Secrets from the folder
+(deploy/README.md). More keys: `python -m orchestrator.security new-key`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from orchestrator.security import hash_key, new_key  # noqa: E402
+
+API_KEY_FILE = "api-key"
+API_KEYS_FILE = "api-keys.yaml"
+INTERNAL_TOKEN_FILE = "internal-token"
+
+
+def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) -> str:
+    return (
+        "# Made by tools/make_credentials.py; add keys with "
+        "`python -m orchestrator.security new-key`.\n"
+        "keys:\n"
+        f"  - id: {tenant}-1\n    sha256: {hash_key(key)}\n    tenant: {tenant}\n    role: user\n"
+        "tenants:\n"
+        f"  {tenant}: {{rate_per_second: {rate_per_second:g}, burst: {burst}}}\n"
+    )
+
+
+def write_private(path: Path, text: str, owner: tuple[int, int] | None) -> None:
+    # Created 0600 from the start, never briefly readable by others.
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as stream:
+        stream.write(text)
+    if owner is not None:
+        os.chown(path, *owner)
+
+
+def make_credentials(
+    directory: Path,
+    tenant: str,
+    rate_per_second: float,
+    burst: int,
+    owner: tuple[int, int] | None = None,
+) -> list[str]:
+    """Create the missing files; returns the names created."""
+    directory.mkdir(parents=True, exist_ok=True)
+    created = []
+    if not (directory / API_KEY_FILE).is_file() or not (directory / API_KEYS_FILE).is_file():
+        for name in (API_KEY_FILE, API_KEYS_FILE):
+            (directory / name).unlink(missing_ok=True)  # a key and its hash come as a pair
+        key = new_key()
+        write_private(directory / API_KEY_FILE, key + "\n", owner)
+        write_private(
+            directory / API_KEYS_FILE, keys_file_text(key, tenant, rate_per_second, burst), owner
+        )
+        created += [API_KEY_FILE, API_KEYS_FILE]
+    if not (directory / INTERNAL_TOKEN_FILE).is_file():
+        write_private(directory / INTERNAL_TOKEN_FILE, secrets.token_urlsafe(32) + "\n", owner)
+        created.append(INTERNAL_TOKEN_FILE)
+    return created
+
+
+def parse_owner(value: str) -> tuple[int, int]:
+    user, _, group = value.partition(":")
+    return int(user), int(group or user)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--tenant", default="local")
+    parser.add_argument("--rate", type=float, default=200.0, help="tenant calls per second")
+    parser.add_argument("--burst", type=int, default=400, help="tenant burst, in calls")
+    parser.add_argument("--owner", type=parse_owner, help="UID[:GID] to own the files")
+    args = parser.parse_args(argv)
+    created = make_credentials(args.directory, args.tenant, args.rate, args.burst, args.owner)
+    for name in created:
+        print(f"created {args.directory / name}")
+    if not created:
+        print(f"{args.directory}: credentials already there; nothing changed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
