@@ -28,13 +28,20 @@ BUF_AGAINST ?= main
 
 PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
 
+# `make lint-deploy` reads these, so a test can point it at a copy of deploy/
+# with a planted fault. K8S_VERSION: the Kubernetes schemas to validate against.
+DEPLOY_DIR ?= deploy
+K8S_VERSION ?= 1.32.0
+PROMTOOL := build/tools/promtool
+
 .PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
-	bench bench-capability bench-models gpu-check
+	lint-deploy bench bench-capability bench-models gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
 	@echo "make test   set up, then lint and run the whole test suite"
-	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy"
+	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, lint-deploy"
+	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
 	@echo "make proto  regenerate Python stubs from proto/"
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
 	@echo "make bench  model quality and capability-server benchmarks (tables + build/bench/*.json)"
@@ -74,7 +81,7 @@ run: setup bundles
 
 test: setup lint pytest
 
-lint: buf-lint buf-breaking ruff mypy check-routes
+lint: buf-lint buf-breaking ruff mypy check-routes lint-deploy
 
 buf-lint: $(BUF) $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
@@ -91,6 +98,16 @@ buf-breaking: $(BUF) $(VENV_STAMP)
 
 check-routes: $(STUB_STAMP)
 	$(PY) -m orchestrator.routing check routes.yaml
+
+# No container engine or cluster runs here, so deploy/ is checked statically; see
+# tools/deploy_check.py for what each check covers. One "ok" line per check.
+lint-deploy: $(VENV_STAMP) $(STUB_STAMP) $(PROMTOOL)
+	$(PY) tools/deploy_check.py check --deploy-dir $(DEPLOY_DIR) --promtool $(PROMTOOL) \
+	  --k8s-version $(K8S_VERSION)
+
+# promtool from Debian's prometheus package, unpacked without root.
+$(PROMTOOL): | $(VENV_STAMP)
+	$(PY) tools/deploy_check.py install-promtool $@
 
 ruff: $(VENV_STAMP)
 	$(VENV)/bin/ruff check $(PYTHON_SOURCES)

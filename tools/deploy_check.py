@@ -42,10 +42,6 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from orchestrator.routing import RoutesFileError, load_routes  # noqa: E402
-
 DEFAULT_K8S_VERSION = "1.32.0"
 COMPOSE_SCHEMA = "vendor.compose-spec"
 BIN_DIR = Path(sys.executable).parent
@@ -143,6 +139,7 @@ def check_k8s(deploy_dir: Path, args: argparse.Namespace) -> Outcome:
         return Outcome(False, f"no manifest under {deploy_dir / 'k8s'}")
     command: list[str | Path] = [BIN_DIR / "kubernetes-validate", "--strict", "--quiet"]
     ok, output = run_tool([*command, "-k", args.k8s_version, *manifests])
+    resources = sum(len(yaml_documents(path)) for path in manifests)
     if not ok:
         return Outcome(False, f"against Kubernetes {args.k8s_version}: errors above", output)
     problems = []
@@ -161,7 +158,7 @@ def check_k8s(deploy_dir: Path, args: argparse.Namespace) -> Outcome:
         ]
     if problems:
         return Outcome(False, "kustomization.yaml is out of step", "\n".join(problems))
-    return Outcome(True, f"{len(manifests)} manifests against Kubernetes {args.k8s_version}")
+    return Outcome(True, f"{resources} resources against Kubernetes {args.k8s_version}")
 
 
 def check_prometheus(deploy_dir: Path, args: argparse.Namespace) -> Outcome:
@@ -240,6 +237,10 @@ def routes_files(deploy_dir: Path, scratch: Path) -> Iterator[tuple[str, Path]]:
 
 
 def check_routes(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
+    # Imported here: `install-promtool` runs before the generated stubs exist.
+    sys.path.insert(0, str(REPO_ROOT))
+    from orchestrator.routing import RoutesFileError, load_routes
+
     with tempfile.TemporaryDirectory() as scratch:
         found = list(routes_files(deploy_dir, Path(scratch)))
         problems = []
