@@ -20,6 +20,7 @@ EVICTIONS_TOTAL = "classify_queue_evictions_total"
 BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
+WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
 
@@ -98,5 +99,12 @@ class CapabilityMetrics:
             RELOADS_TOTAL,
             "Model reloads, by outcome (ok, refused).",
             ["model", "outcome"],
+            registry=registry,
+        )
+        # rate() of it is the worker's utilisation, on the CPU as on a GPU.
+        self.worker_busy_seconds = Counter(
+            WORKER_BUSY_SECONDS_TOTAL,
+            "Seconds a worker's device spent computing batches for requests.",
+            ["worker"],
             registry=registry,
         )

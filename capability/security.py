@@ -11,12 +11,21 @@ from collections.abc import Mapping
 from classify_common.context import INTERNAL_TOKEN_HEADER
 from classify_common.errors import Unauthenticated
 
+# The one caller a capability server serves.
+ORCHESTRATOR = "orchestrator"
+
 
 class InternalTokenGate:
+    """The interceptor's gate (classify_common.interceptor.Gate) for capability servers."""
+
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-    def __call__(self, method: str, metadata: Mapping[str, str]) -> None:
+    def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
         sent = metadata.get(INTERNAL_TOKEN_HEADER, "").encode()
         if not hmac.compare_digest(sent, self._token):
             raise Unauthenticated("capability servers answer the orchestrator only")
+        return ORCHESTRATOR
+
+    def check_rate_limit(self, tenant: str) -> float | None:
+        return None  # overload is the bounded queue's job here

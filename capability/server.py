@@ -91,6 +91,7 @@ class CapabilityServer:
             metrics_port=settings.metrics_port,
             registry=self.registry,
             gate=internal_gate(settings),
+            edge=False,
             tls=settings.server_tls(),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(

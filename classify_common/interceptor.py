@@ -1,28 +1,35 @@
 """The request lifecycle every contract RPC goes through, as one server interceptor.
 
 For each call to an `ai.classify.v1` method it
-1. continues the caller's trace (W3C traceparent) in a server span,
-2. binds the request ID (the request's own `request_id`, else `x-request-id`
+1. continues the caller's trace (W3C traceparent) in a server span, and binds
+   the request ID (the request's own `request_id`, else `x-request-id`
    metadata, else a new one) and the trace ID to the request context,
-2b. runs the server's gate (authentication, rate limits), if it has one, so a
-   refused caller reaches no handler,
-3. validates the request against the contract's protovalidate rules, so an
-   invalid request never reaches a handler, let alone a model,
+2. parses the request itself, inside the receive node, so parse time is seen,
+3. on the public front door (`edge`): authenticates and rate-limits through the
+   server's gate, then validates against the contract's protovalidate rules,
+   each as its own lifecycle node (classify_common.nodes); on an internal
+   server the gate and validation run inside `capability_receive`. Either way
+   an invalid or refused request reaches no handler, let alone a model,
 4. maps any ServiceError to its status (errors.status_for) with rich details,
    and any other exception to INTERNAL,
-5. sends `x-request-id` and `x-trace-id` as trailing metadata, on every
-   outcome, counts the call and writes one access-log line for it.
+5. serialises the response itself (`output_serialize` on the edge), sends
+   `x-request-id` and `x-trace-id` as trailing metadata on every outcome,
+   counts the call, and writes one access-log line with its time breakdown;
+   the server span (and `response_send`) end when gRPC reports the call done.
 Handlers therefore only convert messages and call the domain layer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -34,8 +41,16 @@ from classify_common.context import (
     is_valid_request_id,
     new_request_id,
 )
-from classify_common.errors import InternalError, ServiceError, grpc_code_for, status_for
+from classify_common.errors import (
+    FieldViolation,
+    InternalError,
+    InvalidRequest,
+    ServiceError,
+    grpc_code_for,
+    status_for,
+)
 from classify_common.metrics import RpcMetrics
+from classify_common.nodes import RequestTrace, bind_trace, node
 from classify_common.tracing import extract_context, format_trace_id, get_tracer
 from classify_common.validation import validate_request
 
@@ -45,9 +60,19 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 log = logging.getLogger(__name__)
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
-# Called with the full method name and the request metadata (lower-case keys);
-# raises a ServiceError to refuse the call.
-Gate = Callable[[str, Mapping[str, str]], None]
+RawBehavior = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
+
+
+class Gate(Protocol):
+    """Who may call, and how often; each method raises a ServiceError to refuse."""
+
+    def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
+        """The caller's tenant, from the request metadata (lower-case keys)."""
+        ...
+
+    def check_rate_limit(self, tenant: str) -> float | None:
+        """Take one call from the tenant's allowance: tokens left, or None when unlimited."""
+        ...
 
 
 def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes]]) -> str:
@@ -60,10 +85,21 @@ def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes
     return new_request_id()
 
 
+def _bind_ids(
+    request: object, metadata: Sequence[tuple[str, str | bytes]], trace_id: str
+) -> RequestContext:
+    ids = RequestContext(choose_request_id(request, metadata), trace_id)
+    bind_request(ids)
+    return ids
+
+
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: RpcMetrics, gate: Gate | None = None) -> None:
+    def __init__(self, metrics: RpcMetrics, gate: Gate | None = None, *, edge: bool) -> None:
+        """`edge`: this server is the public front door (the orchestrator), whose
+        intake steps are separate lifecycle nodes; else an internal server."""
         self._metrics = metrics
         self._gate = gate
+        self._edge = edge
         # Looked up once: get_tracer builds a new tracer object on every call.
         self._tracer = get_tracer()
 
@@ -79,81 +115,219 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         if (
             handler is None
             or handler.unary_unary is None
+            or handler.request_deserializer is None
+            or handler.response_serializer is None
             or not method.startswith(CONTRACT_METHOD_PREFIX)
         ):
             return handler
+        # Bytes in and out: the lifecycle parses and serialises, so both are timed nodes.
         return grpc.unary_unary_rpc_method_handler(
             # On a grpc.aio server every behavior is a coroutine function.
-            self._wrap(method, cast(UnaryBehavior, handler.unary_unary)),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            self._wrap(
+                method,
+                cast(UnaryBehavior, handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         )
 
-    def _wrap(self, method: str, behavior: UnaryBehavior) -> UnaryBehavior:
-        async def run_lifecycle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    def _wrap(
+        self,
+        method: str,
+        behavior: UnaryBehavior,
+        parse: Callable[[bytes], Any],
+        serialize: Callable[[Any], bytes],
+    ) -> RawBehavior:
+        async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
-            code = grpc.StatusCode.OK
-            with self._tracer.start_as_current_span(
+            headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
+            server_span = self._tracer.start_span(
                 method.lstrip("/"),
                 context=extract_context(metadata),
                 kind=SpanKind.SERVER,
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                ids = RequestContext(choose_request_id(request, metadata), format_trace_id(span))
-                bind_request(ids)
-                trailers = ((REQUEST_ID_HEADER, ids.request_id), (TRACE_ID_HEADER, ids.trace_id))
-                try:
-                    if self._gate is not None:
-                        self._gate(
-                            method,
-                            {k.lower(): v for k, v in metadata if isinstance(v, str)},
-                        )
-                    validate_request(request)
-                    response = await behavior(request, context)
-                except ServiceError as error:
-                    code = grpc_code_for(error)
-                    await self._abort(context, span, error, trailers)
-                except Exception as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    code = grpc.StatusCode.INTERNAL
-                    log.exception("unhandled error in %s", method)
-                    internal = InternalError(f"internal error ({type(exc).__name__})")
-                    await self._abort(context, span, internal, trailers)
-                finally:
-                    elapsed = time.perf_counter() - started
-                    self._metrics.observe(method, code.name, elapsed, ids.trace_id)
-                    log.info(
-                        "rpc",
-                        extra={
-                            "method": method,
-                            "code": code.name,
-                            "duration_ms": round(elapsed * 1000, 2),
-                        },
-                    )
-                context.set_trailing_metadata(trailers)
-                return response
+                attributes={"rpc.system": "grpc", "rpc.method": method},
+            )
+            # Current for the whole call, so every node and outgoing call is its child.
+            attached = otel_context.attach(trace.set_span_in_context(server_span))
+            trace_id = format_trace_id(server_span)
+            request_trace = RequestTrace(server_span, self._metrics.node_duration, trace_id)
+            bind_trace(request_trace)
+            ids = _bind_ids(None, metadata, trace_id)
+            code = grpc.StatusCode.OK
+            try:
+                request = self._receive(method, raw, parse, context, headers)
+                ids = _bind_ids(request, metadata, trace_id)
+                server_span.set_attribute("classify.request_id", ids.request_id)
+                if self._edge:
+                    self._admit(method, headers, request)
+                response = await behavior(request, context)
+                payload = self._serialize(response, serialize)
+            except ServiceError as error:
+                code = grpc_code_for(error)
+                await self._abort(context, server_span, error, ids, request_trace)
+            except asyncio.CancelledError:  # the client went away
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("unhandled error in %s", method)
+                internal = InternalError(f"internal error ({type(exc).__name__})")
+                await self._abort(context, server_span, internal, ids, request_trace)
+            finally:
+                elapsed = time.perf_counter() - started
+                self._metrics.observe(method, code.name, elapsed, ids.trace_id)
+                self._log_request(method, code, elapsed, request_trace)
+                self._end_when_done(context, server_span, code, request_trace)
+                otel_context.detach(attached)
+            context.set_trailing_metadata(_id_trailers(ids))
+            return payload
 
         return run_lifecycle
+
+    def _receive(
+        self,
+        method: str,
+        raw: bytes,
+        parse: Callable[[bytes], Any],
+        context: grpc.aio.ServicerContext[Any, Any],
+        headers: Mapping[str, str],
+    ) -> Any:
+        """The parsed request; on an internal server, also gated and validated."""
+        with node(
+            "grpc_receive" if self._edge else "capability_receive",
+            {
+                "rpc.method": method,
+                "net.peer.address": context.peer(),
+                "user_agent.original": headers.get("user-agent", ""),
+                "classify.request_bytes": len(raw),
+            },
+        ) as span:
+            try:
+                request = parse(raw)
+            except DecodeError as exc:
+                raise InvalidRequest(
+                    [FieldViolation("", "wire_format", f"not a valid request message: {exc}")]
+                ) from exc
+            if not self._edge:
+                if self._gate is not None:
+                    tenant = self._gate.authenticate(method, headers)
+                    self._gate.check_rate_limit(tenant)
+                _validate(request, span)
+            return request
+
+    def _admit(self, method: str, headers: Mapping[str, str], request: Any) -> None:
+        """The front door's intake nodes: who is calling, whether they may, and what."""
+        tenant = ""
+        with node("auth_validate") as span:
+            if self._gate is None:
+                span.set_attribute("classify.outcome", "not_configured")
+            else:
+                try:
+                    tenant = self._gate.authenticate(method, headers)
+                except ServiceError:
+                    span.set_attribute("classify.outcome", "refused")
+                    raise
+                span.set_attributes({"classify.tenant": tenant, "classify.outcome": "ok"})
+        with node("rate_limit_check", {"classify.tenant": tenant}) as span:
+            left = None if self._gate is None else self._gate.check_rate_limit(tenant)
+            if left is not None:
+                span.set_attribute("classify.tokens_left", left)
+        with node("input_validate") as span:
+            _validate(request, span)
+
+    def _serialize(self, response: Any, serialize: Callable[[Any], bytes]) -> bytes:
+        if not self._edge:
+            return serialize(response)
+        with node("output_serialize") as span:
+            payload = serialize(response)
+            span.set_attribute("classify.response_bytes", len(payload))
+            return payload
+
+    def _end_when_done(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        server_span: trace.Span,
+        code: grpc.StatusCode,
+        request_trace: RequestTrace,
+    ) -> None:
+        """End the server span (and, on the edge, `response_send`) once gRPC has sent
+        the answer and the call is over."""
+        send_started = time.perf_counter()
+        send_span = (
+            self._tracer.start_span("response_send", context=trace.set_span_in_context(server_span))
+            if self._edge
+            else None
+        )
+        code_value = code.value[0]
+
+        def finish(_: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if send_span is not None:
+                send_span.set_attribute("rpc.grpc.status_code", code_value)
+                if request_trace.timed_out:
+                    send_span.set_attribute("timeout", True)
+                send_span.end()
+                request_trace.record("response_send", time.perf_counter() - send_started)
+            server_span.set_attribute("rpc.grpc.status_code", code_value)
+            server_span.end()
+
+        # The stubs declare the callback as a nominal class no function can be.
+        context.add_done_callback(finish)  # type: ignore[arg-type]
+
+    def _log_request(
+        self, method: str, code: grpc.StatusCode, elapsed: float, request_trace: RequestTrace
+    ) -> None:
+        log.info(
+            "rpc",
+            extra={
+                "method": method,
+                "code": code.name,
+                "duration_ms": round(elapsed * 1000, 2),
+                **request_trace.log_fields,
+                "timings_ms": {
+                    name: round(seconds * 1000, 3)
+                    for name, seconds in request_trace.seconds.items()
+                },
+            },
+        )
 
     @staticmethod
     async def _abort(
         context: grpc.aio.ServicerContext[Any, Any],
         span: trace.Span,
         error: ServiceError,
-        trailers: tuple[tuple[str, str], ...],
+        ids: RequestContext,
+        request_trace: RequestTrace,
     ) -> None:
+        trailers = _id_trailers(ids)
         # The IDs travel in the ErrorInfo too, for clients that only keep the status.
         error.context.update(dict(trailers))
         status = status_for(error)
-        code = grpc_code_for(error)
         span.set_status(Status(StatusCode.ERROR, error.message))
-        span.set_attribute("rpc.grpc.status_code", status.code)
-        log.info("request failed", extra={"reason": error.reason, "error": error.message})
+        span.set_attribute("classify.error_reason", error.reason)
+        request_trace.log_fields.update(reason=error.reason, error=error.message)
         await context.abort(
-            code,
+            grpc_code_for(error),
             error.message,
             trailing_metadata=(*trailers, (STATUS_DETAILS_KEY, status.SerializeToString())),
         )
+
+
+def _validate(request: Any, span: trace.Span) -> None:
+    try:
+        validate_request(request)
+    except InvalidRequest as error:
+        span.set_attributes(
+            {
+                "classify.violations": len(error.violations),
+                "classify.violation_fields": [v.field for v in error.violations],
+            }
+        )
+        raise
+    span.set_attribute("classify.violations", 0)
+
+
+def _id_trailers(ids: RequestContext) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_HEADER, ids.request_id), (TRACE_ID_HEADER, ids.trace_id))

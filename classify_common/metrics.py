@@ -13,6 +13,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 RPC_REQUESTS_TOTAL = "classify_rpc_requests_total"
 RPC_DURATION_SECONDS = "classify_rpc_duration_seconds"
+NODE_DURATION_SECONDS = "classify_node_duration_seconds"
+# Nodes range from microseconds (a rate-limit check) to seconds (a queue wait).
+NODE_BUCKETS = (
+    *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
+    *(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 
 
 class RpcMetrics:
@@ -31,6 +37,13 @@ class RpcMetrics:
             ["method", "code"],
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.node_duration = Histogram(
+            NODE_DURATION_SECONDS,
+            "Time spent in each request lifecycle node (classify_common.nodes), in seconds.",
+            ["node"],
+            registry=registry,
+            buckets=NODE_BUCKETS,
         )
 
     def observe(self, method: str, code: str, seconds: float, trace_id: str = "") -> None:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from classify_common.interceptor import Gate, RequestLifecycleInterceptor
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 from classify_common.tls import ServerTls
+from classify_common.tracing import EXPORT_DROPS
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,20 @@ class GrpcServing:
         metrics_port: int,
         registry: CollectorRegistry,
         gate: Gate | None = None,
+        edge: bool,
         tls: ServerTls | None = None,
     ) -> None:
+        """`edge`: the public front door (see RequestLifecycleInterceptor)."""
         self.service_names = tuple(service_names)
         self._tls = tls
         self.registry = registry
+        registry.register(EXPORT_DROPS)
         self._address = f"{host}:{port}"
         self._metrics_host = host
         self._metrics_port = metrics_port
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.server = grpc.aio.server(
-            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry), gate)],
+            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry), gate, edge=edge)],
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()

@@ -14,6 +14,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentelemetry.trace import SpanKind
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
@@ -24,12 +27,13 @@ from classify_common.errors import (
     ServiceError,
     grpc_code_for,
 )
+from classify_common.nodes import current_trace, emit_node, node
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy import RetryBudget, backoff_seconds
 from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RequestFacts, Route, RouteTable
 from orchestrator.upstream import UpstreamPools
-from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
+from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, BackendPool
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,16 @@ def request_facts(
         request_id=ids.request_id,
         headers=headers,
     )
+
+
+@dataclass
+class Attempts:
+    """One call's attempts across its backends, numbered from 1 for traces and logs."""
+
+    count: int = 0
+    # Why the next attempt happens: the failure retried, or the one that sent it on.
+    retry_reason: str = ""
+    fallback_reason: str = ""
 
 
 class RoutingState:
@@ -109,7 +123,14 @@ class Dispatcher:
     ) -> pb.ClassifyResponse:
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
-        route = state.table.select(request_facts(request, ids, headers))
+        with node("route_match") as span:
+            route = state.table.select(request_facts(request, ids, headers))
+            span.set_attributes(
+                {"classify.route": route.name, "classify.rules_version": state.table.rules_version}
+            )
+        request_trace = current_trace()
+        if request_trace is not None:
+            request_trace.log_fields["route"] = route.name
         started = time.perf_counter()
         model, code = "", "OK"
         try:
@@ -172,6 +193,10 @@ class Dispatcher:
             # shield: the client leaving (its deadline, a cancel) must not stop the work.
             return await asyncio.wait_for(asyncio.shield(work), timeout=max(wait, 0))
         except TimeoutError:
+            request_trace = current_trace()
+            if request_trace is not None:
+                # The work goes on: its spans end later, marked, and are still exported.
+                request_trace.mark_timed_out()
             self._keep_for_polling(work, route, ids)
             if client_remaining is not None and wait < route.budget_seconds:
                 raise DeadlineExpired(
@@ -224,13 +249,17 @@ class Dispatcher:
         if client_remaining is not None:
             deadline = asyncio.get_running_loop().time() + client_remaining
         failure: ServiceError | None = None
+        attempts = Attempts()
         for backend in route.backends:
             try:
-                response = await self._call_backend(state, route, backend, request, ids, deadline)
+                response = await self._call_backend(
+                    state, route, backend, request, ids, deadline, attempts
+                )
             except ServiceError as error:
                 if grpc_code_for(error) not in FALLBACK_ELIGIBLE_CODES:
                     raise
                 failure = error
+                attempts.fallback_reason = error.reason
                 log.info(
                     "backend failed",
                     extra={"route": route.name, "backend": backend.name, "reason": error.reason},
@@ -246,6 +275,15 @@ class Dispatcher:
             response.route = route.name
             response.status = pb.RESULT_STATUS_DONE
             response.fallback = backend is not route.backend
+            request_trace = current_trace()
+            if request_trace is not None:
+                request_trace.log_fields.update(
+                    backend=backend.name,
+                    model=response.model.name,
+                    model_version=response.model.version,
+                    attempts=attempts.count,
+                    fallback=response.fallback,
+                )
             return response
         assert failure is not None, "a route has at least one backend"
         raise failure
@@ -258,6 +296,7 @@ class Dispatcher:
         request: pb.ClassifyRequest,
         ids: RequestContext,
         deadline: float | None,
+        attempts: Attempts,
     ) -> pb.ClassifyResponse:
         """Attempts on one backend under the route's retry policy."""
         pool = state.upstream.pool(backend)
@@ -270,14 +309,11 @@ class Dispatcher:
         tried: set[str] = set()
         attempt = 1
         while True:
-            target = pool.pick(avoid=tried)
-            tried.add(target)
-            remaining = None if deadline is None else deadline - loop.time()
+            attempts.count += 1
             try:
-                return await pool.classify(
-                    forwarded, target=target, request_id=ids.request_id, client_remaining=remaining
-                )
+                return await self._attempt(pool, tried, forwarded, ids, deadline, attempts)
             except ServiceError as error:
+                attempts.retry_reason, attempts.fallback_reason = error.reason, ""
                 code = grpc_code_for(error)
                 if attempt >= route.retry.max_attempts or not route.retry.retries(code):
                     raise
@@ -290,3 +326,58 @@ class Dispatcher:
                 self._metrics.retries.labels(route.name, backend.name, error.reason).inc()
                 await asyncio.sleep(wait)
                 attempt += 1
+
+    async def _attempt(
+        self,
+        pool: BackendPool,
+        tried: set[str],
+        forwarded: pb.ClassifyRequest,
+        ids: RequestContext,
+        deadline: float | None,
+        attempts: Attempts,
+    ) -> pb.ClassifyResponse:
+        """One call to a replica not yet tried, as the `upstream_call` node; its
+        `backend_select` node is recorded once the answer names the model version."""
+        backend = pool.backend
+        select_started = time.time_ns()
+        target = pool.pick(avoid=tried)
+        selected = time.time_ns()
+        tried.add(target)
+        loop = asyncio.get_running_loop()
+        remaining = None if deadline is None else deadline - loop.time()
+        version = ""
+        reasons = {
+            "classify.retry_reason": attempts.retry_reason,
+            "classify.fallback_reason": attempts.fallback_reason,
+        }
+        try:
+            with node(
+                "upstream_call",
+                {
+                    "classify.attempt": attempts.count,
+                    "classify.backend": backend.name,
+                    **{key: value for key, value in reasons.items() if value},
+                },
+                kind=SpanKind.CLIENT,
+            ) as span:
+                response = await pool.classify(
+                    forwarded, target=target, request_id=ids.request_id, client_remaining=remaining
+                )
+                span.set_attribute("rpc.grpc.status_code", 0)
+                version = response.model.version
+                return response
+        finally:
+            request_trace = current_trace()
+            if request_trace is not None:
+                emit_node(
+                    request_trace,
+                    "backend_select",
+                    select_started,
+                    selected,
+                    {
+                        "classify.backend": backend.name,
+                        "classify.replica": target,
+                        "classify.model": backend.model,
+                        "classify.model_version": version,
+                    },
+                )

@@ -11,6 +11,8 @@ OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
 PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
+RATE_LIMITED_TOTAL = "classify_rate_limited_total"
+AUTH_FAILURES_TOTAL = "classify_auth_failures_total"
 
 
 class OrchestratorMetrics:
@@ -57,5 +59,17 @@ class OrchestratorMetrics:
             MODEL_FALLBACK_TOTAL,
             "Calls answered by a fallback backend, by route, failed and answering backend, reason.",
             ["route", "from", "to", "reason"],
+            registry=registry,
+        )
+        self.rate_limited = Counter(
+            RATE_LIMITED_TOTAL,
+            "Calls refused because their tenant was over its rate limit.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.auth_failures = Counter(
+            AUTH_FAILURES_TOTAL,
+            "Calls refused as unauthenticated, by cause (missing_key, unknown_key).",
+            ["reason"],
             registry=registry,
         )

@@ -67,7 +67,8 @@ class OrchestratorServer:
             port=settings.port,
             metrics_port=settings.metrics_port,
             registry=self.registry,
-            gate=CallerGate(keys),
+            gate=CallerGate(keys, self.metrics),
+            edge=True,
             tls=settings.server_tls(),
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import pytest_asyncio
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from classify_common.nodes import BATCH_SPAN_NAME, NODES
+from classify_common.tracing import SPANS_DROPPED_TOTAL
 from tests.conftest import STRIKER, ServerProcess, closed_port
+
+CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
 
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -50,14 +57,20 @@ async def receiver() -> AsyncIterator[tuple[TraceReceiver, int]]:
 
 
 def start_stack(
-    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path, endpoint: str
+    start_process: Callable[..., ServerProcess],
+    model_root: Path,
+    tmp_path: Path,
+    endpoint: str,
+    *extra: str,
 ) -> ServerProcess:
+    """A capability server and an orchestrator, as processes, exporting to `endpoint`;
+    `extra` flags go to both."""
     capability = start_process(
         "capability",
         "--port",
         "0",
         "--metrics-port",
-        "-1",
+        "0",
         "--device",
         "cpu",
         "--model-root",
@@ -70,37 +83,82 @@ def start_stack(
         "topic-static",
         "--otlp-endpoint",
         endpoint,
+        *extra,
     )
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         "version: 1\nbackends:\n"
         f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
-        "routes:\n  - {name: default, backend: static}\n"
+        f"  missing: {{model: no-such-model, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - {name: missing, match: {model: no-such-model}, backend: missing}\n"
+        "  - {name: default, backend: static}\n"
     )
     return start_process(
         "orchestrator",
         "--port",
         "0",
         "--metrics-port",
-        "-1",
+        "0",
         "--routes-file",
         str(routes),
         "--auth",
         "disabled",
         "--otlp-endpoint",
         endpoint,
+        *extra,
     )
 
 
-async def classify(orchestrator: ServerProcess) -> pb.ClassifyResponse:
+async def classify(
+    orchestrator: ServerProcess, text: str = STRIKER, model: str = ""
+) -> pb.ClassifyResponse:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         response: pb.ClassifyResponse = await classify_service_pb2_grpc.ClassifyServiceStub(
             channel
-        ).Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+        ).Classify(pb.ClassifyRequest(text=text, model=model), timeout=30)
         return response
 
 
-async def test_both_processes_export_one_trace_with_the_parent_link(
+async def failed_call_trace_id(
+    orchestrator: ServerProcess, text: str = STRIKER, model: str = ""
+) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await classify(orchestrator, text, model)
+    return str(dict(caught.value.trailing_metadata() or ())["x-trace-id"])
+
+
+def spans_of(
+    collected: TraceReceiver, trace_id: str, service: str | None = None
+) -> list[trace_pb2.Span]:
+    return [
+        span
+        for name, span in collected.spans
+        if span.trace_id.hex() == trace_id and service in (None, name)
+    ]
+
+
+async def wait_for_spans(collected: TraceReceiver, trace_id: str, count: int) -> None:
+    for _ in range(300):  # exported in batches about every second
+        if len(spans_of(collected, trace_id)) >= count:
+            return
+        await asyncio.sleep(0.05)
+
+
+def scrape(process: ServerProcess, name: str, **labels: str) -> float:
+    """Sum of metric `name`'s samples with `labels`, read from the process's /metrics."""
+    url = f"http://127.0.0.1:{process.ready['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as page:
+        text = page.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     receiver: tuple[TraceReceiver, int],
     start_process: Callable[..., ServerProcess],
     model_root: Path,
@@ -109,23 +167,57 @@ async def test_both_processes_export_one_trace_with_the_parent_link(
     collected, port = receiver
     orchestrator = start_stack(start_process, model_root, tmp_path, f"127.0.0.1:{port}")
     response = await classify(orchestrator)
+    await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
 
-    def spans_of(service: str) -> list[trace_pb2.Span]:
-        return [
-            s
-            for name, s in collected.spans
-            if name == service and s.trace_id.hex() == response.trace_id
-        ]
-
-    for _ in range(300):  # exported in batches about every second
-        if spans_of("orchestrator") and spans_of("capability"):
-            break
-        await asyncio.sleep(0.05)
-    (front,) = spans_of("orchestrator")
-    (back,) = spans_of("capability")
-    assert front.name == back.name == "ai.classify.v1.ClassifyService/Classify"
-    assert back.parent_span_id == front.span_id
+    front_spans = spans_of(collected, response.trace_id, "orchestrator")
+    back_spans = spans_of(collected, response.trace_id, "capability")
+    assert sorted(s.name for s in front_spans) == sorted(
+        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "orchestrator")]
+    )
+    assert sorted(s.name for s in back_spans) == sorted(
+        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "capability")]
+    )
+    (front,) = [s for s in front_spans if s.name == CLASSIFY_SPAN]
+    (back,) = [s for s in back_spans if s.name == CLASSIFY_SPAN]
+    (upstream,) = [s for s in front_spans if s.name == "upstream_call"]
     assert front.kind == back.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert upstream.kind == trace_pb2.Span.SPAN_KIND_CLIENT
+    assert not front.parent_span_id
+    assert back.parent_span_id == upstream.span_id  # across the wire
+    assert all(s.parent_span_id == front.span_id for s in front_spans if s is not front)
+    assert all(s.parent_span_id == back.span_id for s in back_spans if s is not back)
+    (assemble,) = [s for s in back_spans if s.name == "batch_assemble"]
+    (link,) = assemble.links
+    batch = [span for _, span in collected.spans if span.span_id == link.span_id]
+    assert [span.name for span in batch] == [BATCH_SPAN_NAME]
+
+
+async def test_with_sampling_off_only_errors_are_exported(
+    receiver: tuple[TraceReceiver, int],
+    start_process: Callable[..., ServerProcess],
+    model_root: Path,
+    tmp_path: Path,
+) -> None:
+    collected, port = receiver
+    orchestrator = start_stack(
+        start_process, model_root, tmp_path, f"127.0.0.1:{port}", "--trace-sample-ratio", "0"
+    )
+    good = await classify(orchestrator)
+    invalid = await failed_call_trace_id(orchestrator, text="")
+    # Refused by the capability server: both processes keep their part.
+    missing = await failed_call_trace_id(orchestrator, model="no-such-model")
+    await wait_for_spans(collected, invalid, 6)
+    await wait_for_spans(collected, missing, 10)
+
+    invalid_spans = spans_of(collected, invalid)
+    assert {s.name for s in invalid_spans} >= {"grpc_receive", "input_validate", "response_send"}
+    assert {name for name, s in collected.spans if s.trace_id.hex() == missing} == {
+        "orchestrator",
+        "capability",
+    }
+    # Wait one more export round: the good request's spans never come.
+    await asyncio.sleep(1.5)
+    assert spans_of(collected, good.trace_id) == []
 
 
 async def test_requests_succeed_while_the_collector_is_unreachable(
@@ -135,3 +227,11 @@ async def test_requests_succeed_while_the_collector_is_unreachable(
     for _ in range(3):
         response = await classify(orchestrator)
         assert response.labels[0].name == "sports"
+    # The lost spans are counted once the exporter gives up on its batch.
+    for _ in range(300):
+        if scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") > 0:
+            break
+        await asyncio.sleep(0.1)
+    assert scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") >= 3 * (
+        len([n for n in NODES if n.service == "orchestrator"]) + 1
+    )

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -29,6 +30,7 @@ from typing import Generic, TypeVar
 from capability.batching.settings import BatchingSettings
 from capability.model import EncodedText
 from classify_common.errors import ExpiredInQueue, QueueFull
+from classify_common.nodes import RequestTrace
 
 # Lower sorts first: interactive before batch.
 PRIORITY_INTERACTIVE = 0
@@ -52,6 +54,10 @@ class PendingRequest(Generic[ResultT]):
     # Admission order, so ties in `enqueued_at` still resolve first-come first-served.
     sequence: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # The request's trace, for the nodes its batch records, and when it was admitted
+    # (epoch ns, the clock spans use).
+    trace: RequestTrace | None = field(default=None, repr=False)
+    admitted_ns: int = 0
 
 
 class RequestQueue(Generic[ResultT]):
@@ -87,6 +93,7 @@ class RequestQueue(Generic[ResultT]):
         priority: int,
         request_id: str,
         deadline: float | None,
+        trace: RequestTrace | None = None,
     ) -> asyncio.Future[ResultT]:
         """Queue one text and return the future of its result, or raise QueueFull."""
         if self._size >= self.settings.queue_capacity:
@@ -105,6 +112,8 @@ class RequestQueue(Generic[ResultT]):
             deadline=deadline,
             future=loop.create_future(),
             sequence=next(self._sequence),
+            trace=trace,
+            admitted_ns=time.time_ns(),
         )
         if deadline is not None:
             request.timer = loop.call_at(deadline, self._evict, request)

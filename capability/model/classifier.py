@@ -20,6 +20,7 @@ from torch import Tensor
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
 from capability.model.heads import ClassifierHead
+from capability.model.stages import NoClock, StageClock
 from capability.model.static import StaticEmbeddingEncoder
 from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
 from capability.model.zero_shot import (
@@ -114,13 +115,22 @@ class TextClassifier:
         return self.tokenizer.encode_each(texts, self.token_budget(max_length))
 
     @torch.inference_mode()
-    def run(self, encoded: Sequence[EncodedText]) -> ClassifyBatchResult:
-        """Pad already-tokenized texts to the longest of them and run the model once."""
+    def run(
+        self, encoded: Sequence[EncodedText], clock: StageClock | None = None
+    ) -> ClassifyBatchResult:
+        """Pad already-tokenized texts to the longest of them and run the model once.
+
+        `clock` is marked between the stages (see capability.model.stages.STAGES).
+        """
+        clock = clock or NoClock()
+        clock.mark()
         batch = self.tokenizer.collate(encoded)
-        embeddings = self._embed_batch(batch)  # (B, H) float32
-        probabilities: Tensor = self.head(embeddings)  # (B, L)
+        clock.mark()
+        embeddings = self._embed_batch(batch, clock)  # (B, H) float32
+        probabilities = self.head(embeddings).float().cpu()  # (B, L)
+        clock.mark()
         return ClassifyBatchResult(
-            probabilities=probabilities.float().cpu(),
+            probabilities=probabilities,
             token_counts=batch.lengths,
             truncated=batch.truncated,
         )
@@ -144,15 +154,20 @@ class TextClassifier:
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _embed_batch(self, batch: TokenBatch) -> Tensor:
+    def _embed_batch(self, batch: TokenBatch, clock: StageClock | None = None) -> Tensor:
+        clock = clock or NoClock()
         # An empty request has nothing to run; answering without a forward keeps
         # `forward_count` equal to the passes the model really made.
         if not batch.lengths:
+            clock.mark()
+            clock.mark()
             return torch.empty((0, self.encoder.hidden_size), device=self.device)
         input_ids = batch.input_ids.to(self.device, non_blocking=True)  # (B, T)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)  # (B, T)
+        clock.mark()
         self.forward_count += 1
         embeddings: Tensor = self.encoder(input_ids, attention_mask)  # (B, H) float32
+        clock.mark()
         return embeddings
 
 

@@ -30,6 +30,7 @@ from classify_common.errors import (
     ServerDraining,
     ServiceError,
 )
+from classify_common.nodes import current_trace, node
 
 log = logging.getLogger(__name__)
 
@@ -166,17 +167,36 @@ class WorkerPool:
         replica = self._least_loaded(model)
         replica.begin_arrival()
         try:
-            replica.worker.check_memory(model)
-            encoded = await self._tokenize(replica, text, max_length)
-            future = replica.admit(
-                encoded,
-                priority=PRIORITY_BATCH if priority == PRIORITY_BATCH else PRIORITY_INTERACTIVE,
-                request_id=request_id,
-                deadline=deadline,
-            )
-        except ServiceError as refused:
-            self._metrics.admissions_refused.labels(model, refused.reason).inc()
-            raise
+            with node("tokenize") as span:
+                encoded = await self._tokenize(replica, text, max_length)
+                span.set_attributes(
+                    {"classify.tokens": len(encoded), "classify.truncated": encoded.truncated}
+                )
+            with node("queue_admit", {"classify.worker": replica.worker.name}) as span:
+                span.set_attributes(
+                    {
+                        "classify.queue_depth": len(replica.queue),
+                        "classify.predicted_wait_ms": round(
+                            replica.predicted_wait_seconds(len(encoded)) * 1000, 3
+                        ),
+                    }
+                )
+                try:
+                    replica.worker.check_memory(model)
+                    future = replica.admit(
+                        encoded,
+                        priority=PRIORITY_BATCH
+                        if priority == PRIORITY_BATCH
+                        else PRIORITY_INTERACTIVE,
+                        request_id=request_id,
+                        deadline=deadline,
+                        trace=current_trace(),
+                    )
+                except ServiceError as refused:
+                    span.set_attribute("classify.outcome", refused.reason)
+                    self._metrics.admissions_refused.labels(model, refused.reason).inc()
+                    raise
+                span.set_attribute("classify.outcome", "admitted")
         finally:
             replica.end_arrival()
         return await future

@@ -21,17 +21,22 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from opentelemetry.trace import Link
 
 from capability.batching import BatchingSettings, PendingRequest, RequestQueue, ServiceTimeModel
 from capability.bundle import BundleError, LoadedBundle
 from capability.metrics import CapabilityMetrics
 from capability.model import EncodedText
+from capability.model.stages import StageClock
 from classify_common.errors import (
     DeadlineUnreachable,
     DeviceMemoryPressure,
+    ExpiredInQueue,
     ModelFault,
     ServerDraining,
 )
+from classify_common.nodes import BATCH_SPAN_NAME, RequestTrace, emit_node
+from classify_common.tracing import get_tracer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,15 @@ class BatchOutcome:
     finite_rows: tuple[bool, ...]
     padded_tokens: int
     seconds: float
+    # Epoch ns at the marks between capability.model.stages.STAGES, and their clock.
+    marks_ns: tuple[int, ...]
+    clock: str
+
+
+def padding_ratio(batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:
+    """Share of the batch's token positions that are padding."""
+    real_tokens = sum(len(request.encoded) for request in batch)
+    return 1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
 
 
 class ModelReplica:
@@ -78,9 +92,7 @@ class ModelReplica:
         self.service_time = ServiceTimeModel()
         self._metrics = metrics
         self.queue: RequestQueue[TextResult] = RequestQueue(
-            settings,
-            retry_after=self._predict_drain_seconds,
-            on_evicted=lambda request: metrics.evictions.labels(bundle.name).inc(),
+            settings, retry_after=self._predict_drain_seconds, on_evicted=self._evicted
         )
         self.in_flight = 0
         # Routed here and being tokenized, not yet queued: counted as load so a
@@ -107,6 +119,12 @@ class ModelReplica:
         )
         return max(full_batches * per_batch, 0.001)
 
+    def predicted_wait_seconds(self, tokens: int) -> float:
+        """Time a text admitted now is expected to wait for its answer: the queue
+        ahead of it, then its own batch."""
+        ahead = self._predict_drain_seconds(len(self.queue)) if self.queue else 0.0
+        return ahead + self.predicted_service_seconds(tokens)
+
     def predicted_service_seconds(self, tokens: int) -> float:
         """Time the batch this text would join is expected to take on the device."""
         bucket = self.settings.bucket_of(tokens)
@@ -127,7 +145,13 @@ class ModelReplica:
             self._idle.set()
 
     def admit(
-        self, encoded: EncodedText, *, priority: int, request_id: str, deadline: float | None
+        self,
+        encoded: EncodedText,
+        *,
+        priority: int,
+        request_id: str,
+        deadline: float | None,
+        trace: RequestTrace | None = None,
     ) -> asyncio.Future[TextResult]:
         """Queue a text tokenized by this replica. Requests routed here before a newer
         version took over are still admitted: they finish on the version they started
@@ -145,7 +169,7 @@ class ModelReplica:
                     predicted_ms=round(predicted * 1000),
                 )
         future = self.queue.admit(
-            encoded, priority=priority, request_id=request_id, deadline=deadline
+            encoded, priority=priority, request_id=request_id, deadline=deadline, trace=trace
         )
         self._idle.clear()
         self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
@@ -205,6 +229,7 @@ class ModelReplica:
         try:
             outcome = await self.worker.execute(self._compute, [r.encoded for r in live])
             self._record(live, outcome)
+            self._trace(live, outcome)
             for row, request in enumerate(live):
                 if request.future.done():
                     continue  # the caller went away; the result has no one to go to
@@ -241,15 +266,70 @@ class ModelReplica:
         self._metrics.model_forwards.labels(self.name, worker).inc()
         self._metrics.model_texts.labels(self.name, worker).inc(len(batch))
         self._metrics.batch_size.labels(self.name, worker).observe(len(batch))
-        real_tokens = sum(len(request.encoded) for request in batch)
-        self._metrics.padding_ratio.labels(self.name).observe(
-            1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
+        self._metrics.padding_ratio.labels(self.name).observe(padding_ratio(batch, outcome))
+        self._metrics.worker_busy_seconds.labels(worker).inc(outcome.seconds)
+
+    def _trace(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
+        """The batch's device nodes for every traced request in it, and the batch's own
+        span, which each request's `batch_assemble` links to (and it links back)."""
+        traced = [(request, request.trace) for request in batch if request.trace is not None]
+        if not traced or len(outcome.marks_ns) != 5:
+            return
+        started, assembled, copied, forwarded, done = outcome.marks_ns
+        version = self.bundle.version
+        batch_attributes = {
+            "classify.batch_size": len(batch),
+            "classify.bucket": batch[0].bucket,
+            "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
+        }
+        batch_span = get_tracer().start_span(
+            BATCH_SPAN_NAME,
+            start_time=started,
+            attributes={
+                **batch_attributes,
+                "classify.worker": self.worker.name,
+                "classify.model": self.name,
+                "classify.model_version": version,
+                "classify.clock": outcome.clock,
+            },
+            links=[Link(trace.server_span.get_span_context()) for _, trace in traced],
         )
+        to_batch = [Link(batch_span.get_span_context())]
+        clock = {"classify.clock": outcome.clock}
+        for request, trace in traced:
+            worker = {"classify.worker": self.worker.name}
+            emit_node(trace, "gpu_queue_wait", request.admitted_ns, started, worker)
+            emit_node(trace, "batch_assemble", started, assembled, batch_attributes, to_batch)
+            emit_node(trace, "h2d_copy", assembled, copied, clock)
+            model = {"classify.model": self.name, "classify.model_version": version}
+            emit_node(trace, "cuda_launch", copied, forwarded, {**clock, **model})
+            emit_node(trace, "postprocess", forwarded, done, clock)
+            trace.log_fields.update(
+                model=self.name,
+                model_version=version,
+                worker=self.worker.name,
+                batch_size=len(batch),
+                tokens=len(request.encoded),
+            )
+        batch_span.end(end_time=done)
+
+    def _evicted(self, request: PendingRequest[TextResult]) -> None:
+        self._metrics.evictions.labels(self.name).inc()
+        if request.trace is not None:
+            emit_node(
+                request.trace,
+                "gpu_queue_wait",
+                request.admitted_ns,
+                time.time_ns(),
+                {"classify.worker": self.worker.name, "timeout": True},
+                error=ExpiredInQueue("the deadline passed while the request was queued"),
+            )
 
     def _compute(self, encoded: list[EncodedText]) -> BatchOutcome:
         """On the device thread: one forward pass, timed for the service-time fit."""
+        clock = StageClock(self.worker.device)
         started = time.perf_counter()
-        result = self.bundle.classifier.run(encoded)
+        result = self.bundle.classifier.run(encoded, clock)
         seconds = time.perf_counter() - started
         padded = max(len(text) for text in encoded)
         self.service_time.record(len(encoded), padded, seconds)
@@ -259,6 +339,8 @@ class ModelReplica:
             finite_rows=tuple(bool(ok) for ok in finite.tolist()),
             padded_tokens=padded,
             seconds=seconds,
+            marks_ns=clock.epoch_ns(),
+            clock=clock.kind,
         )
 
     async def wait_idle(self) -> None:

@@ -8,6 +8,8 @@ request that needs it.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -82,6 +84,9 @@ class RouteTable:
     routes: tuple[Route, ...]
     retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
     outlier_ejection: OutlierSettings = field(default_factory=OutlierSettings)
+    # Which edit of the routes file this is: the first 12 hex digits of its SHA-256
+    # ("" when built from a document, not a file). Traces name it on `route_match`.
+    rules_version: str = ""
 
     @property
     def default_route(self) -> Route:
@@ -408,8 +413,10 @@ def load_routes(path: Path) -> RouteTable:
     except yaml.YAMLError as exc:
         raise RoutesFileError("", f"not valid YAML: {exc}", file=str(path)) from exc
     try:
-        return parse_routes(document)
+        table = parse_routes(document)
     except RoutesFileError as exc:
         node = yaml.compose(text)
         line = _line_of(exc.where, _line_index(node)) if node is not None else None
         raise RoutesFileError(exc.where, exc.problem, file=str(path), line=line) from None
+    rules_version = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return dataclasses.replace(table, rules_version=rules_version)

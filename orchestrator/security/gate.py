@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 
 from classify_common.errors import RateLimited, Unauthenticated
+from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.security.keys import ApiKeys, Caller
 from orchestrator.security.limits import TenantRateLimits
 
@@ -28,29 +29,43 @@ def current_caller() -> Caller:
 
 
 class CallerGate:
-    def __init__(self, keys: ApiKeys | None) -> None:
+    """The interceptor's gate (classify_common.interceptor.Gate) for the front door."""
+
+    def __init__(self, keys: ApiKeys | None, metrics: OrchestratorMetrics) -> None:
         """`keys` None switches authentication off (development only)."""
         self._keys = keys
         self._limits = TenantRateLimits(keys.tenant_limits if keys else {})
+        self._metrics = metrics
 
-    def __call__(self, method: str, metadata: Mapping[str, str]) -> None:
-        caller = self._authenticate(metadata)
+    def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
+        try:
+            caller = self._identify(metadata)
+        except Unauthenticated as refused:
+            self._metrics.auth_failures.labels(refused.context["cause"]).inc()
+            raise
         _caller.set(caller)
-        wait = self._limits.try_acquire(caller.tenant)
-        if wait > 0:
-            raise RateLimited(
-                f"tenant {caller.tenant!r} is over its rate limit",
-                retry_after_seconds=wait,
-                tenant=caller.tenant,
-            )
+        return caller.tenant
 
-    def _authenticate(self, metadata: Mapping[str, str]) -> Caller:
+    def check_rate_limit(self, tenant: str) -> float | None:
+        tokens_left, wait = self._limits.try_acquire(tenant)
+        if wait > 0:
+            self._metrics.rate_limited.labels(tenant).inc()
+            raise RateLimited(
+                f"tenant {tenant!r} is over its rate limit",
+                retry_after_seconds=wait,
+                tenant=tenant,
+            )
+        return tokens_left
+
+    def _identify(self, metadata: Mapping[str, str]) -> Caller:
         if self._keys is None:
             return ANONYMOUS
         header = metadata.get("authorization", "")
         if not header.lower().startswith(BEARER):
-            raise Unauthenticated("send an API key as `authorization: Bearer <key>`")
+            raise Unauthenticated(
+                "send an API key as `authorization: Bearer <key>`", cause="missing_key"
+            )
         caller = self._keys.identify(header[len(BEARER) :].strip())
         if caller is None:
-            raise Unauthenticated("the API key is not valid")
+            raise Unauthenticated("the API key is not valid", cause="unknown_key")
         return caller

@@ -48,7 +48,11 @@ class TenantRateLimits:
         self._clock = clock
         self._buckets = {tenant: _Bucket(s, clock()) for tenant, s in limits.items()}
 
-    def try_acquire(self, tenant: str) -> float:
-        """0 when the call may go ahead, else the seconds to wait before retrying."""
+    def try_acquire(self, tenant: str) -> tuple[float | None, float]:
+        """(tokens left after this call, or None for an unlimited tenant; seconds to wait
+        before retrying, 0 when the call may go ahead)."""
         bucket = self._buckets.get(tenant)
-        return 0.0 if bucket is None else bucket.take(self._clock())
+        if bucket is None:
+            return None, 0.0
+        wait = bucket.take(self._clock())
+        return bucket.tokens, wait

@@ -8,8 +8,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
@@ -108,27 +106,6 @@ async def test_get_result_answers_not_found_for_unknown_request(
         await orchestrator_stub.GetResult(pb.GetResultRequest(request_id="never-seen"))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert error_reason(caught.value) == "RESULT_NOT_FOUND"
-
-
-async def test_one_trace_spans_orchestrator_and_capability(
-    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
-    span_exporter: InMemorySpanExporter,
-) -> None:
-    span_exporter.clear()
-    response = await orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER))
-
-    spans = [
-        s
-        for s in span_exporter.get_finished_spans()
-        if s.context is not None and format(s.context.trace_id, "032x") == response.trace_id
-    ]
-    assert [s.name for s in spans] == [CLASSIFY_SPAN, CLASSIFY_SPAN]
-    capability_span, orchestrator_span = spans  # the inner call finishes first
-    assert all(s.kind == SpanKind.SERVER for s in spans)
-    assert orchestrator_span.parent is None
-    assert capability_span.parent is not None
-    assert orchestrator_span.context is not None
-    assert capability_span.parent.span_id == orchestrator_span.context.span_id
 
 
 async def test_client_traceparent_is_continued(

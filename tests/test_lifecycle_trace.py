@@ -1,0 +1,277 @@
+"""Every request's trace has the 17 lifecycle nodes, once per attempt, under the right
+parents, through a real orchestrator and a real capability server (in-process, with
+an in-memory exporter; tests/test_trace_export.py covers OTLP across processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import Sequence
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.metrics import NODE_DURATION_SECONDS
+from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
+from orchestrator.server import OrchestratorServer
+from tests.capability.test_serving import device_occupied
+from tests.conftest import STRIKER, closed_port, metric_sum
+from tests.orchestrator.test_policy import StartOrchestrator, orchestrator_with  # noqa: F401
+
+CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
+ORCHESTRATOR_NODES = [n.name for n in NODES if n.service == "orchestrator"]
+CAPABILITY_NODES = [n.name for n in NODES if n.service == "capability"]
+ATTEMPT_NODES = NODE_NAMES[5:15]  # backend_select .. postprocess
+
+
+def trace_spans(exporter: InMemorySpanExporter, trace_id: str) -> list[ReadableSpan]:
+    return [
+        s
+        for s in exporter.get_finished_spans()
+        if s.context is not None and format(s.context.trace_id, "032x") == trace_id
+    ]
+
+
+async def settled_trace(
+    exporter: InMemorySpanExporter, trace_id: str, count: int
+) -> list[ReadableSpan]:
+    """The trace's spans once `count` have ended (server spans end after the answer)."""
+    for _ in range(400):
+        spans = trace_spans(exporter, trace_id)
+        if len(spans) >= count:
+            return spans
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(trace_spans(exporter, trace_id))} spans, expected {count}")
+
+
+def span_id(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.span_id)
+
+
+def attempt_of(span: ReadableSpan) -> int:
+    attempt = dict(span.attributes or {})["classify.attempt"]
+    assert isinstance(attempt, int)
+    return attempt
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return None if span.parent is None else span.parent.span_id
+
+
+def only(spans: Sequence[ReadableSpan], name: str) -> ReadableSpan:
+    (found,) = [s for s in spans if s.name == name]
+    return found
+
+
+def server_spans(spans: Sequence[ReadableSpan]) -> tuple[ReadableSpan, list[ReadableSpan]]:
+    """The orchestrator's server span (the root) and the capability's, one per attempt."""
+    servers = [s for s in spans if s.name == CLASSIFY_SPAN]
+    assert all(s.kind == SpanKind.SERVER for s in servers)
+    (front,) = [s for s in servers if s.parent is None]
+    return front, [s for s in servers if s is not front]
+
+
+async def classify(server_port: int, **fields: object) -> pb.ClassifyResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server_port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response: pb.ClassifyResponse = await stub.Classify(
+            pb.ClassifyRequest(**{"text": STRIKER, **fields}),  # type: ignore[arg-type]
+            timeout=30,
+        )
+        return response
+
+
+async def test_a_request_has_every_node_once_under_the_right_parent(
+    orchestrator: OrchestratorServer,
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    before = {
+        name: metric_sum(orchestrator.registry, NODE_DURATION_SECONDS + "_count", node=name)
+        + metric_sum(capability.registry, NODE_DURATION_SECONDS + "_count", node=name)
+        for name in NODE_NAMES
+    }
+    response = await classify(orchestrator.port)
+    # 17 nodes and the two server spans; the batch span has a trace of its own.
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+
+    names = collections.Counter(s.name for s in spans)
+    assert names == collections.Counter([*NODE_NAMES, CLASSIFY_SPAN, CLASSIFY_SPAN])
+    front, (back,) = server_spans(spans)
+    upstream = only(spans, "upstream_call")
+    assert upstream.kind == SpanKind.CLIENT
+    assert parent_id(back) == span_id(upstream)
+    for name in ORCHESTRATOR_NODES:
+        assert parent_id(only(spans, name)) == span_id(front), name
+    for name in CAPABILITY_NODES:
+        assert parent_id(only(spans, name)) == span_id(back), name
+
+    attributes = {s.name: dict(s.attributes or {}) for s in spans if s.name in NODE_NAMES}
+    assert attributes["grpc_receive"]["rpc.method"] == "/" + CLASSIFY_SPAN
+    assert attributes["auth_validate"]["classify.outcome"] == "ok"
+    assert attributes["input_validate"]["classify.violations"] == 0
+    assert attributes["route_match"]["classify.route"] == "default"
+    assert attributes["route_match"]["classify.rules_version"] == orchestrator.routes.rules_version
+    assert attributes["backend_select"]["classify.replica"] == f"127.0.0.1:{capability.port}"
+    assert attributes["backend_select"]["classify.model_version"] == response.model.version
+    assert attributes["upstream_call"]["classify.attempt"] == 1
+    assert attributes["tokenize"]["classify.tokens"] == len(
+        capability.pool.serving("topic-minilm").classifier.tokenize([STRIKER])[0]
+    )
+    assert attributes["queue_admit"]["classify.outcome"] == "admitted"
+    assert attributes["batch_assemble"]["classify.batch_size"] == 1
+    assert attributes["cuda_launch"]["classify.clock"] == "monotonic"
+    assert attributes["response_send"]["rpc.grpc.status_code"] == 0
+    assert all(s.status.status_code != StatusCode.ERROR for s in spans)
+
+    # The device nodes follow each other without a gap: one batch, measured once.
+    device = [only(spans, name) for name in CAPABILITY_NODES[3:]]  # gpu_queue_wait ..
+    for earlier, later in itertools.pairwise(device):
+        assert earlier.end_time == later.start_time
+
+    # The batch span links to the request, and the request's batch_assemble to it.
+    (link,) = only(spans, "batch_assemble").links
+    (batch,) = [s for s in span_exporter.get_finished_spans() if s.context == link.context]
+    assert batch.name == BATCH_SPAN_NAME
+    assert any(batch_link.context == back.context for batch_link in batch.links)
+
+    for name in NODE_NAMES:  # each node's histogram counted this request once
+        after = metric_sum(
+            orchestrator.registry, NODE_DURATION_SECONDS + "_count", node=name
+        ) + metric_sum(capability.registry, NODE_DURATION_SECONDS + "_count", node=name)
+        assert after - before[name] == 1, name
+
+
+async def test_requests_batched_together_link_one_batch_span(
+    orchestrator: OrchestratorServer,
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    (worker,) = capability.pool.workers
+    async with device_occupied(worker):
+        calls = [asyncio.ensure_future(classify(orchestrator.port)) for _ in range(3)]
+        replica = worker.replicas["topic-minilm"]
+        for _ in range(500):
+            if len(replica.queue) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(replica.queue) == 3
+    responses = await asyncio.gather(*calls)
+
+    batches = set()
+    for response in responses:
+        spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+        assemble = only(spans, "batch_assemble")
+        assert dict(assemble.attributes or {})["classify.batch_size"] == 3
+        (link,) = assemble.links
+        batches.add(link.context.span_id)
+    assert len(batches) == 1
+
+
+async def test_retries_and_fallback_are_attempts_with_their_reasons(
+    orchestrator_with: StartOrchestrator,  # noqa: F811
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{closed_port()}"]
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+    retry: {{max_attempts: 2, initial_backoff: 1ms, max_backoff: 5ms}}
+"""
+    )
+    response = await classify(server.port)
+    assert response.fallback
+    # Two failed attempts reach no capability server: 17 + 2 * 2 attempt nodes, 2 servers.
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 4 + 2)
+
+    attempts = sorted((s for s in spans if s.name == "upstream_call"), key=attempt_of)
+    assert [attempt_of(s) for s in attempts] == [1, 2, 3]
+    first, retry, fallback = (dict(s.attributes or {}) for s in attempts)
+    assert [s.status.status_code for s in attempts] == [
+        StatusCode.ERROR,
+        StatusCode.ERROR,
+        StatusCode.UNSET,
+    ]
+    assert first["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert first["classify.backend"] == retry["classify.backend"] == "minilm"
+    assert "classify.retry_reason" not in first
+    assert retry["classify.retry_reason"] == "MODEL_UNAVAILABLE"
+    assert fallback["classify.backend"] == "static"
+    assert fallback["classify.fallback_reason"] == "MODEL_UNAVAILABLE"
+    names = collections.Counter(s.name for s in spans)
+    assert names["backend_select"] == 3
+    assert all(names[name] == 1 for name in CAPABILITY_NODES)
+
+
+async def test_a_request_past_its_budget_is_marked_timeout_and_still_traced(
+    orchestrator_with: StartOrchestrator,  # noqa: F811
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    budget: 1ms
+"""
+    )
+    (worker,) = capability.pool.workers
+    async with device_occupied(worker):  # the model cannot answer within 1 ms
+        response = await classify(server.port)
+    assert response.status == pb.RESULT_STATUS_PROCESSING
+
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+    front, _ = server_spans(spans)
+    assert dict(front.attributes or {})["timeout"] is True
+    upstream = only(spans, "upstream_call")
+    assert dict(upstream.attributes or {})["timeout"] is True
+    assert upstream.status.status_code != StatusCode.ERROR  # it finished, just late
+    assert upstream.end_time is not None
+    assert front.end_time is not None
+    assert upstream.end_time > front.end_time  # exported when the work finished
+
+
+@pytest.mark.parametrize("text", ["", " \n ", "x" * 100_001])
+async def test_an_invalid_request_names_its_violations_on_input_validate(
+    orchestrator: OrchestratorServer, span_exporter: InMemorySpanExporter, text: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await classify(orchestrator.port, text=text)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trace_id = dict(caught.value.trailing_metadata() or ())["x-trace-id"]
+    spans = await settled_trace(span_exporter, trace_id, 6)
+    assert [s.name for s in spans if s.name in NODE_NAMES] == [
+        "grpc_receive",
+        "auth_validate",
+        "rate_limit_check",
+        "input_validate",
+        "response_send",
+    ]
+    validate = only(spans, "input_validate")
+    assert validate.status.status_code == StatusCode.ERROR
+    assert dict(validate.attributes or {})["classify.violation_fields"] == ("text",)
+    front, _ = server_spans(spans)
+    assert dict(front.attributes or {})["rpc.grpc.status_code"] == 3
