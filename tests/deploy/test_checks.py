@@ -1,0 +1,165 @@
+"""`make lint-deploy` passes on deploy/, and each of its checks catches a planted fault.
+
+Each fault test copies deploy/ to a temporary folder, plants one fault, and runs
+the checker on the copy: through `make lint-deploy DEPLOY_DIR=...` once (the
+path CI takes), and one check at a time for the rest, so the suite stays quick.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.manifests import DEPLOY_DIR, REPO_ROOT
+
+PROMTOOL = REPO_ROOT / "build" / "tools" / "promtool"
+
+
+def run_make(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def run_check(deploy_dir: Path, only: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "tools/deploy_check.py", "check", "--deploy-dir", str(deploy_dir)]
+    return subprocess.run(
+        [*command, "--promtool", str(PROMTOOL), "--only", only],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def deploy_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY_DIR, copy)
+    return copy
+
+
+def plant(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"the fault cannot be planted: {old!r} is not in {path.name}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_make_lint_deploy_passes_on_the_deploy_files() -> None:
+    result = run_make("lint-deploy")
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ("hadolint", "compose", "k8s", "prometheus", "grafana", "routes", "yaml"):
+        assert f"{check}: ok" in result.stdout
+
+
+def test_make_lint_deploy_fails_on_an_unpinned_base_image(deploy_copy: Path) -> None:
+    plant(
+        deploy_copy / "docker" / "orchestrator.Dockerfile",
+        "FROM ${PYTHON_IMAGE} AS build",
+        "FROM python:latest AS build",
+    )
+
+    result = run_make("lint-deploy", f"DEPLOY_DIR={deploy_copy}")
+
+    assert result.returncode != 0
+    assert "DL3007" in result.stderr  # "Using latest is prone to errors"
+    assert "hadolint: FAILED" in result.stdout
+    assert "k8s: ok" in result.stdout  # the other checks still ran
+
+
+@pytest.mark.parametrize(
+    ("check", "file", "old", "new", "reported"),
+    [
+        pytest.param(
+            "k8s",
+            "k8s/capability.yaml",
+            "replicas: 2",
+            'replicas: "two"',
+            "replicas",
+            id="k8s-wrong-field-type",
+        ),
+        pytest.param(
+            "k8s",
+            "k8s/orchestrator.yaml",
+            "terminationGracePeriodSeconds: 30",
+            "terminationGracePeriodSecond: 30",
+            "terminationGracePeriodSecond",
+            id="k8s-unknown-field",
+        ),
+        pytest.param(
+            "compose",
+            "compose.yaml",
+            "stop_grace_period: 20s\n    restart: unless-stopped",
+            "stop_grace_perod: 20s\n    restart: unless-stopped",
+            "stop_grace_perod",
+            id="compose-unknown-key",
+        ),
+        pytest.param(
+            "compose",
+            "compose.yaml",
+            "      prometheus:\n        condition: service_started",
+            "      prometheus-typo:\n        condition: service_started",
+            "no service 'prometheus-typo'",
+            id="compose-missing-dependency",
+        ),
+        pytest.param(
+            "prometheus",
+            "prometheus/rules/classify.yml",
+            "expr: classify:fallback_ratio:rate5m > 0.05",
+            "expr: classify:fallback_ratio:rate5m > 0.5",
+            "ClassifyFallbackRateSpike",
+            id="alert-threshold-its-test-pins",
+        ),
+        pytest.param(
+            "prometheus",
+            "prometheus/rules/classify.yml",
+            "expr: up{job=~",
+            "expr: up{job=~~",
+            "classify.yml",
+            id="promql-syntax",
+        ),
+        pytest.param(
+            "routes",
+            "k8s/orchestrator-routes.yaml",
+            "fallback: [topic-static]",
+            "fallback: [topic-statik]",
+            "unknown backend 'topic-statik'",
+            id="configmap-routes-unknown-backend",
+        ),
+        pytest.param(
+            "grafana",
+            "grafana/provisioning/datasources/datasources.yaml",
+            "uid: prometheus",
+            "uid: prom",
+            "datasource uid 'prometheus' is not provisioned",
+            id="dashboard-datasource-not-provisioned",
+        ),
+        pytest.param(
+            "yaml",
+            "k8s/namespace.yaml",
+            "  name: classify",
+            "  name: classify\n  name: classify",
+            "duplication of key",
+            id="yaml-duplicate-key",
+        ),
+    ],
+)
+def test_check_fails_on_a_planted_fault(
+    deploy_copy: Path, check: str, file: str, old: str, new: str, reported: str
+) -> None:
+    plant(deploy_copy / file, old, new)
+
+    result = run_check(deploy_copy, check)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{check}: FAILED" in result.stdout
+    assert reported in result.stdout + result.stderr

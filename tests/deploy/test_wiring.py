@@ -1,0 +1,553 @@
+"""The deploy files are wired to the code as it is: ports, flags, probes, routes, metrics.
+
+No container engine or cluster runs here, so these tests read the compose
+file, the Kubernetes manifests, the Dockerfiles, the Prometheus rules and the
+Grafana dashboard, and check them against the servers' own settings parsers,
+defaults, route loader and metric names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+import capability.config as capability_config
+import capability.metrics as capability_metrics
+import classify_common.metrics as common_metrics
+import classify_common.tracing as common_tracing
+import orchestrator.config as orchestrator_config
+import orchestrator.metrics as orchestrator_metrics
+from capability.config import CapabilitySettings
+from orchestrator.config import OrchestratorSettings
+from orchestrator.routing import load_routes
+from tests.deploy.manifests import (
+    DEPLOY_DIR,
+    DOCKER_DIR,
+    compose_services,
+    container,
+    container_port,
+    env_values,
+    final_stage,
+    interpolate,
+    k8s_resource,
+    k8s_resources,
+    parse_duration_seconds,
+)
+from tools import make_credentials
+
+NAMESPACE = "classify"
+JAEGER_OTLP_GRPC_PORT = 4317
+HEALTH_CHECK_SCRIPT = "/app/grpc_health_check.py"
+# Metric names the rules and dashboard use that the observability work is adding
+# to the code right now. Once each is a committed module constant (the test below
+# finds those by itself), drop it from here; any other unknown name fails.
+PENDING_METRIC_NAMES = {
+    "classify_node_duration_seconds",
+    "classify_trace_spans_dropped_total",
+    "classify_rate_limited_total",
+    "classify_auth_failures_total",
+    "classify_worker_busy_seconds_total",
+}
+LIFECYCLE_NODES = {
+    "grpc_receive", "auth_validate", "rate_limit_check", "input_validate", "route_match",
+    "backend_select", "upstream_call", "capability_receive", "tokenize", "queue_admit",
+    "gpu_queue_wait", "batch_assemble", "h2d_copy", "cuda_launch", "postprocess",
+    "output_serialize", "response_send",
+}  # fmt: skip
+
+
+class RecordingEnviron(dict[str, str]):
+    """An environment that remembers which variables the settings parser asked for."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        super().__init__(values)
+        self.asked: set[str] = set()
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.asked.add(key)
+        return super().__contains__(key)
+
+
+def capability_settings(environ: Mapping[str, str]) -> CapabilitySettings:
+    """Parse a deployment's environment as the server does; every variable must be known."""
+    recorded = RecordingEnviron(environ)
+    settings = CapabilitySettings.from_args([], environ=recorded)
+    unknown = {name for name in environ if name.startswith("CAPABILITY_")} - recorded.asked
+    assert not unknown, f"the capability server reads no {sorted(unknown)}"
+    return settings
+
+
+def orchestrator_settings(environ: Mapping[str, str]) -> OrchestratorSettings:
+    recorded = RecordingEnviron(environ)
+    settings = OrchestratorSettings.from_args([], environ=recorded)
+    unknown = {name for name in environ if name.startswith("ORCHESTRATOR_")} - recorded.asked
+    assert not unknown, f"the orchestrator reads no {sorted(unknown)}"
+    return settings
+
+
+# --- compose ------------------------------------------------------------------------
+
+CAPABILITY_GPU_SERVICES = ("capability-1", "capability-2")
+CAPABILITY_CPU_SERVICES = ("capability-cpu-1", "capability-cpu-2")
+SERVER_SERVICES = ["orchestrator", *CAPABILITY_GPU_SERVICES, *CAPABILITY_CPU_SERVICES]
+
+
+def compose_environment(service: str) -> dict[str, str]:
+    spec = compose_services()[service]
+    return {name: interpolate(str(value)) for name, value in spec["environment"].items()}
+
+
+def mount_target(volume: str) -> tuple[str, str]:
+    source, target = volume.split(":")[:2]
+    return source, target
+
+
+def network_names(service: str) -> set[str]:
+    """The names other containers reach a service by: its own and its aliases."""
+    spec = compose_services()[service]
+    aliases = (spec.get("networks") or {}).get("default", {}) or {}
+    return {service, *aliases.get("aliases", [])}
+
+
+@pytest.mark.parametrize("service", [*CAPABILITY_GPU_SERVICES, *CAPABILITY_CPU_SERVICES])
+def test_compose_capability_settings_parse_and_use_the_default_ports(service: str) -> None:
+    settings = capability_settings(compose_environment(service))
+
+    assert settings.host == "0.0.0.0"
+    assert settings.port == capability_config.DEFAULT_PORT
+    assert settings.metrics_port == capability_config.DEFAULT_METRICS_PORT
+    healthcheck = compose_services()[service]["healthcheck"]["test"]
+    assert HEALTH_CHECK_SCRIPT in healthcheck
+    assert healthcheck[healthcheck.index("--port") + 1] == str(capability_config.DEFAULT_PORT)
+
+
+def test_compose_orchestrator_settings_parse_and_publish_the_default_port() -> None:
+    settings = orchestrator_settings(compose_environment("orchestrator"))
+    spec = compose_services()["orchestrator"]
+
+    assert settings.host == "0.0.0.0"
+    assert settings.port == orchestrator_config.DEFAULT_PORT
+    assert settings.metrics_port == orchestrator_config.DEFAULT_METRICS_PORT
+    assert settings.auth == "required"
+    assert spec["ports"] == [f"127.0.0.1:{settings.port}:{settings.port}"]
+    healthcheck = spec["healthcheck"]["test"]
+    assert HEALTH_CHECK_SCRIPT in healthcheck
+    assert healthcheck[healthcheck.index("--port") + 1] == str(orchestrator_config.DEFAULT_PORT)
+
+
+@pytest.mark.parametrize("service", SERVER_SERVICES)
+def test_compose_otlp_endpoint_is_jaegers_grpc_port(service: str) -> None:
+    environment = compose_environment(service)
+    settings = (
+        orchestrator_settings(environment)
+        if service == "orchestrator"
+        else capability_settings(environment)
+    )
+
+    # host:port, no scheme: what the servers' --otlp-endpoint takes.
+    assert settings.otlp_endpoint == f"jaeger:{JAEGER_OTLP_GRPC_PORT}"
+    assert compose_services()["jaeger"]["image"].startswith("jaegertracing/")
+
+
+def test_compose_routes_folder_is_mounted_so_host_edits_apply() -> None:
+    spec = compose_services()["orchestrator"]
+    settings = orchestrator_settings(compose_environment("orchestrator"))
+    routes_file = PurePosixPath(str(settings.routes_file))
+
+    mounts = dict(mount_target(volume)[::-1] for volume in spec["volumes"])
+    # The folder holding the routes file is the mount, not the file itself.
+    source = mounts[str(routes_file.parent)]
+    host_routes = (DEPLOY_DIR / source / routes_file.name).resolve()
+    assert host_routes.is_file()
+    assert host_routes == (DEPLOY_DIR / "compose" / "routes.yaml").resolve()
+    assert settings.routes_poll_seconds > 0
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_compose_routes_target_the_active_profiles_capability_replicas(profile: str) -> None:
+    table = load_routes(DEPLOY_DIR / "compose" / "routes.yaml")
+    replicas = [name for name in compose_services(profile) if name.startswith("capability")]
+    reachable = {name for service in replicas for name in network_names(service)}
+
+    targets = {target for backend in table.backends.values() for target in backend.targets}
+    assert len(replicas) == 2
+    assert targets == {f"capability-{n}:{capability_config.DEFAULT_PORT}" for n in (1, 2)}
+    assert {target.split(":")[0] for target in targets} <= reachable
+
+
+def test_compose_gpu_replicas_each_reserve_their_own_gpu() -> None:
+    device_ids = []
+    for service in CAPABILITY_GPU_SERVICES:
+        spec = compose_services()[service]
+        (device,) = spec["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia"
+        assert device["capabilities"] == ["gpu"]
+        assert "count" not in device  # count: 1 would put both on the first GPU
+        device_ids += [interpolate(d) for d in device["device_ids"]]
+        assert spec["profiles"] == ["gpu"]
+    assert device_ids == ["0", "1"]
+
+
+def test_compose_cpu_profile_reserves_no_gpu_and_runs_on_the_cpu() -> None:
+    for service in CAPABILITY_CPU_SERVICES:
+        spec = compose_services()[service]
+        assert spec["profiles"] == ["cpu"]
+        assert "deploy" not in spec
+        assert capability_settings(compose_environment(service)).device == "cpu"
+        assert spec["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+
+
+@pytest.mark.parametrize("service", SERVER_SERVICES)
+def test_compose_stop_grace_outlasts_the_servers_drain(service: str) -> None:
+    environment = compose_environment(service)
+    settings = (
+        orchestrator_settings(environment)
+        if service == "orchestrator"
+        else capability_settings(environment)
+    )
+    stop_grace = parse_duration_seconds(compose_services()[service]["stop_grace_period"])
+
+    assert stop_grace > settings.grace_seconds
+
+
+def test_compose_credentials_are_the_files_both_servers_read() -> None:
+    services = compose_services()
+    init = services["credentials"]
+    folder = init["command"][0]
+    assert mount_target(next(v for v in init["volumes"] if v.startswith("credentials:"))) == (
+        "credentials",
+        folder,
+    )
+
+    orchestrator = orchestrator_settings(compose_environment("orchestrator"))
+    capability = capability_settings(compose_environment("capability-1"))
+    credentials = PurePosixPath(folder)
+    assert orchestrator.api_keys_file == Path(credentials / make_credentials.API_KEYS_FILE)
+    assert orchestrator.internal_token_file == Path(
+        credentials / make_credentials.INTERNAL_TOKEN_FILE
+    )
+    assert capability.internal_token_file == orchestrator.internal_token_file
+    for service in ("orchestrator", "capability-1", "capability-cpu-1"):
+        assert f"credentials:{folder}:ro" in services[service]["volumes"]
+        assert services[service]["depends_on"]["credentials"] == {
+            "condition": "service_completed_successfully"
+        }
+
+
+def test_compose_prometheus_scrapes_both_services_on_their_metrics_ports() -> None:
+    config = yaml.safe_load((DEPLOY_DIR / "prometheus" / "prometheus.yml").read_text())
+    jobs = {
+        job["job_name"]: [t for group in job["static_configs"] for t in group["targets"]]
+        for job in config["scrape_configs"]
+    }
+
+    assert jobs == {
+        "orchestrator": [f"orchestrator:{orchestrator_config.DEFAULT_METRICS_PORT}"],
+        "capability": [f"capability-{n}:{capability_config.DEFAULT_METRICS_PORT}" for n in (1, 2)],
+    }
+    assert config["rule_files"] == ["rules/*.yml"]
+    assert "./prometheus:/etc/prometheus:ro" in compose_services()["prometheus"]["volumes"]
+
+
+# --- Dockerfiles -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "port", "metrics_port", "port_env"),
+    [
+        (
+            "capability.Dockerfile",
+            capability_config.DEFAULT_PORT,
+            capability_config.DEFAULT_METRICS_PORT,
+            "CAPABILITY_PORT",
+        ),
+        (
+            "orchestrator.Dockerfile",
+            orchestrator_config.DEFAULT_PORT,
+            orchestrator_config.DEFAULT_METRICS_PORT,
+            "ORCHESTRATOR_PORT",
+        ),
+    ],
+)
+def test_image_runs_unprivileged_exposes_defaults_and_checks_grpc_health(
+    dockerfile: str, port: int, metrics_port: int, port_env: str
+) -> None:
+    stage = final_stage(DOCKER_DIR / dockerfile)
+    arguments = {keyword: [a for k, a in stage if k == keyword] for keyword, _ in stage}
+
+    assert arguments["EXPOSE"] == [f"{port} {metrics_port}"]
+    assert arguments["USER"] == ["10001:10001"]
+    (healthcheck,) = arguments["HEALTHCHECK"]
+    assert HEALTH_CHECK_SCRIPT in healthcheck
+    assert f'"--port-env", "{port_env}", "--port", "{port}"' in healthcheck
+    assert f"{port_env}={port}" in " ".join(arguments["ENV"])
+    # Nothing that compiles or installs reaches the final stage.
+    assert not any("pip install" in a or "apt-get install" in a for a in arguments.get("RUN", []))
+
+
+def test_capability_image_labels_model_weights_and_cuda() -> None:
+    (labels,) = [a for k, a in final_stage(DOCKER_DIR / "capability.Dockerfile") if k == "LABEL"]
+
+    for label in ("ai.classify.model", "ai.classify.weights.sha256", "ai.classify.cuda.version"):
+        assert f"{label}=" in labels
+
+
+# --- Kubernetes --------------------------------------------------------------------------
+
+
+def resolve_env(resource_env: Mapping[str, Any]) -> dict[str, str]:
+    """Container env with configMapKeyRef values read from the ConfigMaps here."""
+    resolved = {}
+    for name, value in resource_env.items():
+        if isinstance(value, dict):
+            ref = value["configMapKeyRef"]
+            value = k8s_resource("ConfigMap", ref["name"])["data"][ref["key"]]
+        resolved[name] = str(value)
+    return resolved
+
+
+def capability_pod() -> tuple[dict[str, Any], dict[str, Any]]:
+    deployment = k8s_resource("Deployment", "capability")
+    return deployment, container(deployment, "capability")
+
+
+def orchestrator_pod() -> tuple[dict[str, Any], dict[str, Any]]:
+    deployment = k8s_resource("Deployment", "orchestrator")
+    return deployment, container(deployment, "orchestrator")
+
+
+def test_every_k8s_resource_is_in_the_classify_namespace() -> None:
+    for resource in k8s_resources():
+        if resource["kind"] == "Namespace" or resource["metadata"]["name"] == "prometheus-adapter":
+            continue
+        assert resource["metadata"]["namespace"] == NAMESPACE, resource["metadata"]["name"]
+
+
+@pytest.mark.parametrize("pod", [capability_pod, orchestrator_pod])
+def test_k8s_probes_are_grpc_health_on_the_default_grpc_port(pod: Any) -> None:
+    _, spec = pod()
+    environment = resolve_env(env_values(spec))
+    is_capability = spec["name"] == "capability"
+    settings = (
+        capability_settings(environment) if is_capability else orchestrator_settings(environment)
+    )
+    default = capability_config if is_capability else orchestrator_config
+
+    assert settings.port == default.DEFAULT_PORT == container_port(spec, "grpc")
+    assert settings.metrics_port == default.DEFAULT_METRICS_PORT == container_port(spec, "metrics")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert spec[probe]["grpc"] == {"port": default.DEFAULT_PORT}, probe
+
+
+@pytest.mark.parametrize("pod", [capability_pod, orchestrator_pod])
+def test_k8s_termination_grace_outlasts_prestop_and_drain(pod: Any) -> None:
+    deployment, spec = pod()
+    environment = resolve_env(env_values(spec))
+    grace = (
+        capability_settings(environment)
+        if spec["name"] == "capability"
+        else orchestrator_settings(environment)
+    ).grace_seconds
+    pre_stop = spec["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
+        pre_stop + grace
+    )
+
+
+def test_k8s_routes_configmap_is_mounted_as_a_folder_holding_the_routes_file() -> None:
+    deployment, spec = orchestrator_pod()
+    settings = orchestrator_settings(resolve_env(env_values(spec)))
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    (mount,) = [
+        m
+        for m in spec["volumeMounts"]
+        if "configMap" in volumes[m["name"]]
+        and volumes[m["name"]]["configMap"]["name"] == "classify-routes"
+    ]
+
+    assert "subPath" not in mount  # a subPath mount never sees the ..data swap
+    assert PurePosixPath(str(settings.routes_file)).parent == PurePosixPath(mount["mountPath"])
+    key = PurePosixPath(str(settings.routes_file)).name
+    assert key in k8s_resource("ConfigMap", "classify-routes")["data"]
+    assert "items" not in volumes[mount["name"]]["configMap"]
+
+
+def test_k8s_routes_target_the_capability_headless_service(tmp_path: Path) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(k8s_resource("ConfigMap", "classify-routes")["data"]["routes.yaml"])
+    service = k8s_resource("Service", "capability")
+    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+
+    table = load_routes(routes)
+
+    expected = f"dns:///capability.{NAMESPACE}.svc.cluster.local:{capability_config.DEFAULT_PORT}"
+    assert {t for b in table.backends.values() for t in b.targets} == {expected}
+    assert service["spec"]["clusterIP"] == "None"
+    assert grpc_port["port"] == capability_config.DEFAULT_PORT
+    assert (
+        service["spec"]["selector"]
+        == (k8s_resource("Deployment", "capability")["spec"]["selector"]["matchLabels"])
+    )
+
+
+def test_k8s_secrets_are_mounted_where_the_flags_point() -> None:
+    for deployment, spec in (capability_pod(), orchestrator_pod()):
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        mounted = {
+            volumes[m["name"]]["secret"]["secretName"]: PurePosixPath(m["mountPath"])
+            for m in spec["volumeMounts"]
+            if "secret" in volumes[m["name"]]
+        }
+        environment = resolve_env(env_values(spec))
+        files = {
+            "classify-internal-token": make_credentials.INTERNAL_TOKEN_FILE,
+            "classify-api-keys": make_credentials.API_KEYS_FILE,
+        }
+        for variable, value in environment.items():
+            if variable.endswith(("_API_KEYS_FILE", "_INTERNAL_TOKEN_FILE")):
+                path = PurePosixPath(value)
+                secret = next(name for name, folder in mounted.items() if path.parent == folder)
+                assert path.name == files[secret], variable
+    assert orchestrator_settings(resolve_env(env_values(orchestrator_pod()[1]))).auth == "required"
+
+
+def test_k8s_capability_pod_takes_one_gpu_of_a_selected_model() -> None:
+    deployment, spec = capability_pod()
+    pod = deployment["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+    assert spec["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
+    assert expression["key"] == "nvidia.com/gpu.product"
+    assert expression["values"]
+    assert (
+        k8s_resource("PodDisruptionBudget", "capability")["spec"]["selector"]
+        == (deployment["spec"]["selector"])
+    )
+
+
+def test_k8s_otlp_endpoint_comes_from_the_telemetry_configmap() -> None:
+    for _, spec in (capability_pod(), orchestrator_pod()):
+        reference = env_values(spec)[spec["name"].upper() + "_OTLP_ENDPOINT"]
+        assert reference["configMapKeyRef"]["name"] == "classify-telemetry"
+        endpoint = resolve_env({"x": reference})["x"]
+        assert re.fullmatch(r"[a-z0-9.-]+:4317", endpoint), endpoint
+
+
+def test_k8s_only_the_orchestrator_reaches_capability_grpc() -> None:
+    policy = k8s_resource("NetworkPolicy", "capability")
+    capability_labels = k8s_resource("Deployment", "capability")["spec"]["selector"]
+    orchestrator_labels = k8s_resource("Deployment", "orchestrator")["spec"]["selector"]
+    default_deny = k8s_resource("NetworkPolicy", "default-deny")
+
+    assert default_deny["spec"]["podSelector"] == {}
+    assert set(default_deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert policy["spec"]["podSelector"] == capability_labels
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in policy["spec"]["ingress"]}
+    assert by_port[capability_config.DEFAULT_PORT] == [{"podSelector": orchestrator_labels}]
+    metrics_from = by_port[capability_config.DEFAULT_METRICS_PORT]
+    assert all("namespaceSelector" in peer for peer in metrics_from)
+    assert set(by_port) == {capability_config.DEFAULT_PORT, capability_config.DEFAULT_METRICS_PORT}
+
+
+def test_k8s_autoscaling_uses_custom_metrics_the_adapter_serves() -> None:
+    hpa = k8s_resource("HorizontalPodAutoscaler", "capability")
+    adapter = yaml.safe_load(k8s_resource("ConfigMap", "prometheus-adapter")["data"]["config.yaml"])
+    served = {rule["name"]["as"] for rule in adapter["rules"]}
+
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "capability"
+    assert {metric["type"] for metric in hpa["spec"]["metrics"]} == {"Pods"}  # not Resource/CPU
+    assert {metric["pods"]["metric"]["name"] for metric in hpa["spec"]["metrics"]} == served
+
+
+def test_k8s_pods_are_annotated_for_scraping_on_the_metrics_port() -> None:
+    for deployment, spec in (capability_pod(), orchestrator_pod()):
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == container_port(spec, "metrics")
+
+
+def test_kustomization_lists_every_manifest_in_its_folder() -> None:
+    kustomization = yaml.safe_load((DEPLOY_DIR / "k8s" / "kustomization.yaml").read_text())
+    manifests = {
+        path.name
+        for path in (DEPLOY_DIR / "k8s").glob("*.yaml")
+        if path.name != "kustomization.yaml"
+    }
+
+    assert set(kustomization["resources"]) == manifests
+
+
+# --- metrics used by rules, dashboard and autoscaler -----------------------------------
+
+
+def exported_metric_names() -> set[str]:
+    """Every metric name the code declares as a module constant."""
+    modules = (common_metrics, common_tracing, capability_metrics, orchestrator_metrics)
+    return {
+        value
+        for module in modules
+        for name, value in vars(module).items()
+        if name.isupper() and isinstance(value, str) and re.fullmatch(r"[a-z_]+_[a-z_]+", value)
+    }
+
+
+def used_metric_names(text: str) -> set[str]:
+    names = set(re.findall(r"\b(?:classify_[a-z0-9_]+|model_fallback_total)\b", text))
+    return {re.sub(r"_(bucket|count|sum)$", "", name) for name in names}
+
+
+def monitoring_texts() -> dict[str, str]:
+    """The PromQL of each file that queries metrics: rules, dashboard, adapter rules."""
+    texts = {}
+    for path in (DEPLOY_DIR / "prometheus" / "rules").glob("*.yml"):
+        groups = yaml.safe_load(path.read_text())["groups"]
+        texts[path.name] = "\n".join(rule["expr"] for group in groups for rule in group["rules"])
+    for path in (DEPLOY_DIR / "grafana" / "dashboards").glob("*.json"):
+        panels = json.loads(path.read_text())["panels"]
+        texts[path.name] = "\n".join(t["expr"] for p in panels for t in p.get("targets", []))
+    adapter = yaml.safe_load(k8s_resource("ConfigMap", "prometheus-adapter")["data"]["config.yaml"])
+    texts["prometheus-adapter"] = "\n".join(
+        rule[key] for rule in adapter["rules"] for key in ("seriesQuery", "metricsQuery")
+    )
+    return texts
+
+
+def test_rules_dashboard_and_autoscaler_use_only_metrics_the_code_exports() -> None:
+    known = exported_metric_names() | PENDING_METRIC_NAMES
+    for name, text in monitoring_texts().items():
+        used = used_metric_names(text)
+        assert used, name
+        assert used <= known, f"{name}: unknown metrics {sorted(used - known)}"
+
+
+def test_node_labels_in_rules_and_dashboard_are_lifecycle_nodes() -> None:
+    for name, text in monitoring_texts().items():
+        for match in re.findall(r'node=~?\\?"([a-z0-9_|]+)\\?"', text):
+            assert set(match.split("|")) <= LIFECYCLE_NODES, f"{name}: {match}"
+
+
+def test_lifecycle_nodes_match_the_codes_table() -> None:
+    nodes = pytest.importorskip("classify_common.nodes")
+    assert {node.name for node in nodes.NODES} == LIFECYCLE_NODES
+
+
+def test_dashboard_has_slo_root_cause_and_capacity_views() -> None:
+    dashboard = json.loads((DEPLOY_DIR / "grafana" / "dashboards" / "classify.json").read_text())
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    exprs = " ".join(
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    )
+
+    assert [row.split(":")[0] for row in rows] == ["SLO", "Root cause", "Capacity"]
+    for needed in ("gpu_queue_wait", "cuda_launch", "output_serialize", "classify_queue_depth"):
+        assert needed in exprs

@@ -1,0 +1,1 @@
+"""Scripts for building, checking and running the project (run them as `python tools/NAME.py`)."""
