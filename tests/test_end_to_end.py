@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from classify_common.nodes import NODES
 from orchestrator.security import hash_key, new_key
 from tests.conftest import REPO_ROOT, STRIKER, ServerProcess, write_routes
 
@@ -63,7 +66,7 @@ def stack(
     return orchestrator, capability
 
 
-def rpc_log_line(lines: list[dict[str, object]], request_id: str) -> dict[str, object]:
+def rpc_log_line(lines: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
     matches = [
         line
         for line in lines
@@ -100,6 +103,22 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     back = rpc_log_line(capability.read_logs(), "e2e-1")
     assert front["code"] == back["code"] == "OK"
     assert front["trace_id"] == back["trace_id"] == response.trace_id
+
+    # One line per service, with what the call did and where its time went.
+    assert front["route"] == "default"
+    assert (front["model"], front["model_version"]) == ("topic-minilm", response.model.version)
+    assert (front["attempts"], front["fallback"]) == (1, False)
+    # response_send ends after the line is written: it is in the trace and the metric.
+    assert set(front["timings_ms"]) == {
+        n.name for n in NODES if n.service == "orchestrator" and n.name != "response_send"
+    }
+    assert (back["model"], back["batch_size"], back["worker"]) == ("topic-minilm", 1, "cpu:0")
+    assert set(back["timings_ms"]) == {n.name for n in NODES if n.service == "capability"}
+    assert front["duration_ms"] >= front["timings_ms"]["upstream_call"] >= back["duration_ms"]
+    # Neither the text nor the key is ever logged.
+    for line in (front, back):
+        assert "striker" not in json.dumps(line).lower()
+        assert API_KEY not in json.dumps(line)
 
 
 def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]:

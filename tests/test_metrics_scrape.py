@@ -1,0 +1,162 @@
+"""After a burst of traffic, both processes' /metrics move by exactly the right amounts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import (
+    BATCH_PADDING_RATIO,
+    BATCH_SIZE,
+    MODEL_FORWARD_TOTAL,
+    MODEL_TEXTS_TOTAL,
+    QUEUE_DEPTH,
+    WORKER_BUSY_SECONDS_TOTAL,
+)
+from classify_common.metrics import NODE_DURATION_SECONDS, RPC_REQUESTS_TOTAL
+from classify_common.nodes import NODES
+from orchestrator.metrics import REQUEST_DURATION_SECONDS
+from tests.conftest import STRIKER, ServerProcess
+
+CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
+BURST = 24
+# (sample name, its labels) -> value, from one read of /metrics.
+Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape_text(process: ServerProcess, openmetrics: bool = False) -> str:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{process.ready['metrics_port']}/metrics",
+        headers={"Accept": "application/openmetrics-text"} if openmetrics else {},
+    )
+    with urllib.request.urlopen(request, timeout=10) as page:
+        return str(page.read().decode())
+
+
+def samples(process: ServerProcess) -> Scrape:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(scrape_text(process))
+        for sample in family.samples
+    }
+
+
+def value(scrape: Scrape, name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (sample, sample_labels), v in scrape.items()
+        if sample == name and set(labels.items()) <= sample_labels
+    )
+
+
+def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def start_stack(
+    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path
+) -> tuple[ServerProcess, ServerProcess]:
+    capability = start_process(
+        "capability",
+        *("--port", "0", "--metrics-port", "0", "--device", "cpu", "--watch-seconds", "0"),
+        *("--model-root", str(model_root), "--models", "topic-static"),
+        *("--default-model", "topic-static", "--max-wait-ms", "20"),
+    )
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\nbackends:\n"
+        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n  - {name: default, backend: static}\n"
+    )
+    orchestrator = start_process(
+        "orchestrator",
+        *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes)),
+        *("--auth", "disabled"),
+    )
+    return orchestrator, capability
+
+
+async def burst(orchestrator: ServerProcess) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        responses = await asyncio.gather(
+            *(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30) for _ in range(BURST))
+        )
+        assert all(r.labels[0].name == "sports" for r in responses)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=""), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_burst_moves_both_endpoints_by_the_right_amounts(
+    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path
+) -> None:
+    orchestrator, capability = start_stack(start_process, model_root, tmp_path)
+    front_before, back_before = samples(orchestrator), samples(capability)
+    await burst(orchestrator)
+    await asyncio.sleep(0.2)  # response_send ends when gRPC reports the call done
+    front, back = samples(orchestrator), samples(capability)
+
+    requests = RPC_REQUESTS_TOTAL
+    assert delta(front_before, front, requests, method=CLASSIFY, code="OK") == BURST
+    assert delta(front_before, front, requests, method=CLASSIFY, code="INVALID_ARGUMENT") == 1
+    assert delta(back_before, back, requests, method=CLASSIFY, code="OK") == BURST
+    assert delta(back_before, back, requests, method=CLASSIFY, code="INVALID_ARGUMENT") == 0
+    assert (
+        delta(
+            front_before,
+            front,
+            REQUEST_DURATION_SECONDS + "_count",
+            route="default",
+            model="topic-static",
+            code="OK",
+        )
+        == BURST
+    )
+
+    # Every node once per request; the invalid one stopped at input_validate.
+    for node in NODES:
+        before, after = (
+            (front_before, front) if node.service == "orchestrator" else (back_before, back)
+        )
+        invalid = node.name in {"grpc_receive", "auth_validate", "rate_limit_check"} | {
+            "input_validate",
+            "response_send",
+        }
+        assert delta(before, after, NODE_DURATION_SECONDS + "_count", node=node.name) == (
+            BURST + invalid
+        ), node.name
+
+    # The capability computed every text once, in batches the histograms describe.
+    forwards = delta(back_before, back, MODEL_FORWARD_TOTAL, model="topic-static")
+    assert delta(back_before, back, MODEL_TEXTS_TOTAL, model="topic-static") == BURST
+    assert delta(back_before, back, BATCH_SIZE + "_sum", model="topic-static") == BURST
+    assert delta(back_before, back, BATCH_SIZE + "_count", model="topic-static") == forwards
+    assert delta(back_before, back, BATCH_PADDING_RATIO + "_count", model="topic-static") == (
+        forwards
+    )
+    assert 1 <= forwards <= BURST
+    assert delta(back_before, back, WORKER_BUSY_SECONDS_TOTAL, worker="cpu:0") > 0
+    assert value(back, QUEUE_DEPTH, model="topic-static", worker="cpu:0") == 0
+
+    # Latency buckets carry a trace ID (OpenMetrics exemplars) to jump to the trace.
+    exemplar = re.compile(r'# \{trace_id="[0-9a-f]{32}"\}')
+    for process, metric in (
+        (orchestrator, REQUEST_DURATION_SECONDS),
+        (capability, NODE_DURATION_SECONDS),
+    ):
+        buckets = [
+            line
+            for line in scrape_text(process, openmetrics=True).splitlines()
+            if line.startswith(metric + "_bucket")
+        ]
+        assert any(exemplar.search(line) for line in buckets), metric
