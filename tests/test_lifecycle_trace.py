@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import pytest
@@ -275,3 +277,9 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
     assert dict(validate.attributes or {})["classify.violation_fields"] == ("text",)
     front, _ = server_spans(spans)
     assert dict(front.attributes or {})["rpc.grpc.status_code"] == 3
+
+
+def test_readme_lists_the_nodes_defined_in_code() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (\w+) \|", readme, flags=re.MULTILINE)
+    assert rows == [(str(n.number), n.name, n.service) for n in NODES]
