@@ -29,6 +29,7 @@ from capability.metrics import (
     EVICTIONS_TOTAL,
     MODEL_FORWARD_TOTAL,
     MODEL_TEXTS_TOTAL,
+    WORKER_RESTARTS_TOTAL,
 )
 from capability.model import EncodedText
 from capability.server import CapabilityServer
@@ -303,6 +304,35 @@ async def test_failed_batch_answers_every_waiter_and_the_worker_keeps_serving(
     async with classify_stub(server) as stub:
         response = await stub.Classify(pb.ClassifyRequest(text=TEXTS[0]))
     assert response.labels[0].name == "sports"
+
+
+async def test_crashed_batching_loop_restarts_and_serves_what_was_queued(
+    start_capability: StartCapability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    forming = replica.queue.next_batch
+    crashes = 0
+
+    async def crash_once() -> Any:
+        # Fault injection: a bug in the loop itself, not in the model (see _supervise).
+        nonlocal crashes
+        if crashes == 0:
+            crashes += 1
+            raise RuntimeError("injected fault in batch forming")
+        return await forming()
+
+    restarts = metric_sum(server.registry, WORKER_RESTARTS_TOTAL, worker=worker.name)
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            monkeypatch.setattr(replica.queue, "next_batch", crash_once)
+            call = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=TEXTS[0])))
+            await wait_until(lambda: len(replica.queue) == 1)
+        response = await call
+    assert response.labels[0].name == "sports"
+    assert crashes == 1
+    assert metric_sum(server.registry, WORKER_RESTARTS_TOTAL, worker=worker.name) == restarts + 1
 
 
 async def test_request_routed_before_a_reload_is_served_by_the_old_version_then_it_retires(
