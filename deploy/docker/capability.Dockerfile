@@ -60,12 +60,15 @@ RUN python3.11 -m venv /opt/venv \
  && /opt/venv/bin/pip install --quiet --no-deps -r /tmp/runtime-without-torch.lock \
  && echo /app/classify_common/gen > /opt/venv/lib/python3.11/site-packages/classify-generated-stubs.pth \
  && /opt/venv/bin/pip uninstall --quiet -y pip
-# Stubs need grpcio-tools and mypy-protobuf, which only the dev lock has: they live in a
-# throwaway virtualenv of this stage and never reach the final image.
+# Stubs need grpcio-tools and mypy-protobuf, pinned in the dev lock: they go into a
+# throwaway virtualenv of this stage (beside the runtime set tools/protoc.py imports)
+# and never reach the final image.
 RUN python3.11 -m venv /opt/stubs \
  && /opt/stubs/bin/pip install --quiet "pip==${PIP_VERSION}" \
- && grep -v '^torch==' requirements/dev.lock > /tmp/dev-without-torch.lock \
- && /opt/stubs/bin/pip install --quiet --no-deps -r /tmp/dev-without-torch.lock
+ && { grep -v '^torch==' requirements/runtime.lock; \
+      grep -E '^(grpcio-tools|mypy-protobuf|types-protobuf)==' requirements/dev.lock; } \
+      > /tmp/stubs.lock \
+ && /opt/stubs/bin/pip install --quiet --no-deps -r /tmp/stubs.lock
 COPY proto/ proto/
 COPY tools/protoc.py tools/protoc.py
 COPY classify_common/ /app/classify_common/
