@@ -40,6 +40,13 @@ def run_check(deploy_dir: Path, only: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def promtool() -> None:
+    """make installs promtool for `make lint`; a lone `pytest` run needs it too."""
+    result = run_make(str(PROMTOOL.relative_to(REPO_ROOT)))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.fixture
 def deploy_copy(tmp_path: Path) -> Path:
     copy = tmp_path / "deploy"
