@@ -67,6 +67,10 @@ def yaml_documents(path: Path) -> list[Any]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
+def count(items: Sequence[object], noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
 def files(root: Path, *patterns: str) -> list[Path]:
     return sorted({path for pattern in patterns for path in root.rglob(pattern)})
 
@@ -79,7 +83,7 @@ def check_hadolint(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
     if not dockerfiles:
         return Outcome(False, f"no Dockerfile under {deploy_dir}")
     ok, output = run_tool([BIN_DIR / "hadolint", "--failure-threshold", "warning", *dockerfiles])
-    return Outcome(ok, f"{len(dockerfiles)} Dockerfiles" if ok else "findings above", output)
+    return Outcome(ok, count(dockerfiles, "Dockerfile") if ok else "findings above", output)
 
 
 def compose_references(path: Path, document: dict[str, Any]) -> list[str]:
@@ -122,7 +126,7 @@ def check_compose(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
     ]
     if problems:
         return Outcome(False, "references above", "\n".join(problems))
-    return Outcome(True, f"{len(compose_files)} files against the Compose specification")
+    return Outcome(True, f"{count(compose_files, 'file')} against the Compose specification")
 
 
 def k8s_manifests(deploy_dir: Path) -> list[Path]:
@@ -179,7 +183,7 @@ def check_prometheus(deploy_dir: Path, args: argparse.Namespace) -> Outcome:
         ok, output = run_tool([promtool, *step.split(), *arguments])
         if not ok:
             return Outcome(False, f"promtool {step} failed", output)
-    return Outcome(True, f"config, {len(rules)} rule files, {len(tests)} rule test files")
+    return Outcome(True, f"config, {count(rules, 'rule file')}, {count(tests, 'rule test file')}")
 
 
 def check_grafana(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
@@ -206,7 +210,7 @@ def check_grafana(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
         )
     if problems:
         return Outcome(False, "dashboards above", "\n".join(problems))
-    return Outcome(True, f"{len(dashboards)} dashboards, datasources {sorted(provisioned)}")
+    return Outcome(True, f"{count(dashboards, 'dashboard')}, datasources {sorted(provisioned)}")
 
 
 def datasource_uids(node: Any) -> Iterator[str]:
@@ -253,14 +257,14 @@ def check_routes(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
         return Outcome(False, f"no routes file under {deploy_dir}")
     if problems:
         return Outcome(False, "routes files above", "\n".join(problems))
-    return Outcome(True, f"{len(found)} routes files")
+    return Outcome(True, count(found, "routes file"))
 
 
 def check_yaml(deploy_dir: Path, _: argparse.Namespace) -> Outcome:
     config = REPO_ROOT / ".yamllint"
     ok, output = run_tool([BIN_DIR / "yamllint", "--strict", "-c", config, deploy_dir])
-    count = len(files(deploy_dir, "*.yaml", "*.yml"))
-    return Outcome(ok, f"{count} files" if ok else "findings above", output)
+    checked = files(deploy_dir, "*.yaml", "*.yml")
+    return Outcome(ok, count(checked, "file") if ok else "findings above", output)
 
 
 CHECKS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
