@@ -41,7 +41,7 @@ class RpcMetrics:
         self.node_duration = Histogram(
             NODE_DURATION_SECONDS,
             "Time spent in each request lifecycle node (classify_common.nodes), in seconds.",
-            ["node"],
+            ["lifecycle_node"],
             registry=registry,
             buckets=NODE_BUCKETS,
         )

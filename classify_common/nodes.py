@@ -6,7 +6,7 @@ process that runs it; `upstream_call` is the client span the capability
 server's spans hang under, which joins both processes into one trace. Nodes
 6-15 repeat per attempt (a retry or a fallback is a new attempt); the others
 occur once per request. Every node's duration also lands in the
-`classify_node_duration_seconds{node}` histogram, sampled or not.
+`classify_node_duration_seconds{lifecycle_node}` histogram, sampled or not.
 
 Spans of work that is shared or measured elsewhere (a batch on the device
 thread, CUDA-event timings) are emitted after the fact with their real start

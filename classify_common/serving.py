@@ -31,6 +31,11 @@ SERVER_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    # Clients re-resolve DNS (a headless Service's pods) only when a connection
+    # closes: ending connections after 5 minutes lets new replicas get traffic.
+    # The grace lets calls in flight on an old connection finish.
+    ("grpc.max_connection_age_ms", 5 * 60 * 1000),
+    ("grpc.max_connection_age_grace_ms", 60 * 1000),
 )
 METRICS_DISABLED = -1
 

@@ -81,6 +81,14 @@ def server_spans(spans: Sequence[ReadableSpan]) -> tuple[ReadableSpan, list[Read
     return front, [s for s in servers if s is not front]
 
 
+def node_count(orchestrator: OrchestratorServer, capability: CapabilityServer, name: str) -> float:
+    """Observations of lifecycle node `name` in both servers' histograms."""
+    return sum(
+        metric_sum(server.registry, NODE_DURATION_SECONDS + "_count", lifecycle_node=name)
+        for server in (orchestrator, capability)
+    )
+
+
 async def classify(server_port: int, **fields: object) -> pb.ClassifyResponse:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server_port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
@@ -96,11 +104,7 @@ async def test_a_request_has_every_node_once_under_the_right_parent(
     capability: CapabilityServer,
     span_exporter: InMemorySpanExporter,
 ) -> None:
-    before = {
-        name: metric_sum(orchestrator.registry, NODE_DURATION_SECONDS + "_count", node=name)
-        + metric_sum(capability.registry, NODE_DURATION_SECONDS + "_count", node=name)
-        for name in NODE_NAMES
-    }
+    before = {name: node_count(orchestrator, capability, name) for name in NODE_NAMES}
     response = await classify(orchestrator.port)
     # 17 nodes and the two server spans; the batch span has a trace of its own.
     spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
@@ -146,9 +150,7 @@ async def test_a_request_has_every_node_once_under_the_right_parent(
     assert any(batch_link.context == back.context for batch_link in batch.links)
 
     for name in NODE_NAMES:  # each node's histogram counted this request once
-        after = metric_sum(
-            orchestrator.registry, NODE_DURATION_SECONDS + "_count", node=name
-        ) + metric_sum(capability.registry, NODE_DURATION_SECONDS + "_count", node=name)
+        after = node_count(orchestrator, capability, name)
         assert after - before[name] == 1, name
 
 

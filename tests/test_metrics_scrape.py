@@ -132,7 +132,7 @@ async def test_a_burst_moves_both_endpoints_by_the_right_amounts(
             "input_validate",
             "response_send",
         }
-        assert delta(before, after, NODE_DURATION_SECONDS + "_count", node=node.name) == (
+        assert delta(before, after, NODE_DURATION_SECONDS + "_count", lifecycle_node=node.name) == (
             BURST + invalid
         ), node.name
 

@@ -526,7 +526,7 @@ def test_rules_dashboard_and_autoscaler_use_only_metrics_the_code_exports() -> N
 
 def test_node_labels_in_rules_and_dashboard_are_lifecycle_nodes() -> None:
     for name, text in monitoring_texts().items():
-        for match in re.findall(r'node=~?\\?"([a-z0-9_|]+)\\?"', text):
+        for match in re.findall(r'lifecycle_node=~?\\?"([a-z0-9_|]+)\\?"', text):
             assert set(match.split("|")) <= LIFECYCLE_NODES, f"{name}: {match}"
 
 
