@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from classify_common.settings import SettingsError
 
 # Defaults measured with `make bench-capability` on a 2-core CPU machine (see
-# README, "Batching"): beyond 32 a CPU batch gains no throughput, and a 5 ms
-# window fills batches under load while adding at most 5 ms when idle.
+# README, "Batching"): beyond 32 a CPU batch gains no throughput. No window:
+# a batch is formed only when the device is free, so under load requests pile
+# up during the running forward and batches fill anyway (128 clients: 31 texts
+# per batch with 0 or 5 ms), while a 5 ms window only added 5 ms when idle
+# (1 client: p50 24 ms with 5 ms, 17 ms with 0).
 DEFAULT_MAX_BATCH_SIZE = 32
-DEFAULT_MAX_WAIT_SECONDS = 0.005
+DEFAULT_MAX_WAIT_SECONDS = 0.0
 DEFAULT_QUEUE_CAPACITY = 256
 # Upper token bounds of the length buckets. A batch is formed from one bucket,
 # so a text pads to at most its bucket's bound.
