@@ -257,19 +257,20 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         the answer and the call is over."""
         send_started = time.perf_counter()
         send_span = (
-            self._tracer.start_span("response_send", context=trace.set_span_in_context(server_span))
-            if self._edge
+            self._tracer.start_span("response_send", context=request_trace.parent_context)
+            if self._edge and request_trace.makes_spans
             else None
         )
         code_value = code.value[0]
 
         def finish(_: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if self._edge:
+                request_trace.record("response_send", time.perf_counter() - send_started)
             if send_span is not None:
                 send_span.set_attribute("rpc.grpc.status_code", code_value)
                 if request_trace.timed_out:
                     send_span.set_attribute("timeout", True)
                 send_span.end()
-                request_trace.record("response_send", time.perf_counter() - send_started)
             server_span.set_attribute("rpc.grpc.status_code", code_value)
             server_span.end()
 

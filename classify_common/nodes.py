@@ -27,7 +27,7 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client import Histogram
 
 from classify_common.errors import ServiceError, grpc_code_for
-from classify_common.tracing import get_tracer
+from classify_common.tracing import get_tracer, spans_are_exported
 
 # Set on every span of a request whose time budget ran out before its answer.
 TIMEOUT_ATTRIBUTE = "timeout"
@@ -101,11 +101,17 @@ class RequestTrace:
     # Extra fields for the request's log line (route, model, attempts, ...).
     log_fields: dict[str, object] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Node spans cost tens of microseconds each: they are made only when
+        # someone receives them. Timings, histograms and log fields always are.
+        self.makes_spans = spans_are_exported() and self.server_span.is_recording()
+        # Built once: every node of the request is a child of the server span.
+        self.parent_context = trace.set_span_in_context(self.server_span)
+
     def record(self, node: str, seconds: float) -> None:
         self.seconds[node] = self.seconds.get(node, 0.0) + seconds
         if self.node_seconds is not None:
-            exemplar = {"trace_id": self.trace_id} if self.trace_id else None
-            self.node_seconds.labels(node).observe(seconds, exemplar=exemplar)
+            self.node_seconds.labels(node).observe(seconds)
 
     def mark_timed_out(self) -> None:
         self.timed_out = True
@@ -137,30 +143,41 @@ def node(
     attributes: Mapping[str, AttributeValue] | None = None,
     *,
     kind: SpanKind = SpanKind.INTERNAL,
+    current: bool = False,
 ) -> Iterator[trace.Span]:
-    """Run the body as lifecycle node `name`: a current child span, timed and recorded.
-
-    A ServiceError leaving the body marks the span with error status and its code.
+    """Run the body as lifecycle node `name`: a child span of the server span, timed
+    and recorded. `current`: make it the current span for the body (so an outgoing
+    call carries it). A ServiceError leaving the body marks the span with error
+    status and its code. Outside a request, or when no spans are made, the body gets
+    a non-recording span whose calls do nothing.
     """
     request_trace = _current.get()
-    started = time.perf_counter()
-    with get_tracer().start_as_current_span(
-        name,
-        kind=kind,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
+    if request_trace is None or not request_trace.makes_spans:
+        started = time.perf_counter()
         try:
-            yield span
-        except BaseException as error:
-            mark_error(span, error)
-            raise
+            yield trace.INVALID_SPAN
         finally:
             if request_trace is not None:
                 request_trace.record(name, time.perf_counter() - started)
-                if request_trace.timed_out:
-                    span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+        return
+    span = get_tracer().start_span(
+        name, context=request_trace.parent_context, kind=kind, attributes=attributes
+    )
+    started = time.perf_counter()
+    try:
+        if current:
+            with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                yield span
+        else:
+            yield span
+    except BaseException as error:
+        mark_error(span, error)
+        raise
+    finally:
+        request_trace.record(name, time.perf_counter() - started)
+        if request_trace.timed_out:
+            span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+        span.end()
 
 
 def emit_node(
@@ -173,9 +190,12 @@ def emit_node(
     error: BaseException | None = None,
 ) -> None:
     """Record node `name` after the fact, with its measured start and end (epoch ns)."""
+    request_trace.record(name, max(end_ns - start_ns, 0) / 1e9)
+    if not request_trace.makes_spans:
+        return
     span = get_tracer().start_span(
         name,
-        context=trace.set_span_in_context(request_trace.server_span),
+        context=request_trace.parent_context,
         attributes=attributes,
         links=links,
         start_time=start_ns,
@@ -185,4 +205,3 @@ def emit_node(
     if request_trace.timed_out:
         span.set_attribute(TIMEOUT_ATTRIBUTE, True)
     span.end(end_time=max(end_ns, start_ns))
-    request_trace.record(name, max(end_ns - start_ns, 0) / 1e9)

@@ -182,14 +182,21 @@ class KeepingBatchExport(SpanProcessor):
 
 
 def configure_tracing(
-    service: str, otlp_endpoint: str | None = None, sample_ratio: float = 1.0
+    service: str,
+    otlp_endpoint: str | None = None,
+    sample_ratio: float = 1.0,
+    processor: SpanProcessor | None = None,
 ) -> TracerProvider:
     """Install the process's tracer provider (once; later calls get the first).
 
     `sample_ratio` applies to traces that start here; a trace arriving with a
     sampling decision keeps it (parent-based), so one request is sampled, or
     not, across both layers; errors and time-outs are exported either way.
+    `processor` receives spans besides (or instead of) the OTLP exporter.
+    Without either, only the server spans are made (their IDs are the trace
+    IDs that answers report); lifecycle nodes are then timed but not spanned.
     """
+    global _exporting
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
@@ -204,12 +211,28 @@ def configure_tracing(
             endpoint=otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
         )
         provider.add_span_processor(KeepingBatchExport(exporter))
+    if processor is not None:
+        provider.add_span_processor(processor)
+    _exporting = bool(otlp_endpoint) or processor is not None
     trace.set_tracer_provider(provider)
     return provider
 
 
+_exporting = False
+
+
+def spans_are_exported() -> bool:
+    """Whether this process's spans go anywhere (see configure_tracing)."""
+    return _exporting
+
+
+# A proxy until a provider is installed, then the provider's tracer; made once,
+# because trace.get_tracer builds a new object on every call.
+_tracer = trace.get_tracer(TRACER_NAME)
+
+
 def get_tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    return _tracer
 
 
 def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:

@@ -359,6 +359,7 @@ class Dispatcher:
                     **{key: value for key, value in reasons.items() if value},
                 },
                 kind=SpanKind.CLIENT,
+                current=True,  # the capability server's spans hang under it
             ) as span:
                 response = await pool.classify(
                     forwarded, target=target, request_id=ids.request_id, client_remaining=remaining

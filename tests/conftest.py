@@ -22,8 +22,6 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -93,11 +91,8 @@ def span_exporter() -> InMemorySpanExporter:
 
     Autouse: the servers' `main` configures tracing, so every in-process test
     must too, or trace IDs would be empty."""
-    configure_tracing("tests")
-    provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
     exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    configure_tracing("tests", processor=SimpleSpanProcessor(exporter))
     return exporter
 
 

@@ -22,7 +22,7 @@ from capability.metrics import (
     QUEUE_DEPTH,
     WORKER_BUSY_SECONDS_TOTAL,
 )
-from classify_common.metrics import NODE_DURATION_SECONDS, RPC_REQUESTS_TOTAL
+from classify_common.metrics import NODE_DURATION_SECONDS, RPC_DURATION_SECONDS, RPC_REQUESTS_TOTAL
 from classify_common.nodes import NODES
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from tests.conftest import STRIKER, ServerProcess
@@ -152,7 +152,7 @@ async def test_a_burst_moves_both_endpoints_by_the_right_amounts(
     exemplar = re.compile(r'# \{trace_id="[0-9a-f]{32}"\}')
     for process, metric in (
         (orchestrator, REQUEST_DURATION_SECONDS),
-        (capability, NODE_DURATION_SECONDS),
+        (capability, RPC_DURATION_SECONDS),
     ):
         buckets = [
             line

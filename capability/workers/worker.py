@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from opentelemetry.trace import Link
+from opentelemetry.trace import INVALID_SPAN, Link
 
 from capability.batching import BatchingSettings, PendingRequest, RequestQueue, ServiceTimeModel
 from capability.bundle import BundleError, LoadedBundle
@@ -282,17 +282,22 @@ class ModelReplica:
             "classify.bucket": batch[0].bucket,
             "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
         }
-        batch_span = get_tracer().start_span(
-            BATCH_SPAN_NAME,
-            start_time=started,
-            attributes={
-                **batch_attributes,
-                "classify.worker": self.worker.name,
-                "classify.model": self.name,
-                "classify.model_version": version,
-                "classify.clock": outcome.clock,
-            },
-            links=[Link(trace.server_span.get_span_context()) for _, trace in traced],
+        spanned = [trace for _, trace in traced if trace.makes_spans]
+        batch_span = (
+            get_tracer().start_span(
+                BATCH_SPAN_NAME,
+                start_time=started,
+                attributes={
+                    **batch_attributes,
+                    "classify.worker": self.worker.name,
+                    "classify.model": self.name,
+                    "classify.model_version": version,
+                    "classify.clock": outcome.clock,
+                },
+                links=[Link(trace.server_span.get_span_context()) for trace in spanned],
+            )
+            if spanned
+            else INVALID_SPAN
         )
         to_batch = [Link(batch_span.get_span_context())]
         clock = {"classify.clock": outcome.clock}
