@@ -21,12 +21,15 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from capability.batching import BatchingSettings  # noqa: E402
 from capability.metrics import CapabilityMetrics  # noqa: E402
+from capability.model import TextClassifier  # noqa: E402
+from capability.model.stages import STAGES, StageClock  # noqa: E402
 from capability.workers import WorkerPool, discover_devices  # noqa: E402
 from capability.workers.cuda import configure_cuda_defaults, read_device_memory, tf32_enabled  # noqa: E402
 
 BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
 BATCH_SIZES = (1, 8, 32, 128, 256)
 SECONDS_PER_SIZE = 3.0
+STAGE_BATCH = 32
 TEXT = "The striker scored twice in the final minutes of the cup match"
 MIB = 1024 * 1024
 
@@ -77,8 +80,21 @@ async def main() -> None:
                     f"{statistics.median(timings) * 1000:20.2f} | "
                     f"{timings[int(0.99 * (len(timings) - 1))] * 1000:6.2f} | {memory_text}"
                 )
+            await print_stages(worker.name, worker.device, classifier)
     finally:
         await pool.close()
+
+
+async def print_stages(name: str, device: torch.device, classifier: TextClassifier) -> None:
+    """One batch's lifecycle stages as traces record them: CUDA events on a GPU."""
+    clock = StageClock(device)
+    classifier.run(classifier.tokenize([TEXT] * STAGE_BATCH), clock)
+    marks = clock.epoch_ns()
+    stages = ", ".join(
+        f"{stage} {(end - start) / 1e6:.2f} ms"
+        for stage, start, end in zip(STAGES, marks, marks[1:], strict=False)
+    )
+    print(f"{name:>8}: stages at batch {STAGE_BATCH} ({clock.kind}): {stages}")
 
 
 if __name__ == "__main__":
