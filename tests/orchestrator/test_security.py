@@ -19,6 +19,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
+from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
@@ -98,12 +99,16 @@ async def call(server: Any, **kwargs: Any) -> pb.ClassifyResponse:
 
 
 @pytest.mark.parametrize(
-    "metadata",
-    [(), bearer("ck_not-a-key"), (("authorization", ACME_KEY),)],
+    ("metadata", "cause"),
+    [
+        ((), "missing_key"),
+        (bearer("ck_not-a-key"), "unknown_key"),
+        ((("authorization", ACME_KEY),), "missing_key"),
+    ],
     ids=["no-key", "wrong-key", "not-bearer"],
 )
 async def test_missing_or_wrong_key_is_refused_before_any_model(
-    secured: Start, metadata: tuple[tuple[str, str], ...]
+    secured: Start, metadata: tuple[tuple[str, str], ...], cause: str
 ) -> None:
     orchestrator, capability = await secured()
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -111,6 +116,8 @@ async def test_missing_or_wrong_key_is_refused_before_any_model(
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert error_reason(caught.value) == "UNAUTHENTICATED"
     assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
+    assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL) == 1
+    assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL, reason=cause) == 1
     # A valid key goes through, and the orchestrator's token gets it past the capability.
     assert (await call(orchestrator, metadata=bearer(ACME_KEY))).labels[0].name == "sports"
 
@@ -140,6 +147,8 @@ async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
     assert error_info(caught.value).metadata["tenant"] == "acme"
     for _ in range(3):  # another tenant is not held back
         await call(orchestrator, metadata=bearer(OTHER_KEY))
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="acme") == 1
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 1
 
 
 async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: Start) -> None:
