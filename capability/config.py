@@ -1,6 +1,6 @@
 """Capability server settings: flags override environment variables override defaults.
 
-Per-model serving settings (batching, precision) come from an optional YAML
+Per-model serving settings (batching, precision, graph) come from an optional YAML
 file (`--model-config`), one mapping per model name:
 
     topic-minilm:
@@ -9,6 +9,7 @@ file (`--model-config`), one mapping per model name:
       queue_capacity: 256     # queued requests per worker, 1..100000
       length_buckets: [16, 32, 64, 128, 256, 512]
       precision: fp32         # fp32 or bf16; absent: the bundle's own
+      graph: torchscript      # torchscript or eager: how the encoder's forward runs
 
 A model not in the file gets the server-wide defaults from the flags.
 """
@@ -31,6 +32,7 @@ from capability.batching.settings import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEFAULT_QUEUE_CAPACITY,
 )
+from capability.model import DEFAULT_GRAPH, GRAPHS
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
 from classify_common.tls import ServerTls, server_tls
 
@@ -52,13 +54,20 @@ class ModelServingSettings:
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     # "fp32" or "bf16"; None keeps the precision written in the bundle.
     precision: str | None = None
+    # "torchscript" or "eager" (capability.model.classifier.GRAPHS).
+    graph: str = DEFAULT_GRAPH
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise SettingsError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        if self.graph not in GRAPHS:
+            raise SettingsError(f"graph {self.graph!r} is not one of {GRAPHS}")
 
 
-_MODEL_KEYS = {"max_batch_size", "max_wait_ms", "queue_capacity", "length_buckets", "precision"}
+_MODEL_KEYS = {
+    *("max_batch_size", "max_wait_ms", "queue_capacity", "length_buckets"),
+    *("precision", "graph"),
+}
 
 
 def parse_model_config(
@@ -87,7 +96,11 @@ def parse_model_config(
                     int(b) for b in spec.get("length_buckets", base.length_buckets)
                 ),
             )
-            parsed[name] = ModelServingSettings(batching, spec.get("precision", defaults.precision))
+            parsed[name] = ModelServingSettings(
+                batching,
+                spec.get("precision", defaults.precision),
+                spec.get("graph", defaults.graph),
+            )
         except (SettingsError, TypeError, ValueError) as exc:
             raise SettingsError(f"model config: {name}: {exc}") from exc
     return parsed
@@ -119,6 +132,8 @@ class CapabilitySettings:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_wait_ms: float = DEFAULT_MAX_WAIT_SECONDS * 1000
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    # How encoders run: "torchscript" (traced, off the GIL) or "eager"; per model too.
+    graph: str = DEFAULT_GRAPH
     # Optional YAML of per-model settings (see the module docstring).
     model_config: Path | None = None
     # Share of CUDA memory in use above which admission refuses, 0.1..1.0.
@@ -171,7 +186,7 @@ class CapabilitySettings:
             defaults = self.default_serving()
         except SettingsError as exc:
             raise SettingsError(
-                f"--max-batch-size / --max-wait-ms / --queue-capacity: {exc}"
+                f"--max-batch-size / --max-wait-ms / --queue-capacity / --graph: {exc}"
             ) from exc
         if self.model_config is not None and not self.per_model:
             try:
@@ -195,7 +210,8 @@ class CapabilitySettings:
                 max_wait_seconds=self.max_wait_ms / 1000,
                 queue_capacity=self.queue_capacity,
                 length_buckets=DEFAULT_LENGTH_BUCKETS,
-            )
+            ),
+            graph=self.graph,
         )
 
     @classmethod
@@ -266,6 +282,12 @@ class CapabilitySettings:
             DEFAULT_QUEUE_CAPACITY,
             "queued requests per worker",
             int,
+        )
+        setting(
+            "--graph",
+            "CAPABILITY_GRAPH",
+            DEFAULT_GRAPH,
+            "how encoders run: torchscript (traced, off the GIL) or eager",
         )
         setting(
             "--model-config", "CAPABILITY_MODEL_CONFIG", None, "YAML of per-model settings", Path

@@ -155,7 +155,11 @@ class ModelLifecycle:
         directory = self.root.version_dir(name, version)
         settings = self.settings_for(name)
         return await self.pool.load(
-            directory, settings.batching, settings.precision, expected_name=name
+            directory,
+            settings.batching,
+            settings.precision,
+            graph=settings.graph,
+            expected_name=name,
         )
 
     async def watch(self, interval_seconds: float) -> None:

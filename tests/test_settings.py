@@ -64,12 +64,19 @@ def test_models_flag_is_a_comma_separated_list() -> None:
 
 def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path: Path) -> None:
     config = tmp_path / "models.yaml"
-    config.write_text("topic-static:\n  max_batch_size: 64\n  max_wait_ms: 2\n  precision: bf16\n")
+    config.write_text(
+        "topic-static:\n  max_batch_size: 64\n  max_wait_ms: 2\n  precision: bf16\n  graph: eager\n"
+    )
     settings = CapabilitySettings(model_config=config)
     static = settings.per_model["topic-static"]
     assert static.batching.max_batch_size == 64
     assert static.batching.max_wait_seconds == 0.002
     assert static.precision == "bf16"
+    assert static.graph == "eager"
+    assert settings.default_serving().graph == "torchscript"
+    config.write_text("topic-static:\n  graph: jit\n")
+    with pytest.raises(SettingsError, match=r"topic-static: graph 'jit' is not one of"):
+        CapabilitySettings(model_config=config)
     config.write_text("topic-static:\n  max_batch: 64\n")
     with pytest.raises(SettingsError, match=r"topic-static\.max_batch: unknown key"):
         CapabilitySettings(model_config=config)

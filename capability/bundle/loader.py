@@ -53,6 +53,8 @@ from capability.bundle.manifest import (
     read_manifest,
 )
 from capability.model import (
+    DEFAULT_GRAPH,
+    GRAPHS,
     PRECISION_DTYPES,
     ClassifierHead,
     EncoderConfig,
@@ -67,7 +69,7 @@ from capability.model import (
     load_tokenizer,
 )
 
-STAGES = ("read_metadata", "build_module", "verify", "load_weights", "warm_up")
+STAGES = ("read_metadata", "build_module", "verify", "load_weights", "trace_graph", "warm_up")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class LoadedBundle:
     digest: str  # SHA-256 hex of manifest.json
     architecture: str  # "bert-encoder" | "static-embedding"
     precision: str  # "fp32" | "bf16": what the encoder computes in
+    graph: str  # "torchscript" | "eager": how the encoder's forward runs
     classifier: TextClassifier
     load_seconds: float  # the whole load, verification and warm-up included
     stage_seconds: Mapping[str, float]  # seconds per stage, keys in STAGES order
@@ -87,11 +90,16 @@ class LoadedBundle:
 
 
 def load_bundle(
-    directory: Path, device: torch.device | str = "cpu", *, precision: str | None = None
+    directory: Path,
+    device: torch.device | str = "cpu",
+    *,
+    precision: str | None = None,
+    graph: str = DEFAULT_GRAPH,
 ) -> LoadedBundle:
     """Verify and load the bundle in `directory` onto `device`, ready to serve (blocking).
 
     `precision` None uses the bundle's own (config.json); "fp32" or "bf16" overrides it.
+    `graph` is how the encoder runs (capability.model.classifier.GRAPHS).
     Raises a BundleError subclass whose message starts with the file at fault.
     Safe to call from several threads at once, one device each.
     """
@@ -99,6 +107,8 @@ def load_bundle(
     target = torch.device(device)
     if precision is not None and precision not in PRECISION_DTYPES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
     started = time.perf_counter()
     stage_seconds: dict[str, float] = {}
 
@@ -132,6 +142,9 @@ def load_bundle(
         _require_fully_loaded(encoder, head, part_files)
         classifier = _assemble(config, tokenizer, encoder, head, target, chosen_precision)
 
+    with stage("trace_graph"):
+        classifier.use_graph(graph)
+
     with stage("warm_up"):
         classifier.warm_up()
 
@@ -142,6 +155,7 @@ def load_bundle(
         digest=manifest.digest,
         architecture=config.architecture,
         precision=chosen_precision,
+        graph=graph,
         classifier=classifier,
         load_seconds=time.perf_counter() - started,
         stage_seconds=stage_seconds,

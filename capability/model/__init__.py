@@ -7,6 +7,8 @@ sentence-transformers folder) and in `capability.bundle` (model bundles).
 """
 
 from capability.model.classifier import (
+    DEFAULT_GRAPH,
+    GRAPHS,
     PRECISION_DTYPES,
     ClassifyBatchResult,
     TextClassifier,
@@ -33,8 +35,10 @@ from capability.model.zero_shot import (
 )
 
 __all__ = [
+    "DEFAULT_GRAPH",
     "DEFAULT_LABELS",
     "DEFAULT_SCALE",
+    "GRAPHS",
     "PRECISION_DTYPES",
     "STATIC_ZERO_SHOT_SCALE",
     "ClassifierHead",

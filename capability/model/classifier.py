@@ -9,7 +9,8 @@ builds one straight from a sentence-transformers folder.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,14 @@ TextEncoder = SentenceEncoder | StaticEmbeddingEncoder
 # always compute in float32: they are tiny, and a bf16 cosine (3 significant digits)
 # times a scale of 40 would move logits by ~0.04.
 PRECISION_DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# How the encoder's forward runs. "eager" calls the PyTorch modules op by op from Python.
+# "torchscript" traces it once into a graph that runs in C++ without holding the GIL:
+# with another Python thread busy (as a serving loop is), a batch of 32 took 125 ms
+# traced against 1,130 ms eager on the 2-core test machine, with identical outputs.
+GRAPHS = ("torchscript", "eager")
+# What serving uses unless told otherwise.
+DEFAULT_GRAPH = "torchscript"
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,15 @@ class TextClassifier:
         # Model forward passes so far, warm-up included; exported as a metric, and how
         # tests prove a rejected request never reached the model.
         self.forward_count = 0
+        self.graph = "eager"
+        self._encode: Callable[[Tensor, Tensor], Tensor] = self.encoder
+
+    def use_graph(self, graph: str) -> None:
+        """Run the encoder as `graph` (see GRAPHS) from now on."""
+        if graph not in GRAPHS:
+            raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+        self._encode = self.encoder if graph == "eager" else trace_encoder(self.encoder)
+        self.graph = graph
 
     def token_budget(self, max_length: int | None) -> int:
         """Tokens per text a call may use: the caller's limit, capped by the model's own."""
@@ -162,13 +180,36 @@ class TextClassifier:
             clock.mark()
             clock.mark()
             return torch.empty((0, self.encoder.hidden_size), device=self.device)
+        # A traced graph keeps no Python checks, so the one that protects a CUDA
+        # device from an out-of-table position lookup is made here.
+        if batch.input_ids.shape[1] > self.max_seq_length:
+            raise ValueError(f"{batch.input_ids.shape[1]} tokens exceed {self.max_seq_length}")
         input_ids = batch.input_ids.to(self.device, non_blocking=True)  # (B, T)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)  # (B, T)
         clock.mark()
         self.forward_count += 1
-        embeddings: Tensor = self.encoder(input_ids, attention_mask)  # (B, H) float32
+        embeddings = self._encode(input_ids, attention_mask)  # (B, H) float32
         clock.mark()
         return embeddings
+
+
+def trace_encoder(encoder: TextEncoder) -> Callable[[Tensor, Tensor], Tensor]:
+    """The encoder as a TorchScript graph, traced once on a small example.
+
+    The forwards have no data-dependent control flow, and sizes are traced as sizes,
+    so the graph serves any batch size and length with the eager outputs. Tracing
+    warns about the shape checks it drops (made by TextClassifier instead) and about
+    torch.jit being deprecated in favour of torch.compile, which needs a compiler
+    toolchain at run time; the warnings are silenced here.
+    """
+    device = next(encoder.parameters()).device
+    example = torch.full((2, 8), 1000, dtype=torch.int64, device=device)  # (B, T)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced: Callable[[Tensor, Tensor], Tensor] = torch.jit.trace(  # type: ignore[no-untyped-call]
+            encoder, (example, torch.ones_like(example)), check_trace=False
+        )
+    return traced
 
 
 def embed_label_prototypes(

@@ -21,7 +21,7 @@ import torch
 from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, BatchingSettings
 from capability.bundle import BundleError, LoadedBundle, load_bundle
 from capability.metrics import CapabilityMetrics
-from capability.model import EncodedText
+from capability.model import DEFAULT_GRAPH, EncodedText
 from capability.workers.worker import DeviceWorker, ModelReplica, TextResult
 from classify_common.errors import (
     ModelFault,
@@ -102,6 +102,7 @@ class WorkerPool:
         settings: BatchingSettings,
         precision: str | None = None,
         *,
+        graph: str = DEFAULT_GRAPH,
         expected_name: str | None = None,
     ) -> LoadedBundle:
         """Load the bundle in `directory` on every worker, then switch them all to it."""
@@ -110,7 +111,9 @@ class WorkerPool:
         # meanwhile; each worker's replica lives on that worker's device.
         bundles = await asyncio.gather(
             *(
-                loop.run_in_executor(self._loaders, _load_on, directory, worker.device, precision)
+                loop.run_in_executor(
+                    self._loaders, _load_on, directory, worker.device, precision, graph
+                )
                 for worker in self.workers
             )
         )
@@ -134,6 +137,7 @@ class WorkerPool:
                 "model": bundles[0].name,
                 "version": bundles[0].version,
                 "digest": bundles[0].digest,
+                "graph": bundles[0].graph,
                 "workers": [w.name for w in self.workers],
                 "load_seconds": round(max(b.load_seconds for b in bundles), 3),
             },
@@ -234,5 +238,7 @@ class WorkerPool:
         self._loaders.shutdown(wait=False, cancel_futures=True)
 
 
-def _load_on(directory: Path, device: torch.device, precision: str | None) -> LoadedBundle:
-    return load_bundle(directory, device, precision=precision)
+def _load_on(
+    directory: Path, device: torch.device, precision: str | None, graph: str
+) -> LoadedBundle:
+    return load_bundle(directory, device, precision=precision, graph=graph)

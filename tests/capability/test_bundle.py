@@ -409,3 +409,23 @@ def test_cli_verify_fails_naming_the_bad_file(
     replace_file(bundle / "head.safetensors", b"not the head")
     assert bundle_cli(["verify", "--quiet", str(bundle)]) == 1
     assert capsys.readouterr().err.startswith("error: head.safetensors: ")
+
+
+@pytest.mark.parametrize("bundle_name", ["minilm_bundle", "static_bundle"])
+def test_torchscript_graph_scores_exactly_as_eager(
+    bundle_name: str, request: pytest.FixtureRequest
+) -> None:
+    bundle: Path = request.getfixturevalue(bundle_name)
+    traced = load_bundle(bundle, graph="torchscript")
+    eager = load_bundle(bundle, graph="eager")
+    assert (traced.graph, eager.graph) == ("torchscript", "eager")
+    texts = [
+        "The striker scored twice",
+        "Shares fell sharply after the bank cut its profit forecast for the year " * 6,
+        "Rain",
+    ]
+    for batch in (texts, texts[:1], texts[1:]):  # other sizes and lengths than traced with
+        assert torch.equal(
+            traced.classifier.classify(batch).probabilities,
+            eager.classifier.classify(batch).probabilities,
+        )
