@@ -174,6 +174,13 @@ class RequestQueue(Generic[ResultT]):
             self._changed.clear()
             await self._changed.wait()
 
+    def take_full_batch(self) -> list[PendingRequest[ResultT]] | None:
+        """The next batch if it is already full, else None (nothing is taken)."""
+        head = self._head()
+        if head is None or self.depth_in_bucket(head.bucket) < self.settings.max_batch_size:
+            return None
+        return self._take(head)
+
     async def next_batch(self) -> list[PendingRequest[ResultT]]:
         """Wait for the next batch: full, or its oldest request has waited `max_wait`."""
         loop = asyncio.get_running_loop()

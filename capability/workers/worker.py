@@ -68,12 +68,19 @@ class BatchOutcome:
     # Epoch ns at the marks between capability.model.stages.STAGES, and their clock.
     marks_ns: tuple[int, ...]
     clock: str
+    # Per submitted text: whether its deadline had passed, so it was left out. The
+    # other fields describe the texts that were computed, in order.
+    expired: tuple[bool, ...] = ()
 
 
 def padding_ratio(batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:
     """Share of the batch's token positions that are padding."""
     real_tokens = sum(len(request.encoded) for request in batch)
     return 1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
+
+
+# A batch handed to the device thread, and the outcome to come.
+RunningBatch = tuple[list["PendingRequest[TextResult]"], "asyncio.Future[BatchOutcome]"]
 
 
 class ModelReplica:
@@ -200,7 +207,7 @@ class ModelReplica:
                 raise
             except Exception:
                 # A bug in the loop itself, not a model fault (those are answered per
-                # batch): every waiter of the lost batch was answered in _run_one;
+                # batch): every waiter of a lost batch was answered (_finish, _fail);
                 # restart so the queue keeps being served.
                 log.exception(
                     "batching loop crashed; restarting", extra={"worker": self.worker.name}
@@ -215,22 +222,57 @@ class ModelReplica:
             # keep joining the queue, so a later interactive request still goes
             # first and a busy device yields fuller batches.
             async with self.worker.device_turn:
-                batch = await self.queue.next_batch()
-                self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
-                await self._run_one(batch)
+                submitted: list[RunningBatch] = []
+                try:
+                    first = self._submit(await self.queue.next_batch())
+                    submitted += [first] if first else []
+                    while submitted:
+                        # A full batch already waiting goes to the device thread at once,
+                        # behind the running one, so it starts the moment the device
+                        # frees, not when this loop next gets the GIL. Only a full one:
+                        # a partial batch would stop filling early.
+                        ready = self.queue.take_full_batch()
+                        following = self._submit(ready) if ready else None
+                        submitted += [following] if following else []
+                        await self._finish(*submitted[0])
+                        submitted.pop(0)
+                finally:
+                    # Cancelled or crashed with batches handed over: their callers still
+                    # get an answer, and the replica's load drops back.
+                    for batch, computing in submitted:
+                        computing.cancel()
+                        self._fail(batch, ModelFault("the batching loop stopped"))
             self._set_idle_if_nothing_left()
 
-    async def _run_one(self, batch: list[PendingRequest[TextResult]]) -> None:
-        """Compute one batch; every waiter in it gets exactly one outcome, whatever fails."""
+    def _submit(self, batch: list[PendingRequest[TextResult]]) -> RunningBatch | None:
+        """Hand a batch to the device thread; None when every caller in it has gone."""
+        self._metrics.queue_depth.labels(self.name, self.worker.name).set(len(self.queue))
         live = [request for request in batch if not request.future.done()]
         if not live:
-            return
-        self.in_flight = len(live)
+            return None
+        self.in_flight += len(live)
+        computing = asyncio.ensure_future(
+            self.worker.execute(
+                self._compute, [r.encoded for r in live], [r.deadline for r in live]
+            )
+        )
+        return live, computing
+
+    async def _finish(
+        self, batch: list[PendingRequest[TextResult]], computing: asyncio.Future[BatchOutcome]
+    ) -> None:
+        """Answer a submitted batch: every waiter in it gets exactly one outcome, whatever
+        fails."""
         try:
-            outcome = await self.worker.execute(self._compute, [r.encoded for r in live])
-            self._record(live, outcome)
-            self._trace(live, outcome)
-            for row, request in enumerate(live):
+            outcome = await computing
+            computed = [r for r, gone in zip(batch, outcome.expired, strict=True) if not gone]
+            for request in batch:
+                if request not in computed:
+                    self._expire_unqueued(request)
+            if computed:
+                self._record(computed, outcome)
+                self._trace(computed, outcome)
+            for row, request in enumerate(computed):
                 if request.future.done():
                     continue  # the caller went away; the result has no one to go to
                 if not outcome.finite_rows[row]:
@@ -244,22 +286,39 @@ class ModelReplica:
                         truncated=request.encoded.truncated,
                     )
                 )
+            self.in_flight -= len(batch)
         except Exception as exc:
             log.exception(
                 "batch failed",
                 extra={
                     "model": self.name,
                     "worker": self.worker.name,
-                    "request_ids": [request.request_id for request in live],
+                    "request_ids": [request.request_id for request in batch],
                 },
             )
             self._metrics.batch_failures.labels(self.name, self.worker.name).inc()
-            fault = ModelFault(f"the batch failed on {self.worker.name}: {type(exc).__name__}")
-            for request in live:
-                if not request.future.done():
-                    request.future.set_exception(fault)
-        finally:
-            self.in_flight = 0
+            self._fail(
+                batch, ModelFault(f"the batch failed on {self.worker.name}: {type(exc).__name__}")
+            )
+
+    def _fail(self, batch: list[PendingRequest[TextResult]], error: Exception) -> None:
+        """Answer whoever in `batch` has no answer yet with `error`; the batch is done."""
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(error)
+        self.in_flight -= len(batch)
+
+    def _expire_unqueued(self, request: PendingRequest[TextResult]) -> None:
+        """A request whose deadline passed after it left the queue, before its batch ran:
+        it was not computed, and is answered as if evicted from the queue."""
+        self._evicted(request)
+        if not request.future.done():
+            request.future.set_exception(
+                ExpiredInQueue(
+                    "the deadline passed while the request waited for the device; "
+                    "it was not computed"
+                )
+            )
 
     def _record(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
         worker = self.worker.name
@@ -330,8 +389,19 @@ class ModelReplica:
                 error=ExpiredInQueue("the deadline passed while the request was queued"),
             )
 
-    def _compute(self, encoded: list[EncodedText]) -> BatchOutcome:
-        """On the device thread: one forward pass, timed for the service-time fit."""
+    def _compute(
+        self, encoded: list[EncodedText], deadlines: list[float | None] | None = None
+    ) -> BatchOutcome:
+        """On the device thread: one forward pass, timed for the service-time fit.
+
+        Texts whose deadline (event-loop time, which is time.monotonic) has passed
+        are left out, never computed; `expired` says which.
+        """
+        now = time.monotonic()
+        expired = tuple(d is not None and d <= now for d in deadlines or [None] * len(encoded))
+        encoded = [text for text, gone in zip(encoded, expired, strict=True) if not gone]
+        if not encoded:
+            return BatchOutcome(torch.empty(0, 0), (), 0, 0.0, (), "monotonic", expired)
         clock = StageClock(self.worker.device)
         started = time.perf_counter()
         result = self.bundle.classifier.run(encoded, clock)
@@ -346,6 +416,7 @@ class ModelReplica:
             seconds=seconds,
             marks_ns=clock.epoch_ns(),
             clock=clock.kind,
+            expired=expired,
         )
 
     async def wait_idle(self) -> None:

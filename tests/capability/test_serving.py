@@ -34,7 +34,8 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
-from classify_common.errors import DeadlineUnreachable, ModelFault
+from capability.workers.worker import TextResult
+from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
 from tests.conftest import metric_sum
 from tests.status_details import error_reason
 
@@ -134,6 +135,47 @@ async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_com
         )
     await worker.replicas["topic-minilm"].wait_idle()
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before
+
+
+async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(60)
+
+    # Occupy the device thread but not the device's turn: the batching loop takes
+    # the first batch and hands it over, then the next full one behind it.
+    holding = asyncio.ensure_future(worker.execute(hold))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    loop = asyncio.get_running_loop()
+    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+    waiters = [
+        replica.admit(
+            encoded,
+            priority=PRIORITY_INTERACTIVE,
+            request_id=f"r{i}",
+            deadline=None if i < 2 else loop.time() + 0.3,
+        )
+        for i in range(4)
+    ]
+    await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
+    await asyncio.sleep(0.4)  # the second batch's deadline passes on the device thread's queue
+    release.set()
+    await holding
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(outcome, TextResult) for outcome in outcomes[:2])
+    assert all(isinstance(outcome, ExpiredInQueue) for outcome in outcomes[2:])
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 2
+    assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 2
+    await replica.wait_idle()
+    assert replica.in_flight == 0
 
 
 async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
