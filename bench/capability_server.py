@@ -28,12 +28,14 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -212,21 +214,50 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def scrape(metrics_url: str) -> dict[str, float]:
+    """The server's device-busy seconds and batch-size sum and count, from /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        text = page.read().decode()
+    wanted = {
+        "classify_worker_busy_seconds_total": "busy",
+        "classify_batch_size_sum": "texts",
+        "classify_batch_size_count": "batches",
+    }
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[wanted[sample.name]] += sample.value
+    return totals
+
+
 def run_load(
-    target: str, seconds: float, server_pid: int, probe: Any, probe_size: int
+    target: str,
+    seconds: float,
+    server_pid: int,
+    probe: Any,
+    probe_size: int,
+    metrics_url: str | None = None,
 ) -> dict[int, dict[str, float]]:
-    """Each level between two ceiling probes, with the CPU other processes used meanwhile."""
+    """Each level between two ceiling probes, with the CPU other processes used meanwhile,
+    and (for our server) the share of time its device computed and the mean batch."""
     results = {}
     for c in CONCURRENCY:
         before = forward_rate(probe, probe_size, PROBE_SECONDS)
         ours_cpu = tree_cpu_seconds(server_pid) + time.process_time()
         busy = busy_cpu_seconds()
+        served = scrape(metrics_url) if metrics_url else None
         started = time.perf_counter()
         result = asyncio.run(drive(target, c, seconds))
         elapsed = time.perf_counter() - started
         others = (busy_cpu_seconds() - busy) - (
             tree_cpu_seconds(server_pid) + time.process_time() - ours_cpu
         )
+        if metrics_url and served:
+            now = scrape(metrics_url)
+            batches = max(now["batches"] - served["batches"], 1.0)
+            result["device_busy"] = (now["busy"] - served["busy"]) / elapsed
+            result["mean_batch"] = (now["texts"] - served["texts"]) / batches
         after = forward_rate(probe, probe_size, PROBE_SECONDS)
         result["adjacent_ceiling"] = (before + after) / 2
         result["other_processes_cores"] = max(others, 0.0) / elapsed
@@ -252,6 +283,17 @@ def main() -> None:
     print(f"ceiling: in-process forward passes ({threads} torch threads)...", flush=True)
     ceiling = measure_ceiling(seconds_per_size=2.0)
 
+    # What the same forward reaches while another process keeps the other core busy:
+    # on a 2-core machine a server's own serving work is such a neighbour.
+    print("ceiling: with a busy process on the other core ...", flush=True)
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        probe_classifier = load_bundle(BUNDLE, "cpu").classifier
+        contended = forward_rate(probe_classifier, ceiling["best_batch_size"], 4.0)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
     print("ours: python -m capability ...", flush=True)
     ours_process = start(
         [
@@ -261,7 +303,7 @@ def main() -> None:
             "--port",
             "50352",
             "--metrics-port",
-            "-1",
+            "50354",
             "--models",
             "topic-minilm",
             "--device",
@@ -273,7 +315,14 @@ def main() -> None:
     probe = load_bundle(BUNDLE, "cpu").classifier
     probe_size = ceiling["best_batch_size"]
     try:
-        ours = run_load("127.0.0.1:50352", args.seconds, ours_process.pid, probe, probe_size)
+        ours = run_load(
+            "127.0.0.1:50352",
+            args.seconds,
+            ours_process.pid,
+            probe,
+            probe_size,
+            "http://127.0.0.1:50354/metrics",
+        )
     finally:
         ours_process.terminate()
         ours_process.wait(30)
@@ -306,6 +355,10 @@ def main() -> None:
         ours[c]["requests_per_second"] / ours[c]["adjacent_ceiling"] for c in CONCURRENCY
     )
     print(
+        f"raw ceiling at batch {ceiling['best_batch_size']} with a busy process on the other "
+        f"core: {contended:.0f} texts/s ({contended / top:.2f} of the ceiling alone)"
+    )
+    print(
         f"at saturation ours = {adjacent:.2f} of the adjacent ceiling (batch {probe_size}, "
         f"measured around each level), {saturated / top:.2f} of the up-front served-threads "
         f"ceiling, {saturated / ceiling_all_cores['ceiling_texts_per_second']:.2f} of the "
@@ -331,6 +384,13 @@ def main() -> None:
         "/adj ceil: throughput over the ceiling probed right before and after that level; "
         "others: cores used by processes other than the server and this client meanwhile"
     )
+    print(
+        "ours, share of time the device computed / mean batch: "
+        + ", ".join(
+            f"{c} clients {ours[c]['device_busy']:.2f} / {ours[c]['mean_batch']:.1f}"
+            for c in CONCURRENCY
+        )
+    )
     errors = sum(r["errors"] for r in (*ours.values(), *naive.values()))
     print(f"errors: {errors}")
 
@@ -346,6 +406,7 @@ def main() -> None:
                 },
                 "ceiling": ceiling,
                 "ceiling_all_cores": ceiling_all_cores,
+                "ceiling_with_busy_neighbour_texts_per_second": contended,
                 "ours": ours,
                 "naive": naive,
             },
