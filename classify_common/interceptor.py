@@ -148,11 +148,11 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 kind=SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": method},
             )
-            # Current for the whole call, so every node and outgoing call is its child.
-            attached = otel_context.attach(trace.set_span_in_context(server_span))
-            trace_id = format_trace_id(server_span)
-            request_trace = RequestTrace(server_span, self._metrics.node_duration, trace_id)
+            request_trace = RequestTrace(server_span, self._metrics.node_duration)
             bind_trace(request_trace)
+            # Current for the whole call, so every node and outgoing call is its child.
+            attached = otel_context.attach(request_trace.parent_context)
+            trace_id = format_trace_id(server_span)
             ids = _bind_ids(None, metadata, trace_id)
             code = grpc.StatusCode.OK
             try:

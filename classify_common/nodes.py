@@ -94,7 +94,6 @@ class RequestTrace:
 
     server_span: trace.Span
     node_seconds: Histogram | None = None
-    trace_id: str = ""
     timed_out: bool = False
     # Seconds per node, summed over attempts: the log line's time breakdown.
     seconds: dict[str, float] = field(default_factory=dict)
