@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -221,7 +221,7 @@ class ModelReplica:
             # The batch is formed only once the device is ours: until then requests
             # keep joining the queue, so a later interactive request still goes
             # first and a busy device yields fuller batches.
-            async with self.worker.device_turn:
+            async with self.worker.turn():
                 submitted: list[RunningBatch] = []
                 try:
                     first = self._submit(await self.queue.next_batch())
@@ -229,9 +229,11 @@ class ModelReplica:
                     while submitted:
                         # A full batch already waiting goes to the device thread at once,
                         # behind the running one, so it starts the moment the device
-                        # frees, not when this loop next gets the GIL. Only a full one:
-                        # a partial batch would stop filling early.
-                        ready = self.queue.take_full_batch()
+                        # frees, not when this loop next gets the GIL. Only a full one
+                        # (a partial batch would stop filling early), and only while no
+                        # other model waits for the device, which would starve it.
+                        others = self.worker.others_waiting
+                        ready = None if others else self.queue.take_full_batch()
                         following = self._submit(ready) if ready else None
                         submitted += [following] if following else []
                         await self._finish(*submitted[0])
@@ -453,18 +455,37 @@ class DeviceWorker:
         self._memory_threshold = memory_threshold
         self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"device-{name}")
         # Whoever holds this may use the device next (FIFO): batches of every
-        # replica, warm-ups and maintenance take turns through it.
-        self.device_turn = asyncio.Lock()
+        # replica, warm-ups and maintenance take turns through it (see `turn`).
+        self._device_turn = asyncio.Lock()
+        self._waiting_for_turn = 0
         self.replicas: dict[str, ModelReplica] = {}
         self._retiring: set[asyncio.Task[None]] = set()
 
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold the device: wait for the turn (FIFO), keep it for the block."""
+        self._waiting_for_turn += 1
+        try:
+            await self._device_turn.acquire()
+        finally:
+            self._waiting_for_turn -= 1
+        try:
+            yield
+        finally:
+            self._device_turn.release()
+
+    @property
+    def others_waiting(self) -> bool:
+        """Whether anyone waits for the device's turn (another model, a warm-up)."""
+        return self._waiting_for_turn > 0
+
     async def run_on_device(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on this worker's device thread when it is its turn."""
-        async with self.device_turn:
+        async with self.turn():
             return await self.execute(fn, *args)
 
     async def execute(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` on the device thread; the caller holds `device_turn`."""
+        """Run `fn(*args)` on the device thread; the caller holds the turn."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._device_thread, fn, *args)
 

@@ -178,6 +178,43 @@ async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired
     assert replica.in_flight == 0
 
 
+async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm", "topic-static"), max_batch_size=2)
+    worker = server.pool.workers[0]
+    minilm, static = worker.replicas["topic-minilm"], worker.replicas["topic-static"]
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(60)
+
+    holding = asyncio.ensure_future(worker.execute(hold))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    answered: list[str] = []
+
+    def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
+        encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+        future = replica.admit(
+            encoded, priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None
+        )
+        future.add_done_callback(lambda _: answered.append(name))
+        return future
+
+    # Three full batches of one model: the first runs, the second is handed over.
+    waiters = [admit(minilm, f"minilm-{i}") for i in range(6)]
+    await wait_until(lambda: len(minilm.queue) == 2 and minilm.in_flight == 4)
+    waiters.append(admit(static, "static"))
+    await wait_until(lambda: worker.others_waiting)
+    release.set()
+    await holding
+    await asyncio.gather(*waiters)
+    # The third batch waited for its turn behind the other model.
+    assert answered.index("static") < answered.index("minilm-4")
+    assert answered.index("static") > answered.index("minilm-3")
+
+
 async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
     capability: CapabilityServer,
 ) -> None:
