@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,10 @@ def start_stack(
     tmp_path: Path,
     endpoint: str,
     *extra: str,
+    capability_extra: Sequence[str] = (),
 ) -> ServerProcess:
     """A capability server and an orchestrator, as processes, exporting to `endpoint`;
-    `extra` flags go to both."""
+    `extra` flags go to both, `capability_extra` to the capability server."""
     capability = start_process(
         "capability",
         "--port",
@@ -84,14 +85,24 @@ def start_stack(
         "--otlp-endpoint",
         endpoint,
         *extra,
+        *capability_extra,
     )
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         "version: 1\nbackends:\n"
         f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
         f"  missing: {{model: no-such-model, targets: ['127.0.0.1:{capability.port}']}}\n"
+        f"  dead: {{model: topic-static, targets: ['127.0.0.1:{closed_port()}']}}\n"
         "routes:\n"
         "  - {name: missing, match: {model: no-such-model}, backend: missing}\n"
+        # A dead primary: retried, then answered by the fallback.
+        "  - name: failover\n"
+        "    match: {model: failover}\n"
+        "    backend: dead\n"
+        "    fallback: [static]\n"
+        "    retry: {max_attempts: 2, initial_backoff: 1ms, max_backoff: 5ms}\n"
+        # A budget no call can meet: PROCESSING, and the work goes on.
+        "  - {name: budgeted, match: {model: budgeted}, backend: static, budget: 1ms}\n"
         "  - {name: default, backend: static}\n"
     )
     return start_process(
@@ -190,6 +201,56 @@ async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     (link,) = assemble.links
     batch = [span for _, span in collected.spans if span.span_id == link.span_id]
     assert [span.name for span in batch] == [BATCH_SPAN_NAME]
+
+
+def attributes(span: trace_pb2.Span) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for attribute in span.attributes:
+        kind = attribute.value.WhichOneof("value")
+        values[attribute.key] = getattr(attribute.value, kind) if kind else None
+    return values
+
+
+async def test_retries_fallback_and_timeouts_are_exported_as_such(
+    receiver: tuple[TraceReceiver, int],
+    start_process: Callable[..., ServerProcess],
+    model_root: Path,
+    tmp_path: Path,
+) -> None:
+    collected, port = receiver
+    # A 100 ms batching window makes every answer slower than the 1 ms budget.
+    orchestrator = start_stack(
+        start_process,
+        model_root,
+        tmp_path,
+        f"127.0.0.1:{port}",
+        capability_extra=("--max-wait-ms", "100"),
+    )
+
+    failover = await classify(orchestrator, model="failover")
+    assert failover.fallback
+    # Two attempts on the dead backend reach no capability server.
+    await wait_for_spans(collected, failover.trace_id, len(NODES) + 4 + 2)
+    attempts = sorted(
+        (s for s in spans_of(collected, failover.trace_id) if s.name == "upstream_call"),
+        key=lambda s: int(str(attributes(s)["classify.attempt"])),
+    )
+    error, ok = trace_pb2.Status.STATUS_CODE_ERROR, trace_pb2.Status.STATUS_CODE_UNSET
+    assert [s.status.code for s in attempts] == [error, error, ok]
+    assert [attributes(s).get("classify.backend") for s in attempts] == ["dead", "dead", "static"]
+    assert attributes(attempts[0])["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert attributes(attempts[1])["classify.retry_reason"] == "MODEL_UNAVAILABLE"
+    assert attributes(attempts[2])["classify.fallback_reason"] == "MODEL_UNAVAILABLE"
+
+    budgeted = await classify(orchestrator, model="budgeted")
+    assert budgeted.status == pb.RESULT_STATUS_PROCESSING
+    await wait_for_spans(collected, budgeted.trace_id, len(NODES) + 2)
+    front_spans = spans_of(collected, budgeted.trace_id, "orchestrator")
+    (front,) = [s for s in front_spans if s.name == CLASSIFY_SPAN]
+    (upstream,) = [s for s in front_spans if s.name == "upstream_call"]
+    assert attributes(front)["timeout"] is True
+    assert attributes(upstream)["timeout"] is True  # ended after the answer, still exported
+    assert upstream.end_time_unix_nano > front.end_time_unix_nano
 
 
 async def test_with_sampling_off_only_errors_are_exported(
