@@ -148,7 +148,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 kind=SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": method},
             )
-            request_trace = RequestTrace(server_span, self._metrics.node_duration)
+            request_trace = RequestTrace(server_span, self._metrics.observe_node)
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)

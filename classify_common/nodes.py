@@ -16,7 +16,7 @@ and end times, parented to the request's server span.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
-from prometheus_client import Histogram
 
 from classify_common.errors import ServiceError, grpc_code_for
 from classify_common.tracing import get_tracer, spans_are_exported
@@ -93,7 +92,8 @@ class RequestTrace:
     under, the node histogram, and the fields and timings of its log line."""
 
     server_span: trace.Span
-    node_seconds: Histogram | None = None
+    # Records one node's seconds in the process's node histogram.
+    observe_node: Callable[[str, float], None] | None = None
     timed_out: bool = False
     # Seconds per node, summed over attempts: the log line's time breakdown.
     seconds: dict[str, float] = field(default_factory=dict)
@@ -109,8 +109,8 @@ class RequestTrace:
 
     def record(self, node: str, seconds: float) -> None:
         self.seconds[node] = self.seconds.get(node, 0.0) + seconds
-        if self.node_seconds is not None:
-            self.node_seconds.labels(node).observe(seconds)
+        if self.observe_node is not None:
+            self.observe_node(node, seconds)
 
     def mark_timed_out(self) -> None:
         self.timed_out = True

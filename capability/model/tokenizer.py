@@ -118,11 +118,15 @@ class TextTokenizer:
         rows = [text.ids for text in encoded]
         lengths = tuple(len(ids) for ids in rows)
         width = max(lengths, default=0)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.int64)  # (B, T)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)  # (B, T)
-        for row, ids in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            attention_mask[row, : len(ids)] = 1
+        # One tensor from padded rows, not one small copy per row: this runs on the
+        # device thread between forwards, holding the GIL.
+        padding = (self.pad_token_id,)
+        input_ids = torch.tensor(
+            [ids + padding * (width - len(ids)) for ids in rows], dtype=torch.int64
+        ).reshape(len(rows), width)  # (B, T)
+        attention_mask = (
+            torch.arange(width) < torch.tensor(lengths, dtype=torch.int64)[:, None]
+        ).to(torch.int64)  # (B, T)
         return TokenBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
