@@ -51,6 +51,10 @@ CONCURRENCY = (1, 8, 32, 128)
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 # Seconds of each ceiling probe taken right before and right after a load level.
 PROBE_SECONDS = 2.0
+# The saturation figure alternates short ceiling and server windows, so the host's
+# drift (its speed moved by a third within minutes) falls on both alike.
+SATURATION_ROUNDS = 5
+SATURATION_SECONDS = 3.0
 SHORT_TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
     "Shares fell sharply after the bank cut its profit forecast",
@@ -265,6 +269,19 @@ def run_load(
     return results
 
 
+def saturation_rounds(target: str, probe: Any, probe_size: int) -> list[float]:
+    """Ours at the highest concurrency over the ceiling probed right before and after,
+    one ratio per round."""
+    clients = max(CONCURRENCY)
+    ceilings = [forward_rate(probe, probe_size, SATURATION_SECONDS)]
+    ratios = []
+    for _ in range(SATURATION_ROUNDS):
+        served = asyncio.run(drive(target, clients, SATURATION_SECONDS))["requests_per_second"]
+        ceilings.append(forward_rate(probe, probe_size, SATURATION_SECONDS))
+        ratios.append(served / ((ceilings[-2] + ceilings[-1]) / 2))
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="load per concurrency level")
@@ -323,6 +340,8 @@ def main() -> None:
             probe_size,
             "http://127.0.0.1:50354/metrics",
         )
+        print("ours: alternating saturation rounds ...", flush=True)
+        rounds = saturation_rounds("127.0.0.1:50352", probe, probe_size)
     finally:
         ours_process.terminate()
         ours_process.wait(30)
@@ -357,6 +376,11 @@ def main() -> None:
     print(
         f"raw ceiling at batch {ceiling['best_batch_size']} with a busy process on the other "
         f"core: {contended:.0f} texts/s ({contended / top:.2f} of the ceiling alone)"
+    )
+    print(
+        f"saturation, {SATURATION_ROUNDS} alternating rounds of {SATURATION_SECONDS:.0f} s at "
+        f"{max(CONCURRENCY)} clients: ours / ceiling = median {statistics.median(rounds):.2f} "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in rounds)})"
     )
     print(
         f"at saturation ours = {adjacent:.2f} of the adjacent ceiling (batch {probe_size}, "
@@ -407,6 +431,7 @@ def main() -> None:
                 "ceiling": ceiling,
                 "ceiling_all_cores": ceiling_all_cores,
                 "ceiling_with_busy_neighbour_texts_per_second": contended,
+                "saturation_rounds_ours_over_ceiling": rounds,
                 "ours": ours,
                 "naive": naive,
             },
