@@ -53,15 +53,20 @@ TEXTS = [
 
 
 @contextlib.asynccontextmanager
-async def device_occupied(worker: DeviceWorker) -> AsyncIterator[None]:
-    """Hold the worker's device thread until the block exits, like a long batch would."""
+async def device_occupied(worker: DeviceWorker, *, take_turn: bool = True) -> AsyncIterator[None]:
+    """Hold the worker's device thread until the block exits, like a long batch would.
+
+    `take_turn=False` holds the thread but not the device's turn: the batching loop
+    can then take batches and hand them over, and they queue behind the hold.
+    """
     started, release = threading.Event(), threading.Event()
 
     def hold() -> None:
         started.set()
         release.wait(60)
 
-    holding = asyncio.ensure_future(worker.run_on_device(hold))
+    run = worker.run_on_device if take_turn else worker.execute
+    holding = asyncio.ensure_future(run(hold))
     await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
     try:
         yield
@@ -144,31 +149,21 @@ async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired
     worker = server.pool.workers[0]
     replica = worker.replicas["topic-minilm"]
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
-    started, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        started.set()
-        release.wait(60)
-
-    # Occupy the device thread but not the device's turn: the batching loop takes
-    # the first batch and hands it over, then the next full one behind it.
-    holding = asyncio.ensure_future(worker.execute(hold))
-    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
     loop = asyncio.get_running_loop()
     encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
-    waiters = [
-        replica.admit(
-            encoded,
-            priority=PRIORITY_INTERACTIVE,
-            request_id=f"r{i}",
-            deadline=None if i < 2 else loop.time() + 0.3,
-        )
-        for i in range(4)
-    ]
-    await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
-    await asyncio.sleep(0.4)  # the second batch's deadline passes on the device thread's queue
-    release.set()
-    await holding
+    # The loop takes the first batch and hands it over, then the next full one behind it.
+    async with device_occupied(worker, take_turn=False):
+        waiters = [
+            replica.admit(
+                encoded,
+                priority=PRIORITY_INTERACTIVE,
+                request_id=f"r{i}",
+                deadline=None if i < 2 else loop.time() + 0.3,
+            )
+            for i in range(4)
+        ]
+        await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
+        await asyncio.sleep(0.4)  # the second batch's deadline passes on the device thread
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(outcome, TextResult) for outcome in outcomes[:2])
     assert all(isinstance(outcome, ExpiredInQueue) for outcome in outcomes[2:])
@@ -184,14 +179,6 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
     server = await start_capability(models=("topic-minilm", "topic-static"), max_batch_size=2)
     worker = server.pool.workers[0]
     minilm, static = worker.replicas["topic-minilm"], worker.replicas["topic-static"]
-    started, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        started.set()
-        release.wait(60)
-
-    holding = asyncio.ensure_future(worker.execute(hold))
-    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
     answered: list[str] = []
 
     def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
@@ -202,13 +189,12 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
         future.add_done_callback(lambda _: answered.append(name))
         return future
 
-    # Three full batches of one model: the first runs, the second is handed over.
-    waiters = [admit(minilm, f"minilm-{i}") for i in range(6)]
-    await wait_until(lambda: len(minilm.queue) == 2 and minilm.in_flight == 4)
-    waiters.append(admit(static, "static"))
-    await wait_until(lambda: worker.others_waiting)
-    release.set()
-    await holding
+    async with device_occupied(worker, take_turn=False):
+        # Three full batches of one model: the first runs, the second is handed over.
+        waiters = [admit(minilm, f"minilm-{i}") for i in range(6)]
+        await wait_until(lambda: len(minilm.queue) == 2 and minilm.in_flight == 4)
+        waiters.append(admit(static, "static"))
+        await wait_until(lambda: worker.others_waiting)
     await asyncio.gather(*waiters)
     # The third batch waited for its turn behind the other model.
     assert answered.index("static") < answered.index("minilm-4")
