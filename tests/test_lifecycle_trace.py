@@ -24,8 +24,12 @@ from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_serving import device_occupied
-from tests.conftest import STRIKER, closed_port, metric_sum
-from tests.orchestrator.test_policy import StartOrchestrator, orchestrator_with  # noqa: F401
+from tests.conftest import STRIKER, metric_sum
+from tests.orchestrator.test_policy import (  # noqa: F401
+    StartOrchestrator,
+    dead_primary_with_fallback,
+    orchestrator_with,
+)
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 ORCHESTRATOR_NODES = [n.name for n in NODES if n.service == "orchestrator"]
@@ -185,22 +189,7 @@ async def test_retries_and_fallback_are_attempts_with_their_reasons(
     capability: CapabilityServer,
     span_exporter: InMemorySpanExporter,
 ) -> None:
-    server = await orchestrator_with(
-        f"""version: 1
-backends:
-  minilm:
-    model: topic-minilm
-    targets: ["127.0.0.1:{closed_port()}"]
-  static:
-    model: topic-static
-    targets: ["127.0.0.1:{capability.port}"]
-routes:
-  - name: default
-    backend: minilm
-    fallback: [static]
-    retry: {{max_attempts: 2, initial_backoff: 1ms, max_backoff: 5ms}}
-"""
-    )
+    server = await orchestrator_with(dead_primary_with_fallback(capability.port))
     response = await classify(server.port)
     assert response.fallback
     # Two failed attempts reach no capability server: 17 + 2 * 2 attempt nodes, 2 servers.

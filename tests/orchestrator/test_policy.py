@@ -95,25 +95,28 @@ routes:
     )
 
 
-async def test_failing_primary_is_answered_by_the_fallback_model_and_counted(
-    orchestrator_with: StartOrchestrator, capability: CapabilityServer
-) -> None:
-    server = await orchestrator_with(
-        f"""version: 1
+def dead_primary_with_fallback(live_port: int) -> str:
+    """Routes whose primary backend is down (tried twice) and whose fallback is live."""
+    return f"""version: 1
 backends:
   minilm:
     model: topic-minilm
     targets: ["127.0.0.1:{closed_port()}"]
   static:
     model: topic-static
-    targets: ["127.0.0.1:{capability.port}"]
+    targets: ["127.0.0.1:{live_port}"]
 routes:
   - name: default
     backend: minilm
     fallback: [static]
     retry: {{max_attempts: 2, initial_backoff: 1ms, max_backoff: 5ms}}
 """
-    )
+
+
+async def test_failing_primary_is_answered_by_the_fallback_model_and_counted(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(dead_primary_with_fallback(capability.port))
     responses = await classify_many(server, 5)
     assert all(r.fallback for r in responses)
     assert {(r.model.name, r.labels[0].name, r.route) for r in responses} == {
