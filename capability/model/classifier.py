@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from capability.model.encoder import EncoderConfig, SentenceEncoder
 from capability.model.errors import ModelLoadError
@@ -44,10 +44,13 @@ TextEncoder = SentenceEncoder | StaticEmbeddingEncoder
 # times a scale of 40 would move logits by ~0.04.
 PRECISION_DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# How the encoder's forward runs. "eager" calls the PyTorch modules op by op from Python.
-# "torchscript" traces it once into a graph that runs in C++ without holding the GIL:
-# with another Python thread busy (as a serving loop is), a batch of 32 took 125 ms
-# traced against 1,130 ms eager on the 2-core test machine, with identical outputs.
+# How a batch's forward (encoder and head) runs. "eager" calls the PyTorch modules op by
+# op from Python. "torchscript" traces them once into one graph that runs in C++ without
+# holding the GIL: with another Python thread busy (as a serving loop is), a batch of 32
+# took 125 ms traced against 1,130 ms eager on the 2-core test machine, with identical
+# outputs. The head is in the same graph because every op called from Python gives up
+# the GIL and must win it back from the serving loop, up to a switch interval (5 ms)
+# each time: the head alone was ~25 such waits per batch.
 GRAPHS = ("torchscript", "eager")
 # What serving uses unless told otherwise.
 DEFAULT_GRAPH = "torchscript"
@@ -109,13 +112,14 @@ class TextClassifier:
         # tests prove a rejected request never reached the model.
         self.forward_count = 0
         self.graph = "eager"
-        self._encode: Callable[[Tensor, Tensor], Tensor] = self.encoder
+        self._score: Callable[[Tensor, Tensor], Tensor] = ScoringModel(self.encoder, self.head)
 
     def use_graph(self, graph: str) -> None:
-        """Run the encoder as `graph` (see GRAPHS) from now on."""
+        """Run each batch's forward as `graph` (see GRAPHS) from now on."""
         if graph not in GRAPHS:
             raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
-        self._encode = self.encoder if graph == "eager" else trace_encoder(self.encoder)
+        scoring = ScoringModel(self.encoder, self.head)
+        self._score = scoring if graph == "eager" else trace_scoring(scoring)
         self.graph = graph
 
     def token_budget(self, max_length: int | None) -> int:
@@ -144,8 +148,20 @@ class TextClassifier:
         clock.mark()
         batch = self.tokenizer.collate(encoded)
         clock.mark()
-        embeddings = self._embed_batch(batch, clock)  # (B, H) float32
-        probabilities = self.head(embeddings).float().cpu()  # (B, L)
+        if batch.lengths:
+            input_ids, attention_mask = self._to_device(batch)
+            clock.mark()
+            self.forward_count += 1
+            probabilities = self._score(input_ids, attention_mask)  # (B, L) float32
+            clock.mark()
+            if probabilities.device.type != "cpu":
+                probabilities = probabilities.cpu()
+        else:
+            # An empty request has nothing to run; answering without a forward keeps
+            # `forward_count` equal to the passes the model really made.
+            clock.mark()
+            clock.mark()
+            probabilities = torch.empty((0, len(self.labels)))
         clock.mark()
         return ClassifyBatchResult(
             probabilities=probabilities,
@@ -155,8 +171,16 @@ class TextClassifier:
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str], max_length: int | None = None) -> Tensor:
-        """Unit-length float32 sentence embeddings (B, H), on the model's device."""
-        return self._embed_batch(self.tokenizer.encode(texts, self.token_budget(max_length)))
+        """Unit-length float32 sentence embeddings (B, H), on the model's device.
+
+        Runs the encoder eagerly whatever `graph` is: this is for analysis, not serving.
+        """
+        batch = self.tokenizer.encode(texts, self.token_budget(max_length))
+        if not batch.lengths:
+            return torch.empty((0, self.encoder.hidden_size), device=self.device)
+        self.forward_count += 1
+        embeddings: Tensor = self.encoder(*self._to_device(batch))
+        return embeddings  # (B, H)
 
     def warm_up(self) -> None:
         """Run one small batch so first-request latency excludes allocator and kernel setup."""
@@ -172,29 +196,39 @@ class TextClassifier:
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _embed_batch(self, batch: TokenBatch, clock: StageClock | None = None) -> Tensor:
-        clock = clock or NoClock()
-        # An empty request has nothing to run; answering without a forward keeps
-        # `forward_count` equal to the passes the model really made.
-        if not batch.lengths:
-            clock.mark()
-            clock.mark()
-            return torch.empty((0, self.encoder.hidden_size), device=self.device)
+    def _to_device(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        """The batch's ids and mask on the model's device, lengths checked."""
         # A traced graph keeps no Python checks, so the one that protects a CUDA
         # device from an out-of-table position lookup is made here.
         if batch.input_ids.shape[1] > self.max_seq_length:
             raise ValueError(f"{batch.input_ids.shape[1]} tokens exceed {self.max_seq_length}")
+        if self.device.type == "cpu":
+            # Already there; even a `.to` that changes nothing gives up the GIL.
+            return batch.input_ids, batch.attention_mask
         input_ids = batch.input_ids.to(self.device, non_blocking=True)  # (B, T)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)  # (B, T)
-        clock.mark()
-        self.forward_count += 1
-        embeddings = self._encode(input_ids, attention_mask)  # (B, H) float32
-        clock.mark()
-        return embeddings
+        return input_ids, attention_mask
 
 
-def trace_encoder(encoder: TextEncoder) -> Callable[[Tensor, Tensor], Tensor]:
-    """The encoder as a TorchScript graph, traced once on a small example.
+class ScoringModel(nn.Module):
+    """Encoder then head, one module: token ids (B, T) -> label probabilities (B, L).
+
+    One module so that one traced graph, a single call from Python, runs a batch.
+    """
+
+    def __init__(self, encoder: TextEncoder, head: ClassifierHead) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        embeddings = self.encoder(input_ids, attention_mask)  # (B, H) float32
+        probabilities: Tensor = self.head(embeddings)  # (B, L) float32
+        return probabilities
+
+
+def trace_scoring(scoring: ScoringModel) -> Callable[[Tensor, Tensor], Tensor]:
+    """Encoder and head as one TorchScript graph, traced once on a small example.
 
     The forwards have no data-dependent control flow, and sizes are traced as sizes,
     so the graph serves any batch size and length with the eager outputs. Tracing
@@ -202,12 +236,12 @@ def trace_encoder(encoder: TextEncoder) -> Callable[[Tensor, Tensor], Tensor]:
     torch.jit being deprecated in favour of torch.compile, which needs a compiler
     toolchain at run time; the warnings are silenced here.
     """
-    device = next(encoder.parameters()).device
+    device = next(scoring.parameters()).device
     example = torch.full((2, 8), 1000, dtype=torch.int64, device=device)  # (B, T)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced: Callable[[Tensor, Tensor], Tensor] = torch.jit.trace(  # type: ignore[no-untyped-call]
-            encoder, (example, torch.ones_like(example)), check_trace=False
+            scoring, (example, torch.ones_like(example)), check_trace=False
         )
     return traced
 

@@ -117,16 +117,21 @@ class TextTokenizer:
         """Right-pad encoded texts to the longest of them."""
         rows = [text.ids for text in encoded]
         lengths = tuple(len(ids) for ids in rows)
-        width = max(lengths, default=0)
-        # One tensor from padded rows, not one small copy per row: this runs on the
-        # device thread between forwards, holding the GIL.
+        if not rows:
+            nothing = torch.zeros((0, 0), dtype=torch.int64)  # (0, 0)
+            return TokenBatch(input_ids=nothing, attention_mask=nothing, lengths=(), truncated=())
+        width = max(lengths)
+        # Each tensor is built in one call from padded Python rows. This runs on the
+        # device thread between forwards: a per-row copy, or tensor ops to make the
+        # mask, would each give up the GIL and wait to win it back from the serving loop.
         padding = (self.pad_token_id,)
         input_ids = torch.tensor(
             [ids + padding * (width - len(ids)) for ids in rows], dtype=torch.int64
-        ).reshape(len(rows), width)  # (B, T)
-        attention_mask = (
-            torch.arange(width) < torch.tensor(lengths, dtype=torch.int64)[:, None]
-        ).to(torch.int64)  # (B, T)
+        )  # (B, T)
+        attention_mask = torch.tensor(
+            [[1] * length + [0] * (width - length) for length in lengths],
+            dtype=torch.int64,
+        )  # (B, T)
         return TokenBatch(
             input_ids=input_ids,
             attention_mask=attention_mask,
