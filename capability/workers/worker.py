@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,6 +27,7 @@ from capability.bundle import BundleError, LoadedBundle
 from capability.metrics import CapabilityMetrics
 from capability.model import EncodedText
 from capability.model.stages import StageClock
+from capability.workers.device_thread import DeviceThread
 from classify_common.errors import (
     DeadlineUnreachable,
     DeviceMemoryPressure,
@@ -61,7 +61,7 @@ class TextResult:
 
 @dataclass(frozen=True)
 class BatchOutcome:
-    probabilities: torch.Tensor  # (B, L) float32 on the CPU
+    probabilities: list[list[float]]  # (B, L), columns follow the classifier's labels
     finite_rows: tuple[bool, ...]
     padded_tokens: int
     seconds: float
@@ -282,7 +282,7 @@ class ModelReplica:
                     continue
                 request.future.set_result(
                     TextResult(
-                        probabilities=tuple(outcome.probabilities[row].tolist()),
+                        probabilities=tuple(outcome.probabilities[row]),
                         bundle=self.bundle,
                         token_count=len(request.encoded),
                         truncated=request.encoded.truncated,
@@ -403,17 +403,19 @@ class ModelReplica:
         expired = tuple(d is not None and d <= now for d in deadlines or [None] * len(encoded))
         encoded = [text for text, gone in zip(encoded, expired, strict=True) if not gone]
         if not encoded:
-            return BatchOutcome(torch.empty(0, 0), (), 0, 0.0, (), "monotonic", expired)
+            return BatchOutcome([], (), 0, 0.0, (), "monotonic", expired)
         clock = StageClock(self.worker.device)
         started = time.perf_counter()
         result = self.bundle.classifier.run(encoded, clock)
         seconds = time.perf_counter() - started
         padded = max(len(text) for text in encoded)
         self.service_time.record(len(encoded), padded, seconds)
-        finite = torch.isfinite(result.probabilities).all(dim=1)
+        # One call to leave torch: checks on the tensor would each give up the GIL and
+        # wait to win it back from the serving loop; these are plain Python floats.
+        rows = result.probabilities.tolist()
         return BatchOutcome(
-            probabilities=result.probabilities,
-            finite_rows=tuple(bool(ok) for ok in finite.tolist()),
+            probabilities=rows,
+            finite_rows=tuple(all(map(math.isfinite, row)) for row in rows),
             padded_tokens=padded,
             seconds=seconds,
             marks_ns=clock.epoch_ns(),
@@ -453,7 +455,7 @@ class DeviceWorker:
         self.name = name
         self._metrics = metrics
         self._memory_threshold = memory_threshold
-        self._device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"device-{name}")
+        self._device_thread = DeviceThread(f"device-{name}")
         # Whoever holds this may use the device next (FIFO): batches of every
         # replica, warm-ups and maintenance take turns through it (see `turn`).
         self._device_turn = asyncio.Lock()
@@ -486,8 +488,7 @@ class DeviceWorker:
 
     async def execute(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the device thread; the caller holds the turn."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._device_thread, fn, *args)
+        return await self._device_thread.submit(fn, *args)
 
     def memory_in_use(self) -> float | None:
         """Share of device memory in use (CUDA), or None where it is not measured."""
@@ -552,4 +553,4 @@ class DeviceWorker:
     async def close(self) -> None:
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
-        self._device_thread.shutdown(wait=True, cancel_futures=True)
+        self._device_thread.close()
