@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import queue
-from typing import Any
 
 from classify_common.context import RequestContext, bind_request
-from classify_common.logs import DroppingQueueHandler, JsonFormatter
+from classify_common.logs import BatchingLineWriter, DroppingQueueHandler, JsonFormatter
 
 
-def make_handler(capacity: int) -> tuple[DroppingQueueHandler, queue.Queue[Any]]:
-    records: queue.Queue[Any] = queue.Queue(capacity)
+def make_handler(capacity: int) -> tuple[DroppingQueueHandler, queue.Queue[str]]:
+    records: queue.Queue[str] = queue.Queue(capacity)
     handler = DroppingQueueHandler(records)
     handler.setFormatter(JsonFormatter("test"))
     return handler, records
@@ -25,7 +25,7 @@ def test_record_is_one_json_line_with_request_and_trace_ids_and_extra_fields() -
     logger.propagate = False
     bind_request(RequestContext(request_id="req-7", trace_id="ab" * 16))
     logger.warning("model ready", extra={"model": "topic-minilm"})
-    entry = json.loads(records.get_nowait().getMessage())
+    entry = json.loads(records.get_nowait())
     assert entry["event"] == "model ready"
     assert entry["level"] == "warning"
     assert entry["service"] == "test"
@@ -44,3 +44,24 @@ def test_full_log_queue_drops_and_counts_instead_of_blocking() -> None:
         logger.info("line %d", n)
     assert records.qsize() == 3
     assert handler.dropped == 7
+
+
+def test_writer_writes_every_queued_line_in_order_and_the_rest_when_stopped() -> None:
+    handler, records = make_handler(100)
+    logger = logging.getLogger("test.logs.writer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    stream = io.StringIO()
+    # An interval no test waits for: only stop() can have written the lines.
+    writer = BatchingLineWriter(records, stream, interval=3600)
+    writer.start()
+    for n in range(5):
+        logger.info("line %d", n)
+    assert stream.getvalue() == ""
+
+    writer.stop()
+
+    events = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
+    assert events == [f"line {n}" for n in range(5)]
+    assert records.empty()
