@@ -18,11 +18,18 @@ def make_handler(capacity: int) -> tuple[DroppingQueueHandler, queue.Queue[str]]
     return handler, records
 
 
+def logger_into(name: str, handler: logging.Handler) -> logging.Logger:
+    """A logger at INFO whose records go to `handler` only."""
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
+
+
 def test_record_is_one_json_line_with_request_and_trace_ids_and_extra_fields() -> None:
     handler, records = make_handler(10)
-    logger = logging.getLogger("test.logs.ids")
-    logger.addHandler(handler)
-    logger.propagate = False
+    logger = logger_into("test.logs.ids", handler)
     bind_request(RequestContext(request_id="req-7", trace_id="ab" * 16))
     logger.warning("model ready", extra={"model": "topic-minilm"})
     entry = json.loads(records.get_nowait())
@@ -35,10 +42,7 @@ def test_record_is_one_json_line_with_request_and_trace_ids_and_extra_fields() -
 
 def test_full_log_queue_drops_and_counts_instead_of_blocking() -> None:
     handler, records = make_handler(3)
-    logger = logging.getLogger("test.logs.full")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    logger = logger_into("test.logs.full", handler)
     # No writer drains the queue, as when stderr is a pipe nobody reads.
     for n in range(10):
         logger.info("line %d", n)
@@ -48,10 +52,7 @@ def test_full_log_queue_drops_and_counts_instead_of_blocking() -> None:
 
 def test_writer_writes_every_queued_line_in_order_and_the_rest_when_stopped() -> None:
     handler, records = make_handler(100)
-    logger = logging.getLogger("test.logs.writer")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    logger = logger_into("test.logs.writer", handler)
     stream = io.StringIO()
     # An interval no test waits for: only stop() can have written the lines.
     writer = BatchingLineWriter(records, stream, interval=3600)
