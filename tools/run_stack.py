@@ -130,6 +130,10 @@ def main() -> int:
         print(f"a server exited with code {failed.returncode}; stopping the other", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        # Ignore a second signal (Ctrl-C reaches make too, and make passes on what it
+        # gets), so it cannot cut the orderly stop below short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("\nstopping...", flush=True)
         return 0
     finally:
