@@ -93,6 +93,14 @@ def ensure_local_credentials() -> dict[str, str]:
     }
 
 
+def interrupt_once(signum: int, frame: object) -> None:
+    """Stop on the first SIGINT or SIGTERM and ignore the rest: Ctrl-C reaches make
+    too, and make passes on what it gets, so a second one would cut the stop short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     capability_port = os.environ.get("CAPABILITY_PORT", "50052")
     orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", "50051")
@@ -101,7 +109,8 @@ def main() -> int:
     processes: list[subprocess.Popen[bytes]] = []
     # Children run in their own sessions, out of reach of the terminal's
     # Ctrl-C; this script turns Ctrl-C or SIGTERM into one orderly SIGTERM each.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, interrupt_once)
+    signal.signal(signal.SIGTERM, interrupt_once)
     try:
         print(f"starting capability server on :{capability_port} (loading the model)...")
         capability = subprocess.Popen(
@@ -130,10 +139,6 @@ def main() -> int:
         print(f"a server exited with code {failed.returncode}; stopping the other", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # Ignore a second signal (Ctrl-C reaches make too, and make passes on what it
-        # gets), so it cannot cut the orderly stop below short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("\nstopping...", flush=True)
         return 0
     finally:
