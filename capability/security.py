@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from classify_common.context import INTERNAL_TOKEN_HEADER
 from classify_common.errors import Unauthenticated
+from classify_common.interceptor import RateAllowance
 
 # The one caller a capability server serves.
 ORCHESTRATOR = "orchestrator"
@@ -27,5 +28,5 @@ class InternalTokenGate:
             raise Unauthenticated("capability servers answer the orchestrator only")
         return ORCHESTRATOR
 
-    def check_rate_limit(self, tenant: str) -> float | None:
-        return None  # overload is the bounded queue's job here
+    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        return RateAllowance(None, calls)  # overload is the bounded queue's job here

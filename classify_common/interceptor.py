@@ -17,6 +17,12 @@ For each call to an `ai.classify.v1` method it
    counts the call, and writes one access-log line with its time breakdown;
    the server span (and `response_send`) end when gRPC reports the call done.
 Handlers therefore only convert messages and call the domain layer.
+
+A batch call (`ClassifyBatch`) goes through the same steps once. Its items are
+checked one by one: an item that breaks the item rules, or that the tenant's
+rate limit (one token per item) does not cover, is refused on its own and
+recorded for the handler (classify_common.intake); only the batch's own rules
+and a refused caller fail the whole call.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import grpc
@@ -49,10 +56,11 @@ from classify_common.errors import (
     grpc_code_for,
     status_for,
 )
+from classify_common.intake import BATCH_METHODS, BatchIntake, bind_batch_intake
 from classify_common.metrics import RpcMetrics
 from classify_common.nodes import RequestTrace, bind_trace, node
 from classify_common.tracing import extract_context, format_trace_id, get_tracer
-from classify_common.validation import validate_request
+from classify_common.validation import validate_batch, validate_request
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -63,6 +71,15 @@ UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[An
 RawBehavior = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
 
 
+@dataclass(frozen=True)
+class RateAllowance:
+    """What a tenant's rate limit granted to one call of `calls` items."""
+
+    tokens_left: float | None  # None: the tenant is not limited
+    granted: int  # the first `granted` items may go ahead
+    refusal: ServiceError | None = None  # answers the items past `granted`
+
+
 class Gate(Protocol):
     """Who may call, and how often; each method raises a ServiceError to refuse."""
 
@@ -70,8 +87,9 @@ class Gate(Protocol):
         """The caller's tenant, from the request metadata (lower-case keys)."""
         ...
 
-    def check_rate_limit(self, tenant: str) -> float | None:
-        """Take one call from the tenant's allowance: tokens left, or None when unlimited."""
+    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        """Take one token per call (a batch item is a call) from the tenant's allowance;
+        raise when not even one is left."""
         ...
 
 
@@ -102,6 +120,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         self._edge = edge
         # Looked up once: get_tracer builds a new tracer object on every call.
         self._tracer = get_tracer()
+        # The wrapped handler of each contract method, built on its first call: a
+        # server's handlers never change, and wrapping costs more than a lookup.
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -110,8 +131,11 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(handler_call_details)
         if (
             handler is None
             or handler.unary_unary is None
@@ -121,7 +145,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         ):
             return handler
         # Bytes in and out: the lifecycle parses and serialises, so both are timed nodes.
-        return grpc.unary_unary_rpc_method_handler(
+        wrapped = grpc.unary_unary_rpc_method_handler(
             # On a grpc.aio server every behavior is a coroutine function.
             self._wrap(
                 method,
@@ -130,6 +154,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 handler.response_serializer,
             )
         )
+        self._wrapped[method] = wrapped
+        return wrapped
 
     def _wrap(
         self,
@@ -214,8 +240,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             if not self._edge:
                 if self._gate is not None:
                     tenant = self._gate.authenticate(method, headers)
-                    self._gate.check_rate_limit(tenant)
-                _validate(request, span)
+                    self._gate.check_rate_limit(tenant, _calls_in(method, request))
+                _validate(method, request, span)
             return request
 
     def _admit(self, method: str, headers: Mapping[str, str], request: Any) -> None:
@@ -231,12 +257,18 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                     span.set_attribute("classify.outcome", "refused")
                     raise
                 span.set_attributes({"classify.tenant": tenant, "classify.outcome": "ok"})
+        calls = _calls_in(method, request)
+        allowance = RateAllowance(None, calls)
         with node("rate_limit_check", {"classify.tenant": tenant}) as span:
-            left = None if self._gate is None else self._gate.check_rate_limit(tenant)
-            if left is not None:
-                span.set_attribute("classify.tokens_left", left)
+            if self._gate is not None:
+                allowance = self._gate.check_rate_limit(tenant, calls)
+            if allowance.tokens_left is not None:
+                span.set_attribute("classify.tokens_left", allowance.tokens_left)
         with node("input_validate") as span:
-            _validate(request, span)
+            intake = _validate(method, request, span)
+        if allowance.refusal is not None:
+            over_limit = dict.fromkeys(range(allowance.granted, calls), allowance.refusal)
+            bind_batch_intake(BatchIntake({**over_limit, **intake.refused}))
 
     def _serialize(self, response: Any, serialize: Callable[[Any], bytes]) -> bytes:
         if not self._edge:
@@ -316,9 +348,21 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def _validate(request: Any, span: trace.Span) -> None:
+def _calls_in(method: str, request: Any) -> int:
+    """How many calls a request counts as: one per item for a batch."""
+    return len(request.items) if method in BATCH_METHODS else 1
+
+
+def _validate(method: str, request: Any, span: trace.Span) -> BatchIntake:
+    """Check the request against the contract. A batch's broken items are bound as
+    its intake (and returned); anything else that is broken raises InvalidRequest."""
+    intake = BatchIntake()
     try:
-        validate_request(request)
+        if method in BATCH_METHODS:
+            intake = BatchIntake(validate_batch(request))
+            bind_batch_intake(intake)
+        else:
+            validate_request(request)
     except InvalidRequest as error:
         span.set_attributes(
             {
@@ -327,7 +371,12 @@ def _validate(request: Any, span: trace.Span) -> None:
             }
         )
         raise
-    span.set_attribute("classify.violations", 0)
+    refused = cast(Mapping[int, InvalidRequest], intake.refused)
+    violations = [v for error in refused.values() for v in error.violations]
+    span.set_attribute("classify.violations", len(violations))
+    if violations:
+        span.set_attribute("classify.violation_fields", [v.field for v in violations])
+    return intake
 
 
 def _id_trailers(ids: RequestContext) -> tuple[tuple[str, str], ...]:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
 import protovalidate
 from google.protobuf.message import Message
 
 from classify_common.errors import FieldViolation, InvalidRequest
+from classify_common.intake import MAX_BATCH_TOTAL_CHARS
 
 # A Validator caches compiled rules per message type; one per process.
 _validator = protovalidate.Validator()
@@ -31,17 +37,52 @@ def field_path_to_string(path: protovalidate.FieldPathPb | None) -> str:
     return ".".join(parts)
 
 
+def _collect(message: Message) -> list[FieldViolation]:
+    return [
+        FieldViolation(
+            field=field_path_to_string(v.proto.field), rule=v.proto.rule_id, message=v.proto.message
+        )
+        for v in _validator.collect_violations(message)
+    ]
+
+
 def validate_request(message: Message) -> None:
     """Raise InvalidRequest with one FieldViolation per broken rule, or return."""
-    violations = _validator.collect_violations(message)
+    violations = _collect(message)
     if violations:
-        raise InvalidRequest(
-            [
-                FieldViolation(
-                    field=field_path_to_string(v.proto.field),
-                    rule=v.proto.rule_id,
-                    message=v.proto.message,
-                )
-                for v in violations
-            ]
+        raise InvalidRequest(violations)
+
+
+# `items[3].text` and `item_contexts[3].timeout` belong to item 3.
+_ITEM_PATH = re.compile(r"^(?:items|item_contexts)\[(\d+)\](?:\.|$)")
+
+
+def validate_batch(message: Message) -> dict[int, InvalidRequest]:
+    """Check a batch request (a message with `repeated items`): raise InvalidRequest for
+    the batch's own rules, and return the broken item rules by item index.
+
+    Violations keep their full path (`items[3].text`), so a log line or a client that
+    prints the error names the item without its position in the answer.
+    """
+    by_item: defaultdict[int, list[FieldViolation]] = defaultdict(list)
+    whole: list[FieldViolation] = []
+    for violation in _collect(message):
+        match = _ITEM_PATH.match(violation.field)
+        if match is None:
+            whole.append(violation)
+        else:
+            by_item[int(match.group(1))].append(violation)
+    items: Sequence[Any] = getattr(message, "items")  # noqa: B009 - any batch message type
+    total_chars = sum(len(item.text) for item in items)
+    if total_chars > MAX_BATCH_TOTAL_CHARS:
+        whole.append(
+            FieldViolation(
+                field="items",
+                rule="items.total_chars",
+                message=f"the items hold {total_chars} characters of text in all; "
+                f"at most {MAX_BATCH_TOTAL_CHARS} are allowed",
+            )
         )
+    if whole:
+        raise InvalidRequest(whole)
+    return {index: InvalidRequest(violations) for index, violations in by_item.items()}

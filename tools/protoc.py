@@ -29,7 +29,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from google.protobuf import descriptor_pb2, duration_pb2, field_mask_pb2, timestamp_pb2
+from google.protobuf import any_pb2, descriptor_pb2, duration_pb2, field_mask_pb2, timestamp_pb2
+from google.rpc import status_pb2
 from grpc_tools import protoc
 from protovalidate._gen.buf.validate import validate_pb
 
@@ -44,10 +45,18 @@ PTH_FILE_NAME = "classify-generated-stubs.pth"
 
 
 def write_dependency_set(path: Path) -> None:
-    """Write validate.proto and the well-known types it imports as one FileDescriptorSet."""
+    """Write validate.proto, google/rpc/status.proto (from googleapis-common-protos) and
+    the well-known types they import as one FileDescriptorSet."""
     descriptor_set = descriptor_pb2.FileDescriptorSet()
     # Dependencies first: protoc resolves files in the order they are listed.
-    for module in (descriptor_pb2, duration_pb2, field_mask_pb2, timestamp_pb2):
+    for module in (
+        any_pb2,
+        descriptor_pb2,
+        duration_pb2,
+        field_mask_pb2,
+        timestamp_pb2,
+        status_pb2,
+    ):
         descriptor_set.file.add().ParseFromString(module.DESCRIPTOR.serialized_pb)
     validate_file = validate_pb.desc()
     missing = {dep.name for dep in validate_file.dependencies} - {

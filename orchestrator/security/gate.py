@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 
 from classify_common.errors import RateLimited, Unauthenticated
+from classify_common.interceptor import RateAllowance
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.security.keys import ApiKeys, Caller
 from orchestrator.security.limits import TenantRateLimits
@@ -46,16 +47,17 @@ class CallerGate:
         _caller.set(caller)
         return caller.tenant
 
-    def check_rate_limit(self, tenant: str) -> float | None:
-        tokens_left, wait = self._limits.try_acquire(tenant)
-        if wait > 0:
-            self._metrics.rate_limited.labels(tenant).inc()
-            raise RateLimited(
-                f"tenant {tenant!r} is over its rate limit",
-                retry_after_seconds=wait,
-                tenant=tenant,
-            )
-        return tokens_left
+    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        tokens_left, granted, wait = self._limits.try_acquire(tenant, calls)
+        if granted == calls:
+            return RateAllowance(tokens_left, granted)
+        self._metrics.rate_limited.labels(tenant).inc(calls - granted)
+        refusal = RateLimited(
+            f"tenant {tenant!r} is over its rate limit", retry_after_seconds=wait, tenant=tenant
+        )
+        if granted == 0:
+            raise refusal
+        return RateAllowance(tokens_left, granted, refusal)
 
     def _identify(self, metadata: Mapping[str, str]) -> Caller:
         if self._keys is None:

@@ -27,16 +27,18 @@ class _Bucket:
         self.tokens = float(settings.burst)
         self.updated = now
 
-    def take(self, now: float) -> float:
-        """0 when a token was taken, else the seconds until one will be there."""
+    def take(self, now: float, calls: int) -> tuple[int, float]:
+        """(calls granted, one token each, up to `calls`; seconds until the next token
+        will be there when fewer than `calls` were granted, else 0)."""
         self.tokens = min(
             self.settings.burst, self.tokens + (now - self.updated) * self.settings.rate_per_second
         )
         self.updated = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.settings.rate_per_second
+        granted = min(calls, int(self.tokens))
+        self.tokens -= granted
+        if granted == calls:
+            return granted, 0.0
+        return granted, (1 - self.tokens) / self.settings.rate_per_second
 
 
 class TenantRateLimits:
@@ -48,11 +50,12 @@ class TenantRateLimits:
         self._clock = clock
         self._buckets = {tenant: _Bucket(s, clock()) for tenant, s in limits.items()}
 
-    def try_acquire(self, tenant: str) -> tuple[float | None, float]:
-        """(tokens left after this call, or None for an unlimited tenant; seconds to wait
-        before retrying, 0 when the call may go ahead)."""
+    def try_acquire(self, tenant: str, calls: int = 1) -> tuple[float | None, int, float]:
+        """Take one token per call, as many as there are up to `calls` (a batch counts
+        each item): (tokens left, or None for an unlimited tenant; calls granted;
+        seconds to wait before retrying the rest, 0 when all were granted)."""
         bucket = self._buckets.get(tenant)
         if bucket is None:
-            return None, 0.0
-        wait = bucket.take(self._clock())
-        return bucket.tokens, wait
+            return None, calls, 0.0
+        granted, wait = bucket.take(self._clock(), calls)
+        return bucket.tokens, granted, wait

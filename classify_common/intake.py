@@ -1,0 +1,52 @@
+"""Per-item outcomes of a batch call's intake, decided before its handler runs.
+
+A `ClassifyBatch` call is refused whole only when the batch itself is wrong
+(too many items, too many characters) or its caller is refused. An item that
+breaks the item rules, or that exceeds the tenant's rate limit, is refused on
+its own: the request lifecycle (classify_common.interceptor) records the
+error here, and the handler answers that item with it and serves the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from google.rpc import status_pb2
+
+from classify_common.context import REQUEST_ID_HEADER, TRACE_ID_HEADER
+from classify_common.errors import ServiceError, status_for
+
+# The gRPC methods whose requests are batches of items.
+BATCH_METHODS = frozenset({"/ai.classify.v1.ClassifyService/ClassifyBatch"})
+# Most characters of text in one batch, over all items (rule `items.total_chars`).
+MAX_BATCH_TOTAL_CHARS = 1_000_000
+
+
+@dataclass(frozen=True)
+class BatchIntake:
+    """Items refused at intake, by index; they are answered with their error, never served."""
+
+    refused: Mapping[int, ServiceError] = field(default_factory=dict)
+
+
+NO_REFUSALS = BatchIntake()
+
+_current: ContextVar[BatchIntake] = ContextVar("classify_batch_intake", default=NO_REFUSALS)
+
+
+def bind_batch_intake(intake: BatchIntake) -> None:
+    _current.set(intake)
+
+
+def current_batch_intake() -> BatchIntake:
+    """The current batch call's intake; no refusals outside one."""
+    return _current.get()
+
+
+def item_status(error: ServiceError, request_id: str, trace_id: str) -> status_pb2.Status:
+    """The google.rpc.Status that answers one failed item: what a single call would end
+    with, its ErrorInfo naming the item's request and trace IDs."""
+    error.context.update({REQUEST_ID_HEADER: request_id, TRACE_ID_HEADER: trace_id})
+    return status_for(error)
