@@ -10,6 +10,7 @@ from pathlib import Path
 
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
 from classify_common.tls import ClientTls, ServerTls, client_tls, server_tls
+from orchestrator.upstream.coalescer import CoalescingSettings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -19,6 +20,8 @@ DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_ROUTES_POLL_SECONDS = 0.5
 DEFAULT_RESULTS_CAPACITY = 10_000
 DEFAULT_RESULTS_TTL_SECONDS = 300.0
+DEFAULT_UPSTREAM_BATCH_MAX_ITEMS = 128
+DEFAULT_UPSTREAM_CALLS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,12 @@ class OrchestratorSettings:
     otlp_endpoint: str | None = None
     # Share of traces started here that are kept, 0..1 (parent-based).
     trace_sample_ratio: float = 1.0
+    # Most requests merged into one call to a capability replica, 1..1024; 1 sends
+    # every request on its own (see orchestrator/upstream/coalescer.py).
+    upstream_batch_max_items: int = DEFAULT_UPSTREAM_BATCH_MAX_ITEMS
+    # Calls in flight to one capability replica (per backend) at once, 1..64;
+    # requests that arrive while all are busy gather for the next call.
+    upstream_calls_in_flight: int = DEFAULT_UPSTREAM_CALLS_IN_FLIGHT
     # Seconds in-flight calls get to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -70,6 +79,20 @@ class OrchestratorSettings:
         check_range(self.grace_seconds, 0, 300, "--grace-seconds", "ORCHESTRATOR_GRACE_SECONDS")
         check_range(
             self.trace_sample_ratio, 0, 1, "--trace-sample-ratio", "ORCHESTRATOR_TRACE_SAMPLE_RATIO"
+        )
+        check_range(
+            self.upstream_batch_max_items,
+            1,
+            1024,
+            "--upstream-batch-max-items",
+            "ORCHESTRATOR_UPSTREAM_BATCH_MAX_ITEMS",
+        )
+        check_range(
+            self.upstream_calls_in_flight,
+            1,
+            64,
+            "--upstream-calls-in-flight",
+            "ORCHESTRATOR_UPSTREAM_CALLS_IN_FLIGHT",
         )
         self.server_tls()  # refuse an incomplete set of TLS files now
         self.upstream_tls()
@@ -104,6 +127,9 @@ class OrchestratorSettings:
                 "--routes-poll-seconds",
                 "ORCHESTRATOR_ROUTES_POLL_SECONDS",
             )
+
+    def coalescing(self) -> CoalescingSettings:
+        return CoalescingSettings(self.upstream_batch_max_items, self.upstream_calls_in_flight)
 
     def server_tls(self) -> ServerTls | None:
         return server_tls(
@@ -210,6 +236,24 @@ class OrchestratorSettings:
             "look for routes file edits every N seconds (0: never)",
             environ,
             float,
+        )
+        add_setting(
+            parser,
+            "--upstream-batch-max-items",
+            "ORCHESTRATOR_UPSTREAM_BATCH_MAX_ITEMS",
+            DEFAULT_UPSTREAM_BATCH_MAX_ITEMS,
+            "most requests merged into one capability call (1: no merging)",
+            environ,
+            int,
+        )
+        add_setting(
+            parser,
+            "--upstream-calls-in-flight",
+            "ORCHESTRATOR_UPSTREAM_CALLS_IN_FLIGHT",
+            DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
+            "calls in flight to one capability replica before requests gather",
+            environ,
+            int,
         )
         add_setting(
             parser,

@@ -1,5 +1,11 @@
 """The orchestrator's domain step: pick the route, call its backends, complete the answer.
 
+A ClassifyBatch call is many such calls at once: each item is routed, retried,
+sent to a fallback or answered PROCESSING on its own, and answered with its
+response or its error; the items' upstream calls meet again in the coalescers
+(orchestrator.upstream.coalescer), which send those bound for one replica
+together.
+
 A call tries the route's primary backend with its retry policy: a retryable
 failure is tried again on another replica after a jittered backoff, within the
 attempt limit and the caller's deadline. When the backend still fails with a
@@ -16,10 +22,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Link, SpanKind
 
 from ai.classify.v1 import classify_service_pb2 as pb
-from classify_common.context import RequestContext
+from classify_common.context import RequestContext, bind_request, new_request_id
 from classify_common.errors import (
     FALLBACK_ELIGIBLE_CODES,
     DeadlineExpired,
@@ -27,7 +33,9 @@ from classify_common.errors import (
     ServiceError,
     grpc_code_for,
 )
-from classify_common.nodes import current_trace, emit_node, node
+from classify_common.intake import current_batch_intake, item_status
+from classify_common.nodes import RequestTrace, bind_trace, current_trace, emit_node, node
+from classify_common.tracing import extract_context, format_trace_id, get_tracer
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy import RetryBudget, backoff_seconds
 from orchestrator.results import ResultStore
@@ -87,6 +95,32 @@ class RoutingState:
     async def close_when_drained(self) -> None:
         await self._drained.wait()
         await self.upstream.close()
+
+
+# The span each item of a ClassifyBatch call gets when spans are exported; its nodes
+# (route_match, backend_select, upstream_call, and the capability's) hang under it.
+BATCH_ITEM_SPAN_NAME = "batch_item"
+
+
+def _item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:
+    """The RequestTrace one batch item's nodes record into: timings and the node histogram
+    always; an item span (under the item's own traceparent if it sent one, else under
+    the call's span, and linked to it) only when the call's spans are made."""
+    if call_trace is None:
+        return None
+    if not call_trace.makes_spans:
+        return RequestTrace(call_trace.server_span, call_trace.observe_node)
+    parent = (
+        extract_context((("traceparent", traceparent),))
+        if traceparent
+        else call_trace.parent_context
+    )
+    span = get_tracer().start_span(
+        BATCH_ITEM_SPAN_NAME,
+        context=parent,
+        links=[Link(call_trace.server_span.get_span_context())] if traceparent else (),
+    )
+    return RequestTrace(span, call_trace.observe_node)
 
 
 class Dispatcher:
@@ -153,6 +187,79 @@ class Dispatcher:
                 time.perf_counter() - started,
                 exemplar={"trace_id": ids.trace_id} if ids.trace_id else None,
             )
+
+    async def classify_batch(
+        self,
+        request: pb.ClassifyBatchRequest,
+        ids: RequestContext,
+        client_remaining: float | None,
+        headers: Mapping[str, str],
+    ) -> pb.ClassifyBatchResponse:
+        """Every item as its own call, all at once; one result per item, in order."""
+        self._metrics.batch_items.observe(len(request.items))
+        refused = current_batch_intake().refused
+        contexts = request.item_contexts
+        call_trace = current_trace()
+        results = await asyncio.gather(
+            *(
+                self._classify_item(
+                    item,
+                    contexts[index] if contexts else None,
+                    refused.get(index),
+                    ids,
+                    client_remaining,
+                    headers,
+                    call_trace,
+                )
+                for index, item in enumerate(request.items)
+            )
+        )
+        request_trace = current_trace()
+        if request_trace is not None:
+            failed = sum(1 for result in results if result.HasField("error"))
+            request_trace.log_fields.update(items=len(results), items_failed=failed)
+        return pb.ClassifyBatchResponse(results=results)
+
+    async def _classify_item(
+        self,
+        item: pb.ClassifyRequest,
+        item_context: pb.ItemContext | None,
+        refusal: ServiceError | None,
+        call_ids: RequestContext,
+        call_remaining: float | None,
+        headers: Mapping[str, str],
+        call_trace: RequestTrace | None,
+    ) -> pb.ClassifyBatchResult:
+        """One item of a batch call, in a task of its own: its own request ID, nodes and
+        outcome (an error becomes the item's Status, never the call's)."""
+        remaining = call_remaining
+        if item_context is not None and item_context.HasField("timeout"):
+            own = item_context.timeout.ToTimedelta().total_seconds()
+            remaining = own if remaining is None else min(remaining, own)
+        item_trace = _item_trace(call_trace, item_context.traceparent if item_context else "")
+        trace_id = (
+            format_trace_id(item_trace.server_span) if item_trace is not None else call_ids.trace_id
+        ) or call_ids.trace_id
+        call_trace_span = call_trace.server_span if call_trace is not None else None
+        ids = RequestContext(item.request_id or new_request_id(), trace_id)
+        bind_request(ids)
+        if item_trace is not None:
+            bind_trace(item_trace)
+        try:
+            if refusal is not None:
+                return pb.ClassifyBatchResult(error=item_status(refusal, ids.request_id, trace_id))
+            response = await self.classify(item, ids, remaining, headers)
+            return pb.ClassifyBatchResult(response=response)
+        except ServiceError as error:
+            return pb.ClassifyBatchResult(error=item_status(error, ids.request_id, trace_id))
+        except Exception as exc:
+            log.exception("batch item failed", extra={"request_id": ids.request_id})
+            internal = InternalError(f"internal error ({type(exc).__name__})")
+            return pb.ClassifyBatchResult(error=item_status(internal, ids.request_id, trace_id))
+        finally:
+            # Only an item span of its own is ended here; the call's ends with the call.
+            if item_trace is not None and item_trace.server_span is not call_trace_span:
+                item_trace.server_span.end()
 
     async def _run_on(
         self,
@@ -361,9 +468,7 @@ class Dispatcher:
                 kind=SpanKind.CLIENT,
                 current=True,  # the capability server's spans hang under it
             ) as span:
-                response = await pool.classify(
-                    forwarded, target=target, request_id=ids.request_id, client_remaining=remaining
-                )
+                response = await pool.classify(forwarded, target=target, client_remaining=remaining)
                 span.set_attribute("rpc.grpc.status_code", 0)
                 version = response.model.version
                 return response

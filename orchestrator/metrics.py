@@ -13,10 +13,45 @@ PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 RATE_LIMITED_TOTAL = "classify_rate_limited_total"
 AUTH_FAILURES_TOTAL = "classify_auth_failures_total"
+UPSTREAM_CALL_ITEMS = "classify_upstream_call_items"
+UPSTREAM_ITEMS_EXPIRED_TOTAL = "classify_upstream_items_expired_total"
+BATCH_CALL_ITEMS = "classify_batch_call_items"
+
+
+class UpstreamMetrics:
+    """How the calls to capability servers are coalesced, by backend."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._items = Histogram(
+            UPSTREAM_CALL_ITEMS,
+            "Requests carried by each call to a capability server (coalesced calls carry many).",
+            ["backend"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=registry,
+        )
+        self._expired = Counter(
+            UPSTREAM_ITEMS_EXPIRED_TOTAL,
+            "Requests answered DEADLINE_EXCEEDED while waiting to be sent upstream; never sent.",
+            ["backend"],
+            registry=registry,
+        )
+
+    def items_per_call(self, backend: str) -> Histogram:
+        return self._items.labels(backend)
+
+    def expired_unsent(self, backend: str) -> Counter:
+        return self._expired.labels(backend)
 
 
 class OrchestratorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.upstream = UpstreamMetrics(registry)
+        self.batch_items = Histogram(
+            BATCH_CALL_ITEMS,
+            "Items in each public ClassifyBatch call.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=registry,
+        )
         self.retries = Counter(
             UPSTREAM_RETRIES_TOTAL,
             "Attempts after the first on a backend, by route, backend and the failure retried.",

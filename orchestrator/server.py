@@ -97,6 +97,8 @@ class OrchestratorServer:
             on_ejected=count_ejection,
             internal_token=self._internal_token,
             tls=self.settings.upstream_tls(),
+            coalescing=self.settings.coalescing(),
+            metrics=self.metrics.upstream,
         )
         return RoutingState(table, upstream)
 

@@ -44,6 +44,20 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
         return await self._fleet.reload_model(request)
 
 
+def route_headers(context: Context) -> dict[str, str]:
+    """The call's metadata as routes match on it (lower-case keys), with the
+    authenticated tenant, not what the client claims, as `x-tenant`."""
+    headers = {
+        key.lower(): value
+        for key, value in context.invocation_metadata() or ()
+        if isinstance(value, str)
+    }
+    caller = current_caller()
+    if caller is not ANONYMOUS:
+        headers[TENANT_HEADER] = caller.tenant
+    return headers
+
+
 class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
@@ -51,16 +65,18 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
         ids = current_request()
         assert ids is not None, "the lifecycle interceptor binds every contract call"
-        headers = {
-            key.lower(): value
-            for key, value in context.invocation_metadata() or ()
-            if isinstance(value, str)
-        }
-        # The authenticated tenant, not what the client claims, is what routes see.
-        caller = current_caller()
-        if caller is not ANONYMOUS:
-            headers[TENANT_HEADER] = caller.tenant
-        return await self._dispatcher.classify(request, ids, context.time_remaining(), headers)
+        return await self._dispatcher.classify(
+            request, ids, context.time_remaining(), route_headers(context)
+        )
+
+    async def ClassifyBatch(
+        self, request: pb.ClassifyBatchRequest, context: Context
+    ) -> pb.ClassifyBatchResponse:
+        ids = current_request()
+        assert ids is not None, "the lifecycle interceptor binds every contract call"
+        return await self._dispatcher.classify_batch(
+            request, ids, context.time_remaining(), route_headers(context)
+        )
 
     async def GetResult(
         self, request: pb.GetResultRequest, context: Context

@@ -164,3 +164,21 @@ def test_command_line_client_reports_violations_and_ids_on_a_reject(
     )
     assert "  top_k: " in result.stderr
     assert "request   cli-reject" in result.stderr
+
+
+def test_command_line_client_classifies_a_file_with_one_line_per_text(
+    stack: tuple[ServerProcess, ServerProcess], tmp_path: Path
+) -> None:
+    orchestrator, _ = stack
+    texts = tmp_path / "texts.txt"
+    shares = "Shares fell sharply after the bank cut its profit forecast"
+    texts.write_text(f"{STRIKER}\n   \n{shares}\n")
+    result = run_client(orchestrator.port, "--file", str(texts))
+    assert result.returncode == 1, result.stderr  # the blank line is refused
+    striker, blank, business = result.stdout.splitlines()
+    assert striker.split()[0] == "sports"
+    assert striker.endswith(STRIKER)
+    assert blank.startswith("error       INVALID_ARGUMENT: ")
+    assert "items[1].text" in blank
+    assert "(request " in blank
+    assert business.split()[0] == "business"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from classify_common.errors import (
@@ -32,8 +32,10 @@ DEFAULT_RETRY_AFTER_SECONDS = 1.0
 
 def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
     status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    if status is None:
-        return []
+    return [] if status is None else _unpack(status)
+
+
+def _unpack(status: status_pb2.Status) -> list[object]:
     unpacked: list[object] = []
     for packed in status.details:
         for kind in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
@@ -52,13 +54,28 @@ def translate_upstream_error(
     NOTE: the upstream's own message and the replica's address are logged here
     and never copied into the client's error: they can name internal hosts.
     """
-    code = error.code()
+    return _translate(
+        error.code(), error.details() or "", _upstream_details(error), backend, target
+    )
+
+
+def translate_item_status(status: status_pb2.Status, backend: str, target: str) -> ServiceError:
+    """The client-facing error for one failed item of a capability batch call."""
+    return _translate(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
+                      _unpack(status), backend, target)  # fmt: skip
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _translate(
+    code: grpc.StatusCode, message: str, details: list[object], backend: str, target: str
+) -> ServiceError:
     log.warning(
         "capability call failed",
-        extra={"backend": backend, "target": target, "code": code.name, "details": error.details()},
+        extra={"backend": backend, "target": target, "code": code.name, "details": message},
     )
     where = {"backend": backend, "upstream_code": code.name}
-    details = _upstream_details(error)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = [
             FieldViolation(field=v.field, rule=v.reason, message=v.description)

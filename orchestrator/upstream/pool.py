@@ -17,13 +17,16 @@ import grpc
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
-from classify_common.context import INTERNAL_TOKEN_HEADER, REQUEST_ID_HEADER
+from classify_common.context import INTERNAL_TOKEN_HEADER
 from classify_common.errors import DeadlineExpired, Overloaded
 from classify_common.tls import ClientTls
 from classify_common.tracing import inject_context
+from orchestrator.metrics import UpstreamMetrics
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import Backend
-from orchestrator.upstream.errors import translate_upstream_error
+from orchestrator.upstream.coalescer import CoalescingSettings, ReplicaCoalescer
+
+DEFAULT_COALESCING = CoalescingSettings()
 
 # Hint sent with a concurrency-limit refusal: about one typical call.
 CONCURRENCY_RETRY_AFTER_SECONDS = 0.05
@@ -73,7 +76,11 @@ def call_timeout(backend_timeout: float, client_remaining: float | None) -> floa
 
 
 class BackendPool:
-    """The replicas of one backend, taken in turn, minus those ejected as outliers."""
+    """The replicas of one backend, taken in turn, minus those ejected as outliers.
+
+    Calls to a replica go through its coalescer, which merges the calls that are
+    waiting for it into one batch call (orchestrator.upstream.coalescer).
+    """
 
     def __init__(
         self,
@@ -82,6 +89,8 @@ class BackendPool:
         on_ejected: Callable[[str, float], None] = lambda target, seconds: None,
         internal_token: str | None = None,
         tls: ClientTls | None = None,
+        coalescing: CoalescingSettings = DEFAULT_COALESCING,
+        metrics: UpstreamMetrics | None = None,
     ) -> None:
         self.backend = backend
         self.outliers = OutlierDetector(backend.targets, outliers, on_ejected=on_ejected)
@@ -90,11 +99,31 @@ class BackendPool:
         )
         self._channels = {target: open_channel(target, tls) for target in backend.targets}
         self.in_flight = 0
-        self._stubs = {
-            target: pb_grpc.ClassifyServiceStub(channel)
+        self.coalescers = {
+            target: self._coalescer(target, channel, coalescing, metrics)
             for target, channel in self._channels.items()
         }
         self._turns: Iterator[str] = itertools.cycle(backend.targets)
+
+    def _coalescer(
+        self,
+        target: str,
+        channel: grpc.aio.Channel,
+        settings: CoalescingSettings,
+        metrics: UpstreamMetrics | None,
+    ) -> ReplicaCoalescer:
+        name = self.backend.name
+        return ReplicaCoalescer(
+            pb_grpc.ClassifyServiceStub(channel),
+            backend=name,
+            target=target,
+            credentials=self._credentials,
+            settings=settings,
+            on_sent=(lambda n: None) if metrics is None else metrics.items_per_call(name).observe,
+            on_expired=(lambda: None) if metrics is None else metrics.expired_unsent(name).inc,
+            on_answered=partial(self.outliers.record_success, target),
+            on_unavailable=partial(self.outliers.record_failure, target),
+        )
 
     def model_service(self, target: str) -> model_pb_grpc.ModelServiceAsyncStub:
         """The operator API of one replica, over the same channel as its calls."""
@@ -125,7 +154,6 @@ class BackendPool:
         request: pb.ClassifyRequest,
         *,
         target: str,
-        request_id: str,
         client_remaining: float | None,
     ) -> pb.ClassifyResponse:
         """One attempt on one replica; failures come back as ServiceErrors."""
@@ -137,23 +165,17 @@ class BackendPool:
                 retry_after_seconds=CONCURRENCY_RETRY_AFTER_SECONDS,
                 backend=self.backend.name,
             )
-        stub = self._stubs[target]
-        metadata = (*inject_context(), (REQUEST_ID_HEADER, request_id), *self._credentials)
         self.in_flight += 1
         try:
-            response: pb.ClassifyResponse = await stub.Classify(
-                request, timeout=timeout, metadata=metadata
+            return await self.coalescers[target].classify(
+                request, seconds=timeout, trace_metadata=inject_context()
             )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.outliers.record_failure(target)
-            raise translate_upstream_error(exc, self.backend.name, target) from exc
         finally:
             self.in_flight -= 1
-        self.outliers.record_success(target)
-        return response
 
     async def close(self) -> None:
+        for coalescer in self.coalescers.values():
+            await coalescer.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -168,9 +190,19 @@ class UpstreamPools:
         on_ejected: Callable[[Backend, str, float], None] = lambda backend, target, seconds: None,
         internal_token: str | None = None,
         tls: ClientTls | None = None,
+        coalescing: CoalescingSettings = DEFAULT_COALESCING,
+        metrics: UpstreamMetrics | None = None,
     ) -> None:
         self._pools = {
-            name: BackendPool(backend, outliers, partial(on_ejected, backend), internal_token, tls)
+            name: BackendPool(
+                backend,
+                outliers,
+                partial(on_ejected, backend),
+                internal_token,
+                tls,
+                coalescing,
+                metrics,
+            )
             for name, backend in backends.items()
         }
 

@@ -1,0 +1,301 @@
+"""Concurrent calls bound for one capability replica travel as one ClassifyBatch call.
+
+Every RPC costs both processes a fixed amount of CPU (HTTP/2 framing, the
+grpc.aio call objects, the capability's lifecycle), whatever it carries. A
+coalescer sits in front of one replica of one backend (so one model) and sends
+the items that are waiting as one `ClassifyBatch` call instead of one
+`Classify` call each.
+
+It never waits on a timer. Items that arrive in the same turn of the event
+loop go together; after that, an item goes as soon as fewer than
+`max_in_flight` calls to the replica are in flight. While they are, the next
+items gather, and go the moment a call returns (or as soon as `max_items`
+have gathered and a slot is free). At one client nothing is ever held back:
+the single item leaves in the same loop turn, as a plain `Classify`.
+
+Each item keeps its own deadline, trace and outcome:
+- the batch call's deadline is the latest of its items'; each item's own time
+  travels in its `ItemContext.timeout`, so the capability server answers an
+  item whose time ran out DEADLINE_EXCEEDED without computing it; an item
+  whose time ran out before the call left is answered here at once and never
+  sent,
+- each item's `ItemContext.traceparent` is its own `upstream_call` span, so
+  the capability's spans for that item join the item's trace; the shared call
+  gets its own span, linked both ways with the items' `upstream_call` spans,
+- each item gets its own answer or error, so retry and fallback decisions
+  (orchestrator.dispatch) stay per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import duration_pb2
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
+from classify_common.context import REQUEST_ID_HEADER, new_request_id
+from classify_common.errors import DeadlineExpired, ServiceError
+from classify_common.tracing import get_tracer, inject_context, spans_are_exported
+from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
+
+log = logging.getLogger(__name__)
+
+# Name of the span of one shared upstream call, in a trace of its own.
+UPSTREAM_BATCH_SPAN_NAME = "upstream_batch"
+TRACEPARENT = "traceparent"
+
+
+@dataclass(frozen=True)
+class CoalescingSettings:
+    """How calls to one replica are merged (orchestrator flags of the same names)."""
+
+    # Most items in one upstream call, 1..1024; 1 sends every call on its own.
+    max_items: int = 128
+    # Upstream calls in flight to one replica and model at once, 1..64; items that
+    # arrive while all are busy gather for the next call.
+    max_in_flight: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_items <= 1024:
+            raise ValueError(f"max_items {self.max_items} is not within 1..1024")
+        if not 1 <= self.max_in_flight <= 64:
+            raise ValueError(f"max_in_flight {self.max_in_flight} is not within 1..64")
+
+
+@dataclass(eq=False)
+class UpstreamItem:
+    """One request's call to the replica, waiting to be sent."""
+
+    request: pb.ClassifyRequest
+    # Seconds the item may take from when it is sent (the backend's timeout, or the
+    # caller's remaining deadline minus the safety margin), and the loop time by
+    # which it must have been sent.
+    timeout: float
+    expires_at: float
+    # Metadata that carries the item's trace (its `upstream_call` span).
+    trace_metadata: Sequence[tuple[str, str]]
+    # The item's `upstream_call` span, linked to the shared call's span.
+    span: trace.Span
+    future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
+
+
+class ReplicaCoalescer:
+    """Merges the calls bound for one replica of one backend into batch calls."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.ClassifyServiceAsyncStub,
+        *,
+        backend: str,
+        target: str,
+        credentials: Sequence[tuple[str, str]],
+        settings: CoalescingSettings,
+        on_sent: Callable[[int], None] = lambda items: None,
+        on_expired: Callable[[], None] = lambda: None,
+        on_answered: Callable[[], None] = lambda: None,
+        on_unavailable: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
+        out before it could be sent; `on_answered()` and `on_unavailable()` report a call
+        the replica answered, or one that found it UNAVAILABLE (for outlier ejection)."""
+        self._stub = stub
+        self._backend = backend
+        self._target = target
+        self._credentials = tuple(credentials)
+        self._settings = settings
+        self._on_sent = on_sent
+        self._on_expired = on_expired
+        self._on_answered = on_answered
+        self._on_unavailable = on_unavailable
+        self._waiting: list[UpstreamItem] = []
+        self._in_flight = 0
+        self._send_scheduled = False
+        self._calls: set[asyncio.Task[None]] = set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def classify(
+        self,
+        request: pb.ClassifyRequest,
+        *,
+        seconds: float,
+        trace_metadata: Sequence[tuple[str, str]],
+    ) -> pb.ClassifyResponse:
+        """The replica's answer to `request`, which may take `seconds` from now; failures
+        come back as ServiceErrors."""
+        loop = asyncio.get_running_loop()
+        item = UpstreamItem(
+            request=request,
+            timeout=seconds,
+            expires_at=loop.time() + seconds,
+            trace_metadata=trace_metadata,
+            span=trace.get_current_span(),
+            future=loop.create_future(),
+        )
+        self._waiting.append(item)
+        if not self._send_scheduled and self._in_flight < self._settings.max_in_flight:
+            # Not sent right here: items that arrive in this same loop turn (the other
+            # items of a ClassifyBatch, a burst of calls) go in the same call.
+            self._send_scheduled = True
+            loop.call_soon(self._send_waiting)
+        return await item.future
+
+    def _send_waiting(self) -> None:
+        """Send what is waiting, as many calls as free slots allow."""
+        self._send_scheduled = False
+        now = asyncio.get_running_loop().time()
+        while self._waiting and self._in_flight < self._settings.max_in_flight:
+            batch = self._waiting[: self._settings.max_items]
+            del self._waiting[: self._settings.max_items]
+            live = [item for item in batch if not item.future.done()]
+            for item in live:
+                if item.expires_at <= now:
+                    self._on_expired()
+                    item.future.set_exception(
+                        DeadlineExpired(
+                            "the deadline passed before the backend could be called",
+                            backend=self._backend,
+                        )
+                    )
+            live = [item for item in live if not item.future.done()]
+            if not live:
+                continue
+            self._in_flight += 1
+            task = asyncio.create_task(self._call(live, now))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _call(self, items: list[UpstreamItem], sent_at: float) -> None:
+        try:
+            self._on_sent(len(items))
+            if len(items) == 1:
+                await self._call_one(items[0], sent_at)
+            else:
+                await self._call_many(items, sent_at)
+        except Exception as exc:  # a bug here must not leave a caller without an answer
+            log.exception("upstream call failed unexpectedly", extra={"backend": self._backend})
+            for item in items:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+        finally:
+            self._in_flight -= 1
+            if self._waiting and not self._send_scheduled:
+                self._send_waiting()
+
+    async def _call_one(self, item: UpstreamItem, sent_at: float) -> None:
+        """A lone item goes as a plain Classify, which costs less than a batch of one."""
+        remaining = item.expires_at - sent_at
+        metadata = (
+            *item.trace_metadata,
+            (REQUEST_ID_HEADER, item.request.request_id),
+            *self._credentials,
+        )
+        try:
+            response: pb.ClassifyResponse = await self._stub.Classify(
+                item.request, timeout=remaining, metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._fail_all([item], exc)
+            return
+        self._on_answered()
+        if not item.future.done():
+            item.future.set_result(response)
+
+    async def _call_many(self, items: list[UpstreamItem], sent_at: float) -> None:
+        request = pb.ClassifyBatchRequest(items=[item.request for item in items])
+        for item in items:
+            context = request.item_contexts.add()
+            context.timeout.CopyFrom(_duration(item.expires_at - sent_at))
+            context.traceparent = dict(item.trace_metadata).get(TRACEPARENT, "")
+        timeout = max(item.expires_at for item in items) - sent_at
+        span = self._start_shared_span(items)
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                metadata = (
+                    *inject_context(),
+                    (REQUEST_ID_HEADER, new_request_id()),
+                    *self._credentials,
+                )
+            response: pb.ClassifyBatchResponse = await self._stub.ClassifyBatch(
+                request, timeout=timeout, metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
+            self._fail_all(items, exc)
+            return
+        finally:
+            span.end()
+        self._on_answered()
+        if len(response.results) != len(items):
+            log.error(
+                "capability answered a batch with the wrong number of results",
+                extra={"backend": self._backend, "sent": len(items), "got": len(response.results)},
+            )
+        for index, item in enumerate(items):
+            if item.future.done():
+                continue
+            if index >= len(response.results):
+                item.future.set_exception(
+                    DeadlineExpired("the backend left the item unanswered", backend=self._backend)
+                )
+                continue
+            result = response.results[index]
+            if result.HasField("response"):
+                item.future.set_result(result.response)
+            else:
+                item.future.set_exception(
+                    translate_item_status(result.error, self._backend, self._target)
+                )
+
+    def _start_shared_span(self, items: list[UpstreamItem]) -> trace.Span:
+        """The shared call's client span, in a trace of its own, linked both ways with
+        the items' `upstream_call` spans (as the capability's batch span is with its
+        requests), when spans are exported."""
+        traced = [item.span for item in items if item.span.is_recording()]
+        if not traced or not spans_are_exported():
+            return trace.INVALID_SPAN
+        span = get_tracer().start_span(
+            UPSTREAM_BATCH_SPAN_NAME,
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.method": "/ai.classify.v1.ClassifyService/ClassifyBatch",
+                "classify.backend": self._backend,
+                "classify.batch_size": len(items),
+            },
+            links=[Link(item_span.get_span_context()) for item_span in traced],
+        )
+        for item_span in traced:
+            item_span.add_link(span.get_span_context())
+        return span
+
+    def _fail_all(self, items: list[UpstreamItem], exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._on_unavailable()
+        for item in items:
+            if not item.future.done():
+                error: ServiceError = translate_upstream_error(exc, self._backend, self._target)
+                item.future.set_exception(error)
+
+    async def close(self) -> None:
+        """Wait for the calls in flight (their callers get their answers)."""
+        if self._calls:
+            await asyncio.gather(*self._calls, return_exceptions=True)
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    # ItemContext.timeout must be above 0: an item sent with no time left still gets
+    # a microsecond, and the capability answers it DEADLINE_EXCEEDED uncomputed.
+    value.FromMicroseconds(max(int(seconds * 1e6), 1))
+    return value

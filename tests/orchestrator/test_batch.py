@@ -1,0 +1,244 @@
+"""ClassifyBatch through a real orchestrator and a real capability server: every item is
+answered on its own, in order, with its own route, fallback and error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.security.keys import hash_key
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings, write_routes
+from tests.orchestrator.test_policy import StartOrchestrator, orchestrator_with  # noqa: F401
+from tests.status_details import violations_of
+
+M = TypeVar("M", bound=Message)
+SHARES = "Shares fell sharply after the bank cut its profit forecast"
+
+
+def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:
+    """The details of type `kind` in a google.rpc.Status."""
+    found: list[M] = []
+    for packed in status.details:
+        if packed.Is(kind.DESCRIPTOR):
+            message = kind()
+            packed.Unpack(message)
+            found.append(message)
+    return found
+
+
+def item_violations(status: status_pb2.Status) -> list[tuple[str, str]]:
+    return [
+        (v.field, v.reason)
+        for bad in unpack(status, error_details_pb2.BadRequest)
+        for v in bad.field_violations
+    ]
+
+
+def item_error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo:
+    (info,) = unpack(status, error_details_pb2.ErrorInfo)
+    return info
+
+
+async def classify_batch(
+    port: int, items: list[pb.ClassifyRequest], **kwargs: object
+) -> pb.ClassifyBatchResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response: pb.ClassifyBatchResponse = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=items, **kwargs),  # type: ignore[arg-type]
+            timeout=30,
+        )
+        return response
+
+
+async def test_one_invalid_item_is_refused_with_its_field_and_the_others_are_answered(
+    orchestrator: OrchestratorServer,
+) -> None:
+    response = await classify_batch(
+        orchestrator.port,
+        [
+            pb.ClassifyRequest(text=STRIKER, request_id="item-0"),
+            pb.ClassifyRequest(text="   ", top_k=0, request_id="item-1"),
+            pb.ClassifyRequest(text=SHARES, top_k=2),
+        ],
+    )
+    assert len(response.results) == 3
+    first, bad, last = response.results
+    assert first.WhichOneof("outcome") == "response"
+    assert first.response.request_id == "item-0"
+    assert first.response.labels[0].name == "sports"
+    assert first.response.status == pb.RESULT_STATUS_DONE
+    assert last.WhichOneof("outcome") == "response"
+    assert last.response.labels[0].name == "business"
+    assert len(last.response.labels) == 2
+    assert last.response.request_id  # generated for an item that sent none
+    assert last.response.request_id != first.response.request_id
+
+    assert bad.WhichOneof("outcome") == "error"
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert item_violations(bad.error) == [
+        ("items[1].text", "text.not_blank"),
+        ("items[1].top_k", "int32.gte_lte"),
+    ]
+    info = item_error_info(bad.error)
+    assert info.reason == "INVALID_ARGUMENT"
+    assert info.metadata["x-request-id"] == "item-1"
+    assert info.metadata["x-trace-id"] == first.response.trace_id
+
+
+async def test_batch_answers_equal_single_answers(orchestrator: OrchestratorServer) -> None:
+    texts = [STRIKER, SHARES, "A new telescope found water on a distant planet"]
+    batch = await classify_batch(orchestrator.port, [pb.ClassifyRequest(text=t) for t in texts])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        singles = [await stub.Classify(pb.ClassifyRequest(text=t), timeout=30) for t in texts]
+    for result, single in zip(batch.results, singles, strict=True):
+        batched = result.response.labels
+        assert [label.name for label in batched] == [label.name for label in single.labels]
+        assert [label.score for label in batched] == pytest.approx(
+            [label.score for label in single.labels], abs=1e-5
+        )
+        assert result.response.model == single.model
+
+
+async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
+    orchestrator: OrchestratorServer,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await classify_batch(
+            orchestrator.port,
+            [pb.ClassifyRequest(text=STRIKER)] * 2,
+            item_contexts=[pb.ItemContext()],
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(refused.value) == [("", "item_contexts.count")]
+
+    with pytest.raises(grpc.aio.AioRpcError) as too_long:
+        await classify_batch(orchestrator.port, [pb.ClassifyRequest(text="x" * 100_000)] * 11)
+    assert violations_of(too_long.value) == [("items", "items.total_chars")]
+
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
+        await classify_batch(orchestrator.port, [])
+    assert violations_of(empty.value) == [("items", "repeated.min_items")]
+
+
+async def test_items_take_their_own_routes_and_one_falls_back(
+    orchestrator_with: StartOrchestrator,  # noqa: F811
+    capability: CapabilityServer,
+) -> None:
+    """Items with the `topic-static` hint take the static route; the others take the
+    default route, whose primary is down and whose fallback answers."""
+    server = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm-dead:
+    model: topic-minilm
+    targets: ["127.0.0.1:{closed_port()}"]
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{capability.port}"]
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: static
+    match: {{model: topic-static}}
+    backend: static
+  - name: default
+    backend: minilm-dead
+    fallback: [minilm]
+    retry: {{max_attempts: 1}}
+"""
+    )
+    response = await classify_batch(
+        server.port,
+        [
+            pb.ClassifyRequest(text=STRIKER, model="topic-static"),
+            pb.ClassifyRequest(text=STRIKER),
+            pb.ClassifyRequest(text=SHARES, model="topic-static"),
+        ],
+    )
+    static_one, fell_back, static_two = (r.response for r in response.results)
+    assert (static_one.route, static_one.model.name, static_one.fallback) == (
+        "static",
+        "topic-static",
+        False,
+    )
+    assert (fell_back.route, fell_back.model.name, fell_back.fallback) == (
+        "default",
+        "topic-minilm",
+        True,
+    )
+    assert fell_back.labels[0].name == "sports"
+    assert (static_two.route, static_two.fallback) == ("static", False)
+    fallbacks = metric_sum(
+        server.registry, MODEL_FALLBACK_TOTAL, route="default", **{"from": "minilm-dead"}
+    )
+    assert fallbacks == 1
+
+
+async def test_an_item_whose_own_timeout_is_spent_gets_deadline_exceeded_alone(
+    orchestrator: OrchestratorServer,
+) -> None:
+    spent = pb.ItemContext(timeout=duration_pb2.Duration(nanos=1000))  # 1 µs
+    response = await classify_batch(
+        orchestrator.port,
+        [pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest(text=SHARES)],
+        item_contexts=[pb.ItemContext(), spent],
+    )
+    ok, late = response.results
+    assert ok.response.labels[0].name == "sports"
+    assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert item_error_info(late.error).reason == "DEADLINE_EXCEEDED"
+
+
+async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{id: limited, sha256: {hash_key('limited-secret')}, tenant: small, role: user}}\n"
+        "tenants:\n  small: {rate_per_second: 0.001, burst: 3}\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, auth="required", api_keys_file=keys),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            response = await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 5),
+                metadata=(("authorization", "Bearer limited-secret"),),
+                timeout=30,
+            )
+            codes = [r.error.code if r.HasField("error") else 0 for r in response.results]
+            assert codes == [0, 0, 0, *[grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 2]
+            retry = unpack(response.results[4].error, error_details_pb2.RetryInfo)
+            assert len(retry) == 1
+            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 2
+            # The bucket is empty now: the next call is refused whole.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ClassifyBatch(
+                    pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)]),
+                    metadata=(("authorization", "Bearer limited-secret"),),
+                    timeout=30,
+                )
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await server.stop(grace_seconds=0)

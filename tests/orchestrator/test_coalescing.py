@@ -1,0 +1,208 @@
+"""Concurrent calls bound for one replica travel as one upstream ClassifyBatch call,
+through a real orchestrator and a real capability server: fewer RPCs, the same answers,
+no added wait at one client, per-request deadlines and traces."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import MODEL_TEXTS_TOTAL
+from capability.server import CapabilityServer
+from classify_common.errors import DeadlineExpired
+from classify_common.nodes import NODE_NAMES
+from orchestrator.metrics import UPSTREAM_CALL_ITEMS
+from orchestrator.server import OrchestratorServer
+from orchestrator.upstream.coalescer import (
+    UPSTREAM_BATCH_SPAN_NAME,
+    CoalescingSettings,
+    ReplicaCoalescer,
+)
+from tests.capability.test_serving import device_occupied, wait_until
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, write_routes
+from tests.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
+
+TEXTS = [
+    STRIKER,
+    "Shares fell sharply after the bank cut its profit forecast",
+    "A new telescope found water on a distant planet",
+    "The government announced talks to end the border dispute",
+]
+
+
+def upstream_calls(server: OrchestratorServer) -> tuple[float, float]:
+    """(upstream calls made, requests they carried) so far."""
+    registry = server.registry
+    return (
+        metric_sum(registry, UPSTREAM_CALL_ITEMS + "_count"),
+        metric_sum(registry, UPSTREAM_CALL_ITEMS + "_sum"),
+    )
+
+
+def texts_computed(capability: CapabilityServer) -> float:
+    return metric_sum(capability.registry, MODEL_TEXTS_TOTAL)
+
+
+@pytest_asyncio.fixture
+async def one_call_at_a_time(
+    capability: CapabilityServer, tmp_path: Path
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator that keeps one call in flight per replica, so whatever arrives
+    while it runs must gather into the next."""
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, upstream_calls_in_flight=1),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    yield server
+    await server.stop(grace_seconds=0)
+
+
+async def test_concurrent_calls_share_upstream_rpcs_and_keep_their_answers(
+    orchestrator: OrchestratorServer,
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        alone = {t: await stub.Classify(pb.ClassifyRequest(text=t), timeout=30) for t in TEXTS}
+        calls_before, items_before = upstream_calls(orchestrator)
+
+        async def caller(index: int) -> list[tuple[str, pb.ClassifyResponse]]:
+            answers = []
+            for round_ in range(4):
+                text = TEXTS[(index + round_) % len(TEXTS)]
+                answers.append((text, await stub.Classify(pb.ClassifyRequest(text=text))))
+            return answers
+
+        answers = [a for batch in await asyncio.gather(*map(caller, range(32))) for a in batch]
+
+    calls, items = upstream_calls(orchestrator)
+    assert items - items_before == 128  # every request went upstream exactly once
+    assert calls - calls_before < 128  # ... in fewer calls than requests
+    for text, answer in answers:
+        expected = alone[text]
+        assert [label.name for label in answer.labels] == [label.name for label in expected.labels]
+        assert [label.score for label in answer.labels] == pytest.approx(
+            [label.score for label in expected.labels], abs=1e-5
+        )
+    assert len({answer.request_id for _, answer in answers}) == 128
+
+
+async def test_a_lone_call_goes_upstream_in_the_next_loop_turn_without_a_timer(
+    capability: CapabilityServer,
+) -> None:
+    """At one client nothing waits: the item is on the wire after a few turns of the
+    event loop (microseconds), which any timer-based gathering window would fail."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = ReplicaCoalescer(
+            classify_service_pb2_grpc.ClassifyServiceStub(channel),
+            backend="minilm",
+            target=f"127.0.0.1:{capability.port}",
+            credentials=(),
+            settings=CoalescingSettings(),
+        )
+        request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="lone")
+        call = asyncio.ensure_future(coalescer.classify(request, seconds=30, trace_metadata=()))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert coalescer.waiting == 0, "the lone item was held back"
+        assert (await call).labels[0].name == "sports"
+
+
+async def test_one_client_sends_each_call_alone(orchestrator: OrchestratorServer) -> None:
+    calls_before, items_before = upstream_calls(orchestrator)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for text in TEXTS:
+            await stub.Classify(pb.ClassifyRequest(text=text), timeout=30)
+    calls, items = upstream_calls(orchestrator)
+    assert (calls - calls_before, items - items_before) == (len(TEXTS), len(TEXTS))
+
+
+async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
+    capability: CapabilityServer,
+) -> None:
+    """One call in flight at a time: the second item waits behind the first, runs out of
+    time there, and is answered DEADLINE_EXCEEDED without reaching the model."""
+    expired: list[int] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = ReplicaCoalescer(
+            classify_service_pb2_grpc.ClassifyServiceStub(channel),
+            backend="minilm",
+            target=f"127.0.0.1:{capability.port}",
+            credentials=(),
+            settings=CoalescingSettings(max_in_flight=1),
+            on_expired=lambda: expired.append(1),
+        )
+        computed_before = texts_computed(capability)
+        worker = capability.pool.workers[0]
+        first_request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="a")
+        late_request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="b")
+        async with device_occupied(worker):
+            first = asyncio.ensure_future(
+                coalescer.classify(first_request, seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.waiting == 0)
+            late = asyncio.ensure_future(
+                coalescer.classify(late_request, seconds=0.05, trace_metadata=())
+            )
+            await asyncio.sleep(0.1)  # the late item's 50 ms pass while the device is held
+            assert coalescer.waiting == 1
+        assert (await first).request_id == "a"
+        with pytest.raises(DeadlineExpired):
+            await late
+    assert expired == [1]
+    assert texts_computed(capability) - computed_before == 1
+
+
+async def test_coalesced_requests_keep_every_node_and_their_own_trace(
+    one_call_at_a_time: OrchestratorServer,
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    server = one_call_at_a_time
+    calls_before, items_before = upstream_calls(server)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            # The first call holds the one upstream slot; the other seven gather.
+            calls = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t), timeout=30))
+                for t in TEXTS * 2
+            ]
+            await wait_until(lambda: upstream_calls(server)[1] - items_before >= 1)
+            await asyncio.sleep(0.2)
+        responses = await asyncio.gather(*calls)
+    calls_made, items = upstream_calls(server)
+    assert (calls_made - calls_before, items - items_before) == (2, 8)
+
+    trace_ids = [response.trace_id for response in responses]
+    assert len(set(trace_ids)) == 8
+    linked_batches: set[int] = set()
+    for trace_id in trace_ids:
+        spans = await settled_trace(span_exporter, trace_id, len(NODE_NAMES) + 2)
+        names = collections.Counter(span.name for span in spans)
+        assert names == collections.Counter([*NODE_NAMES, CLASSIFY_SPAN, CLASSIFY_SPAN])
+        (upstream,) = [span for span in spans if span.name == "upstream_call"]
+        linked_batches.update(link.context.span_id for link in upstream.links)
+    # The seven gathered requests link to one shared upstream call, which links back.
+    (shared_id,) = linked_batches
+    (shared,) = [
+        span
+        for span in span_exporter.get_finished_spans()
+        if span.name == UPSTREAM_BATCH_SPAN_NAME
+        and span.context is not None
+        and span.context.span_id == shared_id
+    ]
+    assert len(shared.links) == 7
+    assert dict(shared.attributes or {})["classify.batch_size"] == 7
