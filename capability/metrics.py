@@ -23,6 +23,18 @@ RELOADS_TOTAL = "classify_model_reloads_total"
 WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
+DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
+RPC_ITEMS = "classify_capability_rpc_items"
+
+# Where a text's time ran out (the `stage` of DEADLINE_EXCEEDED_TOTAL): refused at
+# admission (no time left, or less than the predicted service time), evicted from
+# the queue by its timer, or left out by the device thread as its batch started.
+DEADLINE_STAGE_ADMISSION = "admission"
+DEADLINE_STAGE_QUEUE = "queue"
+DEADLINE_STAGE_DEVICE = "device"
+# The `method` of RPC_ITEMS: full gRPC method names, as in classify_rpc_requests_total.
+CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
+CLASSIFY_BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
 
 
 class CapabilityMetrics:
@@ -81,6 +93,22 @@ class CapabilityMetrics:
             EVICTIONS_TOTAL,
             "Requests evicted from a queue because their deadline passed.",
             ["model"],
+            registry=registry,
+        )
+        self.deadline_exceeded = Counter(
+            DEADLINE_EXCEEDED_TOTAL,
+            "Texts answered DEADLINE_EXCEEDED and never computed, by where their time ran "
+            "out: admission, queue (evicted by its timer) or device (left out of its batch).",
+            ["model", "stage"],
+            registry=registry,
+        )
+        # Its _count is the RPCs, its _sum the texts they carried: how well the
+        # orchestrator merges calls.
+        self.rpc_items = Histogram(
+            RPC_ITEMS,
+            "Texts (items) each Classify or ClassifyBatch RPC carried; Classify carries one.",
+            ["method"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=registry,
         )
         self.batch_failures = Counter(

@@ -1,8 +1,10 @@
-"""Admission, bounded deadline-aware queues, dynamic batching and service-time prediction."""
+"""Admission, bounded deadline-aware queues, the batching loop and service-time prediction."""
 
+from capability.batching.batcher import Batcher, BatchOutcome, TextResult
 from capability.batching.queue import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
+    Admission,
     PendingRequest,
     RequestQueue,
 )
@@ -12,8 +14,12 @@ from capability.batching.settings import BatchingSettings
 __all__ = [
     "PRIORITY_BATCH",
     "PRIORITY_INTERACTIVE",
+    "Admission",
+    "BatchOutcome",
+    "Batcher",
     "BatchingSettings",
     "PendingRequest",
     "RequestQueue",
     "ServiceTimeModel",
+    "TextResult",
 ]

@@ -23,7 +23,7 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -38,6 +38,17 @@ PRIORITY_BATCH = 1
 PRIORITIES = (PRIORITY_INTERACTIVE, PRIORITY_BATCH)
 
 ResultT = TypeVar("ResultT")
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """One tokenized text to queue, and what travels with it."""
+
+    encoded: EncodedText
+    priority: int
+    request_id: str
+    deadline: float | None  # event-loop time; None waits as long as it takes
+    trace: RequestTrace | None = None
 
 
 @dataclass(eq=False)
@@ -97,30 +108,64 @@ class RequestQueue(Generic[ResultT]):
     ) -> asyncio.Future[ResultT]:
         """Queue one text and return the future of its result, or raise QueueFull."""
         if self._size >= self.settings.queue_capacity:
-            raise QueueFull(
-                f"queue full ({self._size} waiting)",
-                retry_after_seconds=self._retry_after(self._size),
-                queue_depth=self._size,
-            )
+            raise self._full()
         loop = asyncio.get_running_loop()
+        future = self._enqueue(
+            loop,
+            loop.time(),
+            time.time_ns(),
+            Admission(encoded, priority, request_id, deadline, trace),
+        )
+        self._changed.set()
+        return future
+
+    def admit_many(
+        self, admissions: Sequence[Admission]
+    ) -> list[asyncio.Future[ResultT] | QueueFull]:
+        """Queue texts in one step, in order: each gets the future of its result, or
+        QueueFull when the queue had no room left for it (nothing of it is kept)."""
+        loop = asyncio.get_running_loop()
+        now, now_ns = loop.time(), time.time_ns()
+        room = max(self.settings.queue_capacity - self._size, 0)
+        outcomes: list[asyncio.Future[ResultT] | QueueFull] = [
+            self._enqueue(loop, now, now_ns, admission) for admission in admissions[:room]
+        ]
+        if len(admissions) > room:
+            outcomes += [self._full() for _ in admissions[room:]]
+        if room and admissions:
+            self._changed.set()
+        return outcomes
+
+    def _full(self) -> QueueFull:
+        return QueueFull(
+            f"queue full ({self._size} waiting)",
+            retry_after_seconds=self._retry_after(self._size),
+            queue_depth=self._size,
+        )
+
+    def _enqueue(
+        self, loop: asyncio.AbstractEventLoop, now: float, now_ns: int, admission: Admission
+    ) -> asyncio.Future[ResultT]:
+        """Put one text in its lane (the caller checked for room); its eviction timer
+        starts now."""
+        deadline = admission.deadline
         request: PendingRequest[ResultT] = PendingRequest(
-            encoded=encoded,
-            priority=priority,
-            bucket=self.settings.bucket_of(len(encoded)),
-            request_id=request_id,
-            enqueued_at=loop.time(),
+            encoded=admission.encoded,
+            priority=admission.priority,
+            bucket=self.settings.bucket_of(len(admission.encoded)),
+            request_id=admission.request_id,
+            enqueued_at=now,
             deadline=deadline,
             future=loop.create_future(),
             sequence=next(self._sequence),
-            trace=trace,
-            admitted_ns=time.time_ns(),
+            trace=admission.trace,
+            admitted_ns=now_ns,
         )
         if deadline is not None:
             request.timer = loop.call_at(deadline, self._evict, request)
-        self._lanes[(priority, request.bucket)].append(request)
+        self._lanes[(request.priority, request.bucket)].append(request)
         self._size += 1
         self.high_water = max(self.high_water, self._size)
-        self._changed.set()
         return request.future
 
     def _evict(self, request: PendingRequest[ResultT]) -> None:

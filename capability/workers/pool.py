@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, BatchingSettings
+from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, BatchingSettings, TextResult
 from capability.bundle import BundleError, LoadedBundle, load_bundle
 from capability.metrics import CapabilityMetrics
 from capability.model import DEFAULT_GRAPH, EncodedText
-from capability.workers.worker import DeviceWorker, ModelReplica, TextResult
+from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.errors import (
     ModelFault,
     ModelNotFound,

@@ -21,7 +21,7 @@ import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.batching import PRIORITY_INTERACTIVE
+from capability.batching import PRIORITY_INTERACTIVE, TextResult
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
     BATCH_FAILURES_TOTAL,
@@ -34,7 +34,6 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
-from capability.workers.worker import TextResult
 from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
 from tests.conftest import metric_sum
 from tests.status_details import error_reason

@@ -1,0 +1,395 @@
+"""The batching loop of one model replica: it owns the replica's queue, forms batches
+when the device is the replica's, hands them to the device thread and answers them.
+
+Two named slots hold the batches handed to the device thread:
+
+    queue ──next_batch──────▶ running     computing now, or next in line on the device
+          ──take_full_batch─▶ following   already full: queued on the device thread
+                                          behind `running`, so it starts the moment
+                                          the device frees, not when this loop next
+                                          gets the GIL
+
+`following` is filled only with a full batch (a partial one would stop filling
+early) and only while no other model waits for the device (it would starve).
+When `running` is answered, `following` moves up and the slot is free again.
+
+Every waiter gets exactly one outcome: its result, ModelFault when its batch
+fails or the loop dies with its batch handed over, or ExpiredInQueue when its
+deadline passes before its batch starts (then it is never computed). A bug in
+the loop itself restarts it after a short pause; the queue keeps its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from opentelemetry.trace import INVALID_SPAN, Link
+
+from capability.batching.queue import PendingRequest, RequestQueue
+from capability.batching.settings import BatchingSettings
+from capability.bundle import LoadedBundle
+from capability.metrics import (
+    DEADLINE_STAGE_DEVICE,
+    DEADLINE_STAGE_QUEUE,
+    CapabilityMetrics,
+)
+from capability.model import EncodedText
+from classify_common.errors import ExpiredInQueue, ModelFault
+from classify_common.nodes import BATCH_SPAN_NAME, emit_node
+from classify_common.tracing import get_tracer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Seconds the batching loop waits before restarting after a crash, so a fault
+# that recurs at once does not spin the loop.
+RESTART_BACKOFF_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """One text's label probabilities and the exact model version that computed them."""
+
+    probabilities: tuple[float, ...]
+    bundle: LoadedBundle
+    token_count: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What one forward on the device thread returns to the loop."""
+
+    probabilities: list[list[float]]  # (B, L), columns follow the classifier's labels
+    finite_rows: tuple[bool, ...]
+    padded_tokens: int
+    seconds: float
+    # Epoch ns at the marks between capability.model.stages.STAGES, and their clock.
+    marks_ns: tuple[int, ...]
+    clock: str
+    # Per submitted text: whether its deadline had passed, so it was left out. The
+    # other fields describe the texts that were computed, in order.
+    expired: tuple[bool, ...] = ()
+
+
+# Runs on the device thread: the texts of a batch and their deadlines (event-loop
+# time) in, one forward's outcome out.
+Compute = Callable[[list[EncodedText], list[float | None]], BatchOutcome]
+
+
+class Device(Protocol):
+    """What the loop needs of the worker that owns the device."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def others_waiting(self) -> bool:
+        """Whether anyone else waits for the device's turn."""
+        ...
+
+    def turn(self) -> AbstractAsyncContextManager[None]:
+        """Hold the device for the block (FIFO among everyone who wants it)."""
+        ...
+
+    async def execute(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on the device thread; the caller holds the turn."""
+        ...
+
+
+def padding_ratio(batch: Sequence[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:
+    """Share of the batch's token positions that are padding."""
+    real_tokens = sum(len(request.encoded) for request in batch)
+    return 1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
+
+
+@dataclass(eq=False)
+class SubmittedBatch:
+    """A batch handed to the device thread, and the outcome to come."""
+
+    requests: list[PendingRequest[TextResult]]
+    computing: asyncio.Future[BatchOutcome]
+
+
+class Batcher:
+    """Owns one replica's queue and the loop that serves it on the replica's device."""
+
+    def __init__(
+        self,
+        bundle: LoadedBundle,
+        settings: BatchingSettings,
+        device: Device,
+        compute: Compute,
+        metrics: CapabilityMetrics,
+        *,
+        retry_after: Callable[[int], float],
+        on_settled: Callable[[], None],
+    ) -> None:
+        """`retry_after(depth)`: seconds until a queue of `depth` drains (for QueueFull).
+        `on_settled()`: called whenever the replica's work may have run out (a device
+        turn ended, a request was evicted)."""
+        self.bundle = bundle
+        self.queue: RequestQueue[TextResult] = RequestQueue(
+            settings, retry_after=retry_after, on_evicted=self._evicted
+        )
+        self._device = device
+        self._compute = compute
+        self._on_settled = on_settled
+        # Texts handed to the device thread and not yet answered.
+        self.in_flight = 0
+        self.running: SubmittedBatch | None = None
+        self.following: SubmittedBatch | None = None
+        self._task: asyncio.Task[None] | None = None
+        model, worker = bundle.name, device.name
+        # Labelled children, looked up once: `labels()` costs more than the update.
+        self._metrics = metrics
+        self._queue_depth = metrics.queue_depth.labels(model, worker)
+        self._forwards = metrics.model_forwards.labels(model, worker)
+        self._texts = metrics.model_texts.labels(model, worker)
+        self._batch_size = metrics.batch_size.labels(model, worker)
+        self._padding = metrics.padding_ratio.labels(model)
+        self._busy = metrics.worker_busy_seconds.labels(worker)
+        self._evictions = metrics.evictions.labels(model)
+        self._expired = {
+            stage: metrics.deadline_exceeded.labels(model, stage)
+            for stage in (DEADLINE_STAGE_QUEUE, DEADLINE_STAGE_DEVICE)
+        }
+        self._batch_failures = metrics.batch_failures.labels(model, worker)
+        self._restarts = metrics.worker_restarts.labels(worker)
+
+    @property
+    def name(self) -> str:
+        return self.bundle.name
+
+    def show_queue_depth(self) -> None:
+        self._queue_depth.set(len(self.queue))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(
+            self._supervise(), name=f"batcher-{self._device.name}-{self.name}"
+        )
+
+    async def stop(self, error: Exception) -> None:
+        """Answer everything queued with `error` and end the loop; batches handed over
+        are answered with ModelFault."""
+        self.queue.fail_all(error)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                await self._serve_turns()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug in the loop itself, not a model fault (those are answered per
+                # batch): every waiter of a lost batch was answered (_abandon_submitted);
+                # restart so the queue keeps being served.
+                log.exception(
+                    "batching loop crashed; restarting", extra={"worker": self._device.name}
+                )
+                self._restarts.inc()
+                await asyncio.sleep(RESTART_BACKOFF_SECONDS)
+
+    async def _serve_turns(self) -> None:
+        while True:
+            await self.queue.wait_not_empty()
+            # The batch is formed only once the device is ours: until then requests
+            # keep joining the queue, so a later interactive request still goes
+            # first and a busy device yields fuller batches.
+            async with self._device.turn():
+                try:
+                    await self._serve_turn()
+                finally:
+                    self._abandon_submitted()
+            self._on_settled()
+
+    async def _serve_turn(self) -> None:
+        """Run batches until the queue holds no full one (or another model waits)."""
+        self.running = self._submit(await self.queue.next_batch())
+        while self.running is not None:
+            self.following = self._submit_if_full()
+            await self._finish(self.running)
+            self.running, self.following = self.following, None
+
+    def _submit_if_full(self) -> SubmittedBatch | None:
+        """Hand a full batch to the device thread behind the running one, unless
+        another model waits for the device."""
+        if self._device.others_waiting:
+            return None
+        ready = self.queue.take_full_batch()
+        return self._submit(ready) if ready else None
+
+    def _abandon_submitted(self) -> None:
+        """The loop stopped (cancelled or crashed) with batches handed over: their
+        callers still get an answer, and the replica's load drops back."""
+        for submitted in (self.running, self.following):
+            if submitted is not None:
+                submitted.computing.cancel()
+                self._fail(submitted.requests, ModelFault("the batching loop stopped"))
+        self.running = self.following = None
+
+    def _submit(self, batch: list[PendingRequest[TextResult]]) -> SubmittedBatch | None:
+        """Hand a batch to the device thread; None when every caller in it has gone."""
+        self.show_queue_depth()
+        live = [request for request in batch if not request.future.done()]
+        if not live:
+            return None
+        self.in_flight += len(live)
+        computing = asyncio.ensure_future(
+            self._device.execute(
+                self._compute, [r.encoded for r in live], [r.deadline for r in live]
+            )
+        )
+        return SubmittedBatch(live, computing)
+
+    async def _finish(self, submitted: SubmittedBatch) -> None:
+        """Answer a submitted batch: every waiter in it gets exactly one outcome, whatever
+        fails."""
+        batch = submitted.requests
+        try:
+            outcome = await submitted.computing
+            computed = [r for r, gone in zip(batch, outcome.expired, strict=True) if not gone]
+            if len(computed) < len(batch):
+                for request, gone in zip(batch, outcome.expired, strict=True):
+                    if gone:
+                        self._expire_unqueued(request)
+            if computed:
+                self._record(computed, outcome)
+                self._trace(computed, outcome)
+            for row, request in enumerate(computed):
+                if request.future.done():
+                    continue  # the caller went away; the result has no one to go to
+                if not outcome.finite_rows[row]:
+                    request.future.set_exception(ModelFault("the model produced non-finite scores"))
+                    continue
+                request.future.set_result(
+                    TextResult(
+                        probabilities=tuple(outcome.probabilities[row]),
+                        bundle=self.bundle,
+                        token_count=len(request.encoded),
+                        truncated=request.encoded.truncated,
+                    )
+                )
+            self.in_flight -= len(batch)
+        except Exception as exc:
+            log.exception(
+                "batch failed",
+                extra={
+                    "model": self.name,
+                    "worker": self._device.name,
+                    "request_ids": [request.request_id for request in batch],
+                },
+            )
+            self._batch_failures.inc()
+            self._fail(
+                batch,
+                ModelFault(f"the batch failed on {self._device.name}: {type(exc).__name__}"),
+            )
+
+    def _fail(self, batch: list[PendingRequest[TextResult]], error: Exception) -> None:
+        """Answer whoever in `batch` has no answer yet with `error`; the batch is done."""
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(error)
+        self.in_flight -= len(batch)
+
+    def _expire_unqueued(self, request: PendingRequest[TextResult]) -> None:
+        """A request whose deadline passed after it left the queue, before its batch ran:
+        it was not computed, and is answered as if evicted from the queue."""
+        self._evictions.inc()
+        self._expired[DEADLINE_STAGE_DEVICE].inc()
+        self._trace_expiry(request)
+        if not request.future.done():
+            request.future.set_exception(
+                ExpiredInQueue(
+                    "the deadline passed while the request waited for the device; "
+                    "it was not computed"
+                )
+            )
+
+    def _evicted(self, request: PendingRequest[TextResult]) -> None:
+        """The queue's timer evicted `request` (already answered ExpiredInQueue)."""
+        self._evictions.inc()
+        self._expired[DEADLINE_STAGE_QUEUE].inc()
+        self._trace_expiry(request)
+        self._on_settled()
+
+    def _trace_expiry(self, request: PendingRequest[TextResult]) -> None:
+        if request.trace is not None:
+            emit_node(
+                request.trace,
+                "gpu_queue_wait",
+                request.admitted_ns,
+                time.time_ns(),
+                {"classify.worker": self._device.name, "timeout": True},
+                error=ExpiredInQueue("the deadline passed while the request was queued"),
+            )
+
+    def _record(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
+        self._forwards.inc()
+        self._texts.inc(len(batch))
+        self._batch_size.observe(len(batch))
+        self._padding.observe(padding_ratio(batch, outcome))
+        self._busy.inc(outcome.seconds)
+
+    def _trace(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
+        """The batch's device nodes for every traced request in it, and the batch's own
+        span, which each request's `batch_assemble` links to (and it links back)."""
+        traced = [(request, request.trace) for request in batch if request.trace is not None]
+        if not traced or len(outcome.marks_ns) != 5:
+            return
+        started, assembled, copied, forwarded, done = outcome.marks_ns
+        version = self.bundle.version
+        worker_name = self._device.name
+        batch_attributes = {
+            "classify.batch_size": len(batch),
+            "classify.bucket": batch[0].bucket,
+            "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
+        }
+        spanned = [trace for _, trace in traced if trace.makes_spans]
+        batch_span = (
+            get_tracer().start_span(
+                BATCH_SPAN_NAME,
+                start_time=started,
+                attributes={
+                    **batch_attributes,
+                    "classify.worker": worker_name,
+                    "classify.model": self.name,
+                    "classify.model_version": version,
+                    "classify.clock": outcome.clock,
+                },
+                links=[Link(trace.server_span.get_span_context()) for trace in spanned],
+            )
+            if spanned
+            else INVALID_SPAN
+        )
+        to_batch = [Link(batch_span.get_span_context())]
+        clock = {"classify.clock": outcome.clock}
+        worker = {"classify.worker": worker_name}
+        model = {"classify.model": self.name, "classify.model_version": version}
+        for request, trace in traced:
+            emit_node(trace, "gpu_queue_wait", request.admitted_ns, started, worker)
+            emit_node(trace, "batch_assemble", started, assembled, batch_attributes, to_batch)
+            emit_node(trace, "h2d_copy", assembled, copied, clock)
+            emit_node(trace, "cuda_launch", copied, forwarded, {**clock, **model})
+            emit_node(trace, "postprocess", forwarded, done, clock)
+            trace.log_fields.update(
+                model=self.name,
+                model_version=version,
+                worker=worker_name,
+                batch_size=len(batch),
+                tokens=len(request.encoded),
+            )
+        batch_span.end(end_time=done)
