@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`): model quality, the capability server, the front door."""

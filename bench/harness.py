@@ -1,0 +1,627 @@
+"""What the benchmarks share: the texts, in-process ceiling probes, a closed-loop gRPC
+client, server processes, CPU time from /proc, /metrics scrapes and a progress line.
+
+The host these run on is shared and its speed drifts by a third within minutes,
+so every server figure is compared with a ceiling probed right before and right
+after it (`AdjacentCeiling`), and each load level records the CPU that every
+process spent over it (`CpuWindow`), so a neighbour's load shows in the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
+from capability.model import TextClassifier  # noqa: E402
+
+RESULTS_DIR = REPO_ROOT / "build" / "bench"
+MODEL_ROOT = REPO_ROOT / "build" / "models"
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+# Seconds a server gets to start and load its models before the bench gives up.
+START_TIMEOUT_SECONDS = 120.0
+# Seconds a server gets to drain and exit after SIGTERM before it is killed.
+STOP_TIMEOUT_SECONDS = 30.0
+# Seconds one benchmark call may take before it counts as an error.
+CALL_TIMEOUT_SECONDS = 30.0
+SHORT_TEXTS = [
+    "The striker scored twice in the final minutes of the cup match",
+    "Shares fell sharply after the bank cut its profit forecast",
+    "The new chip doubles battery life in laptops",
+    "Rebels and the army agreed to a ceasefire in the capital",
+    "The goalkeeper saved a penalty in extra time",
+    "Central bank raises interest rates by half a point",
+    "Astronomers detect water vapour on a distant exoplanet",
+    "Parliament votes on the new election law today",
+]
+
+
+def short_texts(count: int, offset: int = 0) -> list[str]:
+    """`count` of the short headlines, starting at `offset`, repeating in order."""
+    return [SHORT_TEXTS[(offset + i) % len(SHORT_TEXTS)] for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------
+# In-process ceiling: the model alone, no server in the way.
+
+
+def forward_rate(classifier: TextClassifier, size: int, seconds: float) -> float:
+    """Texts/s of back-to-back forward passes of `size` short texts, no server in the way."""
+    encoded = classifier.tokenize(short_texts(size))
+    classifier.run(encoded)  # warm this shape
+    done = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        classifier.run(encoded)
+        done += size
+    return done / (time.perf_counter() - started)
+
+
+def forward_latency(classifier: TextClassifier, seconds: float) -> float:
+    """Median seconds of one forward pass of one short text (batch size 1)."""
+    encoded = classifier.tokenize(short_texts(1))
+    classifier.run(encoded)  # warm this shape
+    timings: list[float] = []
+    stop_at = time.perf_counter() + seconds
+    while time.perf_counter() < stop_at or len(timings) < 3:
+        started = time.perf_counter()
+        classifier.run(encoded)
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def measure_ceiling(
+    classifier: TextClassifier,
+    seconds_per_size: float,
+    passes: int = 4,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+) -> dict[str, Any]:
+    """Texts/s of back-to-back forward passes, per batch size, no server in the way.
+
+    The sizes are swept `passes` times, interleaved. The best size is the one with
+    the highest rate relative to the best of its own pass, averaged over passes: the
+    host's speed drifts between passes, so comparing sizes within a pass is fairer,
+    and a dip during one size's turn in one pass cannot make a worse size look best.
+    Each size's ceiling is its best pass.
+    """
+    sweeps = [
+        {size: forward_rate(classifier, size, seconds_per_size / passes) for size in batch_sizes}
+        for _ in range(passes)
+    ]
+    relative = {
+        size: statistics.mean(sweep[size] / max(sweep.values()) for sweep in sweeps)
+        for size in batch_sizes
+    }
+    per_size = {size: max(sweep[size] for sweep in sweeps) for size in batch_sizes}
+    best = max(relative, key=lambda size: relative[size])
+    return {
+        "texts_per_second_by_batch_size": per_size,
+        "relative_rate_by_batch_size": relative,
+        "best_batch_size": best,
+        "ceiling_texts_per_second": per_size[best],
+    }
+
+
+class AdjacentCeiling:
+    """The ceiling probed right before and right after each load level.
+
+    With `reuse_between_levels`, the probe after one level also serves as the probe
+    before the next, when nothing else ran in between; `forget()` drops it (a
+    server was started or stopped, say).
+    """
+
+    def __init__(
+        self,
+        classifier: TextClassifier,
+        batch_size: int,
+        seconds: float,
+        *,
+        reuse_between_levels: bool,
+    ) -> None:
+        self.classifier = classifier
+        self.batch_size = batch_size
+        self.seconds = seconds
+        self._reuse = reuse_between_levels
+        self._last: float | None = None
+
+    def before(self) -> float:
+        if self._reuse and self._last is not None:
+            return self._last
+        return forward_rate(self.classifier, self.batch_size, self.seconds)
+
+    def after(self) -> float:
+        self._last = forward_rate(self.classifier, self.batch_size, self.seconds)
+        return self._last
+
+    def forget(self) -> None:
+        self._last = None
+
+
+# ---------------------------------------------------------------------------------------
+# Progress: one status line on stderr, rewritten in place.
+
+
+class Progress:
+    """One status line on stderr, rewritten with a carriage return: the step, its name,
+    the time since the start and, on a terminal, a running detail (seconds, calls).
+
+    Call `clear()` before printing anything else, so the line does not mix with it.
+    """
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stderr) -> None:
+        self.total_steps = total_steps
+        self.stream = stream
+        # Off a terminal (make's output in a log) the line changes once per step only.
+        self.live = stream.isatty()
+        self._step = 0
+        self._label = ""
+        self._width = 0
+        self._started = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self._step += 1
+        self._label = label
+        self.show()
+
+    def show(self, detail: str = "") -> None:
+        elapsed = time.perf_counter() - self._started
+        line = f"[{self._step}/{self.total_steps} {elapsed:4.0f} s] {self._label}"
+        if detail:
+            line += f" ({detail})"
+        self.stream.write("\r" + line.ljust(self._width))
+        self.stream.flush()
+        self._width = len(line)
+
+    def skip(self, steps: int) -> None:
+        """Count `steps` as done without running them (a sweep that cannot go on)."""
+        self._step += steps
+
+    def clear(self) -> None:
+        if self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+
+# ---------------------------------------------------------------------------------------
+# The closed-loop client.
+
+# Sends a client's n-th call on the stub and returns how many of its texts failed and
+# the first failure's "CODE: message" ("" when none did); a call that fails as a
+# whole raises grpc.aio.AioRpcError.
+# NOTE: the async stub class exists in the generated .pyi only (ClassifyServiceStub
+# on an aio channel is one at run time), hence the quotes.
+SendCall = Callable[["pb_grpc.ClassifyServiceAsyncStub", int], Awaitable[tuple[int, str]]]
+
+
+def status_name(code: int) -> str:
+    """The name of a numeric gRPC status code (a google.rpc.Status's `code`)."""
+    return next((status.name for status in grpc.StatusCode if status.value[0] == code), str(code))
+
+
+def unary_call(model: str = "", metadata: Sequence[tuple[str, str]] = ()) -> SendCall:
+    """Classify one short headline per call, the n-th call the n-th headline.
+
+    The requests are built once: the client's own CPU per call is part of what
+    the benchmarks report, and should be the gRPC call's, not protobuf building.
+    """
+    requests = [pb.ClassifyRequest(text=text, model=model) for text in SHORT_TEXTS]
+    call_metadata = tuple(metadata) or None
+
+    async def send(stub: pb_grpc.ClassifyServiceAsyncStub, n: int) -> tuple[int, str]:
+        await stub.Classify(
+            requests[n % len(requests)], metadata=call_metadata, timeout=CALL_TIMEOUT_SECONDS
+        )
+        return 0, ""
+
+    return send
+
+
+def batch_call(items: int, model: str = "", metadata: Sequence[tuple[str, str]] = ()) -> SendCall:
+    """ClassifyBatch of `items` short headlines per call; items answered with an error,
+    or missing from the answer, are counted as failed."""
+    requests = [
+        pb.ClassifyBatchRequest(
+            items=[pb.ClassifyRequest(text=text, model=model) for text in short_texts(items, n)]
+        )
+        for n in range(len(SHORT_TEXTS))
+    ]
+    call_metadata = tuple(metadata) or None
+
+    async def send(stub: pb_grpc.ClassifyServiceAsyncStub, n: int) -> tuple[int, str]:
+        reply = await stub.ClassifyBatch(
+            requests[n % len(requests)], metadata=call_metadata, timeout=CALL_TIMEOUT_SECONDS
+        )
+        failed = [result.error for result in reply.results if result.HasField("error")]
+        answered = len(reply.results) - len(failed)
+        first = f"{status_name(failed[0].code)}: {failed[0].message}" if failed else ""
+        return items - answered, first
+
+    return send
+
+
+async def drive(
+    target: str,
+    concurrency: int,
+    seconds: float,
+    send: SendCall,
+    *,
+    items_per_call: int = 1,
+    observation: contextlib.AbstractContextManager[Any] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """`concurrency` clients in closed loop for `seconds`: each sends its next call as
+    soon as the last one is answered. Throughput (calls, and texts answered without
+    an error), call latency, and errors (texts that failed, a failed call counting
+    all its texts), with the first failure's code and message.
+
+    One warm-up call per client comes first, so connection set-up is not measured.
+    A warm-up call answered UNIMPLEMENTED is raised: the server does not offer the
+    call. `observation` is entered right before the clients start and left right
+    after they stop, so it covers the measured window only.
+    """
+    latencies: list[float] = []
+    errors = 0
+    answered = 0
+    first_error = ""
+
+    async def client(stub: pb_grpc.ClassifyServiceAsyncStub, offset: int, stop_at: float) -> None:
+        nonlocal errors, answered, first_error
+        n = offset
+        while time.perf_counter() < stop_at:
+            call_started = time.perf_counter()
+            try:
+                failed, failure = await send(stub, n)
+                latencies.append(time.perf_counter() - call_started)
+                errors += failed
+                answered += items_per_call - failed
+                first_error = first_error or failure
+            except grpc.aio.AioRpcError as refused:
+                errors += items_per_call
+                first_error = first_error or f"{refused.code().name}: {refused.details()}"
+            n += concurrency
+
+    async def tick(started: float) -> None:
+        assert progress is not None
+        while True:
+            elapsed = min(time.perf_counter() - started, seconds)
+            progress.show(f"{elapsed:.0f}/{seconds:.0f} s, {len(latencies)} calls")
+            await asyncio.sleep(0.5)
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ClassifyServiceStub(channel)
+        warm_up = await asyncio.gather(
+            *(send(stub, i) for i in range(concurrency)), return_exceptions=True
+        )
+        for outcome in warm_up:
+            if isinstance(outcome, grpc.aio.AioRpcError):
+                if outcome.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise outcome
+                first_error = first_error or f"{outcome.code().name}: {outcome.details()}"
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        with observation or contextlib.nullcontext():
+            started = time.perf_counter()
+            ticker = asyncio.create_task(tick(started)) if progress and progress.live else None
+            try:
+                stop_at = started + seconds
+                await asyncio.gather(*(client(stub, i, stop_at) for i in range(concurrency)))
+            finally:
+                if ticker:
+                    ticker.cancel()
+            elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "requests_per_second": len(latencies) / elapsed,
+        "texts_per_second": answered / elapsed,
+        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan"),
+        "errors": errors,
+        "first_error": first_error,
+        "calls": len(latencies),
+        "texts": answered,
+        "seconds": elapsed,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Server processes.
+
+
+@dataclass
+class ServerProcess:
+    """A server started by a benchmark, with its output in RESULTS_DIR/<name>.log.
+
+    A context manager: leaving it stops the server (SIGTERM, then SIGKILL after
+    STOP_TIMEOUT_SECONDS).
+    """
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    # The "serving" log line, parsed: the ports the server really bound, and more.
+    serving: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.serving['port']}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        port = self.serving.get("metrics_port")
+        return f"http://127.0.0.1:{port}/metrics" if port else None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def capability_command(*args: str) -> list[str]:
+    """`python -m capability` on free ports (its serving line says which), defaults
+    otherwise, then `args`."""
+    return [sys.executable, "-m", "capability", "--port", "0", "--metrics-port", "0", *args]
+
+
+def orchestrator_command(*args: str) -> list[str]:
+    """`python -m orchestrator` on free ports, defaults otherwise, then `args`."""
+    return [sys.executable, "-m", "orchestrator", "--port", "0", "--metrics-port", "0", *args]
+
+
+def naive_command(device: str) -> list[str]:
+    """The naive one-request-one-forward server (bench/naive_server.py) on a free port."""
+    script = Path(__file__).resolve().parent / "naive_server.py"
+    return [sys.executable, str(script), "--port", "0", "--device", device]
+
+
+def start_server(
+    name: str, command: Sequence[str], env: Mapping[str, str] | None = None
+) -> ServerProcess:
+    """Start a server and return once it has logged its JSON `"event": "serving"` line.
+
+    NOTE: output goes to a file, not a pipe: a pipe nobody reads fills up and
+    stalls the writer.
+    """
+    log_path = RESULTS_DIR / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            list(command),
+            cwd=REPO_ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        )
+    server = ServerProcess(name, process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if '"event": "serving"' in line:
+                server.serving = json.loads(line)
+                return server
+        if process.poll() is not None:
+            raise SystemExit(f"{name} exited ({process.returncode}); see {log_path}")
+        time.sleep(0.2)
+    server.stop()
+    raise SystemExit(f"{name} was not serving in {START_TIMEOUT_SECONDS:.0f} s; see {log_path}")
+
+
+# ---------------------------------------------------------------------------------------
+# CPU time from /proc.
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all processes), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` and its children,
+    all threads included, from /proc/<pid>/stat."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class CpuWindow:
+    """CPU seconds spent over a window by each named server process, by this process
+    (the client), and by everything else on the machine ("others")."""
+
+    def __init__(self, servers: Mapping[str, int]) -> None:
+        self._servers = dict(servers)
+        self._start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        reading = {name: process_cpu_seconds(pid) for name, pid in self._servers.items()}
+        reading["client"] = time.process_time()
+        reading["machine"] = machine_busy_seconds()
+        reading["wall"] = time.perf_counter()
+        return reading
+
+    def spent(self) -> dict[str, float]:
+        """CPU seconds per process since the window opened, and its wall seconds."""
+        now = self._read()
+        spent = {name: now[name] - self._start[name] for name in now}
+        ours = sum(spent[name] for name in (*self._servers, "client"))
+        spent["others"] = max(spent.pop("machine") - ours, 0.0)
+        return spent
+
+
+# ---------------------------------------------------------------------------------------
+# /metrics.
+
+Sample = tuple[str, Mapping[str, str], float]
+
+
+def scrape(metrics_url: str) -> list[Sample]:
+    """Every sample a server's Prometheus endpoint shows: (name, labels, value)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        text = page.read().decode()
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def metric_total(samples: Sequence[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels`."""
+    return sum(
+        value
+        for sample_name, sample_labels, value in samples
+        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items())
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# One load level: what the client saw, what each process spent, what the servers counted.
+
+
+class Observation:
+    """What the servers did over a measured window: CPU seconds per process (`cpu`,
+    from CpuWindow) and the change of any /metrics sample (`delta`)."""
+
+    def __init__(self, servers: Mapping[str, ServerProcess]) -> None:
+        self._servers = dict(servers)
+        self._before: dict[str, list[Sample]] = {}
+        self._after: dict[str, list[Sample]] = {}
+        self._window: CpuWindow | None = None
+        self.cpu: dict[str, float] = {}
+
+    def __enter__(self) -> Observation:
+        # Scrapes first, CPU last: a scrape's own cost stays outside the window.
+        self._before = self._scrape_all()
+        self._window = CpuWindow({name: server.pid for name, server in self._servers.items()})
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        assert self._window is not None
+        self.cpu = self._window.spent()
+        self._after = self._scrape_all()
+
+    def _scrape_all(self) -> dict[str, list[Sample]]:
+        return {
+            name: scrape(server.metrics_url)
+            for name, server in self._servers.items()
+            if server.metrics_url
+        }
+
+    def delta(self, server: str, metric: str, **labels: str) -> float:
+        """How much `metric` (summed over the samples matching `labels`) grew on `server`."""
+        if server not in self._after:
+            return float("nan")
+        return metric_total(self._after[server], metric, **labels) - metric_total(
+            self._before[server], metric, **labels
+        )
+
+
+def measure_level(
+    target: str,
+    concurrency: int,
+    seconds: float,
+    send: SendCall,
+    *,
+    runner: asyncio.Runner,
+    ceiling: AdjacentCeiling,
+    servers: Mapping[str, ServerProcess],
+    items_per_call: int = 1,
+    progress: Progress | None = None,
+) -> tuple[dict[str, Any], Observation]:
+    """One load level between two ceiling probes.
+
+    Adds to `drive`'s figures: the adjacent ceiling and the ratio to it; each server's,
+    the client's and the other processes' CPU seconds over the level; CPU microseconds
+    per text in each process (per request, for single calls); and the cores that other
+    processes used meanwhile. The Observation gives the servers' metric deltas.
+
+    `runner` runs the client: one event loop for all levels, because grpc.aio's
+    completion queue outlives a loop that asyncio.run would close under it.
+    """
+    before = ceiling.before()
+    observation = Observation(servers)
+    result: dict[str, Any] = runner.run(
+        drive(
+            target,
+            concurrency,
+            seconds,
+            send,
+            items_per_call=items_per_call,
+            observation=observation,
+            progress=progress,
+        )
+    )
+    after = ceiling.after()
+    texts = result["texts"] or math.nan  # no text answered: no cost per text
+    cpu = observation.cpu
+    result["concurrency"] = concurrency
+    result["items_per_call"] = items_per_call
+    result["ceiling_before"] = before
+    result["ceiling_after"] = after
+    result["adjacent_ceiling"] = (before + after) / 2
+    result["ratio_to_ceiling"] = result["texts_per_second"] / result["adjacent_ceiling"]
+    result["cpu_seconds"] = cpu
+    result["cpu_us_per_text"] = {
+        name: cpu[name] / texts * 1e6 for name in (*servers, "client", "others")
+    }
+    result["other_processes_cores"] = cpu["others"] / cpu["wall"]
+    return result, observation
