@@ -35,7 +35,7 @@ K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
 
 .PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
-	lint-deploy bench bench-capability bench-models gpu-check
+	lint-deploy bench bench-capability bench-models bench-front-door gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
@@ -44,8 +44,9 @@ help:
 	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
 	@echo "make proto  regenerate Python stubs from proto/"
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
-	@echo "make bench  model quality and capability-server benchmarks (tables + build/bench/*.json)"
-	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32 state"
+	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
+	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
+	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
 	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
 
 setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF)
@@ -127,13 +128,17 @@ lock: $(VENV_STAMP)
 	  $(PY) tools/lock.py build/$$name-report.json requirements/$$name.in > requirements/$$name.lock; \
 	done
 
-bench: bench-models bench-capability
+# Under 10 minutes in all on the 2-core development machine.
+bench: bench-models bench-capability bench-front-door
 
 bench-models: setup
 	$(PY) bench/model_quality.py
 
 bench-capability: setup bundles
 	$(PY) bench/capability_server.py
+
+bench-front-door: setup bundles
+	$(PY) bench/front_door.py
 
 gpu-check: setup bundles
 	$(PY) bench/gpu_check.py

@@ -1,13 +1,18 @@
-"""`make gpu-check`: a worker per GPU, a batch-size sweep, memory and the TF32 state.
+"""`make gpu-check`: a worker per GPU, a batch-size sweep, memory and the TF32 state,
+then, with CUDA, the full-stack sweep through the front door on the GPU.
 
-Runs in under five minutes. Without CUDA it runs the same sweep on the CPU
-through the same code path, so the script itself is checked on every machine.
+The worker sweep runs in under five minutes, the full-stack sweep
+(bench/front_door.py --device cuda) in about five more. Without CUDA the worker
+sweep runs on the CPU through the same code path, so the script itself is
+checked on every machine, and the full-stack sweep is skipped with a note
+(`make bench-front-door` runs it on the CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +32,7 @@ from capability.workers import WorkerPool, discover_devices  # noqa: E402
 from capability.workers.cuda import configure_cuda_defaults, read_device_memory, tf32_enabled  # noqa: E402
 
 BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
+FRONT_DOOR = Path(__file__).resolve().parent / "front_door.py"
 BATCH_SIZES = (1, 8, 32, 128, 256)
 SECONDS_PER_SIZE = 3.0
 STAGE_BATCH = 32
@@ -97,5 +103,19 @@ async def print_stages(name: str, device: torch.device, classifier: TextClassifi
     print(f"{name:>8}: stages at batch {STAGE_BATCH} ({clock.kind}): {stages}")
 
 
+def run_stack_sweep() -> int:
+    """The front-door benchmark with the capability on the GPU; its exit status."""
+    if not torch.cuda.is_available():
+        print(
+            "\nfull-stack sweep: no CUDA device here, skipped "
+            "(`make bench-front-door` runs it on the CPU)"
+        )
+        return 0
+    print(f"\nfull-stack sweep: {FRONT_DOOR.name} --device cuda", flush=True)
+    command = [sys.executable, str(FRONT_DOOR), "--device", "cuda"]
+    return subprocess.run(command, cwd=REPO_ROOT, check=False).returncode
+
+
 if __name__ == "__main__":
     asyncio.run(main())
+    sys.exit(run_stack_sweep())
