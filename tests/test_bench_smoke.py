@@ -1,0 +1,191 @@
+"""The benchmarks' own machinery, against real servers: the closed-loop client, the
+stack files the front-door bench writes, CPU accounting, the report and the plot.
+
+No timing is asserted: these pin what is counted and written, not how fast.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from ai.classify.v1 import classify_service_pb2_grpc
+from bench import front_door
+from bench.harness import (
+    CpuWindow,
+    Progress,
+    batch_call,
+    drive,
+    process_cpu_seconds,
+    unary_call,
+)
+from bench.naive_server import NaiveServicer
+from orchestrator.routing import load_routes
+from orchestrator.security import load_api_keys
+from orchestrator.server import OrchestratorServer
+
+
+@pytest_asyncio.fixture(scope="module")
+async def naive_target(model_root: Path) -> AsyncIterator[str]:
+    """The naive one-request-one-forward server, in process, on a free port."""
+    server = grpc.aio.server()
+    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
+        NaiveServicer(model_root / "topic-minilm" / "1", "cpu"), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(grace=0)
+
+
+async def test_closed_loop_client_counts_every_answered_call(naive_target: str) -> None:
+    result = await drive(naive_target, 2, 0.3, unary_call())
+
+    assert result["calls"] > 0
+    assert result["texts"] == result["calls"]
+    assert result["errors"] == 0
+    assert result["first_error"] == ""
+    assert result["p50_ms"] <= result["p99_ms"]
+
+
+async def test_unimplemented_batch_call_is_raised_not_counted(naive_target: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await drive(naive_target, 1, 0.2, batch_call(4), items_per_call=4)
+
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_batch_call_accounts_for_every_item(orchestrator: OrchestratorServer) -> None:
+    result = await drive(f"127.0.0.1:{orchestrator.port}", 1, 0.3, batch_call(8), items_per_call=8)
+
+    # Each item of each answered call is either answered or counted as an error.
+    assert result["calls"] > 0
+    assert result["texts"] + result["errors"] == result["calls"] * 8
+
+
+def test_front_door_routes_send_every_backend_to_the_bench_capability(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(front_door, "STACK_DIR", tmp_path)
+
+    table = load_routes(front_door.write_routes("127.0.0.1:40001"))
+
+    assert {backend.targets for backend in table.backends.values()} == {("127.0.0.1:40001",)}
+    assert front_door.STATIC_MODEL in table.backends
+
+
+def test_front_door_key_belongs_to_a_tenant_without_rate_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(front_door, "STACK_DIR", tmp_path)
+
+    key, environment = front_door.write_credentials()
+
+    keys = load_api_keys(Path(environment["ORCHESTRATOR_API_KEYS_FILE"]))
+    caller = keys.identify(key)
+    assert caller is not None
+    assert caller.tenant == front_door.TENANT
+    assert front_door.TENANT not in keys.tenant_limits
+    assert (
+        environment["ORCHESTRATOR_INTERNAL_TOKEN_FILE"]
+        == environment["CAPABILITY_INTERNAL_TOKEN_FILE"]
+    )
+
+
+def test_cpu_window_charges_this_process_as_the_client() -> None:
+    window = CpuWindow({"self": os.getpid()})
+    sum(i * i for i in range(300_000))
+
+    spent = window.spent()
+
+    assert spent["client"] > 0
+    assert set(spent) == {"self", "client", "others", "wall"}
+    assert process_cpu_seconds(os.getpid()) > 0
+
+
+def test_progress_rewrites_one_line_and_clears_it() -> None:
+    stream = io.StringIO()
+    progress = Progress(2, stream)
+
+    progress.step("first")
+    progress.step("second")
+    progress.clear()
+
+    written = stream.getvalue()
+    assert "\n" not in written
+    assert written.count("\r") == 4  # two steps, and the clear's two
+    assert "[2/2" in written
+    assert written.endswith("\r")
+
+
+def synthetic_level(system: str, model: str, clients: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "system": system,
+        "model": model,
+        "concurrency": clients,
+        "available": True,
+        "requests_per_second": 100.0,
+        "texts_per_second": 100.0,
+        "p50_ms": 10.0,
+        "p99_ms": 20.0,
+        "errors": 0,
+        "first_error": "",
+        "ratio_to_ceiling": 0.5,
+        "adjacent_ceiling": 200.0,
+        "cpu_us_per_text": {"orchestrator": 900.0, "capability": 1200.0, "client": 300.0},
+        "other_processes_cores": 0.1,
+        "mean_batch": math.nan,
+        **extra,
+    }
+
+
+def test_report_table_json_and_plot_are_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ceiling = {
+        "texts_per_second_by_batch_size": {1: 50.0, 64: 200.0},
+        "best_batch_size": 64,
+        "ceiling_texts_per_second": 200.0,
+    }
+    levels = [
+        synthetic_level(front_door.FRONT_DOOR, front_door.MODEL, 1),
+        synthetic_level(front_door.FRONT_DOOR, front_door.STATIC_MODEL, 64),
+        {
+            "system": front_door.FRONT_DOOR_BATCH,
+            "model": front_door.MODEL,
+            "concurrency": 1,
+            "available": False,
+            "refused": "UNIMPLEMENTED: not yet",
+        },
+    ]
+    forward = {front_door.MODEL: [5.0], front_door.STATIC_MODEL: [0.1]}
+    report = {
+        "machine": {"cpus": 2, "device": "cpu", "ceiling_torch_threads": 2},
+        "seconds_per_level": 1.0,
+        "ceiling": {front_door.MODEL: ceiling, front_door.STATIC_MODEL: ceiling},
+        "one_forward_batch_1_ms": {
+            model: {"all_cores_mean": ms[0], "one_thread_mean": ms[0]}
+            for model, ms in forward.items()
+        },
+        "levels": levels,
+        "targets": front_door.targets(levels, forward),
+    }
+
+    front_door.print_report(report)
+    front_door.plot(report, tmp_path / "plot.png")
+
+    table = capsys.readouterr().out
+    assert "| front door | topic-minilm | 1 | 100 | 100 | 10.0 | 20.0 | 0 | 0.50 | 200 |" in table
+    assert "not available: UNIMPLEMENTED: not yet" in table
+    assert "orchestrator + capability 2,100 µs" in table
+    assert json.loads(front_door.json_text(report))["levels"][0]["mean_batch"] is None
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
