@@ -590,8 +590,16 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
             linestyle="--",
             color="black",
             marker=".",
-            label="ceiling (in-process, batch latency by batch size)",
+            label="ceiling (in-process; numbers: batch size; latency: one batch)",
         )
+        for size, rate in zip(sizes, rates, strict=True):
+            axis.annotate(
+                f"b{size}",
+                (rate, size / rate * 1000),
+                textcoords="offset points",
+                xytext=(4, -10),
+                fontsize=7,
+            )
         axis.set_yscale("log")
         if model == STATIC_MODEL:
             axis.set_xscale("log")
