@@ -203,9 +203,6 @@ class Progress:
             self.stream.flush()
             self._width = 0
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._started
-
 
 # ---------------------------------------------------------------------------------------
 # The closed-loop client.
