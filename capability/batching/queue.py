@@ -227,14 +227,16 @@ class RequestQueue(Generic[ResultT]):
         return self._take(head)
 
     async def next_batch(self) -> list[PendingRequest[ResultT]]:
-        """Wait for the next batch: full, or its oldest request has waited `max_wait`."""
+        """Wait for the next batch: full, or its oldest request has waited `max_wait`.
+
+        An empty batch when the queue is empty, or empties meanwhile (its requests were
+        evicted): the caller holds the device, and must not keep it waiting for more.
+        """
         loop = asyncio.get_running_loop()
         while True:
             head = self._head()
             if head is None:
-                self._changed.clear()
-                await self._changed.wait()
-                continue
+                return []
             closes_at = head.enqueued_at + self.settings.max_wait_seconds
             if (
                 self.depth_in_bucket(head.bucket) >= self.settings.max_batch_size
