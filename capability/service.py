@@ -16,12 +16,21 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
-from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, TextResult
 from capability.bundle import LoadedBundle
+from capability.item_trace import (
+    CallReceipt,
+    abandon_item_trace,
+    end_item_trace,
+    start_item_trace,
+)
 from capability.lifecycle import ModelLifecycle
-from capability.workers import WorkerPool
-from classify_common.context import current_request
-from classify_common.errors import MethodNotServed
+from capability.workers import TextRequest, WorkerPool
+from classify_common.context import current_request, is_valid_request_id, new_request_id
+from classify_common.errors import MethodNotServed, ServiceError
+from classify_common.intake import current_batch_intake, item_status
+from classify_common.nodes import current_trace
+from classify_common.tracing import format_trace_id
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -39,25 +48,61 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             request.model or self._default_model,
             request.text,
             max_length=request.max_length if request.HasField("max_length") else None,
-            priority=PRIORITY_BATCH
-            if request.priority == pb.PRIORITY_BATCH
-            else PRIORITY_INTERACTIVE,
+            priority=_priority(request),
             request_id=ids.request_id,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
         )
-        names = (label.name for label in result.bundle.classifier.labels)
-        ranked = sorted(
-            zip(names, result.probabilities, strict=True), key=lambda p: p[1], reverse=True
-        )
-        if request.HasField("top_k"):
-            ranked = ranked[: request.top_k]
-        return pb.ClassifyResponse(
-            labels=[pb.Label(name=name, score=score) for name, score in ranked],
-            confidence=ranked[0][1],
-            model=pb.ModelRef(name=result.bundle.name, version=result.bundle.version),
-            request_id=ids.request_id,
-            trace_id=ids.trace_id,
-            status=pb.RESULT_STATUS_DONE,
+        return classify_response(request, result, ids.request_id, ids.trace_id)
+
+    async def ClassifyBatch(
+        self, request: pb.ClassifyBatchRequest, context: Context
+    ) -> pb.ClassifyBatchResponse:
+        ids = current_request()
+        assert ids is not None, "the lifecycle interceptor binds every contract call"
+        call_trace = current_trace()
+        receipt = CallReceipt.of(call_trace)
+        remaining = context.time_remaining()
+        call_deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        refused = current_batch_intake().refused
+        contexts = request.item_contexts
+        texts = []
+        for index, item in enumerate(request.items):
+            item_context = contexts[index] if contexts else None
+            request_id = (
+                item.request_id if is_valid_request_id(item.request_id) else new_request_id()
+            )
+            texts.append(
+                TextRequest(
+                    model=item.model or self._default_model,
+                    text=item.text,
+                    max_length=item.max_length if item.HasField("max_length") else None,
+                    priority=_priority(item),
+                    request_id=request_id,
+                    deadline=_item_deadline(item_context, receipt, call_deadline),
+                    trace=start_item_trace(
+                        call_trace,
+                        receipt,
+                        index=index,
+                        request_id=request_id,
+                        traceparent=item_context.traceparent if item_context else "",
+                        refusal=refused.get(index),
+                    ),
+                    refusal=refused.get(index),
+                )
+            )
+        if call_trace is not None:
+            call_trace.log_fields.update(items=len(texts))
+        try:
+            outcomes = await self._pool.classify_many(texts)
+        except BaseException:
+            for text in texts:
+                abandon_item_trace(text.trace)
+            raise
+        return pb.ClassifyBatchResponse(
+            results=[
+                _batch_result(item, text, outcome, ids.trace_id)
+                for item, text, outcome in zip(request.items, texts, outcomes, strict=True)
+            ]
         )
 
     async def GetResult(
@@ -68,6 +113,56 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             "GetResult is served by the orchestrator; capability servers keep no results",
             request_id=request.request_id,
         )
+
+
+def _priority(request: pb.ClassifyRequest) -> int:
+    return PRIORITY_BATCH if request.priority == pb.PRIORITY_BATCH else PRIORITY_INTERACTIVE
+
+
+def _item_deadline(
+    item_context: pb.ItemContext | None, receipt: CallReceipt, call_deadline: float | None
+) -> float | None:
+    """The earlier of the call's deadline and the item's own (its timeout counts from
+    when the call arrived), in event-loop time."""
+    if item_context is None or not item_context.HasField("timeout"):
+        return call_deadline
+    own = receipt.loop_time + item_context.timeout.ToNanoseconds() / 1e9
+    return own if call_deadline is None else min(own, call_deadline)
+
+
+def classify_response(
+    request: pb.ClassifyRequest, result: TextResult, request_id: str, trace_id: str
+) -> pb.ClassifyResponse:
+    """The answer to one text: its labels best first (top_k of them), and its IDs."""
+    names = (label.name for label in result.bundle.classifier.labels)
+    ranked = sorted(zip(names, result.probabilities, strict=True), key=lambda p: p[1], reverse=True)
+    if request.HasField("top_k"):
+        ranked = ranked[: request.top_k]
+    return pb.ClassifyResponse(
+        labels=[pb.Label(name=name, score=score) for name, score in ranked],
+        confidence=ranked[0][1],
+        model=pb.ModelRef(name=result.bundle.name, version=result.bundle.version),
+        request_id=request_id,
+        trace_id=trace_id,
+        status=pb.RESULT_STATUS_DONE,
+    )
+
+
+def _batch_result(
+    item: pb.ClassifyRequest,
+    text: TextRequest,
+    outcome: TextResult | ServiceError,
+    call_trace_id: str,
+) -> pb.ClassifyBatchResult:
+    """One item's result, under its own request and trace IDs; its trace ends here."""
+    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
+    if isinstance(outcome, ServiceError):
+        end_item_trace(text.trace, outcome)
+        return pb.ClassifyBatchResult(error=item_status(outcome, text.request_id, trace_id))
+    end_item_trace(text.trace, None)
+    return pb.ClassifyBatchResult(
+        response=classify_response(item, outcome, text.request_id, trace_id)
+    )
 
 
 def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:

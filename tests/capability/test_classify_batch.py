@@ -1,0 +1,482 @@
+"""ClassifyBatch on a real capability server: many items in one RPC, each answered on
+its own, in order, with its own deadline, request ID and trace."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.batching import PRIORITY_INTERACTIVE
+from capability.item_trace import ITEM_SPAN_NAME
+from capability.metrics import (
+    ADMISSIONS_REFUSED_TOTAL,
+    CLASSIFY_BATCH_METHOD,
+    CLASSIFY_METHOD,
+    DEADLINE_EXCEEDED_TOTAL,
+    EVICTIONS_TOTAL,
+    MODEL_FORWARD_TOTAL,
+    MODEL_TEXTS_TOTAL,
+    RPC_ITEMS,
+)
+from capability.model import EncodedText
+from capability.server import CapabilityServer
+from classify_common.errors import ExpiredInQueue, ModelFault, ServerDraining
+from classify_common.metrics import NODE_DURATION_SECONDS
+from classify_common.nodes import BATCH_SPAN_NAME, NODES
+from tests.capability.test_serving import TEXTS, classify_stub, device_occupied, wait_until
+from tests.conftest import STRIKER, metric_sum
+
+StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
+M = TypeVar("M", bound=Message)
+CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
+BATCH_CALL_SPAN = CLASSIFY_BATCH_METHOD.lstrip("/")
+
+
+def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:
+    """The details of type `kind` in a google.rpc.Status."""
+    found: list[M] = []
+    for packed in status.details:
+        if packed.Is(kind.DESCRIPTOR):
+            message = kind()
+            packed.Unpack(message)
+            found.append(message)
+    return found
+
+
+def error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo:
+    (info,) = unpack(status, error_details_pb2.ErrorInfo)
+    return info
+
+
+def violations(status: status_pb2.Status) -> list[tuple[str, str]]:
+    return [
+        (v.field, v.reason)
+        for bad in unpack(status, error_details_pb2.BadRequest)
+        for v in bad.field_violations
+    ]
+
+
+def timeout_of(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def new_traceparent() -> tuple[str, str, int]:
+    """A sampled W3C traceparent with fresh IDs: (header, trace ID hex, span ID)."""
+    trace_id, span_id = random.getrandbits(128) | 1, random.getrandbits(64) | 1
+    return f"00-{trace_id:032x}-{span_id:016x}-01", f"{trace_id:032x}", span_id
+
+
+async def classify_batch(
+    stub: Any, items: Sequence[pb.ClassifyRequest], contexts: Sequence[pb.ItemContext] = ()
+) -> tuple[pb.ClassifyBatchResponse, dict[str, str]]:
+    """The answer and the call's trailers (its own request and trace IDs)."""
+    call = stub.ClassifyBatch(
+        pb.ClassifyBatchRequest(items=items, item_contexts=contexts), timeout=30
+    )
+    response: pb.ClassifyBatchResponse = await call
+    trailers = {key: str(value) for key, value in await call.trailing_metadata()}
+    return response, trailers
+
+
+def node_count(server: CapabilityServer, name: str) -> float:
+    return metric_sum(server.registry, NODE_DURATION_SECONDS + "_count", lifecycle_node=name)
+
+
+def spans_of(exporter: InMemorySpanExporter, trace_id: str) -> list[ReadableSpan]:
+    return [
+        span
+        for span in exporter.get_finished_spans()
+        if span.context is not None and format(span.context.trace_id, "032x") == trace_id
+    ]
+
+
+async def settled_spans(
+    exporter: InMemorySpanExporter, trace_id: str, count: int
+) -> list[ReadableSpan]:
+    """The trace's spans once `count` of them have ended."""
+    await wait_until(lambda: len(spans_of(exporter, trace_id)) >= count)
+    return spans_of(exporter, trace_id)
+
+
+def span_id(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.span_id)
+
+
+async def test_an_invalid_item_is_refused_alone_naming_its_field_and_request_id(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    response, trailers = await classify_batch(
+        capability_stub,
+        [
+            pb.ClassifyRequest(text=STRIKER, request_id="item-0"),
+            pb.ClassifyRequest(text="   ", request_id="item-1"),
+            pb.ClassifyRequest(text=TEXTS[1], request_id="item-2"),
+        ],
+    )
+    first, bad, last = response.results
+    assert first.WhichOneof("outcome") == "response"
+    assert first.response.request_id == "item-0"
+    assert first.response.labels[0].name == "sports"
+    assert last.WhichOneof("outcome") == "response"
+    assert last.response.request_id == "item-2"
+    assert bad.WhichOneof("outcome") == "error"
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert violations(bad.error) == [("items[1].text", "text.not_blank")]
+    info = error_info(bad.error)
+    assert info.reason == "INVALID_REQUEST"
+    assert info.metadata["x-request-id"] == "item-1"
+    # Without a traceparent of its own, an item belongs to the call's trace.
+    assert info.metadata["x-trace-id"] == trailers["x-trace-id"]
+    assert first.response.trace_id == trailers["x-trace-id"]
+
+
+async def test_batch_results_equal_unary_results(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    requests = [pb.ClassifyRequest(text=text) for text in TEXTS]
+    requests[2].top_k = 2
+    requests[3].max_length = 6
+    alone = [await capability_stub.Classify(request) for request in requests]
+    together, _ = await classify_batch(capability_stub, requests)
+    assert len(together.results) == len(requests)
+    for single, result in zip(alone, together.results, strict=True):
+        batched = result.response
+        assert [label.name for label in batched.labels] == [label.name for label in single.labels]
+        for a, b in zip(single.labels, batched.labels, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+        assert batched.confidence == pytest.approx(single.confidence, abs=1e-5)
+        assert batched.model == single.model
+        assert batched.status == pb.RESULT_STATUS_DONE
+    # Items without a request ID get one each.
+    generated = {result.response.request_id for result in together.results}
+    assert len(generated) == len(requests)
+    assert "" not in generated
+
+
+async def test_items_per_rpc_are_observed_once_per_call(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    def observed(method: str) -> tuple[float, float]:
+        return (
+            metric_sum(capability.registry, RPC_ITEMS + "_count", method=method),
+            metric_sum(capability.registry, RPC_ITEMS + "_sum", method=method),
+        )
+
+    unary_before, batch_before = observed(CLASSIFY_METHOD), observed(CLASSIFY_BATCH_METHOD)
+    await capability_stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    await classify_batch(capability_stub, [pb.ClassifyRequest(text=t) for t in TEXTS[:5]])
+    unary_after, batch_after = observed(CLASSIFY_METHOD), observed(CLASSIFY_BATCH_METHOD)
+    assert (unary_after[0] - unary_before[0], unary_after[1] - unary_before[1]) == (1, 1)
+    assert (batch_after[0] - batch_before[0], batch_after[1] - batch_before[1]) == (1, 5)
+
+
+async def test_items_for_two_models_and_lengths_are_tokenized_once_per_group(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (worker,) = capability.pool.workers
+    tokenize_calls: list[tuple[str, int, int | None]] = []
+    admit_calls: collections.Counter[str] = collections.Counter()
+    for name, replica in worker.replicas.items():
+        classifier = replica.bundle.classifier
+        tokenize, admit_many = classifier.tokenize, replica.queue.admit_many
+
+        def counting_tokenize(
+            texts: Sequence[str],
+            max_length: int | None = None,
+            *,
+            _name: str = name,
+            _tokenize: Any = tokenize,
+        ) -> list[EncodedText]:
+            tokenize_calls.append((_name, len(texts), max_length))
+            result: list[EncodedText] = _tokenize(texts, max_length)
+            return result
+
+        def counting_admit(admissions: Any, *, _name: str = name, _admit: Any = admit_many) -> Any:
+            admit_calls[_name] += 1
+            return _admit(admissions)
+
+        monkeypatch.setattr(classifier, "tokenize", counting_tokenize)
+        monkeypatch.setattr(replica.queue, "admit_many", counting_admit)
+
+    response, _ = await classify_batch(
+        capability_stub,
+        [
+            pb.ClassifyRequest(text=STRIKER),
+            pb.ClassifyRequest(text=STRIKER, model="topic-static"),
+            pb.ClassifyRequest(text=TEXTS[1], max_length=6),
+            pb.ClassifyRequest(text=TEXTS[1], model="topic-static"),
+            pb.ClassifyRequest(text=STRIKER, model="no-such-model", request_id="lost"),
+            pb.ClassifyRequest(text=TEXTS[2]),
+        ],
+    )
+    models = [
+        result.response.model.name if result.HasField("response") else None
+        for result in response.results
+    ]
+    assert models == [
+        "topic-minilm",
+        "topic-static",
+        "topic-minilm",
+        "topic-static",
+        None,
+        "topic-minilm",
+    ]
+    assert response.results[0].response.labels[0].name == "sports"
+    assert response.results[1].response.labels[0].name == "sports"
+    missing = response.results[4].error
+    assert missing.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert error_info(missing).reason == "MODEL_NOT_FOUND"
+    assert error_info(missing).metadata["x-request-id"] == "lost"
+    assert sorted(tokenize_calls, key=repr) == sorted(
+        [("topic-minilm", 2, None), ("topic-minilm", 1, 6), ("topic-static", 2, None)], key=repr
+    )
+    assert admit_calls == {"topic-minilm": 1, "topic-static": 1}
+    # The item cut to 6 tokens scores as a single call cut to 6 tokens does.
+    alone = await capability_stub.Classify(pb.ClassifyRequest(text=TEXTS[1], max_length=6))
+    cut = response.results[2].response
+    assert [label.name for label in cut.labels] == [label.name for label in alone.labels]
+    assert cut.labels[0].score == pytest.approx(alone.labels[0].score, abs=1e-5)
+
+
+async def test_an_item_whose_time_is_already_too_short_is_never_computed(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",))
+    registry = server.registry
+
+    def counts() -> tuple[float, float, float]:
+        return (
+            metric_sum(registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="admission"),
+            metric_sum(registry, MODEL_TEXTS_TOTAL, model="topic-minilm"),
+            metric_sum(registry, MODEL_FORWARD_TOTAL, model="topic-minilm"),
+        )
+
+    expired_before, texts_before, forwards_before = counts()
+    async with classify_stub(server) as stub:
+        response, _ = await classify_batch(
+            stub,
+            [
+                pb.ClassifyRequest(text=STRIKER),
+                pb.ClassifyRequest(text=TEXTS[1], request_id="late"),
+                pb.ClassifyRequest(text=TEXTS[2]),
+            ],
+            [
+                pb.ItemContext(),
+                pb.ItemContext(timeout=timeout_of(1e-6)),
+                pb.ItemContext(timeout=timeout_of(30)),
+            ],
+        )
+    served, late, also_served = response.results
+    assert served.response.labels[0].name == "sports"
+    assert also_served.WhichOneof("outcome") == "response"
+    assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert error_info(late.error).reason == "DEADLINE_UNREACHABLE"
+    assert error_info(late.error).metadata["x-request-id"] == "late"
+    expired, texts, forwards = counts()
+    assert expired - expired_before == 1
+    assert texts - texts_before == 2  # the late item never reached the model
+    assert forwards - forwards_before == 1  # the other two shared one forward
+    assert metric_sum(registry, ADMISSIONS_REFUSED_TOTAL, reason="DEADLINE_UNREACHABLE") == 1
+
+
+async def test_an_item_whose_time_runs_out_in_the_queue_is_evicted_and_never_computed(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    registry = server.registry
+    texts_before = metric_sum(registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            call = asyncio.ensure_future(
+                classify_batch(
+                    stub,
+                    [pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest(text=TEXTS[1])],
+                    [pb.ItemContext(), pb.ItemContext(timeout=timeout_of(1.0))],
+                )
+            )
+            # Evicted by its timer while the device is still busy.
+            await wait_until(
+                lambda: metric_sum(registry, EVICTIONS_TOTAL, model="topic-minilm") == 1
+            )
+            assert len(worker.replicas["topic-minilm"].queue) == 1
+        response, _ = await call
+    served, evicted = response.results
+    assert served.response.labels[0].name == "sports"
+    assert evicted.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert error_info(evicted.error).reason == "EXPIRED_IN_QUEUE"
+    assert metric_sum(registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="queue") == 1
+    assert metric_sum(registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 1
+
+
+async def test_items_beyond_the_queue_capacity_are_refused_alone(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), queue_capacity=2)
+    worker = server.pool.workers[0]
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            call = asyncio.ensure_future(
+                classify_batch(stub, [pb.ClassifyRequest(text=text) for text in TEXTS[:4]])
+            )
+            await wait_until(lambda: len(worker.replicas["topic-minilm"].queue) == 2)
+        response, _ = await call
+    outcomes = [result.WhichOneof("outcome") for result in response.results]
+    assert outcomes == ["response", "response", "error", "error"]
+    for result in response.results[2:]:
+        assert result.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert error_info(result.error).reason == "QUEUE_FULL"
+        assert unpack(result.error, error_details_pb2.RetryInfo)
+    assert (
+        metric_sum(
+            server.registry, ADMISSIONS_REFUSED_TOTAL, model="topic-minilm", reason="QUEUE_FULL"
+        )
+        == 2
+    )
+
+
+async def test_each_item_is_traced_in_its_own_trace_with_every_capability_node(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    parents = [new_traceparent() for _ in range(3)]
+    before = {name: node_count(capability, name) for name in CAPABILITY_NODES}
+    response, trailers = await classify_batch(
+        capability_stub,
+        [pb.ClassifyRequest(text=text) for text in TEXTS[:4]],
+        [pb.ItemContext(traceparent=header) for header, _, _ in parents] + [pb.ItemContext()],
+    )
+    call_trace = trailers["x-trace-id"]
+    expected = [trace_id for _, trace_id, _ in parents] + [call_trace]
+    assert [result.response.trace_id for result in response.results] == expected
+
+    (call_span,) = [s for s in spans_of(span_exporter, call_trace) if s.name == BATCH_CALL_SPAN]
+    batch_spans = set()
+    for index, (result, trace_id) in enumerate(zip(response.results, expected, strict=True)):
+        spans = await settled_spans(span_exporter, trace_id, len(CAPABILITY_NODES) + 1)
+        (item_span,) = [
+            s
+            for s in spans
+            if s.name == ITEM_SPAN_NAME
+            and dict(s.attributes or {}).get("classify.request_id") == result.response.request_id
+        ]
+        assert item_span.kind == SpanKind.SERVER
+        assert item_span.parent is not None
+        if index < len(parents):  # under the caller's span, linked to the batch call
+            assert item_span.parent.span_id == parents[index][2]
+            assert [link.context.span_id for link in item_span.links] == [span_id(call_span)]
+        else:  # no traceparent: a child of the batch call's span
+            assert item_span.parent.span_id == span_id(call_span)
+        under_item = [s for s in spans if s.parent and s.parent.span_id == span_id(item_span)]
+        names = collections.Counter(s.name for s in under_item)
+        assert names == collections.Counter(CAPABILITY_NODES)
+        (assemble,) = [s for s in under_item if s.name == "batch_assemble"]
+        (link,) = assemble.links
+        batch_spans.add(link.context.span_id)
+    # The four items shared one forward; its span links back to each item's span.
+    (batch_span_id,) = batch_spans
+    (batch,) = [
+        s
+        for s in span_exporter.get_finished_spans()
+        if s.name == BATCH_SPAN_NAME and span_id(s) == batch_span_id
+    ]
+    assert len(batch.links) == 4
+    # Every item counts once in each node's histogram; the call itself also records
+    # its own capability_receive.
+    for name in CAPABILITY_NODES:
+        extra = 1 if name == "capability_receive" else 0
+        assert node_count(capability, name) - before[name] == 4 + extra, name
+
+
+async def test_without_span_export_items_make_no_spans_but_every_node_is_counted(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    span_exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("classify_common.nodes.spans_are_exported", lambda: False)
+    monkeypatch.setattr("capability.item_trace.spans_are_exported", lambda: False)
+    parents = [new_traceparent() for _ in range(2)]
+    before = {name: node_count(capability, name) for name in CAPABILITY_NODES}
+    response, _ = await classify_batch(
+        capability_stub,
+        [pb.ClassifyRequest(text=text) for text in TEXTS[:2]],
+        [pb.ItemContext(traceparent=header) for header, _, _ in parents],
+    )
+    assert [result.response.trace_id for result in response.results] == [
+        trace_id for _, trace_id, _ in parents
+    ]
+    for _, trace_id, _ in parents:
+        assert spans_of(span_exporter, trace_id) == []
+    for name in CAPABILITY_NODES:
+        extra = 1 if name == "capability_receive" else 0
+        assert node_count(capability, name) - before[name] == 2 + extra, name
+
+
+async def test_stopping_the_loop_answers_the_running_and_the_following_batch(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+    async with device_occupied(worker, take_turn=False):
+        waiters = [
+            replica.admit(encoded, priority=PRIORITY_INTERACTIVE, request_id=f"r{i}", deadline=None)
+            for i in range(4)
+        ]
+        # Both slots hold a batch handed to the (held) device thread.
+        await wait_until(
+            lambda: replica.batcher.running is not None and replica.batcher.following is not None
+        )
+        await replica.batcher.stop(ServerDraining("stopping"))
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(outcome, ModelFault) for outcome in outcomes)
+    assert replica.in_flight == 0
+    assert replica.batcher.running is None
+    assert replica.batcher.following is None
+
+
+async def test_requests_evicted_while_waiting_for_the_device_do_not_keep_it_from_others(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm", "topic-static"))
+    worker = server.pool.workers[0]
+    minilm = worker.replicas["topic-minilm"]
+    encoded = minilm.bundle.classifier.tokenize([TEXTS[0]])[0]
+    async with device_occupied(worker):
+        expiring = minilm.admit(
+            encoded,
+            priority=PRIORITY_INTERACTIVE,
+            request_id="expiring",
+            deadline=asyncio.get_running_loop().time() + 1.0,
+        )
+        await wait_until(expiring.done)
+        assert isinstance(expiring.exception(), ExpiredInQueue)
+    # The minilm loop now gets the device with nothing left to run: it gives it back.
+    async with classify_stub(server) as stub:
+        response = await stub.Classify(
+            pb.ClassifyRequest(text=STRIKER, model="topic-static"), timeout=20
+        )
+    assert response.labels[0].name == "sports"
