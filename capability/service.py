@@ -7,6 +7,7 @@ methods by classify_common.interceptor.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -29,7 +30,7 @@ from capability.workers import TextRequest, WorkerPool
 from classify_common.context import current_request, is_valid_request_id, new_request_id
 from classify_common.errors import MethodNotServed, ServiceError
 from classify_common.intake import current_batch_intake, item_status
-from classify_common.nodes import current_trace
+from classify_common.nodes import RequestTrace, current_trace
 from classify_common.tracing import format_trace_id
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -63,33 +64,10 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         receipt = CallReceipt.of(call_trace)
         remaining = context.time_remaining()
         call_deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        refused = current_batch_intake().refused
-        contexts = request.item_contexts
-        texts = []
-        for index, item in enumerate(request.items):
-            item_context = contexts[index] if contexts else None
-            request_id = (
-                item.request_id if is_valid_request_id(item.request_id) else new_request_id()
-            )
-            texts.append(
-                TextRequest(
-                    model=item.model or self._default_model,
-                    text=item.text,
-                    max_length=item.max_length if item.HasField("max_length") else None,
-                    priority=_priority(item),
-                    request_id=request_id,
-                    deadline=_item_deadline(item_context, receipt, call_deadline),
-                    trace=start_item_trace(
-                        call_trace,
-                        receipt,
-                        index=index,
-                        request_id=request_id,
-                        traceparent=item_context.traceparent if item_context else "",
-                        refusal=refused.get(index),
-                    ),
-                    refusal=refused.get(index),
-                )
-            )
+        texts = [
+            self._text_of(item, index, request.item_contexts, receipt, call_deadline, call_trace)
+            for index, item in enumerate(request.items)
+        ]
         if call_trace is not None:
             call_trace.log_fields.update(items=len(texts))
         try:
@@ -103,6 +81,38 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
                 _batch_result(item, text, outcome, ids.trace_id)
                 for item, text, outcome in zip(request.items, texts, outcomes, strict=True)
             ]
+        )
+
+    def _text_of(
+        self,
+        item: pb.ClassifyRequest,
+        index: int,
+        contexts: Sequence[pb.ItemContext],
+        receipt: CallReceipt,
+        call_deadline: float | None,
+        call_trace: RequestTrace | None,
+    ) -> TextRequest:
+        """Batch item `index` as a domain value, with its own request ID, deadline and
+        trace, and its refusal at intake if it had one."""
+        item_context = contexts[index] if contexts else None
+        request_id = item.request_id if is_valid_request_id(item.request_id) else new_request_id()
+        refusal = current_batch_intake().refused.get(index)
+        return TextRequest(
+            model=item.model or self._default_model,
+            text=item.text,
+            max_length=item.max_length if item.HasField("max_length") else None,
+            priority=_priority(item),
+            request_id=request_id,
+            deadline=_item_deadline(item_context, receipt, call_deadline),
+            trace=start_item_trace(
+                call_trace,
+                receipt,
+                index=index,
+                request_id=request_id,
+                traceparent=item_context.traceparent if item_context else "",
+                refusal=refusal,
+            ),
+            refusal=refusal,
         )
 
     async def GetResult(
