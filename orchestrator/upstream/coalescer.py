@@ -121,7 +121,13 @@ class ReplicaCoalescer:
 
     @property
     def waiting(self) -> int:
+        """Items gathered for the next call."""
         return len(self._waiting)
+
+    @property
+    def in_flight(self) -> int:
+        """Calls to the replica not yet answered."""
+        return self._in_flight
 
     async def classify(
         self,

@@ -93,7 +93,7 @@ async def test_one_invalid_item_is_refused_with_its_field_and_the_others_are_ans
         ("items[1].top_k", "int32.gte_lte"),
     ]
     info = item_error_info(bad.error)
-    assert info.reason == "INVALID_ARGUMENT"
+    assert info.reason == "INVALID_REQUEST"
     assert info.metadata["x-request-id"] == "item-1"
     assert info.metadata["x-trace-id"] == first.response.trace_id
 
@@ -201,7 +201,7 @@ async def test_an_item_whose_own_timeout_is_spent_gets_deadline_exceeded_alone(
     ok, late = response.results
     assert ok.response.labels[0].name == "sports"
     assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-    assert item_error_info(late.error).reason == "DEADLINE_EXCEEDED"
+    assert item_error_info(late.error).reason == "DEADLINE_EXPIRED"
 
 
 async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(

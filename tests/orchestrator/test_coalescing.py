@@ -115,7 +115,7 @@ async def test_a_lone_call_goes_upstream_in_the_next_loop_turn_without_a_timer(
         call = asyncio.ensure_future(coalescer.classify(request, seconds=30, trace_metadata=()))
         for _ in range(3):
             await asyncio.sleep(0)
-        assert coalescer.waiting == 0, "the lone item was held back"
+        assert (coalescer.waiting, coalescer.in_flight) == (0, 1), "the lone item was held back"
         assert (await call).labels[0].name == "sports"
 
 
@@ -152,12 +152,12 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
             first = asyncio.ensure_future(
                 coalescer.classify(first_request, seconds=30, trace_metadata=())
             )
-            await wait_until(lambda: coalescer.waiting == 0)
+            await wait_until(lambda: coalescer.in_flight == 1)
             late = asyncio.ensure_future(
                 coalescer.classify(late_request, seconds=0.05, trace_metadata=())
             )
             await asyncio.sleep(0.1)  # the late item's 50 ms pass while the device is held
-            assert coalescer.waiting == 1
+            assert (coalescer.waiting, coalescer.in_flight) == (1, 1)
         assert (await first).request_id == "a"
         with pytest.raises(DeadlineExpired):
             await late
