@@ -54,6 +54,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.harness import (  # noqa: E402
     BATCH_SIZES,
     MODEL_ROOT,
+    NOISY_CEILING_SPREAD,
+    NOISY_OTHER_CORES,
     RESULTS_DIR,
     AdjacentCeiling,
     Observation,
@@ -113,6 +115,8 @@ STEPS = (
     + 1  # start the naive server
     + len(CONCURRENCY)
 )
+
+NOISY_MARK = " (noisy)"
 
 FRONT_DOOR = "front door"
 FRONT_DOOR_BATCH = f"front door, ClassifyBatch x{BATCH_ITEMS}"
@@ -485,7 +489,15 @@ def print_report(report: Mapping[str, Any]) -> None:
         print(
             f"{head} {cell(level['requests_per_second'])} | {cell(level['texts_per_second'])} "
             f"| {cell(level['p50_ms'], 1)} | {cell(level['p99_ms'], 1)} | {level['errors']} "
-            f"| {cell(level['ratio_to_ceiling'], 2)} | {cell(level['adjacent_ceiling'])} |"
+            f"| {cell(level['ratio_to_ceiling'], 2)}{NOISY_MARK if level.get('noisy') else ''} "
+            f"| {cell(level['adjacent_ceiling'])} |"
+        )
+    if any(level.get("noisy") for level in levels):
+        print(
+            f"\n{NOISY_MARK} noisy: other processes used more than {NOISY_OTHER_CORES} cores "
+            f"during the level, or its two ceiling probes differ by more than "
+            f"{NOISY_CEILING_SPREAD:.0%}; the all-cores ceiling suffers most from a neighbour "
+            "on 2 cores, so read that ratio with care"
         )
     print(
         "\nCPU per request (per text for ClassifyBatch), microseconds, from /proc/<pid>/stat "

@@ -45,6 +45,13 @@ START_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 30.0
 # Seconds one benchmark call may take before it counts as an error.
 CALL_TIMEOUT_SECONDS = 30.0
+# A level is marked noisy when other processes used more than this many cores during
+# it, or its two ceiling probes differ by more than this share of their mean. NOTE:
+# on 2 cores, a forward on both cores slows down several times over while anything
+# else runs (each parallel op waits for the thread the neighbour displaced), so the
+# all-cores ceiling is the first figure a neighbour spoils.
+NOISY_OTHER_CORES = 0.25
+NOISY_CEILING_SPREAD = 0.25
 SHORT_TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
     "Shares fell sharply after the bank cut its profit forecast",
@@ -621,4 +628,9 @@ def measure_level(
         name: cpu[name] / texts * 1e6 for name in (*servers, "client", "others")
     }
     result["other_processes_cores"] = cpu["others"] / cpu["wall"]
+    result["ceiling_spread"] = abs(before - after) / result["adjacent_ceiling"]
+    result["noisy"] = (
+        result["other_processes_cores"] > NOISY_OTHER_CORES
+        or result["ceiling_spread"] > NOISY_CEILING_SPREAD
+    )
     return result, observation
