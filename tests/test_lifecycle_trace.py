@@ -8,14 +8,16 @@ import asyncio
 import collections
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
+import pytest_asyncio
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -24,7 +26,7 @@ from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_serving import device_occupied
-from tests.conftest import STRIKER, metric_sum
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, write_routes
 from tests.orchestrator.test_policy import (  # noqa: F401
     StartOrchestrator,
     dead_primary_with_fallback,
@@ -158,14 +160,30 @@ async def test_a_request_has_every_node_once_under_the_right_parent(
         assert after - before[name] == 1, name
 
 
+@pytest_asyncio.fixture
+async def calls_never_gather(
+    capability: CapabilityServer, tmp_path: Path
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator that sends each of a few concurrent calls upstream on its own
+    (enough calls in flight per replica), so they meet in the capability's queue."""
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, upstream_calls_in_flight=8),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    yield server
+    await server.stop(grace_seconds=0)
+
+
 async def test_requests_batched_together_link_one_batch_span(
-    orchestrator: OrchestratorServer,
+    calls_never_gather: OrchestratorServer,
     capability: CapabilityServer,
     span_exporter: InMemorySpanExporter,
 ) -> None:
     (worker,) = capability.pool.workers
     async with device_occupied(worker):
-        calls = [asyncio.ensure_future(classify(orchestrator.port)) for _ in range(3)]
+        calls = [asyncio.ensure_future(classify(calls_never_gather.port)) for _ in range(3)]
         replica = worker.replicas["topic-minilm"]
         for _ in range(500):
             if len(replica.queue) == 3:

@@ -20,6 +20,7 @@ from capability.metrics import (
     MODEL_FORWARD_TOTAL,
     MODEL_TEXTS_TOTAL,
     QUEUE_DEPTH,
+    RPC_ITEMS,
     WORKER_BUSY_SECONDS_TOTAL,
 )
 from classify_common.metrics import NODE_DURATION_SECONDS, RPC_DURATION_SECONDS, RPC_REQUESTS_TOTAL
@@ -28,6 +29,7 @@ from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from tests.conftest import STRIKER, ServerProcess
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
+CLASSIFY_BATCH = "/ai.classify.v1.ClassifyService/ClassifyBatch"
 BURST = 24
 # (sample name, its labels) -> value, from one read of /metrics.
 Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -109,8 +111,16 @@ async def test_a_burst_moves_both_endpoints_by_the_right_amounts(
     requests = RPC_REQUESTS_TOTAL
     assert delta(front_before, front, requests, method=CLASSIFY, code="OK") == BURST
     assert delta(front_before, front, requests, method=CLASSIFY, code="INVALID_ARGUMENT") == 1
-    assert delta(back_before, back, requests, method=CLASSIFY, code="OK") == BURST
-    assert delta(back_before, back, requests, method=CLASSIFY, code="INVALID_ARGUMENT") == 0
+    # The capability got every request once, in fewer RPCs: concurrent calls are
+    # coalesced into ClassifyBatch calls, and RPC_ITEMS says how many each carried.
+    upstream_rpcs = sum(
+        delta(back_before, back, requests, method=method, code="OK")
+        for method in (CLASSIFY, CLASSIFY_BATCH)
+    )
+    assert delta(back_before, back, RPC_ITEMS + "_sum") == BURST
+    assert delta(back_before, back, RPC_ITEMS + "_count") == upstream_rpcs
+    assert 1 <= upstream_rpcs < BURST
+    assert delta(back_before, back, requests, code="INVALID_ARGUMENT") == 0
     assert (
         delta(
             front_before,
