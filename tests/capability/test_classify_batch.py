@@ -371,6 +371,10 @@ async def test_each_item_is_traced_in_its_own_trace_with_every_capability_node(
     expected = [trace_id for _, trace_id, _ in parents] + [call_trace]
     assert [result.response.trace_id for result in response.results] == expected
 
+    # The call's server span ends once gRPC has sent the answer.
+    await wait_until(
+        lambda: any(s.name == BATCH_CALL_SPAN for s in spans_of(span_exporter, call_trace))
+    )
     (call_span,) = [s for s in spans_of(span_exporter, call_trace) if s.name == BATCH_CALL_SPAN]
     batch_spans = set()
     for index, (result, trace_id) in enumerate(zip(response.results, expected, strict=True)):
