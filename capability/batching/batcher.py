@@ -151,7 +151,6 @@ class Batcher:
         model, worker = bundle.name, device.name
         # Labelled children, looked up once: `labels()` costs more than the update.
         self._metrics = metrics
-        self._queue_depth = metrics.queue_depth.labels(model, worker)
         self._forwards = metrics.model_forwards.labels(model, worker)
         self._texts = metrics.model_texts.labels(model, worker)
         self._batch_size = metrics.batch_size.labels(model, worker)
@@ -170,7 +169,9 @@ class Batcher:
         return self.bundle.name
 
     def show_queue_depth(self) -> None:
-        self._queue_depth.set(len(self.queue))
+        # NOTE: looked up each time, not kept: a retiring version removes this series,
+        # which the version that replaced it (same labels) must then create anew.
+        self._metrics.queue_depth.labels(self.name, self._device.name).set(len(self.queue))
 
     def start(self) -> None:
         self._task = asyncio.create_task(

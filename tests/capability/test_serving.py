@@ -29,6 +29,7 @@ from capability.metrics import (
     EVICTIONS_TOTAL,
     MODEL_FORWARD_TOTAL,
     MODEL_TEXTS_TOTAL,
+    QUEUE_DEPTH,
     WORKER_RESTARTS_TOTAL,
 )
 from capability.model import EncodedText
@@ -422,3 +423,26 @@ async def test_request_routed_before_a_reload_is_served_by_the_old_version_then_
     result = await answer
     assert result.bundle.version == "1"
     await wait_until(lambda: old.stopped)
+
+
+async def test_queue_depth_is_still_reported_after_the_old_version_retires(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-minilm" / "1", root / "topic-minilm" / "1")
+    server = await start_capability(model_root=root, models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    old = worker.replicas["topic-minilm"]
+    shutil.copytree(model_root / "topic-minilm" / "1", root / "topic-minilm" / "2")
+    await server.lifecycle.reload("topic-minilm", "2")
+    await wait_until(lambda: old.stopped)  # it removed its queue-depth series
+    new = worker.replicas["topic-minilm"]
+    async with device_occupied(worker):
+        waiter = new.admit(
+            new.bundle.classifier.tokenize([TEXTS[0]])[0],
+            priority=PRIORITY_INTERACTIVE,
+            request_id="after-reload",
+            deadline=None,
+        )
+        assert metric_sum(server.registry, QUEUE_DEPTH, model="topic-minilm") == 1
+    await waiter
