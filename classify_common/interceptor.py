@@ -38,7 +38,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from classify_common.context import (
     REQUEST_ID_HEADER,
@@ -59,7 +60,7 @@ from classify_common.errors import (
 from classify_common.intake import BATCH_METHODS, BatchIntake, bind_batch_intake
 from classify_common.metrics import RpcMetrics
 from classify_common.nodes import RequestTrace, bind_trace, node
-from classify_common.tracing import extract_context, format_trace_id, get_tracer
+from classify_common.tracing import format_trace_id, get_tracer, start_server_span
 from classify_common.validation import validate_batch, validate_request
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
@@ -164,16 +165,14 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         parse: Callable[[bytes], Any],
         serialize: Callable[[Any], bytes],
     ) -> RawBehavior:
+        span_name = method.lstrip("/")
+        span_attributes = {"rpc.system": "grpc", "rpc.method": method}
+
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
-            server_span = self._tracer.start_span(
-                method.lstrip("/"),
-                context=extract_context(metadata),
-                kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": method},
-            )
+            server_span = start_server_span(span_name, metadata, span_attributes)
             request_trace = RequestTrace(server_span, self._metrics.observe_node)
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
@@ -182,7 +181,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             ids = _bind_ids(None, metadata, trace_id)
             code = grpc.StatusCode.OK
             try:
-                request = self._receive(method, raw, parse, context, headers)
+                request = self._receive(method, raw, parse, context, headers, request_trace)
                 ids = _bind_ids(request, metadata, trace_id)
                 server_span.set_attribute("classify.request_id", ids.request_id)
                 if self._edge:
@@ -206,7 +205,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 elapsed = time.perf_counter() - started
                 self._metrics.observe(method, code.name, elapsed, ids.trace_id)
                 self._log_request(method, code, elapsed, request_trace)
-                self._end_when_done(context, server_span, code, request_trace)
+                if self._edge or request_trace.makes_spans:
+                    self._end_when_done(context, server_span, code, request_trace)
                 otel_context.detach(attached)
             context.set_trailing_metadata(_id_trailers(ids))
             return payload
@@ -220,17 +220,20 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         parse: Callable[[bytes], Any],
         context: grpc.aio.ServicerContext[Any, Any],
         headers: Mapping[str, str],
+        request_trace: RequestTrace,
     ) -> Any:
         """The parsed request; on an internal server, also gated and validated."""
-        with node(
-            "grpc_receive" if self._edge else "capability_receive",
+        attributes: dict[str, AttributeValue] | None = (
             {
                 "rpc.method": method,
                 "net.peer.address": context.peer(),
                 "user_agent.original": headers.get("user-agent", ""),
                 "classify.request_bytes": len(raw),
-            },
-        ) as span:
+            }
+            if request_trace.makes_spans
+            else None
+        )
+        with node("grpc_receive" if self._edge else "capability_receive", attributes) as span:
             try:
                 request = parse(raw)
             except DecodeError as exc:
@@ -285,8 +288,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         code: grpc.StatusCode,
         request_trace: RequestTrace,
     ) -> None:
-        """End the server span (and, on the edge, `response_send`) once gRPC has sent
-        the answer and the call is over."""
+        """End the server span (and, on the edge, time `response_send`) once gRPC has
+        sent the answer and the call is over. Only needed on the edge or when spans
+        are made: the callback costs a closure and a call per request."""
         send_started = time.perf_counter()
         send_span = (
             self._tracer.start_span("response_send", context=request_trace.parent_context)

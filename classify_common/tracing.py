@@ -7,7 +7,11 @@ when an endpoint is configured: batched on a background thread through a
 bounded queue, so a slow or unreachable collector costs the request path
 nothing; spans beyond the queue, or in a batch the collector did not take,
 are dropped and counted (`classify_trace_spans_dropped_total`). Without an
-endpoint, spans still get real IDs, which responses and trailers report.
+endpoint (or test processor), nothing reads a span, so none is recorded: a call's
+server span is then a non-recording span that only carries real IDs (the
+caller's trace, or a new one), which responses, trailers, logs and the next hop
+report. Its sampled flag is the decision the sampler would have made, so a
+downstream process that does export samples the same traces.
 
 Sampling is parent-based with a ratio for new traces, but errors and time-outs
 are always kept: spans of unsampled traces are still recorded and held per
@@ -19,8 +23,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -29,7 +34,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBased, TraceIdRatioBased
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
+from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
@@ -196,7 +202,7 @@ def configure_tracing(
     Without either, only the server spans are made (their IDs are the trace
     IDs that answers report); lifecycle nodes are then timed but not spanned.
     """
-    global _exporting
+    global _exporting, _new_traces
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
@@ -214,11 +220,14 @@ def configure_tracing(
     if processor is not None:
         provider.add_span_processor(processor)
     _exporting = bool(otlp_endpoint) or processor is not None
+    _new_traces = TraceIdRatioBased(sample_ratio)
     trace.set_tracer_provider(provider)
     return provider
 
 
 _exporting = False
+# Decides whether a trace that starts here is sampled (see configure_tracing).
+_new_traces = TraceIdRatioBased(1.0)
 
 
 def spans_are_exported() -> bool:
@@ -233,6 +242,39 @@ _tracer = trace.get_tracer(TRACER_NAME)
 
 def get_tracer() -> trace.Tracer:
     return _tracer
+
+
+def start_server_span(
+    name: str,
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    attributes: Mapping[str, AttributeValue],
+) -> trace.Span:
+    """The server span of one call, continuing the trace in the caller's `traceparent`.
+
+    NOTE: a recording span is made only while spans are exported: the SDK's costs
+    about 10 µs to start and end, once per call, and nothing would read it. Else
+    the span is non-recording and only carries its IDs (see the module docstring).
+    """
+    parent = extract_context(metadata)
+    if _exporting:
+        return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+    caller = trace.get_current_span(parent).get_span_context()
+    if caller.is_valid:
+        trace_id, sampled, state = caller.trace_id, caller.trace_flags.sampled, caller.trace_state
+    else:
+        trace_id = _random_id(128)
+        sampled = trace_id & _new_traces.TRACE_ID_LIMIT < _new_traces.bound
+        state = None
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    return NonRecordingSpan(SpanContext(trace_id, _random_id(64), False, flags, state))
+
+
+def _random_id(bits: int) -> int:
+    """A trace (128 bits) or span (64 bits) ID as the SDK makes them: random, never 0."""
+    while True:
+        value = random.getrandbits(bits)
+        if value:
+            return value
 
 
 def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
