@@ -58,6 +58,7 @@ from classify_common.errors import (
     status_for,
 )
 from classify_common.intake import BATCH_METHODS, BatchIntake, bind_batch_intake
+from classify_common.logs import log_event
 from classify_common.metrics import RpcMetrics
 from classify_common.nodes import RequestTrace, bind_trace, node
 from classify_common.tracing import format_trace_id, get_tracer, start_server_span
@@ -316,9 +317,10 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
     def _log_request(
         self, method: str, code: grpc.StatusCode, elapsed: float, request_trace: RequestTrace
     ) -> None:
-        log.info(
+        log_event(
+            log,
             "rpc",
-            extra={
+            {
                 "method": method,
                 "code": code.name,
                 "duration_ms": round(elapsed * 1000, 2),

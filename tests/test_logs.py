@@ -7,8 +7,11 @@ import json
 import logging
 import queue
 
+import pytest
+
+from classify_common import logs
 from classify_common.context import RequestContext, bind_request
-from classify_common.logs import BatchingLineWriter, DroppingQueueHandler, JsonFormatter
+from classify_common.logs import BatchingLineWriter, DroppingQueueHandler, JsonFormatter, log_event
 
 
 def make_handler(capacity: int) -> tuple[DroppingQueueHandler, queue.Queue[str]]:
@@ -66,3 +69,61 @@ def test_writer_writes_every_queued_line_in_order_and_the_rest_when_stopped() ->
     events = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
     assert events == [f"line {n}" for n in range(5)]
     assert records.empty()
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def configured(monkeypatch: pytest.MonkeyPatch) -> queue.Queue[str]:
+    """The root logger set up as configure_logging does, without its writer thread."""
+    handler, records = make_handler(10)
+    monkeypatch.setattr(logs, "_handler", handler)
+    monkeypatch.setattr(logs, "_formatter", handler.formatter)
+    monkeypatch.setattr(logging.root, "handlers", [handler])
+    return records
+
+
+def test_event_line_is_the_line_logging_writes_for_the_same_fields(
+    configured: queue.Queue[str],
+) -> None:
+    logger = logging.getLogger("test.logs.event")
+    logger.setLevel(logging.INFO)
+    bind_request(RequestContext(request_id="req-8", trace_id="cd" * 16))
+    fields = {"method": "/m", "code": "OK", "timings_ms": {"grpc_receive": 0.012}, "n": None}
+
+    log_event(logger, "rpc", fields)
+    logger.info("rpc", extra=fields)
+
+    direct, through_logging = (json.loads(configured.get_nowait()) for _ in range(2))
+    assert direct.pop("ts")[:19] == through_logging.pop("ts")[:19]
+    assert direct == through_logging
+    assert list(direct) == list(through_logging)  # the same fields in the same order
+
+
+def test_event_reaches_a_handler_someone_else_added(configured: queue.Queue[str]) -> None:
+    logger = logging.getLogger("test.logs.listened")
+    logger.setLevel(logging.INFO)
+    listener = ListHandler()
+    logger.addHandler(listener)
+    try:
+        log_event(logger, "rpc", {"code": "OK"})
+    finally:
+        logger.removeHandler(listener)
+
+    heard = [(r.getMessage(), getattr(r, "code", None)) for r in listener.records]
+    assert heard == [("rpc", "OK")]
+    assert json.loads(configured.get_nowait())["code"] == "OK"
+
+
+def test_event_below_the_loggers_level_is_not_written(configured: queue.Queue[str]) -> None:
+    logger = logging.getLogger("test.logs.quiet")
+    logger.setLevel(logging.WARNING)
+    log_event(logger, "rpc", {"code": "OK"})
+    assert configured.empty()
