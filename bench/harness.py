@@ -19,13 +19,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
 import grpc
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,12 +131,27 @@ def measure_ceiling(
     }
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` torch intra-op threads (None: as they are)."""
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class AdjacentCeiling:
     """The ceiling probed right before and right after each load level.
 
     With `reuse_between_levels`, the probe after one level also serves as the probe
     before the next, when nothing else ran in between; `forget()` drops it (a
-    server was started or stopped, say).
+    server was started or stopped, say). `threads`: torch threads of the probe
+    (None: this process's setting).
     """
 
     def __init__(
@@ -145,24 +161,30 @@ class AdjacentCeiling:
         seconds: float,
         *,
         reuse_between_levels: bool,
+        threads: int | None = None,
     ) -> None:
         self.classifier = classifier
         self.batch_size = batch_size
         self.seconds = seconds
+        self.threads = threads
         self._reuse = reuse_between_levels
         self._last: float | None = None
 
     def before(self) -> float:
         if self._reuse and self._last is not None:
             return self._last
-        return forward_rate(self.classifier, self.batch_size, self.seconds)
+        return self._probe()
 
     def after(self) -> float:
-        self._last = forward_rate(self.classifier, self.batch_size, self.seconds)
+        self._last = self._probe()
         return self._last
 
     def forget(self) -> None:
         self._last = None
+
+    def _probe(self) -> float:
+        with torch_threads(self.threads):
+            return forward_rate(self.classifier, self.batch_size, self.seconds)
 
 
 # ---------------------------------------------------------------------------------------
@@ -588,6 +610,7 @@ def measure_level(
     runner: asyncio.Runner,
     ceiling: AdjacentCeiling,
     servers: Mapping[str, ServerProcess],
+    served_ceiling: AdjacentCeiling | None = None,
     items_per_call: int = 1,
     progress: Progress | None = None,
 ) -> tuple[dict[str, Any], Observation]:
@@ -597,11 +620,14 @@ def measure_level(
     the client's and the other processes' CPU seconds over the level; CPU microseconds
     per text in each process (per request, for single calls); and the cores that other
     processes used meanwhile. The Observation gives the servers' metric deltas.
+    `served_ceiling`, when given, is probed beside `ceiling` (the ceiling with the
+    server's own thread count, say) and compared with the same way.
 
     `runner` runs the client: one event loop for all levels, because grpc.aio's
     completion queue outlives a loop that asyncio.run would close under it.
     """
     before = ceiling.before()
+    served_before = served_ceiling.before() if served_ceiling else math.nan
     observation = Observation(servers)
     result: dict[str, Any] = runner.run(
         drive(
@@ -615,6 +641,7 @@ def measure_level(
         )
     )
     after = ceiling.after()
+    served_after = served_ceiling.after() if served_ceiling else math.nan
     texts = result["texts"] or math.nan  # no text answered: no cost per text
     cpu = observation.cpu
     result["concurrency"] = concurrency
@@ -623,6 +650,10 @@ def measure_level(
     result["ceiling_after"] = after
     result["adjacent_ceiling"] = (before + after) / 2
     result["ratio_to_ceiling"] = result["texts_per_second"] / result["adjacent_ceiling"]
+    result["served_threads_ceiling"] = (served_before + served_after) / 2
+    result["ratio_to_served_threads_ceiling"] = (
+        result["texts_per_second"] / result["served_threads_ceiling"]
+    )
     result["cpu_seconds"] = cpu
     result["cpu_us_per_text"] = {
         name: cpu[name] / texts * 1e6 for name in (*servers, "client", "others")

@@ -140,6 +140,7 @@ def synthetic_level(system: str, model: str, clients: int, **extra: Any) -> dict
         "errors": 0,
         "first_error": "",
         "ratio_to_ceiling": 0.5,
+        "ratio_to_served_threads_ceiling": 0.8,
         "adjacent_ceiling": 200.0,
         "cpu_us_per_text": {"orchestrator": 900.0, "capability": 1200.0, "client": 300.0},
         "other_processes_cores": 0.1,
@@ -169,11 +170,17 @@ def test_report_table_json_and_plot_are_written(
     ]
     forward = {front_door.MODEL: [5.0], front_door.STATIC_MODEL: [0.1]}
     report = {
-        "machine": {"cpus": 2, "device": "cpu", "ceiling_torch_threads": 2},
+        "machine": {
+            "cpus": 2,
+            "device": "cpu",
+            "ceiling_torch_threads": 2,
+            "served_torch_threads": 1,
+        },
         "seconds_per_level": 1.0,
         "ceiling": {front_door.MODEL: ceiling, front_door.STATIC_MODEL: ceiling},
+        "ceiling_served_threads": {front_door.MODEL: ceiling},
         "one_forward_batch_1_ms": {
-            model: {"all_cores_mean": ms[0], "one_thread_mean": ms[0]}
+            model: {"all_cores_mean": ms[0], "served_threads_mean": ms[0]}
             for model, ms in forward.items()
         },
         "levels": levels,
@@ -184,7 +191,8 @@ def test_report_table_json_and_plot_are_written(
     front_door.plot(report, tmp_path / "plot.png")
 
     table = capsys.readouterr().out
-    assert "| front door | topic-minilm | 1 | 100 | 100 | 10.0 | 20.0 | 0 | 0.50 | 200 |" in table
+    row = "| front door | topic-minilm | 1 | 100 | 100 | 10.0 | 20.0 | 0 | 0.50 | 0.80 | 200 |"
+    assert row in table
     assert "not available: UNIMPLEMENTED: not yet" in table
     assert "orchestrator + capability 2,100 µs" in table
     assert json.loads(front_door.json_text(report))["levels"][0]["mean_batch"] is None
