@@ -652,7 +652,7 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         axis.set_ylabel("p99 latency per call, ms (log)")
         axis.set_title(f"{model}" + (" (serving overhead)" if model == STATIC_MODEL else ""))
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7, framealpha=0.7)
     machine = report["machine"]
     figure.suptitle(
         f"Throughput against p99 (numbers: concurrent clients); {machine['cpus']} CPUs, "
