@@ -57,7 +57,12 @@ from classify_common.errors import (
     grpc_code_for,
     status_for,
 )
-from classify_common.intake import BATCH_METHODS, BatchIntake, bind_batch_intake
+from classify_common.intake import (
+    BATCH_METHODS,
+    NO_REFUSALS,
+    BatchIntake,
+    bind_batch_intake,
+)
 from classify_common.logs import log_event
 from classify_common.metrics import RpcMetrics
 from classify_common.nodes import RequestTrace, bind_trace, node
@@ -95,20 +100,25 @@ class Gate(Protocol):
         ...
 
 
-def choose_request_id(request: object, metadata: Sequence[tuple[str, str | bytes]]) -> str:
-    own = getattr(request, "request_id", "")
-    if isinstance(own, str) and is_valid_request_id(own):
-        return own
+def bind_ids(metadata: Sequence[tuple[str, str | bytes]], trace_id: str) -> RequestContext:
+    """Bind the call's IDs before its request is parsed: the `x-request-id` metadata,
+    else a new request ID (see rebind_own_request_id)."""
+    request_id = ""
     for key, value in metadata:
         if key == REQUEST_ID_HEADER and isinstance(value, str) and is_valid_request_id(value):
-            return value
-    return new_request_id()
+            request_id = value
+            break
+    ids = RequestContext(request_id or new_request_id(), trace_id)
+    bind_request(ids)
+    return ids
 
 
-def _bind_ids(
-    request: object, metadata: Sequence[tuple[str, str | bytes]], trace_id: str
-) -> RequestContext:
-    ids = RequestContext(choose_request_id(request, metadata), trace_id)
+def rebind_own_request_id(request: object, ids: RequestContext) -> RequestContext:
+    """The request's own `request_id`, when it has a valid one, wins over the metadata's."""
+    own = getattr(request, "request_id", "")
+    if own == ids.request_id or not isinstance(own, str) or not is_valid_request_id(own):
+        return ids
+    ids = RequestContext(own, ids.trace_id)
     bind_request(ids)
     return ids
 
@@ -178,12 +188,11 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)
-            trace_id = format_trace_id(server_span)
-            ids = _bind_ids(None, metadata, trace_id)
+            ids = bind_ids(metadata, format_trace_id(server_span))
             code = grpc.StatusCode.OK
             try:
                 request = self._receive(method, raw, parse, context, headers, request_trace)
-                ids = _bind_ids(request, metadata, trace_id)
+                ids = rebind_own_request_id(request, ids)
                 server_span.set_attribute("classify.request_id", ids.request_id)
                 if self._edge:
                     self._admit(method, headers, request)
@@ -362,13 +371,12 @@ def _calls_in(method: str, request: Any) -> int:
 def _validate(method: str, request: Any, span: trace.Span) -> BatchIntake:
     """Check the request against the contract. A batch's broken items are bound as
     its intake (and returned); anything else that is broken raises InvalidRequest."""
-    intake = BatchIntake()
     try:
-        if method in BATCH_METHODS:
-            intake = BatchIntake(validate_batch(request))
-            bind_batch_intake(intake)
-        else:
+        if method not in BATCH_METHODS:
             validate_request(request)
+            span.set_attribute("classify.violations", 0)
+            return NO_REFUSALS
+        intake = BatchIntake(validate_batch(request))
     except InvalidRequest as error:
         span.set_attributes(
             {
@@ -377,6 +385,7 @@ def _validate(method: str, request: Any, span: trace.Span) -> BatchIntake:
             }
         )
         raise
+    bind_batch_intake(intake)
     refused = cast(Mapping[int, InvalidRequest], intake.refused)
     violations = [v for error in refused.values() for v in error.violations]
     span.set_attribute("classify.violations", len(violations))
