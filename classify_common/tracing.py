@@ -24,17 +24,26 @@ from __future__ import annotations
 import collections
 import logging
 import random
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 
-from opentelemetry import propagate, trace
+from opentelemetry import baggage, propagate, trace
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBased, TraceIdRatioBased
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import CounterMetricFamily
 
@@ -255,10 +264,10 @@ def start_server_span(
     about 10 µs to start and end, once per call, and nothing would read it. Else
     the span is non-recording and only carries its IDs (see the module docstring).
     """
-    parent = extract_context(metadata)
     if _exporting:
+        parent = extract_context(metadata)
         return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
-    caller = trace.get_current_span(parent).get_span_context()
+    caller = _caller_span_context(metadata or ())
     if caller.is_valid:
         trace_id, sampled, state = caller.trace_id, caller.trace_flags.sampled, caller.trace_state
     else:
@@ -267,6 +276,69 @@ def start_server_span(
         state = None
     flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
     return NonRecordingSpan(SpanContext(trace_id, _random_id(64), False, flags, state))
+
+
+def _caller_span_context(metadata: Iterable[tuple[str, str | bytes]]) -> SpanContext:
+    """The span context the caller's metadata carries (invalid when none)."""
+    if not _propagates_w3c_only():
+        return trace.get_current_span(extract_context(metadata)).get_span_context()
+    traceparent = tracestate = None
+    for key, value in metadata:
+        if key == TRACEPARENT_HEADER:
+            traceparent = value
+        elif key == TRACESTATE_HEADER:
+            tracestate = value
+    if not isinstance(traceparent, str):
+        return trace.INVALID_SPAN_CONTEXT
+    return parse_traceparent(traceparent, tracestate if isinstance(tracestate, str) else None)
+
+
+TRACEPARENT_HEADER = "traceparent"
+TRACESTATE_HEADER = "tracestate"
+# W3C Trace Context, as opentelemetry's TraceContextTextMapPropagator reads it.
+_TRACEPARENT = re.compile(
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
+)
+_TRACEPARENT_MAX_CHARS = 512
+_TRACESTATE_MAX_CHARS = 8192
+_W3C_FIELDS = frozenset({TRACEPARENT_HEADER, TRACESTATE_HEADER, "baggage"})
+
+
+def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanContext:
+    """The remote span context a `traceparent` (and `tracestate`) header names, read as
+    opentelemetry's W3C propagator reads it; INVALID_SPAN_CONTEXT when it names none.
+
+    NOTE: several times cheaper than `propagate.extract`, which builds a carrier and
+    a Context, and runs every configured propagator, once per call.
+    """
+    if len(traceparent) > _TRACEPARENT_MAX_CHARS:
+        return trace.INVALID_SPAN_CONTEXT
+    match = _TRACEPARENT.search(traceparent)
+    if match is None:
+        return trace.INVALID_SPAN_CONTEXT
+    version, trace_id, span_id, flags, rest = match.groups()
+    if trace_id == "0" * 32 or span_id == "0" * 16 or version == "ff" or (version == "00" and rest):
+        return trace.INVALID_SPAN_CONTEXT
+    state = None
+    if tracestate is not None and len(tracestate) <= _TRACESTATE_MAX_CHARS:
+        state = TraceState.from_header([tracestate])
+    return SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)), state)
+
+
+# The global propagator last checked, and whether it reads and writes only the W3C
+# headers (the default: tracecontext and baggage), so parse_traceparent reads as it does.
+_checked_propagator: tuple[object, bool] = (None, False)
+
+
+def _propagates_w3c_only() -> bool:
+    global _checked_propagator
+    propagator = propagate.get_global_textmap()
+    checked, w3c_only = _checked_propagator
+    if propagator is not checked:
+        fields = propagator.fields
+        w3c_only = TRACEPARENT_HEADER in fields and fields <= _W3C_FIELDS
+        _checked_propagator = (propagator, w3c_only)
+    return w3c_only
 
 
 def _random_id(bits: int) -> int:
@@ -284,9 +356,25 @@ def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Conte
 
 def inject_context() -> list[tuple[str, str]]:
     """Metadata entries (`traceparent`, …) that carry the current span to the next hop."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return list(carrier.items())
+    context = otel_context.get_current()
+    if not _propagates_w3c_only() or baggage.get_all(context):
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return list(carrier.items())
+    # What the W3C propagators write for a span and no baggage, without their carrier.
+    span_context = trace.get_current_span(context).get_span_context()
+    if span_context == trace.INVALID_SPAN_CONTEXT:
+        return []
+    entries = [
+        (
+            TRACEPARENT_HEADER,
+            f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}"
+            f"-{span_context.trace_flags:02x}",
+        )
+    ]
+    if span_context.trace_state:
+        entries.append((TRACESTATE_HEADER, span_context.trace_state.to_header()))
+    return entries
 
 
 def format_trace_id(span: trace.Span) -> str:

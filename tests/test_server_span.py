@@ -1,12 +1,29 @@
-"""A call's server span when no spans are exported: only its IDs, continuing the caller's trace."""
+"""A call's server span when no spans are exported: only its IDs, continuing the caller's
+trace; and the W3C headers read and written as opentelemetry's propagators do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from opentelemetry import baggage, propagate
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import TextMapPropagator, default_getter
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    TraceFlags,
+    TraceState,
+    get_current_span,
+    set_span_in_context,
+    use_span,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from classify_common import tracing
-from classify_common.tracing import start_server_span
+from classify_common.tracing import inject_context, parse_traceparent, start_server_span
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -70,3 +87,87 @@ def test_exported_span_records_under_the_caller() -> None:
         assert format(span.get_span_context().trace_id, "032x") == CALLER_TRACE
     finally:
         span.end()
+
+
+HEADERS = [
+    f"00-{CALLER_TRACE}-{CALLER_SPAN}-01",
+    f"00-{CALLER_TRACE}-{CALLER_SPAN}-00",
+    f" \t00-{CALLER_TRACE}-{CALLER_SPAN}-03 ",
+    f"00-{CALLER_TRACE}-{CALLER_SPAN}-01-extra",
+    f"01-{CALLER_TRACE}-{CALLER_SPAN}-01-future-fields",
+    f"ff-{CALLER_TRACE}-{CALLER_SPAN}-01",
+    f"00-{'0' * 32}-{CALLER_SPAN}-01",
+    f"00-{CALLER_TRACE}-{'0' * 16}-01",
+    f"00-{CALLER_TRACE.upper()}-{CALLER_SPAN}-01",
+    f"00-{CALLER_TRACE}-{CALLER_SPAN}-01\n",
+    f"00-{CALLER_TRACE}-{CALLER_SPAN}-01" + " " * 600,
+    "00-zz-yy-01",
+    "",
+]
+
+
+@pytest.mark.parametrize("header", HEADERS)
+@pytest.mark.parametrize("state", [None, "vendor=value,other=1", "not a tracestate"])
+def test_traceparent_is_read_as_the_w3c_propagator_reads_it(header: str, state: str | None) -> None:
+    carrier = (
+        {"traceparent": header} if state is None else {"traceparent": header, "tracestate": state}
+    )
+    expected = get_current_span(TraceContextTextMapPropagator().extract(carrier))
+    assert parse_traceparent(header, state) == expected.get_span_context()
+
+
+@pytest.mark.parametrize("state", ["", "vendor=value"])
+def test_injected_metadata_is_what_the_w3c_propagators_write(state: str) -> None:
+    context = SpanContext(
+        int(CALLER_TRACE, 16),
+        int(CALLER_SPAN, 16),
+        False,
+        TraceFlags(TraceFlags.SAMPLED),
+        TraceState.from_header([state]) if state else None,
+    )
+    with use_span(NonRecordingSpan(context)):
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        assert inject_context() == list(carrier.items())
+
+
+def test_injected_metadata_carries_baggage_too() -> None:
+    span = NonRecordingSpan(parse_traceparent(f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
+    token = otel_context.attach(baggage.set_baggage("tenant", "acme"))
+    try:
+        with use_span(span):
+            entries = dict(inject_context())
+    finally:
+        otel_context.detach(token)
+    assert entries["baggage"] == "tenant=acme"
+    assert entries["traceparent"] == f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
+
+
+class OtherHeader(TextMapPropagator):
+    """A propagator that reads the trace from a header of its own."""
+
+    def extract(
+        self, carrier: Any, context: Context | None = None, getter: Any = default_getter
+    ) -> Context:
+        (value,) = getter.get(carrier, "x-other-trace") or ("",)
+        return set_span_in_context(NonRecordingSpan(parse_traceparent(value)), context)
+
+    def inject(self, carrier: Any, context: Context | None = None, setter: Any = None) -> None:
+        pass
+
+    @property
+    def fields(self) -> set[str]:
+        return {"x-other-trace"}
+
+
+@pytest.mark.usefixtures("unexported")
+def test_unexported_span_continues_a_trace_the_configured_propagator_reads() -> None:
+    configured = propagate.get_global_textmap()
+    propagate.set_global_textmap(OtherHeader())
+    try:
+        span = start_server_span(
+            "Classify", [("x-other-trace", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01")], ATTRIBUTES
+        )
+    finally:
+        propagate.set_global_textmap(configured)
+    assert format(span.get_span_context().trace_id, "032x") == CALLER_TRACE
