@@ -21,10 +21,10 @@ as much again as the JSON itself.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import logging
-import queue
 import sys
 import threading
 import time
@@ -90,10 +90,42 @@ class JsonFormatter(logging.Formatter):
 _JSON = json.JSONEncoder(default=str)
 
 
+class LineQueue:
+    """Lines waiting for the writer thread, at most `capacity` of them.
+
+    A deque without a lock: its append and popleft are atomic, so callers on any
+    thread add lines and the writer takes them; a queue.Queue's lock and condition
+    cost several times the append, on every line. Threads that add at the same
+    moment may overshoot `capacity` by one line each.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lines: collections.deque[str] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def offer(self, line: str) -> bool:
+        """Add `line` unless the queue is full; whether it was added."""
+        if len(self._lines) >= self.capacity:
+            return False
+        self._lines.append(line)
+        return True
+
+    def take_all(self) -> list[str]:
+        """Every line queued so far, oldest first."""
+        lines = []
+        with contextlib.suppress(IndexError):
+            while True:
+                lines.append(self._lines.popleft())
+        return lines
+
+
 class DroppingQueueHandler(logging.Handler):
     """Formats on the caller's thread, queues the line without waiting, counts what it drops."""
 
-    def __init__(self, lines: queue.Queue[str]) -> None:
+    def __init__(self, lines: LineQueue) -> None:
         super().__init__()
         self.queue = lines
         self.dropped = 0
@@ -110,9 +142,7 @@ class DroppingQueueHandler(logging.Handler):
 
     def put_line(self, line: str) -> None:
         """Queue a formatted line, or count it dropped when the queue is full."""
-        try:
-            self.queue.put_nowait(line)
-        except queue.Full:
+        if not self.queue.offer(line):
             with self._lock:
                 self.dropped += 1
 
@@ -120,7 +150,7 @@ class DroppingQueueHandler(logging.Handler):
 class BatchingLineWriter:
     """A thread that writes queued lines to `stream` every `interval` seconds, all at once."""
 
-    def __init__(self, lines: queue.Queue[str], stream: TextIO, interval: float) -> None:
+    def __init__(self, lines: LineQueue, stream: TextIO, interval: float) -> None:
         self._lines = lines
         self._stream = stream
         self._interval = interval
@@ -142,10 +172,7 @@ class BatchingLineWriter:
         self.write_queued()
 
     def write_queued(self) -> None:
-        lines = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                lines.append(self._lines.get_nowait())
+        lines = self._lines.take_all()
         if not lines:
             return
         # A closed or broken stderr must not end the thread: the lines are lost
@@ -170,7 +197,7 @@ def configure_logging(service: str, level: str = "INFO") -> DroppingQueueHandler
     global _writer, _handler, _formatter
     if _writer is not None:
         _writer.stop()
-    lines: queue.Queue[str] = queue.Queue(LOG_QUEUE_CAPACITY)
+    lines = LineQueue(LOG_QUEUE_CAPACITY)
     handler = DroppingQueueHandler(lines)
     formatter = JsonFormatter(service)
     handler.setFormatter(formatter)

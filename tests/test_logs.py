@@ -5,17 +5,22 @@ from __future__ import annotations
 import io
 import json
 import logging
-import queue
 
 import pytest
 
 from classify_common import logs
 from classify_common.context import RequestContext, bind_request
-from classify_common.logs import BatchingLineWriter, DroppingQueueHandler, JsonFormatter, log_event
+from classify_common.logs import (
+    BatchingLineWriter,
+    DroppingQueueHandler,
+    JsonFormatter,
+    LineQueue,
+    log_event,
+)
 
 
-def make_handler(capacity: int) -> tuple[DroppingQueueHandler, queue.Queue[str]]:
-    records: queue.Queue[str] = queue.Queue(capacity)
+def make_handler(capacity: int) -> tuple[DroppingQueueHandler, LineQueue]:
+    records = LineQueue(capacity)
     handler = DroppingQueueHandler(records)
     handler.setFormatter(JsonFormatter("test"))
     return handler, records
@@ -35,7 +40,8 @@ def test_record_is_one_json_line_with_request_and_trace_ids_and_extra_fields() -
     logger = logger_into("test.logs.ids", handler)
     bind_request(RequestContext(request_id="req-7", trace_id="ab" * 16))
     logger.warning("model ready", extra={"model": "topic-minilm"})
-    entry = json.loads(records.get_nowait())
+    (line,) = records.take_all()
+    entry = json.loads(line)
     assert entry["event"] == "model ready"
     assert entry["level"] == "warning"
     assert entry["service"] == "test"
@@ -49,7 +55,9 @@ def test_full_log_queue_drops_and_counts_instead_of_blocking() -> None:
     # No writer drains the queue, as when stderr is a pipe nobody reads.
     for n in range(10):
         logger.info("line %d", n)
-    assert records.qsize() == 3
+    assert [json.loads(line)["event"] for line in records.take_all()] == [
+        f"line {n}" for n in range(3)
+    ]
     assert handler.dropped == 7
 
 
@@ -68,7 +76,7 @@ def test_writer_writes_every_queued_line_in_order_and_the_rest_when_stopped() ->
 
     events = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
     assert events == [f"line {n}" for n in range(5)]
-    assert records.empty()
+    assert len(records) == 0
 
 
 class ListHandler(logging.Handler):
@@ -81,7 +89,7 @@ class ListHandler(logging.Handler):
 
 
 @pytest.fixture
-def configured(monkeypatch: pytest.MonkeyPatch) -> queue.Queue[str]:
+def configured(monkeypatch: pytest.MonkeyPatch) -> LineQueue:
     """The root logger set up as configure_logging does, without its writer thread."""
     handler, records = make_handler(10)
     monkeypatch.setattr(logs, "_handler", handler)
@@ -91,7 +99,7 @@ def configured(monkeypatch: pytest.MonkeyPatch) -> queue.Queue[str]:
 
 
 def test_event_line_is_the_line_logging_writes_for_the_same_fields(
-    configured: queue.Queue[str],
+    configured: LineQueue,
 ) -> None:
     logger = logging.getLogger("test.logs.event")
     logger.setLevel(logging.INFO)
@@ -101,13 +109,13 @@ def test_event_line_is_the_line_logging_writes_for_the_same_fields(
     log_event(logger, "rpc", fields)
     logger.info("rpc", extra=fields)
 
-    direct, through_logging = (json.loads(configured.get_nowait()) for _ in range(2))
+    direct, through_logging = (json.loads(line) for line in configured.take_all())
     assert direct.pop("ts")[:19] == through_logging.pop("ts")[:19]
     assert direct == through_logging
     assert list(direct) == list(through_logging)  # the same fields in the same order
 
 
-def test_event_reaches_a_handler_someone_else_added(configured: queue.Queue[str]) -> None:
+def test_event_reaches_a_handler_someone_else_added(configured: LineQueue) -> None:
     logger = logging.getLogger("test.logs.listened")
     logger.setLevel(logging.INFO)
     listener = ListHandler()
@@ -119,11 +127,12 @@ def test_event_reaches_a_handler_someone_else_added(configured: queue.Queue[str]
 
     heard = [(r.getMessage(), getattr(r, "code", None)) for r in listener.records]
     assert heard == [("rpc", "OK")]
-    assert json.loads(configured.get_nowait())["code"] == "OK"
+    (line,) = configured.take_all()
+    assert json.loads(line)["code"] == "OK"
 
 
-def test_event_below_the_loggers_level_is_not_written(configured: queue.Queue[str]) -> None:
+def test_event_below_the_loggers_level_is_not_written(configured: LineQueue) -> None:
     logger = logging.getLogger("test.logs.quiet")
     logger.setLevel(logging.WARNING)
     log_event(logger, "rpc", {"code": "OK"})
-    assert configured.empty()
+    assert len(configured) == 0
