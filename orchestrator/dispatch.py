@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opentelemetry.trace import Link, SpanKind
+from prometheus_client import Histogram
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext, bind_request, new_request_id
@@ -130,6 +131,8 @@ class Dispatcher:
         self.state = state
         self.results = results
         self._metrics = metrics
+        # Looked up once per (route, model, code): a labels() call per request costs more.
+        self._durations: dict[tuple[str, str, str], Histogram] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         # Calls that outlived their budget and still run, for GetResult.
         self._background: set[asyncio.Task[pb.ClassifyResponse]] = set()
@@ -183,7 +186,11 @@ class Dispatcher:
             code = "CANCELLED"
             raise
         finally:
-            self._metrics.request_duration.labels(route.name, model, code).observe(
+            key = (route.name, model, code)
+            duration = self._durations.get(key)
+            if duration is None:
+                duration = self._durations[key] = self._metrics.request_duration.labels(*key)
+            duration.observe(
                 time.perf_counter() - started,
                 exemplar={"trace_id": ids.trace_id} if ids.trace_id else None,
             )

@@ -137,17 +137,19 @@ class BackendPool:
     def pick(self, avoid: Collection[str] = ()) -> str:
         """The next replica in turn: not ejected and not in `avoid` (already tried) if
         there is one, else not ejected, else any."""
-        rules: tuple[Callable[[str], bool], ...] = (
-            lambda t: t not in avoid and not self.outliers.is_ejected(t),
-            lambda t: not self.outliers.is_ejected(t),
-            lambda t: True,
-        )
-        for acceptable in rules:
-            for _ in self.backend.targets:
-                target = next(self._turns)
-                if acceptable(target):
-                    return target
-        raise AssertionError("a backend has at least one target")
+        targets = self.backend.targets
+        if len(targets) == 1:  # the common case: nothing to choose
+            return targets[0]
+        is_ejected = self.outliers.is_ejected
+        fallback: str | None = None
+        for _ in targets:
+            target = next(self._turns)
+            if is_ejected(target):
+                continue
+            if target not in avoid:
+                return target
+            fallback = fallback or target
+        return fallback or next(self._turns)
 
     async def classify(
         self,
