@@ -26,7 +26,7 @@ import logging
 import random
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
@@ -255,7 +255,7 @@ def get_tracer() -> trace.Tracer:
 
 def start_server_span(
     name: str,
-    metadata: Iterable[tuple[str, str | bytes]] | None,
+    metadata: Sequence[tuple[str, str | bytes]] | None,
     attributes: Mapping[str, AttributeValue],
 ) -> trace.Span:
     """The server span of one call, continuing the trace in the caller's `traceparent`.
@@ -278,16 +278,27 @@ def start_server_span(
     return NonRecordingSpan(SpanContext(trace_id, _random_id(64), False, flags, state))
 
 
-def _caller_span_context(metadata: Iterable[tuple[str, str | bytes]]) -> SpanContext:
+def _caller_span_context(metadata: Sequence[tuple[str, str | bytes]]) -> SpanContext:
     """The span context the caller's metadata carries (invalid when none)."""
-    if not _propagates_w3c_only():
+    w3c = _w3c_headers(metadata)
+    if w3c is None:
         return trace.get_current_span(extract_context(metadata)).get_span_context()
+    return w3c
+
+
+def _w3c_headers(metadata: Sequence[tuple[str, str | bytes]]) -> SpanContext | None:
+    """The span context in the metadata's W3C headers, read directly; None when the
+    configured propagator would read more than that (another format, or baggage)."""
+    if not _propagates_w3c_only():
+        return None
     traceparent = tracestate = None
     for key, value in metadata:
         if key == TRACEPARENT_HEADER:
             traceparent = value
         elif key == TRACESTATE_HEADER:
             tracestate = value
+        elif key == BAGGAGE_HEADER:
+            return None
     if not isinstance(traceparent, str):
         return trace.INVALID_SPAN_CONTEXT
     return parse_traceparent(traceparent, tracestate if isinstance(tracestate, str) else None)
@@ -295,13 +306,14 @@ def _caller_span_context(metadata: Iterable[tuple[str, str | bytes]]) -> SpanCon
 
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
+BAGGAGE_HEADER = "baggage"
 # W3C Trace Context, as opentelemetry's TraceContextTextMapPropagator reads it.
 _TRACEPARENT = re.compile(
     r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
 )
 _TRACEPARENT_MAX_CHARS = 512
 _TRACESTATE_MAX_CHARS = 8192
-_W3C_FIELDS = frozenset({TRACEPARENT_HEADER, TRACESTATE_HEADER, "baggage"})
+_W3C_FIELDS = frozenset({TRACEPARENT_HEADER, TRACESTATE_HEADER, BAGGAGE_HEADER})
 
 
 def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanContext:
@@ -349,7 +361,14 @@ def _random_id(bits: int) -> int:
             return value
 
 
-def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+def extract_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> Context:
+    """The context the configured propagator reads from `metadata`: what
+    `propagate.extract` returns, read directly when only W3C headers matter."""
+    w3c = _w3c_headers(metadata or ())
+    if w3c is not None:
+        if not w3c.is_valid:
+            return Context()
+        return trace.set_span_in_context(NonRecordingSpan(w3c), Context())
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
     return propagate.extract(carrier)
 

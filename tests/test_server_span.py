@@ -23,7 +23,12 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from classify_common import tracing
-from classify_common.tracing import inject_context, parse_traceparent, start_server_span
+from classify_common.tracing import (
+    extract_context,
+    inject_context,
+    parse_traceparent,
+    start_server_span,
+)
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -171,3 +176,28 @@ def test_unexported_span_continues_a_trace_the_configured_propagator_reads() -> 
     finally:
         propagate.set_global_textmap(configured)
     assert format(span.get_span_context().trace_id, "032x") == CALLER_TRACE
+
+
+@pytest.mark.parametrize("header", [*HEADERS, None])
+@pytest.mark.parametrize(
+    "others",
+    [
+        (),
+        (("tracestate", "vendor=value"),),
+        (("baggage", "tenant=acme"), ("tracestate", "vendor=value")),
+        (("x-request-id", "r-1"), ("grpc-trace-bin", b"\x00\x01")),
+    ],
+)
+def test_extracted_context_is_what_the_configured_propagators_extract(
+    header: str | None, others: tuple[tuple[str, str | bytes], ...]
+) -> None:
+    metadata = (*([] if header is None else [("traceparent", header)]), *others)
+    carrier = {key: value for key, value in metadata if isinstance(value, str)}
+    expected = propagate.extract(carrier)
+
+    extracted = extract_context(metadata)
+
+    context = get_current_span(extracted).get_span_context()
+    assert context == get_current_span(expected).get_span_context()
+    assert baggage.get_all(extracted) == baggage.get_all(expected)
+    assert extracted.keys() == expected.keys()
