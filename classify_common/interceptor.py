@@ -178,13 +178,17 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
     ) -> RawBehavior:
         span_name = method.lstrip("/")
         span_attributes = {"rpc.system": "grpc", "rpc.method": method}
+        # An internal batch call's items count its nodes, each in its own trace.
+        counts_nodes = self._edge or method not in BATCH_METHODS
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
             server_span = start_server_span(span_name, metadata, span_attributes)
-            request_trace = RequestTrace(server_span, self._metrics.observe_node)
+            request_trace = RequestTrace(
+                server_span, self._metrics.observe_node, observes_own_nodes=counts_nodes
+            )
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)

@@ -99,6 +99,10 @@ class RequestTrace:
     seconds: dict[str, float] = field(default_factory=dict)
     # Extra fields for the request's log line (route, model, attempts, ...).
     log_fields: dict[str, object] = field(default_factory=dict)
+    # False for an internal batch call: its items are the requests, each with a trace
+    # of its own that counts its nodes, so the call's own nodes stay out of the
+    # histogram (they still time the call's log line).
+    observes_own_nodes: bool = True
 
     def __post_init__(self) -> None:
         # Node spans cost tens of microseconds each: they are made only when
@@ -109,7 +113,7 @@ class RequestTrace:
 
     def record(self, node: str, seconds: float) -> None:
         self.seconds[node] = self.seconds.get(node, 0.0) + seconds
-        if self.observe_node is not None:
+        if self.observe_node is not None and self.observes_own_nodes:
             self.observe_node(node, seconds)
 
     def mark_timed_out(self) -> None:

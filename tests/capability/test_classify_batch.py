@@ -406,11 +406,9 @@ async def test_each_item_is_traced_in_its_own_trace_with_every_capability_node(
         if s.name == BATCH_SPAN_NAME and span_id(s) == batch_span_id
     ]
     assert len(batch.links) == 4
-    # Every item counts once in each node's histogram; the call itself also records
-    # its own capability_receive.
+    # Every item counts once in each node's histogram; the call itself does not.
     for name in CAPABILITY_NODES:
-        extra = 1 if name == "capability_receive" else 0
-        assert node_count(capability, name) - before[name] == 4 + extra, name
+        assert node_count(capability, name) - before[name] == 4, name
 
 
 async def test_without_span_export_items_make_no_spans_but_every_node_is_counted(
@@ -434,8 +432,7 @@ async def test_without_span_export_items_make_no_spans_but_every_node_is_counted
     for _, trace_id, _ in parents:
         assert spans_of(span_exporter, trace_id) == []
     for name in CAPABILITY_NODES:
-        extra = 1 if name == "capability_receive" else 0
-        assert node_count(capability, name) - before[name] == 2 + extra, name
+        assert node_count(capability, name) - before[name] == 2, name
 
 
 async def test_stopping_the_loop_answers_the_running_and_the_following_batch(
