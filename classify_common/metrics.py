@@ -9,19 +9,20 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from http.server import HTTPServer
 from threading import Thread
 from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
-from prometheus_client.samples import Sample
+from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
 RPC_REQUESTS_TOTAL = "classify_rpc_requests_total"
 RPC_DURATION_SECONDS = "classify_rpc_duration_seconds"
 NODE_DURATION_SECONDS = "classify_node_duration_seconds"
+RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # How prometheus_client writes a bucket's bound (`le`); the library leaves it untyped.
 _go_float = cast(Callable[[float], str], floatToGoString)
 # Nodes range from microseconds (a rate-limit check) to seconds (a queue wait).
@@ -29,6 +30,10 @@ NODE_BUCKETS = (
     *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
     *(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+
+
+# A histogram series: its label value, or its label values in order.
+SeriesKey = str | tuple[str, ...]
 
 
 class RpcMetrics:
@@ -41,36 +46,34 @@ class RpcMetrics:
             ["method", "code"],
             registry=registry,
         )
-        self.duration = Histogram(
+        self.duration = LabelledHistogram(
             RPC_DURATION_SECONDS,
             "Time from receiving an RPC to its answer, in seconds.",
             ["method", "code"],
-            registry=registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            RPC_BUCKETS,
+            registry,
         )
         self.node_duration = LabelledHistogram(
             NODE_DURATION_SECONDS,
             "Time spent in each request lifecycle node (classify_common.nodes), in seconds.",
-            "lifecycle_node",
+            ["lifecycle_node"],
             NODE_BUCKETS,
             registry,
         )
-        # Labelled children, looked up once each (see observe).
-        self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        # Labelled counters, looked up once each (see observe).
+        self._requests: dict[tuple[str, str], Counter] = {}
         # One lifecycle node's duration, about ten times per request in each process.
         self.observe_node = self.node_duration.observe
 
     def observe(self, method: str, code: str, seconds: float, trace_id: str = "") -> None:
         """Count the call; its latency carries the trace ID as an OpenMetrics exemplar,
         so a slow bucket on a dashboard links to a trace of a request in it."""
-        children = self._rpc_children.get((method, code))
-        if children is None:
-            children = (self.requests.labels(method, code), self.duration.labels(method, code))
-            self._rpc_children[(method, code)] = children
-        requests, duration = children
+        key = (method, code)
+        requests = self._requests.get(key)
+        if requests is None:
+            requests = self._requests[key] = self.requests.labels(method, code)
         requests.inc()
-        exemplar = {"trace_id": trace_id} if trace_id else None
-        duration.observe(seconds, exemplar=exemplar)
+        self.duration.observe(key, seconds, {"trace_id": trace_id} if trace_id else None)
 
 
 class MetricsEndpoint:
@@ -88,69 +91,82 @@ class MetricsEndpoint:
 
 
 class LabelledHistogram:
-    """A Prometheus histogram with one label, kept as plain counts and exposed as a
-    collector, exactly as prometheus_client's Histogram exposes it.
+    """A Prometheus histogram kept as plain counts and exposed as a collector, exactly
+    as prometheus_client's Histogram exposes it (exemplars included).
 
-    NOTE: for histograms observed several times per request. Histogram.observe takes
-    two locks and walks the buckets in Python on every call; here an observation is a
-    bisect and one lock.
+    NOTE: for histograms observed once or more per request. Histogram.observe takes
+    two locks and walks the buckets in Python on every call, and validates every
+    exemplar; here an observation is a bisect and one lock. A series is keyed by its
+    label value (one label) or its tuple of label values (several).
     """
 
     def __init__(
         self,
         name: str,
         documentation: str,
-        label: str,
+        labels: Sequence[str],
         buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
         self._name = name
         self._documentation = documentation
-        self._label = label
+        self._labels = tuple(labels)
         self._bounds = tuple(sorted(float(bound) for bound in buckets))
         self._lock = threading.Lock()
-        # Per label value: the count in each bucket (not cumulative; +Inf last), then
-        # the sum of the observations.
-        self._series: dict[str, list[float]] = {}
-        self._created: dict[str, float] = {}
+        # Per series: the count in each bucket (not cumulative; +Inf last), then the
+        # sum of the observations.
+        self._series: dict[SeriesKey, list[float]] = {}
+        # Per series: each bucket's latest exemplar, as prometheus_client keeps them.
+        self._exemplars: dict[SeriesKey, list[Exemplar | None]] = {}
+        self._created: dict[SeriesKey, float] = {}
         registry.register(self)
 
-    def observe(self, label_value: str, amount: float) -> None:
-        series = self._series.get(label_value)
+    def observe(
+        self, key: SeriesKey, amount: float, exemplar: Mapping[str, str] | None = None
+    ) -> None:
+        """Observe `amount` in the series `key`; `exemplar`'s labels (a trace ID, say)
+        must be valid label names of at most 128 characters in all."""
+        series = self._series.get(key)
         if series is None:
-            series = self._add_series(label_value)
+            series = self._add_series(key)
         # The first bucket whose upper bound is at least `amount` (`le` buckets).
         index = bisect.bisect_left(self._bounds, amount)
         with self._lock:
             series[index] += 1
             series[-1] += amount
+            if exemplar:
+                self._exemplars[key][index] = Exemplar(dict(exemplar), amount, time.time())
 
-    def _add_series(self, label_value: str) -> list[float]:
+    def _add_series(self, key: SeriesKey) -> list[float]:
         with self._lock:
-            if label_value not in self._series:
-                self._created[label_value] = time.time()
-                self._series[label_value] = [0.0] * (len(self._bounds) + 2)
-            return self._series[label_value]
+            if key not in self._series:
+                self._created[key] = time.time()
+                self._exemplars[key] = [None] * (len(self._bounds) + 1)
+                self._series[key] = [0.0] * (len(self._bounds) + 2)
+            return self._series[key]
 
     def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self._name, self._documentation, labels=[self._label])
+        yield HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            snapshot = [(value, list(series)) for value, series in self._series.items()]
-        family = HistogramMetricFamily(self._name, self._documentation, labels=[self._label])
+            snapshot = [
+                (key, list(series), list(self._exemplars[key]), self._created[key])
+                for key, series in self._series.items()
+            ]
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
         bounds = [*(_go_float(bound) for bound in self._bounds), "+Inf"]
-        for label_value, series in snapshot:
-            cumulative, buckets = 0.0, []
-            for bound, count in zip(bounds, series[:-1], strict=True):
+        for key, series, exemplars, created in snapshot:
+            values = (key,) if isinstance(key, str) else key
+            cumulative = 0.0
+            buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+            for bound, count, exemplar in zip(bounds, series[:-1], exemplars, strict=True):
                 cumulative += count
-                buckets.append((bound, cumulative))
-            family.add_metric([label_value], buckets, series[-1])
-            family.samples.append(
-                Sample(
-                    self._name + "_created",
-                    {self._label: label_value},
-                    self._created[label_value],
-                )
-            )
+                if exemplar is None:
+                    buckets.append((bound, cumulative))
+                else:
+                    buckets.append((bound, cumulative, exemplar))
+            family.add_metric(values, buckets, series[-1])
+            labels = dict(zip(self._labels, values, strict=True))
+            family.samples.append(Sample(self._name + "_created", labels, created))
         yield family
