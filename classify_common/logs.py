@@ -70,10 +70,13 @@ class JsonFormatter(logging.Formatter):
 
     def _entry(self, created: float, level: str, logger: str, event: str) -> dict[str, Any]:
         second = int(created)
-        if second != self._second[0]:
-            self._second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+        # Read once: another thread may replace it for another second meanwhile.
+        cached = self._second
+        if cached[0] != second:
+            cached = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+            self._second = cached
         entry: dict[str, Any] = {
-            "ts": f"{self._second[1]}.{int((created - second) * 1000):03d}Z",
+            "ts": f"{cached[1]}.{int((created - second) * 1000):03d}Z",
             "level": level.lower(),
             "service": self._service,
             "logger": logger,

@@ -136,3 +136,17 @@ def test_event_below_the_loggers_level_is_not_written(configured: LineQueue) -> 
     logger.setLevel(logging.WARNING)
     log_event(logger, "rpc", {"code": "OK"})
     assert len(configured) == 0
+
+
+def test_timestamp_is_utc_with_milliseconds_also_when_the_second_changes() -> None:
+    formatter = JsonFormatter("test")
+    stamps = [
+        json.loads(formatter.format_event(created, "INFO", "test", "tick", {}))["ts"]
+        for created in (1_700_000_000.5, 1_700_000_000.999, 1_700_000_001.0, 1_699_999_999.25)
+    ]
+    assert stamps == [
+        "2023-11-14T22:13:20.500Z",
+        "2023-11-14T22:13:20.999Z",
+        "2023-11-14T22:13:21.000Z",
+        "2023-11-14T22:13:19.250Z",
+    ]
