@@ -8,6 +8,7 @@ can read exact metric deltas and spans. `start_process` runs the real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -121,6 +122,23 @@ async def capability(
     await server.warm_up()
     yield server
     await server.stop(grace_seconds=0)
+
+
+@contextlib.asynccontextmanager
+async def orchestrator_for(
+    capability: CapabilityServer, directory: Path, **settings: Any
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator of its own in front of `capability`, with test settings plus
+    `settings`, and a fresh registry; stopped when the block ends."""
+    routes = write_routes(directory / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, **settings), registry=CollectorRegistry()
+    )
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace_seconds=0)
 
 
 @pytest_asyncio.fixture(scope="session")

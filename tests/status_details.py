@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import grpc
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+M = TypeVar("M", bound=Message)
+
+
+def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:
+    """The details of type `kind` in a google.rpc.Status (a failed call's, or a batch
+    item's)."""
+    found: list[M] = []
+    for packed in status.details:
+        if packed.Is(kind.DESCRIPTOR):
+            message = kind()
+            packed.Unpack(message)
+            found.append(message)
+    return found
 
 
 def _status(error: grpc.aio.AioRpcError) -> status_pb2.Status:

@@ -17,7 +17,6 @@ import pytest_asyncio
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -26,7 +25,7 @@ from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_serving import device_occupied
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, write_routes
+from tests.conftest import STRIKER, metric_sum, orchestrator_for
 from tests.orchestrator.test_policy import (  # noqa: F401
     StartOrchestrator,
     dead_primary_with_fallback,
@@ -166,14 +165,8 @@ async def calls_never_gather(
 ) -> AsyncIterator[OrchestratorServer]:
     """An orchestrator that sends each of a few concurrent calls upstream on its own
     (enough calls in flight per replica), so they meet in the capability's queue."""
-    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
-    server = OrchestratorServer(
-        orchestrator_settings(routes_file=routes, upstream_calls_in_flight=8),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    yield server
-    await server.stop(grace_seconds=0)
+    async with orchestrator_for(capability, tmp_path, upstream_calls_in_flight=8) as server:
+        yield server
 
 
 async def test_requests_batched_together_link_one_batch_span(

@@ -7,12 +7,11 @@ import asyncio
 import collections
 import random
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -39,22 +38,11 @@ from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from tests.capability.test_serving import TEXTS, classify_stub, device_occupied, wait_until
 from tests.conftest import STRIKER, metric_sum
+from tests.status_details import unpack
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
-M = TypeVar("M", bound=Message)
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
 BATCH_CALL_SPAN = CLASSIFY_BATCH_METHOD.lstrip("/")
-
-
-def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:
-    """The details of type `kind` in a google.rpc.Status."""
-    found: list[M] = []
-    for packed in status.details:
-        if packed.Is(kind.DESCRIPTOR):
-            message = kind()
-            packed.Unpack(message)
-            found.append(message)
-    return found
 
 
 def error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo:

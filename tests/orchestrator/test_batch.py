@@ -4,12 +4,10 @@ answered on its own, in order, with its own route, fallback and error."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry
 
@@ -21,21 +19,9 @@ from orchestrator.security.keys import hash_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings, write_routes
 from tests.orchestrator.test_policy import StartOrchestrator, orchestrator_with  # noqa: F401
-from tests.status_details import violations_of
+from tests.status_details import unpack, violations_of
 
-M = TypeVar("M", bound=Message)
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
-
-
-def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:
-    """The details of type `kind` in a google.rpc.Status."""
-    found: list[M] = []
-    for packed in status.details:
-        if packed.Is(kind.DESCRIPTOR):
-            message = kind()
-            packed.Unpack(message)
-            found.append(message)
-    return found
 
 
 def item_violations(status: status_pb2.Status) -> list[tuple[str, str]]:

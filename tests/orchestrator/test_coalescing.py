@@ -13,7 +13,6 @@ import grpc
 import pytest
 import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -29,7 +28,7 @@ from orchestrator.upstream.coalescer import (
     ReplicaCoalescer,
 )
 from tests.capability.test_serving import device_occupied, wait_until
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, write_routes
+from tests.conftest import STRIKER, metric_sum, orchestrator_for
 from tests.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
 
 TEXTS = [
@@ -59,14 +58,8 @@ async def one_call_at_a_time(
 ) -> AsyncIterator[OrchestratorServer]:
     """An orchestrator that keeps one call in flight per replica, so whatever arrives
     while it runs must gather into the next."""
-    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
-    server = OrchestratorServer(
-        orchestrator_settings(routes_file=routes, upstream_calls_in_flight=1),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    yield server
-    await server.stop(grace_seconds=0)
+    async with orchestrator_for(capability, tmp_path, upstream_calls_in_flight=1) as server:
+        yield server
 
 
 async def test_concurrent_calls_share_upstream_rpcs_and_keep_their_answers(
@@ -180,8 +173,9 @@ async def test_coalesced_requests_keep_every_node_and_their_own_trace(
                 asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=t), timeout=30))
                 for t in TEXTS * 2
             ]
-            await wait_until(lambda: upstream_calls(server)[1] - items_before >= 1)
-            await asyncio.sleep(0.2)
+            (pool,) = server.dispatcher.state.upstream.pools()
+            (coalescer,) = pool.coalescers.values()
+            await wait_until(lambda: (coalescer.in_flight, coalescer.waiting) == (1, 7))
         responses = await asyncio.gather(*calls)
     calls_made, items = upstream_calls(server)
     assert (calls_made - calls_before, items - items_before) == (2, 8)
