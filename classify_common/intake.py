@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from google.rpc import status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from classify_common.context import REQUEST_ID_HEADER, TRACE_ID_HEADER
 from classify_common.errors import ServiceError, status_for
@@ -48,5 +48,14 @@ def current_batch_intake() -> BatchIntake:
 def item_status(error: ServiceError, request_id: str, trace_id: str) -> status_pb2.Status:
     """The google.rpc.Status that answers one failed item: what a single call would end
     with, its ErrorInfo naming the item's request and trace IDs."""
-    error.context.update({REQUEST_ID_HEADER: request_id, TRACE_ID_HEADER: trace_id})
-    return status_for(error)
+    status = status_for(error)
+    # Written into the status, not the error: one refusal (the rate limit's) answers
+    # many items, each with its own IDs.
+    for packed in status.details:
+        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            packed.Unpack(info)
+            info.metadata[REQUEST_ID_HEADER] = request_id
+            info.metadata[TRACE_ID_HEADER] = trace_id
+            packed.Pack(info)
+    return status

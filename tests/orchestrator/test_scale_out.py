@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import MODEL_TEXTS_TOTAL, RPC_ITEMS
 from capability.server import CapabilityServer
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL, UPSTREAM_RETRIES_TOTAL
@@ -57,9 +58,13 @@ def replace_file(path: Path, text: str) -> None:
 
 
 def classify_calls(server: CapabilityServer, code: str | None = None) -> float:
-    """Classify calls the capability server itself answered (with `code`, or any code)."""
-    labels = {"method": CLASSIFY} if code is None else {"method": CLASSIFY, "code": code}
-    return metric_sum(server.registry, RPC_REQUESTS_TOTAL, **labels)
+    """Requests the capability server itself received (any outcome), or, with code OK,
+    the ones its model answered. Counted per text: concurrent requests reach it
+    coalesced into ClassifyBatch calls."""
+    if code is None:
+        return metric_sum(server.registry, RPC_ITEMS + "_sum")
+    assert code == "OK"
+    return metric_sum(server.registry, MODEL_TEXTS_TOTAL)
 
 
 async def wait_until(condition: Callable[[], bool], what: str) -> None:
