@@ -214,8 +214,9 @@ class FrontDoorBench:
         # The all-cores ceilings (the reference), per model.
         self.ceilings: dict[str, dict[str, Any]] = {}
         self.probes: dict[str, AdjacentCeiling] = {}
-        # On the CPU, topic-minilm's ceiling with the capability's own torch threads too:
-        # a neighbour on the other core spoils it far less than the all-cores one.
+        # On the CPU, topic-minilm's ceiling with the capability's own torch threads too,
+        # where they are fewer than all cores (`--torch-threads N`, or several CPU
+        # workers): a neighbour on the other core spoils it far less.
         self.all_cores = torch.get_num_threads()
         self.served_threads = share_cpu_threads(cpu_workers=1, torch_threads=0)
         torch.set_num_threads(self.all_cores)
@@ -239,7 +240,7 @@ class FrontDoorBench:
                 probe_seconds,
                 reuse_between_levels=True,
             )
-            if model == MODEL and self.device == "cpu":
+            if model == MODEL and self.device == "cpu" and self.served_threads < self.all_cores:
                 with torch_threads(self.served_threads):
                     self.served_ceilings[model] = sweep_ceiling(classifier, self.device, 0.5)
                 self.served_probes[model] = AdjacentCeiling(

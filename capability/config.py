@@ -259,7 +259,7 @@ class CapabilitySettings:
             "--torch-threads",
             "CAPABILITY_TORCH_THREADS",
             0,
-            "torch CPU threads (0: all cores but one, split between workers)",
+            "torch CPU threads (0: all cores, split between workers)",
             int,
         )
         setting(

@@ -43,15 +43,16 @@ SERVICE_NAMES = (
 def share_cpu_threads(cpu_workers: int, torch_threads: int) -> int:
     """Set torch's intra-op threads (one pool per process, shared by the CPU workers).
 
-    Auto (0) leaves one core to the event loop and gRPC and splits the rest
-    between the workers. Measured on 2 cores (`make bench-capability`): with
-    both cores given to torch, the serving loop's ~0.3 core of work stalls
-    torch's parallel ops and the server reached ~52% of the 2-thread ceiling;
-    with one thread it reaches the 1-thread ceiling's throughput almost fully,
-    at the same absolute rate.
+    Auto (0) splits all cores between the workers. Measured on 2 cores through the
+    front door (orchestrator + capability, alternated A/B, 32 and 128 clients):
+    two threads served 349-357 and 442-447 requests/s, one thread 273-287 and
+    302-319; the capability alone 390-437 and 440-449 against 298-306 and 312-326.
+    Leaving a core to the event loop paid off while the serving loop cost ~1.2 ms
+    of CPU per request; at today's ~0.4 ms the core it kept idle is worth more
+    to torch than the stalls the loop causes its parallel ops.
     """
     cores = os.cpu_count() or 1
-    threads = torch_threads or max(1, (cores - 1) // cpu_workers)
+    threads = torch_threads or max(1, cores // cpu_workers)
     torch.set_num_threads(threads)
     return threads
 
