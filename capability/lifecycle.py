@@ -6,6 +6,11 @@ The model root holds one folder per model and one bundle folder per version:
 reload loads a named or the newest version; the watcher reloads whenever a
 newer version folder appears, so a deploy is "copy the bundle in". Every path
 is built from validated names and checked to stay inside the root.
+
+A version the watcher saw refused (say, caught half-copied) is not tried again
+every poll, nor refused for good: it is remembered with a fingerprint of its
+files, and tried once more when the fingerprint has changed and then held
+still for a poll (the copy has finished).
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from capability.bundle import BundleError, LoadedBundle
@@ -28,6 +35,9 @@ log = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
 VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MANIFEST = "manifest.json"
+
+# (path relative to the version folder, size in bytes, mtime in ns) of each file, sorted.
+Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def version_order(version: str) -> tuple[int, int, str]:
@@ -66,6 +76,24 @@ class ModelRoot:
         versions = self.versions(name)
         return versions[-1] if versions else None
 
+    def fingerprint(self, name: str, version: str) -> Fingerprint:
+        """What a copy into the version folder changes: each file's name, size and
+        modification time. One stat per file; no weight byte is read.
+
+        NOTE: a file rewritten with the same size within one mtime tick (whole
+        seconds on some network filesystems) leaves the fingerprint unchanged.
+        Raises OSError when a file vanishes while it is read."""
+        directory = self.version_dir(name, version)
+        found = []
+        for folder, _, files in os.walk(directory):
+            for file in files:
+                path = Path(folder, file)
+                stat = path.stat()
+                found.append(
+                    (path.relative_to(directory).as_posix(), stat.st_size, stat.st_mtime_ns)
+                )
+        return tuple(sorted(found))
+
     def version_dir(self, name: str, version: str) -> Path:
         """The folder of one version, refusing any name that could leave the root."""
         if not VERSION_PATTERN.fullmatch(version) or version in (".", ".."):
@@ -85,6 +113,14 @@ class ModelRoot:
         return self.root / name
 
 
+@dataclass
+class RefusedVersion:
+    """A version folder whose load was refused, and what its files looked like."""
+
+    refused_as: Fingerprint | None  # when it was refused; None: could not be read
+    last_seen: Fingerprint | None  # at the watcher's latest look
+
+
 class ModelLifecycle:
     def __init__(
         self,
@@ -100,9 +136,10 @@ class ModelLifecycle:
         self._default_settings = default_settings
         self._metrics = metrics
         self._locks: dict[str, asyncio.Lock] = {}
-        # (model, version) pairs whose load failed, so the watcher does not retry
-        # a broken bundle every poll; a new version folder is tried afresh.
-        self._refused: set[tuple[str, str]] = set()
+        # Versions whose load failed, by (model, version), so the watcher does not
+        # retry a broken bundle every poll; it tries one again once its files change
+        # (see _worth_retrying). A new version folder is tried afresh.
+        self._refused: dict[tuple[str, str], RefusedVersion] = {}
 
     def settings_for(self, name: str) -> ModelServingSettings:
         return self._settings.get(name, self._default_settings)
@@ -128,10 +165,12 @@ class ModelLifecycle:
             raise ModelNotFound(f"model {name!r} has no bundle under {self.root.root}", model=name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
+            # Taken before the load: files that change during it make a new fingerprint.
+            files = await self._read_fingerprint(name, target)
             try:
                 bundle = await self._load(name, target)
             except (BundleError, OSError) as exc:
-                self._refused.add((name, target))
+                self._refused[(name, target)] = RefusedVersion(files, files)
                 self._metrics.reloads.labels(name, "refused").inc()
                 log.warning(
                     "reload refused",
@@ -148,6 +187,7 @@ class ModelLifecycle:
                     model=name,
                     version=target,
                 ) from exc
+            self._refused.pop((name, target), None)
         self._metrics.reloads.labels(name, "ok").inc()
         return bundle, previous.version
 
@@ -163,15 +203,46 @@ class ModelLifecycle:
         )
 
     async def watch(self, interval_seconds: float) -> None:
-        """Reload a model whenever a newer version folder than the serving one appears."""
+        """Reload a model whenever a newer version folder than the serving one appears,
+        or a refused one has changed."""
         while True:
             await asyncio.sleep(interval_seconds)
             for name, serving in self.pool.models().items():
                 newest = self.root.newest(name)
-                if newest is None or (name, newest) in self._refused:
+                if newest is None or version_order(newest) <= version_order(serving.version):
                     continue
-                if version_order(newest) > version_order(serving.version):
+                if (name, newest) in self._refused:
+                    if not await self._worth_retrying(name, newest):
+                        continue
+                else:
                     log.info("new version found", extra={"model": name, "version": newest})
-                    # A refusal is logged and counted in reload; the old version serves on.
-                    with contextlib.suppress(ReloadRefused):
-                        await self.reload(name, newest)
+                # A refusal is logged and counted in reload; the old version serves on.
+                # ModelNotFound: the folder or its manifest went away since it was
+                # listed (a copy being redone); the next poll sees what is there then.
+                with contextlib.suppress(ReloadRefused, ModelNotFound):
+                    await self.reload(name, newest)
+
+    async def _worth_retrying(self, name: str, version: str) -> bool:
+        """Whether a refused version's files changed since the refusal and then held
+        still since the last look: a copy still under way is left to finish rather
+        than verified (every weight byte hashed) on each poll."""
+        refused = self._refused[(name, version)]
+        files = await self._read_fingerprint(name, version)
+        if files is None or files == refused.refused_as:
+            return False
+        if files != refused.last_seen:
+            refused.last_seen = files
+            return False
+        self._metrics.reload_retries.labels(name).inc()
+        log.info(
+            "refused version changed, trying it again", extra={"model": name, "version": version}
+        )
+        return True
+
+    async def _read_fingerprint(self, name: str, version: str) -> Fingerprint | None:
+        """The folder's fingerprint, read off the event loop (a model root on a network
+        volume can take a while to stat); None when it cannot be read just now."""
+        try:
+            return await asyncio.to_thread(self.root.fingerprint, name, version)
+        except (ModelNotFound, OSError):
+            return None

@@ -20,6 +20,7 @@ EVICTIONS_TOTAL = "classify_queue_evictions_total"
 BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
+RELOAD_RETRIES_TOTAL = "classify_model_reload_retries_total"
 WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
@@ -127,6 +128,14 @@ class CapabilityMetrics:
             RELOADS_TOTAL,
             "Model reloads, by outcome (ok, refused).",
             ["model", "outcome"],
+            registry=registry,
+        )
+        # Each retry's outcome is counted in RELOADS_TOTAL too.
+        self.reload_retries = Counter(
+            RELOAD_RETRIES_TOTAL,
+            "Times the watcher tried a refused version folder again because its files "
+            "changed (names, sizes or modification times) since the refusal.",
+            ["model"],
             registry=registry,
         )
         # rate() of it is the worker's utilisation, on the CPU as on a GPU.

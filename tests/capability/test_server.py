@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,9 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
+from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
-from tests.conftest import STRIKER, capability_settings
+from tests.conftest import STRIKER, capability_settings, metric_sum
 from tests.status_details import error_reason, violations_of
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
@@ -215,6 +218,59 @@ async def test_reload_switches_versions_and_reports_the_previous_one(
             pb.ClassifyRequest(text=STRIKER)
         )
         assert response.model.version == "2"
+
+
+async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_version_refused_half_copied_is_loaded_by_the_watcher_once_its_copy_completes(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-static", "1")
+    server = await start_capability(model_root=root, models=("topic-static",), watch_seconds=0.1)
+
+    def reloads(outcome: str) -> float:
+        return metric_sum(server.registry, RELOADS_TOTAL, model="topic-static", outcome=outcome)
+
+    def retries() -> float:
+        return metric_sum(server.registry, RELOAD_RETRIES_TOTAL, model="topic-static")
+
+    # The copy broke off halfway through the weights, after the manifest was in.
+    staging = copy_version(model_root, tmp_path / "staging", "topic-static", "2")
+    whole = (staging / "embeddings.safetensors").read_bytes()
+    (staging / "embeddings.safetensors").write_bytes(whole[: len(whole) // 2])
+    staging.rename(root / "topic-static" / "2")
+    await wait_until(lambda: reloads("refused") == 1)
+    await asyncio.sleep(0.5)  # five polls of the unchanged folder try nothing
+    assert (reloads("refused"), retries()) == (1, 0)
+
+    # The copy is finished: the whole file takes the partial one's place at once.
+    finished = tmp_path / "embeddings.safetensors"
+    finished.write_bytes(whole)
+    os.replace(finished, root / "topic-static" / "2" / "embeddings.safetensors")
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+
+        async def serving_version() -> str:
+            described = await models.GetModel(model_pb.GetModelRequest(name="topic-static"))
+            return str(described.model.version)
+
+        deadline = time.monotonic() + 20
+        while await serving_version() != "2":
+            assert time.monotonic() < deadline, "version 2 was never loaded"
+            await asyncio.sleep(0.05)
+        response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+            pb.ClassifyRequest(text=STRIKER, model="topic-static")
+        )
+    assert response.model.version == "2"
+    assert response.labels[0].name == "sports"
+    assert (reloads("refused"), reloads("ok"), retries()) == (1, 1, 1)
 
 
 class _MakesDirectoryWhenUnpickled:
