@@ -11,7 +11,9 @@ file (`--model-config`), one mapping per model name:
       precision: fp32         # fp32 or bf16; absent: the bundle's own
       graph: torchscript      # torchscript or eager: how the encoder's forward runs
 
-A model not in the file gets the server-wide defaults from the flags.
+A model not in the file gets the server-wide defaults from the flags. The file is
+read once, at start-up, within classify_common.documents' bounds (size, depth, no
+YAML aliases).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from capability.batching import BatchingSettings
 from capability.batching.settings import (
     DEFAULT_LENGTH_BUCKETS,
@@ -33,6 +33,7 @@ from capability.batching.settings import (
     DEFAULT_QUEUE_CAPACITY,
 )
 from capability.model import DEFAULT_GRAPH, GRAPHS
+from classify_common.documents import DocumentRefused, load_yaml
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
 from classify_common.tls import ServerTls, server_tls
 
@@ -190,8 +191,8 @@ class CapabilitySettings:
             ) from exc
         if self.model_config is not None and not self.per_model:
             try:
-                document = yaml.safe_load(self.model_config.read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError) as exc:
+                document = load_yaml(self.model_config)
+            except (OSError, DocumentRefused) as exc:
                 raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
             object.__setattr__(self, "per_model", parse_model_config(document, defaults))
 

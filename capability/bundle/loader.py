@@ -16,7 +16,6 @@ memory on its way to a GPU.
 
 from __future__ import annotations
 
-import json
 import pickle
 import time
 from collections.abc import Iterator, Mapping
@@ -68,6 +67,7 @@ from capability.model import (
     ZeroShotHead,
     load_tokenizer,
 )
+from classify_common.documents import DocumentRefused, load_json
 
 STAGES = ("read_metadata", "build_module", "verify", "load_weights", "trace_graph", "warm_up")
 
@@ -175,9 +175,9 @@ def _read_config(directory: Path, manifest: Manifest) -> BundleConfig:
     _require_listed(directory, manifest, CONFIG_FILE)
     check_file(directory, CONFIG_FILE, manifest.files[CONFIG_FILE])
     try:
-        document: object = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleConfigInvalid(f"{CONFIG_FILE}: not valid JSON: {exc}") from exc
+        document: object = load_json(directory / CONFIG_FILE, source=CONFIG_FILE)
+    except DocumentRefused as exc:  # oversized, too deep, duplicate keys, not JSON
+        raise BundleConfigInvalid(str(exc)) from exc
     return BundleConfig.from_json(document)
 
 

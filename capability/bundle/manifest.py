@@ -24,6 +24,7 @@ from capability.bundle.errors import (
 )
 from capability.bundle.format import FORMAT_VERSION, MANIFEST_FILE, WEIGHT_LIKE_SUFFIXES
 from capability.bundle.progress import Progress
+from classify_common.documents import DocumentRefused, parse_json, read_document
 
 _CHUNK_BYTES = 1 << 20
 _HEX_DIGITS = 64
@@ -53,18 +54,18 @@ def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> st
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """Parse `directory/manifest.json`; raises BundleError naming manifest.json."""
+    """Parse `directory/manifest.json` within classify_common.documents' bounds;
+    raises BundleError naming manifest.json."""
     path = directory / MANIFEST_FILE
     try:
-        raw = path.read_bytes()
+        raw = read_document(path, source=MANIFEST_FILE)
+        document: object = parse_json(raw, MANIFEST_FILE)
     except FileNotFoundError as exc:
         raise BundleFileMissing(f"{MANIFEST_FILE}: not found in {directory}") from exc
     except OSError as exc:
         raise BundleError(f"{MANIFEST_FILE}: cannot be read: {exc}") from exc
-    try:
-        document: object = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleConfigInvalid(f"{MANIFEST_FILE}: not valid JSON: {exc}") from exc
+    except DocumentRefused as exc:  # oversized, too deep, duplicate keys, not JSON
+        raise BundleConfigInvalid(str(exc)) from exc
     if not isinstance(document, dict) or set(document) != {"format_version", "files"}:
         keys = sorted(document) if isinstance(document, dict) else type(document).__name__
         raise BundleConfigInvalid(

@@ -8,7 +8,6 @@ builds one straight from a sentence-transformers folder.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from capability.model.zero_shot import (
     ZeroShotHead,
     label_prototype_text,
 )
+from classify_common.documents import DocumentRefused, load_json
 
 # Every sentence encoder a classifier can run; a closed set because the bundle format
 # names each architecture.
@@ -349,15 +349,13 @@ def load_minilm_classifier(
 
 def _read_json_object(path: Path) -> dict[str, object]:
     try:
-        text = path.read_text(encoding="utf-8")
+        parsed: object = load_json(path, source=path.name)
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{path.name}: not found in {path.parent}") from exc
     except OSError as exc:
         raise ModelLoadError(f"{path.name}: cannot be read: {exc}") from exc
-    try:
-        parsed: object = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path.name}: not valid JSON: {exc}") from exc
+    except DocumentRefused as exc:  # oversized, too deep, duplicate keys, not JSON
+        raise ModelLoadError(str(exc)) from exc
     if not isinstance(parsed, dict):
         raise ModelLoadError(f"{path.name}: expected a JSON object, got {type(parsed).__name__}")
     return parsed

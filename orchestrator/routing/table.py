@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import yaml
 
+from classify_common.documents import DocumentRefused, compose_yaml, parse_yaml, read_document
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, RouteMatch
 
@@ -405,18 +406,23 @@ def _line_of(where: str, lines: dict[str, int]) -> int | None:
 
 
 def load_routes(path: Path) -> RouteTable:
+    """The route table in `path`, read within classify_common.documents' bounds (size,
+    depth, no YAML aliases), so any file costs at most one bounded parse to refuse.
+    Blocking: a server calls it on a worker thread."""
     try:
-        text = path.read_text(encoding="utf-8")
-        document = yaml.safe_load(text)
+        raw = read_document(path)
+        document = parse_yaml(raw, str(path))
     except OSError as exc:
         raise RoutesFileError("", f"cannot read: {exc.strerror}", file=str(path)) from exc
-    except yaml.YAMLError as exc:
-        raise RoutesFileError("", f"not valid YAML: {exc}", file=str(path)) from exc
+    except DocumentRefused as exc:
+        raise RoutesFileError("", exc.problem, file=str(path), line=exc.line) from exc
     try:
         table = parse_routes(document)
     except RoutesFileError as exc:
-        node = yaml.compose(text)
+        # The same bounded parse again, keeping lines: the text has passed it once, and
+        # without aliases its tree has no more nodes than the file has values.
+        node = compose_yaml(raw, str(path))
         line = _line_of(exc.where, _line_index(node)) if node is not None else None
         raise RoutesFileError(exc.where, exc.problem, file=str(path), line=line) from None
-    rules_version = hashlib.sha256(text.encode()).hexdigest()[:12]
+    rules_version = hashlib.sha256(raw).hexdigest()[:12]
     return dataclasses.replace(table, rules_version=rules_version)

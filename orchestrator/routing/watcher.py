@@ -5,6 +5,7 @@ Kubernetes ConfigMap update, which swaps a symlink (`..data`) instead of
 writing the file, and needs no platform support. `os.stat` follows links, so
 the identity checked (inode, size, mtime) is that of the file really read.
 A file that fails to load is logged and counted, and the routes in force stay.
+Each version is read and parsed off the event loop.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class RoutesWatcher:
                 continue
             self._seen = identity
             try:
-                table = load_routes(self._path)
+                # Read and parsed on a worker thread: even a file built to be slow costs
+                # the serving loop nothing (the parse itself is bounded, see load_routes).
+                table = await asyncio.to_thread(load_routes, self._path)
             except RoutesFileError as error:
                 log.error(
                     "routes file refused; the routes in force stay", extra={"error": str(error)}

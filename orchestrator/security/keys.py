@@ -11,7 +11,8 @@ The keys file (YAML) holds only SHA-256 hashes of the keys, never the keys:
       local: {rate_per_second: 50, burst: 100}
 
 Keys are long random tokens, so one unsalted SHA-256 is enough to keep a
-leaked file from revealing them; comparison is constant-time.
+leaked file from revealing them; comparison is constant-time. The file is read
+within classify_common.documents' bounds (size, depth, no YAML aliases).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from classify_common.documents import DocumentRefused, load_yaml
 from orchestrator.security.limits import TokenBucketSettings
 
 ROLES = ("user", "admin")
@@ -68,9 +68,11 @@ class ApiKeys:
 
 def load_api_keys(path: Path) -> ApiKeys:
     try:
-        document: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        document: Any = load_yaml(path)
+    except OSError as exc:
         raise KeysFileError(f"{path}: {exc}") from exc
+    except DocumentRefused as exc:  # already names the file (and line)
+        raise KeysFileError(str(exc)) from exc
     if not isinstance(document, dict) or set(document) - {"keys", "tenants"}:
         raise KeysFileError(f"{path}: expected a mapping with `keys` and optional `tenants`")
     callers: dict[str, Caller] = {}

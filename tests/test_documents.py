@@ -1,0 +1,141 @@
+"""Config documents are read with bounded cost: each bound refuses with file and line."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from classify_common.documents import (
+    MAX_DOCUMENT_BYTES,
+    MAX_DOCUMENT_DEPTH,
+    DocumentTooDeep,
+    DocumentTooLarge,
+    DuplicateKey,
+    MalformedDocument,
+    YamlAliasRefused,
+    compose_yaml,
+    load_json,
+    load_yaml,
+    parse_json,
+    parse_yaml,
+)
+
+Parse = Callable[[str | bytes, str], Any]
+
+# 9 ** 7 (4.8 million) strings behind 400 bytes: what froze the orchestrator for 8 s
+# when its refusal walked the expanded tree to find a line number.
+ALIAS_BOMB = "version: 1\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    for previous, name in zip("abcdef", "bcdefg", strict=True)
+)
+
+
+def test_nested_aliases_are_refused_at_the_first_anchor_without_expanding(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    started = time.perf_counter()
+    with pytest.raises(YamlAliasRefused) as caught:
+        load_yaml(path)
+    assert time.perf_counter() - started < 0.1
+    assert (caught.value.source, caught.value.line, caught.value.column) == (str(path), 2, 4)
+    assert str(caught.value).startswith(f"{path}:2:4: anchor &a: YAML anchors and aliases")
+
+
+def test_an_alias_alone_is_refused_naming_its_line() -> None:
+    with pytest.raises(YamlAliasRefused, match=r"^t\.yaml:2:4: alias \*x: "):
+        parse_yaml("a: 1\nb: *x\n", "t.yaml")
+
+
+def test_a_file_over_the_cap_is_refused_with_its_size_and_the_cap(tmp_path: Path) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_text("a: " + "x" * MAX_DOCUMENT_BYTES + "\n")
+    size = path.stat().st_size
+    with pytest.raises(DocumentTooLarge) as caught:
+        load_yaml(path)
+    assert str(caught.value) == (
+        f"{path}: {size} bytes, over the {MAX_DOCUMENT_BYTES}-byte limit for a config file"
+    )
+
+
+def test_the_cap_bounds_what_is_read_from_an_endless_file() -> None:
+    with pytest.raises(DocumentTooLarge, match=r"more than \d+ bytes"):
+        load_json(Path("/dev/zero"), max_bytes=1024)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "where"),
+    [
+        (parse_yaml, "[" * (MAX_DOCUMENT_DEPTH + 1) + "]" * (MAX_DOCUMENT_DEPTH + 1), "1:33"),
+        (parse_json, "[" * (MAX_DOCUMENT_DEPTH + 1) + "]" * (MAX_DOCUMENT_DEPTH + 1), "1:33"),
+        # Unclosed and far too deep: refused at the first level past the cap, long before
+        # json.loads would recurse into the rest.
+        (parse_json, '{"a": ' * 100_000, "1:193"),
+    ],
+)
+def test_nesting_past_the_depth_cap_is_refused_where_it_starts(
+    parse: Parse, text: str, where: str
+) -> None:
+    with pytest.raises(DocumentTooDeep, match=rf"^doc:{where}: .* deeper than 32 levels"):
+        parse(text, "doc")
+
+
+def test_nesting_up_to_the_cap_and_brackets_inside_strings_are_accepted() -> None:
+    nested = "[" * MAX_DOCUMENT_DEPTH + "]" * MAX_DOCUMENT_DEPTH
+    assert parse_yaml(nested, "doc") == parse_json(nested, "doc")
+    assert parse_json('{"a": "[[[[{{{{\\"" }', "doc") == {"a": '[[[[{{{{"'}
+
+
+def test_a_stray_quote_costs_one_pass_of_the_depth_scan() -> None:
+    # Every quote but the first is escaped, so the string never closes: the scan must
+    # not restart inside it at each escaped quote (that would be quadratic).
+    text = '"' + '\\"' * (MAX_DOCUMENT_BYTES // 2 - 1)
+    started = time.perf_counter()
+    with pytest.raises(MalformedDocument, match="not valid JSON"):
+        parse_json(text, "doc")
+    assert time.perf_counter() - started < 0.5
+
+
+def test_duplicate_keys_are_refused() -> None:
+    with pytest.raises(DuplicateKey, match=r"^doc:3:1: key 'a' appears twice"):
+        parse_yaml("a: 1\nb: 2\na: 3\n", "doc")
+    with pytest.raises(DuplicateKey, match=r"^doc: key 'a' appears twice in one object"):
+        parse_json('{"a": 1, "b": {"a": 2}, "a": 3}', "doc")
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "message"),
+    [
+        (parse_yaml, "version: [1\n", r"^doc:2:1: not valid YAML: "),
+        (parse_yaml, "a: !!python/object:os.system x\n", r"^doc:1:4: not valid YAML: "),
+        (parse_yaml, "a: 1\n---\nb: 2\n", r"^doc:2:1: not valid YAML: "),
+        (parse_yaml, "a: " + "1" * 5000, r"^doc: not valid YAML: .*digits"),
+        (parse_json, '{"a": [1, 2', r"^doc:1:12: not valid JSON: "),
+        (parse_json, "1" * 5000, r"^doc: not valid JSON: .*digits"),
+        (parse_json, b"\n\xff", r"^doc:2: not UTF-8 text: byte 0xff"),
+    ],
+)
+def test_malformed_text_is_refused_naming_the_place(
+    parse: Parse, text: str | bytes, message: str
+) -> None:
+    with pytest.raises(MalformedDocument, match=message):
+        parse(text, "doc")
+
+
+def test_values_read_as_the_safe_loader_reads_them() -> None:
+    text = "a: {b: [1, {c: 2}], d: null, e: 1.5, f: true}\n<<: {g: 3}\n"
+    assert parse_yaml(text, "doc") == yaml.safe_load(text)
+    assert parse_yaml("", "doc") is None
+
+
+def test_composed_nodes_keep_their_lines() -> None:
+    node = compose_yaml("a:\n  b: [1, 2]\n", "doc")
+    assert isinstance(node, yaml.MappingNode)
+    (_, inner), *_ = node.value
+    assert inner.start_mark.line + 1 == 2
