@@ -11,7 +11,9 @@ For each call to an `ai.classify.v1` method it
    server the gate and validation run inside `capability_receive`. Either way
    an invalid or refused request reaches no handler, let alone a model,
 4. maps any ServiceError to its status (errors.status_for) with rich details,
-   and any other exception to INTERNAL,
+   and any other exception (a bug) to INTERNAL: the client is told the request
+   and trace IDs to quote, never the exception, and the log line with those
+   IDs carries the traceback,
 5. serialises the response itself (`output_serialize` on the edge), sends
    `x-request-id` and `x-trace-id` as trailing metadata on every outcome,
    counts the call, and writes one access-log line with its time breakdown;
@@ -212,9 +214,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 code = grpc.StatusCode.INTERNAL
-                log.exception("unhandled error in %s", method)
-                internal = InternalError(f"internal error ({type(exc).__name__})")
-                await self._abort(context, server_span, internal, ids, request_trace)
+                self._metrics.internal_errors.inc()
+                log.exception("unhandled error", extra={"method": method})
+                await self._abort(context, server_span, _internal_error(ids), ids, request_trace)
             finally:
                 elapsed = time.perf_counter() - started
                 self._metrics.observe(method, code.name, elapsed, ids.trace_id)
@@ -366,6 +368,17 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             error.message,
             trailing_metadata=(*trailers, (STATUS_DETAILS_KEY, status.SerializeToString())),
         )
+
+
+def _internal_error(ids: RequestContext) -> InternalError:
+    """What the client learns of a bug: the IDs that find its log line and trace.
+
+    NOTE: nothing of the exception itself, not even its type: its message and
+    traceback can hold file paths, internal host names and other callers' data."""
+    return InternalError(
+        f"internal error (request {ids.request_id}, trace {ids.trace_id}); "
+        "the server logged the cause"
+    )
 
 
 def _calls_in(method: str, request: Any) -> int:

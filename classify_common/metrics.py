@@ -20,6 +20,7 @@ from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
 RPC_REQUESTS_TOTAL = "classify_rpc_requests_total"
+INTERNAL_ERRORS_TOTAL = "classify_internal_errors_total"
 RPC_DURATION_SECONDS = "classify_rpc_duration_seconds"
 NODE_DURATION_SECONDS = "classify_node_duration_seconds"
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -37,13 +38,21 @@ SeriesKey = str | tuple[str, ...]
 
 
 class RpcMetrics:
-    """Requests by method and final status code, and their latency."""
+    """Requests by method and final status code, their latency, and the bugs among them."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             RPC_REQUESTS_TOTAL,
             "RPCs handled, by full method name and gRPC status code.",
             ["method", "code"],
+            registry=registry,
+        )
+        # Unlabelled, so it is exported at 0 from the start: a labelled child made on
+        # the first bug would make that bug invisible to increase() in an alert.
+        self.internal_errors = Counter(
+            INTERNAL_ERRORS_TOTAL,
+            "RPCs answered INTERNAL because the handler raised an exception no layer "
+            "expected (a bug); the server's `unhandled error` log line has the traceback.",
             registry=registry,
         )
         self.duration = LabelledHistogram(

@@ -1,0 +1,119 @@
+"""A bug in a handler, over real servers: INTERNAL with the IDs to quote, the
+traceback only in the server's log, and the call counted by its code and as a bug
+(classify_internal_errors_total, which the ClassifyInternalErrors alert reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import CLASSIFY_METHOD
+from capability.server import CapabilityServer
+from classify_common import interceptor
+from classify_common.logs import JsonFormatter
+from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, metric_sum
+from tests.status_details import error_info, error_reason, trailers_of
+
+# Stands in for what a real bug's message can hold: a path and a secret.
+PLANTED_MESSAGE = "planted bug: /srv/secrets/db.yaml has password=hunter2"
+REQUEST_ID = "planted-bug-1"
+
+
+class LineCollector(logging.Handler):
+    """Formats each record as the servers' JSON log line, on the logging thread, so
+    the request and trace IDs bound to the call are read where they are bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter("test"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def interceptor_log() -> Iterator[LineCollector]:
+    collector = LineCollector()
+    logger = logging.getLogger(interceptor.__name__)
+    logger.addHandler(collector)
+    try:
+        yield collector
+    finally:
+        logger.removeHandler(collector)
+
+
+async def planted_bug(*args: object, **kwargs: object) -> Any:
+    raise RuntimeError(PLANTED_MESSAGE)
+
+
+# Each server's domain object that its Classify servicer calls; the bug is planted
+# there, so the servicer, the interceptor and the server around it are the real ones.
+PLANT_IN = {"capability": "pool", "orchestrator": "dispatcher"}
+
+
+@pytest.mark.parametrize("layer", sorted(PLANT_IN))
+async def test_planted_bug_answers_internal_with_ids_and_no_traceback(
+    layer: str,
+    capability: CapabilityServer,
+    orchestrator: OrchestratorServer,
+    monkeypatch: pytest.MonkeyPatch,
+    interceptor_log: LineCollector,
+) -> None:
+    server = capability if layer == "capability" else orchestrator
+    monkeypatch.setattr(getattr(server, PLANT_IN[layer]), "classify", planted_bug)
+
+    def internal_errors() -> float:
+        return metric_sum(
+            server.registry, RPC_REQUESTS_TOTAL, method=CLASSIFY_METHOD, code="INTERNAL"
+        )
+
+    before = internal_errors()
+    bugs_before = metric_sum(server.registry, INTERNAL_ERRORS_TOTAL)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id=REQUEST_ID))
+
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error_reason(error) == "INTERNAL"  # ErrorInfo and trailers carry the same IDs
+    trace_id = trailers_of(error)["x-trace-id"]
+    assert error_info(error).metadata["x-request-id"] == REQUEST_ID
+    assert len(trace_id) == 32
+    details = error.details() or ""
+    assert details == (
+        f"internal error (request {REQUEST_ID}, trace {trace_id}); the server logged the cause"
+    )
+    everything_sent = f"{details} {error_info(error)} {trailers_of(error)}"
+    assert "RuntimeError" not in everything_sent
+    assert "hunter2" not in everything_sent
+    assert "Traceback" not in everything_sent
+    # NOTE: grpc.aio's abort sends the status before the interceptor's `finally`
+    # counts the call, and this client shares the servers' event loop.
+    deadline = time.monotonic() + 5
+    while internal_errors() == before:
+        assert time.monotonic() < deadline, "the call was never counted"
+        await asyncio.sleep(0.01)
+    assert internal_errors() - before == 1
+    assert metric_sum(server.registry, INTERNAL_ERRORS_TOTAL) - bugs_before == 1
+
+    (line,) = [
+        entry for entry in map(json.loads, interceptor_log.lines) if entry["level"] == "error"
+    ]
+    assert line["event"] == "unhandled error"
+    assert line["method"] == CLASSIFY_METHOD
+    assert (line["request_id"], line["trace_id"]) == (REQUEST_ID, trace_id)
+    assert "Traceback" in line["exception"]
+    assert f"RuntimeError: {PLANTED_MESSAGE}" in line["exception"]
