@@ -64,7 +64,9 @@ def stop(processes: list[subprocess.Popen[bytes]]) -> None:
 def ensure_local_credentials() -> dict[str, str]:
     """Create, once, a local API key (user role) and the internal token, under .run/.
 
-    Returns the environment that points both servers at them.
+    The key's tenant has no rate limit, so that a first load test against `make
+    run` measures the service rather than the limiter; the keys file says how to
+    set one. Returns the environment that points both servers at them.
     """
     RUN_DIR.mkdir(exist_ok=True)
     key_file, keys_file, token_file = (
@@ -77,9 +79,12 @@ def ensure_local_credentials() -> dict[str, str]:
         key_file.write_text(key + "\n")
         keys_file.write_text(
             "# Made by `make run`; add keys with `python -m orchestrator.security new-key`.\n"
+            "# Tenant `local` has no rate limit. To give it one (calls per second, and\n"
+            "# calls at once after a quiet spell), add this and restart `make run`:\n"
+            "#   tenants:\n"
+            "#     local: {rate_per_second: 200, burst: 400}\n"
             "keys:\n"
             f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n"
-            "tenants:\n  local: {rate_per_second: 200, burst: 400}\n"
         )
         print(f"created a local API key in {key_file} (the client reads it from there)")
     if not token_file.is_file():

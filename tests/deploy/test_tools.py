@@ -9,12 +9,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security.keys import load_api_keys
-from tests.conftest import closed_port
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
 from tests.deploy.manifests import DOCKER_DIR, dockerfile_instructions
-from tools import build_images, grpc_health_check, make_credentials
+from tests.status_details import unpack
+from tools import build_images, grpc_health_check, make_credentials, run_stack
 
 WEIGHTS_SHA = "3f1c0a9be2d4" + "0" * 52
 
@@ -82,6 +90,77 @@ def test_credentials_are_made_once_and_kept(tmp_path: Path) -> None:
 
     assert make_credentials.make_credentials(tmp_path, "local", 200, 400) == []
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+
+
+def test_make_run_key_has_no_rate_limit_and_its_file_shows_how_to_set_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # make run writes under .run/ in the working directory
+    keys_file = Path(run_stack.ensure_local_credentials()["ORCHESTRATOR_API_KEYS_FILE"])
+
+    keys = load_api_keys(keys_file)
+    caller = keys.identify((tmp_path / ".run" / "api-key").read_text().strip())
+    assert caller is not None
+    assert caller.tenant == "local"
+    assert keys.tenant_limits == {}
+
+    # The commented example, uncommented, is a limit the orchestrator accepts.
+    example = [
+        line.removeprefix("#   ")
+        for line in keys_file.read_text().splitlines()
+        if line.startswith("#   ")
+    ]
+    keys_file.write_text(keys_file.read_text() + "\n".join(example) + "\n")
+    limit = load_api_keys(keys_file).tenant_limits["local"]
+    assert (limit.rate_per_second, limit.burst) == (200, 400)
+
+
+async def test_make_run_key_is_not_refused_a_burst_by_a_real_orchestrator(
+    capability: CapabilityServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    environment = run_stack.ensure_local_credentials()
+    key = (tmp_path / ".run" / "api-key").read_text().strip()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - {name: default, backend: static}\n"
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            auth="required",
+            api_keys_file=Path(environment["ORCHESTRATOR_API_KEYS_FILE"]),
+        ),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            # A batch item takes one token, so 1,024 items at once is a burst well past
+            # any limit a key made for a laptop would have had (400 before).
+            response = await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 1024),
+                metadata=(("authorization", f"Bearer {key}"),),
+                timeout=60,
+            )
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+    # Other admission steps (a backend's concurrency limit) may refuse some items;
+    # none may be refused by the tenant's rate limit.
+    refusals = [
+        info.reason
+        for result in response.results
+        if result.WhichOneof("outcome") == "error"
+        for info in unpack(result.error, error_details_pb2.ErrorInfo)
+    ]
+    assert "RATE_LIMITED" not in refusals
+    assert len(response.results) - len(refusals) >= 64
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 0
 
 
 def test_capability_tag_names_model_weights_and_cuda_line() -> None:
