@@ -14,6 +14,7 @@ import logging
 import grpc
 
 from ai.classify.v1 import model_service_pb2 as model_pb
+from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.errors import ModelNotFound, PermissionDenied, ReloadRefused
 from orchestrator.dispatch import Dispatcher
 from orchestrator.security.gate import current_caller
@@ -30,24 +31,28 @@ class FleetModels:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
 
-    def _replicas(self, model: str | None = None) -> list[tuple[BackendPool, str]]:
-        """(pool, target) of every distinct replica, of one model's backends if given."""
+    def _replicas(
+        self, model: str | None = None
+    ) -> list[tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub]]:
+        """(pool, address, its ModelService) of every distinct replica (each pod behind a
+        name), of one model's backends if given. The stubs are taken now: a pod that
+        leaves while a reload walks the list fails its own call, not the walk."""
         seen: set[str] = set()
         replicas = []
         for pool in self._dispatcher.state.upstream.pools():
             if model is not None and pool.backend.model != model:
                 continue
-            for target in pool.backend.targets:
+            for target in pool.replicas:
                 if target not in seen:
                     seen.add(target)
-                    replicas.append((pool, target))
+                    replicas.append((pool, target, pool.model_service(target)))
         return replicas
 
     async def list_models(self, request: model_pb.ListModelsRequest) -> model_pb.ListModelsResponse:
         models: dict[str, model_pb.ModelInfo] = {}
-        for pool, target in self._replicas():
+        for pool, target, stub in self._replicas():
             try:
-                listed = await pool.model_service(target).ListModels(
+                listed = await stub.ListModels(
                     request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
                 )
             except grpc.aio.AioRpcError as error:
@@ -61,9 +66,9 @@ class FleetModels:
         replicas = self._replicas(request.name)
         if not replicas:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-        pool, target = replicas[0]
+        pool, target, stub = replicas[0]
         try:
-            response: model_pb.GetModelResponse = await pool.model_service(target).GetModel(
+            response: model_pb.GetModelResponse = await stub.GetModel(
                 request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
             )
         except grpc.aio.AioRpcError as error:
@@ -81,10 +86,10 @@ class FleetModels:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
         answers: list[model_pb.ReloadModelResponse] = []
         refused: list[str] = []
-        for pool, target in replicas:
+        for pool, target, stub in replicas:
             try:
                 answers.append(
-                    await pool.model_service(target).ReloadModel(
+                    await stub.ReloadModel(
                         request, timeout=OPERATOR_CALL_TIMEOUT_SECONDS, metadata=pool.credentials
                     )
                 )

@@ -6,6 +6,9 @@ readmitted when that time is up; a success resets its count. At most
 `max_ejected_percent` of a backend's replicas are out at once, and never all of
 them: with every replica failing, ejecting would only turn errors into no
 service at all.
+
+A replica is one address: each pod behind a `dns:///` name counts on its own
+(orchestrator.upstream.addresses says why this is not gRPC's A50 policy).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class _ReplicaState:
 
 
 class OutlierDetector:
-    """Per-backend replica health; call from the event loop."""
+    """Per-backend replica health, one replica per address; call from the event loop."""
 
     def __init__(
         self,
@@ -62,24 +65,37 @@ class OutlierDetector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self._states = {target: _ReplicaState() for target in targets}
+        self._states: dict[str, _ReplicaState] = {}
+        self._max_ejected = 0
         self._on_ejected = on_ejected
         self._clock = clock
+        self.track(targets)
+
+    def track(self, targets: Sequence[str]) -> None:
+        """Follow a new set of replicas (pods come and go behind a name): those that stay
+        keep their count and ejection, new ones start clean, gone ones are forgotten."""
+        self._states = {target: self._states.get(target) or _ReplicaState() for target in targets}
         # Never all: with one replica, ejection is off.
         self._max_ejected = min(
-            len(targets) - 1, math.floor(len(targets) * settings.max_ejected_percent / 100)
+            len(targets) - 1, math.floor(len(targets) * self.settings.max_ejected_percent / 100)
         )
 
     def is_ejected(self, target: str) -> bool:
         return self._states[target].ejected_until > self._clock()
 
+    # NOTE: a call to a replica that has just gone reports back after it was
+    # forgotten; its outcome no longer matters.
     def record_success(self, target: str) -> None:
-        state = self._states[target]
+        state = self._states.get(target)
+        if state is None:
+            return
         state.failures_in_a_row = 0
         state.times_ejected = 0
 
     def record_failure(self, target: str) -> None:
-        state = self._states[target]
+        state = self._states.get(target)
+        if state is None:
+            return
         state.failures_in_a_row += 1
         if state.failures_in_a_row < self.settings.consecutive_failures or self.is_ejected(target):
             return

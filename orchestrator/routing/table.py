@@ -28,9 +28,15 @@ MIN_TIMEOUT_SECONDS = 0.001
 MAX_TIMEOUT_SECONDS = 60.0
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
-# host:port, [ipv6]:port, or dns:///name:port (a name resolved to many replicas,
-# such as a Kubernetes headless service, balanced by gRPC's round robin).
-_TARGET = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$|^dns:///[^\s:/]+:\d{1,5}$")
+# host:port, [ipv6]:port, dns:///name:port (a name looked up again and again, each
+# address a replica: a Kubernetes headless service's pods), or a fixed list in
+# gRPC's form, ipv4:a.b.c.d:port,... or ipv6:[a::b]:port,...
+_IPV4_PORT = r"\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}"
+_IPV6_PORT = r"\[[0-9a-fA-F:]+\]:\d{1,5}"
+_TARGET = re.compile(
+    r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$|^dns:///[^\s:/]+:\d{1,5}$"
+    rf"|^ipv4:{_IPV4_PORT}(?:,{_IPV4_PORT})*$|^ipv6:{_IPV6_PORT}(?:,{_IPV6_PORT})*$"
+)
 MAX_CONCURRENCY_LIMIT = 100_000
 
 
@@ -247,7 +253,8 @@ def _backend(name: str, spec: Any) -> Backend:
     for index, target in enumerate(targets):
         if not isinstance(target, str) or not _TARGET.fullmatch(target):
             raise RoutesFileError(
-                f"{where}.targets[{index}]", f"{target!r} is not host:port or dns:///name:port"
+                f"{where}.targets[{index}]",
+                f"{target!r} is not host:port, dns:///name:port or ipv4:/ipv6: addresses",
             )
     return Backend(
         name=_name(name, where),

@@ -7,6 +7,7 @@ deadline that still leaves the orchestrator time to answer.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -24,6 +25,13 @@ from classify_common.tracing import inject_context
 from orchestrator.metrics import UpstreamMetrics
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import Backend
+from orchestrator.upstream.addresses import (
+    RESOLVE_INTERVAL_SECONDS,
+    Address,
+    Lookup,
+    TargetAddresses,
+    lookup_ips,
+)
 from orchestrator.upstream.coalescer import CoalescingSettings, ReplicaCoalescer
 
 DEFAULT_COALESCING = CoalescingSettings()
@@ -42,9 +50,11 @@ CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
 )
 
 
-# Round robin over the target's addresses (one for host:port, all of them for a
-# dns:/// name), each watched through gRPC health: a replica that reports
-# NOT_SERVING (warming up, draining on SIGTERM) gets no calls until it is back.
+# Each channel dials one address (orchestrator.upstream.addresses), watched
+# through gRPC health: a replica that reports NOT_SERVING (warming up, draining
+# on SIGTERM) puts its channel in TRANSIENT_FAILURE, and pick() passes it by
+# until it is back. Round robin, not pick_first, because only round robin runs
+# health checks; until a name's first look-up, it spreads the name's addresses.
 HEALTH_CHECKED = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],
@@ -52,14 +62,22 @@ HEALTH_CHECKED = json.dumps(
     }
 )
 
+# A channel whose replica is unreachable or reports NOT_SERVING.
+_FAILING = grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
-def open_channel(target: str, tls: ClientTls | None = None) -> grpc.aio.Channel:
-    """One channel per target; a dns:/// name gets round robin over every address it
-    resolves to (gRPC re-resolves as pods come and go)."""
+
+def open_channel(
+    target: str, tls: ClientTls | None = None, authority: str | None = None
+) -> grpc.aio.Channel:
+    """One channel per replica address. `authority` (name:port) is what an address found
+    by looking a name up presents: the :authority header, and the name the server's
+    TLS certificate is checked against."""
     options: list[tuple[str, str | int]] = [
         *CHANNEL_OPTIONS,
         ("grpc.service_config", HEALTH_CHECKED),
     ]
+    if authority is not None:
+        options.append(("grpc.default_authority", authority))
     if tls is not None:
         return grpc.aio.secure_channel(target, tls.credentials(), options)
     return grpc.aio.insecure_channel(target, options)
@@ -91,19 +109,61 @@ class BackendPool:
         tls: ClientTls | None = None,
         coalescing: CoalescingSettings = DEFAULT_COALESCING,
         metrics: UpstreamMetrics | None = None,
+        *,
+        lookup: Lookup = lookup_ips,
+        resolve_interval_seconds: float = RESOLVE_INTERVAL_SECONDS,
     ) -> None:
         self.backend = backend
-        self.outliers = OutlierDetector(backend.targets, outliers, on_ejected=on_ejected)
+        # Its replicas are the addresses _follow_addresses hands it.
+        self.outliers = OutlierDetector((), outliers, on_ejected=on_ejected)
         self._credentials: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
-        self._channels = {target: open_channel(target, tls) for target in backend.targets}
         self.in_flight = 0
-        self.coalescers = {
-            target: self._coalescer(target, channel, coalescing, metrics)
-            for target, channel in self._channels.items()
-        }
-        self._turns: Iterator[str] = itertools.cycle(backend.targets)
+        self._tls = tls
+        self._coalescing = coalescing
+        self._metrics = metrics
+        # One replica per address behind the targets, each with its channel and
+        # coalescer; `replicas` is the turn order.
+        self.replicas: tuple[str, ...] = ()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.coalescers: dict[str, ReplicaCoalescer] = {}
+        self._turns: Iterator[str] = iter(())
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._addresses = TargetAddresses(
+            backend.targets,
+            self._follow_addresses,
+            lookup=lookup,
+            interval_seconds=resolve_interval_seconds,
+        )
+        self._follow_addresses(self._addresses.addresses)
+        self._addresses.start_looking_up()
+
+    def _follow_addresses(self, addresses: Sequence[Address]) -> None:
+        """Open a channel to each new address, take the gone ones out of turn at once
+        and close them once their calls in flight are answered."""
+        for address in addresses:
+            if address.name not in self._channels:
+                channel = open_channel(address.name, self._tls, address.authority)
+                self._channels[address.name] = channel
+                self.coalescers[address.name] = self._coalescer(
+                    address.name, channel, self._coalescing, self._metrics
+                )
+        self.replicas = tuple(address.name for address in addresses)
+        self._turns = itertools.cycle(self.replicas)
+        self.outliers.track(self.replicas)
+        for name in [name for name in self._channels if name not in self.replicas]:
+            # NOTE: pick() and classify() look a replica up in the same loop turn, so
+            # no call can reach a coalescer after it leaves these dicts.
+            retired = self._retire(self.coalescers.pop(name), self._channels.pop(name))
+            task = asyncio.get_running_loop().create_task(retired)
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _retire(coalescer: ReplicaCoalescer, channel: grpc.aio.Channel) -> None:
+        await coalescer.close()
+        await channel.close()
 
     def _coalescer(
         self,
@@ -135,16 +195,18 @@ class BackendPool:
         return self._credentials
 
     def pick(self, avoid: Collection[str] = ()) -> str:
-        """The next replica in turn: not ejected and not in `avoid` (already tried) if
-        there is one, else not ejected, else any."""
-        targets = self.backend.targets
-        if len(targets) == 1:  # the common case: nothing to choose
-            return targets[0]
+        """The next replica in turn: not ejected, not failing its health check or
+        connection, and not in `avoid` (already tried) if there is one, else not ejected
+        nor failing, else any."""
+        replicas = self.replicas
+        if len(replicas) == 1:  # the common case: nothing to choose
+            return replicas[0]
         is_ejected = self.outliers.is_ejected
+        channels = self._channels
         fallback: str | None = None
-        for _ in targets:
+        for _ in replicas:
             target = next(self._turns)
-            if is_ejected(target):
+            if is_ejected(target) or channels[target].get_state() is _FAILING:
                 continue
             if target not in avoid:
                 return target
@@ -176,10 +238,12 @@ class BackendPool:
             self.in_flight -= 1
 
     async def close(self) -> None:
+        await self._addresses.close()
         for coalescer in self.coalescers.values():
             await coalescer.close()
         for channel in self._channels.values():
             await channel.close()
+        await asyncio.gather(*self._retiring)
 
 
 class UpstreamPools:

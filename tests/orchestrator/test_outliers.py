@@ -1,4 +1,5 @@
-"""Outlier ejection: unit rules with a fake clock, then a replica killed under real load."""
+"""Outlier ejection: unit rules with a fake clock, then a replica killed under real load,
+and a failing pod among the addresses of one target."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
+from tests.flaky_pod import FlakyPod
 
 
 def make_detector(targets: list[str], now: list[float]) -> tuple[OutlierDetector, list[float]]:
@@ -63,7 +65,7 @@ def test_the_last_replicas_are_never_all_ejected() -> None:
     assert not detector.is_ejected("b")
 
 
-async def test_killed_replica_costs_no_call_is_ejected_and_readmitted_when_back(
+async def test_killed_replica_costs_no_call_is_passed_by_and_used_again_when_back(
     model_root: Path, tmp_path: Path
 ) -> None:
     replicas = []
@@ -115,11 +117,12 @@ routes:
             await asyncio.sleep(0.5)
             await replicas[1].stop(grace_seconds=0)  # killed mid-load
             await asyncio.sleep(1.0)
-            assert (
-                metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL, target=dead_target) >= 1
-            )
+            # Passed by: ejected after the calls it failed, or its channel failing to connect.
+            (pool,) = orchestrator.dispatcher.state.upstream.pools()
+            assert dead_target not in {pool.pick() for _ in range(4)}
 
-            # The replica comes back on the same address, and is used again once readmitted.
+            # The replica comes back on the same address, and is used again once its
+            # channel reconnects (and its ejection, if any, is over).
             returned = CapabilityServer(
                 capability_settings(model_root, models=("topic-static",), port=dead_port),
                 registry=CollectorRegistry(),
@@ -162,3 +165,95 @@ def test_bad_outlier_settings_are_refused_with_their_path(
     with pytest.raises(RoutesFileError) as caught:
         load_routes(path)
     assert message in str(caught.value)
+
+
+def test_replicas_that_stay_keep_their_state_and_never_all_follows_the_count() -> None:
+    now = [0.0]
+    detector, ejections = make_detector(["a", "b"], now)
+    detector.record_failure("a")
+    detector.record_failure("a")
+    assert detector.is_ejected("a")
+    detector.track(["a", "b", "c"])  # a pod joins: "a" stays out
+    assert detector.is_ejected("a")
+    detector.track(["c"])  # one replica left: ejection is off
+    detector.record_failure("c")
+    detector.record_failure("c")
+    assert not detector.is_ejected("c")
+    detector.record_failure("a")  # a call to a pod that left reports back late
+    assert ejections == [1]
+
+
+async def test_failing_pod_behind_one_target_is_ejected_and_readmitted(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """One target with two addresses, as a dns:/// name of a headless Service has: the
+    pod that passes its health checks but fails its calls is ejected on its own (the
+    other is not: never all), gets no calls while out, and gets them again once it
+    recovers and its time is up."""
+    healthy = CapabilityServer(
+        capability_settings(model_root, models=("topic-static",)), registry=CollectorRegistry()
+    )
+    await healthy.start()
+    await healthy.warm_up()
+    pod = FlakyPod(healthy.port)
+    await pod.start()
+    healthy_address = f"127.0.0.1:{healthy.port}"
+    ejection_seconds = 2.0
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+outlier_ejection: {{consecutive_failures: 2, base_ejection: {ejection_seconds}s}}
+backends:
+  static:
+    model: topic-static
+    targets: ["ipv4:{healthy_address},{pod.address}"]
+routes:
+  - name: default
+    backend: static
+    retry: {{max_attempts: 2, initial_backoff: 1ms, max_backoff: 1ms}}
+"""
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+
+    def ejections(address: str) -> float:
+        return metric_sum(
+            orchestrator.registry, OUTLIER_EJECTIONS_TOTAL, backend="static", target=address
+        )
+
+    loop = asyncio.get_running_loop()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+            async def classify() -> None:  # a failure here fails the test: retries hide none
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+
+            for _ in range(20):
+                await classify()
+                if ejections(pod.address):
+                    break
+            ejected_at = loop.time()
+            assert ejections(pod.address) == 1
+            calls_before = pod.calls
+            for _ in range(10):
+                await classify()
+            assert loop.time() - ejected_at < ejection_seconds, "too slow to see the ejection"
+            assert pod.calls == calls_before, "an ejected pod got calls"
+
+            pod.failing = False  # the pod recovers, and is readmitted when its time is up
+            for _ in range(400):
+                await classify()
+                if pod.answered >= 3:
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        await pod.stop()
+        await healthy.stop(grace_seconds=0)
+    assert pod.answered >= 3, "the pod was not readmitted"
+    assert ejections(pod.address) == 1
+    assert ejections(healthy_address) == 0

@@ -1,0 +1,89 @@
+"""A capability pod that passes its health checks but fails its calls until it recovers.
+
+A pod whose port refuses connections, or that reports NOT_SERVING, is passed
+by without a failed call (its channel is in TRANSIENT_FAILURE), so it cannot
+show outlier ejection. This one accepts connections and reports SERVING,
+answers every ClassifyService call UNAVAILABLE while `failing`, and after that
+passes each call on as it came (raw bytes and metadata) to a real capability
+server, so its answers are real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+CLASSIFY_SERVICE = "ai.classify.v1.ClassifyService"
+# Headers gRPC sets itself on the forwarded call.
+_OWN_HEADERS = ("grpc-", ":", "user-agent")
+
+Handler = Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[bytes]]
+
+
+class FlakyPod(grpc.GenericRpcHandler):
+    def __init__(
+        self, capability_port: int, host: str = "127.0.0.1", *, failing: bool = True
+    ) -> None:
+        self.failing = failing
+        # ClassifyService calls that reached the pod, and those it answered OK.
+        self.calls = 0
+        self.answered = 0
+        self._host = host
+        self._upstream = grpc.aio.insecure_channel(f"127.0.0.1:{capability_port}")
+        self._server = grpc.aio.server()
+        self._server.add_generic_rpc_handlers((self,))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
+
+    async def start(self, port: int = 0) -> None:
+        """Serve on `port` (0: any free one) and report SERVING."""
+        self.port = self._server.add_insecure_port(f"{self._host}:{port}")
+        await self._server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        """What its health check reports: NOT_SERVING as a pod draining on SIGTERM does."""
+        status = health_pb2.HealthCheckResponse
+        await self._health.set(CLASSIFY_SERVICE, status.SERVING if serving else status.NOT_SERVING)
+
+    async def stop(self) -> None:
+        await self._server.stop(grace=None)
+        await self._upstream.close()
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+        method: str = handler_call_details.method
+        if not method.startswith(f"/{CLASSIFY_SERVICE}/"):
+            return None
+        return grpc.unary_unary_rpc_method_handler(self._handler(method))
+
+    def _handler(self, method: str) -> Handler:
+        forward: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._upstream.unary_unary(method)
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+            self.calls += 1
+            if self.failing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "this pod is failing")
+            metadata = [
+                (key, value)
+                for key, value in context.invocation_metadata() or ()
+                if not key.startswith(_OWN_HEADERS)
+            ]
+            try:
+                response: bytes = await forward(
+                    request, timeout=context.time_remaining(), metadata=metadata
+                )
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), error.details() or "")
+            self.answered += 1
+            return response
+
+        return handle

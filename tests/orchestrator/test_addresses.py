@@ -1,0 +1,179 @@
+"""Every address behind a target is a replica: names looked up and followed as pods come
+and go, and a pod that reports NOT_SERVING passed by without a failed call."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
+from orchestrator.policy import OutlierSettings
+from orchestrator.routing import Backend
+from orchestrator.server import OrchestratorServer
+from orchestrator.upstream.addresses import Address, HostName, TargetAddresses, parse_target
+from orchestrator.upstream.pool import BackendPool
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.flaky_pod import FlakyPod
+
+
+@pytest.mark.parametrize(
+    ("target", "parsed"),
+    [
+        ("10.0.0.5:50051", (Address("10.0.0.5:50051"),)),
+        ("[fd00::5]:50051", (Address("[fd00::5]:50051"),)),
+        ("dns:///10.0.0.5:50051", (Address("10.0.0.5:50051"),)),
+        (
+            "ipv4:10.0.0.5:50051,10.0.0.6:50052",
+            (Address("10.0.0.5:50051"), Address("10.0.0.6:50052")),
+        ),
+        ("ipv6:[fd00::5]:50051", (Address("[fd00::5]:50051"),)),
+        ("capability:50051", HostName("capability", 50051)),
+        (
+            "dns:///capability.classify.svc.cluster.local:50052",
+            HostName("capability.classify.svc.cluster.local", 50052),
+        ),
+    ],
+)
+def test_a_target_gives_its_addresses_or_the_name_to_look_up(
+    target: str, parsed: tuple[Address, ...] | HostName
+) -> None:
+    assert parse_target(target) == parsed
+
+
+async def test_a_name_is_looked_up_and_its_addresses_keep_the_name_as_authority() -> None:
+    changes: list[tuple[Address, ...]] = []
+    addresses = TargetAddresses(["dns:///localhost:5555"], changes.append)
+    assert addresses.addresses == (Address("dns:///localhost:5555"),)  # until the look-up
+    await addresses.look_up()
+    assert Address("127.0.0.1:5555", "localhost:5555") in addresses.addresses
+    assert {address.authority for address in addresses.addresses} == {"localhost:5555"}
+    assert changes == [addresses.addresses]
+
+
+async def test_a_failed_look_up_keeps_the_addresses_found_before() -> None:
+    answers: list[Sequence[str] | OSError] = [
+        ["10.0.0.6", "10.0.0.5"],
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        [],
+    ]
+
+    async def lookup(host: str, port: int) -> Sequence[str]:
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    changes: list[tuple[Address, ...]] = []
+    addresses = TargetAddresses(["pods:80", "10.0.0.9:80"], changes.append, lookup=lookup)
+    for _ in range(3):
+        await addresses.look_up()
+    expected = tuple(Address(f"10.0.0.{n}:80", "pods:80" if n != 9 else None) for n in (5, 6, 9))
+    assert changes == [expected]
+
+
+async def wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_pods_that_come_and_go_behind_a_name_are_followed(
+    capability: CapabilityServer,
+) -> None:
+    """A name whose pods change: each new address gets calls, a gone one gets none and
+    its channel is closed."""
+    first = FlakyPod(capability.port, "127.0.0.1", failing=False)
+    await first.start()
+    second = FlakyPod(capability.port, "127.0.0.2", failing=False)
+    await second.start(port=first.port)  # a name's addresses share its port
+    answer = ["127.0.0.1"]
+
+    async def lookup(host: str, port: int) -> Sequence[str]:
+        assert (host, port) == ("pods.test", first.port)
+        return answer
+
+    backend = Backend("minilm", "topic-minilm", (f"dns:///pods.test:{first.port}",), 5.0)
+    pool = BackendPool(backend, OutlierSettings(), lookup=lookup, resolve_interval_seconds=0.02)
+    request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm")
+
+    async def classify(calls: int) -> None:
+        for _ in range(calls):
+            await pool.classify(request, target=pool.pick(), client_remaining=None)
+
+    try:
+        await wait_for(lambda: pool.replicas == (first.address,))
+        await classify(2)
+        assert (first.answered, second.answered) == (2, 0)
+
+        answer = ["127.0.0.2", "127.0.0.1"]  # a pod joins
+        await wait_for(lambda: pool.replicas == (first.address, second.address))
+        await classify(4)
+        assert (first.answered, second.answered) == (4, 2)
+
+        answer = ["127.0.0.2"]  # the first pod leaves
+        await wait_for(lambda: pool.replicas == (second.address,))
+        await classify(2)
+        assert (first.answered, second.answered) == (4, 4)
+        assert set(pool.coalescers) == {second.address}
+    finally:
+        await pool.close()
+        await first.stop()
+        await second.stop()
+
+
+async def test_a_draining_pod_behind_one_target_costs_no_call(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A pod that reports NOT_SERVING (draining on SIGTERM) is passed by while the name
+    still lists it: no call fails (the route has no retries) and no pod is ejected."""
+    pod = FlakyPod(capability.port, failing=False)
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["ipv4:127.0.0.1:{capability.port},{pod.address}"]
+routes:
+  - name: default
+    backend: minilm
+    retry: {{max_attempts: 1}}
+"""
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+            async def call() -> None:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+
+            for _ in range(4):
+                await call()
+            assert pod.answered == 2  # round robin: both addresses were used
+
+            await pod.set_serving(False)
+            await asyncio.sleep(0.3)  # the health watch reports it
+            for _ in range(6):
+                await call()
+            assert pod.calls == 2
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        await pod.stop()
+    assert metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL) == 0
