@@ -35,7 +35,7 @@ K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
 
 .PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
-	lint-deploy bench bench-capability bench-models bench-front-door gpu-check
+	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
@@ -46,6 +46,7 @@ help:
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
 	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
+	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
 	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
 
@@ -129,7 +130,7 @@ lock: $(VENV_STAMP)
 	done
 
 # Under 10 minutes in all on the 2-core development machine.
-bench: bench-models bench-capability bench-front-door
+bench: bench-models bench-capability bench-front-door bench-overload
 
 bench-models: setup
 	$(PY) bench/model_quality.py
@@ -139,6 +140,9 @@ bench-capability: setup bundles
 
 bench-front-door: setup bundles
 	$(PY) bench/front_door.py
+
+bench-overload: setup bundles
+	$(PY) bench/overload.py
 
 gpu-check: setup bundles
 	$(PY) bench/gpu_check.py

@@ -50,6 +50,11 @@ DEFAULT_GRACE_SECONDS = 10.0
 PRECISIONS = ("fp32", "bf16")
 
 
+# Measured with `make bench-overload` (README, "Overload"): at 5 the serving loops
+# of both servers get the cores first when torch keeps them busy.
+DEFAULT_CPU_COMPUTE_NICE = 5
+
+
 @dataclass(frozen=True)
 class ModelServingSettings:
     batching: BatchingSettings = field(default_factory=BatchingSettings)
@@ -126,9 +131,12 @@ class CapabilitySettings:
     device: str = DEFAULT_DEVICE
     # CPU workers when running on the CPU, 1..64.
     cpu_workers: int = DEFAULT_CPU_WORKERS
-    # torch intra-op threads on the CPU, 0..256; 0 leaves one core to the serving
-    # loop and splits the rest between the CPU workers.
+    # torch intra-op threads on the CPU, 0..256; 0 splits all cores between the
+    # CPU workers.
     torch_threads: int = 0
+    # Niceness of CPU workers' compute threads (the device thread and its torch
+    # threads), 0..19: when the cores are busy, the serving loops run first.
+    cpu_compute_nice: int = DEFAULT_CPU_COMPUTE_NICE
     # Server-wide batching defaults; --model-config overrides them per model.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_wait_ms: float = DEFAULT_MAX_WAIT_SECONDS * 1000
@@ -171,6 +179,9 @@ class CapabilitySettings:
             )
         check_range(self.cpu_workers, 1, 64, "--cpu-workers", "CAPABILITY_CPU_WORKERS")
         check_range(self.torch_threads, 0, 256, "--torch-threads", "CAPABILITY_TORCH_THREADS")
+        check_range(
+            self.cpu_compute_nice, 0, 19, "--cpu-compute-nice", "CAPABILITY_CPU_COMPUTE_NICE"
+        )
         check_range(
             self.memory_threshold, 0.1, 1.0, "--memory-threshold", "CAPABILITY_MEMORY_THRESHOLD"
         )
@@ -261,6 +272,13 @@ class CapabilitySettings:
             "CAPABILITY_TORCH_THREADS",
             0,
             "torch CPU threads (0: all cores, split between workers)",
+            int,
+        )
+        setting(
+            "--cpu-compute-nice",
+            "CAPABILITY_CPU_COMPUTE_NICE",
+            DEFAULT_CPU_COMPUTE_NICE,
+            "niceness of CPU compute threads, 0..19 (serving loops first)",
             int,
         )
         setting(

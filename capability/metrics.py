@@ -17,6 +17,7 @@ BATCH_SIZE = "classify_batch_size"
 BATCH_PADDING_RATIO = "classify_batch_padding_ratio"
 ADMISSIONS_REFUSED_TOTAL = "classify_admissions_refused_total"
 EVICTIONS_TOTAL = "classify_queue_evictions_total"
+NEWEST_FIRST_BATCHES_TOTAL = "classify_queue_newest_first_batches_total"
 BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
@@ -93,6 +94,12 @@ class CapabilityMetrics:
         self.evictions = Counter(
             EVICTIONS_TOTAL,
             "Requests evicted from a queue because their deadline passed.",
+            ["model"],
+            registry=registry,
+        )
+        self.newest_first_batches = Counter(
+            NEWEST_FIRST_BATCHES_TOTAL,
+            "Batches taken newest first because the queue stood (adaptive LIFO).",
             ["model"],
             registry=registry,
         )

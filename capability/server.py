@@ -74,7 +74,12 @@ class CapabilityServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = CapabilityMetrics(self.registry)
         devices = discover_devices(settings.device, settings.cpu_workers)
-        self.pool = WorkerPool(devices, metrics, memory_threshold=settings.memory_threshold)
+        self.pool = WorkerPool(
+            devices,
+            metrics,
+            memory_threshold=settings.memory_threshold,
+            cpu_compute_nice=settings.cpu_compute_nice,
+        )
         self.registry.register(
             DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])
         )

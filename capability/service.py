@@ -27,7 +27,12 @@ from capability.item_trace import (
 )
 from capability.lifecycle import ModelLifecycle
 from capability.workers import TextRequest, WorkerPool
-from classify_common.context import current_request, is_valid_request_id, new_request_id
+from classify_common.context import (
+    LOAD_REPORT_TRAILER,
+    current_request,
+    is_valid_request_id,
+    new_request_id,
+)
 from classify_common.errors import MethodNotServed, ServiceError
 from classify_common.intake import current_batch_intake, item_status
 from classify_common.nodes import RequestTrace, current_trace
@@ -45,14 +50,16 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         ids = current_request()
         assert ids is not None, "the lifecycle interceptor binds every contract call"
         remaining = context.time_remaining()
+        model = request.model or self._default_model
         result = await self._pool.classify(
-            request.model or self._default_model,
+            model,
             request.text,
             max_length=request.max_length if request.HasField("max_length") else None,
             priority=_priority(request),
             request_id=ids.request_id,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
         )
+        context.set_trailing_metadata(((LOAD_REPORT_TRAILER, self._pool.load_report(model)),))
         return classify_response(request, result, ids.request_id, ids.trace_id)
 
     async def ClassifyBatch(
@@ -76,6 +83,10 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             for text in texts:
                 abandon_item_trace(text.trace)
             raise
+        # One report, for the first item's model: the orchestrator's coalesced calls
+        # carry one model each.
+        load = self._pool.load_report(texts[0].model)
+        context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
         return pb.ClassifyBatchResponse(
             results=[
                 _batch_result(item, text, outcome, ids.trace_id)

@@ -17,6 +17,8 @@ REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-trace-id"
 # Sent by the orchestrator to capability servers, which refuse calls without it.
 INTERNAL_TOKEN_HEADER = "x-internal-token"
+# Binary trailer on a capability server's answers: a serialized ai.classify.v1.LoadReport.
+LOAD_REPORT_TRAILER = "classify-load-bin"
 
 
 @dataclass(frozen=True)

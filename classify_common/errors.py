@@ -17,6 +17,7 @@
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
     │   ├── RateLimited           the tenant's token bucket is empty
     │   ├── QueueFull             the worker's bounded queue has no room
+    │   ├── ConcurrencyLimited    the backend's adaptive concurrency limit is reached
     │   └── DeviceMemoryPressure  device memory use is past its threshold
     ├── DeadlineExpired           DEADLINE_EXCEEDED
     │   ├── DeadlineUnreachable   refused at admission: predicted service > time left
@@ -194,6 +195,13 @@ class QueueFull(Overloaded):
     reason = "QUEUE_FULL"
 
 
+class ConcurrencyLimited(Overloaded):
+    """The backend has as many calls in flight as its concurrency limit allows; the
+    call was refused before any work was spent on it."""
+
+    reason = "CONCURRENCY_LIMITED"
+
+
 class DeviceMemoryPressure(Overloaded):
     """Device memory in use is past the admission threshold."""
 
@@ -252,6 +260,14 @@ GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
 FALLBACK_ELIGIBLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
+
+
+def is_fallback_eligible(error: ServiceError) -> bool:
+    """Whether a route may try its next backend after `error`: the model could not
+    answer (UNAVAILABLE, RESOURCE_EXHAUSTED), or this backend could not answer in the
+    time left (DeadlineUnreachable, refused before any work), where a cheaper
+    fallback still may."""
+    return isinstance(error, DeadlineUnreachable) or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES
 
 
 def grpc_code_for(error: ServiceError) -> grpc.StatusCode:

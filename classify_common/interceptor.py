@@ -224,7 +224,10 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 if self._edge or request_trace.makes_spans:
                     self._end_when_done(context, server_span, code, request_trace)
                 otel_context.detach(attached)
-            context.set_trailing_metadata(_id_trailers(ids))
+            # After what the servicer set (a capability server's load report).
+            context.set_trailing_metadata(
+                (*(context.trailing_metadata() or ()), *_id_trailers(ids))
+            )
             return payload
 
         return run_lifecycle

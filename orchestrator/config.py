@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from classify_common.settings import SettingsError, add_setting, check_port, check_range
 from classify_common.tls import ClientTls, ServerTls, client_tls, server_tls
+from orchestrator.policy.concurrency import ConcurrencySettings
 from orchestrator.upstream.coalescer import CoalescingSettings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -22,6 +23,7 @@ DEFAULT_RESULTS_CAPACITY = 10_000
 DEFAULT_RESULTS_TTL_SECONDS = 300.0
 DEFAULT_UPSTREAM_BATCH_MAX_ITEMS = 128
 DEFAULT_UPSTREAM_CALLS_IN_FLIGHT = 2
+DEFAULT_CONCURRENCY = ConcurrencySettings()
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,15 @@ class OrchestratorSettings:
     # Calls in flight to one capability replica (per backend) at once, 1..64;
     # requests that arrive while all are busy gather for the next call.
     upstream_calls_in_flight: int = DEFAULT_UPSTREAM_CALLS_IN_FLIGHT
+    # Each backend's calls in flight follow an adaptive limit ("adaptive") or only
+    # routes.yaml's static max_concurrency ("off"); see orchestrator/policy/concurrency.py.
+    concurrency_limit: str = "adaptive"
+    # Latency allowed before the adaptive limit shrinks, as a multiple of the
+    # minimum measured, 1..100.
+    concurrency_latency_tolerance: float = DEFAULT_CONCURRENCY.latency_tolerance
+    # Bounds of the adaptive limit: 1..10000, and min..100000.
+    concurrency_min_limit: int = DEFAULT_CONCURRENCY.min_limit
+    concurrency_max_limit: int = DEFAULT_CONCURRENCY.max_limit
     # Seconds in-flight calls get to finish on SIGTERM, 0..300.
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     log_level: str = "INFO"
@@ -93,6 +104,32 @@ class OrchestratorSettings:
             64,
             "--upstream-calls-in-flight",
             "ORCHESTRATOR_UPSTREAM_CALLS_IN_FLIGHT",
+        )
+        if self.concurrency_limit not in ("adaptive", "off"):
+            raise SettingsError(
+                f"--concurrency-limit / ORCHESTRATOR_CONCURRENCY_LIMIT: "
+                f"{self.concurrency_limit!r} is not adaptive or off"
+            )
+        check_range(
+            self.concurrency_latency_tolerance,
+            1,
+            100,
+            "--concurrency-latency-tolerance",
+            "ORCHESTRATOR_CONCURRENCY_LATENCY_TOLERANCE",
+        )
+        check_range(
+            self.concurrency_min_limit,
+            1,
+            10_000,
+            "--concurrency-min-limit",
+            "ORCHESTRATOR_CONCURRENCY_MIN_LIMIT",
+        )
+        check_range(
+            self.concurrency_max_limit,
+            self.concurrency_min_limit,
+            100_000,
+            "--concurrency-max-limit",
+            "ORCHESTRATOR_CONCURRENCY_MAX_LIMIT",
         )
         self.server_tls()  # refuse an incomplete set of TLS files now
         self.upstream_tls()
@@ -130,6 +167,18 @@ class OrchestratorSettings:
 
     def coalescing(self) -> CoalescingSettings:
         return CoalescingSettings(self.upstream_batch_max_items, self.upstream_calls_in_flight)
+
+    def concurrency(self) -> ConcurrencySettings:
+        limits = (self.concurrency_min_limit, self.concurrency_max_limit)
+        return replace(
+            DEFAULT_CONCURRENCY,
+            adaptive=self.concurrency_limit == "adaptive",
+            latency_tolerance=self.concurrency_latency_tolerance,
+            min_limit=limits[0],
+            max_limit=limits[1],
+            # The starting limit within the bounds chosen.
+            initial_limit=min(max(DEFAULT_CONCURRENCY.initial_limit, limits[0]), limits[1]),
+        )
 
     def server_tls(self) -> ServerTls | None:
         return server_tls(
@@ -252,6 +301,41 @@ class OrchestratorSettings:
             "ORCHESTRATOR_UPSTREAM_CALLS_IN_FLIGHT",
             DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
             "calls in flight to one capability replica before requests gather",
+            environ,
+            int,
+        )
+        add_setting(
+            parser,
+            "--concurrency-limit",
+            "ORCHESTRATOR_CONCURRENCY_LIMIT",
+            "adaptive",
+            "per-backend calls in flight: adaptive, or off (routes.yaml's max_concurrency only)",
+            environ,
+        )
+        add_setting(
+            parser,
+            "--concurrency-latency-tolerance",
+            "ORCHESTRATOR_CONCURRENCY_LATENCY_TOLERANCE",
+            DEFAULT_CONCURRENCY.latency_tolerance,
+            "latency over its minimum (a multiple) before the adaptive limit shrinks",
+            environ,
+            float,
+        )
+        add_setting(
+            parser,
+            "--concurrency-min-limit",
+            "ORCHESTRATOR_CONCURRENCY_MIN_LIMIT",
+            DEFAULT_CONCURRENCY.min_limit,
+            "lowest adaptive limit (calls in flight per backend)",
+            environ,
+            int,
+        )
+        add_setting(
+            parser,
+            "--concurrency-max-limit",
+            "ORCHESTRATOR_CONCURRENCY_MAX_LIMIT",
+            DEFAULT_CONCURRENCY.max_limit,
+            "highest adaptive limit (calls in flight per backend)",
             environ,
             int,
         )

@@ -12,6 +12,11 @@ attempt limit and the caller's deadline. When the backend still fails with a
 model error or overload, the route's fallback backends are tried in order, and
 the answer says `fallback=true`. Client errors are returned at once, never
 retried or sent elsewhere.
+
+Calls refused before any work are not retried on the same backend but go
+straight to the fallbacks: the backend is at its adaptive concurrency limit
+(ConcurrencyLimited), or its replica reports a wait longer than the time left
+(DeadlineUnreachable), where a cheaper model may still answer in time.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from prometheus_client import Histogram
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext, bind_request, new_request_id
 from classify_common.errors import (
-    FALLBACK_ELIGIBLE_CODES,
+    ConcurrencyLimited,
     DeadlineExpired,
     InternalError,
     ServiceError,
     grpc_code_for,
+    is_fallback_eligible,
 )
 from classify_common.intake import current_batch_intake, item_status
 from classify_common.nodes import RequestTrace, bind_trace, current_trace, emit_node, node
@@ -370,7 +376,7 @@ class Dispatcher:
                     state, route, backend, request, ids, deadline, attempts
                 )
             except ServiceError as error:
-                if grpc_code_for(error) not in FALLBACK_ELIGIBLE_CODES:
+                if not is_fallback_eligible(error):
                     raise
                 failure = error
                 attempts.fallback_reason = error.reason
@@ -430,6 +436,10 @@ class Dispatcher:
                 attempts.retry_reason, attempts.fallback_reason = error.reason, ""
                 code = grpc_code_for(error)
                 if attempt >= route.retry.max_attempts or not route.retry.retries(code):
+                    raise
+                if isinstance(error, ConcurrencyLimited):
+                    # The whole backend is at its limit: another replica of it cannot
+                    # help, and waiting here only holds the caller; a fallback may.
                     raise
                 wait = backoff_seconds(route.retry, attempt)
                 if deadline is not None and loop.time() + wait >= deadline:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit
 
 UPSTREAM_RETRIES_TOTAL = "classify_upstream_retries_total"
 MODEL_FALLBACK_TOTAL = "model_fallback_total"
@@ -16,6 +20,19 @@ AUTH_FAILURES_TOTAL = "classify_auth_failures_total"
 UPSTREAM_CALL_ITEMS = "classify_upstream_call_items"
 UPSTREAM_ITEMS_EXPIRED_TOTAL = "classify_upstream_items_expired_total"
 BATCH_CALL_ITEMS = "classify_batch_call_items"
+CONCURRENCY_LIMITED_TOTAL = "classify_concurrency_limited_total"
+DEADLINE_UNREACHABLE_TOTAL = "classify_upstream_deadline_unreachable_total"
+BACKEND_CONCURRENCY_LIMIT = "classify_backend_concurrency_limit"
+BACKEND_IN_FLIGHT = "classify_backend_in_flight"
+
+
+class BackendLoad(Protocol):
+    """What a backend pool shows of its load (orchestrator.upstream.pool.BackendPool)."""
+
+    in_flight: int
+
+    @property
+    def concurrency(self) -> AdaptiveConcurrencyLimit | None: ...
 
 
 class UpstreamMetrics:
@@ -35,6 +52,44 @@ class UpstreamMetrics:
             ["backend"],
             registry=registry,
         )
+
+        self._limited = Counter(
+            CONCURRENCY_LIMITED_TOTAL,
+            "Calls refused at once because the backend had as many in flight as its "
+            "adaptive concurrency limit.",
+            ["backend"],
+            registry=registry,
+        )
+        self._unreachable = Counter(
+            DEADLINE_UNREACHABLE_TOTAL,
+            "Calls not sent to a backend because its reported wait was longer than their "
+            "remaining deadline (sent to a fallback, or refused DEADLINE_EXCEEDED).",
+            ["backend"],
+            registry=registry,
+        )
+        self._limit = Gauge(
+            BACKEND_CONCURRENCY_LIMIT,
+            "The backend's adaptive concurrency limit (calls in flight); absent when off.",
+            ["backend"],
+            registry=registry,
+        )
+        self._in_flight = Gauge(
+            BACKEND_IN_FLIGHT, "Calls in flight to the backend.", ["backend"], registry=registry
+        )
+
+    def concurrency_limited(self, backend: str) -> Counter:
+        return self._limited.labels(backend)
+
+    def deadline_unreachable(self, backend: str) -> Counter:
+        return self._unreachable.labels(backend)
+
+    def watch_concurrency(self, backend: str, pool: BackendLoad) -> None:
+        """Read the backend's limit and calls in flight at each scrape (the pool of the
+        routes in force: a reload points the series at its new pool)."""
+        self._in_flight.labels(backend).set_function(lambda: pool.in_flight)
+        limit = pool.concurrency
+        if limit is not None:
+            self._limit.labels(backend).set_function(lambda: limit.limit)
 
     def items_per_call(self, backend: str) -> Histogram:
         return self._items.labels(backend)

@@ -99,6 +99,7 @@ class OrchestratorServer:
             tls=self.settings.upstream_tls(),
             coalescing=self.settings.coalescing(),
             metrics=self.metrics.upstream,
+            concurrency=self.settings.concurrency(),
         )
         return RoutingState(table, upstream)
 

@@ -22,6 +22,7 @@ the loop itself restarts it after a short pause; the queue keeps its requests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -52,6 +53,8 @@ T = TypeVar("T")
 # Seconds the batching loop waits before restarting after a crash, so a fault
 # that recurs at once does not spin the loop.
 RESTART_BACKOFF_SECONDS = 0.1
+# The span of time the load report's busy share covers.
+BUSY_WINDOW_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,12 +160,17 @@ class Batcher:
         self._padding = metrics.padding_ratio.labels(model)
         self._busy = metrics.worker_busy_seconds.labels(worker)
         self._evictions = metrics.evictions.labels(model)
+        self._newest_first = metrics.newest_first_batches.labels(model)
         self._expired = {
             stage: metrics.deadline_exceeded.labels(model, stage)
             for stage in (DEADLINE_STAGE_QUEUE, DEADLINE_STAGE_DEVICE)
         }
         self._batch_failures = metrics.batch_failures.labels(model, worker)
         self._restarts = metrics.worker_restarts.labels(worker)
+        # Batches finished in the last BUSY_WINDOW_SECONDS: (loop time, seconds computing),
+        # and their sum, for the load report's busy share.
+        self._recent_batches: collections.deque[tuple[float, float]] = collections.deque()
+        self._recent_busy = 0.0
 
     @property
     def name(self) -> str:
@@ -243,6 +251,8 @@ class Batcher:
 
     def _submit(self, batch: list[PendingRequest[TextResult]]) -> SubmittedBatch | None:
         """Hand a batch to the device thread; None when every caller in it has gone."""
+        if batch and self.queue.newest_first:
+            self._newest_first.inc()
         self.show_queue_depth()
         live = [request for request in batch if not request.future.done()]
         if not live:
@@ -344,6 +354,16 @@ class Batcher:
         self._batch_size.observe(len(batch))
         self._padding.observe(padding_ratio(batch, outcome))
         self._busy.inc(outcome.seconds)
+        self._recent_batches.append((asyncio.get_running_loop().time(), outcome.seconds))
+        self._recent_busy += outcome.seconds
+
+    def busy_share(self) -> float:
+        """Share of the last second the device spent on this model's batches, 0..1."""
+        cutoff = asyncio.get_running_loop().time() - BUSY_WINDOW_SECONDS
+        recent = self._recent_batches
+        while recent and recent[0][0] < cutoff:
+            self._recent_busy -= recent.popleft()[1]
+        return min(max(self._recent_busy / BUSY_WINDOW_SECONDS, 0.0), 1.0)
 
     def _trace(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
         """The batch's device nodes for every traced request in it, and the batch's own

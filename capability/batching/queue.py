@@ -12,6 +12,15 @@ Three properties are the point of this module:
 - Priority and length: the next batch starts from the oldest request of the
   most urgent priority, takes its lane's requests, and tops up from the same
   bucket's less urgent lane, so a batch mixes lengths of one bucket only.
+- Newest first when the queue stands (adaptive LIFO): when the oldest request
+  of the most urgent priority has waited longer than `standing_seconds` (the
+  larger of CoDel's 100 ms interval and two full batches), the queue is not
+  draining between batches, and serving it oldest first would spend the device
+  on requests whose callers are about to give up while the new ones age past
+  their deadlines behind them. Batches are then taken newest first, so the
+  requests that can still make their deadlines are the ones served; the old
+  ones leave at their deadlines as ever. Once the queue drains to a short wait,
+  order is first-come first-served again.
 
 All methods run on the event loop thread; none blocks.
 """
@@ -32,6 +41,9 @@ from capability.model import EncodedText
 from classify_common.errors import ExpiredInQueue, QueueFull
 from classify_common.nodes import RequestTrace
 
+# The queue stands when its oldest request has waited longer than this (CoDel's
+# interval) and two full batches.
+STANDING_QUEUE_SECONDS = 0.1
 # Lower sorts first: interactive before batch.
 PRIORITY_INTERACTIVE = 0
 PRIORITY_BATCH = 1
@@ -93,6 +105,10 @@ class RequestQueue(Generic[ResultT]):
         self._changed = asyncio.Event()
         # Deepest the queue has been; tests and metrics show it never passes capacity.
         self.high_water = 0
+        # Whether the batch being taken goes newest first (the queue stands), and how
+        # many batches have (counted for tests and metrics).
+        self.newest_first = False
+        self.newest_first_batches = 0
 
     def __len__(self) -> int:
         return self._size
@@ -187,16 +203,28 @@ class RequestQueue(Generic[ResultT]):
         self._on_evicted(request)
         self._changed.set()
 
+    def standing_seconds(self) -> float:
+        """How long the oldest request may wait before the queue counts as standing."""
+        return max(STANDING_QUEUE_SECONDS, 2 * self._retry_after(self.settings.max_batch_size))
+
     def _head(self) -> PendingRequest[ResultT] | None:
-        """The oldest request of the most urgent non-empty priority."""
+        """The request the next batch starts from: the oldest of the most urgent
+        non-empty priority, or its newest while the queue stands."""
+        self.newest_first = False
         for priority in PRIORITIES:
-            heads = [
-                lane[0]
+            lanes = [
+                lane
                 for (lane_priority, _), lane in self._lanes.items()
                 if lane_priority == priority and lane
             ]
-            if heads:
-                return min(heads, key=lambda r: r.sequence)
+            if not lanes:
+                continue
+            oldest = min((lane[0] for lane in lanes), key=lambda r: r.sequence)
+            waited = asyncio.get_running_loop().time() - oldest.enqueued_at
+            if waited <= self.standing_seconds():
+                return oldest
+            self.newest_first = True
+            return max((lane[-1] for lane in lanes), key=lambda r: r.sequence)
         return None
 
     def depth_in_bucket(self, bucket: int) -> int:
@@ -204,10 +232,11 @@ class RequestQueue(Generic[ResultT]):
 
     def _take(self, head: PendingRequest[ResultT]) -> list[PendingRequest[ResultT]]:
         batch: list[PendingRequest[ResultT]] = []
+        self.newest_first_batches += self.newest_first
         for priority in PRIORITIES[PRIORITIES.index(head.priority) :]:
             lane = self._lanes[(priority, head.bucket)]
             while lane and len(batch) < self.settings.max_batch_size:
-                request = lane.popleft()
+                request = lane.pop() if self.newest_first else lane.popleft()
                 if request.timer is not None:
                     request.timer.cancel()
                 batch.append(request)

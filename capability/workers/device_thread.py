@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -49,7 +50,11 @@ def _settle(answer: _Answer[Any]) -> None:
 class DeviceThread:
     """Runs submitted functions one at a time, in order, on a thread of its own."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
+        """`nice`: niceness of the thread that runs the jobs (and of the threads it
+        starts, such as torch's intra-op threads on the CPU), so that when the cores
+        are busy the event loops serving requests run before the computation."""
+        self._nice = nice
         self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
         self._answers: queue.SimpleQueue[_Answer[Any] | None] = queue.SimpleQueue()
         self._runner = threading.Thread(target=self._run_jobs, name=name, daemon=True)
@@ -86,6 +91,10 @@ class DeviceThread:
         self._answerer.join()
 
     def _run_jobs(self) -> None:
+        if self._nice:
+            # Threads inherit it when created: set before the first job starts any.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         while (job := self._jobs.get()) is not None:
             # Read across threads, so possibly stale: at worst a job whose caller has
             # gone runs anyway and its answer is dropped (`_settle`).

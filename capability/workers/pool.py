@@ -25,6 +25,7 @@ from typing import Any, TypeVar, cast
 import torch
 from opentelemetry.util.types import AttributeValue
 
+from ai.classify.v1 import classify_service_pb2 as pb
 from capability.batching import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
@@ -62,6 +63,8 @@ TOKENIZER_THREADS = 2
 # Texts up to this many characters are tokenized on the event loop (tens of
 # microseconds), which costs less than the hop to a tokenizer thread and back.
 INLINE_TOKENIZE_CHARS = 2_000
+# The load report predicts the wait of a short text: a headline is 10-20 tokens.
+LOAD_REPORT_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +134,19 @@ class WorkerPool:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        cpu_compute_nice: int = 0,
     ) -> None:
         self._metrics = metrics
         self._unary_items = metrics.rpc_items.labels(CLASSIFY_METHOD)
         self._batch_items = metrics.rpc_items.labels(CLASSIFY_BATCH_METHOD)
         self.workers = [
-            DeviceWorker(device, name, metrics, memory_threshold=memory_threshold)
+            DeviceWorker(
+                device,
+                name,
+                metrics,
+                memory_threshold=memory_threshold,
+                cpu_compute_nice=cpu_compute_nice,
+            )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -214,6 +224,25 @@ class WorkerPool:
                 raise ModelNotFound(f"model {model!r} is not served here", model=model)
             raise ModelNotReady(f"model {model!r} is not loaded yet", model=model)
         return min(replicas, key=lambda replica: replica.load)
+
+    def load_report(self, model: str) -> bytes:
+        """How busy this server is for `model` (the serialized LoadReport the capability
+        sends with each answer); empty when the model is not served here."""
+        replicas = [w.replicas[model] for w in self.workers if model in w.replicas]
+        if not replicas:
+            return b""
+        report = pb.LoadReport(
+            queue_depth=sum(len(replica.queue) for replica in replicas),
+            device_busy_share=sum(r.batcher.busy_share() for r in replicas) / len(replicas),
+        )
+        least_loaded = min(replicas, key=lambda replica: replica.load)
+        report.predicted_queue_wait.FromNanoseconds(
+            int(least_loaded.predicted_queue_wait_seconds() * 1e9)
+        )
+        report.predicted_service.FromNanoseconds(
+            int(least_loaded.predicted_service_seconds(LOAD_REPORT_TOKENS) * 1e9)
+        )
+        return report.SerializeToString()
 
     async def classify(
         self,

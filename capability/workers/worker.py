@@ -111,8 +111,11 @@ class ModelReplica:
     def predicted_wait_seconds(self, tokens: int) -> float:
         """Time a text admitted now is expected to wait for its answer: the queue
         ahead of it, then its own batch."""
-        ahead = self._predict_drain_seconds(len(self.queue)) if self.queue else 0.0
-        return ahead + self.predicted_service_seconds(tokens)
+        return self.predicted_queue_wait_seconds() + self.predicted_service_seconds(tokens)
+
+    def predicted_queue_wait_seconds(self) -> float:
+        """Time a text admitted now is expected to wait before its own batch starts."""
+        return self._predict_drain_seconds(len(self.queue)) if self.queue else 0.0
 
     def predicted_service_seconds(self, tokens: int) -> float:
         """Time the batch this text would join is expected to take on the device."""
@@ -270,12 +273,15 @@ class DeviceWorker:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        cpu_compute_nice: int = 0,
     ) -> None:
         self.device = device
         self.name = name
         self._metrics = metrics
         self._memory_threshold = memory_threshold
-        self._device_thread = DeviceThread(f"device-{name}")
+        # On a GPU the thread only launches kernels: it must not wait for the CPU.
+        nice = cpu_compute_nice if device.type == "cpu" else 0
+        self._device_thread = DeviceThread(f"device-{name}", nice)
         # Whoever holds this may use the device next (FIFO): batches of every
         # replica, warm-ups and maintenance take turns through it (see `turn`).
         self._device_turn = asyncio.Lock()

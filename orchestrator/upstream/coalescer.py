@@ -32,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -40,8 +41,8 @@ from opentelemetry.trace import Link, SpanKind
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_common.context import REQUEST_ID_HEADER, new_request_id
-from classify_common.errors import DeadlineExpired, ServiceError
+from classify_common.context import LOAD_REPORT_TRAILER, REQUEST_ID_HEADER, new_request_id
+from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 
@@ -101,10 +102,14 @@ class ReplicaCoalescer:
         on_expired: Callable[[], None] = lambda: None,
         on_answered: Callable[[], None] = lambda: None,
         on_unavailable: Callable[[], None] = lambda: None,
+        on_load: Callable[[bytes], None] = lambda report: None,
+        predicted_wait: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
         out before it could be sent; `on_answered()` and `on_unavailable()` report a call
-        the replica answered, or one that found it UNAVAILABLE (for outlier ejection)."""
+        the replica answered, or one that found it UNAVAILABLE (for outlier ejection);
+        `on_load(report)` gets the load report trailer of each answered call;
+        `predicted_wait()` is the replica's reported wait now, in seconds."""
         self._stub = stub
         self._backend = backend
         self._target = target
@@ -114,6 +119,8 @@ class ReplicaCoalescer:
         self._on_expired = on_expired
         self._on_answered = on_answered
         self._on_unavailable = on_unavailable
+        self._on_load = on_load
+        self._predicted_wait = predicted_wait
         self._waiting: list[UpstreamItem] = []
         self._in_flight = 0
         self._send_scheduled = False
@@ -163,12 +170,25 @@ class ReplicaCoalescer:
             batch = self._waiting[: self._settings.max_items]
             del self._waiting[: self._settings.max_items]
             live = [item for item in batch if not item.future.done()]
+            # Items that gathered while the replica was busy may no longer have the
+            # time its queue needs: they go to a fallback now, not to miss it there.
+            wait = self._predicted_wait()
             for item in live:
                 if item.expires_at <= now:
                     self._on_expired()
                     item.future.set_exception(
                         DeadlineExpired(
                             "the deadline passed before the backend could be called",
+                            backend=self._backend,
+                        )
+                    )
+                elif item.expires_at - now < wait:
+                    self._on_expired()
+                    item.future.set_exception(
+                        DeadlineUnreachable(
+                            f"backend {self._backend} reports a wait of about "
+                            f"{wait * 1000:.0f} ms, but only "
+                            f"{(item.expires_at - now) * 1000:.0f} ms are left",
                             backend=self._backend,
                         )
                     )
@@ -206,13 +226,13 @@ class ReplicaCoalescer:
             *self._credentials,
         )
         try:
-            response: pb.ClassifyResponse = await self._stub.Classify(
-                item.request, timeout=remaining, metadata=metadata
-            )
+            call = self._stub.Classify(item.request, timeout=remaining, metadata=metadata)
+            response: pb.ClassifyResponse = await call
         except grpc.aio.AioRpcError as exc:
             self._fail_all([item], exc)
             return
         self._on_answered()
+        await self._read_load(call)
         if not item.future.done():
             item.future.set_result(response)
 
@@ -231,9 +251,8 @@ class ReplicaCoalescer:
                     (REQUEST_ID_HEADER, new_request_id()),
                     *self._credentials,
                 )
-            response: pb.ClassifyBatchResponse = await self._stub.ClassifyBatch(
-                request, timeout=timeout, metadata=metadata
-            )
+            call = self._stub.ClassifyBatch(request, timeout=timeout, metadata=metadata)
+            response: pb.ClassifyBatchResponse = await call
         except grpc.aio.AioRpcError as exc:
             span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
             self._fail_all(items, exc)
@@ -241,6 +260,7 @@ class ReplicaCoalescer:
         finally:
             span.end()
         self._on_answered()
+        await self._read_load(call)
         if len(response.results) != len(items):
             log.error(
                 "capability answered a batch with the wrong number of results",
@@ -261,6 +281,13 @@ class ReplicaCoalescer:
                 item.future.set_exception(
                     translate_item_status(result.error, self._backend, self._target)
                 )
+
+    async def _read_load(self, call: grpc.aio.UnaryUnaryCall[Any, Any]) -> None:
+        """Hand on the call's load report trailer, if the replica sent one."""
+        for key, value in await call.trailing_metadata() or ():
+            if key == LOAD_REPORT_TRAILER and isinstance(value, bytes):
+                self._on_load(value)
+                return
 
     def _start_shared_span(self, items: list[UpstreamItem]) -> trace.Span:
         """The shared call's client span, in a trace of its own, linked both ways with

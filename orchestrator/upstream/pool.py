@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import partial
 
@@ -19,11 +20,17 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER
-from classify_common.errors import DeadlineExpired, Overloaded
+from classify_common.errors import (
+    ConcurrencyLimited,
+    DeadlineExpired,
+    DeadlineUnreachable,
+    Overloaded,
+)
 from classify_common.tls import ClientTls
 from classify_common.tracing import inject_context
 from orchestrator.metrics import UpstreamMetrics
 from orchestrator.policy import OutlierDetector, OutlierSettings
+from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit, ConcurrencySettings
 from orchestrator.routing import Backend
 from orchestrator.upstream.addresses import (
     RESOLVE_INTERVAL_SECONDS,
@@ -33,8 +40,10 @@ from orchestrator.upstream.addresses import (
     lookup_ips,
 )
 from orchestrator.upstream.coalescer import CoalescingSettings, ReplicaCoalescer
+from orchestrator.upstream.load import ReplicaLoad, read_load_report
 
 DEFAULT_COALESCING = CoalescingSettings()
+DEFAULT_CONCURRENCY = ConcurrencySettings()
 
 # Hint sent with a concurrency-limit refusal: about one typical call.
 CONCURRENCY_RETRY_AFTER_SECONDS = 0.05
@@ -84,12 +93,20 @@ def open_channel(
 
 
 def call_timeout(backend_timeout: float, client_remaining: float | None) -> float:
-    """Seconds the upstream call may take, or DeadlineExpired when none are left."""
+    """Seconds the upstream call may take; DeadlineExpired when the caller's deadline
+    has passed, DeadlineUnreachable when what is left of it is less than the margin
+    the orchestrator keeps to answer."""
     timeout = backend_timeout
     if client_remaining is not None:
+        if client_remaining <= 0:
+            raise DeadlineExpired("the deadline passed before the backend could be called")
         timeout = min(timeout, client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS)
-    if timeout <= 0:
-        raise DeadlineExpired("the deadline passed before the backend could be called")
+        if timeout <= 0:
+            raise DeadlineUnreachable(
+                f"only {client_remaining * 1000:.1f} ms are left, less than the "
+                f"{DEADLINE_SAFETY_MARGIN_SECONDS * 1000:.0f} ms the orchestrator keeps to answer",
+                remaining_ms=round(client_remaining * 1000, 1),
+            )
     return timeout
 
 
@@ -109,6 +126,7 @@ class BackendPool:
         tls: ClientTls | None = None,
         coalescing: CoalescingSettings = DEFAULT_COALESCING,
         metrics: UpstreamMetrics | None = None,
+        concurrency: ConcurrencySettings = DEFAULT_CONCURRENCY,
         *,
         lookup: Lookup = lookup_ips,
         resolve_interval_seconds: float = RESOLVE_INTERVAL_SECONDS,
@@ -116,6 +134,15 @@ class BackendPool:
         self.backend = backend
         # Its replicas are the addresses _follow_addresses hands it.
         self.outliers = OutlierDetector((), outliers, on_ejected=on_ejected)
+        self.concurrency = AdaptiveConcurrencyLimit(concurrency) if concurrency.adaptive else None
+        # The latest load report of each replica.
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._limited: Callable[[], None] = lambda: None
+        self._unreachable: Callable[[], None] = lambda: None
+        if metrics is not None:
+            self._limited = metrics.concurrency_limited(backend.name).inc
+            self._unreachable = metrics.deadline_unreachable(backend.name).inc
+            metrics.watch_concurrency(backend.name, self)
         self._credentials: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
@@ -183,6 +210,8 @@ class BackendPool:
             on_expired=(lambda: None) if metrics is None else metrics.expired_unsent(name).inc,
             on_answered=partial(self.outliers.record_success, target),
             on_unavailable=partial(self.outliers.record_failure, target),
+            on_load=partial(self._record_load, target),
+            predicted_wait=partial(self.predicted_wait, target),
         )
 
     def model_service(self, target: str) -> model_pb_grpc.ModelServiceAsyncStub:
@@ -213,15 +242,33 @@ class BackendPool:
             fallback = fallback or target
         return fallback or next(self._turns)
 
-    async def classify(
-        self,
-        request: pb.ClassifyRequest,
-        *,
-        target: str,
-        client_remaining: float | None,
-    ) -> pb.ClassifyResponse:
-        """One attempt on one replica; failures come back as ServiceErrors."""
-        timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+    def _record_load(self, target: str, raw: bytes) -> None:
+        load = read_load_report(raw, asyncio.get_running_loop().time())
+        if load is not None:
+            self.loads[target] = load
+
+    def predicted_wait(self, target: str) -> float:
+        """Seconds a short text sent to `target` now is predicted to take, from its last
+        load report (0 before any)."""
+        load = self.loads.get(target)
+        return 0.0 if load is None else load.wait_at(asyncio.get_running_loop().time())
+
+    def _refuse_unreachable(self, target: str, timeout: float) -> None:
+        """DeadlineUnreachable when the replica's reported wait is longer than the time
+        the call may take: sending it would only queue it to miss its deadline."""
+        wait = self.predicted_wait(target)
+        if wait > timeout:
+            self._unreachable()
+            raise DeadlineUnreachable(
+                f"backend {self.backend.name} reports a wait of about {wait * 1000:.0f} ms, "
+                f"but only {timeout * 1000:.0f} ms are left",
+                backend=self.backend.name,
+                predicted_wait_ms=round(wait * 1000),
+                remaining_ms=round(timeout * 1000),
+            )
+
+    def _admit(self) -> None:
+        """Take a slot under the backend's limits, or raise Overloaded at once."""
         limit = self.backend.max_concurrency
         if limit is not None and self.in_flight >= limit:
             raise Overloaded(
@@ -229,13 +276,49 @@ class BackendPool:
                 retry_after_seconds=CONCURRENCY_RETRY_AFTER_SECONDS,
                 backend=self.backend.name,
             )
+        adaptive = self.concurrency
+        if adaptive is not None and not adaptive.try_acquire():
+            self._limited()
+            raise ConcurrencyLimited(
+                f"backend {self.backend.name} has {adaptive.in_flight} calls in flight, "
+                f"its adaptive limit",
+                retry_after_seconds=adaptive.retry_after_seconds(),
+                backend=self.backend.name,
+                limit=int(adaptive.limit),
+            )
         self.in_flight += 1
+
+    async def classify(
+        self,
+        request: pb.ClassifyRequest,
+        *,
+        target: str,
+        client_remaining: float | None,
+    ) -> pb.ClassifyResponse:
+        """One attempt on one replica; failures come back as ServiceErrors. Refused at
+        once, before any work: past the backend's concurrency limit (Overloaded), or
+        when the replica's reported wait is longer than the time left
+        (DeadlineUnreachable)."""
+        timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+        if client_remaining is not None:
+            self._refuse_unreachable(target, timeout)
+        self._admit()
+        started = time.perf_counter()
+        latency: float | None = None
+        missed_deadline = False
         try:
-            return await self.coalescers[target].classify(
+            response = await self.coalescers[target].classify(
                 request, seconds=timeout, trace_metadata=inject_context()
             )
+            latency = time.perf_counter() - started
+            return response
+        except DeadlineExpired:
+            missed_deadline = True
+            raise
         finally:
             self.in_flight -= 1
+            if self.concurrency is not None:
+                self.concurrency.release(latency, missed_deadline=missed_deadline)
 
     async def close(self) -> None:
         await self._addresses.close()
@@ -258,6 +341,7 @@ class UpstreamPools:
         tls: ClientTls | None = None,
         coalescing: CoalescingSettings = DEFAULT_COALESCING,
         metrics: UpstreamMetrics | None = None,
+        concurrency: ConcurrencySettings = DEFAULT_CONCURRENCY,
     ) -> None:
         self._pools = {
             name: BackendPool(
@@ -268,6 +352,7 @@ class UpstreamPools:
                 tls,
                 coalescing,
                 metrics,
+                concurrency,
             )
             for name, backend in backends.items()
         }

@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from classify_common.errors import DeadlineExpired
+from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.server import OrchestratorServer
@@ -58,8 +58,12 @@ def test_call_timeout_takes_the_tighter_of_backend_timeout_and_client_deadline()
     assert call_timeout(5.0, None) == 5.0
     assert call_timeout(5.0, 1.0) == pytest.approx(1.0 - DEADLINE_SAFETY_MARGIN_SECONDS)
     assert call_timeout(0.5, 30.0) == 0.5
-    with pytest.raises(DeadlineExpired):
+    # Time left, but less than the orchestrator keeps to answer: it cannot be met.
+    with pytest.raises(DeadlineUnreachable, match="ms are left"):
         call_timeout(5.0, DEADLINE_SAFETY_MARGIN_SECONDS / 2)
+    with pytest.raises(DeadlineExpired) as passed:
+        call_timeout(5.0, -0.001)
+    assert not isinstance(passed.value, DeadlineUnreachable)
 
 
 async def test_unreachable_capability_is_a_model_error_with_ids(

@@ -1,0 +1,350 @@
+"""`make bench-overload`: goodput through the front door when callers far outnumber capacity.
+
+The stack is started as `make run` starts it (orchestrator + capability with
+their default flags, a key without a rate limit), with routes.yaml's default
+route minus its fallback, so every OK answer comes from topic-minilm and the
+figures measure load shedding, not the cheap model. Phases, one after another:
+
+1. capacity: 32 closed-loop callers without a deadline; OK answers a second;
+2. 256 callers, each call with a 300 ms deadline (about three times what the
+   stack serves), then 1,024 callers, each for `--seconds` (20 s);
+3. healthy: 32 callers without a deadline right after, against capacity;
+4. refusal cost: 32 callers whose 5 ms deadlines nothing can meet, so the
+   orchestrator refuses every call, for the CPU one refusal costs.
+
+Callers behave as a well-made client does: after RESOURCE_EXHAUSTED they wait
+the RetryInfo delay the status carries; after any other answer they call again
+at once. For each overload phase it reports goodput (OK answers a second) over
+capacity, the share of calls that ended more than 50 ms past their deadline
+(seen by the client), the p99 latency of refusals (calls answered RESOURCE_EXHAUSTED, or
+DEADLINE_EXCEEDED with reason DEADLINE_UNREACHABLE), the outcome of
+every call by code and reason, and each server's CPU per call. The issue's
+targets: goodput at least 0.8 of capacity, at most 0.1% of calls more than
+50 ms late, refusals under 10 ms at p99, healthy right after.
+
+Prints a table, writes build/bench/overload.json.
+
+    python bench/overload.py [--seconds 20] [--capacity-seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from google.rpc import error_details_pb2, status_pb2  # noqa: E402
+
+from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
+from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
+from bench.front_door import ROUTES_TEMPLATE, STACK_DIR, write_credentials  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS_DIR,
+    SHORT_TEXTS,
+    Observation,
+    Progress,
+    ServerProcess,
+    capability_command,
+    orchestrator_command,
+    start_server,
+)
+
+RESULTS = RESULTS_DIR / "overload.json"
+CAPACITY_CALLERS = 32
+OVERLOAD_CALLERS = (256, 1024)
+DEADLINE_SECONDS = 0.3
+# A deadline nothing can meet: the refusal-cost phase.
+HOPELESS_DEADLINE_SECONDS = 0.005
+LATE_BY_SECONDS = 0.05
+# Calls without a deadline still get one, long enough never to matter.
+NO_DEADLINE_SECONDS = 30.0
+# Targets of issue 12.
+GOODPUT_TARGET = 0.8
+LATE_SHARE_TARGET = 0.001
+REFUSAL_P99_TARGET_MS = 10.0
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# The reason of a call refused because no backend could answer it in the time left.
+REFUSED_UNREACHABLE = "DEADLINE_UNREACHABLE"
+
+
+@dataclass
+class PhaseRecord:
+    """What the callers of one phase saw."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    ok_latencies: list[float] = field(default_factory=list)
+    refusal_latencies: list[float] = field(default_factory=list)
+    late: int = 0
+    calls: int = 0
+
+
+def _status_details(error: grpc.aio.AioRpcError) -> tuple[str, float]:
+    """The ErrorInfo reason and the RetryInfo delay (seconds, 0 if none) of a failure."""
+    reason, delay = "", 0.0
+    for key, value in error.trailing_metadata() or ():
+        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                delay = retry.retry_delay.ToTimedelta().total_seconds()
+    return reason, delay
+
+
+async def _caller(
+    stub: pb_grpc.ClassifyServiceAsyncStub,
+    metadata: tuple[tuple[str, str], ...],
+    deadline: float | None,
+    stop_at: float,
+    offset: int,
+    record: PhaseRecord,
+) -> None:
+    loop = asyncio.get_running_loop()
+    n = offset
+    timeout = deadline if deadline is not None else NO_DEADLINE_SECONDS
+    while loop.time() < stop_at:
+        request = pb.ClassifyRequest(text=SHORT_TEXTS[n % len(SHORT_TEXTS)])
+        n += 1
+        started = loop.time()
+        wait = 0.0
+        try:
+            await stub.Classify(request, metadata=metadata, timeout=timeout)
+            outcome = "OK"
+        except grpc.aio.AioRpcError as error:
+            reason, wait = _status_details(error)
+            outcome = f"{error.code().name}: {reason or '(no reason: client deadline)'}"
+        took = loop.time() - started
+        record.calls += 1
+        record.outcomes[outcome] += 1
+        if outcome == "OK":
+            record.ok_latencies.append(took)
+        elif outcome.startswith("RESOURCE_EXHAUSTED") or outcome.endswith(REFUSED_UNREACHABLE):
+            record.refusal_latencies.append(took)
+        if deadline is not None and took > deadline + LATE_BY_SECONDS:
+            record.late += 1
+        if wait > 0:
+            await asyncio.sleep(min(wait, max(stop_at - loop.time(), 0)))
+
+
+async def run_phase(
+    target: str,
+    metadata: tuple[tuple[str, str], ...],
+    callers: int,
+    seconds: float,
+    deadline: float | None,
+) -> tuple[PhaseRecord, float]:
+    record = PhaseRecord()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text="warm"), metadata=metadata, timeout=30)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stop_at = started + seconds
+        await asyncio.gather(
+            *(
+                _caller(stub, metadata, deadline, stop_at, index * 7, record)
+                for index in range(callers)
+            )
+        )
+        elapsed = loop.time() - started
+    return record, elapsed
+
+
+def percentile(values: list[float], share: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(int(share * len(ordered)), len(ordered) - 1)]
+
+
+def summarise(
+    name: str,
+    callers: int,
+    deadline: float | None,
+    record: PhaseRecord,
+    elapsed: float,
+    observed: Observation,
+    servers: Mapping[str, ServerProcess],
+) -> dict[str, Any]:
+    ok = record.outcomes.get("OK", 0)
+    cpu = observed.cpu
+    return {
+        "phase": name,
+        "callers": callers,
+        "deadline_ms": None if deadline is None else deadline * 1000,
+        "seconds": elapsed,
+        "calls": record.calls,
+        "ok": ok,
+        "ok_per_second": ok / elapsed,
+        "calls_per_second": record.calls / elapsed,
+        "ok_p50_ms": percentile(record.ok_latencies, 0.5) * 1000,
+        "ok_p99_ms": percentile(record.ok_latencies, 0.99) * 1000,
+        "refusals": len(record.refusal_latencies),
+        "refusal_p50_ms": percentile(record.refusal_latencies, 0.5) * 1000,
+        "refusal_p99_ms": percentile(record.refusal_latencies, 0.99) * 1000,
+        "late_over_50ms": record.late,
+        "late_share": record.late / record.calls if record.calls else math.nan,
+        "outcomes": dict(record.outcomes.most_common()),
+        "cpu_seconds": cpu,
+        "cpu_us_per_call": {
+            name: cpu[name] / record.calls * 1e6 if record.calls else math.nan
+            for name in (*servers, "client")
+        },
+        "cores_used": {name: cpu[name] / cpu["wall"] for name in (*servers, "client", "others")},
+    }
+
+
+def write_routes_without_fallback(capability_target: str) -> Path:
+    """routes.yaml with every backend at the bench's capability server and no route
+    falling back, so that every OK answer is the primary model's."""
+    routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
+    for backend in routes["backends"].values():
+        backend["targets"] = [capability_target]
+    for route in routes["routes"]:
+        route.pop("fallback", None)
+    path = STACK_DIR / "routes-no-fallback.yaml"
+    path.write_text(yaml.safe_dump(routes, sort_keys=False))
+    return path
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(
+        "\n| phase | callers | deadline ms | OK/s | / capacity | calls/s | OK p99 ms "
+        "| refusals | refusal p50 / p99 ms | late > 50 ms | orchestrator µs/call "
+        "| capability µs/call | client cores |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    capacity = report["capacity_ok_per_second"]
+    for phase in report["phases"]:
+        deadline = phase["deadline_ms"]
+        cpu = phase["cpu_us_per_call"]
+        print(
+            f"| {phase['phase']} | {phase['callers']} | "
+            f"{'-' if deadline is None else f'{deadline:.0f}'} | {phase['ok_per_second']:,.0f} | "
+            f"{phase['ok_per_second'] / capacity:.2f} | {phase['calls_per_second']:,.0f} | "
+            f"{phase['ok_p99_ms']:.0f} | {phase['refusals']:,} | "
+            f"{phase['refusal_p50_ms']:.1f} / {phase['refusal_p99_ms']:.1f} | "
+            f"{phase['late_share'] * 100:.2f}% | {cpu.get('orchestrator', math.nan):,.0f} | "
+            f"{cpu.get('capability', math.nan):,.0f} | {phase['cores_used']['client']:.2f} |"
+        )
+    print("\nOutcomes per phase:")
+    for phase in report["phases"]:
+        print(
+            f"- {phase['phase']}: " + ", ".join(f"{k} {v:,}" for k, v in phase["outcomes"].items())
+        )
+    targets = report["targets"]
+    print("\nAgainst the issue's targets:")
+    for line in targets["lines"]:
+        print(f"- {line}")
+
+
+def judge(report: dict[str, Any]) -> dict[str, Any]:
+    phases = {phase["phase"]: phase for phase in report["phases"]}
+    capacity = report["capacity_ok_per_second"]
+    lines, met = [], True
+    for callers in OVERLOAD_CALLERS:
+        phase = phases[f"overload {callers}"]
+        goodput = phase["ok_per_second"] / capacity
+        ok = (
+            goodput >= GOODPUT_TARGET
+            and phase["late_share"] <= LATE_SHARE_TARGET
+            and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
+        )
+        met &= ok
+        lines.append(
+            f"{callers} callers: goodput {goodput:.2f} of capacity (target {GOODPUT_TARGET}), "
+            f"{phase['late_share'] * 100:.2f}% of calls > 50 ms late (target "
+            f"{LATE_SHARE_TARGET * 100:.1f}%), refusal p99 {phase['refusal_p99_ms']:.1f} ms "
+            f"(target {REFUSAL_P99_TARGET_MS:.0f}): {'met' if ok else 'NOT met'}"
+        )
+    healthy = phases["healthy"]
+    recovered = healthy["ok_per_second"] / capacity
+    errors = healthy["calls"] - healthy["ok"]
+    lines.append(f"healthy right after: {recovered:.2f} of capacity, {errors} errors")
+    met &= recovered >= GOODPUT_TARGET and errors == 0
+    served = phases["capacity"]["cpu_us_per_call"]
+    refused = phases["refusal cost"]["cpu_us_per_call"]
+    served_total = served["orchestrator"] + served["capability"]
+    refused_total = refused["orchestrator"] + refused["capability"]
+    lines.append(
+        f"CPU per served call {served_total:,.0f} µs (both servers), per refused call "
+        f"{refused_total:,.0f} µs: {refused_total / served_total:.2f} of a served one"
+    )
+    return {"met": met, "lines": lines}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="each overload phase")
+    parser.add_argument("--capacity-seconds", type=float, default=8.0)
+    args = parser.parse_args()
+    phases_planned = [
+        ("capacity", CAPACITY_CALLERS, None, args.capacity_seconds),
+        *(
+            (f"overload {callers}", callers, DEADLINE_SECONDS, args.seconds)
+            for callers in OVERLOAD_CALLERS
+        ),
+        ("healthy", CAPACITY_CALLERS, None, args.capacity_seconds),
+        ("refusal cost", CAPACITY_CALLERS, HOPELESS_DEADLINE_SECONDS, args.capacity_seconds / 2),
+    ]
+    progress = Progress(1 + len(phases_planned))
+    key, environment = write_credentials()
+    metadata = (("authorization", f"Bearer {key}"),)
+    progress.step("starting orchestrator + capability (loading the models)")
+    phases: list[dict[str, Any]] = []
+    with (
+        start_server(
+            "overload-capability", capability_command("--device", "cpu"), environment
+        ) as capability,
+        start_server(
+            "overload-orchestrator",
+            orchestrator_command(
+                "--routes-file", str(write_routes_without_fallback(capability.target))
+            ),
+            environment,
+        ) as orchestrator,
+        asyncio.Runner() as runner,
+    ):
+        servers = {"orchestrator": orchestrator, "capability": capability}
+        for name, callers, deadline, seconds in phases_planned:
+            progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
+            with Observation(servers) as observed:
+                record, elapsed = runner.run(
+                    run_phase(orchestrator.target, metadata, callers, seconds, deadline)
+                )
+            phases.append(summarise(name, callers, deadline, record, elapsed, observed, servers))
+    progress.clear()
+    report: dict[str, Any] = {
+        "phases": phases,
+        "capacity_ok_per_second": phases[0]["ok_per_second"],
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    report["targets"] = judge(report)
+    print_report(report)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nresults: {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

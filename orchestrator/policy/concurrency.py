@@ -1,0 +1,227 @@
+"""An adaptive concurrency limit per backend: refuse the excess before spending CPU on it.
+
+Under overload the orchestrator must not hold more calls to a backend than the
+backend can answer in good time; every call beyond that only waits (in the
+capability's queue, or for CPU on either event loop) and spends its caller's
+deadline. The limit follows measured latency against its minimum, in the
+spirit of Envoy's adaptive concurrency filter and Netflix's gradient limiter:
+
+- every `window` the median latency of the calls answered in it is compared
+  with the minimum latency, and the limit becomes
+  `limit · gradient + √limit`, where `gradient = clamp(tolerance · min / median,
+  0.5, 1)`: it grows by √limit while latency stays within `tolerance` times the
+  minimum and shrinks (at most by half per window) when it does not;
+- the minimum is taken at first as the lowest window median seen, and then
+  measured by a probe: the limit is held at `min_limit` until `probe_samples`
+  calls sent during the probe have been answered, so that a minimum measured
+  under load does not stay the reference. A probe runs only when there are
+  signs of overload, calls refused by the limit or calls that ran out of time
+  (and then at most every `probe_interval`, jittered): a backend that keeps up
+  is never held down to `min_limit` for the sake of measuring it.
+
+A batching server's latency grows with its batch even when nothing queues, so
+the minimum is measured at `min_limit` calls in flight (32 by default, enough
+to fill batches), and the default tolerance is 2 (Envoy's default allows 25%).
+
+A refused call gets a retry-after hint that spreads the refused callers over
+the rate the backend answers: the number of refused callers still waiting out
+their hints, divided by the calls answered a second, so the k-th waiting caller
+comes back after about k answers; at least one median latency, at most
+`MAX_RETRY_AFTER_SECONDS`, and jittered so refused callers do not return together.
+
+All methods run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_RETRY_AFTER_SECONDS = 5.0
+# The hint before any latency has been measured.
+DEFAULT_RETRY_AFTER_SECONDS = 0.05
+# A window's median needs this many answers; fewer, and the window runs on.
+MIN_WINDOW_SAMPLES = 8
+# Retry-after hints and probe intervals are drawn from ±this share around their value.
+JITTER = 0.2
+# Seconds over which refusals and answers are counted for the retry-after hint.
+HINT_WINDOW_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class ConcurrencySettings:
+    """The adaptive limit of every backend (orchestrator flags `--concurrency-*`)."""
+
+    # Off: only routes.yaml's static `max_concurrency` applies.
+    adaptive: bool = True
+    # Latency allowed before the limit shrinks, as a multiple of the minimum, 1..100.
+    latency_tolerance: float = 2.0
+    # Fewest calls allowed in flight (and the probe's limit), 1..10000. A batching
+    # backend needs calls in flight to fill its batches: on the 2-core development
+    # machine 32 give 0.8 of the throughput of 128, 8 only 0.45, so the limit never
+    # goes below 32 by default.
+    min_limit: int = 32
+    # Most calls allowed in flight, min_limit..100000.
+    max_limit: int = 1024
+    # The limit before any latency is measured, min_limit..max_limit.
+    initial_limit: int = 64
+    # Seconds between limit updates, 0.01..10.
+    window_seconds: float = 0.1
+    # Seconds between minimum-latency probes, 1..3600.
+    probe_interval_seconds: float = 15.0
+    # Answers a probe measures, 1..1000.
+    probe_samples: int = 10
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.latency_tolerance <= 100:
+            raise ValueError(f"latency_tolerance {self.latency_tolerance} is outside 1..100")
+        if not 1 <= self.min_limit <= 10_000:
+            raise ValueError(f"min_limit {self.min_limit} is outside 1..10000")
+        if not self.min_limit <= self.max_limit <= 100_000:
+            raise ValueError(f"max_limit {self.max_limit} is outside min_limit..100000")
+        if not self.min_limit <= self.initial_limit <= self.max_limit:
+            raise ValueError(f"initial_limit {self.initial_limit} is outside min..max limit")
+        if not 0.01 <= self.window_seconds <= 10:
+            raise ValueError(f"window_seconds {self.window_seconds} is outside 0.01..10")
+        if not 1 <= self.probe_interval_seconds <= 3600:
+            raise ValueError(
+                f"probe_interval_seconds {self.probe_interval_seconds} is outside 1..3600"
+            )
+        if not 1 <= self.probe_samples <= 1000:
+            raise ValueError(f"probe_samples {self.probe_samples} is outside 1..1000")
+
+
+class AdaptiveConcurrencyLimit:
+    """One backend's limit, its calls in flight, and the latencies that move it."""
+
+    def __init__(
+        self,
+        settings: ConcurrencySettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.limit = float(settings.initial_limit)
+        self.in_flight = 0
+        # Seconds; None until the first window has been measured.
+        self.min_latency: float | None = None
+        self.median_latency: float | None = None
+        self._window: list[float] = []
+        now = clock()
+        self._window_ends = now + settings.window_seconds
+        # The first refusal may start a probe at once.
+        self._next_probe = now
+        # A call refused, or one that missed its deadline, since the last update.
+        self._overload_seen = False
+        # While probing: the limit to return to, and the probe's answers.
+        self._probing_from: float | None = None
+        self._probe_started = now
+        self._probe: list[float] = []
+        # Retry-after hint: when each refused caller's hint runs out (a heap), and the
+        # calls answered this hint window and the last.
+        self._waiting_out: list[float] = []
+        self._hint_window_ends = now + HINT_WINDOW_SECONDS
+        self._answered_now = self._answered_last = 0
+
+    @property
+    def probing(self) -> bool:
+        return self._probing_from is not None
+
+    def _jittered(self, seconds: float) -> float:
+        return seconds * self._rng.uniform(1 - JITTER, 1 + JITTER)
+
+    def try_acquire(self) -> bool:
+        """Take a slot for one call, or False when the limit is reached."""
+        if self.in_flight >= int(self.limit):
+            self._overload_seen = True
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self, latency: float | None, *, missed_deadline: bool = False) -> None:
+        """Give back a slot; `latency` (seconds) when the backend answered the call,
+        None when it failed or was cancelled (no sample: a fast failure is no news
+        about the backend's latency). `missed_deadline`: the call ran out of time,
+        which, like a refusal, is a sign of overload that lets a probe run."""
+        self.in_flight -= 1
+        if missed_deadline:
+            self._overload_seen = True
+        if latency is None:
+            return
+        self._answered_now += 1
+        now = self._clock()
+        self._roll_hint_window(now)
+        if self._probing_from is not None:
+            if latency > now - self._probe_started:
+                return  # sent before the probe, at the old limit: no news about the minimum
+            self._probe.append(latency)
+            if len(self._probe) >= self.settings.probe_samples:
+                self._end_probe(now)
+            return
+        self._window.append(latency)
+        if now >= self._window_ends and len(self._window) >= MIN_WINDOW_SAMPLES:
+            self._update(now)
+
+    def _update(self, now: float) -> None:
+        median = statistics.median(self._window)
+        self._window.clear()
+        self._window_ends = now + self.settings.window_seconds
+        self.median_latency = median
+        if self.min_latency is None or (self._probing_from is None and median < self.min_latency):
+            # Until the first probe, the lowest median seen is the reference.
+            self.min_latency = median
+        gradient = min(max(self.settings.latency_tolerance * self.min_latency / median, 0.5), 1.0)
+        limit = self.limit * gradient + math.sqrt(self.limit)
+        self.limit = min(max(limit, self.settings.min_limit), self.settings.max_limit)
+        overloaded, self._overload_seen = self._overload_seen, False
+        if overloaded and now >= self._next_probe:
+            self._probing_from, self._probe_started = self.limit, now
+            self.limit = self.settings.min_limit
+
+    def _end_probe(self, now: float) -> None:
+        assert self._probing_from is not None
+        self.min_latency = statistics.median(self._probe)
+        self.limit, self._probing_from = self._probing_from, None
+        self._probe.clear()
+        self._window.clear()
+        self._window_ends = now + self.settings.window_seconds
+        self._next_probe = now + self._jittered(self.settings.probe_interval_seconds)
+
+    def _roll_hint_window(self, now: float) -> None:
+        if now < self._hint_window_ends:
+            return
+        stale = now - self._hint_window_ends >= HINT_WINDOW_SECONDS
+        self._answered_last = 0 if stale else self._answered_now
+        self._answered_now = 0
+        self._hint_window_ends = now + HINT_WINDOW_SECONDS
+
+    def _answer_rate(self, now: float) -> float:
+        """Calls answered a second: over the last hint window, else the current one."""
+        if self._answered_last:
+            return self._answered_last / HINT_WINDOW_SECONDS
+        elapsed = now - (self._hint_window_ends - HINT_WINDOW_SECONDS)
+        return self._answered_now / max(elapsed, self.settings.window_seconds)
+
+    def retry_after_seconds(self) -> float:
+        """The hint for a call refused now: the refused callers still waiting out their
+        hints, over the rate calls are answered, so that they come back about as fast
+        as slots free up (the k-th waiting caller after about k answers)."""
+        now = self._clock()
+        self._roll_hint_window(now)
+        waiting = self._waiting_out
+        while waiting and waiting[0] <= now:
+            heapq.heappop(waiting)
+        rate = self._answer_rate(now)
+        floor = self.median_latency or DEFAULT_RETRY_AFTER_SECONDS
+        spread = len(waiting) / rate if rate > 0 else floor
+        hint = self._jittered(min(max(spread, floor), MAX_RETRY_AFTER_SECONDS))
+        heapq.heappush(waiting, now + hint)
+        return hint
