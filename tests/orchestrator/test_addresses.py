@@ -1,28 +1,33 @@
 """Every address behind a target is a replica: names looked up and followed as pods come
-and go, and a pod that reports NOT_SERVING passed by without a failed call."""
+and go, a pod that reports NOT_SERVING passed by without a failed call, and TLS to a
+pod's address checked against the name it was found under."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
+from classify_common.tls import ClientTls
 from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
 from orchestrator.policy import OutlierSettings
 from orchestrator.routing import Backend
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.addresses import Address, HostName, TargetAddresses, parse_target
-from orchestrator.upstream.pool import BackendPool
+from orchestrator.upstream.pool import BackendPool, open_channel
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings
-from tests.flaky_pod import FlakyPod
+from tests.flaky_pod import CLASSIFY_SERVICE, FlakyPod
 
 
 @pytest.mark.parametrize(
@@ -177,3 +182,51 @@ routes:
         await orchestrator.stop(grace_seconds=0)
         await pod.stop()
     assert metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL) == 0
+
+
+def make_pod_certificate(directory: Path, dns_name: str) -> None:
+    """A test CA, and a server certificate it signed for `dns_name` only (no IP), as a
+    pod's certificate names its Service."""
+    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=ca")
+    openssl("req", *curve, "-keyout", "pod.key", "-out", "pod.csr", "-subj", "/CN=pod")
+    (directory / "san.ext").write_text(f"subjectAltName=DNS:{dns_name}\n")
+    openssl(
+        "x509", "-req", "-in", "pod.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "pod.pem", "-days", "1", "-extfile", "san.ext",
+    )  # fmt: skip
+
+
+async def test_an_address_found_under_a_name_is_checked_against_that_name(
+    tmp_path: Path,
+) -> None:
+    """TLS to a pod dialled by its IP: its certificate carries the Service's name, which
+    the channel presents as its authority."""
+    make_pod_certificate(tmp_path, "pods.test")
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    await servicer.set(CLASSIFY_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    key_and_chain = ((tmp_path / "pod.key").read_bytes(), (tmp_path / "pod.pem").read_bytes())
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([key_and_chain]))
+    await server.start()
+    tls = ClientTls(tmp_path / "ca.pem")
+    address = f"127.0.0.1:{port}"
+    check = health_pb2.HealthCheckRequest()
+    try:
+        async with open_channel(address, tls, authority=f"pods.test:{port}") as channel:
+            stub: Any = health_pb2_grpc.HealthStub(channel)
+            answer = await stub.Check(check, timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        async with open_channel(address, tls) as channel:  # checked against 127.0.0.1
+            stub = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Check(check, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Hostname Verification" in (caught.value.details() or "")
+    finally:
+        await server.stop(grace=None)
