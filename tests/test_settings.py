@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from capability.config import CapabilitySettings
 from classify_common.settings import SettingsError
 from orchestrator.config import OrchestratorSettings
+from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 
 
 def test_defaults_are_the_documented_ports() -> None:
@@ -82,6 +84,24 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
         CapabilitySettings(model_config=config)
     config.write_text("topic-static:\n  max_batch_size: 0\n")
     with pytest.raises(SettingsError, match=r"topic-static: max_batch_size 0 is outside 1\.\.1024"):
+        CapabilitySettings(model_config=config)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (nested_aliases(), r"{path}:3:5: anchor &l0: YAML anchors and aliases"),
+        (TOO_DEEP_YAML, r"{path}:3:\d+: mappings and lists nest deeper than 32"),
+        (OVERSIZE_YAML_COMMENT, r"{path}: \d+ bytes, over the 262144-byte limit"),
+    ],
+)
+def test_model_config_past_the_reading_bounds_is_refused(
+    tmp_path: Path, extra: str, message: str
+) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-static:\n  max_batch_size: 64\n" + extra)
+    expected = "^--model-config / CAPABILITY_MODEL_CONFIG: " + message
+    with pytest.raises(SettingsError, match=expected.format(path=re.escape(str(config)))):
         CapabilitySettings(model_config=config)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,8 @@ from capability.bundle import (
 )
 from capability.bundle.__main__ import main as bundle_cli
 from capability.model import ModelLoadError
+from classify_common.documents import MAX_DOCUMENT_BYTES
+from tests.hostile_files import TOO_DEEP_JSON
 
 MINILM_FILES = {
     "config.json",
@@ -270,6 +273,37 @@ def test_unknown_nested_config_key_is_refused_naming_its_path(
     edit_config(bundle, lambda config: config.update(head={"type": "linear", "scale": 40.0}))
     write_manifest(bundle)
     with pytest.raises(BundleConfigInvalid, match=r"^config\.json: unknown key 'head\.scale'"):
+        load_bundle(bundle)
+
+
+def append_to_top_object(text: str, members: str) -> str:
+    """`text`, a JSON object, with `members` added before its closing brace."""
+    return text.rstrip().removesuffix("}") + f", {members}}}"
+
+
+@pytest.mark.parametrize("name", ["config.json", "manifest.json"])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda text: text + " " * MAX_DOCUMENT_BYTES, r": \d+ bytes, over the 262144-byte limit"),
+        (
+            lambda text: append_to_top_object(text, f'"deep": {TOO_DEEP_JSON}'),
+            r":\d+:\d+: objects and arrays nest deeper than 32 levels",
+        ),
+        (
+            lambda text: append_to_top_object(text, '"format_version": 1'),
+            r": key 'format_version' appears twice",
+        ),
+    ],
+)
+def test_bundle_json_past_the_reading_bounds_is_refused_naming_it(
+    static_bundle: Path, tmp_path: Path, name: str, edit: Callable[[str], str], message: str
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    replace_file(bundle / name, edit((bundle / name).read_text(encoding="utf-8")).encode())
+    if name != "manifest.json":
+        write_manifest(bundle)  # so that the file is read, not refused by its hash
+    with pytest.raises(BundleConfigInvalid, match="^" + re.escape(name) + message):
         load_bundle(bundle)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from capability.server import CapabilityServer
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.hostile_files import nested_aliases
 
 
 def routes_to(default_backend: str, capability_port: int) -> str:
@@ -55,6 +58,7 @@ class LoadedOrchestrator:
             registry=CollectorRegistry(),
         )
         self.models: list[str] = []
+        self.answered_at: list[float] = []  # loop time of each answer, in order
         self.failures: list[grpc.aio.AioRpcError] = []
         self._stop = asyncio.Event()
         self._clients: list[asyncio.Future[None]] = []
@@ -73,8 +77,15 @@ class LoadedOrchestrator:
             try:
                 response = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
                 self.models.append(response.model.name)
+                self.answered_at.append(asyncio.get_running_loop().time())
             except grpc.aio.AioRpcError as error:
                 self.failures.append(error)
+
+    def longest_wait_for_an_answer(self, since: float) -> float:
+        """The longest time from `since` (loop time) to now with no answer."""
+        times = [since, *(t for t in self.answered_at if t > since)]
+        times.append(asyncio.get_running_loop().time())
+        return max(later - earlier for earlier, later in itertools.pairwise(times))
 
     def reloads(self, outcome: str) -> float:
         return metric_sum(self.server.registry, ROUTES_RELOADS_TOTAL, outcome=outcome)
@@ -127,3 +138,70 @@ async def test_kubernetes_configmap_symlink_swap_is_applied(
 
         await wait_until(lambda: loaded.models[-8:] == ["topic-static"] * 8)
     assert loaded.failures == []
+
+
+async def test_routes_file_of_nested_aliases_is_refused_while_calls_keep_flowing(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    loop = asyncio.get_running_loop()
+    async with LoadedOrchestrator(routes) as loaded:
+        edited = loop.time()
+        # A valid edit to the static model, with 9 ** 8 strings' worth of aliases under
+        # an unknown key: refused whole, so the minilm routes stay.
+        replace_file(routes, routes_to("static", capability.port) + nested_aliases(levels=8))
+        await wait_until(lambda: loaded.reloads("failed") == 1)
+        refused_after = loop.time() - edited
+        served_before = len(loaded.models)
+        await wait_until(lambda: len(loaded.models) >= served_before + 8)
+        assert set(loaded.models[served_before:]) == {"topic-minilm"}
+        assert loaded.longest_wait_for_an_answer(since=edited) < 0.5
+    assert refused_after < 1.0  # poll interval (0.05 s) included
+    assert loaded.failures == []
+
+
+async def test_routes_file_is_read_off_the_event_loop(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    # A named pipe in the file's place: opening it waits for the writer, which comes a
+    # second later, as a read from a stalled network volume would. Read on the event
+    # loop, it would stop every call for that second.
+    pipe = tmp_path / "routes.pipe"
+    os.mkfifo(pipe)
+    refused = routes_to("static", capability.port) + nested_aliases()
+
+    def write_then_settle() -> None:
+        pipe.write_text(refused)
+        # A plain file again, so that the next look at it waits for no one.
+        replace_file(routes, refused)
+
+    writer = threading.Timer(1.0, write_then_settle)
+    loop = asyncio.get_running_loop()
+    try:
+        async with LoadedOrchestrator(routes) as loaded:
+            os.link(pipe, tmp_path / "routes.staged")
+            os.replace(tmp_path / "routes.staged", routes)
+            swapped = loop.time()
+            writer.start()
+            await wait_until(lambda: loaded.reloads("failed") >= 1)
+            assert loop.time() - swapped >= 1.0  # the read did wait for the writer
+            assert loaded.longest_wait_for_an_answer(since=swapped) < 0.5
+            assert loaded.models[-1] == "topic-minilm"
+    finally:
+        writer.join()
+        release_pipe_readers(pipe)
+    assert loaded.failures == []
+
+
+def release_pipe_readers(pipe: Path) -> None:
+    """Give an end of file to each reader still waiting to open `pipe`, so that no
+    worker thread is left blocked after the test."""
+    while True:
+        try:
+            writer = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: nobody is waiting to read
+            return
+        os.close(writer)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.routing import RoutesFileError, load_routes
 from tests.conftest import REPO_ROOT
+from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 
 VALID = """\
 version: 1
@@ -96,3 +101,51 @@ def test_unreadable_and_malformed_files_are_refused(tmp_path: Path) -> None:
         load_routes(tmp_path / "missing.yaml")
     with pytest.raises(RoutesFileError, match="not valid YAML"):
         load_text(tmp_path, "version: [1\n")
+
+
+def test_nested_aliases_are_refused_at_once_naming_file_and_line(tmp_path: Path) -> None:
+    # Under an unknown key, as reported: the refusal once walked the expanded tree
+    # (9 ** 8 paths here) to find the unknown key's line.
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID + nested_aliases(levels=8))
+    started = time.perf_counter()
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert time.perf_counter() - started < 1.0
+    line = VALID.count("\n") + 1
+    assert str(caught.value).startswith(f"{path}:{line}: anchor &l0: YAML anchors and aliases")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (OVERSIZE_YAML_COMMENT, r"^{path}: \d+ bytes, over the 262144-byte limit"),
+        (TOO_DEEP_YAML, r"^{path}:10: mappings and lists nest deeper than 32 levels"),
+        ("backends: {}\n", r"^{path}:10: key 'backends' appears twice"),
+    ],
+)
+def test_files_past_the_reading_bounds_are_refused(
+    tmp_path: Path, extra: str, message: str
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID + extra)
+    with pytest.raises(RoutesFileError, match=message.format(path=re.escape(str(path)))):
+        load_routes(path)
+
+
+def test_check_command_refuses_nested_aliases_quickly(tmp_path: Path) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID + nested_aliases(levels=8))
+    started = time.perf_counter()
+    checked = subprocess.run(
+        [sys.executable, "-m", "orchestrator.routing", "check", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Start-up (imports) included; expanding the aliases would take minutes.
+    assert time.perf_counter() - started < 10.0
+    assert checked.returncode == 1
+    line = VALID.count("\n") + 1
+    assert checked.stderr.startswith(f"{path}:{line}: anchor &l0: YAML anchors and aliases")

@@ -23,6 +23,7 @@ from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
+from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 from tests.status_details import error_info, error_reason
 
 ACME_KEY, OTHER_KEY, ADMIN_KEY = new_key(), new_key(), new_key()
@@ -177,6 +178,23 @@ def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, me
     path = tmp_path / "keys.yaml"
     path.write_text(text)
     with pytest.raises(KeysFileError, match=re.escape(message)):
+        load_api_keys(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keys: []\n" + nested_aliases(), r"^{path}:2:5: anchor &l0: YAML anchors and aliases"),
+        ("keys: []\n" + TOO_DEEP_YAML, r"^{path}:2:\d+: mappings and lists nest deeper than 32"),
+        ("keys: []\n" + OVERSIZE_YAML_COMMENT, r"^{path}: \d+ bytes, over the 262144-byte limit"),
+    ],
+)
+def test_keys_file_past_the_reading_bounds_is_refused(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(KeysFileError, match=message.format(path=re.escape(str(path)))):
         load_api_keys(path)
 
 
