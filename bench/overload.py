@@ -65,6 +65,7 @@ from bench.harness import (  # noqa: E402
 
 RESULTS = RESULTS_DIR / "overload.json"
 CAPACITY_CALLERS = 32
+CALLERS_PER_CONNECTION = 1024
 OVERLOAD_CALLERS = (256, 1024)
 DEADLINE_SECONDS = 0.3
 # A deadline nothing can meet: the refusal-cost phase.
@@ -86,10 +87,13 @@ class PhaseRecord:
     """What the callers of one phase saw."""
 
     outcomes: Counter[str] = field(default_factory=Counter)
+    latencies: dict[str, list[float]] = field(default_factory=dict)
     ok_latencies: list[float] = field(default_factory=list)
     refusal_latencies: list[float] = field(default_factory=list)
     late: int = 0
     calls: int = 0
+    # RESOURCE_EXHAUSTED answers that carried no RetryInfo (a client cannot pace itself).
+    refused_without_hint: int = 0
 
 
 def _status_details(error: grpc.aio.AioRpcError) -> tuple[str, float]:
@@ -136,10 +140,13 @@ async def _caller(
         took = loop.time() - started
         record.calls += 1
         record.outcomes[outcome] += 1
+        record.latencies.setdefault(outcome, []).append(took)
         if outcome == "OK":
             record.ok_latencies.append(took)
         elif outcome.startswith("RESOURCE_EXHAUSTED") or outcome.endswith(REFUSED_UNREACHABLE):
             record.refusal_latencies.append(took)
+            if outcome.startswith("RESOURCE_EXHAUSTED") and wait <= 0:
+                record.refused_without_hint += 1
         if deadline is not None and took > deadline + LATE_BY_SECONDS:
             record.late += 1
         if wait > 0:
@@ -154,19 +161,35 @@ async def run_phase(
     deadline: float | None,
 ) -> tuple[PhaseRecord, float]:
     record = PhaseRecord()
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.ClassifyServiceStub(channel)
-        await stub.Classify(pb.ClassifyRequest(text="warm"), metadata=metadata, timeout=30)
+    # Many callers are many clients: CALLERS_PER_CONNECTION share one connection.
+    channels = [
+        grpc.aio.insecure_channel(target)
+        for _ in range(math.ceil(callers / CALLERS_PER_CONNECTION))
+    ]
+    try:
+        stubs = [pb_grpc.ClassifyServiceStub(channel) for channel in channels]
+        for stub in stubs:
+            await stub.Classify(pb.ClassifyRequest(text="warm"), metadata=metadata, timeout=30)
         loop = asyncio.get_running_loop()
         started = loop.time()
         stop_at = started + seconds
         await asyncio.gather(
             *(
-                _caller(stub, metadata, deadline, stop_at, index * 7, record)
+                _caller(
+                    stubs[index // CALLERS_PER_CONNECTION],
+                    metadata,
+                    deadline,
+                    stop_at,
+                    index * 7,
+                    record,
+                )
                 for index in range(callers)
             )
         )
         elapsed = loop.time() - started
+    finally:
+        for channel in channels:
+            await channel.close()
     return record, elapsed
 
 
@@ -205,6 +228,13 @@ def summarise(
         "late_over_50ms": record.late,
         "late_share": record.late / record.calls if record.calls else math.nan,
         "outcomes": dict(record.outcomes.most_common()),
+        "outcome_latency_ms": {
+            outcome: {
+                "p50": percentile(latencies, 0.5) * 1000,
+                "p99": percentile(latencies, 0.99) * 1000,
+            }
+            for outcome, latencies in record.latencies.items()
+        },
         "cpu_seconds": cpu,
         "cpu_us_per_call": {
             name: cpu[name] / record.calls * 1e6 if record.calls else math.nan
@@ -249,9 +279,12 @@ def print_report(report: dict[str, Any]) -> None:
         )
     print("\nOutcomes per phase:")
     for phase in report["phases"]:
-        print(
-            f"- {phase['phase']}: " + ", ".join(f"{k} {v:,}" for k, v in phase["outcomes"].items())
+        latency = phase["outcome_latency_ms"]
+        counts = ", ".join(
+            f"{name} {count:,} (p50 {latency[name]['p50']:.1f} ms, p99 {latency[name]['p99']:.1f})"
+            for name, count in phase["outcomes"].items()
         )
+        print(f"- {phase['phase']}: {counts}")
     targets = report["targets"]
     print("\nAgainst the issue's targets:")
     for line in targets["lines"]:

@@ -215,9 +215,26 @@ class DeadlineExpired(ServiceError):
 
 
 class DeadlineUnreachable(DeadlineExpired):
-    """Refused at admission: the time left is less than the predicted service time."""
+    """Refused at admission: the time left is less than the predicted service time.
+
+    With `retry_after_seconds`, the refusal came from load (a queue too long for the
+    time left, not a deadline too short for any wait), and its status carries a
+    RetryInfo as an overload refusal does."""
 
     reason = "DEADLINE_UNREACHABLE"
+
+    def __init__(
+        self, message: str, *, retry_after_seconds: float | None = None, **context: object
+    ) -> None:
+        super().__init__(message, **context)
+        self.retry_after_seconds = retry_after_seconds
+
+    def details(self) -> list[Message]:
+        if self.retry_after_seconds is None:
+            return super().details()
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
+        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
 
 
 class ExpiredInQueue(DeadlineExpired):

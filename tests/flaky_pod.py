@@ -5,7 +5,8 @@ by without a failed call (its channel is in TRANSIENT_FAILURE), so it cannot
 show outlier ejection. This one accepts connections and reports SERVING,
 answers every ClassifyService call UNAVAILABLE while `failing`, and after that
 passes each call on as it came (raw bytes and metadata) to a real capability
-server, so its answers are real ones.
+server, so its answers are real ones; with `load_report` set, it sends that
+LoadReport with them instead of the capability's (a pod reporting a long queue).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from classify_common.context import LOAD_REPORT_TRAILER
 
 CLASSIFY_SERVICE = "ai.classify.v1.ClassifyService"
 # Headers gRPC sets itself on the forwarded call.
@@ -27,6 +30,9 @@ class FlakyPod(grpc.GenericRpcHandler):
         self, capability_port: int, host: str = "127.0.0.1", *, failing: bool = True
     ) -> None:
         self.failing = failing
+        # When set, the LoadReport trailer the pod sends with every answer in place of
+        # the capability's own (a pod that reports a long queue, say).
+        self.load_report: bytes | None = None
         # ClassifyService calls that reached the pod, and those it answered OK.
         self.calls = 0
         self.answered = 0
@@ -84,6 +90,8 @@ class FlakyPod(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), error.details() or "")
             self.answered += 1
+            if self.load_report is not None:
+                context.set_trailing_metadata(((LOAD_REPORT_TRAILER, self.load_report),))
             return response
 
         return handle

@@ -62,3 +62,9 @@ def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
 
 def trailers_of(error: grpc.aio.AioRpcError) -> dict[str, str]:
     return {key: str(value) for key, value in error.trailing_metadata() or ()}
+
+
+def retry_delay_seconds(error: grpc.aio.AioRpcError) -> float:
+    """The RetryInfo delay of a failed call, in seconds."""
+    (retry,) = unpack(_status(error), error_details_pb2.RetryInfo)
+    return float(retry.retry_delay.ToTimedelta().total_seconds())

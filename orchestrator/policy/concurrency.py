@@ -11,6 +11,9 @@ spirit of Envoy's adaptive concurrency filter and Netflix's gradient limiter:
   `limit · gradient + √limit`, where `gradient = clamp(tolerance · min / median,
   0.5, 1)`: it grows by √limit while latency stays within `tolerance` times the
   minimum and shrinks (at most by half per window) when it does not;
+- when more than 2% of a window's calls ran out of time upstream, the limit
+  is cut by a quarter whatever the latency said: the callers' deadlines say
+  how much latency they accept, and that is the figure that decides goodput;
 - the minimum is taken at first as the lowest window median seen, and then
   measured by a probe: the limit is held at `min_limit` until `probe_samples`
   calls sent during the probe have been answered, so that a minimum measured
@@ -47,6 +50,10 @@ MAX_RETRY_AFTER_SECONDS = 5.0
 DEFAULT_RETRY_AFTER_SECONDS = 0.05
 # A window's median needs this many answers; fewer, and the window runs on.
 MIN_WINDOW_SAMPLES = 8
+# More than this share of a window's calls ran out of time upstream: the limit is
+# cut to MISSED_DEADLINE_BACKOFF of itself, whatever their latency said.
+MISSED_DEADLINE_SHARE = 0.02
+MISSED_DEADLINE_BACKOFF = 0.75
 # Retry-after hints and probe intervals are drawn from ±this share around their value.
 JITTER = 0.2
 # Seconds over which refusals and answers are counted for the retry-after hint.
@@ -115,6 +122,9 @@ class AdaptiveConcurrencyLimit:
         self.min_latency: float | None = None
         self.median_latency: float | None = None
         self._window: list[float] = []
+        # Calls that ran out of time upstream, and the most in flight, this window.
+        self._window_misses = 0
+        self._peak_in_flight = 0
         now = clock()
         self._window_ends = now + settings.window_seconds
         # The first refusal may start a probe at once.
@@ -144,43 +154,61 @@ class AdaptiveConcurrencyLimit:
             self._overload_seen = True
             return False
         self.in_flight += 1
+        if self.in_flight > self._peak_in_flight:
+            self._peak_in_flight = self.in_flight
         return True
 
     def release(self, latency: float | None, *, missed_deadline: bool = False) -> None:
         """Give back a slot; `latency` (seconds) when the backend answered the call,
         None when it failed or was cancelled (no sample: a fast failure is no news
-        about the backend's latency). `missed_deadline`: the call ran out of time,
-        which, like a refusal, is a sign of overload that lets a probe run."""
+        about the backend's latency). `missed_deadline`: the call ran out of time
+        upstream: the calls admitted were more than the backend answers in time."""
         self.in_flight -= 1
+        now = self._clock()
         if missed_deadline:
             self._overload_seen = True
-        if latency is None:
-            return
-        self._answered_now += 1
-        now = self._clock()
-        self._roll_hint_window(now)
-        if self._probing_from is not None:
-            if latency > now - self._probe_started:
-                return  # sent before the probe, at the old limit: no news about the minimum
-            self._probe.append(latency)
-            if len(self._probe) >= self.settings.probe_samples:
-                self._end_probe(now)
-            return
-        self._window.append(latency)
-        if now >= self._window_ends and len(self._window) >= MIN_WINDOW_SAMPLES:
+            self._window_misses += 1
+        if latency is not None:
+            self._answered_now += 1
+            self._roll_hint_window(now)
+            if self._probing_from is not None:
+                if latency > now - self._probe_started:
+                    return  # sent before the probe, at the old limit: no news of the minimum
+                self._probe.append(latency)
+                if len(self._probe) >= self.settings.probe_samples:
+                    self._end_probe(now)
+                return
+            self._window.append(latency)
+        if (
+            now >= self._window_ends
+            and len(self._window) + self._window_misses >= MIN_WINDOW_SAMPLES
+            and self._probing_from is None
+        ):
             self._update(now)
 
     def _update(self, now: float) -> None:
-        median = statistics.median(self._window)
-        self._window.clear()
-        self._window_ends = now + self.settings.window_seconds
-        self.median_latency = median
-        if self.min_latency is None or (self._probing_from is None and median < self.min_latency):
-            # Until the first probe, the lowest median seen is the reference.
-            self.min_latency = median
-        gradient = min(max(self.settings.latency_tolerance * self.min_latency / median, 0.5), 1.0)
-        limit = self.limit * gradient + math.sqrt(self.limit)
+        samples, misses = self._window, self._window_misses
+        limit = self.limit
+        if samples:
+            median = statistics.median(samples)
+            self.median_latency = median
+            if self.min_latency is None or median < self.min_latency:
+                # Until a probe measures it, the lowest median seen is the reference.
+                self.min_latency = median
+            tolerated = self.settings.latency_tolerance * self.min_latency
+            gradient = min(max(tolerated / median, 0.5), 1.0)
+            # Headroom only while callers use the limit: an idle backend's limit
+            # does not drift up to let the next burst through unmeasured.
+            demand = self._peak_in_flight >= limit / 2
+            limit = limit * gradient + (math.sqrt(limit) if demand else 0.0)
+        if misses > MISSED_DEADLINE_SHARE * (len(samples) + misses):
+            # Calls ran out of time upstream: admitted more than answered in time.
+            limit = min(limit, self.limit * MISSED_DEADLINE_BACKOFF)
         self.limit = min(max(limit, self.settings.min_limit), self.settings.max_limit)
+        samples.clear()
+        self._window_misses = 0
+        self._peak_in_flight = self.in_flight
+        self._window_ends = now + self.settings.window_seconds
         overloaded, self._overload_seen = self._overload_seen, False
         if overloaded and now >= self._next_probe:
             self._probing_from, self._probe_started = self.limit, now

@@ -104,12 +104,14 @@ class ReplicaCoalescer:
         on_unavailable: Callable[[], None] = lambda: None,
         on_load: Callable[[bytes], None] = lambda report: None,
         predicted_wait: Callable[[], float] = lambda: 0.0,
+        retry_after: Callable[[], float] = lambda: 0.05,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
         out before it could be sent; `on_answered()` and `on_unavailable()` report a call
         the replica answered, or one that found it UNAVAILABLE (for outlier ejection);
         `on_load(report)` gets the load report trailer of each answered call;
-        `predicted_wait()` is the replica's reported wait now, in seconds."""
+        `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
+        hint for an item refused because of it, both in seconds."""
         self._stub = stub
         self._backend = backend
         self._target = target
@@ -121,6 +123,7 @@ class ReplicaCoalescer:
         self._on_unavailable = on_unavailable
         self._on_load = on_load
         self._predicted_wait = predicted_wait
+        self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
         self._in_flight = 0
         self._send_scheduled = False
@@ -189,6 +192,7 @@ class ReplicaCoalescer:
                             f"backend {self._backend} reports a wait of about "
                             f"{wait * 1000:.0f} ms, but only "
                             f"{(item.expires_at - now) * 1000:.0f} ms are left",
+                            retry_after_seconds=self._retry_after(),
                             backend=self._backend,
                         )
                     )

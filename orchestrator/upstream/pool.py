@@ -182,6 +182,7 @@ class BackendPool:
         for name in [name for name in self._channels if name not in self.replicas]:
             # NOTE: pick() and classify() look a replica up in the same loop turn, so
             # no call can reach a coalescer after it leaves these dicts.
+            self.loads.pop(name, None)
             retired = self._retire(self.coalescers.pop(name), self._channels.pop(name))
             task = asyncio.get_running_loop().create_task(retired)
             self._retiring.add(task)
@@ -212,6 +213,7 @@ class BackendPool:
             on_unavailable=partial(self.outliers.record_failure, target),
             on_load=partial(self._record_load, target),
             predicted_wait=partial(self.predicted_wait, target),
+            retry_after=self.retry_after_seconds,
         )
 
     def model_service(self, target: str) -> model_pb_grpc.ModelServiceAsyncStub:
@@ -262,10 +264,17 @@ class BackendPool:
             raise DeadlineUnreachable(
                 f"backend {self.backend.name} reports a wait of about {wait * 1000:.0f} ms, "
                 f"but only {timeout * 1000:.0f} ms are left",
+                retry_after_seconds=self.retry_after_seconds(),
                 backend=self.backend.name,
                 predicted_wait_ms=round(wait * 1000),
                 remaining_ms=round(timeout * 1000),
             )
+
+    def retry_after_seconds(self) -> float:
+        """When a caller refused for this backend's load should try again."""
+        if self.concurrency is not None:
+            return self.concurrency.retry_after_seconds()
+        return CONCURRENCY_RETRY_AFTER_SECONDS
 
     def _admit(self) -> None:
         """Take a slot under the backend's limits, or raise Overloaded at once."""

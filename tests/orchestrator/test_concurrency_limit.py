@@ -27,11 +27,26 @@ def limiter(clock: Clock, **overrides: object) -> AdaptiveConcurrencyLimit:
     return AdaptiveConcurrencyLimit(settings, clock=clock, rng=random.Random(7))
 
 
-def answer_window(limit: AdaptiveConcurrencyLimit, clock: Clock, latency: float) -> None:
-    """One window's worth of answered calls at `latency`, then the window closes."""
-    for _ in range(10):
-        assert limit.try_acquire()
-        limit.release(latency)
+def probing(limit: AdaptiveConcurrencyLimit) -> bool:
+    """Read afresh each time (a property mypy would narrow across calls)."""
+    return limit.probing
+
+
+def answer_window(
+    limit: AdaptiveConcurrencyLimit, clock: Clock, latency: float, *, busy: bool = True
+) -> None:
+    """One window's worth of answered calls at `latency`, then the window closes.
+    `busy`: the callers fill the limit (else one call at a time)."""
+    if busy:
+        held = 0
+        while held < max(int(limit.limit), 10) and limit.try_acquire():
+            held += 1
+        for _ in range(held):
+            limit.release(latency)
+    else:
+        for _ in range(10):
+            assert limit.try_acquire()
+            limit.release(latency)
     clock.now += limit.settings.window_seconds
     assert limit.try_acquire()
     limit.release(latency)
@@ -77,6 +92,34 @@ def test_latency_within_tolerance_does_not_shrink_it() -> None:
     assert limit.limit > before
 
 
+def test_an_idle_backend_does_not_grow_it() -> None:
+    clock = Clock()
+    limit = limiter(clock, min_limit=8, initial_limit=16)
+    for _ in range(10):
+        answer_window(limit, clock, 0.010, busy=False)
+    assert limit.limit == 16
+
+
+def test_calls_that_run_out_of_time_cut_it_whatever_their_latency() -> None:
+    clock = Clock()
+    limit = limiter(clock, min_limit=8, initial_limit=64)
+    for _ in range(20):
+        assert limit.try_acquire()
+    for _ in range(20):
+        limit.release(None, missed_deadline=True)
+    clock.now += limit.settings.window_seconds
+    assert limit.try_acquire()
+    limit.release(None, missed_deadline=True)
+    # The misses also start a probe; once it has measured, the cut limit is back.
+    assert probing(limit)
+    clock.now += 0.02
+    for _ in range(limit.settings.probe_samples):
+        assert limit.try_acquire()
+        limit.release(0.010)
+    assert not probing(limit)
+    assert limit.limit == pytest.approx(48)
+
+
 def test_failures_do_not_move_it() -> None:
     clock = Clock()
     limit = limiter(clock, initial_limit=32)
@@ -94,19 +137,20 @@ def test_probe_holds_the_minimum_limit_and_remeasures_the_minimum() -> None:
     answer_window(limit, clock, 0.050)  # a minimum measured under load
     clock.now += 2.0
     answer_window(limit, clock, 0.050)
-    assert not limit.probing  # nothing refused: no probe
+    assert not probing(limit)  # nothing refused: no probe
     while limit.try_acquire():  # the limit is reached: a caller is refused
         pass
+    clock.now += limit.settings.window_seconds
     for _ in range(int(limit.limit)):
         limit.release(0.050)  # the window closes: the refusal starts a probe
-    assert limit.probing
+    assert probing(limit)
     assert limit.limit == limit.settings.min_limit
     held = [limit.try_acquire() for _ in range(limit.settings.min_limit + 1)]
     assert held.count(True) == limit.settings.min_limit
     clock.now += 0.010
     for _ in range(limit.settings.min_limit):
         limit.release(0.008)  # what the backend does when little is in flight
-    assert not limit.probing
+    assert not probing(limit)
     assert limit.min_latency == pytest.approx(0.008)
     assert limit.limit > limit.settings.min_limit  # back to where it was
 

@@ -1,0 +1,192 @@
+"""Load shedding over real servers: a backend whose capability reports a wait longer
+than a call's deadline is not sent the call (its route's fallback answers, or the call
+is refused at once), the capability's answers carry its load report, and the
+adaptive limit refuses the excess with RESOURCE_EXHAUSTED and RetryInfo."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.context import LOAD_REPORT_TRAILER
+from orchestrator.metrics import (
+    CONCURRENCY_LIMITED_TOTAL,
+    DEADLINE_UNREACHABLE_TOTAL,
+    MODEL_FALLBACK_TOTAL,
+)
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.flaky_pod import FlakyPod
+from tests.status_details import error_info, retry_delay_seconds
+
+# What the busy pod says: 800 ms of queue ahead of a new text, then 5 ms of its own.
+LONG_QUEUE = pb.LoadReport(queue_depth=400, device_busy_share=1.0)
+LONG_QUEUE.predicted_queue_wait.FromMilliseconds(800)
+LONG_QUEUE.predicted_service.FromMilliseconds(5)
+DEADLINE_SECONDS = 0.5
+
+
+def routes_with_busy_primary(path: Path, pod: str, capability: str, fallback: bool) -> Path:
+    fallback_line = "    fallback: [spare]\n" if fallback else ""
+    path.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  busy: {{model: topic-minilm, targets: ['{pod}']}}\n"
+        f"  spare: {{model: topic-static, targets: ['{capability}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: busy\n"
+        f"{fallback_line}"
+    )
+    return path
+
+
+@pytest_asyncio.fixture
+async def busy_pod(capability: CapabilityServer) -> AsyncIterator[FlakyPod]:
+    pod = FlakyPod(capability.port, failing=False)
+    pod.load_report = LONG_QUEUE.SerializeToString()
+    await pod.start()
+    yield pod
+    await pod.stop()
+
+
+async def orchestrator_with(routes: Path) -> OrchestratorServer:
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+    )
+    await server.start()
+    return server
+
+
+async def test_capability_answers_carry_its_load_report(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    call = capability_stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+    await call
+    trailers = dict(await call.trailing_metadata() or ())
+    raw = trailers[LOAD_REPORT_TRAILER]
+    assert isinstance(raw, bytes)
+    report = pb.LoadReport.FromString(raw)
+    # Idle: nothing queued, and its own batch predicted from warm-up.
+    assert report.queue_depth == 0
+    assert report.predicted_queue_wait.ToNanoseconds() == 0
+    assert report.predicted_service.ToNanoseconds() > 0
+    assert 0.0 <= report.device_busy_share <= 1.0
+
+
+async def test_backend_reporting_a_long_queue_is_skipped_for_the_fallback_while_it_lasts(
+    capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
+) -> None:
+    routes = routes_with_busy_primary(
+        tmp_path / "routes.yaml", busy_pod.address, f"127.0.0.1:{capability.port}", True
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(text=STRIKER)
+            # The first call finds no report yet: the busy pod answers, and says how busy.
+            first = await stub.Classify(request, timeout=DEADLINE_SECONDS)
+            assert (first.fallback, first.model.name, busy_pod.calls) == (False, "topic-minilm", 1)
+            # While its queue lasts, calls that cannot wait 800 ms go to the fallback.
+            for _ in range(3):
+                answer = await stub.Classify(request, timeout=DEADLINE_SECONDS)
+                assert (answer.fallback, answer.model.name) == (True, "topic-static")
+            assert busy_pod.calls == 1
+            registry = server.registry
+            assert metric_sum(registry, DEADLINE_UNREACHABLE_TOTAL, backend="busy") == 3
+            assert (
+                metric_sum(
+                    registry,
+                    MODEL_FALLBACK_TOTAL,
+                    **{"from": "busy", "to": "spare"},
+                    reason="DEADLINE_UNREACHABLE",
+                )
+                == 3
+            )
+            # A caller with time for the wait is still sent there.
+            patient = await stub.Classify(request, timeout=5)
+            assert (patient.fallback, busy_pod.calls) == (False, 2)
+            # The reported queue drains as time passes: once it would have, the busy
+            # backend gets calls again (and reports its long queue anew).
+            await asyncio.sleep(0.8 - DEADLINE_SECONDS + 0.1)
+            again = await stub.Classify(request, timeout=DEADLINE_SECONDS)
+            assert (again.fallback, busy_pod.calls) == (False, 3)
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+async def test_without_a_fallback_the_call_is_refused_at_once_with_a_retry_hint(
+    capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
+) -> None:
+    routes = routes_with_busy_primary(
+        tmp_path / "routes.yaml", busy_pod.address, f"127.0.0.1:{capability.port}", False
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(text=STRIKER)
+            await stub.Classify(request, timeout=DEADLINE_SECONDS)  # learns the report
+            started = time.perf_counter()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Classify(request, timeout=DEADLINE_SECONDS)
+            took = time.perf_counter() - started
+    finally:
+        await server.stop(grace_seconds=0)
+    error = refused.value
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    info = error_info(error)
+    assert info.reason == "DEADLINE_UNREACHABLE"
+    assert info.metadata["backend"] == "busy"
+    assert info.metadata["x-request-id"]
+    assert info.metadata["x-trace-id"]
+    assert retry_delay_seconds(error) > 0
+    assert "reports a wait of about 8" in (error.details() or "")
+    # Refused before any work, not at the deadline (generous for a shared machine).
+    assert took < DEADLINE_SECONDS / 2
+    assert busy_pod.calls == 1
+
+
+async def test_adaptive_limit_refuses_the_excess_at_once_with_a_retry_hint(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  topic-minilm: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: topic-minilm\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, concurrency_min_limit=2, concurrency_max_limit=2),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            calls = [stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10) for _ in range(6)]
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await server.stop(grace_seconds=0)
+    answered = [outcome for outcome in outcomes if isinstance(outcome, pb.ClassifyResponse)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
+    assert (len(answered), len(refused)) == (2, 4)
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error_info(error).reason == "CONCURRENCY_LIMITED"
+        assert retry_delay_seconds(error) > 0
+    assert metric_sum(server.registry, CONCURRENCY_LIMITED_TOTAL, backend="topic-minilm") == 4

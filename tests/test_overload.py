@@ -1,0 +1,99 @@
+"""The overload scenario of `make bench-overload`, short: two real processes, far more
+callers with short deadlines than they can serve, and the stack keeps answering.
+
+The bounds are loose on purpose (a shared 2-core machine runs the suite); the
+benchmark reports the real figures. What must hold whatever the machine: a good
+share of capacity still answered OK, refusals answered promptly and carrying a
+retry hint, no call failing any other way, and full service right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench.overload import PhaseRecord, percentile, run_phase
+from orchestrator.security import hash_key, new_key
+from tests.conftest import ServerProcess
+
+API_KEY = new_key()
+CAPACITY_CALLERS = 16
+OVERLOAD_CALLERS = 256
+DEADLINE_SECONDS = 0.3
+# Goodput under overload, as a share of capacity; refusals' median latency.
+MIN_GOODPUT_SHARE = 0.4
+MAX_REFUSAL_P50_SECONDS = 0.05
+EXPECTED_OUTCOMES = (
+    "OK",
+    "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED",
+    "DEADLINE_EXCEEDED",  # any reason: unreachable, expired, the client's own deadline
+)
+
+
+@pytest.fixture
+def stack(
+    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
+) -> ServerProcess:
+    """Orchestrator + capability as processes; a key without a rate limit; no fallback,
+    so every OK answer is topic-minilm's."""
+    token_file = tmp_path / "internal-token"
+    token_file.write_text(secrets.token_urlsafe(16))
+    keys_file = tmp_path / "api-keys.yaml"
+    keys_file.write_text(
+        f"keys:\n  - {{id: load, sha256: {hash_key(API_KEY)}, tenant: load, role: user}}\n"
+    )
+    capability = start_process(
+        "capability",
+        *("--port", "0", "--metrics-port", "-1", "--device", "cpu"),
+        *("--model-root", str(model_root), "--watch-seconds", "0"),
+        *("--internal-token-file", str(token_file)),
+    )
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  topic-minilm: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: topic-minilm\n"
+    )
+    return start_process(
+        "orchestrator",
+        *("--port", "0", "--metrics-port", "-1", "--routes-file", str(routes)),
+        *("--api-keys-file", str(keys_file), "--internal-token-file", str(token_file)),
+    )
+
+
+def ok_per_second(record: PhaseRecord, seconds: float) -> float:
+    return record.outcomes.get("OK", 0) / seconds
+
+
+def test_overload_keeps_goodput_and_refuses_promptly(stack: ServerProcess) -> None:
+    target = f"127.0.0.1:{stack.port}"
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    with asyncio.Runner() as runner:
+        capacity_record, seconds = runner.run(
+            run_phase(target, metadata, CAPACITY_CALLERS, 3.0, None)
+        )
+        capacity = ok_per_second(capacity_record, seconds)
+        assert capacity_record.outcomes == {"OK": capacity_record.calls}
+        overload, seconds = runner.run(
+            run_phase(target, metadata, OVERLOAD_CALLERS, 4.0, DEADLINE_SECONDS)
+        )
+        healthy, _ = runner.run(run_phase(target, metadata, CAPACITY_CALLERS, 2.0, None))
+    summary = f"capacity {capacity:.0f}/s; overload: {dict(overload.outcomes)}"
+    # Every call ended OK, refused, or out of time: nothing else broke.
+    assert all(outcome.startswith(EXPECTED_OUTCOMES) for outcome in overload.outcomes), summary
+    # Far more callers than capacity, yet a good share of capacity answered in time...
+    assert ok_per_second(overload, seconds) >= MIN_GOODPUT_SHARE * capacity, summary
+    # ...and the excess was refused, promptly, each RESOURCE_EXHAUSTED with a retry
+    # hint (run_phase's callers wait it out; without one they would call again at once).
+    assert overload.refusal_latencies, summary
+    assert percentile(overload.refusal_latencies, 0.5) <= MAX_REFUSAL_P50_SECONDS, summary
+    assert overload.refused_without_hint == 0, summary
+    # Healthy right after.
+    assert healthy.outcomes == {"OK": healthy.calls}, dict(healthy.outcomes)
