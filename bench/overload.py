@@ -30,174 +30,38 @@ Prints a table, writes build/bench/overload.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import sys
 import time
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from google.rpc import error_details_pb2, status_pb2  # noqa: E402
+from bench.load_clients import PhaseRecord, RunningPhase, percentile  # noqa: E402
 
-from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
-from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
-from bench.front_door import ROUTES_TEMPLATE, STACK_DIR, write_credentials  # noqa: E402
-from bench.harness import (  # noqa: E402
-    RESULTS_DIR,
-    SHORT_TEXTS,
-    Observation,
-    Progress,
-    ServerProcess,
-    capability_command,
-    orchestrator_command,
-    start_server,
-)
+if TYPE_CHECKING:
+    from bench.harness import Observation, ServerProcess
 
-RESULTS = RESULTS_DIR / "overload.json"
+# NOTE: bench.harness and bench.front_door (torch, the model code) are imported in
+# the functions that use them: the client processes (bench.load_clients) start by
+# importing this script again, and must not load torch to send calls.
+
+RESULTS_NAME = "overload.json"
 CAPACITY_CALLERS = 32
-CALLERS_PER_CONNECTION = 1024
 OVERLOAD_CALLERS = (256, 1024)
 DEADLINE_SECONDS = 0.3
 # A deadline nothing can meet: the refusal-cost phase.
 HOPELESS_DEADLINE_SECONDS = 0.005
-LATE_BY_SECONDS = 0.05
-# Calls without a deadline still get one, long enough never to matter.
-NO_DEADLINE_SECONDS = 30.0
 # Targets of issue 12.
 GOODPUT_TARGET = 0.8
 LATE_SHARE_TARGET = 0.001
 REFUSAL_P99_TARGET_MS = 10.0
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
-# The reason of a call refused because no backend could answer it in the time left.
-REFUSED_UNREACHABLE = "DEADLINE_UNREACHABLE"
-
-
-@dataclass
-class PhaseRecord:
-    """What the callers of one phase saw."""
-
-    outcomes: Counter[str] = field(default_factory=Counter)
-    latencies: dict[str, list[float]] = field(default_factory=dict)
-    ok_latencies: list[float] = field(default_factory=list)
-    refusal_latencies: list[float] = field(default_factory=list)
-    late: int = 0
-    calls: int = 0
-    # RESOURCE_EXHAUSTED answers that carried no RetryInfo (a client cannot pace itself).
-    refused_without_hint: int = 0
-
-
-def _status_details(error: grpc.aio.AioRpcError) -> tuple[str, float]:
-    """The ErrorInfo reason and the RetryInfo delay (seconds, 0 if none) of a failure."""
-    reason, delay = "", 0.0
-    for key, value in error.trailing_metadata() or ():
-        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        status = status_pb2.Status.FromString(value)
-        for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason = info.reason
-            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                retry = error_details_pb2.RetryInfo()
-                detail.Unpack(retry)
-                delay = retry.retry_delay.ToTimedelta().total_seconds()
-    return reason, delay
-
-
-async def _caller(
-    stub: pb_grpc.ClassifyServiceAsyncStub,
-    metadata: tuple[tuple[str, str], ...],
-    deadline: float | None,
-    stop_at: float,
-    offset: int,
-    record: PhaseRecord,
-) -> None:
-    loop = asyncio.get_running_loop()
-    n = offset
-    timeout = deadline if deadline is not None else NO_DEADLINE_SECONDS
-    while loop.time() < stop_at:
-        request = pb.ClassifyRequest(text=SHORT_TEXTS[n % len(SHORT_TEXTS)])
-        n += 1
-        started = loop.time()
-        wait = 0.0
-        try:
-            await stub.Classify(request, metadata=metadata, timeout=timeout)
-            outcome = "OK"
-        except grpc.aio.AioRpcError as error:
-            reason, wait = _status_details(error)
-            outcome = f"{error.code().name}: {reason or '(no reason: client deadline)'}"
-        took = loop.time() - started
-        record.calls += 1
-        record.outcomes[outcome] += 1
-        record.latencies.setdefault(outcome, []).append(took)
-        if outcome == "OK":
-            record.ok_latencies.append(took)
-        elif outcome.startswith("RESOURCE_EXHAUSTED") or outcome.endswith(REFUSED_UNREACHABLE):
-            record.refusal_latencies.append(took)
-            if outcome.startswith("RESOURCE_EXHAUSTED") and wait <= 0:
-                record.refused_without_hint += 1
-        if deadline is not None and took > deadline + LATE_BY_SECONDS:
-            record.late += 1
-        if wait > 0:
-            await asyncio.sleep(min(wait, max(stop_at - loop.time(), 0)))
-
-
-async def run_phase(
-    target: str,
-    metadata: tuple[tuple[str, str], ...],
-    callers: int,
-    seconds: float,
-    deadline: float | None,
-) -> tuple[PhaseRecord, float]:
-    record = PhaseRecord()
-    # Many callers are many clients: CALLERS_PER_CONNECTION share one connection.
-    channels = [
-        grpc.aio.insecure_channel(target)
-        for _ in range(math.ceil(callers / CALLERS_PER_CONNECTION))
-    ]
-    try:
-        stubs = [pb_grpc.ClassifyServiceStub(channel) for channel in channels]
-        for stub in stubs:
-            await stub.Classify(pb.ClassifyRequest(text="warm"), metadata=metadata, timeout=30)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        stop_at = started + seconds
-        await asyncio.gather(
-            *(
-                _caller(
-                    stubs[index // CALLERS_PER_CONNECTION],
-                    metadata,
-                    deadline,
-                    stop_at,
-                    index * 7,
-                    record,
-                )
-                for index in range(callers)
-            )
-        )
-        elapsed = loop.time() - started
-    finally:
-        for channel in channels:
-            await channel.close()
-    return record, elapsed
-
-
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(int(share * len(ordered)), len(ordered) - 1)]
 
 
 def summarise(
@@ -210,7 +74,10 @@ def summarise(
     servers: Mapping[str, ServerProcess],
 ) -> dict[str, Any]:
     ok = record.outcomes.get("OK", 0)
-    cpu = observed.cpu
+    # The callers ran in processes of their own: their CPU is theirs, not "others".
+    cpu = dict(observed.cpu)
+    cpu["client"] = record.client_cpu_seconds
+    cpu["others"] = max(cpu["others"] - record.client_cpu_seconds, 0.0)
     return {
         "phase": name,
         "callers": callers,
@@ -247,6 +114,8 @@ def summarise(
 def write_routes_without_fallback(capability_target: str) -> Path:
     """routes.yaml with every backend at the bench's capability server and no route
     falling back, so that every OK answer is the primary model's."""
+    from bench.front_door import ROUTES_TEMPLATE, STACK_DIR
+
     routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
     for backend in routes["backends"].values():
         backend["targets"] = [capability_target]
@@ -327,6 +196,17 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    from bench.front_door import write_credentials
+    from bench.harness import (
+        RESULTS_DIR,
+        SHORT_TEXTS,
+        Observation,
+        Progress,
+        capability_command,
+        orchestrator_command,
+        start_server,
+    )
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="each overload phase")
     parser.add_argument("--capacity-seconds", type=float, default=8.0)
@@ -356,16 +236,19 @@ def main() -> None:
             ),
             environment,
         ) as orchestrator,
-        asyncio.Runner() as runner,
     ):
         servers = {"orchestrator": orchestrator, "capability": capability}
         for name, callers, deadline, seconds in phases_planned:
             progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
+            phase = RunningPhase(
+                orchestrator.target, metadata, SHORT_TEXTS, callers, seconds, deadline
+            )
+            phase.wait_for_start()
+            # The window of the phase itself, not of the client processes starting.
             with Observation(servers) as observed:
-                record, elapsed = runner.run(
-                    run_phase(orchestrator.target, metadata, callers, seconds, deadline)
-                )
-            phases.append(summarise(name, callers, deadline, record, elapsed, observed, servers))
+                time.sleep(seconds)
+            record = phase.result()
+            phases.append(summarise(name, callers, deadline, record, seconds, observed, servers))
     progress.clear()
     report: dict[str, Any] = {
         "phases": phases,
@@ -374,9 +257,10 @@ def main() -> None:
     }
     report["targets"] = judge(report)
     print_report(report)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nresults: {RESULTS}")
+    results = RESULTS_DIR / RESULTS_NAME
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nresults: {results}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ first, so load balancers drain the server before in-flight calls are cut.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Sequence
@@ -90,6 +91,8 @@ class GrpcServing:
             self.metrics_port = self._metrics_endpoint.port
 
     async def set_serving(self, serving: bool) -> None:
+        if serving:
+            freeze_heap()
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -105,6 +108,22 @@ class GrpcServing:
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
             self._metrics_endpoint = None
+
+
+def freeze_heap() -> None:
+    """Move every object alive now (modules, models, settings: what start-up built and
+    what lives as long as the server) out of the garbage collector's sight.
+
+    A full collection walks every tracked object. With a model, torch and grpc
+    loaded that is millions of them, and the walk paused the event loop for 30 to
+    120 ms at a time under load (measured with gc.callbacks, both servers), far
+    longer than anything a request does; refusals that take a millisecond reached
+    callers a quarter of a second late. Objects created afterwards (requests) are
+    collected as before. Called again, it adds what has been built since (a
+    model version loaded while serving).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def wait_for_shutdown_signal() -> None:

@@ -9,14 +9,14 @@ retry hint, no call failing any other way, and full service right after.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from bench.overload import PhaseRecord, percentile, run_phase
+from bench.harness import SHORT_TEXTS
+from bench.load_clients import PhaseRecord, percentile, run_phase
 from orchestrator.security import hash_key, new_key
 from tests.conftest import ServerProcess
 
@@ -75,16 +75,12 @@ def ok_per_second(record: PhaseRecord, seconds: float) -> float:
 def test_overload_keeps_goodput_and_refuses_promptly(stack: ServerProcess) -> None:
     target = f"127.0.0.1:{stack.port}"
     metadata = (("authorization", f"Bearer {API_KEY}"),)
-    with asyncio.Runner() as runner:
-        capacity_record, seconds = runner.run(
-            run_phase(target, metadata, CAPACITY_CALLERS, 3.0, None)
-        )
-        capacity = ok_per_second(capacity_record, seconds)
-        assert capacity_record.outcomes == {"OK": capacity_record.calls}
-        overload, seconds = runner.run(
-            run_phase(target, metadata, OVERLOAD_CALLERS, 4.0, DEADLINE_SECONDS)
-        )
-        healthy, _ = runner.run(run_phase(target, metadata, CAPACITY_CALLERS, 2.0, None))
+    capacity_record = run_phase(target, metadata, SHORT_TEXTS, CAPACITY_CALLERS, 3.0, None)
+    capacity = ok_per_second(capacity_record, 3.0)
+    assert capacity_record.outcomes == {"OK": capacity_record.calls}
+    overload = run_phase(target, metadata, SHORT_TEXTS, OVERLOAD_CALLERS, 4.0, DEADLINE_SECONDS)
+    seconds = 4.0
+    healthy = run_phase(target, metadata, SHORT_TEXTS, CAPACITY_CALLERS, 2.0, None)
     summary = f"capacity {capacity:.0f}/s; overload: {dict(overload.outcomes)}"
     # Every call ended OK, refused, or out of time: nothing else broke.
     assert all(outcome.startswith(EXPECTED_OUTCOMES) for outcome in overload.outcomes), summary

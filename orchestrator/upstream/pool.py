@@ -321,7 +321,9 @@ class BackendPool:
             )
             latency = time.perf_counter() - started
             return response
-        except DeadlineExpired:
+        except (DeadlineExpired, asyncio.CancelledError):
+            # Out of time here, or the caller gave up waiting (its own deadline passed
+            # first): either way the answer came too late.
             missed_deadline = True
             raise
         finally:
