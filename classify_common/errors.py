@@ -255,6 +255,16 @@ class InternalError(ServiceError):
     reason = "INTERNAL"
 
 
+def internal_error(request_id: str, trace_id: str) -> InternalError:
+    """What a caller learns of a bug: the IDs that find its log line and trace.
+
+    NOTE: nothing of the exception itself, not even its type: its message and
+    traceback can hold file paths, internal host names and other callers' data."""
+    return InternalError(
+        f"internal error (request {request_id}, trace {trace_id}); the server logged the cause"
+    )
+
+
 # The one table from error class to status code. Looked up along the class's
 # MRO, so a subclass inherits its parent's code unless listed itself.
 GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {

@@ -57,6 +57,7 @@ from classify_common.errors import (
     InvalidRequest,
     ServiceError,
     grpc_code_for,
+    internal_error,
     status_for,
 )
 from classify_common.intake import (
@@ -374,14 +375,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _internal_error(ids: RequestContext) -> InternalError:
-    """What the client learns of a bug: the IDs that find its log line and trace.
-
-    NOTE: nothing of the exception itself, not even its type: its message and
-    traceback can hold file paths, internal host names and other callers' data."""
-    return InternalError(
-        f"internal error (request {ids.request_id}, trace {ids.trace_id}); "
-        "the server logged the cause"
-    )
+    return internal_error(ids.request_id, ids.trace_id)
 
 
 def _calls_in(method: str, request: Any) -> int:

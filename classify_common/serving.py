@@ -63,8 +63,9 @@ class GrpcServing:
         self._metrics_host = host
         self._metrics_port = metrics_port
         self._metrics_endpoint: MetricsEndpoint | None = None
+        self.rpc_metrics = RpcMetrics(registry)
         self.server = grpc.aio.server(
-            interceptors=[RequestLifecycleInterceptor(RpcMetrics(registry), gate, edge=edge)],
+            interceptors=[RequestLifecycleInterceptor(self.rpc_metrics, gate, edge=edge)],
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()

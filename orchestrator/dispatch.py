@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from opentelemetry.trace import Link, SpanKind
@@ -35,9 +35,9 @@ from classify_common.context import RequestContext, bind_request, new_request_id
 from classify_common.errors import (
     ConcurrencyLimited,
     DeadlineExpired,
-    InternalError,
     ServiceError,
     grpc_code_for,
+    internal_error,
     is_fallback_eligible,
 )
 from classify_common.intake import current_batch_intake, item_status
@@ -132,9 +132,16 @@ def _item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTra
 
 class Dispatcher:
     def __init__(
-        self, state: RoutingState, metrics: OrchestratorMetrics, results: ResultStore
+        self,
+        state: RoutingState,
+        metrics: OrchestratorMetrics,
+        results: ResultStore,
+        on_internal_error: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_internal_error()` counts a bug answered INTERNAL here rather than by the
+        request lifecycle (a batch item's, a background call's)."""
         self.state = state
+        self._on_internal_error = on_internal_error
         self.results = results
         self._metrics = metrics
         # Looked up once per (route, model, code): a labels() call per request costs more.
@@ -265,9 +272,12 @@ class Dispatcher:
             return pb.ClassifyBatchResult(response=response)
         except ServiceError as error:
             return pb.ClassifyBatchResult(error=item_status(error, ids.request_id, trace_id))
-        except Exception as exc:
-            log.exception("batch item failed", extra={"request_id": ids.request_id})
-            internal = InternalError(f"internal error ({type(exc).__name__})")
+        except Exception:
+            # As the request lifecycle answers a bug in a single call: the IDs for the
+            # caller, the traceback for the log, one count.
+            log.exception("unhandled error", extra={"request_id": ids.request_id})
+            self._on_internal_error()
+            internal = internal_error(ids.request_id, trace_id)
             return pb.ClassifyBatchResult(error=item_status(internal, ids.request_id, trace_id))
         finally:
             # Only an item span of its own is ended here; the call's ends with the call.
@@ -351,8 +361,11 @@ class Dispatcher:
             elif isinstance(error, ServiceError):
                 self.results.finish(ids.request_id, error=error)
             else:
-                log.error("background call failed", exc_info=error)
-                self.results.finish(ids.request_id, error=InternalError("internal error"))
+                log.error("unhandled error", exc_info=error, extra={"request_id": ids.request_id})
+                self._on_internal_error()
+                self.results.finish(
+                    ids.request_id, error=internal_error(ids.request_id, ids.trace_id)
+                )
 
         work.add_done_callback(store)
 

@@ -60,6 +60,7 @@ class OrchestratorServer:
             self._routing_state(load_routes(settings.routes_file)),
             self.metrics,
             ResultStore(settings.results_capacity, settings.results_ttl_seconds),
+            on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
         )
         self.serving = GrpcServing(
             service_names=SERVICE_NAMES,

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc.error_details_pb2 import ErrorInfo
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -23,7 +24,7 @@ from classify_common.logs import JsonFormatter
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum
-from tests.status_details import error_info, error_reason, trailers_of
+from tests.status_details import error_info, error_reason, trailers_of, unpack
 
 # Stands in for what a real bug's message can hold: a path and a secret.
 PLANTED_MESSAGE = "planted bug: /srv/secrets/db.yaml has password=hunter2"
@@ -117,3 +118,30 @@ async def test_planted_bug_answers_internal_with_ids_and_no_traceback(
     assert (line["request_id"], line["trace_id"]) == (REQUEST_ID, trace_id)
     assert "Traceback" in line["exception"]
     assert f"RuntimeError: {PLANTED_MESSAGE}" in line["exception"]
+
+
+async def test_planted_bug_in_a_batch_item_answers_that_item_internal_and_counts_it(
+    orchestrator: OrchestratorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch call's items are served by the dispatcher, not the request lifecycle:
+    a bug there answers each item as a single call would be answered, and counts."""
+    monkeypatch.setattr(orchestrator.dispatcher, "classify", planted_bug)
+    bugs_before = metric_sum(orchestrator.registry, INTERNAL_ERRORS_TOTAL)
+    request = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER, request_id=f"{REQUEST_ID}-{n}") for n in (1, 2)]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.ClassifyBatch(request, timeout=10)
+    for n, result in zip((1, 2), answer.results, strict=True):
+        assert result.error.code == grpc.StatusCode.INTERNAL.value[0]
+        (info,) = unpack(result.error, ErrorInfo)
+        assert info.reason == "INTERNAL"
+        assert info.metadata["x-request-id"] == f"{REQUEST_ID}-{n}"
+        trace_id = info.metadata["x-trace-id"]
+        assert result.error.message == (
+            f"internal error (request {REQUEST_ID}-{n}, trace {trace_id}); "
+            "the server logged the cause"
+        )
+        assert "hunter2" not in str(result.error)
+    assert metric_sum(orchestrator.registry, INTERNAL_ERRORS_TOTAL) - bugs_before == 2
