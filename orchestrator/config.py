@@ -169,15 +169,12 @@ class OrchestratorSettings:
         return CoalescingSettings(self.upstream_batch_max_items, self.upstream_calls_in_flight)
 
     def concurrency(self) -> ConcurrencySettings:
-        limits = (self.concurrency_min_limit, self.concurrency_max_limit)
         return replace(
             DEFAULT_CONCURRENCY,
             adaptive=self.concurrency_limit == "adaptive",
             latency_tolerance=self.concurrency_latency_tolerance,
-            min_limit=limits[0],
-            max_limit=limits[1],
-            # The starting limit within the bounds chosen.
-            initial_limit=min(max(DEFAULT_CONCURRENCY.initial_limit, limits[0]), limits[1]),
+            min_limit=self.concurrency_min_limit,
+            max_limit=self.concurrency_max_limit,
         )
 
     def server_tls(self) -> ServerTls | None:

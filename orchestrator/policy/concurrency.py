@@ -4,23 +4,31 @@ Under overload the orchestrator must not hold more calls to a backend than the
 backend can answer in good time; every call beyond that only waits (in the
 capability's queue, or for CPU on either event loop) and spends its caller's
 deadline. The limit follows measured latency against its minimum, in the
-spirit of Envoy's adaptive concurrency filter and Netflix's gradient limiter:
+spirit of Envoy's adaptive concurrency filter and Netflix's gradient limiter.
+
+It engages on overload, not on load. A backend that answers its callers in
+time is not limited (the limit stays at `max_limit`): a client that sends many
+calls without deadlines, or a ClassifyBatch of a thousand items, has asked to
+wait, and refusing part of it would only make it send again. When more than
+2% of a window's calls run out of time upstream (their deadline passed, or
+their caller gave up) or are refused by the backend for load, the limit
+engages at three quarters of the calls then in flight, and from then on:
 
 - every `window` the median latency of the calls answered in it is compared
   with the minimum latency, and the limit becomes
   `limit · gradient + √limit`, where `gradient = clamp(tolerance · min / median,
   0.5, 1)`: it grows by √limit while latency stays within `tolerance` times the
-  minimum and shrinks (at most by half per window) when it does not;
-- when more than 2% of a window's calls ran out of time upstream, the limit
-  is cut by a quarter whatever the latency said: the callers' deadlines say
-  how much latency they accept, and that is the figure that decides goodput;
-- the minimum is taken at first as the lowest window median seen, and then
-  measured by a probe: the limit is held at `min_limit` until `probe_samples`
-  calls sent during the probe have been answered, so that a minimum measured
-  under load does not stay the reference. A probe runs only when there are
-  signs of overload, calls refused by the limit or calls that ran out of time
-  (and then at most every `probe_interval`, jittered): a backend that keeps up
-  is never held down to `min_limit` for the sake of measuring it.
+  minimum (and callers use the limit) and shrinks, at most by half per window,
+  when it does not;
+- a window with more than 2% of its calls out of time cuts the limit by a
+  quarter whatever the latency said: the callers' deadlines say how much
+  latency they accept, and that is what decides goodput;
+- the minimum is measured by a probe, at once and then every
+  `probe_interval` (jittered) while calls are being refused or running out of
+  time: the limit is held at `min_limit` until `probe_samples` calls sent
+  during the probe have been answered, so a minimum measured under load does
+  not stay the reference;
+- after `CALM_SECONDS` without a refusal or a call out of time, it disengages.
 
 A batching server's latency grows with its batch even when nothing queues, so
 the minimum is measured at `min_limit` calls in flight (32 by default, enough
@@ -58,6 +66,8 @@ MISSED_DEADLINE_BACKOFF = 0.75
 JITTER = 0.2
 # Seconds over which refusals and answers are counted for the retry-after hint.
 HINT_WINDOW_SECONDS = 1.0
+# Seconds without a refusal or a call out of time after which the limit disengages.
+CALM_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -73,10 +83,8 @@ class ConcurrencySettings:
     # machine 32 give 0.8 of the throughput of 128, 8 only 0.45, so the limit never
     # goes below 32 by default.
     min_limit: int = 32
-    # Most calls allowed in flight, min_limit..100000.
+    # Most calls allowed in flight, min_limit..100000; the limit while not engaged.
     max_limit: int = 1024
-    # The limit before any latency is measured, min_limit..max_limit.
-    initial_limit: int = 64
     # Seconds between limit updates, 0.01..10.
     window_seconds: float = 0.1
     # Seconds between minimum-latency probes, 1..3600.
@@ -91,8 +99,6 @@ class ConcurrencySettings:
             raise ValueError(f"min_limit {self.min_limit} is outside 1..10000")
         if not self.min_limit <= self.max_limit <= 100_000:
             raise ValueError(f"max_limit {self.max_limit} is outside min_limit..100000")
-        if not self.min_limit <= self.initial_limit <= self.max_limit:
-            raise ValueError(f"initial_limit {self.initial_limit} is outside min..max limit")
         if not 0.01 <= self.window_seconds <= 10:
             raise ValueError(f"window_seconds {self.window_seconds} is outside 0.01..10")
         if not 1 <= self.probe_interval_seconds <= 3600:
@@ -116,7 +122,9 @@ class AdaptiveConcurrencyLimit:
         self.settings = settings
         self._clock = clock
         self._rng = rng or random.Random()
-        self.limit = float(settings.initial_limit)
+        self.limit = float(settings.max_limit)
+        # Whether overload has engaged the limit (see the module's docstring).
+        self.engaged = False
         self.in_flight = 0
         # Seconds; None until the first window has been measured.
         self.min_latency: float | None = None
@@ -127,8 +135,9 @@ class AdaptiveConcurrencyLimit:
         self._peak_in_flight = 0
         now = clock()
         self._window_ends = now + settings.window_seconds
-        # The first refusal may start a probe at once.
+        # The first overload starts a probe at once; the last sign of overload.
         self._next_probe = now
+        self._last_overload = now
         # A call refused, or one that missed its deadline, since the last update.
         self._overload_seen = False
         # While probing: the limit to return to, and the probe's answers.
@@ -158,14 +167,15 @@ class AdaptiveConcurrencyLimit:
             self._peak_in_flight = self.in_flight
         return True
 
-    def release(self, latency: float | None, *, missed_deadline: bool = False) -> None:
+    def release(self, latency: float | None, *, overloaded: bool = False) -> None:
         """Give back a slot; `latency` (seconds) when the backend answered the call,
         None when it failed or was cancelled (no sample: a fast failure is no news
-        about the backend's latency). `missed_deadline`: the call ran out of time
-        upstream: the calls admitted were more than the backend answers in time."""
+        about the backend's latency). `overloaded`: the call ran out of time upstream,
+        its caller gave up waiting, or the backend refused it for load: more calls
+        were admitted than the backend answers in time."""
         self.in_flight -= 1
         now = self._clock()
-        if missed_deadline:
+        if overloaded:
             self._overload_seen = True
             self._window_misses += 1
         if latency is not None:
@@ -188,38 +198,58 @@ class AdaptiveConcurrencyLimit:
 
     def _update(self, now: float) -> None:
         samples, misses = self._window, self._window_misses
-        limit = self.limit
-        if samples:
-            median = statistics.median(samples)
+        missing_deadlines = misses > MISSED_DEADLINE_SHARE * (len(samples) + misses)
+        median = statistics.median(samples) if samples else None
+        if median is not None:
             self.median_latency = median
             if self.min_latency is None or median < self.min_latency:
                 # Until a probe measures it, the lowest median seen is the reference.
                 self.min_latency = median
-            tolerated = self.settings.latency_tolerance * self.min_latency
-            gradient = min(max(tolerated / median, 0.5), 1.0)
-            # Headroom only while callers use the limit: an idle backend's limit
-            # does not drift up to let the next burst through unmeasured.
-            demand = self._peak_in_flight >= limit / 2
-            limit = limit * gradient + (math.sqrt(limit) if demand else 0.0)
-        if misses > MISSED_DEADLINE_SHARE * (len(samples) + misses):
-            # Calls ran out of time upstream: admitted more than answered in time.
-            limit = min(limit, self.limit * MISSED_DEADLINE_BACKOFF)
-        self.limit = min(max(limit, self.settings.min_limit), self.settings.max_limit)
+        overloaded, self._overload_seen = self._overload_seen, False
+        if overloaded:
+            self._last_overload = now
+        if not self.engaged:
+            if missing_deadlines:
+                self.engaged = True
+                self.limit = self._bounded(self._peak_in_flight * MISSED_DEADLINE_BACKOFF)
+        elif now - self._last_overload >= CALM_SECONDS:
+            self.engaged = False
+            self.limit = float(self.settings.max_limit)
+        else:
+            self.limit = self._bounded(self._next_limit(median, missing_deadlines))
         samples.clear()
         self._window_misses = 0
         self._peak_in_flight = self.in_flight
         self._window_ends = now + self.settings.window_seconds
-        overloaded, self._overload_seen = self._overload_seen, False
-        if overloaded and now >= self._next_probe:
+        if self.engaged and overloaded and now >= self._next_probe:
             self._probing_from, self._probe_started = self.limit, now
             self.limit = self.settings.min_limit
+
+    def _next_limit(self, median: float | None, missing_deadlines: bool) -> float:
+        limit = self.limit
+        if median is not None and self.min_latency is not None:
+            tolerated = self.settings.latency_tolerance * self.min_latency
+            gradient = min(max(tolerated / median, 0.5), 1.0)
+            # Headroom only while callers use the limit: a limit nobody reaches
+            # does not drift up to let the next burst through unmeasured.
+            demand = self._peak_in_flight >= limit / 2
+            limit = limit * gradient + (math.sqrt(limit) if demand else 0.0)
+        if missing_deadlines:
+            limit = min(limit, self.limit * MISSED_DEADLINE_BACKOFF)
+        return limit
+
+    def _bounded(self, limit: float) -> float:
+        return min(max(limit, self.settings.min_limit), self.settings.max_limit)
 
     def _end_probe(self, now: float) -> None:
         assert self._probing_from is not None
         self.min_latency = statistics.median(self._probe)
         self.limit, self._probing_from = self._probing_from, None
         self._probe.clear()
+        # What came back during the probe was sent before it, at the old limit.
         self._window.clear()
+        self._window_misses = 0
+        self._peak_in_flight = self.in_flight
         self._window_ends = now + self.settings.window_seconds
         self._next_probe = now + self._jittered(self.settings.probe_interval_seconds)
 

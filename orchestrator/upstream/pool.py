@@ -314,22 +314,22 @@ class BackendPool:
         self._admit()
         started = time.perf_counter()
         latency: float | None = None
-        missed_deadline = False
+        overloaded = False
         try:
             response = await self.coalescers[target].classify(
                 request, seconds=timeout, trace_metadata=inject_context()
             )
             latency = time.perf_counter() - started
             return response
-        except (DeadlineExpired, asyncio.CancelledError):
-            # Out of time here, or the caller gave up waiting (its own deadline passed
-            # first): either way the answer came too late.
-            missed_deadline = True
+        except (DeadlineExpired, Overloaded, asyncio.CancelledError):
+            # Out of time here, refused by the backend for load, or the caller gave up
+            # waiting (its own deadline passed first): answered too late or not at all.
+            overloaded = True
             raise
         finally:
             self.in_flight -= 1
             if self.concurrency is not None:
-                self.concurrency.release(latency, missed_deadline=missed_deadline)
+                self.concurrency.release(latency, overloaded=overloaded)
 
     async def close(self) -> None:
         await self._addresses.close()

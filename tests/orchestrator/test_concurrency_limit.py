@@ -1,5 +1,6 @@
-"""The adaptive concurrency limit: grows while latency holds, shrinks when it climbs,
-re-measures its minimum, and spreads refused callers with its retry-after hint."""
+"""The adaptive concurrency limit: off until calls run out of time, then it grows
+while latency holds, shrinks when it climbs, re-measures its minimum, disengages
+when calm, and spreads refused callers with its retry-after hint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import pytest
 
 from orchestrator.policy.concurrency import (
+    CALM_SECONDS,
     MAX_RETRY_AFTER_SECONDS,
     AdaptiveConcurrencyLimit,
     ConcurrencySettings,
@@ -32,16 +34,25 @@ def probing(limit: AdaptiveConcurrencyLimit) -> bool:
     return limit.probing
 
 
+def engaged(limit: AdaptiveConcurrencyLimit) -> bool:
+    return limit.engaged
+
+
+def hold(limit: AdaptiveConcurrencyLimit, calls: int) -> int:
+    """Take up to `calls` slots; how many were taken."""
+    held = 0
+    while held < calls and limit.try_acquire():
+        held += 1
+    return held
+
+
 def answer_window(
     limit: AdaptiveConcurrencyLimit, clock: Clock, latency: float, *, busy: bool = True
 ) -> None:
     """One window's worth of answered calls at `latency`, then the window closes.
     `busy`: the callers fill the limit (else one call at a time)."""
     if busy:
-        held = 0
-        while held < max(int(limit.limit), 10) and limit.try_acquire():
-            held += 1
-        for _ in range(held):
+        for _ in range(hold(limit, max(int(limit.limit), 10))):
             limit.release(latency)
     else:
         for _ in range(10):
@@ -52,32 +63,84 @@ def answer_window(
     limit.release(latency)
 
 
+def run_out_of_time(limit: AdaptiveConcurrencyLimit, clock: Clock, calls: int) -> None:
+    """`calls` calls in flight at once, all out of time; the window closes."""
+    assert hold(limit, calls) == calls
+    clock.now += limit.settings.window_seconds
+    for _ in range(calls):
+        limit.release(None, overloaded=True)
+
+
+def engage_and_measure(
+    limit: AdaptiveConcurrencyLimit, clock: Clock, calls: int, minimum: float
+) -> None:
+    """Overload engages the limit; its probe measures `minimum` and hands back."""
+    run_out_of_time(limit, clock, calls)
+    assert engaged(limit)
+    assert probing(limit)
+    clock.now += minimum * 2
+    for _ in range(limit.settings.probe_samples):
+        assert limit.try_acquire()
+        limit.release(minimum)
+    assert not probing(limit)
+
+
+def test_not_engaged_it_refuses_nothing_below_the_maximum() -> None:
+    clock = Clock()
+    limit = limiter(clock, max_limit=1000)
+    # A burst (a ClassifyBatch of 1,000 items) and slow answers: nobody ran out of time.
+    assert hold(limit, 1000) == 1000
+    assert not limit.try_acquire()
+    for _ in range(1000):
+        limit.release(2.0)
+    for _ in range(20):
+        answer_window(limit, clock, 2.0)
+    assert not engaged(limit)
+    assert limit.limit == 1000
+
+
+def test_calls_out_of_time_engage_it_below_what_was_in_flight() -> None:
+    clock = Clock()
+    limit = limiter(clock, min_limit=8)
+    run_out_of_time(limit, clock, 200)
+    assert engaged(limit)
+    # It engaged at 3/4 of the 200 in flight, and its first probe holds it at the floor.
+    assert probing(limit)
+    assert limit.limit == 8
+    clock.now += 0.02
+    for _ in range(limit.settings.probe_samples):
+        assert limit.try_acquire()
+        limit.release(0.010)
+    assert limit.limit == pytest.approx(150)
+    assert limit.min_latency == pytest.approx(0.010)
+
+
 def test_refuses_past_the_limit_and_frees_slots_on_release() -> None:
     clock = Clock()
-    limit = limiter(clock, min_limit=2, initial_limit=3)
+    limit = limiter(clock, min_limit=2, max_limit=3)
     assert [limit.try_acquire() for _ in range(4)] == [True, True, True, False]
     limit.release(None)
     assert limit.try_acquire()
     assert limit.in_flight == 3
 
 
-def test_grows_while_latency_stays_near_its_minimum() -> None:
+def test_engaged_it_grows_while_latency_stays_near_its_minimum() -> None:
     clock = Clock()
-    limit = limiter(clock, min_limit=8, initial_limit=16)
+    limit = limiter(clock, min_limit=8)
+    engage_and_measure(limit, clock, 22, 0.010)  # engaged at 16.5
     for _ in range(5):
         answer_window(limit, clock, 0.010)
-    # Each window adds about √limit: 16 → 20 → 24.5 → 29.4 → 34.8 → 40.7.
-    assert limit.limit == pytest.approx(40.7, abs=0.5)
-    assert limit.min_latency == pytest.approx(0.010)
+    # Each window adds about √limit: 16.5 → 20.6 → 25.1 → 30.1 → 35.6 → 41.6.
+    assert limit.limit == pytest.approx(41.6, abs=0.5)
 
 
-def test_shrinks_at_most_by_half_when_latency_climbs() -> None:
+def test_engaged_it_shrinks_at_most_by_half_when_latency_climbs() -> None:
     clock = Clock()
-    limit = limiter(clock, initial_limit=64, latency_tolerance=2.0)
-    answer_window(limit, clock, 0.010)
-    grown = limit.limit
-    answer_window(limit, clock, 0.100)  # 10x the minimum: gradient clamps at 0.5
-    assert limit.limit == pytest.approx(grown * 0.5 + grown**0.5)
+    limit = limiter(clock, min_limit=8, latency_tolerance=2.0)
+    engage_and_measure(limit, clock, 100, 0.010)
+    before = limit.limit
+    answer_window(limit, clock, 0.100)  # 10x the minimum: the gradient clamps at 0.5
+    assert limit.limit == pytest.approx(before * 0.5 + before**0.5)
     for _ in range(20):
         answer_window(limit, clock, 0.100)
     assert limit.limit == limit.settings.min_limit
@@ -85,8 +148,8 @@ def test_shrinks_at_most_by_half_when_latency_climbs() -> None:
 
 def test_latency_within_tolerance_does_not_shrink_it() -> None:
     clock = Clock()
-    limit = limiter(clock, initial_limit=32, latency_tolerance=2.0)
-    answer_window(limit, clock, 0.010)
+    limit = limiter(clock, min_limit=8, latency_tolerance=2.0)
+    engage_and_measure(limit, clock, 40, 0.010)
     before = limit.limit
     answer_window(limit, clock, 0.019)  # under 2x the minimum
     assert limit.limit > before
@@ -94,70 +157,66 @@ def test_latency_within_tolerance_does_not_shrink_it() -> None:
 
 def test_an_idle_backend_does_not_grow_it() -> None:
     clock = Clock()
-    limit = limiter(clock, min_limit=8, initial_limit=16)
+    limit = limiter(clock, min_limit=8)
+    engage_and_measure(limit, clock, 40, 0.010)
+    before = limit.limit
     for _ in range(10):
         answer_window(limit, clock, 0.010, busy=False)
-    assert limit.limit == 16
+    assert limit.limit == before
 
 
-def test_calls_that_run_out_of_time_cut_it_whatever_their_latency() -> None:
+def test_calls_out_of_time_cut_it_by_a_quarter_whatever_their_latency() -> None:
     clock = Clock()
-    limit = limiter(clock, min_limit=8, initial_limit=64)
-    for _ in range(20):
-        assert limit.try_acquire()
-    for _ in range(20):
-        limit.release(None, missed_deadline=True)
-    clock.now += limit.settings.window_seconds
-    assert limit.try_acquire()
-    limit.release(None, missed_deadline=True)
-    # The misses also start a probe; once it has measured, the cut limit is back.
-    assert probing(limit)
-    clock.now += 0.02
-    for _ in range(limit.settings.probe_samples):
-        assert limit.try_acquire()
-        limit.release(0.010)
-    assert not probing(limit)
-    assert limit.limit == pytest.approx(48)
+    limit = limiter(clock, min_limit=8, probe_interval_seconds=3600)
+    engage_and_measure(limit, clock, 80, 0.010)  # engaged at 60
+    run_out_of_time(limit, clock, 20)
+    assert limit.limit == pytest.approx(45)
+
+
+def test_calm_disengages_it() -> None:
+    clock = Clock()
+    limit = limiter(clock, min_limit=8, max_limit=500)
+    engage_and_measure(limit, clock, 40, 0.010)
+    answer_window(limit, clock, 0.010)
+    assert engaged(limit)
+    clock.now += CALM_SECONDS
+    answer_window(limit, clock, 0.010)
+    assert not engaged(limit)
+    assert limit.limit == 500
 
 
 def test_failures_do_not_move_it() -> None:
     clock = Clock()
-    limit = limiter(clock, initial_limit=32)
+    limit = limiter(clock, min_limit=8)
+    engage_and_measure(limit, clock, 40, 0.010)
+    before = limit.limit
     for _ in range(50):
         assert limit.try_acquire()
         limit.release(None)
         clock.now += 0.01
-    assert limit.limit == 32
-    assert limit.min_latency is None
+    assert limit.limit == before
 
 
-def test_probe_holds_the_minimum_limit_and_remeasures_the_minimum() -> None:
+def test_probe_samples_only_calls_sent_during_it() -> None:
     clock = Clock()
-    limit = limiter(clock, initial_limit=32, probe_interval_seconds=1.0, probe_samples=5)
-    answer_window(limit, clock, 0.050)  # a minimum measured under load
-    clock.now += 2.0
-    answer_window(limit, clock, 0.050)
-    assert not probing(limit)  # nothing refused: no probe
-    while limit.try_acquire():  # the limit is reached: a caller is refused
-        pass
-    clock.now += limit.settings.window_seconds
-    for _ in range(int(limit.limit)):
-        limit.release(0.050)  # the window closes: the refusal starts a probe
+    limit = limiter(clock, min_limit=8, probe_samples=5)
+    assert hold(limit, 40) == 40  # sent before the probe
+    run_out_of_time(limit, clock, 20)
     assert probing(limit)
-    assert limit.limit == limit.settings.min_limit
-    held = [limit.try_acquire() for _ in range(limit.settings.min_limit + 1)]
-    assert held.count(True) == limit.settings.min_limit
     clock.now += 0.010
-    for _ in range(limit.settings.min_limit):
-        limit.release(0.008)  # what the backend does when little is in flight
+    for _ in range(40):
+        limit.release(0.500)  # the old calls come back slowly: not the minimum
+    assert probing(limit)
+    for _ in range(5):
+        assert limit.try_acquire()
+        limit.release(0.008)
     assert not probing(limit)
     assert limit.min_latency == pytest.approx(0.008)
-    assert limit.limit > limit.settings.min_limit  # back to where it was
 
 
 def test_retry_after_spreads_refused_callers_over_the_answer_rate() -> None:
     clock = Clock()
-    limit = limiter(clock, initial_limit=8, min_limit=8)
+    limit = limiter(clock, min_limit=8, max_limit=8)
     # A second in which 100 calls are answered at 20 ms.
     for _ in range(10):
         for _ in range(10):
@@ -190,7 +249,6 @@ def test_retry_after_is_capped() -> None:
         ("latency_tolerance", 0.5),
         ("min_limit", 0),
         ("max_limit", 4),
-        ("initial_limit", 2000),
         ("window_seconds", 0.001),
         ("probe_samples", 0),
     ],
