@@ -69,7 +69,7 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
     config.write_text(
         "topic-static:\n  max_batch_size: 64\n  max_wait_ms: 2\n  precision: bf16\n  graph: eager\n"
     )
-    settings = CapabilitySettings(model_config=config)
+    settings = CapabilitySettings(model_config=config).with_model_config()
     static = settings.per_model["topic-static"]
     assert static.batching.max_batch_size == 64
     assert static.batching.max_wait_seconds == 0.002
@@ -78,13 +78,13 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
     assert settings.default_serving().graph == "torchscript"
     config.write_text("topic-static:\n  graph: jit\n")
     with pytest.raises(SettingsError, match=r"topic-static: graph 'jit' is not one of"):
-        CapabilitySettings(model_config=config)
+        CapabilitySettings(model_config=config).with_model_config()
     config.write_text("topic-static:\n  max_batch: 64\n")
     with pytest.raises(SettingsError, match=r"topic-static\.max_batch: unknown key"):
-        CapabilitySettings(model_config=config)
+        CapabilitySettings(model_config=config).with_model_config()
     config.write_text("topic-static:\n  max_batch_size: 0\n")
     with pytest.raises(SettingsError, match=r"topic-static: max_batch_size 0 is outside 1\.\.1024"):
-        CapabilitySettings(model_config=config)
+        CapabilitySettings(model_config=config).with_model_config()
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_model_config_past_the_reading_bounds_is_refused(
     config.write_text("topic-static:\n  max_batch_size: 64\n" + extra)
     expected = "^--model-config / CAPABILITY_MODEL_CONFIG: " + message
     with pytest.raises(SettingsError, match=expected.format(path=re.escape(str(config)))):
-        CapabilitySettings(model_config=config)
+        CapabilitySettings(model_config=config).with_model_config()
 
 
 def test_incomplete_tls_settings_are_refused_with_the_flags_named(tmp_path: Path) -> None:

@@ -1,0 +1,89 @@
+"""The settings both servers take: where to listen, TLS, telemetry, shutdown, logs.
+
+Each layer subclasses ServerSettings, giving its ENV_PREFIX and its own default
+ports (with `port_setting` and `metrics_port_setting`, so the help and bounds
+stay declared here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from classify_common.settings import Settings, setting
+from classify_common.tls import ServerTls, server_tls
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_GRACE_SECONDS = 10.0
+DEFAULT_TRACE_SAMPLE_RATIO = 1.0
+DEFAULT_LOG_LEVEL = "INFO"
+
+
+def port_setting(default: int) -> Any:
+    """The gRPC port; each layer gives its own default."""
+    return setting(
+        default,
+        "gRPC port (0: any free, logged in the serving line)",
+        int,
+        low=0,
+        high=65535,
+        noun="port ",
+        note="0 picks a free port",
+    )
+
+
+def metrics_port_setting(default: int) -> Any:
+    """The Prometheus /metrics port; each layer gives its own default."""
+    return setting(
+        default,
+        "Prometheus /metrics port (0: any free, -1: off)",
+        int,
+        low=0,
+        high=65535,
+        off=-1,
+        noun="port ",
+        note="0 picks a free port, -1 disables it",
+    )
+
+
+@dataclass(frozen=True)
+class ServerSettings(Settings):
+    """What both servers take: where to listen, TLS, telemetry, shutdown, logs."""
+
+    # Interface to bind. 127.0.0.1 keeps the server off the network; containers
+    # set 0.0.0.0.
+    host: str = setting(DEFAULT_HOST, "interface to bind")
+    # Each layer declares its own default ports with port_setting()/metrics_port_setting().
+    port: int = port_setting(0)
+    metrics_port: int = metrics_port_setting(-1)
+    # TLS: PEM certificate and key to serve with; with a client CA, callers must
+    # present a certificate it signed (mTLS). None of them: plaintext.
+    tls_cert_file: Path | None = setting(None, "PEM certificate to serve with (TLS)", Path)
+    tls_key_file: Path | None = setting(None, "PEM private key of that certificate (TLS)", Path)
+    tls_client_ca_file: Path | None = setting(
+        None, "CA that client certificates must be signed by (mTLS)", Path
+    )
+    # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None exports nothing.
+    otlp_endpoint: str | None = setting(None, "OTLP gRPC host:port for spans (none: no export)")
+    # Share of traces started here that are kept (parent-based: a caller's decision wins).
+    trace_sample_ratio: float = setting(
+        DEFAULT_TRACE_SAMPLE_RATIO, "share of new traces kept", float, low=0, high=1
+    )
+    # Seconds admitted or in-flight work gets to finish on SIGTERM.
+    grace_seconds: float = setting(
+        DEFAULT_GRACE_SECONDS, "drain time on SIGTERM", float, low=0, high=300, unit="s"
+    )
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level")
+
+    def check_together(self) -> None:
+        super().check_together()
+        self.server_tls()  # refuses an incomplete set of TLS files now, not at bind time
+
+    def server_tls(self) -> ServerTls | None:
+        return server_tls(
+            self.tls_cert_file,
+            self.tls_key_file,
+            self.tls_client_ca_file,
+            "--tls-cert-file / --tls-key-file / --tls-client-ca-file",
+        )
