@@ -20,8 +20,9 @@ from classify_common.logs import configure_logging
 from classify_common.serving import GrpcServing, wait_for_shutdown_signal
 from classify_common.settings import read_secret
 from classify_common.tracing import configure_tracing
+from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
-from orchestrator.dispatch import Dispatcher, RoutingState
+from orchestrator.dispatch import Dispatcher
 from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore

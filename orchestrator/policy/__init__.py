@@ -2,13 +2,22 @@
 
 from orchestrator.policy.budget import RetryBudget, RetryBudgetSettings
 from orchestrator.policy.outliers import OutlierDetector, OutlierSettings
-from orchestrator.policy.retries import RetryPolicy, backoff_seconds
+from orchestrator.policy.retries import (
+    GiveUp,
+    RetryAfter,
+    RetryDecision,
+    RetryPolicy,
+    backoff_seconds,
+)
 
 __all__ = [
+    "GiveUp",
     "OutlierDetector",
     "OutlierSettings",
+    "RetryAfter",
     "RetryBudget",
     "RetryBudgetSettings",
+    "RetryDecision",
     "RetryPolicy",
     "backoff_seconds",
 ]

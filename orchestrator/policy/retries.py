@@ -4,14 +4,25 @@
 `random(0, min(initial_backoff · multiplier^(n-1), max_backoff))` ("full
 jitter"), so retries from many clients spread out instead of arriving in
 waves. Only the listed status codes are retried, never a client error.
+
+`RetryPolicy.decide` is the whole decision after a failed attempt on one
+backend: `RetryAfter(seconds)` or a `GiveUp` naming what stopped it, checked in
+this order — the attempts are spent or the status is not retryable; the backend
+refused at its concurrency limit (another replica of it cannot help, a fallback
+may); the backoff would end past the caller's deadline; the retry budget has no
+token left (Linkerd/Envoy budgets: retries are a share of recent requests).
 """
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass, field
 
 import grpc
+
+from classify_common.errors import ConcurrencyLimited, ServiceError, grpc_code_for
+from orchestrator.policy.budget import RetryBudget
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.025
@@ -60,6 +71,54 @@ class RetryPolicy:
 
     def retries(self, code: grpc.StatusCode) -> bool:
         return code in self.retryable_codes
+
+    def decide(
+        self,
+        failure: ServiceError,
+        attempt: int,
+        time_left: float | None,
+        budget: RetryBudget,
+        rng: random.Random | None = None,
+    ) -> RetryDecision:
+        """What follows attempt `attempt` (1-based, on one backend) failing with `failure`,
+        `time_left` seconds before the caller's deadline (None: it set none).
+
+        A `RetryAfter` has taken its token from `budget`.
+        """
+        if attempt >= self.max_attempts:
+            return GiveUp.ATTEMPTS_SPENT
+        if not self.retries(grpc_code_for(failure)):
+            return GiveUp.NOT_RETRYABLE
+        if isinstance(failure, ConcurrencyLimited):
+            # The whole backend is at its limit: another replica of it cannot help,
+            # and waiting here only holds the caller; a fallback may.
+            return GiveUp.BACKEND_AT_LIMIT
+        wait = backoff_seconds(self, attempt, rng)
+        if time_left is not None and wait >= time_left:
+            return GiveUp.DEADLINE_TOO_NEAR
+        if not budget.try_spend():
+            return GiveUp.BUDGET_EXHAUSTED
+        return RetryAfter(wait)
+
+
+@dataclass(frozen=True)
+class RetryAfter:
+    """Try the backend again, on a replica not yet tried, after this many seconds."""
+
+    seconds: float
+
+
+class GiveUp(enum.Enum):
+    """Why a backend gets no further attempt; its failure goes to the fallbacks or the caller."""
+
+    ATTEMPTS_SPENT = "attempts_spent"
+    NOT_RETRYABLE = "not_retryable"
+    BACKEND_AT_LIMIT = "backend_at_limit"
+    DEADLINE_TOO_NEAR = "deadline_too_near"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+RetryDecision = RetryAfter | GiveUp
 
 
 def backoff_seconds(policy: RetryPolicy, attempt: int, rng: random.Random | None = None) -> float:

@@ -1,0 +1,106 @@
+"""The items of a ClassifyBatch call, each served as a call of its own.
+
+Every item gets its own request ID, trace and outcome: an error becomes the
+item's Status, never the call's; a bug is answered as a single call's is (only
+the IDs) and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from opentelemetry.trace import Link
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.context import RequestContext, bind_request, new_request_id
+from classify_common.errors import ServiceError, internal_error
+from classify_common.intake import item_status
+from classify_common.nodes import RequestTrace, bind_trace
+from classify_common.tracing import extract_context, format_trace_id, get_tracer
+
+log = logging.getLogger(__name__)
+
+# The span each item of a ClassifyBatch call gets when spans are exported; its nodes
+# (route_match, backend_select, upstream_call, and the capability's) hang under it.
+BATCH_ITEM_SPAN_NAME = "batch_item"
+
+# How an item is classified: request, IDs, seconds left (None: no deadline), headers.
+ClassifyOne = Callable[
+    [pb.ClassifyRequest, RequestContext, float | None, Mapping[str, str]],
+    Awaitable[pb.ClassifyResponse],
+]
+
+
+def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:
+    """The RequestTrace one batch item's nodes record into: timings and the node histogram
+    always; an item span (under the item's own traceparent if it sent one, else under
+    the call's span, and linked to it) only when the call's spans are made."""
+    if call_trace is None:
+        return None
+    if not call_trace.makes_spans:
+        return RequestTrace(call_trace.server_span, call_trace.observe_node)
+    parent = (
+        extract_context((("traceparent", traceparent),))
+        if traceparent
+        else call_trace.parent_context
+    )
+    span = get_tracer().start_span(
+        BATCH_ITEM_SPAN_NAME,
+        context=parent,
+        links=[Link(call_trace.server_span.get_span_context())] if traceparent else (),
+    )
+    return RequestTrace(span, call_trace.observe_node)
+
+
+def item_time_left(
+    item_context: pb.ItemContext | None, call_remaining: float | None
+) -> float | None:
+    """The sooner of the call's deadline and the item's own timeout, in seconds."""
+    if item_context is None or not item_context.HasField("timeout"):
+        return call_remaining
+    own = item_context.timeout.ToTimedelta().total_seconds()
+    return own if call_remaining is None else min(call_remaining, own)
+
+
+async def classify_item(
+    classify: ClassifyOne,
+    on_internal_error: Callable[[], None],
+    item: pb.ClassifyRequest,
+    item_context: pb.ItemContext | None,
+    refusal: ServiceError | None,
+    call_ids: RequestContext,
+    call_remaining: float | None,
+    headers: Mapping[str, str],
+    call_trace: RequestTrace | None,
+) -> pb.ClassifyBatchResult:
+    """One item of a batch call, in a task of its own: its own request ID, nodes and
+    outcome (an error becomes the item's Status, never the call's)."""
+    remaining = item_time_left(item_context, call_remaining)
+    trace = item_trace(call_trace, item_context.traceparent if item_context else "")
+    trace_id = (
+        format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
+    ) or call_ids.trace_id
+    call_trace_span = call_trace.server_span if call_trace is not None else None
+    ids = RequestContext(item.request_id or new_request_id(), trace_id)
+    bind_request(ids)
+    if trace is not None:
+        bind_trace(trace)
+    try:
+        if refusal is not None:
+            return pb.ClassifyBatchResult(error=item_status(refusal, ids.request_id, trace_id))
+        response = await classify(item, ids, remaining, headers)
+        return pb.ClassifyBatchResult(response=response)
+    except ServiceError as error:
+        return pb.ClassifyBatchResult(error=item_status(error, ids.request_id, trace_id))
+    except Exception:
+        # As the request lifecycle answers a bug in a single call: the IDs for the
+        # caller, the traceback for the log, one count.
+        log.exception("unhandled error", extra={"request_id": ids.request_id})
+        on_internal_error()
+        internal = internal_error(ids.request_id, trace_id)
+        return pb.ClassifyBatchResult(error=item_status(internal, ids.request_id, trace_id))
+    finally:
+        # Only an item span of its own is ended here; the call's ends with the call.
+        if trace is not None and trace.server_span is not call_trace_span:
+            trace.server_span.end()

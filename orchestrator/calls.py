@@ -1,0 +1,221 @@
+"""One call's way through its route's backends: the primary under its retry policy,
+then the fallbacks in order.
+
+`UpstreamCall` is the per-call value (route, request, IDs, deadline, attempt and
+the reasons for the next attempt); `RouteCaller` runs it. Whether a failed
+attempt is tried again is `RetryPolicy.decide`'s answer (orchestrator.policy);
+this module only acts on it and counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry.trace import SpanKind
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.context import RequestContext
+from classify_common.errors import ServiceError, is_fallback_eligible
+from classify_common.nodes import current_trace, emit_node, node
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.policy import GiveUp, RetryAfter, RetryBudget
+from orchestrator.routing import Backend, Route, RouteTable
+from orchestrator.upstream import UpstreamPools
+from orchestrator.upstream.pool import BackendPool
+
+log = logging.getLogger(__name__)
+
+
+class RoutingState:
+    """One version of routes.yaml and what it needs to serve: channels, retry budget.
+
+    Calls count themselves in and out, so a replaced state closes its channels
+    only after the calls that started on it have finished.
+    """
+
+    def __init__(self, table: RouteTable, upstream: UpstreamPools) -> None:
+        self.table = table
+        self.upstream = upstream
+        self.retry_budget = RetryBudget(table.retry_budget)
+        self.in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._drained.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._drained.set()
+
+    async def close_when_drained(self) -> None:
+        await self._drained.wait()
+        await self.upstream.close()
+
+
+@dataclass
+class UpstreamCall:
+    """One call to a route: what it asks, under which IDs and deadline, and how far it has come."""
+
+    # The routes version the call follows, taken once: a reload does not change its rules.
+    state: RoutingState
+    route: Route
+    request: pb.ClassifyRequest
+    ids: RequestContext
+    # Event-loop time by which the caller wants its answer; None: it set no deadline.
+    deadline: float | None
+    # Attempts across all the route's backends, numbered from 1 for traces and logs.
+    attempts: int = 0
+    # Why the next attempt happens: the failure retried, or the one that sent it on.
+    retry_reason: str = ""
+    fallback_reason: str = ""
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline, None without one."""
+        if self.deadline is None:
+            return None
+        return self.deadline - asyncio.get_running_loop().time()
+
+    def forwarded_to(self, backend: Backend) -> pb.ClassifyRequest:
+        """The request as `backend` gets it: its one model, and our request ID, which the
+        capability server logs under."""
+        forwarded = pb.ClassifyRequest()
+        forwarded.CopyFrom(self.request)
+        forwarded.model = backend.model
+        forwarded.request_id = self.ids.request_id
+        return forwarded
+
+
+class RouteCaller:
+    """Runs UpstreamCalls: attempts, retries and fallbacks, with their metrics."""
+
+    def __init__(self, metrics: OrchestratorMetrics) -> None:
+        self._metrics = metrics
+
+    async def call_route(self, call: UpstreamCall) -> pb.ClassifyResponse:
+        """The answer of the first backend that gives one; the last failure otherwise.
+        Client errors are raised at once, never sent to a fallback."""
+        route = call.route
+        call.state.retry_budget.record_request()
+        failure: ServiceError | None = None
+        for backend in route.backends:
+            try:
+                response = await self._call_backend(call, backend)
+            except ServiceError as error:
+                if not is_fallback_eligible(error):
+                    raise
+                failure = error
+                call.fallback_reason = error.reason
+                log.info(
+                    "backend failed",
+                    extra={"route": route.name, "backend": backend.name, "reason": error.reason},
+                )
+                continue
+            if backend is not route.backend:
+                assert failure is not None
+                self._metrics.fallbacks.labels(
+                    route.name, route.backend.name, backend.name, failure.reason
+                ).inc()
+            return self._complete(call, backend, response)
+        assert failure is not None, "a route has at least one backend"
+        raise failure
+
+    def _complete(
+        self, call: UpstreamCall, backend: Backend, response: pb.ClassifyResponse
+    ) -> pb.ClassifyResponse:
+        response.request_id = call.ids.request_id
+        response.trace_id = call.ids.trace_id
+        response.route = call.route.name
+        response.status = pb.RESULT_STATUS_DONE
+        response.fallback = backend is not call.route.backend
+        request_trace = current_trace()
+        if request_trace is not None:
+            request_trace.log_fields.update(
+                backend=backend.name,
+                model=response.model.name,
+                model_version=response.model.version,
+                attempts=call.attempts,
+                fallback=response.fallback,
+            )
+        return response
+
+    async def _call_backend(self, call: UpstreamCall, backend: Backend) -> pb.ClassifyResponse:
+        """Attempts on one backend, each on a replica not yet tried, under the route's
+        retry policy."""
+        route = call.route
+        pool = call.state.upstream.pool(backend)
+        forwarded = call.forwarded_to(backend)
+        tried: set[str] = set()
+        attempt_on_backend = 1
+        while True:
+            call.attempts += 1
+            try:
+                return await self._attempt(call, pool, tried, forwarded)
+            except ServiceError as error:
+                call.retry_reason, call.fallback_reason = error.reason, ""
+                decision = route.retry.decide(
+                    error, attempt_on_backend, call.time_left(), call.state.retry_budget
+                )
+                if decision is GiveUp.BUDGET_EXHAUSTED:
+                    self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()
+                if not isinstance(decision, RetryAfter):
+                    raise
+                self._metrics.retries.labels(route.name, backend.name, error.reason).inc()
+                await asyncio.sleep(decision.seconds)
+                attempt_on_backend += 1
+
+    async def _attempt(
+        self,
+        call: UpstreamCall,
+        pool: BackendPool,
+        tried: set[str],
+        forwarded: pb.ClassifyRequest,
+    ) -> pb.ClassifyResponse:
+        """One call to a replica not yet tried, as the `upstream_call` node; its
+        `backend_select` node is recorded once the answer names the model version."""
+        backend = pool.backend
+        select_started = time.time_ns()
+        target = pool.pick(avoid=tried)
+        selected = time.time_ns()
+        tried.add(target)
+        remaining = call.time_left()
+        version = ""
+        reasons = {
+            "classify.retry_reason": call.retry_reason,
+            "classify.fallback_reason": call.fallback_reason,
+        }
+        try:
+            with node(
+                "upstream_call",
+                {
+                    "classify.attempt": call.attempts,
+                    "classify.backend": backend.name,
+                    **{key: value for key, value in reasons.items() if value},
+                },
+                kind=SpanKind.CLIENT,
+                current=True,  # the capability server's spans hang under it
+            ) as span:
+                response = await pool.classify(forwarded, target=target, client_remaining=remaining)
+                span.set_attribute("rpc.grpc.status_code", 0)
+                version = response.model.version
+                return response
+        finally:
+            request_trace = current_trace()
+            if request_trace is not None:
+                emit_node(
+                    request_trace,
+                    "backend_select",
+                    select_started,
+                    selected,
+                    {
+                        "classify.backend": backend.name,
+                        "classify.replica": target,
+                        "classify.model": backend.model,
+                        "classify.model_version": version,
+                    },
+                )

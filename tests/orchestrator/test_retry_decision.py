@@ -1,0 +1,59 @@
+"""RetryPolicy.decide: what follows a failed attempt on one backend, without a server."""
+
+from __future__ import annotations
+
+import random
+
+from classify_common.errors import ConcurrencyLimited, ModelNotFound, ModelUnavailable, QueueFull
+from orchestrator.policy import GiveUp, RetryAfter, RetryBudget, RetryBudgetSettings, RetryPolicy
+
+POLICY = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.1, max_backoff_seconds=0.3)
+UNAVAILABLE = ModelUnavailable("replica unreachable")
+
+
+def roomy_budget() -> RetryBudget:
+    return RetryBudget(RetryBudgetSettings(min_retries_per_second=100))
+
+
+def empty_budget() -> RetryBudget:
+    return RetryBudget(RetryBudgetSettings(ratio=0, min_retries_per_second=0))
+
+
+def test_retryable_failure_is_retried_after_the_jittered_backoff() -> None:
+    decision = POLICY.decide(UNAVAILABLE, 2, None, roomy_budget(), random.Random(7))
+    # Attempt 2 failed: the bound is 0.1 x 2 = 0.2 s, drawn from the same generator.
+    assert decision == RetryAfter(random.Random(7).uniform(0, 0.2))
+
+
+def test_last_attempt_gives_up_even_with_time_and_budget() -> None:
+    assert POLICY.decide(UNAVAILABLE, 3, None, roomy_budget()) is GiveUp.ATTEMPTS_SPENT
+
+
+def test_status_outside_the_retryable_codes_is_not_retried() -> None:
+    unknown = ModelNotFound("no such model")
+    assert POLICY.decide(unknown, 1, None, roomy_budget()) is GiveUp.NOT_RETRYABLE
+
+
+def test_backend_at_its_concurrency_limit_is_never_retried_on_it() -> None:
+    limited = ConcurrencyLimited("at the limit", retry_after_seconds=0.05)
+    assert POLICY.decide(limited, 1, None, roomy_budget()) is GiveUp.BACKEND_AT_LIMIT
+    # Another overload of the same code is retried: only the limit stops it.
+    full = QueueFull("queue full", retry_after_seconds=0.05)
+    assert isinstance(POLICY.decide(full, 1, None, roomy_budget()), RetryAfter)
+
+
+def test_backoff_that_would_end_past_the_deadline_gives_up_without_spending_budget() -> None:
+    budget = RetryBudget(RetryBudgetSettings(ratio=0, min_retries_per_second=0.1))
+    # Any backoff drawn is >= 0, so no time left means no retry.
+    assert POLICY.decide(UNAVAILABLE, 1, 0.0, budget) is GiveUp.DEADLINE_TOO_NEAR
+    assert budget.try_spend()  # the one token of the floor is still there
+
+
+def test_empty_retry_budget_gives_up() -> None:
+    assert POLICY.decide(UNAVAILABLE, 1, 10.0, empty_budget()) is GiveUp.BUDGET_EXHAUSTED
+
+
+def test_retry_takes_its_token_from_the_budget() -> None:
+    budget = RetryBudget(RetryBudgetSettings(ratio=0, min_retries_per_second=0.1))
+    assert isinstance(POLICY.decide(UNAVAILABLE, 1, None, budget), RetryAfter)
+    assert not budget.try_spend()
