@@ -122,7 +122,7 @@ class CapabilitySettings(ServerSettings):
     port: int = port_setting(DEFAULT_PORT)
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     # Built by `make bundles`.
-    model_root: Path = setting(DEFAULT_MODEL_ROOT, "bundle folder <root>/<model>/<version>", Path)
+    model_root: Path = setting(DEFAULT_MODEL_ROOT, "bundle folder `<root>/<model>/<version>`", Path)
     models: tuple[str, ...] = setting(
         (), "comma-separated models to serve (empty: all under the root)", comma_list
     )

@@ -85,10 +85,15 @@ class Spec:
             return " or ".join(f"`{choice}`" for choice in self.choices)
         if self.low is None and self.high is None:
             return ""
-        low = "" if self.low is None else f"{self.low:g}"
-        high = "" if self.high is None else f"{self.high:g}"
+        low = "" if self.low is None else _number(self.low)
+        high = "" if self.high is None else _number(self.high)
         text = f"{low}..{high}" + (f" {self.unit}" if self.unit else "")
-        return text if self.off is None else f"{self.off:g} (off) or {text}"
+        return text if self.off is None else f"{_number(self.off)} (off) or {text}"
+
+
+def _number(value: float) -> str:
+    """1000000 rather than :g's 1e+06, 0.05 as it is."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def setting(default: Any, help: str, parse: Callable[[str], Any] = str, **bounds: Any) -> Any:
