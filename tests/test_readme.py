@@ -1,0 +1,168 @@
+"""The README stays a true front page.
+
+Every shell command it shows is run: `make test` is the suite's own command,
+and the test below starts what `make run` starts and runs the README's call
+against it. Every link between the README and docs/ resolves, anchors
+included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, closed_port, write_routes
+
+README = REPO_ROOT / "README.md"
+MAKEFILE = REPO_ROOT / "Makefile"
+FRONT_PAGE_MAX_BYTES = 12 * 1024
+SHELL_FENCES = {"sh", "bash", "shell"}
+# What the README's Python commands start with; the test runs them with its own interpreter.
+VENV_PYTHON = ".venv/bin/python"
+# `make run` prints this once both servers report SERVING.
+READY_LINE = "Ready. In another terminal:"
+STACK_READY_TIMEOUT_SECONDS = 180.0
+
+
+def fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
+    """(info string, body) of each fenced code block."""
+    for match in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL):
+        yield match.group(1), match.group(2)
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """Each command in the shell blocks, split as the shell would, comments dropped."""
+    commands = []
+    for info, body in fenced_blocks(text):
+        if info not in SHELL_FENCES:
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def make_prerequisites(target: str) -> list[str]:
+    match = re.search(rf"^{re.escape(target)}:(.*)$", MAKEFILE.read_text(), flags=re.MULTILINE)
+    assert match, f"the Makefile has no target {target!r}"
+    return match.group(1).split()
+
+
+def test_readme_is_a_front_page_under_12_kb_that_opens_with_the_two_commands() -> None:
+    text = README.read_text()
+    assert len(text.encode()) < FRONT_PAGE_MAX_BYTES
+    info, body = next(fenced_blocks(text))
+    assert info == "sh"
+    assert shell_commands(f"```sh\n{body}```\n") == [["make", "run"], ["make", "test"]]
+
+
+def test_every_shell_command_in_the_readme_is_run_by_make_test() -> None:
+    commands = shell_commands(README.read_text())
+    # `make test` runs this file (through its `pytest` step); the next test runs the rest.
+    assert "pytest" in make_prerequisites("test")
+    assert commands[:2] == [["make", "run"], ["make", "test"]]
+    assert [words[:3] for words in commands[2:]] == [[VENV_PYTHON, "-m", "orchestrator.client"]]
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a file's headings (duplicates get -1, -2, ...)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: p.name)
+def test_links_from_the_readme_and_docs_resolve(path: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s) and the like: not ours to check here
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists() or (anchor and anchor not in heading_anchors(linked)):
+            broken.append(target)
+    assert broken == []
+
+
+def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: Path) -> None:
+    """`make run` is `setup bundles`, then tools/run_stack.py: the suite has done the
+    setup, the model_root fixture builds the bundles, and this runs the script."""
+    assert make_prerequisites("run") == ["setup", "bundles"]
+    assert re.search(r"^run:.*\n\t\$\(PY\) tools/run_stack\.py$", MAKEFILE.read_text(), re.M)
+    readme_call = next(
+        words for words in shell_commands(README.read_text()) if words[0] == VENV_PYTHON
+    )
+
+    capability_port, orchestrator_port = closed_port(), closed_port()
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "CAPABILITY_PORT": str(capability_port),
+        "CAPABILITY_METRICS_PORT": "-1",
+        "CAPABILITY_MODEL_ROOT": str(model_root),
+        "CAPABILITY_DEVICE": "cpu",
+        "CAPABILITY_WATCH_SECONDS": "0",
+        "ORCHESTRATOR_PORT": str(orchestrator_port),
+        "ORCHESTRATOR_METRICS_PORT": "-1",
+        "ORCHESTRATOR_ROUTES_FILE": str(
+            write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability_port}"])
+        ),
+    }
+    stack_log = tmp_path / "make-run.log"
+    # In tmp_path, so its .run/ (key, keys file, internal token) is the test's own.
+    with stack_log.open("w") as log:
+        stack = subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "tools" / "run_stack.py")],
+            cwd=tmp_path,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + STACK_READY_TIMEOUT_SECONDS
+        while READY_LINE not in stack_log.read_text():
+            assert stack.poll() is None, stack_log.read_text()
+            assert time.monotonic() < deadline, stack_log.read_text()
+            time.sleep(0.2)
+        # The call the README shows is the one `make run` prints.
+        assert " ".join(readme_call) in stack_log.read_text().replace('"', "")
+
+        result = subprocess.run(
+            [sys.executable, *readme_call[1:]],
+            cwd=tmp_path,  # the client reads the key from .run/api-key here
+            env={**environment, "CLASSIFY_TARGET": f"127.0.0.1:{orchestrator_port}"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        first_line, *rest = result.stdout.splitlines()
+        assert first_line.split()[0] == "sports"
+        assert any(line.startswith("model     topic-minilm") for line in rest)
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(timeout=60)
+    assert stack.returncode == 0, stack_log.read_text()
