@@ -8,16 +8,16 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
+from classify_common.admission import RateAllowance
 from classify_common.context import INTERNAL_TOKEN_HEADER
 from classify_common.errors import Unauthenticated
-from classify_common.interceptor import RateAllowance
 
 # The one caller a capability server serves.
 ORCHESTRATOR = "orchestrator"
 
 
 class InternalTokenGate:
-    """The interceptor's gate (classify_common.interceptor.Gate) for capability servers."""
+    """The interceptor's gate (classify_common.admission.Gate) for capability servers."""
 
     def __init__(self, token: str) -> None:
         self._token = token.encode()

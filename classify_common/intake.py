@@ -3,7 +3,7 @@
 A `ClassifyBatch` call is refused whole only when the batch itself is wrong
 (too many items, too many characters) or its caller is refused. An item that
 breaks the item rules, or that exceeds the tenant's rate limit, is refused on
-its own: the request lifecycle (classify_common.interceptor) records the
+its own: admission (classify_common.admission) records the
 error here, and the handler answers that item with it and serves the others.
 """
 

@@ -5,26 +5,17 @@ For each call to an `ai.classify.v1` method it
    the request ID (the request's own `request_id`, else `x-request-id`
    metadata, else a new one) and the trace ID to the request context,
 2. parses the request itself, inside the receive node, so parse time is seen,
-3. on the public front door (`edge`): authenticates and rate-limits through the
-   server's gate, then validates against the contract's protovalidate rules,
-   each as its own lifecycle node (classify_common.nodes); on an internal
-   server the gate and validation run inside `capability_receive`. Either way
-   an invalid or refused request reaches no handler, let alone a model,
-4. maps any ServiceError to its status (errors.status_for) with rich details,
+   and admits it through the server's admission (classify_common.admission:
+   auth, rate limit and validation, as nodes of their own on the front door),
+3. maps any ServiceError to its status (errors.status_for) with rich details,
    and any other exception (a bug) to INTERNAL: the client is told the request
    and trace IDs to quote, never the exception, and the log line with those
    IDs carries the traceback,
-5. serialises the response itself (`output_serialize` on the edge), sends
+4. serialises the response itself (`output_serialize` on the front door), sends
    `x-request-id` and `x-trace-id` as trailing metadata on every outcome,
    counts the call, and writes one access-log line with its time breakdown;
    the server span (and `response_send`) end when gRPC reports the call done.
 Handlers therefore only convert messages and call the domain layer.
-
-A batch call (`ClassifyBatch`) goes through the same steps once. Its items are
-checked one by one: an item that breaks the item rules, or that the tenant's
-rate limit (one token per item) does not cover, is refused on its own and
-recorded for the handler (classify_common.intake); only the batch's own rules
-and a refused caller fail the whole call.
 """
 
 from __future__ import annotations
@@ -33,8 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -43,6 +33,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from classify_common.admission import Admission
 from classify_common.context import (
     REQUEST_ID_HEADER,
     TRACE_ID_HEADER,
@@ -60,17 +51,26 @@ from classify_common.errors import (
     internal_error,
     status_for,
 )
-from classify_common.intake import (
-    BATCH_METHODS,
-    NO_REFUSALS,
-    BatchIntake,
-    bind_batch_intake,
-)
 from classify_common.logs import log_event
 from classify_common.metrics import RpcMetrics
-from classify_common.nodes import RequestTrace, bind_trace, node
+from classify_common.nodes import (
+    CLASSIFY_ERROR_REASON,
+    CLASSIFY_REQUEST_BYTES,
+    CLASSIFY_REQUEST_ID,
+    CLASSIFY_RESPONSE_BYTES,
+    NET_PEER_ADDRESS,
+    OUTPUT_SERIALIZE,
+    RESPONSE_SEND,
+    RPC_GRPC_STATUS_CODE,
+    RPC_METHOD,
+    RPC_SYSTEM,
+    TIMEOUT_ATTRIBUTE,
+    USER_AGENT_ORIGINAL,
+    RequestTrace,
+    bind_trace,
+    node,
+)
 from classify_common.tracing import format_trace_id, get_tracer, start_server_span
-from classify_common.validation import validate_batch, validate_request
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -79,28 +79,6 @@ log = logging.getLogger(__name__)
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 RawBehavior = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
-
-
-@dataclass(frozen=True)
-class RateAllowance:
-    """What a tenant's rate limit granted to one call of `calls` items."""
-
-    tokens_left: float | None  # None: the tenant is not limited
-    granted: int  # the first `granted` items may go ahead
-    refusal: ServiceError | None = None  # answers the items past `granted`
-
-
-class Gate(Protocol):
-    """Who may call, and how often; each method raises a ServiceError to refuse."""
-
-    def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
-        """The caller's tenant, from the request metadata (lower-case keys)."""
-        ...
-
-    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
-        """Take one token per call (a batch item is a call) from the tenant's allowance;
-        raise when not even one is left."""
-        ...
 
 
 def bind_ids(metadata: Sequence[tuple[str, str | bytes]], trace_id: str) -> RequestContext:
@@ -127,12 +105,11 @@ def rebind_own_request_id(request: object, ids: RequestContext) -> RequestContex
 
 
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: RpcMetrics, gate: Gate | None = None, *, edge: bool) -> None:
-        """`edge`: this server is the public front door (the orchestrator), whose
-        intake steps are separate lifecycle nodes; else an internal server."""
+    def __init__(self, metrics: RpcMetrics, admission_for: Callable[[str], Admission]) -> None:
+        """`admission_for`: the server's admission of a contract method, asked once per
+        method (classify_common.admission)."""
         self._metrics = metrics
-        self._gate = gate
-        self._edge = edge
+        self._admission_for = admission_for
         # Looked up once: get_tracer builds a new tracer object on every call.
         self._tracer = get_tracer()
         # The wrapped handler of each contract method, built on its first call: a
@@ -180,9 +157,11 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         serialize: Callable[[Any], bytes],
     ) -> RawBehavior:
         span_name = method.lstrip("/")
-        span_attributes = {"rpc.system": "grpc", "rpc.method": method}
-        # An internal batch call's items count its nodes, each in its own trace.
-        counts_nodes = self._edge or method not in BATCH_METHODS
+        span_attributes = {RPC_SYSTEM: "grpc", RPC_METHOD: method}
+        # Chosen once per method, so a call asks nothing about its server or method.
+        admission = self._admission_for(method)
+        admit, times_output = admission.admit, admission.times_output
+        encode = _timed_serializer(serialize) if times_output else serialize
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
@@ -190,7 +169,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
             server_span = start_server_span(span_name, metadata, span_attributes)
             request_trace = RequestTrace(
-                server_span, self._metrics.observe_node, observes_own_nodes=counts_nodes
+                server_span,
+                self._metrics.observe_node,
+                observes_own_nodes=admission.counts_own_nodes,
             )
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
@@ -198,13 +179,13 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             ids = bind_ids(metadata, format_trace_id(server_span))
             code = grpc.StatusCode.OK
             try:
-                request = self._receive(method, raw, parse, context, headers, request_trace)
+                request = _receive(method, raw, parse, context, headers, request_trace, admission)
                 ids = rebind_own_request_id(request, ids)
-                server_span.set_attribute("classify.request_id", ids.request_id)
-                if self._edge:
-                    self._admit(method, headers, request)
+                server_span.set_attribute(CLASSIFY_REQUEST_ID, ids.request_id)
+                if admit is not None:
+                    admit(headers, request)
                 response = await behavior(request, context)
-                payload = self._serialize(response, serialize)
+                payload = encode(response)
             except ServiceError as error:
                 code = grpc_code_for(error)
                 await self._abort(context, server_span, error, ids, request_trace)
@@ -222,8 +203,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 elapsed = time.perf_counter() - started
                 self._metrics.observe(method, code.name, elapsed, ids.trace_id)
                 self._log_request(method, code, elapsed, request_trace)
-                if self._edge or request_trace.makes_spans:
-                    self._end_when_done(context, server_span, code, request_trace)
+                if times_output or request_trace.makes_spans:
+                    self._end_when_done(context, server_span, code, request_trace, times_output)
                 otel_context.detach(attached)
             # After what the servicer set (a capability server's load report).
             context.set_trailing_metadata(
@@ -233,101 +214,34 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
 
         return run_lifecycle
 
-    def _receive(
-        self,
-        method: str,
-        raw: bytes,
-        parse: Callable[[bytes], Any],
-        context: grpc.aio.ServicerContext[Any, Any],
-        headers: Mapping[str, str],
-        request_trace: RequestTrace,
-    ) -> Any:
-        """The parsed request; on an internal server, also gated and validated."""
-        attributes: dict[str, AttributeValue] | None = (
-            {
-                "rpc.method": method,
-                "net.peer.address": context.peer(),
-                "user_agent.original": headers.get("user-agent", ""),
-                "classify.request_bytes": len(raw),
-            }
-            if request_trace.makes_spans
-            else None
-        )
-        with node("grpc_receive" if self._edge else "capability_receive", attributes) as span:
-            try:
-                request = parse(raw)
-            except DecodeError as exc:
-                raise InvalidRequest(
-                    [FieldViolation("", "wire_format", f"not a valid request message: {exc}")]
-                ) from exc
-            if not self._edge:
-                if self._gate is not None:
-                    tenant = self._gate.authenticate(method, headers)
-                    self._gate.check_rate_limit(tenant, _calls_in(method, request))
-                _validate(method, request, span)
-            return request
-
-    def _admit(self, method: str, headers: Mapping[str, str], request: Any) -> None:
-        """The front door's intake nodes: who is calling, whether they may, and what."""
-        tenant = ""
-        with node("auth_validate") as span:
-            if self._gate is None:
-                span.set_attribute("classify.outcome", "not_configured")
-            else:
-                try:
-                    tenant = self._gate.authenticate(method, headers)
-                except ServiceError:
-                    span.set_attribute("classify.outcome", "refused")
-                    raise
-                span.set_attributes({"classify.tenant": tenant, "classify.outcome": "ok"})
-        calls = _calls_in(method, request)
-        allowance = RateAllowance(None, calls)
-        with node("rate_limit_check", {"classify.tenant": tenant}) as span:
-            if self._gate is not None:
-                allowance = self._gate.check_rate_limit(tenant, calls)
-            if allowance.tokens_left is not None:
-                span.set_attribute("classify.tokens_left", allowance.tokens_left)
-        with node("input_validate") as span:
-            intake = _validate(method, request, span)
-        if allowance.refusal is not None:
-            over_limit = dict.fromkeys(range(allowance.granted, calls), allowance.refusal)
-            bind_batch_intake(BatchIntake({**over_limit, **intake.refused}))
-
-    def _serialize(self, response: Any, serialize: Callable[[Any], bytes]) -> bytes:
-        if not self._edge:
-            return serialize(response)
-        with node("output_serialize") as span:
-            payload = serialize(response)
-            span.set_attribute("classify.response_bytes", len(payload))
-            return payload
-
     def _end_when_done(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
         server_span: trace.Span,
         code: grpc.StatusCode,
         request_trace: RequestTrace,
+        times_send: bool,
     ) -> None:
-        """End the server span (and, on the edge, time `response_send`) once gRPC has
-        sent the answer and the call is over. Only needed on the edge or when spans
-        are made: the callback costs a closure and a call per request."""
+        """End the server span (and, with `times_send`, time `response_send`) once gRPC
+        has sent the answer and the call is over. Only needed then or when spans are
+        made: the callback costs a closure and a call per request."""
         send_started = time.perf_counter()
         send_span = (
-            self._tracer.start_span("response_send", context=request_trace.parent_context)
-            if self._edge and request_trace.makes_spans
+            self._tracer.start_span(RESPONSE_SEND, context=request_trace.parent_context)
+            if times_send and request_trace.makes_spans
             else None
         )
         code_value = code.value[0]
 
         def finish(_: grpc.aio.ServicerContext[Any, Any]) -> None:
-            if self._edge:
-                request_trace.record("response_send", time.perf_counter() - send_started)
+            if times_send:
+                request_trace.record(RESPONSE_SEND, time.perf_counter() - send_started)
             if send_span is not None:
-                send_span.set_attribute("rpc.grpc.status_code", code_value)
+                send_span.set_attribute(RPC_GRPC_STATUS_CODE, code_value)
                 if request_trace.timed_out:
-                    send_span.set_attribute("timeout", True)
+                    send_span.set_attribute(TIMEOUT_ATTRIBUTE, True)
                 send_span.end()
-            server_span.set_attribute("rpc.grpc.status_code", code_value)
+            server_span.set_attribute(RPC_GRPC_STATUS_CODE, code_value)
             server_span.end()
 
         # The stubs declare the callback as a nominal class no function can be.
@@ -365,7 +279,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         error.context.update(dict(trailers))
         status = status_for(error)
         span.set_status(Status(StatusCode.ERROR, error.message))
-        span.set_attribute("classify.error_reason", error.reason)
+        span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
         request_trace.log_fields.update(reason=error.reason, error=error.message)
         await context.abort(
             grpc_code_for(error),
@@ -374,39 +288,52 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+def _receive(
+    method: str,
+    raw: bytes,
+    parse: Callable[[bytes], Any],
+    context: grpc.aio.ServicerContext[Any, Any],
+    headers: Mapping[str, str],
+    request_trace: RequestTrace,
+    admission: Admission,
+) -> Any:
+    """The parsed request, inside the receive node; admitted there on an internal server."""
+    attributes: dict[str, AttributeValue] | None = (
+        {
+            RPC_METHOD: method,
+            NET_PEER_ADDRESS: context.peer(),
+            USER_AGENT_ORIGINAL: headers.get("user-agent", ""),
+            CLASSIFY_REQUEST_BYTES: len(raw),
+        }
+        if request_trace.makes_spans
+        else None
+    )
+    with node(admission.receive_node, attributes) as span:
+        try:
+            request = parse(raw)
+        except DecodeError as exc:
+            raise InvalidRequest(
+                [FieldViolation("", "wire_format", f"not a valid request message: {exc}")]
+            ) from exc
+        if admission.on_receive is not None:
+            admission.on_receive(headers, request, span)
+        return request
+
+
+def _timed_serializer(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """`serialize` as the `output_serialize` node."""
+
+    def serialize_timed(response: Any) -> bytes:
+        with node(OUTPUT_SERIALIZE) as span:
+            payload = serialize(response)
+            span.set_attribute(CLASSIFY_RESPONSE_BYTES, len(payload))
+            return payload
+
+    return serialize_timed
+
+
 def _internal_error(ids: RequestContext) -> InternalError:
     return internal_error(ids.request_id, ids.trace_id)
-
-
-def _calls_in(method: str, request: Any) -> int:
-    """How many calls a request counts as: one per item for a batch."""
-    return len(request.items) if method in BATCH_METHODS else 1
-
-
-def _validate(method: str, request: Any, span: trace.Span) -> BatchIntake:
-    """Check the request against the contract. A batch's broken items are bound as
-    its intake (and returned); anything else that is broken raises InvalidRequest."""
-    try:
-        if method not in BATCH_METHODS:
-            validate_request(request)
-            span.set_attribute("classify.violations", 0)
-            return NO_REFUSALS
-        intake = BatchIntake(validate_batch(request))
-    except InvalidRequest as error:
-        span.set_attributes(
-            {
-                "classify.violations": len(error.violations),
-                "classify.violation_fields": [v.field for v in error.violations],
-            }
-        )
-        raise
-    bind_batch_intake(intake)
-    refused = cast(Mapping[int, InvalidRequest], intake.refused)
-    violations = [v for error in refused.values() for v in error.violations]
-    span.set_attribute("classify.violations", len(violations))
-    if violations:
-        span.set_attribute("classify.violation_fields", [v.field for v in violations])
-    return intake
 
 
 def _id_trailers(ids: RequestContext) -> tuple[tuple[str, str], ...]:

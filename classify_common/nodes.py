@@ -28,8 +28,65 @@ from opentelemetry.util.types import AttributeValue
 from classify_common.errors import ServiceError, grpc_code_for
 from classify_common.tracing import get_tracer, spans_are_exported
 
+# Span attribute keys, OpenTelemetry's semantic conventions where one exists. Each
+# node's row in NODES lists the keys it emits (tests/test_node_attributes.py checks).
+RPC_SYSTEM = "rpc.system"
+RPC_METHOD = "rpc.method"
+RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+NET_PEER_ADDRESS = "net.peer.address"
+USER_AGENT_ORIGINAL = "user_agent.original"
+CLASSIFY_REQUEST_ID = "classify.request_id"
+CLASSIFY_REQUEST_BYTES = "classify.request_bytes"
+CLASSIFY_RESPONSE_BYTES = "classify.response_bytes"
+CLASSIFY_BATCH_INDEX = "classify.batch_index"  # an item's place in its ClassifyBatch
+CLASSIFY_TENANT = "classify.tenant"
+CLASSIFY_OUTCOME = "classify.outcome"
+CLASSIFY_TOKENS_LEFT = "classify.tokens_left"
+CLASSIFY_VIOLATIONS = "classify.violations"
+CLASSIFY_VIOLATION_FIELDS = "classify.violation_fields"
+CLASSIFY_ROUTE = "classify.route"
+CLASSIFY_RULES_VERSION = "classify.rules_version"
+CLASSIFY_BACKEND = "classify.backend"
+CLASSIFY_REPLICA = "classify.replica"
+CLASSIFY_MODEL = "classify.model"
+CLASSIFY_MODEL_VERSION = "classify.model_version"
+CLASSIFY_ATTEMPT = "classify.attempt"
+CLASSIFY_RETRY_REASON = "classify.retry_reason"
+CLASSIFY_FALLBACK_REASON = "classify.fallback_reason"
+CLASSIFY_TOKENS = "classify.tokens"
+CLASSIFY_TRUNCATED = "classify.truncated"
+CLASSIFY_WORKER = "classify.worker"
+CLASSIFY_QUEUE_DEPTH = "classify.queue_depth"
+CLASSIFY_PREDICTED_WAIT_MS = "classify.predicted_wait_ms"
+CLASSIFY_BATCH_SIZE = "classify.batch_size"
+CLASSIFY_BUCKET = "classify.bucket"
+CLASSIFY_PADDING_RATIO = "classify.padding_ratio"
+CLASSIFY_CLOCK = "classify.clock"
+CLASSIFY_ERROR_REASON = "classify.error_reason"
 # Set on every span of a request whose time budget ran out before its answer.
 TIMEOUT_ATTRIBUTE = "timeout"
+# Any node may carry these besides its own: a failed node's status code and error
+# reason (mark_error), and the timeout mark.
+ANY_NODE_ATTRIBUTES = (RPC_GRPC_STATUS_CODE, CLASSIFY_ERROR_REASON, TIMEOUT_ATTRIBUTE)
+
+# The lifecycle nodes' names, in request order.
+GRPC_RECEIVE = "grpc_receive"
+AUTH_VALIDATE = "auth_validate"
+RATE_LIMIT_CHECK = "rate_limit_check"
+INPUT_VALIDATE = "input_validate"
+ROUTE_MATCH = "route_match"
+BACKEND_SELECT = "backend_select"
+UPSTREAM_CALL = "upstream_call"
+CAPABILITY_RECEIVE = "capability_receive"
+TOKENIZE = "tokenize"
+QUEUE_ADMIT = "queue_admit"
+GPU_QUEUE_WAIT = "gpu_queue_wait"
+BATCH_ASSEMBLE = "batch_assemble"
+H2D_COPY = "h2d_copy"
+CUDA_LAUNCH = "cuda_launch"
+POSTPROCESS = "postprocess"
+OUTPUT_SERIALIZE = "output_serialize"
+RESPONSE_SEND = "response_send"
 
 
 @dataclass(frozen=True)
@@ -42,44 +99,46 @@ class Node:
 
 
 NODES: tuple[Node, ...] = (
-    Node(1, "grpc_receive", "orchestrator", "parsing the request message and its metadata",
-         ("net.peer.address", "rpc.method", "user_agent.original", "classify.request_bytes")),
-    Node(2, "auth_validate", "orchestrator", "checking the API key",
-         ("classify.tenant", "classify.outcome")),
-    Node(3, "rate_limit_check", "orchestrator", "taking a token from the tenant's bucket",
-         ("classify.tenant", "classify.tokens_left")),
-    Node(4, "input_validate", "orchestrator", "protovalidate rules on the request",
-         ("classify.violations",)),
-    Node(5, "route_match", "orchestrator", "choosing the route in routes.yaml",
-         ("classify.route", "classify.rules_version")),
-    Node(6, "backend_select", "orchestrator", "picking a replica of the attempt's backend",
-         ("classify.backend", "classify.replica", "classify.model", "classify.model_version")),
-    Node(7, "upstream_call", "orchestrator", "the call to the capability server, wire included",
-         ("classify.attempt", "classify.backend", "classify.retry_reason",
-          "classify.fallback_reason", "rpc.grpc.status_code")),
-    Node(8, "capability_receive", "capability",
+    Node(1, GRPC_RECEIVE, "orchestrator", "parsing the request message and its metadata",
+         (NET_PEER_ADDRESS, RPC_METHOD, USER_AGENT_ORIGINAL, CLASSIFY_REQUEST_BYTES)),
+    Node(2, AUTH_VALIDATE, "orchestrator", "checking the API key",
+         (CLASSIFY_TENANT, CLASSIFY_OUTCOME)),
+    Node(3, RATE_LIMIT_CHECK, "orchestrator", "taking a token from the tenant's bucket",
+         (CLASSIFY_TENANT, CLASSIFY_TOKENS_LEFT)),
+    Node(4, INPUT_VALIDATE, "orchestrator", "protovalidate rules on the request",
+         (CLASSIFY_VIOLATIONS, CLASSIFY_VIOLATION_FIELDS)),
+    Node(5, ROUTE_MATCH, "orchestrator", "choosing the route in routes.yaml",
+         (CLASSIFY_ROUTE, CLASSIFY_RULES_VERSION)),
+    Node(6, BACKEND_SELECT, "orchestrator", "picking a replica of the attempt's backend",
+         (CLASSIFY_BACKEND, CLASSIFY_REPLICA, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION)),
+    Node(7, UPSTREAM_CALL, "orchestrator", "the call to the capability server, wire included",
+         (CLASSIFY_ATTEMPT, CLASSIFY_BACKEND, CLASSIFY_RETRY_REASON,
+          CLASSIFY_FALLBACK_REASON, RPC_GRPC_STATUS_CODE)),
+    # An item of a ClassifyBatch has its own: its index, no peer, size or user agent.
+    Node(8, CAPABILITY_RECEIVE, "capability",
          "parsing, internal-token check and validation on the capability server",
-         ("net.peer.address", "classify.request_bytes", "classify.violations")),
-    Node(9, "tokenize", "capability", "turning the text into token IDs",
-         ("classify.tokens", "classify.truncated")),
-    Node(10, "queue_admit", "capability", "admission to the worker's bounded queue",
-         ("classify.worker", "classify.queue_depth", "classify.predicted_wait_ms",
-          "classify.outcome")),
-    Node(11, "gpu_queue_wait", "capability",
+         (NET_PEER_ADDRESS, RPC_METHOD, USER_AGENT_ORIGINAL, CLASSIFY_REQUEST_BYTES,
+          CLASSIFY_BATCH_INDEX, CLASSIFY_VIOLATIONS, CLASSIFY_VIOLATION_FIELDS)),
+    Node(9, TOKENIZE, "capability", "turning the text into token IDs",
+         (CLASSIFY_TOKENS, CLASSIFY_TRUNCATED)),
+    Node(10, QUEUE_ADMIT, "capability", "admission to the worker's bounded queue",
+         (CLASSIFY_WORKER, CLASSIFY_QUEUE_DEPTH, CLASSIFY_PREDICTED_WAIT_MS,
+          CLASSIFY_OUTCOME)),
+    Node(11, GPU_QUEUE_WAIT, "capability",
          "waiting in the queue until the request's batch starts on the device",
-         ("classify.worker",)),
-    Node(12, "batch_assemble", "capability",
+         (CLASSIFY_WORKER,)),
+    Node(12, BATCH_ASSEMBLE, "capability",
          "padding the batch into tensors; linked to the batch's shared span",
-         ("classify.batch_size", "classify.bucket", "classify.padding_ratio")),
-    Node(13, "h2d_copy", "capability", "copying the inputs to the device", ("classify.clock",)),
-    Node(14, "cuda_launch", "capability", "the forward, encoder and head, on the device",
-         ("classify.clock", "classify.model", "classify.model_version")),
-    Node(15, "postprocess", "capability", "copying the scores back to the host",
-         ("classify.clock",)),
-    Node(16, "output_serialize", "orchestrator", "serialising the response message",
-         ("classify.response_bytes",)),
-    Node(17, "response_send", "orchestrator",
-         "handing the answer to gRPC until the call completes", ("rpc.grpc.status_code",)),
+         (CLASSIFY_BATCH_SIZE, CLASSIFY_BUCKET, CLASSIFY_PADDING_RATIO)),
+    Node(13, H2D_COPY, "capability", "copying the inputs to the device", (CLASSIFY_CLOCK,)),
+    Node(14, CUDA_LAUNCH, "capability", "the forward, encoder and head, on the device",
+         (CLASSIFY_CLOCK, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION)),
+    Node(15, POSTPROCESS, "capability", "copying the scores back to the host",
+         (CLASSIFY_CLOCK,)),
+    Node(16, OUTPUT_SERIALIZE, "orchestrator", "serialising the response message",
+         (CLASSIFY_RESPONSE_BYTES,)),
+    Node(17, RESPONSE_SEND, "orchestrator",
+         "handing the answer to gRPC until the call completes", (RPC_GRPC_STATUS_CODE,)),
 )  # fmt: skip
 NODE_NAMES: tuple[str, ...] = tuple(node.name for node in NODES)
 # The span every request of a batch links to (from its batch_assemble node).
@@ -136,8 +195,8 @@ def mark_error(span: trace.Span, error: BaseException) -> None:
     """Error status on `span`, with the gRPC code a ServiceError maps to."""
     span.set_status(Status(StatusCode.ERROR, str(error)))
     if isinstance(error, ServiceError):
-        span.set_attribute("rpc.grpc.status_code", grpc_code_for(error).value[0])
-        span.set_attribute("classify.error_reason", error.reason)
+        span.set_attribute(RPC_GRPC_STATUS_CODE, grpc_code_for(error).value[0])
+        span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
 
 
 def node(

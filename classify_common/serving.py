@@ -9,6 +9,7 @@ first, so load balancers drain the server before in-flight calls are cut.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -19,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from classify_common.interceptor import Gate, RequestLifecycleInterceptor
+from classify_common.admission import Gate, admission_for
+from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 from classify_common.tls import ServerTls
 from classify_common.tracing import EXPORT_DROPS
@@ -54,7 +56,7 @@ class GrpcServing:
         edge: bool,
         tls: ServerTls | None = None,
     ) -> None:
-        """`edge`: the public front door (see RequestLifecycleInterceptor)."""
+        """`edge`: the public front door (see classify_common.admission)."""
         self.service_names = tuple(service_names)
         self._tls = tls
         self.registry = registry
@@ -65,7 +67,11 @@ class GrpcServing:
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.rpc_metrics = RpcMetrics(registry)
         self.server = grpc.aio.server(
-            interceptors=[RequestLifecycleInterceptor(self.rpc_metrics, gate, edge=edge)],
+            interceptors=[
+                RequestLifecycleInterceptor(
+                    self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
+                )
+            ],
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextvars import ContextVar
 
+from classify_common.admission import RateAllowance
 from classify_common.errors import RateLimited, Unauthenticated
-from classify_common.interceptor import RateAllowance
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.security.keys import ApiKeys, Caller
 from orchestrator.security.limits import TenantRateLimits
@@ -30,7 +30,7 @@ def current_caller() -> Caller:
 
 
 class CallerGate:
-    """The interceptor's gate (classify_common.interceptor.Gate) for the front door."""
+    """The interceptor's gate (classify_common.admission.Gate) for the front door."""
 
     def __init__(self, keys: ApiKeys | None, metrics: OrchestratorMetrics) -> None:
         """`keys` None switches authentication off (development only)."""

@@ -1,0 +1,204 @@
+"""Admission: who may call, how often, and with what, before a handler runs.
+
+Each server admits a contract call through the `Gate` it was given (API keys or
+the internal token, and the tenant's rate limit) and the contract's
+protovalidate rules (classify_common.validation). An invalid or refused request
+reaches no handler, let alone a model.
+- The public front door (the orchestrator, `FrontDoorAdmission`) runs each step
+  as a lifecycle node of its own: `auth_validate`, `rate_limit_check`,
+  `input_validate`, once the request's IDs are bound.
+- An internal server (`InternalAdmission`) runs them inside its
+  `capability_receive` node.
+
+A batch call (`ClassifyBatch`) is admitted once. Its items are checked one by
+one: an item that breaks the item rules, or that the tenant's rate limit (one
+token per item) does not cover, is refused on its own and recorded for the
+handler (classify_common.intake); only the batch's own rules and a refused
+caller fail the whole call.
+
+The request lifecycle (classify_common.interceptor) builds one admission per
+contract method when it first wraps the method, so nothing here asks per call
+which server or which method it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from opentelemetry import trace
+
+from classify_common.errors import FieldViolation, InvalidRequest, ServiceError
+from classify_common.intake import BATCH_METHODS, NO_REFUSALS, BatchIntake, bind_batch_intake
+from classify_common.nodes import (
+    AUTH_VALIDATE,
+    CAPABILITY_RECEIVE,
+    CLASSIFY_OUTCOME,
+    CLASSIFY_TENANT,
+    CLASSIFY_TOKENS_LEFT,
+    CLASSIFY_VIOLATION_FIELDS,
+    CLASSIFY_VIOLATIONS,
+    GRPC_RECEIVE,
+    INPUT_VALIDATE,
+    RATE_LIMIT_CHECK,
+    node,
+)
+from classify_common.validation import validate_batch, validate_request
+
+
+@dataclass(frozen=True)
+class RateAllowance:
+    """What a tenant's rate limit granted to one call of `calls` items."""
+
+    tokens_left: float | None  # None: the tenant is not limited
+    granted: int  # the first `granted` items may go ahead
+    refusal: ServiceError | None = None  # answers the items past `granted`
+
+
+class Gate(Protocol):
+    """Who may call, and how often; each method raises a ServiceError to refuse."""
+
+    def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
+        """The caller's tenant, from the request metadata (lower-case keys)."""
+        ...
+
+    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        """Take one token per call (a batch item is a call) from the tenant's allowance;
+        raise when not even one is left."""
+        ...
+
+
+# Admits a request: raises a ServiceError to refuse it.
+AdmitStep = Callable[[Mapping[str, str], Any], None]
+# Admits a request inside the receive node, recording on its span.
+ReceiveStep = Callable[[Mapping[str, str], Any, trace.Span], None]
+
+
+class Admission(Protocol):
+    """One contract method's admission on one server. A step that a server does not
+    take is None, so a call pays nothing for it."""
+
+    # The lifecycle node that parses the request (and runs `on_receive`).
+    receive_node: str
+    # Whether the server's output steps (output_serialize, response_send) are nodes.
+    times_output: bool
+    # False for an internal batch call: its items are the requests, each with a trace
+    # of its own that counts its nodes (RequestTrace.observes_own_nodes).
+    counts_own_nodes: bool
+    # Inside the receive node, right after parsing.
+    on_receive: ReceiveStep | None
+    # After the receive node, once the request's own IDs are bound.
+    admit: AdmitStep | None
+
+
+# Checks a parsed request against the contract, recording on the span how it broke.
+Validator = Callable[[Any, trace.Span], BatchIntake]
+
+
+def admission_for(method: str, gate: Gate | None, *, edge: bool) -> Admission:
+    """The admission of contract `method`; `edge`: on the public front door."""
+    if edge:
+        return FrontDoorAdmission(method, gate)
+    return InternalAdmission(method, gate)
+
+
+class FrontDoorAdmission:
+    receive_node = GRPC_RECEIVE
+    times_output = True
+    counts_own_nodes = True
+
+    def __init__(self, method: str, gate: Gate | None) -> None:
+        self._method = method
+        self._gate = gate
+        self._is_batch = method in BATCH_METHODS
+        self._validate: Validator = _validate_batch if self._is_batch else _validate_single
+        self.on_receive: ReceiveStep | None = None  # its steps are nodes of their own
+        self.admit: AdmitStep | None = self._admit
+
+    def _admit(self, headers: Mapping[str, str], request: Any) -> None:
+        """Who is calling, whether they may, and what, each as its own node."""
+        tenant = self._authenticate(headers)
+        calls = len(request.items) if self._is_batch else 1
+        allowance = RateAllowance(None, calls)
+        with node(RATE_LIMIT_CHECK, {CLASSIFY_TENANT: tenant}) as span:
+            if self._gate is not None:
+                allowance = self._gate.check_rate_limit(tenant, calls)
+            if allowance.tokens_left is not None:
+                span.set_attribute(CLASSIFY_TOKENS_LEFT, allowance.tokens_left)
+        with node(INPUT_VALIDATE) as span:
+            intake = self._validate(request, span)
+        if allowance.refusal is not None:
+            over_limit = dict.fromkeys(range(allowance.granted, calls), allowance.refusal)
+            bind_batch_intake(BatchIntake({**over_limit, **intake.refused}))
+
+    def _authenticate(self, headers: Mapping[str, str]) -> str:
+        with node(AUTH_VALIDATE) as span:
+            if self._gate is None:
+                span.set_attribute(CLASSIFY_OUTCOME, "not_configured")
+                return ""
+            try:
+                tenant = self._gate.authenticate(self._method, headers)
+            except ServiceError:
+                span.set_attribute(CLASSIFY_OUTCOME, "refused")
+                raise
+            span.set_attributes({CLASSIFY_TENANT: tenant, CLASSIFY_OUTCOME: "ok"})
+            return tenant
+
+
+class InternalAdmission:
+    receive_node = CAPABILITY_RECEIVE
+    times_output = False
+
+    def __init__(self, method: str, gate: Gate | None) -> None:
+        self._method = method
+        self._gate = gate
+        self._is_batch = method in BATCH_METHODS
+        self._validate: Validator = _validate_batch if self._is_batch else _validate_single
+        self.counts_own_nodes = not self._is_batch
+        self.on_receive: ReceiveStep | None = self._check_on_receive
+        self.admit: AdmitStep | None = None  # admitted on receive
+
+    def _check_on_receive(self, headers: Mapping[str, str], request: Any, span: trace.Span) -> None:
+        """The gate and validation, inside the receive node."""
+        if self._gate is not None:
+            tenant = self._gate.authenticate(self._method, headers)
+            self._gate.check_rate_limit(tenant, len(request.items) if self._is_batch else 1)
+        self._validate(request, span)
+
+
+def _validate_single(request: Any, span: trace.Span) -> BatchIntake:
+    """Check a single call's request; raise InvalidRequest when it breaks a rule."""
+    try:
+        validate_request(request)
+    except InvalidRequest as error:
+        _record_violations(span, error.violations)
+        raise
+    span.set_attribute(CLASSIFY_VIOLATIONS, 0)
+    return NO_REFUSALS
+
+
+def _validate_batch(request: Any, span: trace.Span) -> BatchIntake:
+    """Check a batch: its broken items are bound as its intake (and returned); a batch
+    that breaks the batch rules raises InvalidRequest."""
+    try:
+        intake = BatchIntake(validate_batch(request))
+    except InvalidRequest as error:
+        _record_violations(span, error.violations)
+        raise
+    bind_batch_intake(intake)
+    refused = cast(Mapping[int, InvalidRequest], intake.refused)
+    violations = [v for error in refused.values() for v in error.violations]
+    span.set_attribute(CLASSIFY_VIOLATIONS, len(violations))
+    if violations:
+        span.set_attribute(CLASSIFY_VIOLATION_FIELDS, [v.field for v in violations])
+    return intake
+
+
+def _record_violations(span: trace.Span, violations: Sequence[FieldViolation]) -> None:
+    span.set_attributes(
+        {
+            CLASSIFY_VIOLATIONS: len(violations),
+            CLASSIFY_VIOLATION_FIELDS: [v.field for v in violations],
+        }
+    )
