@@ -1,0 +1,87 @@
+"""Each lifecycle node emits exactly the span attributes its row in the node table
+lists, through real servers: a plain call, an invalid one, a retried and fallen-back
+one, a rate-limited tenant's, and a ClassifyBatch straight to a capability server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Sequence
+
+import grpc
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.nodes import ANY_NODE_ATTRIBUTES, NODES
+from orchestrator.server import OrchestratorServer
+from tests.capability.test_classify_batch import classify_batch
+from tests.conftest import STRIKER
+from tests.orchestrator.test_policy import (  # noqa: F401
+    StartOrchestrator,
+    dead_primary_with_fallback,
+    orchestrator_with,
+)
+from tests.orchestrator.test_security import ACME_KEY, Start, bearer, secured  # noqa: F401
+
+LISTED = {n.name: set(n.attributes) for n in NODES}
+
+
+async def classify(
+    port: int, text: str = STRIKER, metadata: Sequence[tuple[str, str]] = ()
+) -> grpc.StatusCode:
+    """The code a Classify call of `text` ends with."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        try:
+            await stub.Classify(pb.ClassifyRequest(text=text), metadata=metadata, timeout=30)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+def emitted_keys(spans: Sequence[ReadableSpan]) -> dict[str, set[str]]:
+    """Each node's attribute keys over `spans`, less those any node may carry (a failed
+    node's code and reason, the timeout mark) that its row does not list."""
+    keys: dict[str, set[str]] = defaultdict(set)
+    for span in spans:
+        if span.name in LISTED:
+            any_node = set(ANY_NODE_ATTRIBUTES) - LISTED[span.name]
+            keys[span.name] |= set(span.attributes or {}) - any_node
+    return keys
+
+
+async def test_every_node_emits_the_attributes_its_table_row_lists(
+    orchestrator: OrchestratorServer,
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    orchestrator_with: StartOrchestrator,  # noqa: F811
+    secured: Start,  # noqa: F811
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    before = len(span_exporter.get_finished_spans())
+    ok, invalid = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
+    assert await classify(orchestrator.port) == ok
+    # input_validate's violation fields
+    assert await classify(orchestrator.port, text=" ") == invalid
+    retried = await orchestrator_with(dead_primary_with_fallback(capability.port))
+    assert await classify(retried.port) == ok  # upstream_call's retry and fallback reasons
+    limited, _ = await secured("tenants:\n  acme: {rate_per_second: 1, burst: 5}\n")
+    assert await classify(limited.port, metadata=bearer(ACME_KEY)) == ok  # tokens_left
+    # An item's own capability_receive: its index, and its violations when refused.
+    await classify_batch(capability_stub, [pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest()])
+    # capability_receive's violation fields, on a whole call
+    assert await classify(capability.port, text="") == invalid
+
+    keys: dict[str, set[str]] = {}
+    for _ in range(300):  # server spans and device nodes end after the answers
+        keys = emitted_keys(span_exporter.get_finished_spans()[before:])
+        if keys == LISTED:
+            break
+        await asyncio.sleep(0.01)
+    unlisted = {name: sorted(keys[name] - LISTED[name]) for name in keys}
+    never = {name: sorted(LISTED[name] - keys.get(name, set())) for name in LISTED}
+    assert {name: found for name, found in unlisted.items() if found} == {}
+    assert {name: missing for name, missing in never.items() if missing} == {}
