@@ -29,10 +29,10 @@ from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.workers import WorkerPool
 from classify_common.errors import ModelNotFound, ReloadRefused
+from classify_common.model_names import is_model_name
 
 log = logging.getLogger(__name__)
 
-NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
 VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MANIFEST = "manifest.json"
 
@@ -55,7 +55,7 @@ class ModelRoot:
         return sorted(
             path.name
             for path in self.root.iterdir()
-            if path.is_dir() and NAME_PATTERN.fullmatch(path.name) and self.versions(path.name)
+            if path.is_dir() and is_model_name(path.name) and self.versions(path.name)
         )
 
     def versions(self, name: str) -> list[str]:
@@ -108,7 +108,7 @@ class ModelRoot:
         return path
 
     def _model_folder(self, name: str) -> Path:
-        if not NAME_PATTERN.fullmatch(name):
+        if not is_model_name(name):
             raise ModelNotFound(f"{name!r} is not a model name", model=name)
         return self.root / name
 

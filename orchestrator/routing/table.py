@@ -20,6 +20,7 @@ import grpc
 import yaml
 
 from classify_common.documents import DocumentRefused, compose_yaml, parse_yaml, read_document
+from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, RouteMatch
 
@@ -130,6 +131,12 @@ def _name(value: Any, where: str) -> str:
     return value
 
 
+def _model_name(value: Any, where: str) -> str:
+    if not is_model_name(value):
+        raise RoutesFileError(where, f"{value!r} is not a model name ({MODEL_NAME_RULE})")
+    return str(value)
+
+
 def parse_duration(value: Any, where: str) -> float:
     """'250ms' or '2s' (or '1.5s') to seconds, within the allowed range."""
     match = _DURATION.fullmatch(value) if isinstance(value, str) else None
@@ -187,7 +194,7 @@ def _route_match(spec: Any, where: str) -> RouteMatch:
     if not isinstance(models, list):
         raise RoutesFileError(f"{where}.model", "expected a model name or a list of them")
     for index, model in enumerate(models):
-        _name(model, f"{where}.model[{index}]")
+        _model_name(model, f"{where}.model[{index}]")
     priority = spec.get("priority")
     if priority is not None and priority not in PRIORITIES:
         raise RoutesFileError(f"{where}.priority", f"{priority!r} is not one of {PRIORITIES}")
@@ -258,7 +265,7 @@ def _backend(name: str, spec: Any) -> Backend:
             )
     return Backend(
         name=_name(name, where),
-        model=_name(spec["model"], f"{where}.model"),
+        model=_model_name(spec["model"], f"{where}.model"),
         targets=tuple(targets),
         timeout_seconds=parse_duration(spec.get("timeout", "5s"), f"{where}.timeout"),
         max_concurrency=limit,
