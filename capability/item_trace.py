@@ -29,7 +29,19 @@ from opentelemetry.util.types import AttributeValue
 
 from capability.metrics import CLASSIFY_BATCH_METHOD
 from classify_common.errors import InvalidRequest, ServiceError, grpc_code_for
-from classify_common.nodes import RequestTrace, emit_node, mark_error
+from classify_common.nodes import (
+    CAPABILITY_RECEIVE,
+    CLASSIFY_BATCH_INDEX,
+    CLASSIFY_REQUEST_ID,
+    CLASSIFY_VIOLATION_FIELDS,
+    CLASSIFY_VIOLATIONS,
+    RPC_GRPC_STATUS_CODE,
+    RPC_METHOD,
+    RPC_SYSTEM,
+    RequestTrace,
+    emit_node,
+    mark_error,
+)
 from classify_common.tracing import extract_context, get_tracer, spans_are_exported
 
 # An item's server span has the name a Classify call's server span has, so an
@@ -80,10 +92,10 @@ def start_item_trace(
             context=call_trace.parent_context if parent is None else parent,
             kind=SpanKind.SERVER,
             attributes={
-                "rpc.system": "grpc",
-                "rpc.method": CLASSIFY_BATCH_METHOD,
-                "classify.request_id": request_id,
-                "classify.batch_index": index,
+                RPC_SYSTEM: "grpc",
+                RPC_METHOD: CLASSIFY_BATCH_METHOD,
+                CLASSIFY_REQUEST_ID: request_id,
+                CLASSIFY_BATCH_INDEX: index,
             },
             links=() if parent is None else [Link(call_span.get_span_context())],
             start_time=receipt.start_ns,
@@ -95,13 +107,13 @@ def start_item_trace(
     item_trace = RequestTrace(span, call_trace.observe_node)
     attributes: dict[str, AttributeValue] | None = None
     if item_trace.makes_spans:
-        attributes = {"rpc.method": CLASSIFY_BATCH_METHOD, "classify.batch_index": index}
+        attributes = {RPC_METHOD: CLASSIFY_BATCH_METHOD, CLASSIFY_BATCH_INDEX: index}
         if isinstance(refusal, InvalidRequest):
-            attributes["classify.violations"] = len(refusal.violations)
-            attributes["classify.violation_fields"] = [v.field for v in refusal.violations]
+            attributes[CLASSIFY_VIOLATIONS] = len(refusal.violations)
+            attributes[CLASSIFY_VIOLATION_FIELDS] = [v.field for v in refusal.violations]
     emit_node(
         item_trace,
-        "capability_receive",
+        CAPABILITY_RECEIVE,
         receipt.start_ns,
         receipt.end_ns,
         attributes,
@@ -118,7 +130,7 @@ def end_item_trace(item_trace: RequestTrace | None, error: ServiceError | None) 
     code = grpc.StatusCode.OK if error is None else grpc_code_for(error)
     if error is not None:
         mark_error(span, error)
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
     span.end()
 
 
@@ -127,5 +139,5 @@ def abandon_item_trace(item_trace: RequestTrace | None) -> None:
     (the caller went away)."""
     if item_trace is None or not item_trace.makes_spans:
         return
-    item_trace.server_span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+    item_trace.server_span.set_attribute(RPC_GRPC_STATUS_CODE, grpc.StatusCode.CANCELLED.value[0])
     item_trace.server_span.end()

@@ -19,7 +19,21 @@ from opentelemetry.trace import SpanKind
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import ServiceError, is_fallback_eligible
-from classify_common.nodes import current_trace, emit_node, node
+from classify_common.nodes import (
+    BACKEND_SELECT,
+    CLASSIFY_ATTEMPT,
+    CLASSIFY_BACKEND,
+    CLASSIFY_FALLBACK_REASON,
+    CLASSIFY_MODEL,
+    CLASSIFY_MODEL_VERSION,
+    CLASSIFY_REPLICA,
+    CLASSIFY_RETRY_REASON,
+    RPC_GRPC_STATUS_CODE,
+    UPSTREAM_CALL,
+    current_trace,
+    emit_node,
+    node,
+)
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy import GiveUp, RetryAfter, RetryBudget
 from orchestrator.routing import Backend, Route, RouteTable
@@ -186,22 +200,22 @@ class RouteCaller:
         remaining = call.time_left()
         version = ""
         reasons = {
-            "classify.retry_reason": call.retry_reason,
-            "classify.fallback_reason": call.fallback_reason,
+            CLASSIFY_RETRY_REASON: call.retry_reason,
+            CLASSIFY_FALLBACK_REASON: call.fallback_reason,
         }
         try:
             with node(
-                "upstream_call",
+                UPSTREAM_CALL,
                 {
-                    "classify.attempt": call.attempts,
-                    "classify.backend": backend.name,
+                    CLASSIFY_ATTEMPT: call.attempts,
+                    CLASSIFY_BACKEND: backend.name,
                     **{key: value for key, value in reasons.items() if value},
                 },
                 kind=SpanKind.CLIENT,
                 current=True,  # the capability server's spans hang under it
             ) as span:
                 response = await pool.classify(forwarded, target=target, client_remaining=remaining)
-                span.set_attribute("rpc.grpc.status_code", 0)
+                span.set_attribute(RPC_GRPC_STATUS_CODE, 0)
                 version = response.model.version
                 return response
         finally:
@@ -209,13 +223,13 @@ class RouteCaller:
             if request_trace is not None:
                 emit_node(
                     request_trace,
-                    "backend_select",
+                    BACKEND_SELECT,
                     select_started,
                     selected,
                     {
-                        "classify.backend": backend.name,
-                        "classify.replica": target,
-                        "classify.model": backend.model,
-                        "classify.model_version": version,
+                        CLASSIFY_BACKEND: backend.name,
+                        CLASSIFY_REPLICA: target,
+                        CLASSIFY_MODEL: backend.model,
+                        CLASSIFY_MODEL_VERSION: version,
                     },
                 )

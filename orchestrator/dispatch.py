@@ -36,7 +36,13 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import DeadlineExpired, ServiceError, grpc_code_for, internal_error
 from classify_common.intake import current_batch_intake
-from classify_common.nodes import current_trace, node
+from classify_common.nodes import (
+    CLASSIFY_ROUTE,
+    CLASSIFY_RULES_VERSION,
+    ROUTE_MATCH,
+    current_trace,
+    node,
+)
 from orchestrator.batch_items import classify_item
 from orchestrator.calls import RouteCaller, RoutingState, UpstreamCall
 from orchestrator.metrics import OrchestratorMetrics
@@ -103,10 +109,10 @@ class Dispatcher:
     ) -> pb.ClassifyResponse:
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
-        with node("route_match") as span:
+        with node(ROUTE_MATCH) as span:
             route = state.table.select(request_facts(request, ids, headers))
             span.set_attributes(
-                {"classify.route": route.name, "classify.rules_version": state.table.rules_version}
+                {CLASSIFY_ROUTE: route.name, CLASSIFY_RULES_VERSION: state.table.rules_version}
             )
         request_trace = current_trace()
         if request_trace is not None:

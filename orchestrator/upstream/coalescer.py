@@ -43,6 +43,13 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import LOAD_REPORT_TRAILER, REQUEST_ID_HEADER, new_request_id
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
+from classify_common.nodes import (
+    CLASSIFY_BACKEND,
+    CLASSIFY_BATCH_SIZE,
+    RPC_GRPC_STATUS_CODE,
+    RPC_METHOD,
+    RPC_SYSTEM,
+)
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 
@@ -258,7 +265,7 @@ class ReplicaCoalescer:
             call = self._stub.ClassifyBatch(request, timeout=timeout, metadata=metadata)
             response: pb.ClassifyBatchResponse = await call
         except grpc.aio.AioRpcError as exc:
-            span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
+            span.set_attribute(RPC_GRPC_STATUS_CODE, exc.code().value[0])
             self._fail_all(items, exc)
             return
         finally:
@@ -305,10 +312,10 @@ class ReplicaCoalescer:
             context=trace.set_span_in_context(trace.INVALID_SPAN),
             kind=SpanKind.CLIENT,
             attributes={
-                "rpc.system": "grpc",
-                "rpc.method": "/ai.classify.v1.ClassifyService/ClassifyBatch",
-                "classify.backend": self._backend,
-                "classify.batch_size": len(items),
+                RPC_SYSTEM: "grpc",
+                RPC_METHOD: "/ai.classify.v1.ClassifyService/ClassifyBatch",
+                CLASSIFY_BACKEND: self._backend,
+                CLASSIFY_BATCH_SIZE: len(items),
             },
             links=[Link(item_span.get_span_context()) for item_span in traced],
         )
