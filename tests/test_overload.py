@@ -27,6 +27,7 @@ DEADLINE_SECONDS = 0.3
 # Goodput under overload, as a share of capacity; refusals' median latency.
 MIN_GOODPUT_SHARE = 0.4
 MAX_REFUSAL_P50_SECONDS = 0.05
+REFUSED_AT_THE_DOOR = "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED"
 EXPECTED_OUTCOMES = (
     "OK",
     "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED",
@@ -86,10 +87,13 @@ def test_overload_keeps_goodput_and_refuses_promptly(stack: ServerProcess) -> No
     assert all(outcome.startswith(EXPECTED_OUTCOMES) for outcome in overload.outcomes), summary
     # Far more callers than capacity, yet a good share of capacity answered in time...
     assert ok_per_second(overload, seconds) >= MIN_GOODPUT_SHARE * capacity, summary
-    # ...and the excess was refused, promptly, each RESOURCE_EXHAUSTED with a retry
-    # hint (run_phase's callers wait it out; without one they would call again at once).
-    assert overload.refusal_latencies, summary
-    assert percentile(overload.refusal_latencies, 0.5) <= MAX_REFUSAL_P50_SECONDS, summary
+    # ...and the excess was refused at the front door, promptly, each refusal with a
+    # retry hint (run_phase's callers wait it out; without one they would call again
+    # at once). Calls refused further in, after waiting (DEADLINE_UNREACHABLE at the
+    # capability's admission), are not what this measures.
+    at_the_door = overload.latencies.get(REFUSED_AT_THE_DOOR, [])
+    assert at_the_door, summary
+    assert percentile(at_the_door, 0.5) <= MAX_REFUSAL_P50_SECONDS, summary
     assert overload.refused_without_hint == 0, summary
     # Healthy right after.
     assert healthy.outcomes == {"OK": healthy.calls}, dict(healthy.outcomes)
