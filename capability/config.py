@@ -33,6 +33,7 @@ from capability.batching.settings import (
 )
 from capability.model import DEFAULT_GRAPH, GRAPHS
 from classify_common.documents import DocumentRefused, load_yaml
+from classify_common.fields import FieldRefused, Fields
 from classify_common.server_settings import (
     ServerSettings,
     metrics_port_setting,
@@ -71,12 +72,6 @@ class ModelServingSettings:
             raise SettingsError(f"graph {self.graph!r} is not one of {GRAPHS}")
 
 
-_MODEL_KEYS = {
-    *("max_batch_size", "max_wait_ms", "queue_capacity", "length_buckets"),
-    *("precision", "graph"),
-}
-
-
 def parse_model_config(
     document: Any, defaults: ModelServingSettings
 ) -> dict[str, ModelServingSettings]:
@@ -87,30 +82,28 @@ def parse_model_config(
         raise SettingsError("model config: expected a mapping of model name to settings")
     parsed: dict[str, ModelServingSettings] = {}
     for name, spec in document.items():
-        if not isinstance(spec, dict):
-            raise SettingsError(f"model config: {name}: expected a mapping")
-        unknown = sorted(set(spec) - _MODEL_KEYS)
-        if unknown:
-            raise SettingsError(f"model config: {name}.{unknown[0]}: unknown key")
-        base = defaults.batching
         try:
-            batching = BatchingSettings(
-                max_batch_size=int(spec.get("max_batch_size", base.max_batch_size)),
-                max_wait_seconds=float(spec.get("max_wait_ms", base.max_wait_seconds * 1000))
-                / 1000,
-                queue_capacity=int(spec.get("queue_capacity", base.queue_capacity)),
-                length_buckets=tuple(
-                    int(b) for b in spec.get("length_buckets", base.length_buckets)
-                ),
-            )
-            parsed[name] = ModelServingSettings(
-                batching,
-                spec.get("precision", defaults.precision),
-                spec.get("graph", defaults.graph),
-            )
+            parsed[str(name)] = _model_serving(Fields(spec, str(name)), defaults)
+        except FieldRefused as exc:
+            raise SettingsError(f"model config: {exc}") from exc
         except (SettingsError, TypeError, ValueError) as exc:
             raise SettingsError(f"model config: {name}: {exc}") from exc
     return parsed
+
+
+def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServingSettings:
+    """One model's settings; what it leaves out is the server-wide default."""
+    base = defaults.batching
+    max_batch_size = spec.integer("max_batch_size", base.max_batch_size)
+    max_wait_ms = spec.number("max_wait_ms", base.max_wait_seconds * 1000)
+    queue_capacity = spec.integer("queue_capacity", base.queue_capacity)
+    length_buckets = spec.integers("length_buckets", base.length_buckets)
+    # Checked, with their messages, by ModelServingSettings.
+    precision = spec.raw("precision", defaults.precision)
+    graph = spec.raw("graph", defaults.graph)
+    spec.refuse_unknown()
+    batching = BatchingSettings(max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets)
+    return ModelServingSettings(batching, precision, graph)
 
 
 @dataclass(frozen=True)

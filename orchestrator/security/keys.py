@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from classify_common.documents import DocumentRefused, load_yaml
+from classify_common.fields import FieldRefused, Fields
 from orchestrator.security.limits import TokenBucketSettings
 
 ROLES = ("user", "admin")
@@ -75,25 +76,36 @@ def load_api_keys(path: Path) -> ApiKeys:
         raise KeysFileError(str(exc)) from exc
     if not isinstance(document, dict) or set(document) - {"keys", "tenants"}:
         raise KeysFileError(f"{path}: expected a mapping with `keys` and optional `tenants`")
-    callers: dict[str, Caller] = {}
-    for index, entry in enumerate(document.get("keys") or []):
-        where = f"{path}: keys[{index}]"
-        if not isinstance(entry, dict) or set(entry) != {"id", "sha256", "tenant", "role"}:
-            raise KeysFileError(f"{where}: needs exactly id, sha256, tenant and role")
-        if not isinstance(entry["sha256"], str) or not _HEX64.fullmatch(entry["sha256"]):
-            raise KeysFileError(f"{where}.sha256: not 64 lower-case hex digits")
-        if entry["role"] not in ROLES:
-            raise KeysFileError(f"{where}.role: {entry['role']!r} is not one of {ROLES}")
-        callers[entry["sha256"]] = Caller(str(entry["id"]), str(entry["tenant"]), entry["role"])
-    limits: dict[str, TokenBucketSettings] = {}
-    for tenant, spec in (document.get("tenants") or {}).items():
-        where = f"{path}: tenants.{tenant}"
-        if not isinstance(spec, dict) or set(spec) != {"rate_per_second", "burst"}:
-            raise KeysFileError(f"{where}: needs exactly rate_per_second and burst")
-        try:
-            limits[str(tenant)] = TokenBucketSettings(
-                float(spec["rate_per_second"]), int(spec["burst"])
-            )
-        except (TypeError, ValueError) as exc:
-            raise KeysFileError(f"{where}: {exc}") from exc
+    try:
+        top = Fields(document)
+        callers = dict(
+            _caller(Fields(entry, top.path(f"keys[{index}]")))
+            for index, entry in enumerate(top.items("keys"))
+        )
+        tenants = top.mapping("tenants")
+        limits = {tenant: _tenant_limit(tenants, tenant) for tenant in tenants}
+    except FieldRefused as exc:
+        raise KeysFileError(f"{path}: {exc}") from exc
     return ApiKeys(callers, limits)
+
+
+def _caller(entry: Fields) -> tuple[str, Caller]:
+    """(the key's hash, who it belongs to) from one entry of `keys`."""
+    digest = entry.string("sha256")
+    if not _HEX64.fullmatch(digest):
+        raise FieldRefused(entry.path("sha256"), "not 64 lower-case hex digits")
+    # Labels: any scalar, as written.
+    key_id, tenant = str(entry.raw("id")), str(entry.raw("tenant"))
+    role = entry.choice("role", ROLES)
+    entry.refuse_unknown()
+    return digest, Caller(key_id, tenant, role)
+
+
+def _tenant_limit(tenants: Fields, tenant: str) -> TokenBucketSettings:
+    spec = Fields(tenants.raw(tenant), tenants.path(tenant))
+    rate, burst = spec.number("rate_per_second"), spec.integer("burst")
+    spec.refuse_unknown()
+    try:
+        return TokenBucketSettings(rate, burst)
+    except ValueError as exc:
+        raise FieldRefused(tenants.path(tenant), str(exc)) from exc

@@ -1,0 +1,134 @@
+"""One reader for the mappings of every YAML document the servers read.
+
+A `Fields` wraps one mapping of a parsed document and hands out its values key by
+key, each checked for its type and bounds: an integer is never a bool, a number
+is an int or a float, a word is one of its choices. A key that is absent gets the
+default the caller passes (a named constant); without one it is required. Keys
+nobody asked for are refused by `refuse_unknown()`. Every refusal is a
+`FieldRefused` that carries the path of the value (`tenants.acme.burst`), so
+each document's loader translates it into its own error with the file named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Final
+
+
+class FieldRefused(ValueError):
+    """A value in a document is missing, of the wrong type or out of bounds."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.where = where
+        self.problem = problem
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+# The default of a key that must be present.
+REQUIRED: Final = _Required()
+
+
+def type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+class Fields:
+    """The values of one mapping, read key by key; errors name the path of the value."""
+
+    def __init__(self, document: object, where: str = "") -> None:
+        if not isinstance(document, dict):
+            raise FieldRefused(where, f"expected a mapping, got {type_name(document)}")
+        self._values: dict[Any, Any] = document
+        self._where = where
+        self._asked: set[str] = set()
+
+    def path(self, key: object) -> str:
+        return f"{self._where}.{key}" if self._where else str(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, as strings, in document order."""
+        return (str(key) for key in self._values)
+
+    def raw(self, key: str, default: Any = REQUIRED) -> Any:
+        """The value as parsed, unchecked (for values with their own parser)."""
+        self._asked.add(key)
+        if key in self._values:
+            return self._values[key]
+        if default is REQUIRED:
+            raise FieldRefused(self._where, f"missing required key {key!r}")
+        return default
+
+    def integer(
+        self, key: str, default: Any = REQUIRED, *, low: int | None = None, high: int | None = None
+    ) -> int:
+        value = self.raw(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise FieldRefused(self.path(key), f"{value!r} is not an integer")
+        return int(self._within(key, value, low, high))
+
+    def number(
+        self,
+        key: str,
+        default: Any = REQUIRED,
+        *,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> float:
+        value = self.raw(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise FieldRefused(self.path(key), f"{value!r} is not a number")
+        return self._within(key, float(value), low, high)
+
+    def string(self, key: str, default: Any = REQUIRED) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str):
+            raise FieldRefused(self.path(key), f"{value!r} is not a string")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: Any = REQUIRED) -> str:
+        value = self.raw(key, default)
+        if value not in choices:
+            raise FieldRefused(self.path(key), f"{value!r} is not one of {choices}")
+        return str(value)
+
+    def integers(self, key: str, default: Any = REQUIRED) -> tuple[int, ...]:
+        values = self.raw(key, default)
+        if not isinstance(values, list | tuple) or not all(
+            isinstance(value, int) and not isinstance(value, bool) for value in values
+        ):
+            raise FieldRefused(self.path(key), f"{values!r} is not a list of integers")
+        return tuple(values)
+
+    def items(self, key: str) -> list[Any]:
+        """A list (absent or null: empty), its items unchecked."""
+        values = self.raw(key, None)
+        if values is None:
+            return []
+        if not isinstance(values, list):
+            raise FieldRefused(self.path(key), f"expected a list, got {type_name(values)}")
+        return values
+
+    def mapping(self, key: str) -> Fields:
+        """A nested mapping (absent or null: empty)."""
+        value = self.raw(key, None)
+        return Fields({} if value is None else value, self.path(key))
+
+    def refuse_unknown(self) -> None:
+        """Refuse a key no reader asked for."""
+        unknown = sorted(str(key) for key in self._values if key not in self._asked)
+        if unknown:
+            raise FieldRefused(self.path(unknown[0]), "unknown key")
+
+    def _within(self, key: str, value: float, low: float | None, high: float | None) -> float:
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f"{'' if low is None else f'{low:g}'}..{'' if high is None else f'{high:g}'}"
+            raise FieldRefused(self.path(key), f"{value:g} is outside {span}")
+        return value

@@ -1,0 +1,56 @@
+"""One reader for the mappings of the YAML documents: types, bounds, defaults, paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from classify_common.fields import FieldRefused, Fields
+
+DEFAULT_BURST = 10
+
+
+def test_an_absent_key_gets_the_named_default_and_a_present_one_its_value() -> None:
+    spec = Fields({"rate": 2.5}, "tenants.acme")
+    assert spec.number("rate") == 2.5
+    assert spec.integer("burst", DEFAULT_BURST) == DEFAULT_BURST
+
+
+def test_a_missing_required_key_is_named_with_its_mapping() -> None:
+    with pytest.raises(FieldRefused, match=r"^tenants\.acme: missing required key 'rate'$"):
+        Fields({}, "tenants.acme").number("rate")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, r"^models\.a\.size: True is not an integer$"),
+        ("3", r"^models\.a\.size: '3' is not an integer$"),
+        (0, r"^models\.a\.size: 0 is outside 1\.\.9$"),
+    ],
+)
+def test_an_integer_is_never_a_bool_or_a_string_and_stays_in_bounds(
+    value: object, message: str
+) -> None:
+    with pytest.raises(FieldRefused, match=message):
+        Fields({"size": value}, "models.a").integer("size", low=1, high=9)
+
+
+def test_a_key_no_reader_asked_for_is_refused_by_its_path() -> None:
+    spec = Fields({"size": 1, "colour": "red"}, "models.a")
+    spec.integer("size")
+    with pytest.raises(FieldRefused, match=r"^models\.a\.colour: unknown key$"):
+        spec.refuse_unknown()
+
+
+def test_a_word_outside_its_choices_is_refused() -> None:
+    with pytest.raises(FieldRefused, match=r"^role: 'root' is not one of \('user', 'admin'\)$"):
+        Fields({"role": "root"}).choice("role", ("user", "admin"))
+
+
+def test_nested_mappings_and_lists_name_their_own_paths() -> None:
+    top = Fields({"tenants": None, "keys": {"a": 1}})
+    assert list(top.mapping("tenants")) == []
+    with pytest.raises(FieldRefused, match=r"^keys: expected a list, got dict$"):
+        top.items("keys")
+    with pytest.raises(FieldRefused, match=r"^routes\[0\]: expected a mapping, got str$"):
+        Fields("default", "routes[0]")
