@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -27,10 +26,8 @@ from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
 from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
 from classify_common.errors import ServiceError
-from classify_common.logs import configure_logging
-from classify_common.serving import GrpcServing, wait_for_shutdown_signal
+from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
-from classify_common.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -149,23 +146,19 @@ class CapabilityServer:
 
 async def serve(settings: CapabilitySettings) -> None:
     server = CapabilityServer(settings)
-    try:
+
+    async def start() -> dict[str, object]:
         await server.start()
         log.info("listening, warming up", extra={"port": server.port})
         await server.warm_up()
-        log.info(
-            "serving",
-            extra={
-                "port": server.port,
-                "metrics_port": server.serving.metrics_port,
-                "models": {name: b.version for name, b in server.pool.models().items()},
-                "workers": [worker.name for worker in server.pool.workers],
-            },
-        )
-        await wait_for_shutdown_signal()
-    finally:
-        await server.stop()
-        log.info("stopped")
+        return {
+            "port": server.port,
+            "metrics_port": server.serving.metrics_port,
+            "models": {name: b.version for name, b in server.pool.models().items()},
+            "workers": [worker.name for worker in server.pool.workers],
+        }
+
+    await serve_until_signal(server, start, log)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -173,16 +166,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_cuda_defaults()
     if settings.device == "cpu" or not torch.cuda.is_available():
         share_cpu_threads(settings.cpu_workers, settings.torch_threads)
-    configure_logging("capability", settings.log_level)
-    tracing = configure_tracing("capability", settings.otlp_endpoint, settings.trace_sample_ratio)
-    try:
-        asyncio.run(serve(settings))
-    except (ServiceError, BundleError, OSError) as exc:
-        # A start-up failure (no bundles under the root, a refused bundle, a port in
-        # use) is one clear log line, not a traceback.
-        log.error("cannot start", extra={"error": str(exc)})
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    finally:
-        tracing.shutdown()  # sends the spans still queued
+    # A start-up failure: no bundles under the root, a refused bundle, a port in use.
+    start_errors = (ServiceError, BundleError, OSError)
+    run_server("capability", settings, lambda: serve(settings), start_errors=start_errors, log=log)

@@ -1,5 +1,6 @@
 """What every gRPC server of ours has: the lifecycle interceptor, health, reflection,
-a /metrics endpoint, and a graceful stop.
+a /metrics endpoint, and a graceful stop; and the skeleton of its process (run_server,
+serve_until_signal).
 
 Health starts NOT_SERVING for every service and turns SERVING only when the
 owner calls `set_serving(True)` (after warm-up); on stop it turns NOT_SERVING
@@ -13,7 +14,9 @@ import functools
 import gc
 import logging
 import signal
-from collections.abc import Sequence
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,9 +25,11 @@ from prometheus_client import CollectorRegistry
 
 from classify_common.admission import Gate, admission_for
 from classify_common.interceptor import RequestLifecycleInterceptor
+from classify_common.logs import configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
+from classify_common.server_settings import ServerSettings
 from classify_common.tls import ServerTls
-from classify_common.tracing import EXPORT_DROPS
+from classify_common.tracing import EXPORT_DROPS, configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +136,52 @@ def freeze_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+class StoppableServer(Protocol):
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Stop gracefully; None: the server's configured grace."""
+        ...
+
+
+def run_server(
+    service: str,
+    settings: ServerSettings,
+    serve: Callable[[], Coroutine[Any, Any, None]],
+    *,
+    start_errors: tuple[type[Exception], ...],
+    log: logging.Logger,
+) -> None:
+    """A server process's main: JSON logs and tracing for `service`, then `serve()` on
+    a new event loop. A start-up failure of one of `start_errors` (a bad file, a port
+    in use) is one clear log line and exit status 2, not a traceback."""
+    configure_logging(service, settings.log_level)
+    tracing = configure_tracing(service, settings.otlp_endpoint, settings.trace_sample_ratio)
+    try:
+        asyncio.run(serve())
+    except start_errors as exc:
+        log.error("cannot start", extra={"error": str(exc)})
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    finally:
+        tracing.shutdown()  # sends the spans still queued
+
+
+async def serve_until_signal(
+    server: StoppableServer,
+    start: Callable[[], Awaitable[Mapping[str, object]]],
+    log: logging.Logger,
+) -> None:
+    """Run `start` (which starts `server` and returns the fields of its "serving" log
+    line), serve until SIGINT or SIGTERM, and stop gracefully, even after a failed start."""
+    try:
+        fields = await start()
+        log.info("serving", extra=dict(fields))
+        await wait_for_shutdown_signal()
+    finally:
+        await server.stop()
+        log.info("stopped")
 
 
 async def wait_for_shutdown_signal() -> None:

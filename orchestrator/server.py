@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
@@ -16,10 +15,8 @@ from ai.classify.v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
-from classify_common.logs import configure_logging
-from classify_common.serving import GrpcServing, wait_for_shutdown_signal
+from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
-from classify_common.tracing import configure_tracing
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
@@ -142,33 +139,22 @@ class OrchestratorServer:
 
 async def serve(settings: OrchestratorSettings) -> None:
     server = OrchestratorServer(settings)
-    try:
+
+    async def start() -> dict[str, object]:
         await server.start()
-        log.info(
-            "serving",
-            extra={
-                "port": server.port,
-                "metrics_port": server.serving.metrics_port,
-                "routes_file": str(settings.routes_file),
-                "routes": [route.name for route in server.routes.routes],
-            },
-        )
-        await wait_for_shutdown_signal()
-    finally:
-        await server.stop()
-        log.info("stopped")
+        return {
+            "port": server.port,
+            "metrics_port": server.serving.metrics_port,
+            "routes_file": str(settings.routes_file),
+            "routes": [route.name for route in server.routes.routes],
+        }
+
+    await serve_until_signal(server, start, log)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = OrchestratorSettings.from_args(argv)
-    configure_logging("orchestrator", settings.log_level)
-    tracing = configure_tracing("orchestrator", settings.otlp_endpoint, settings.trace_sample_ratio)
-    try:
-        asyncio.run(serve(settings))
-    except (RoutesFileError, KeysFileError, OSError) as exc:
-        log.error("cannot start", extra={"error": str(exc)})
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    finally:
-        tracing.shutdown()  # sends the spans still queued
+    start_errors = (RoutesFileError, KeysFileError, OSError)
+    run_server(
+        "orchestrator", settings, lambda: serve(settings), start_errors=start_errors, log=log
+    )
