@@ -161,6 +161,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         # Chosen once per method, so a call asks nothing about its server or method.
         admission = self._admission_for(method)
         admit, times_output = admission.admit, admission.times_output
+        observe_node, counts_nodes = self._metrics.observe_node, admission.counts_own_nodes
         encode = _timed_serializer(serialize) if times_output else serialize
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -168,11 +169,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             metadata = tuple(context.invocation_metadata() or ())
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
             server_span = start_server_span(span_name, metadata, span_attributes)
-            request_trace = RequestTrace(
-                server_span,
-                self._metrics.observe_node,
-                observes_own_nodes=admission.counts_own_nodes,
-            )
+            request_trace = RequestTrace(server_span, observe_node, observes_own_nodes=counts_nodes)
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)
@@ -196,9 +193,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 code = grpc.StatusCode.INTERNAL
-                self._metrics.internal_errors.inc()
-                log.exception("unhandled error", extra={"method": method})
-                await self._abort(context, server_span, _internal_error(ids), ids, request_trace)
+                await self._answer_bug(method, context, server_span, ids, request_trace)
             finally:
                 elapsed = time.perf_counter() - started
                 self._metrics.observe(method, code.name, elapsed, ids.trace_id)
@@ -213,6 +208,20 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             return payload
 
         return run_lifecycle
+
+    async def _answer_bug(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        server_span: trace.Span,
+        ids: RequestContext,
+        request_trace: RequestTrace,
+    ) -> None:
+        """INTERNAL for an exception that is no ServiceError (a bug): the log line, with
+        the traceback, is the one place the cause is told."""
+        self._metrics.internal_errors.inc()
+        log.exception("unhandled error", extra={"method": method})
+        await self._abort(context, server_span, _internal_error(ids), ids, request_trace)
 
     def _end_when_done(
         self,
