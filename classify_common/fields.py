@@ -11,7 +11,7 @@ each document's loader translates it into its own error with the file named.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Final
 
 
@@ -40,12 +40,23 @@ def type_name(value: object) -> str:
 class Fields:
     """The values of one mapping, read key by key; errors name the path of the value."""
 
-    def __init__(self, document: object, where: str = "") -> None:
+    def __init__(
+        self, document: object, where: str = "", *, allowed: Collection[str] | None = None
+    ) -> None:
+        """`allowed`: refuse any other key at once, before any value is read."""
         if not isinstance(document, dict):
             raise FieldRefused(where, f"expected a mapping, got {type_name(document)}")
         self._values: dict[Any, Any] = document
         self._where = where
         self._asked: set[str] = set()
+        if allowed is not None:
+            self._asked.update(allowed)
+            self.refuse_unknown()
+
+    @property
+    def where(self) -> str:
+        """The path of this mapping in its document ("" for the top)."""
+        return self._where
 
     def path(self, key: object) -> str:
         return f"{self._where}.{key}" if self._where else str(key)
@@ -87,6 +98,14 @@ class Fields:
             raise FieldRefused(self.path(key), f"{value!r} is not a number")
         return self._within(key, float(value), low, high)
 
+    def optional_integer(self, key: str) -> int | None:
+        """An integer, or None when the key is absent or null."""
+        return None if self.raw(key, None) is None else self.integer(key)
+
+    def optional_number(self, key: str) -> float | None:
+        """A number, or None when the key is absent or null."""
+        return None if self.raw(key, None) is None else self.number(key)
+
     def string(self, key: str, default: Any = REQUIRED) -> str:
         value = self.raw(key, default)
         if not isinstance(value, str):
@@ -125,7 +144,8 @@ class Fields:
         """Refuse a key no reader asked for."""
         unknown = sorted(str(key) for key in self._values if key not in self._asked)
         if unknown:
-            raise FieldRefused(self.path(unknown[0]), "unknown key")
+            allowed = ", ".join(sorted(self._asked))
+            raise FieldRefused(self.path(unknown[0]), f"unknown key (allowed: {allowed})")
 
     def _within(self, key: str, value: float, low: float | None, high: float | None) -> float:
         if (low is not None and value < low) or (high is not None and value > high):

@@ -38,8 +38,10 @@ def test_an_integer_is_never_a_bool_or_a_string_and_stays_in_bounds(
 def test_a_key_no_reader_asked_for_is_refused_by_its_path() -> None:
     spec = Fields({"size": 1, "colour": "red"}, "models.a")
     spec.integer("size")
-    with pytest.raises(FieldRefused, match=r"^models\.a\.colour: unknown key$"):
+    with pytest.raises(FieldRefused, match=r"^models\.a\.colour: unknown key \(allowed: size\)$"):
         spec.refuse_unknown()
+    with pytest.raises(FieldRefused, match=r"^models\.a\.colour: unknown key \(allowed: a, b\)$"):
+        Fields({"colour": "red"}, "models.a", allowed=("a", "b"))
 
 
 def test_a_word_outside_its_choices_is_refused() -> None:
@@ -54,3 +56,11 @@ def test_nested_mappings_and_lists_name_their_own_paths() -> None:
         top.items("keys")
     with pytest.raises(FieldRefused, match=r"^routes\[0\]: expected a mapping, got str$"):
         Fields("default", "routes[0]")
+
+
+def test_an_optional_value_is_none_when_absent_or_null_and_checked_when_present() -> None:
+    spec = Fields({"limit": None, "ratio": "high"})
+    assert spec.optional_integer("limit") is None
+    assert spec.optional_integer("burst") is None
+    with pytest.raises(FieldRefused, match=r"^ratio: 'high' is not a number$"):
+        spec.optional_number("ratio")

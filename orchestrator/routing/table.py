@@ -20,6 +20,7 @@ import grpc
 import yaml
 
 from classify_common.documents import DocumentRefused, compose_yaml, parse_yaml, read_document
+from classify_common.fields import FieldRefused, Fields
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, RouteMatch
@@ -27,6 +28,8 @@ from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, Ro
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
 MAX_TIMEOUT_SECONDS = 60.0
+# A backend's per-call timeout when routes.yaml gives none.
+DEFAULT_TIMEOUT_SECONDS = 5.0
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
 # host:port, [ipv6]:port, dns:///name:port (a name looked up again and again, each
@@ -108,21 +111,6 @@ class RouteTable:
         return self.default_route
 
 
-def _mapping(value: Any, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise RoutesFileError(where, f"expected a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise RoutesFileError(
-            f"{where}.{unknown[0]}" if where else unknown[0],
-            f"unknown key (allowed: {', '.join(sorted(allowed))})",
-        )
-    missing = sorted(required - set(value))
-    if missing:
-        raise RoutesFileError(where, f"missing required key {missing[0]!r}")
-    return value
-
-
 def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise RoutesFileError(
@@ -148,199 +136,168 @@ def parse_duration(value: Any, where: str) -> float:
     return seconds
 
 
-_RETRY_KEYS = {"max_attempts", "initial_backoff", "max_backoff", "multiplier", "retryable_codes"}
+def _duration(spec: Fields, key: str, default_seconds: float) -> float:
+    """A duration like 250ms or 2s; absent: the default, already in seconds."""
+    if key not in spec:
+        return default_seconds
+    return parse_duration(spec.raw(key), spec.path(key))
 
 
-def _retry_policy(spec: Any, where: str) -> RetryPolicy:
-    spec = _mapping(spec, where, _RETRY_KEYS, set())
+def _section(spec: Fields, key: str, allowed: tuple[str, ...]) -> Fields:
+    return Fields(spec.raw(key), spec.path(key), allowed=allowed)
+
+
+_RETRY_KEYS = ("max_attempts", "initial_backoff", "max_backoff", "multiplier", "retryable_codes")
+
+
+def _retry_policy(spec: Fields) -> RetryPolicy:
     defaults = RetryPolicy()
-    codes = spec.get("retryable_codes", sorted(c.name for c in defaults.retryable_codes))
+    where = spec.path("retryable_codes")
+    codes = spec.raw("retryable_codes", sorted(c.name for c in defaults.retryable_codes))
     if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
-        raise RoutesFileError(f"{where}.retryable_codes", "expected a list of status code names")
+        raise RoutesFileError(where, "expected a list of status code names")
     try:
         parsed_codes = frozenset(grpc.StatusCode[code] for code in codes)
     except KeyError as exc:
-        raise RoutesFileError(f"{where}.retryable_codes", f"unknown status code {exc}") from None
-    attempts = spec.get("max_attempts", defaults.max_attempts)
-    multiplier = spec.get("multiplier", defaults.multiplier)
-    if not isinstance(attempts, int) or isinstance(attempts, bool):
-        raise RoutesFileError(f"{where}.max_attempts", f"{attempts!r} is not an integer")
-    if not isinstance(multiplier, int | float) or isinstance(multiplier, bool):
-        raise RoutesFileError(f"{where}.multiplier", f"{multiplier!r} is not a number")
+        raise RoutesFileError(where, f"unknown status code {exc}") from None
+    attempts = spec.integer("max_attempts", defaults.max_attempts)
+    multiplier = spec.number("multiplier", defaults.multiplier)
+    initial = _duration(spec, "initial_backoff", defaults.initial_backoff_seconds)
+    longest = _duration(spec, "max_backoff", defaults.max_backoff_seconds)
     try:
         return RetryPolicy(
             max_attempts=attempts,
-            initial_backoff_seconds=parse_duration(
-                spec.get("initial_backoff", "25ms"), f"{where}.initial_backoff"
-            ),
-            max_backoff_seconds=parse_duration(
-                spec.get("max_backoff", "250ms"), f"{where}.max_backoff"
-            ),
-            multiplier=float(multiplier),
+            initial_backoff_seconds=initial,
+            max_backoff_seconds=longest,
+            multiplier=multiplier,
             retryable_codes=parsed_codes,
         )
     except ValueError as exc:
-        raise RoutesFileError(where, str(exc)) from None
+        raise RoutesFileError(spec.where, str(exc)) from None
 
 
-def _route_match(spec: Any, where: str) -> RouteMatch:
-    keys = {"model", "priority", "min_chars", "max_chars", "header", "percent"}
-    spec = _mapping(spec, where, keys, set())
-    if not spec:
-        raise RoutesFileError(where, "an empty match matches everything; leave it out instead")
-    models = spec.get("model", [])
+_MATCH_KEYS = ("model", "priority", "min_chars", "max_chars", "header", "percent")
+
+
+def _route_match(spec: Fields) -> RouteMatch:
+    if not list(spec):
+        raise RoutesFileError(spec.where, "an empty match matches everything; leave it out instead")
+    models = spec.raw("model", [])
     if isinstance(models, str):
         models = [models]
     if not isinstance(models, list):
-        raise RoutesFileError(f"{where}.model", "expected a model name or a list of them")
+        raise RoutesFileError(spec.path("model"), "expected a model name or a list of them")
     for index, model in enumerate(models):
-        _model_name(model, f"{where}.model[{index}]")
-    priority = spec.get("priority")
+        _model_name(model, f"{spec.path('model')}[{index}]")
+    priority = spec.raw("priority", None)
     if priority is not None and priority not in PRIORITIES:
-        raise RoutesFileError(f"{where}.priority", f"{priority!r} is not one of {PRIORITIES}")
-    bounds: dict[str, int | None] = {}
-    for key in ("min_chars", "max_chars"):
-        value = spec.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
-            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not a non-negative integer")
-        bounds[key] = value
-    low, high = bounds["min_chars"], bounds["max_chars"]
+        raise RoutesFileError(spec.path("priority"), f"{priority!r} is not one of {PRIORITIES}")
+    low, high = _char_count(spec, "min_chars"), _char_count(spec, "max_chars")
     if low is not None and high is not None and low > high:
-        raise RoutesFileError(where, "min_chars is greater than max_chars")
-    header = None
-    if "header" in spec:
-        header_spec = _mapping(
-            spec["header"], f"{where}.header", {"name", "values"}, {"name", "values"}
-        )
-        header_name = header_spec["name"]
-        values = header_spec["values"]
-        if not isinstance(header_name, str) or not header_name:
-            raise RoutesFileError(f"{where}.header.name", "expected a metadata key")
-        if (
-            not isinstance(values, list)
-            or not values
-            or not all(isinstance(v, str) for v in values)
-        ):
-            raise RoutesFileError(f"{where}.header.values", "expected a non-empty list of strings")
-        header = HeaderMatch(name=header_name.lower(), values=frozenset(values))
-    percent = spec.get("percent")
-    if percent is not None and (
-        not isinstance(percent, int) or isinstance(percent, bool) or not 1 <= percent <= 100
-    ):
-        raise RoutesFileError(f"{where}.percent", f"{percent!r} is not a whole percentage 1..100")
+        raise RoutesFileError(spec.where, "min_chars is greater than max_chars")
+    header = (
+        _header_match(_section(spec, "header", ("name", "values"))) if "header" in spec else None
+    )
+    percent = spec.optional_integer("percent")
+    if percent is not None and not 1 <= percent <= 100:
+        raise RoutesFileError(spec.path("percent"), f"{percent!r} is not a whole percentage 1..100")
     return RouteMatch(
         models=frozenset(models),
         priority=priority,
-        min_chars=bounds["min_chars"],
-        max_chars=bounds["max_chars"],
+        min_chars=low,
+        max_chars=high,
         header=header,
         percent=percent,
     )
 
 
-def _backend(name: str, spec: Any) -> Backend:
-    where = f"backends.{name}"
-    spec = _mapping(
-        spec, where, {"model", "targets", "timeout", "max_concurrency"}, {"model", "targets"}
-    )
-    limit = spec.get("max_concurrency")
-    if limit is not None and (
-        not isinstance(limit, int)
-        or isinstance(limit, bool)
-        or not 1 <= limit <= MAX_CONCURRENCY_LIMIT
-    ):
+def _char_count(spec: Fields, key: str) -> int | None:
+    count = spec.optional_integer(key)
+    if count is not None and count < 0:
+        raise RoutesFileError(spec.path(key), f"{count!r} is not a non-negative integer")
+    return count
+
+
+def _header_match(spec: Fields) -> HeaderMatch:
+    name, values = spec.raw("name"), spec.raw("values")
+    if not isinstance(name, str) or not name:
+        raise RoutesFileError(spec.path("name"), "expected a metadata key")
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+        raise RoutesFileError(spec.path("values"), "expected a non-empty list of strings")
+    return HeaderMatch(name=name.lower(), values=frozenset(values))
+
+
+_BACKEND_KEYS = ("model", "targets", "timeout", "max_concurrency")
+
+
+def _backend(name: str, document: Any) -> Backend:
+    spec = Fields(document, f"backends.{name}", allowed=_BACKEND_KEYS)
+    model, targets = spec.raw("model"), spec.raw("targets")
+    limit = spec.optional_integer("max_concurrency")
+    if limit is not None and not 1 <= limit <= MAX_CONCURRENCY_LIMIT:
         raise RoutesFileError(
-            f"{where}.max_concurrency", f"{limit!r} is not an integer in 1..100000"
+            spec.path("max_concurrency"), f"{limit!r} is not an integer in 1..100000"
         )
-    targets = spec["targets"]
     if not isinstance(targets, list) or not targets:
-        raise RoutesFileError(f"{where}.targets", "expected a non-empty list of host:port")
+        raise RoutesFileError(spec.path("targets"), "expected a non-empty list of host:port")
     for index, target in enumerate(targets):
         if not isinstance(target, str) or not _TARGET.fullmatch(target):
             raise RoutesFileError(
-                f"{where}.targets[{index}]",
+                f"{spec.path('targets')}[{index}]",
                 f"{target!r} is not host:port, dns:///name:port or ipv4:/ipv6: addresses",
             )
     return Backend(
-        name=_name(name, where),
-        model=_model_name(spec["model"], f"{where}.model"),
+        name=_name(name, spec.where),
+        model=_model_name(model, spec.path("model")),
         targets=tuple(targets),
-        timeout_seconds=parse_duration(spec.get("timeout", "5s"), f"{where}.timeout"),
+        timeout_seconds=_duration(spec, "timeout", DEFAULT_TIMEOUT_SECONDS),
         max_concurrency=limit,
     )
 
 
+_TOP_KEYS = ("version", "backends", "routes", "retry_budget", "outlier_ejection")
+_ROUTE_KEYS = ("name", "backend", "match", "fallback", "retry", "budget")
+_OUTLIER_KEYS = ("consecutive_failures", "base_ejection", "max_ejection", "max_ejected_percent")
+_BUDGET_KEYS = ("ratio", "min_retries_per_second", "window")
+
+
 def parse_routes(document: Any) -> RouteTable:
-    top = _mapping(
-        document,
-        "",
-        {"version", "backends", "routes", "retry_budget", "outlier_ejection"},
-        {"version", "backends", "routes"},
-    )
-    if top["version"] != SUPPORTED_VERSION:
-        raise RoutesFileError("version", f"{top['version']!r} is not supported (expected 1)")
-    if not isinstance(top["backends"], dict) or not top["backends"]:
+    """The route table in a parsed routes.yaml; errors name the path of the bad value."""
+    try:
+        return _route_table(Fields(document, allowed=_TOP_KEYS))
+    except FieldRefused as exc:
+        raise RoutesFileError(exc.where, exc.problem) from None
+
+
+def _route_table(top: Fields) -> RouteTable:
+    version = top.raw("version")
+    if version != SUPPORTED_VERSION:
+        raise RoutesFileError("version", f"{version!r} is not supported (expected 1)")
+    backend_specs = top.raw("backends")
+    if not isinstance(backend_specs, dict) or not backend_specs:
         raise RoutesFileError("backends", "expected a non-empty mapping of name to backend")
-    backends = {name: _backend(name, spec) for name, spec in top["backends"].items()}
-    if not isinstance(top["routes"], list) or not top["routes"]:
+    backends = {name: _backend(name, spec) for name, spec in backend_specs.items()}
+    route_specs = top.raw("routes")
+    if not isinstance(route_specs, list) or not route_specs:
         raise RoutesFileError("routes", "expected a non-empty list of routes")
     routes: list[Route] = []
-    seen: set[str] = set()
-    for index, spec in enumerate(top["routes"]):
-        where = f"routes[{index}]"
-        spec = _mapping(
-            spec,
-            where,
-            {"name", "backend", "match", "fallback", "retry", "budget"},
-            {"name", "backend"},
-        )
-        name = _name(spec["name"], f"{where}.name")
-        if name in seen:
-            raise RoutesFileError(f"{where}.name", f"duplicate route name {name!r}")
-        seen.add(name)
-        backend = backends.get(spec["backend"])
-        if backend is None:
-            raise RoutesFileError(f"{where}.backend", f"unknown backend {spec['backend']!r}")
-        fallback_names = spec.get("fallback", [])
-        if not isinstance(fallback_names, list):
-            raise RoutesFileError(f"{where}.fallback", "expected a list of backend names")
-        fallback: list[Backend] = []
-        for position, fallback_name in enumerate(fallback_names):
-            at = f"{where}.fallback[{position}]"
-            candidate = backends.get(fallback_name)
-            if candidate is None:
-                raise RoutesFileError(at, f"unknown backend {fallback_name!r}")
-            # A backend tried twice in one call would loop back to a failure.
-            if candidate in (backend, *fallback):
-                raise RoutesFileError(
-                    at, f"backend {fallback_name!r} is already tried earlier in this route"
-                )
-            fallback.append(candidate)
-        retry = _retry_policy(spec["retry"], f"{where}.retry") if "retry" in spec else RetryPolicy()
-        match = _route_match(spec["match"], f"{where}.match") if "match" in spec else RouteMatch()
-        time_budget = (
-            parse_duration(spec["budget"], f"{where}.budget") if "budget" in spec else None
-        )
-        routes.append(
-            Route(
-                name=name,
-                backend=backend,
-                match=match,
-                fallback=tuple(fallback),
-                retry=retry,
-                budget_seconds=time_budget,
-            )
-        )
+    for index, document in enumerate(route_specs):
+        route = _route(Fields(document, f"routes[{index}]", allowed=_ROUTE_KEYS), backends)
+        if any(route.name == earlier.name for earlier in routes):
+            raise RoutesFileError(f"routes[{index}].name", f"duplicate route name {route.name!r}")
+        routes.append(route)
     if not routes[-1].match.is_catch_all:
         raise RoutesFileError(
             f"routes[{len(routes) - 1}].match",
             "the last route is the default and must match everything",
         )
-    budget = _retry_budget(top["retry_budget"]) if "retry_budget" in top else RetryBudgetSettings()
+    budget = (
+        _retry_budget(_section(top, "retry_budget", _BUDGET_KEYS))
+        if "retry_budget" in top
+        else RetryBudgetSettings()
+    )
     outliers = (
-        _outlier_settings(top["outlier_ejection"])
+        _outlier_settings(_section(top, "outlier_ejection", _OUTLIER_KEYS))
         if "outlier_ejection" in top
         else OutlierSettings()
     )
@@ -349,51 +306,67 @@ def parse_routes(document: Any) -> RouteTable:
     )
 
 
-def _outlier_settings(spec: Any) -> OutlierSettings:
-    where = "outlier_ejection"
-    keys = {"consecutive_failures", "base_ejection", "max_ejection", "max_ejected_percent"}
-    spec = _mapping(spec, where, keys, set())
-    for key in ("consecutive_failures", "max_ejected_percent"):
-        value = spec.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not an integer")
+def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
+    name = _name(spec.raw("name"), spec.path("name"))
+    backend = backends.get(spec.raw("backend"))
+    if backend is None:
+        raise RoutesFileError(spec.path("backend"), f"unknown backend {spec.raw('backend')!r}")
+    fallback_names = spec.raw("fallback", [])
+    if not isinstance(fallback_names, list):
+        raise RoutesFileError(spec.path("fallback"), "expected a list of backend names")
+    fallback: list[Backend] = []
+    for position, fallback_name in enumerate(fallback_names):
+        at = f"{spec.path('fallback')}[{position}]"
+        candidate = backends.get(fallback_name)
+        if candidate is None:
+            raise RoutesFileError(at, f"unknown backend {fallback_name!r}")
+        # A backend tried twice in one call would loop back to a failure.
+        if candidate in (backend, *fallback):
+            raise RoutesFileError(
+                at, f"backend {fallback_name!r} is already tried earlier in this route"
+            )
+        fallback.append(candidate)
+    retry = _retry_policy(_section(spec, "retry", _RETRY_KEYS)) if "retry" in spec else None
+    match = _route_match(_section(spec, "match", _MATCH_KEYS)) if "match" in spec else None
+    budget = parse_duration(spec.raw("budget"), spec.path("budget")) if "budget" in spec else None
+    return Route(
+        name=name,
+        backend=backend,
+        match=match or RouteMatch(),
+        fallback=tuple(fallback),
+        retry=retry or RetryPolicy(),
+        budget_seconds=budget,
+    )
+
+
+def _outlier_settings(spec: Fields) -> OutlierSettings:
     defaults = OutlierSettings()
+    failures = spec.integer("consecutive_failures", defaults.consecutive_failures)
+    percent = spec.integer("max_ejected_percent", defaults.max_ejected_percent)
+    base = _duration(spec, "base_ejection", defaults.base_ejection_seconds)
+    longest = _duration(spec, "max_ejection", defaults.max_ejection_seconds)
     try:
         return OutlierSettings(
-            consecutive_failures=spec.get("consecutive_failures", defaults.consecutive_failures),
-            base_ejection_seconds=parse_duration(
-                spec.get("base_ejection", f"{defaults.base_ejection_seconds}s"),
-                f"{where}.base_ejection",
-            ),
-            max_ejection_seconds=parse_duration(
-                spec.get("max_ejection", f"{defaults.max_ejection_seconds}s"),
-                f"{where}.max_ejection",
-            ),
-            max_ejected_percent=spec.get("max_ejected_percent", defaults.max_ejected_percent),
+            consecutive_failures=failures,
+            base_ejection_seconds=base,
+            max_ejection_seconds=longest,
+            max_ejected_percent=percent,
         )
     except ValueError as exc:
-        raise RoutesFileError(where, str(exc)) from None
+        raise RoutesFileError(spec.where, str(exc)) from None
 
 
-def _retry_budget(spec: Any) -> RetryBudgetSettings:
-    where = "retry_budget"
-    spec = _mapping(spec, where, {"ratio", "min_retries_per_second", "window"}, set())
-    for key in ("ratio", "min_retries_per_second"):
-        value = spec.get(key)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise RoutesFileError(f"{where}.{key}", f"{value!r} is not a number")
+def _retry_budget(spec: Fields) -> RetryBudgetSettings:
     defaults = RetryBudgetSettings()
-    window = parse_duration(spec.get("window", f"{defaults.window_seconds}s"), f"{where}.window")
+    ratio = spec.number("ratio", defaults.ratio)
+    floor = spec.number("min_retries_per_second", defaults.min_retries_per_second)
+    window = _duration(spec, "window", defaults.window_seconds)
     try:
         return RetryBudgetSettings(
-            ratio=float(spec.get("ratio", defaults.ratio)),
-            min_retries_per_second=float(
-                spec.get("min_retries_per_second", defaults.min_retries_per_second)
-            ),
-            window_seconds=max(1, round(window)),
+            ratio=ratio, min_retries_per_second=floor, window_seconds=max(1, round(window))
         )
     except ValueError as exc:
-        raise RoutesFileError(where, str(exc)) from None
+        raise RoutesFileError(spec.where, str(exc)) from None
 
 
 def _line_index(node: yaml.Node, path: str = "") -> dict[str, int]:
