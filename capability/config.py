@@ -34,6 +34,7 @@ from capability.batching.settings import (
 from capability.model import DEFAULT_GRAPH, GRAPHS
 from classify_common.documents import DocumentRefused, load_yaml
 from classify_common.fields import FieldRefused, Fields
+from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from classify_common.server_settings import (
     ServerSettings,
     metrics_port_setting,
@@ -117,9 +118,20 @@ class CapabilitySettings(ServerSettings):
     # Built by `make bundles`.
     model_root: Path = setting(DEFAULT_MODEL_ROOT, "bundle folder `<root>/<model>/<version>`", Path)
     models: tuple[str, ...] = setting(
-        (), "comma-separated models to serve (empty: all under the root)", comma_list
+        (),
+        "comma-separated models to serve (empty: all under the root)",
+        comma_list,
+        test=is_model_name,
+        rule="a model name",
+        note=MODEL_NAME_RULE,
     )
-    default_model: str = setting(DEFAULT_MODEL, "model for requests that name none")
+    default_model: str = setting(
+        DEFAULT_MODEL,
+        "model for requests that name none",
+        test=is_model_name,
+        rule="a model name",
+        note=MODEL_NAME_RULE,
+    )
     # "auto" is one worker per CUDA device, else CPU (checked in check_together).
     device: str = setting(
         DEFAULT_DEVICE, "auto, cpu, or cuda:N[,cuda:M] (auto: every CUDA device, else CPU)"

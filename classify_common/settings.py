@@ -55,17 +55,26 @@ class Spec:
     off: float | None = None
     # The only values allowed, for a word.
     choices: tuple[str, ...] = ()
+    # A test each value (each item of a list) must pass, and what it is called in
+    # errors and the docs ("a model name").
+    test: Callable[[Any], bool] | None = None
+    rule: str = ""
     # Unit of a number, shown in the docs ("s", "ms").
     unit: str = ""
     # Put before the value in a bounds error ("port ").
     noun: str = ""
-    # Appended to a bounds error in parentheses ("0 picks a free port").
+    # Appended to a bounds or test error in parentheses ("0 picks a free port").
     note: str = ""
 
     def check(self, value: Any, flag: str, env: str) -> None:
         """Raise SettingsError, naming flag and variable, for a value out of bounds."""
         if value is None:
             return
+        if self.test is not None:
+            for item in value if isinstance(value, tuple) else (value,):
+                if not self.test(item):
+                    note = f" ({self.note})" if self.note else ""
+                    raise SettingsError(f"{flag} / {env}: {item!r} is not {self.rule}{note}")
         if self.choices and value not in self.choices:
             allowed = ", ".join(self.choices[:-1]) + f" or {self.choices[-1]}"
             raise SettingsError(f"{flag} / {env}: {value!r} is not {allowed}")
@@ -83,6 +92,8 @@ class Spec:
         """The bounds as the docs show them: `1..64 s`, `0 (off) or 0.1..3600`, `a or b`."""
         if self.choices:
             return " or ".join(f"`{choice}`" for choice in self.choices)
+        if self.rule:
+            return self.rule
         if self.low is None and self.high is None:
             return ""
         low = "" if self.low is None else _number(self.low)
@@ -99,7 +110,8 @@ def _number(value: float) -> str:
 def setting(default: Any, help: str, parse: Callable[[str], Any] = str, **bounds: Any) -> Any:
     """A dataclass field that is also a flag, an environment variable and a docs row.
 
-    `bounds` are Spec's other fields (low, high, off, choices, unit, noun, note)."""
+    `bounds` are Spec's other fields (low, high, off, choices, test, rule, unit, noun,
+    note)."""
     spec = Spec(help, parse, **bounds)
     return field(default=default, metadata={SPEC: spec})
 

@@ -9,9 +9,11 @@ from google.protobuf.message import Message
 
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from buf.validate import validate_pb2
+from capability.config import CapabilitySettings
 from capability.lifecycle import ModelRoot
 from classify_common.errors import ModelNotFound
 from classify_common.model_names import MODEL_NAME_MAX_CHARS, MODEL_NAME_PATTERN, is_model_name
+from classify_common.settings import SettingsError
 from orchestrator.routing import RoutesFileError, load_routes
 
 LONGEST = "m" * MODEL_NAME_MAX_CHARS
@@ -62,3 +64,14 @@ def test_a_model_folder_past_the_rule_is_not_served(tmp_path: Path) -> None:
     assert root.model_names() == ["topic"]
     with pytest.raises(ModelNotFound, match="is not a model name"):
         root.version_dir(TOO_LONG, "1")
+
+
+def test_a_served_or_default_model_past_the_rule_is_refused_by_flag_and_variable() -> None:
+    with pytest.raises(
+        SettingsError, match=r"^--models / CAPABILITY_MODELS: 'Topic' is not a model"
+    ):
+        CapabilitySettings.from_args(["--models", "topic-static, Topic"], environ={})
+    with pytest.raises(
+        SettingsError, match=r"^--default-model / CAPABILITY_DEFAULT_MODEL: 'm+' is not a model"
+    ):
+        CapabilitySettings.from_args([], environ={"CAPABILITY_DEFAULT_MODEL": TOO_LONG})
