@@ -224,6 +224,31 @@ def compose_yaml(
         loader.dispose()
 
 
+def line_of_path(node: yaml.Node, where: str) -> int | None:
+    """The 1-based line of the value at `where` (`routes[2].fallback[0]`) in a composed
+    document, or of its nearest enclosing value (for a missing key)."""
+    lines = _line_index(node)
+    while where:
+        if where in lines:
+            return lines[where]
+        where = where[: max(where.rfind("."), where.rfind("["), 0)]
+    return None
+
+
+def _line_index(node: yaml.Node, path: str = "") -> dict[str, int]:
+    """Path of every value in the document to its 1-based line."""
+    lines = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = f"{path}.{key_node.value}" if path else str(key_node.value)
+            lines.update(_line_index(value_node, child))
+            lines[child] = key_node.start_mark.line + 1  # the key's line reads best
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines.update(_line_index(item, f"{path}[{index}]"))
+    return lines
+
+
 def parse_yaml(data: bytes | str, source: str, *, max_depth: int = MAX_DOCUMENT_DEPTH) -> Any:
     """The value of a one-document YAML text (None when empty), within the bounds."""
     loader = _yaml_loader(_decode(data, source), source, max_depth)

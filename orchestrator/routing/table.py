@@ -17,9 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 
-from classify_common.documents import DocumentRefused, compose_yaml, parse_yaml, read_document
+from classify_common.documents import (
+    DocumentRefused,
+    compose_yaml,
+    line_of_path,
+    parse_yaml,
+    read_document,
+)
 from classify_common.fields import FieldRefused, Fields
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
@@ -369,29 +374,6 @@ def _retry_budget(spec: Fields) -> RetryBudgetSettings:
         raise RoutesFileError(spec.where, str(exc)) from None
 
 
-def _line_index(node: yaml.Node, path: str = "") -> dict[str, int]:
-    """Path of every value in the document (`routes[2].fallback[0]`) to its 1-based line."""
-    lines = {path: node.start_mark.line + 1}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            child = f"{path}.{key_node.value}" if path else str(key_node.value)
-            lines.update(_line_index(value_node, child))
-            lines[child] = key_node.start_mark.line + 1  # the key's line reads best
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            lines.update(_line_index(item, f"{path}[{index}]"))
-    return lines
-
-
-def _line_of(where: str, lines: dict[str, int]) -> int | None:
-    """The line of `where`, or of its nearest enclosing value (for a missing key)."""
-    while where:
-        if where in lines:
-            return lines[where]
-        where = where[: max(where.rfind("."), where.rfind("["), 0)]
-    return None
-
-
 def load_routes(path: Path) -> RouteTable:
     """The route table in `path`, read within classify_common.documents' bounds (size,
     depth, no YAML aliases), so any file costs at most one bounded parse to refuse.
@@ -409,7 +391,7 @@ def load_routes(path: Path) -> RouteTable:
         # The same bounded parse again, keeping lines: the text has passed it once, and
         # without aliases its tree has no more nodes than the file has values.
         node = compose_yaml(raw, str(path))
-        line = _line_of(exc.where, _line_index(node)) if node is not None else None
+        line = line_of_path(node, exc.where) if node is not None else None
         raise RoutesFileError(exc.where, exc.problem, file=str(path), line=line) from None
     rules_version = hashlib.sha256(raw).hexdigest()[:12]
     return dataclasses.replace(table, rules_version=rules_version)
