@@ -83,6 +83,8 @@ def parse_model_config(
         raise SettingsError("model config: expected a mapping of model name to settings")
     parsed: dict[str, ModelServingSettings] = {}
     for name, spec in document.items():
+        if not is_model_name(name):
+            raise SettingsError(f"model config: {name!r} is not a model name ({MODEL_NAME_RULE})")
         try:
             parsed[str(name)] = _model_serving(Fields(spec, str(name)), defaults)
         except FieldRefused as exc:

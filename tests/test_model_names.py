@@ -75,3 +75,10 @@ def test_a_served_or_default_model_past_the_rule_is_refused_by_flag_and_variable
         SettingsError, match=r"^--default-model / CAPABILITY_DEFAULT_MODEL: 'm+' is not a model"
     ):
         CapabilitySettings.from_args([], environ={"CAPABILITY_DEFAULT_MODEL": TOO_LONG})
+
+
+def test_a_model_config_entry_past_the_rule_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text("Topic-Static:\n  max_batch_size: 64\n")
+    with pytest.raises(SettingsError, match=r"^model config: 'Topic-Static' is not a model name"):
+        CapabilitySettings(model_config=config).with_model_config()
