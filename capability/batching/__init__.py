@@ -1,6 +1,7 @@
 """Admission, bounded deadline-aware queues, the batching loop and service-time prediction."""
 
-from capability.batching.batcher import Batcher, BatchOutcome, TextResult
+from capability.batching.batcher import Batcher
+from capability.batching.outcome import BatchOutcome, TextResult
 from capability.batching.queue import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,

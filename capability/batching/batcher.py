@@ -26,13 +26,18 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from opentelemetry.trace import INVALID_SPAN, Link
-
+from capability.batching.outcome import (
+    BatchOutcome,
+    Compute,
+    TextResult,
+    padding_ratio,
+    trace_batch,
+)
 from capability.batching.queue import PendingRequest, RequestQueue
 from capability.batching.settings import BatchingSettings
 from capability.bundle import LoadedBundle
@@ -41,10 +46,8 @@ from capability.metrics import (
     DEADLINE_STAGE_QUEUE,
     CapabilityMetrics,
 )
-from capability.model import EncodedText
 from classify_common.errors import ExpiredInQueue, ModelFault
-from classify_common.nodes import BATCH_SPAN_NAME, emit_node
-from classify_common.tracing import get_tracer
+from classify_common.nodes import emit_node
 
 log = logging.getLogger(__name__)
 
@@ -55,37 +58,6 @@ T = TypeVar("T")
 RESTART_BACKOFF_SECONDS = 0.1
 # The span of time the load report's busy share covers.
 BUSY_WINDOW_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class TextResult:
-    """One text's label probabilities and the exact model version that computed them."""
-
-    probabilities: tuple[float, ...]
-    bundle: LoadedBundle
-    token_count: int
-    truncated: bool
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    """What one forward on the device thread returns to the loop."""
-
-    probabilities: list[list[float]]  # (B, L), columns follow the classifier's labels
-    finite_rows: tuple[bool, ...]
-    padded_tokens: int
-    seconds: float
-    # Epoch ns at the marks between capability.model.stages.STAGES, and their clock.
-    marks_ns: tuple[int, ...]
-    clock: str
-    # Per submitted text: whether its deadline had passed, so it was left out. The
-    # other fields describe the texts that were computed, in order.
-    expired: tuple[bool, ...] = ()
-
-
-# Runs on the device thread: the texts of a batch and their deadlines (event-loop
-# time) in, one forward's outcome out.
-Compute = Callable[[list[EncodedText], list[float | None]], BatchOutcome]
 
 
 class Device(Protocol):
@@ -106,12 +78,6 @@ class Device(Protocol):
     async def execute(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the device thread; the caller holds the turn."""
         ...
-
-
-def padding_ratio(batch: Sequence[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:
-    """Share of the batch's token positions that are padding."""
-    real_tokens = sum(len(request.encoded) for request in batch)
-    return 1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
 
 
 @dataclass(eq=False)
@@ -278,7 +244,7 @@ class Batcher:
                         self._expire_unqueued(request)
             if computed:
                 self._record(computed, outcome)
-                self._trace(computed, outcome)
+                trace_batch(computed, outcome, self.bundle, self._device.name)
             for row, request in enumerate(computed):
                 if request.future.done():
                     continue  # the caller went away; the result has no one to go to
@@ -364,53 +330,3 @@ class Batcher:
         while recent and recent[0][0] < cutoff:
             self._recent_busy -= recent.popleft()[1]
         return min(max(self._recent_busy / BUSY_WINDOW_SECONDS, 0.0), 1.0)
-
-    def _trace(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:
-        """The batch's device nodes for every traced request in it, and the batch's own
-        span, which each request's `batch_assemble` links to (and it links back)."""
-        traced = [(request, request.trace) for request in batch if request.trace is not None]
-        if not traced or len(outcome.marks_ns) != 5:
-            return
-        started, assembled, copied, forwarded, done = outcome.marks_ns
-        version = self.bundle.version
-        worker_name = self._device.name
-        batch_attributes = {
-            "classify.batch_size": len(batch),
-            "classify.bucket": batch[0].bucket,
-            "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
-        }
-        spanned = [trace for _, trace in traced if trace.makes_spans]
-        batch_span = (
-            get_tracer().start_span(
-                BATCH_SPAN_NAME,
-                start_time=started,
-                attributes={
-                    **batch_attributes,
-                    "classify.worker": worker_name,
-                    "classify.model": self.name,
-                    "classify.model_version": version,
-                    "classify.clock": outcome.clock,
-                },
-                links=[Link(trace.server_span.get_span_context()) for trace in spanned],
-            )
-            if spanned
-            else INVALID_SPAN
-        )
-        to_batch = [Link(batch_span.get_span_context())]
-        clock = {"classify.clock": outcome.clock}
-        worker = {"classify.worker": worker_name}
-        model = {"classify.model": self.name, "classify.model_version": version}
-        for request, trace in traced:
-            emit_node(trace, "gpu_queue_wait", request.admitted_ns, started, worker)
-            emit_node(trace, "batch_assemble", started, assembled, batch_attributes, to_batch)
-            emit_node(trace, "h2d_copy", assembled, copied, clock)
-            emit_node(trace, "cuda_launch", copied, forwarded, {**clock, **model})
-            emit_node(trace, "postprocess", forwarded, done, clock)
-            trace.log_fields.update(
-                model=self.name,
-                model_version=version,
-                worker=worker_name,
-                batch_size=len(batch),
-                tokens=len(request.encoded),
-            )
-        batch_span.end(end_time=done)

@@ -16,12 +16,14 @@ from capability.bundle.errors import (
     BundleFileMissing,
     BundleHashMismatch,
     BundleShapeMismatch,
+    ModelLoadError,
     UnexpectedBundleFile,
     UnsafeWeights,
 )
 from capability.bundle.format import BundleConfig
 from capability.bundle.loader import STAGES, LoadedBundle, load_bundle
 from capability.bundle.manifest import verify_bundle, write_manifest
+from capability.bundle.minilm import load_minilm_classifier
 
 __all__ = [
     "HEAD_CHOICES",
@@ -34,10 +36,12 @@ __all__ = [
     "BundleHashMismatch",
     "BundleShapeMismatch",
     "LoadedBundle",
+    "ModelLoadError",
     "UnexpectedBundleFile",
     "UnsafeWeights",
     "build_bundle",
     "load_bundle",
+    "load_minilm_classifier",
     "verify_bundle",
     "write_manifest",
 ]

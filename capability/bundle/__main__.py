@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from capability.bundle.builder import HEAD_CHOICES, MODEL_KINDS, build_bundle
-from capability.bundle.errors import BundleError
+from capability.bundle.errors import BundleError, ModelLoadError
 from capability.bundle.manifest import verify_bundle
-from capability.model import PRECISION_DTYPES, ModelLoadError
+from capability.model import PRECISION_DTYPES
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from capability.bundle.format import (
     HeadSpec,
 )
 from capability.bundle.manifest import write_manifest
+from capability.bundle.minilm import load_minilm_classifier
 from capability.bundle.progress import Progress
 from capability.model import (
     PRECISION_DTYPES,
@@ -50,7 +51,6 @@ from capability.model import (
     ZeroShotHead,
     embed_label_prototypes,
     linear_head_from_zero_shot,
-    load_minilm_classifier,
 )
 
 MODEL_KINDS = ("topic-minilm", "topic-static")

@@ -1,6 +1,22 @@
-"""Why a bundle was refused. Every message starts with the offending file's name."""
+"""Why a model's files were refused. Every message starts with the offending file's name.
 
-from capability.model.errors import ModelLoadError
+ModelLoadError                a model's files cannot be loaded (any folder)
+└── BundleError               a bundle directory cannot be served
+    ├── BundleFileMissing
+    ├── BundleHashMismatch
+    ├── BundleShapeMismatch
+    ├── UnsafeWeights
+    ├── BundleConfigInvalid
+    └── UnexpectedBundleFile
+"""
+
+
+class ModelLoadError(ValueError):
+    """A model folder cannot be loaded: a file is missing, malformed or does not fit the model.
+
+    The message always names the offending file, because the operator fixing it
+    is looking at a folder, not at a stack trace.
+    """
 
 
 class BundleError(ModelLoadError):

@@ -32,6 +32,7 @@ from capability.bundle.errors import (
     BundleError,
     BundleFileMissing,
     BundleShapeMismatch,
+    ModelLoadError,
     UnexpectedBundleFile,
     UnsafeWeights,
 )
@@ -51,6 +52,7 @@ from capability.bundle.manifest import (
     check_no_unlisted_weights,
     read_manifest,
 )
+from capability.bundle.minilm import load_tokenizer
 from capability.model import (
     DEFAULT_GRAPH,
     GRAPHS,
@@ -58,14 +60,12 @@ from capability.model import (
     ClassifierHead,
     EncoderConfig,
     LinearHead,
-    ModelLoadError,
     SentenceEncoder,
     StaticEmbeddingEncoder,
     TextClassifier,
     TextEncoder,
     TextTokenizer,
     ZeroShotHead,
-    load_tokenizer,
 )
 from classify_common.documents import DocumentRefused, load_json
 

@@ -2,8 +2,8 @@
 
 Encoders: all-MiniLM-L6-v2 in plain PyTorch (`SentenceEncoder`) and the static average of
 its word vectors (`StaticEmbeddingEncoder`). Heads: zero-shot prototypes (`ZeroShotHead`)
-and linear (`LinearHead`). Model files hold no I/O; loaders live in `classifier.py` (a
-sentence-transformers folder) and in `capability.bundle` (model bundles).
+and linear (`LinearHead`). Nothing here reads files; the loaders live in `capability.bundle`
+(model bundles, and `minilm.py` for a sentence-transformers folder).
 """
 
 from capability.model.classifier import (
@@ -14,11 +14,8 @@ from capability.model.classifier import (
     TextClassifier,
     TextEncoder,
     embed_label_prototypes,
-    load_minilm_classifier,
-    load_tokenizer,
 )
 from capability.model.encoder import EncoderConfig, SentenceEncoder
-from capability.model.errors import ModelLoadError
 from capability.model.heads import ClassifierHead, LinearHead, linear_head_from_zero_shot
 from capability.model.static import (
     STATIC_ZERO_SHOT_SCALE,
@@ -47,7 +44,6 @@ __all__ = [
     "EncoderConfig",
     "LabelSpec",
     "LinearHead",
-    "ModelLoadError",
     "SentenceEncoder",
     "StaticEmbeddingEncoder",
     "StaticEncoderConfig",
@@ -59,6 +55,4 @@ __all__ = [
     "embed_label_prototypes",
     "label_prototype_text",
     "linear_head_from_zero_shot",
-    "load_minilm_classifier",
-    "load_tokenizer",
 ]

@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar, cast
 
 import torch
-from opentelemetry.util.types import AttributeValue
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from capability.batching import (
-    PRIORITY_BATCH,
-    PRIORITY_INTERACTIVE,
     Admission,
     BatchingSettings,
     TextResult,
@@ -40,51 +34,23 @@ from capability.metrics import (
     DEADLINE_STAGE_ADMISSION,
     CapabilityMetrics,
 )
-from capability.model import DEFAULT_GRAPH, EncodedText
+from capability.model import DEFAULT_GRAPH
+from capability.workers.admission import Admitter, TextRequest, priority_lane, run_each
 from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.errors import (
     DeadlineExpired,
     InternalError,
-    ModelFault,
     ModelNotFound,
     ModelNotReady,
     ServerDraining,
     ServiceError,
 )
-from classify_common.nodes import RequestTrace, current_trace, emit_node, node
+from classify_common.nodes import current_trace, node
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-# Tokenizing runs in Rust and releases the GIL; a couple of threads keep long
-# texts from stalling the event loop without competing with the model for cores.
-TOKENIZER_THREADS = 2
-# Texts up to this many characters are tokenized on the event loop (tens of
-# microseconds), which costs less than the hop to a tokenizer thread and back.
-INLINE_TOKENIZE_CHARS = 2_000
 # The load report predicts the wait of a short text: a headline is 10-20 tokens.
 LOAD_REPORT_TOKENS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class TextRequest:
-    """One text to classify and how: one item of a ClassifyBatch call."""
-
-    model: str
-    text: str
-    max_length: int | None
-    priority: int  # PRIORITY_INTERACTIVE or PRIORITY_BATCH
-    request_id: str
-    deadline: float | None  # event-loop time; None waits as long as it takes
-    # The text's own trace, which its lifecycle nodes are recorded into.
-    trace: RequestTrace | None = None
-    # Refused at intake (classify_common.intake): answered with it, never served.
-    refusal: ServiceError | None = None
-
-
-def _priority(priority: int) -> int:
-    return PRIORITY_BATCH if priority == PRIORITY_BATCH else PRIORITY_INTERACTIVE
 
 
 def _as_outcome(answer: object) -> TextResult | ServiceError:
@@ -94,13 +60,6 @@ def _as_outcome(answer: object) -> TextResult | ServiceError:
         return answer
     log.error("a text was left without an answer", extra={"answer": repr(answer)})
     return InternalError("internal error (the text was not answered)")
-
-
-async def _each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run `steps` concurrently; one alone is awaited as it is, without a task."""
-    if len(steps) == 1:
-        return [await steps[0]]
-    return list(await asyncio.gather(*steps))
 
 
 def discover_devices(setting: str, cpu_workers: int) -> list[torch.device]:
@@ -149,7 +108,7 @@ class WorkerPool:
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
-        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._admitter = Admitter(self._count_refusal)
         self._loaders = ThreadPoolExecutor(len(self.workers), thread_name_prefix="load")
         self.draining = False
         # When each model's serving version went live on every worker.
@@ -262,7 +221,7 @@ class WorkerPool:
         replica.begin_arrival()
         try:
             with node("tokenize") as span:
-                (encoded,) = await self._tokenize(replica, [text], max_length)
+                (encoded,) = await self._admitter.tokenize(replica, [text], max_length)
                 span.set_attributes(
                     {"classify.tokens": len(encoded), "classify.truncated": encoded.truncated}
                 )
@@ -278,11 +237,9 @@ class WorkerPool:
                 try:
                     replica.worker.check_memory(model)
                     future = replica.admit(
-                        encoded,
-                        priority=_priority(priority),
-                        request_id=request_id,
-                        deadline=deadline,
-                        trace=current_trace(),
+                        Admission(
+                            encoded, priority_lane(priority), request_id, deadline, current_trace()
+                        )
                     )
                 except ServiceError as refused:
                     span.set_attribute("classify.outcome", refused.reason)
@@ -314,8 +271,11 @@ class WorkerPool:
             except ServiceError as refused:
                 for index in indexes:
                     outcomes[index] = refused
-        admitted = await _each(
-            [self._admit_group(replica, [texts[i] for i in indexes]) for replica, indexes in routed]
+        admitted = await run_each(
+            [
+                self._admitter.admit_group(replica, [texts[i] for i in indexes])
+                for replica, indexes in routed
+            ]
         )
         waiting: list[tuple[int, asyncio.Future[TextResult]]] = []
         for (_, indexes), group in zip(routed, admitted, strict=True):
@@ -329,130 +289,10 @@ class WorkerPool:
             outcomes[index] = _as_outcome(answer)
         return [_as_outcome(outcome) for outcome in outcomes]
 
-    async def _admit_group(
-        self, replica: ModelReplica, texts: Sequence[TextRequest]
-    ) -> list[asyncio.Future[TextResult] | ServiceError]:
-        """Tokenize texts bound for one replica (one call per `max_length`) and admit
-        them in one step; each gets its future or the error that refused it."""
-        replica.begin_arrival(len(texts))
-        try:
-            by_length: dict[int | None, list[int]] = {}
-            for index, text in enumerate(texts):
-                by_length.setdefault(text.max_length, []).append(index)
-            tokenized = await _each(
-                [
-                    self._tokenize_traced(replica, [texts[i] for i in indexes], max_length)
-                    for max_length, indexes in by_length.items()
-                ]
-            )
-            tokens_of: dict[int, EncodedText | ServiceError] = {}
-            for indexes, group in zip(by_length.values(), tokenized, strict=True):
-                tokens_of.update(zip(indexes, group, strict=True))
-            return self._admit_traced(replica, texts, [tokens_of[i] for i in range(len(texts))])
-        finally:
-            replica.end_arrival(len(texts))
-
-    async def _tokenize_traced(
-        self, replica: ModelReplica, texts: Sequence[TextRequest], max_length: int | None
-    ) -> list[EncodedText] | list[ServiceError]:
-        """One tokenizer call for `texts`, recorded as each text's `tokenize` node."""
-        started = time.time_ns()
-        try:
-            encoded = await self._tokenize(replica, [text.text for text in texts], max_length)
-        except ServiceError as failed:
-            ended = time.time_ns()
-            for text in texts:
-                if text.trace is not None:
-                    emit_node(text.trace, "tokenize", started, ended, error=failed)
-            return [failed] * len(texts)
-        ended = time.time_ns()
-        for text, tokens in zip(texts, encoded, strict=True):
-            if text.trace is not None:
-                attributes = (
-                    {"classify.tokens": len(tokens), "classify.truncated": tokens.truncated}
-                    if text.trace.makes_spans
-                    else None
-                )
-                emit_node(text.trace, "tokenize", started, ended, attributes)
-        return encoded
-
-    def _admit_traced(
-        self,
-        replica: ModelReplica,
-        texts: Sequence[TextRequest],
-        encoded: Sequence[EncodedText | ServiceError],
-    ) -> list[asyncio.Future[TextResult] | ServiceError]:
-        """Admit the tokenized texts to `replica` in one step, recorded as each admitted
-        or refused text's `queue_admit` node."""
-        started = time.time_ns()
-        depth = len(replica.queue)
-        tokenized = [
-            index for index, tokens in enumerate(encoded) if isinstance(tokens, EncodedText)
-        ]
-        # What each admitted text's span reports, read before the step changes the queue.
-        predicted = {
-            index: replica.predicted_wait_seconds(len(cast(EncodedText, encoded[index])))
-            for index in tokenized
-            if (trace := texts[index].trace) is not None and trace.makes_spans
-        }
-        admissions: list[asyncio.Future[TextResult] | ServiceError]
-        try:
-            replica.worker.check_memory(replica.name)
-            admissions = replica.admit_many(
-                [
-                    Admission(
-                        cast(EncodedText, encoded[index]),
-                        _priority(texts[index].priority),
-                        texts[index].request_id,
-                        texts[index].deadline,
-                        texts[index].trace,
-                    )
-                    for index in tokenized
-                ]
-            )
-        except ServiceError as refused:  # the whole step: memory pressure, a stopped replica
-            admissions = [refused] * len(tokenized)
-        ended = time.time_ns()
-        for index, admission in zip(tokenized, admissions, strict=True):
-            refusal = admission if isinstance(admission, ServiceError) else None
-            if refusal is not None:
-                self._count_refusal(replica.name, refusal)
-            trace = texts[index].trace
-            if trace is None:
-                continue
-            attributes: dict[str, AttributeValue] | None = None
-            if trace.makes_spans:
-                attributes = {
-                    "classify.worker": replica.worker.name,
-                    "classify.queue_depth": depth,
-                    "classify.predicted_wait_ms": round(predicted[index] * 1000, 3),
-                    "classify.outcome": "admitted" if refusal is None else refusal.reason,
-                }
-            emit_node(trace, "queue_admit", started, ended, attributes, error=refusal)
-        queued = iter(admissions)
-        return [tokens if isinstance(tokens, ServiceError) else next(queued) for tokens in encoded]
-
     def _count_refusal(self, model: str, refused: ServiceError) -> None:
         self._metrics.admissions_refused.labels(model, refused.reason).inc()
         if isinstance(refused, DeadlineExpired):
             self._metrics.deadline_exceeded.labels(model, DEADLINE_STAGE_ADMISSION).inc()
-
-    async def _tokenize(
-        self, replica: ModelReplica, texts: Sequence[str], max_length: int | None
-    ) -> list[EncodedText]:
-        """The texts' tokens for `replica`'s model, in one tokenizer call: on the event
-        loop when they are short, else on a tokenizer thread. A tokenizer failure is a
-        model fault."""
-        classifier = replica.bundle.classifier
-        try:
-            if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-                return classifier.tokenize(texts, max_length)
-            return await asyncio.get_running_loop().run_in_executor(
-                self._tokenizers, classifier.tokenize, texts, max_length
-            )
-        except Exception as exc:
-            log.exception("tokenizing failed", extra={"model": replica.name})
-            raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
 
     def has_work(self) -> bool:
         """Whether any request is arriving, queued or computing on any worker."""
@@ -466,7 +306,7 @@ class WorkerPool:
     async def close(self) -> None:
         for worker in self.workers:
             await worker.close()
-        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        self._admitter.close()
         self._loaders.shutdown(wait=False, cancel_futures=True)
 
 

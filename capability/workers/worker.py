@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import torch
 
@@ -40,7 +40,6 @@ from classify_common.errors import (
     ServerDraining,
     ServiceError,
 )
-from classify_common.nodes import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -161,47 +160,43 @@ class ModelReplica:
             predicted_ms=round(predicted * 1000),
         )
 
-    def admit(
-        self,
-        encoded: EncodedText,
-        *,
-        priority: int,
-        request_id: str,
-        deadline: float | None,
-        trace: RequestTrace | None = None,
-    ) -> asyncio.Future[TextResult]:
-        """Queue a text tokenized by this replica, or raise why not (ServiceError)."""
-        self._check_running()
-        refusal = self._deadline_refusal(encoded, deadline, asyncio.get_running_loop().time())
-        if refusal is not None:
-            raise refusal
-        future = self.queue.admit(
-            encoded, priority=priority, request_id=request_id, deadline=deadline, trace=trace
-        )
-        self._idle.clear()
-        self.batcher.show_queue_depth()
-        return future
+    @overload
+    def admit(self, admissions: Admission) -> asyncio.Future[TextResult]: ...
 
-    def admit_many(
+    @overload
+    def admit(
         self, admissions: Sequence[Admission]
-    ) -> list[asyncio.Future[TextResult] | ServiceError]:
-        """Queue texts tokenized by this replica in one step, in order: each gets the
-        future of its result, or the ServiceError that refused it alone (its deadline
-        cannot be met, the queue has no room left). A stopped replica refuses all."""
+    ) -> list[asyncio.Future[TextResult] | ServiceError]: ...
+
+    def admit(
+        self, admissions: Admission | Sequence[Admission]
+    ) -> asyncio.Future[TextResult] | list[asyncio.Future[TextResult] | ServiceError]:
+        """Queue texts tokenized by this replica in one step, in order.
+
+        Given many, each gets the future of its result, or the ServiceError that
+        refused it alone (its deadline cannot be met, the queue has no room left).
+        Given one, its future, or the refusal raised. A stopped replica refuses all
+        (raised).
+        """
         self._check_running()
+        single = isinstance(admissions, Admission)
+        batch = (admissions,) if isinstance(admissions, Admission) else admissions
         now = asyncio.get_running_loop().time()
-        refusals = [self._deadline_refusal(a.encoded, a.deadline, now) for a in admissions]
-        queued = iter(
-            self.queue.admit_many(
-                [a for a, refusal in zip(admissions, refusals, strict=True) if refusal is None]
-            )
-        )
+        refusals = [self._deadline_refusal(a.encoded, a.deadline, now) for a in batch]
+        accepted = [a for a, refusal in zip(batch, refusals, strict=True) if refusal is None]
+        queued = iter(self.queue.admit_many(accepted))
         outcomes: list[asyncio.Future[TextResult] | ServiceError] = [
             next(queued) if refusal is None else refusal for refusal in refusals
         ]
-        self._idle.clear()
-        self.batcher.show_queue_depth()
-        return outcomes
+        if any(isinstance(outcome, asyncio.Future) for outcome in outcomes):
+            self._idle.clear()
+            self.batcher.show_queue_depth()
+        if not single:
+            return outcomes
+        (outcome,) = outcomes
+        if isinstance(outcome, ServiceError):
+            raise outcome
+        return outcome
 
     def start(self) -> None:
         self.batcher.start()
@@ -230,7 +225,7 @@ class ModelReplica:
         expired = tuple(d is not None and d <= now for d in deadlines or [None] * len(encoded))
         encoded = [text for text, gone in zip(encoded, expired, strict=True) if not gone]
         if not encoded:
-            return BatchOutcome([], (), 0, 0.0, (), "monotonic", expired)
+            return BatchOutcome([], (), 0, 0.0, None, "monotonic", expired)
         clock = StageClock(self.worker.device)
         started = time.perf_counter()
         result = self.bundle.classifier.run(encoded, clock)
@@ -245,7 +240,7 @@ class ModelReplica:
             finite_rows=tuple(all(map(math.isfinite, row)) for row in rows),
             padded_tokens=padded,
             seconds=seconds,
-            marks_ns=clock.epoch_ns(),
+            marks=clock.marks(),
             clock=clock.kind,
             expired=expired,
         )

