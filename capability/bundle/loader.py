@@ -105,18 +105,10 @@ def load_bundle(
     """
     directory = Path(directory)
     target = torch.device(device)
-    if precision is not None and precision not in PRECISION_DTYPES:
-        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
-    if graph not in GRAPHS:
-        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+    _check_load_options(precision, graph)
     started = time.perf_counter()
-    stage_seconds: dict[str, float] = {}
-
-    @contextmanager
-    def stage(name: str) -> Iterator[None]:
-        begun = time.perf_counter()
-        yield
-        stage_seconds[name] = time.perf_counter() - begun
+    times = _StageTimes()
+    stage = times.stage
 
     with stage("read_metadata"):
         manifest = read_manifest(directory)
@@ -130,10 +122,7 @@ def load_bundle(
         encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
 
     with stage("verify"):
-        already_checked = {CONFIG_FILE, TOKENIZER_FILE}
-        for name, entry in sorted(manifest.files.items()):
-            if name not in already_checked:
-                check_file(directory, name, entry)
+        _verify_unread_files(directory, manifest)
 
     with stage("load_weights"):
         for part in config.weight_parts():
@@ -158,9 +147,38 @@ def load_bundle(
         graph=graph,
         classifier=classifier,
         load_seconds=time.perf_counter() - started,
-        stage_seconds=stage_seconds,
+        stage_seconds=times.seconds,
         memory_bytes=classifier.memory_bytes(),
     )
+
+
+def _check_load_options(precision: str | None, graph: str) -> None:
+    if precision is not None and precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+
+
+class _StageTimes:
+    """Seconds each load stage took, by name, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        begun = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - begun
+
+
+def _verify_unread_files(directory: Path, manifest: Manifest) -> None:
+    """Check every listed file against the manifest but config.json and tokenizer.json,
+    which were checked as they were read."""
+    already_checked = {CONFIG_FILE, TOKENIZER_FILE}
+    for name, entry in sorted(manifest.files.items()):
+        if name not in already_checked:
+            check_file(directory, name, entry)
 
 
 def _require_listed(directory: Path, manifest: Manifest, name: str) -> None:
