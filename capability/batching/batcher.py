@@ -47,7 +47,12 @@ from capability.metrics import (
     CapabilityMetrics,
 )
 from classify_common.errors import ExpiredInQueue, ModelFault
-from classify_common.nodes import emit_node
+from classify_common.nodes import (
+    CLASSIFY_WORKER,
+    GPU_QUEUE_WAIT,
+    TIMEOUT_ATTRIBUTE,
+    emit_node,
+)
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +312,10 @@ class Batcher:
         if request.trace is not None:
             emit_node(
                 request.trace,
-                "gpu_queue_wait",
+                GPU_QUEUE_WAIT,
                 request.admitted_ns,
                 time.time_ns(),
-                {"classify.worker": self._device.name, "timeout": True},
+                {CLASSIFY_WORKER: self._device.name, TIMEOUT_ATTRIBUTE: True},
                 error=ExpiredInQueue("the deadline passed while the request was queued"),
             )
 

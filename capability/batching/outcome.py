@@ -16,7 +16,22 @@ from capability.batching.queue import PendingRequest
 from capability.bundle import LoadedBundle
 from capability.model import EncodedText
 from capability.model.stages import StageMarks
-from classify_common.nodes import BATCH_SPAN_NAME, emit_node
+from classify_common.nodes import (
+    BATCH_ASSEMBLE,
+    BATCH_SPAN_NAME,
+    CLASSIFY_BATCH_SIZE,
+    CLASSIFY_BUCKET,
+    CLASSIFY_CLOCK,
+    CLASSIFY_MODEL,
+    CLASSIFY_MODEL_VERSION,
+    CLASSIFY_PADDING_RATIO,
+    CLASSIFY_WORKER,
+    CUDA_LAUNCH,
+    GPU_QUEUE_WAIT,
+    H2D_COPY,
+    POSTPROCESS,
+    emit_node,
+)
 from classify_common.tracing import get_tracer
 
 
@@ -72,9 +87,9 @@ def trace_batch(
     started, done = marks.started, marks.done
     model_name, version = bundle.name, bundle.version
     batch_attributes = {
-        "classify.batch_size": len(batch),
-        "classify.bucket": batch[0].bucket,
-        "classify.padding_ratio": round(padding_ratio(batch, outcome), 4),
+        CLASSIFY_BATCH_SIZE: len(batch),
+        CLASSIFY_BUCKET: batch[0].bucket,
+        CLASSIFY_PADDING_RATIO: round(padding_ratio(batch, outcome), 4),
     }
     spanned = [trace for _, trace in traced if trace.makes_spans]
     batch_span = (
@@ -83,10 +98,10 @@ def trace_batch(
             start_time=started,
             attributes={
                 **batch_attributes,
-                "classify.worker": worker_name,
-                "classify.model": model_name,
-                "classify.model_version": version,
-                "classify.clock": outcome.clock,
+                CLASSIFY_WORKER: worker_name,
+                CLASSIFY_MODEL: model_name,
+                CLASSIFY_MODEL_VERSION: version,
+                CLASSIFY_CLOCK: outcome.clock,
             },
             links=[Link(trace.server_span.get_span_context()) for trace in spanned],
         )
@@ -94,15 +109,15 @@ def trace_batch(
         else INVALID_SPAN
     )
     to_batch = [Link(batch_span.get_span_context())]
-    clock = {"classify.clock": outcome.clock}
-    worker = {"classify.worker": worker_name}
-    model = {"classify.model": model_name, "classify.model_version": version}
+    clock = {CLASSIFY_CLOCK: outcome.clock}
+    worker = {CLASSIFY_WORKER: worker_name}
+    model = {CLASSIFY_MODEL: model_name, CLASSIFY_MODEL_VERSION: version}
     for request, trace in traced:
-        emit_node(trace, "gpu_queue_wait", request.admitted_ns, started, worker)
-        emit_node(trace, "batch_assemble", started, marks.assembled, batch_attributes, to_batch)
-        emit_node(trace, "h2d_copy", marks.assembled, marks.copied, clock)
-        emit_node(trace, "cuda_launch", marks.copied, marks.forwarded, {**clock, **model})
-        emit_node(trace, "postprocess", marks.forwarded, done, clock)
+        emit_node(trace, GPU_QUEUE_WAIT, request.admitted_ns, started, worker)
+        emit_node(trace, BATCH_ASSEMBLE, started, marks.assembled, batch_attributes, to_batch)
+        emit_node(trace, H2D_COPY, marks.assembled, marks.copied, clock)
+        emit_node(trace, CUDA_LAUNCH, marks.copied, marks.forwarded, {**clock, **model})
+        emit_node(trace, POSTPROCESS, marks.forwarded, done, clock)
         trace.log_fields.update(
             model=model_name,
             model_version=version,

@@ -19,7 +19,18 @@ from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Admission,
 from capability.model import EncodedText
 from capability.workers.worker import ModelReplica
 from classify_common.errors import ModelFault, ServiceError
-from classify_common.nodes import RequestTrace, emit_node
+from classify_common.nodes import (
+    CLASSIFY_OUTCOME,
+    CLASSIFY_PREDICTED_WAIT_MS,
+    CLASSIFY_QUEUE_DEPTH,
+    CLASSIFY_TOKENS,
+    CLASSIFY_TRUNCATED,
+    CLASSIFY_WORKER,
+    QUEUE_ADMIT,
+    TOKENIZE,
+    RequestTrace,
+    emit_node,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +134,17 @@ class Admitter:
             ended = time.time_ns()
             for text in texts:
                 if text.trace is not None:
-                    emit_node(text.trace, "tokenize", started, ended, error=failed)
+                    emit_node(text.trace, TOKENIZE, started, ended, error=failed)
             return [failed] * len(texts)
         ended = time.time_ns()
         for text, tokens in zip(texts, encoded, strict=True):
             if text.trace is not None:
                 attributes = (
-                    {"classify.tokens": len(tokens), "classify.truncated": tokens.truncated}
+                    {CLASSIFY_TOKENS: len(tokens), CLASSIFY_TRUNCATED: tokens.truncated}
                     if text.trace.makes_spans
                     else None
                 )
-                emit_node(text.trace, "tokenize", started, ended, attributes)
+                emit_node(text.trace, TOKENIZE, started, ended, attributes)
         return encoded
 
     def _admit_traced(
@@ -183,11 +194,11 @@ class Admitter:
             attributes: dict[str, AttributeValue] | None = None
             if trace.makes_spans:
                 attributes = {
-                    "classify.worker": replica.worker.name,
-                    "classify.queue_depth": depth,
-                    "classify.predicted_wait_ms": round(predicted[index] * 1000, 3),
-                    "classify.outcome": "admitted" if refusal is None else refusal.reason,
+                    CLASSIFY_WORKER: replica.worker.name,
+                    CLASSIFY_QUEUE_DEPTH: depth,
+                    CLASSIFY_PREDICTED_WAIT_MS: round(predicted[index] * 1000, 3),
+                    CLASSIFY_OUTCOME: "admitted" if refusal is None else refusal.reason,
                 }
-            emit_node(trace, "queue_admit", started, ended, attributes, error=refusal)
+            emit_node(trace, QUEUE_ADMIT, started, ended, attributes, error=refusal)
         queued = iter(admissions)
         return [tokens if isinstance(tokens, ServiceError) else next(queued) for tokens in encoded]

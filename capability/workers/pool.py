@@ -45,7 +45,18 @@ from classify_common.errors import (
     ServerDraining,
     ServiceError,
 )
-from classify_common.nodes import current_trace, node
+from classify_common.nodes import (
+    CLASSIFY_OUTCOME,
+    CLASSIFY_PREDICTED_WAIT_MS,
+    CLASSIFY_QUEUE_DEPTH,
+    CLASSIFY_TOKENS,
+    CLASSIFY_TRUNCATED,
+    CLASSIFY_WORKER,
+    QUEUE_ADMIT,
+    TOKENIZE,
+    current_trace,
+    node,
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,16 +231,16 @@ class WorkerPool:
         replica = self._least_loaded(model)
         replica.begin_arrival()
         try:
-            with node("tokenize") as span:
+            with node(TOKENIZE) as span:
                 (encoded,) = await self._admitter.tokenize(replica, [text], max_length)
                 span.set_attributes(
-                    {"classify.tokens": len(encoded), "classify.truncated": encoded.truncated}
+                    {CLASSIFY_TOKENS: len(encoded), CLASSIFY_TRUNCATED: encoded.truncated}
                 )
-            with node("queue_admit", {"classify.worker": replica.worker.name}) as span:
+            with node(QUEUE_ADMIT, {CLASSIFY_WORKER: replica.worker.name}) as span:
                 span.set_attributes(
                     {
-                        "classify.queue_depth": len(replica.queue),
-                        "classify.predicted_wait_ms": round(
+                        CLASSIFY_QUEUE_DEPTH: len(replica.queue),
+                        CLASSIFY_PREDICTED_WAIT_MS: round(
                             replica.predicted_wait_seconds(len(encoded)) * 1000, 3
                         ),
                     }
@@ -242,10 +253,10 @@ class WorkerPool:
                         )
                     )
                 except ServiceError as refused:
-                    span.set_attribute("classify.outcome", refused.reason)
+                    span.set_attribute(CLASSIFY_OUTCOME, refused.reason)
                     self._count_refusal(model, refused)
                     raise
-                span.set_attribute("classify.outcome", "admitted")
+                span.set_attribute(CLASSIFY_OUTCOME, "admitted")
         finally:
             replica.end_arrival()
         return await future
