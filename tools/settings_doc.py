@@ -33,10 +33,17 @@ def doc_path(root: Path = ROOT) -> Path:
     return docs if docs.exists() else root / "README.md"
 
 
+# The first line of each generated block, for whoever opens the file to edit a row.
+GENERATED_NOTE = (
+    "<!-- written by `python -m tools.settings_doc` from the settings' declarations; "
+    "edit those, not this table -->\n"
+)
+
+
 def regenerate(text: str) -> str:
     """`text` with every layer's table written afresh from its declarations."""
     for name, settings, title in LAYERS:
-        text = replace_table(text, name, settings_table(settings, title))
+        text = replace_table(text, name, GENERATED_NOTE + settings_table(settings, title))
     return text
 
 
