@@ -1,12 +1,14 @@
 """Each lifecycle node emits exactly the span attributes its row in the node table
 lists, through real servers: a plain call, an invalid one, a retried and fallen-back
-one, a rate-limited tenant's, and a ClassifyBatch straight to a capability server."""
+one, a rate-limited tenant's, and a ClassifyBatch straight to a capability server;
+and the keys are spelled only beside the table."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from opentelemetry.sdk.trace import ReadableSpan
@@ -15,7 +17,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from classify_common.nodes import ANY_NODE_ATTRIBUTES, NODES
+from classify_common.nodes import (
+    ANY_NODE_ATTRIBUTES,
+    CLASSIFY_BATCH_INDEX,
+    CLASSIFY_REQUEST_ID,
+    NODES,
+    RPC_SYSTEM,
+)
 from orchestrator.server import OrchestratorServer
 from tests.capability.test_classify_batch import classify_batch
 from tests.conftest import STRIKER
@@ -85,3 +93,21 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     never = {name: sorted(LISTED[name] - keys.get(name, set())) for name in LISTED}
     assert {name: found for name, found in unlisted.items() if found} == {}
     assert {name: missing for name, missing in never.items() if missing} == {}
+
+
+def test_span_attribute_keys_are_spelled_only_beside_the_node_table() -> None:
+    """Emit sites use the constants in classify_common.nodes, never the keys' text."""
+    keys = {key for n in NODES for key in n.attributes} | set(ANY_NODE_ATTRIBUTES)
+    keys |= {RPC_SYSTEM, CLASSIFY_REQUEST_ID, CLASSIFY_BATCH_INDEX}
+    # The dotted ones: "timeout" is also a message field's name (HasField("timeout")).
+    keys = {key for key in keys if "." in key}
+    root = Path(__file__).parent.parent
+    spelled = [
+        f"{path.relative_to(root)}: {key}"
+        for package in ("capability", "orchestrator", "classify_common")
+        for path in sorted((root / package).rglob("*.py"))
+        if path.name != "nodes.py"
+        for key in sorted(keys)
+        if f'"{key}"' in path.read_text()
+    ]
+    assert spelled == []
