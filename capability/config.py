@@ -32,8 +32,8 @@ from capability.batching.settings import (
     DEFAULT_QUEUE_CAPACITY,
 )
 from capability.model import DEFAULT_GRAPH, GRAPHS
-from classify_common.documents import DocumentRefused, load_yaml
-from classify_common.fields import FieldRefused, Fields
+from classify_common.documents import DocumentRefused
+from classify_common.fields import FieldRefused, Fields, read_yaml
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from classify_common.server_settings import (
     ServerSettings,
@@ -76,21 +76,19 @@ class ModelServingSettings:
 def parse_model_config(
     document: Any, defaults: ModelServingSettings
 ) -> dict[str, ModelServingSettings]:
-    """Per-model settings from the YAML document; errors name the model and key."""
+    """Per-model settings from the YAML document; a FieldRefused names model and key."""
     if document is None:
         return {}
     if not isinstance(document, dict):
-        raise SettingsError("model config: expected a mapping of model name to settings")
+        raise FieldRefused("", "expected a mapping of model name to settings")
     parsed: dict[str, ModelServingSettings] = {}
     for name, spec in document.items():
         if not is_model_name(name):
-            raise SettingsError(f"model config: {name!r} is not a model name ({MODEL_NAME_RULE})")
+            raise FieldRefused(str(name), f"not a model name ({MODEL_NAME_RULE})")
         try:
             parsed[str(name)] = _model_serving(Fields(spec, str(name)), defaults)
-        except FieldRefused as exc:
-            raise SettingsError(f"model config: {exc}") from exc
-        except (SettingsError, TypeError, ValueError) as exc:
-            raise SettingsError(f"model config: {name}: {exc}") from exc
+        except (SettingsError, TypeError) as exc:
+            raise FieldRefused(str(name), str(exc)) from exc
     return parsed
 
 
@@ -220,11 +218,14 @@ class CapabilitySettings(ServerSettings):
         """These settings with `per_model` read from --model-config (none: unchanged)."""
         if self.model_config is None:
             return self
+        defaults = self.default_serving()
         try:
-            document = load_yaml(self.model_config)
-        except (OSError, DocumentRefused) as exc:
+            per_model = read_yaml(
+                self.model_config, lambda document: parse_model_config(document, defaults)
+            )
+        except (OSError, DocumentRefused, FieldRefused) as exc:
             raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
-        return replace(self, per_model=parse_model_config(document, self.default_serving()))
+        return replace(self, per_model=per_model)
 
     def default_serving(self) -> ModelServingSettings:
         return ModelServingSettings(

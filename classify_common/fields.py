@@ -5,23 +5,50 @@ key, each checked for its type and bounds: an integer is never a bool, a number
 is an int or a float, a word is one of its choices. A key that is absent gets the
 default the caller passes (a named constant); without one it is required. Keys
 nobody asked for are refused by `refuse_unknown()`. Every refusal is a
-`FieldRefused` that carries the path of the value (`tenants.acme.burst`), so
-each document's loader translates it into its own error with the file named.
+`FieldRefused` that carries the path of the value (`tenants.acme.burst`);
+`read_yaml` adds the file and the line, so each document's loader only translates
+it into its own error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
-from typing import Any, Final
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from classify_common.documents import compose_yaml, line_of_path, parse_yaml, read_document
+
+T = TypeVar("T")
 
 
 class FieldRefused(ValueError):
     """A value in a document is missing, of the wrong type or out of bounds."""
 
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where}: {problem}" if where else problem)
+    def __init__(
+        self, where: str, problem: str, *, file: str = "", line: int | None = None
+    ) -> None:
+        place = f"{file}:{line}" if file and line else file
+        location = ": ".join(part for part in (place, where) if part)
+        super().__init__(f"{location}: {problem}" if location else problem)
         self.where = where
         self.problem = problem
+        self.file = file
+        self.line = line
+
+
+def read_yaml(path: Path, read: Callable[[Any], T]) -> T:
+    """`read` applied to the YAML document in `path`, within classify_common.documents'
+    bounds; a FieldRefused it raises comes back naming the file and the line of the
+    bad value. OSError and DocumentRefused are the caller's to report."""
+    raw = read_document(path)
+    document = parse_yaml(raw, str(path))
+    try:
+        return read(document)
+    except FieldRefused as exc:
+        # The same bounded parse again, keeping lines: the text has passed it once.
+        node = compose_yaml(raw, str(path))
+        line = line_of_path(node, exc.where) if node is not None else None
+        raise FieldRefused(exc.where, exc.problem, file=str(path), line=line) from None
 
 
 class _Required:

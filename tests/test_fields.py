@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from classify_common.fields import FieldRefused, Fields
+from classify_common.fields import FieldRefused, Fields, read_yaml
 
 DEFAULT_BURST = 10
 
@@ -64,3 +67,15 @@ def test_an_optional_value_is_none_when_absent_or_null_and_checked_when_present(
     assert spec.optional_integer("burst") is None
     with pytest.raises(FieldRefused, match=r"^ratio: 'high' is not a number$"):
         spec.optional_number("ratio")
+
+
+def test_a_value_refused_while_reading_a_file_is_named_by_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "limits.yaml"
+    path.write_text("tenants:\n  acme:\n    burst: many\n")
+
+    def read(document: object) -> int:
+        return Fields(document).mapping("tenants").mapping("acme").integer("burst")
+
+    located = rf"^{re.escape(str(path))}:3: tenants\.acme\.burst: 'many' is not an integer$"
+    with pytest.raises(FieldRefused, match=located):
+        read_yaml(path, read)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -80,5 +81,6 @@ def test_a_served_or_default_model_past_the_rule_is_refused_by_flag_and_variable
 def test_a_model_config_entry_past_the_rule_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "models.yaml"
     config.write_text("Topic-Static:\n  max_batch_size: 64\n")
-    with pytest.raises(SettingsError, match=r"^model config: 'Topic-Static' is not a model name"):
+    located = rf"^--model-config / CAPABILITY_MODEL_CONFIG: {re.escape(str(config))}:1: "
+    with pytest.raises(SettingsError, match=located + "Topic-Static: not a model name"):
         CapabilitySettings(model_config=config).with_model_config()

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from classify_common.documents import DocumentRefused, load_yaml
-from classify_common.fields import FieldRefused, Fields
+from classify_common.documents import DocumentRefused
+from classify_common.fields import FieldRefused, Fields, read_yaml
 from orchestrator.security.limits import TokenBucketSettings
 
 ROLES = ("user", "admin")
@@ -69,23 +69,23 @@ class ApiKeys:
 
 def load_api_keys(path: Path) -> ApiKeys:
     try:
-        document: Any = load_yaml(path)
+        return read_yaml(path, _api_keys)
     except OSError as exc:
         raise KeysFileError(f"{path}: {exc}") from exc
-    except DocumentRefused as exc:  # already names the file (and line)
+    except (DocumentRefused, FieldRefused) as exc:  # already names the file (and line)
         raise KeysFileError(str(exc)) from exc
+
+
+def _api_keys(document: Any) -> ApiKeys:
     if not isinstance(document, dict) or set(document) - {"keys", "tenants"}:
-        raise KeysFileError(f"{path}: expected a mapping with `keys` and optional `tenants`")
-    try:
-        top = Fields(document)
-        callers = dict(
-            _caller(Fields(entry, top.path(f"keys[{index}]")))
-            for index, entry in enumerate(top.items("keys"))
-        )
-        tenants = top.mapping("tenants")
-        limits = {tenant: _tenant_limit(tenants, tenant) for tenant in tenants}
-    except FieldRefused as exc:
-        raise KeysFileError(f"{path}: {exc}") from exc
+        raise FieldRefused("", "expected a mapping with `keys` and optional `tenants`")
+    top = Fields(document)
+    callers = dict(
+        _caller(Fields(entry, top.path(f"keys[{index}]")))
+        for index, entry in enumerate(top.items("keys"))
+    )
+    tenants = top.mapping("tenants")
+    limits = {tenant: _tenant_limit(tenants, tenant) for tenant in tenants}
     return ApiKeys(callers, limits)
 
 
