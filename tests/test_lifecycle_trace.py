@@ -283,5 +283,8 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
 
 def test_observability_doc_lists_the_nodes_defined_in_code() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
-    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (\w+) \|", doc, flags=re.MULTILINE)
-    assert rows == [(str(n.number), n.name, n.service) for n in NODES]
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (\w+) \| .* \| (.*) \|$", doc, flags=re.MULTILINE)
+    assert rows == [
+        (str(n.number), n.name, n.service, ", ".join(f"`{key}`" for key in n.attributes))
+        for n in NODES
+    ]
