@@ -49,19 +49,9 @@ _TARGET = re.compile(
 MAX_CONCURRENCY_LIMIT = 100_000
 
 
-class RoutesFileError(ValueError):
-    """routes.yaml is malformed; the message starts with the path of the bad value."""
-
-    def __init__(
-        self, where: str, problem: str, *, file: str = "", line: int | None = None
-    ) -> None:
-        place = f"{file}:{line}" if file and line else file
-        location = ": ".join(part for part in (place, where) if part)
-        super().__init__(f"{location}: {problem}" if location else problem)
-        self.where = where
-        self.problem = problem
-        self.file = file
-        self.line = line
+class RoutesFileError(FieldRefused):
+    """routes.yaml is malformed; the message starts with the file, line and path of the
+    bad value."""
 
 
 @dataclass(frozen=True)
