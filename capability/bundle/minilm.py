@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from capability.bundle.errors import ModelLoadError
@@ -145,7 +146,7 @@ def load_tokenizer(path: Path, lowercase: bool, vocab_size: int) -> TextTokenize
     if not path.is_file():
         raise ModelLoadError(f"{path.name}: not found in {path.parent}")
     try:
-        tokenizer = TextTokenizer.from_file(path, lowercase=lowercase)
+        tokenizer = TextTokenizer(Tokenizer.from_file(str(path)), lowercase=lowercase)
     except Exception as exc:  # the Rust tokenizer raises bare Exception on a bad file
         raise ModelLoadError(f"{path.name}: cannot be loaded: {exc}") from exc
     if tokenizer.vocab_size > vocab_size:

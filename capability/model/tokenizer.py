@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -81,11 +80,6 @@ class TextTokenizer:
         self._lowercase = lowercase
         self.pad_token_id: int = pad_id
         self.special_tokens_per_text = 2
-
-    @classmethod
-    def from_file(cls, path: Path, *, lowercase: bool) -> TextTokenizer:
-        """Load a `tokenizer.json`; `lowercase` is sentence-transformers' `do_lower_case`."""
-        return cls(Tokenizer.from_file(str(path)), lowercase=lowercase)
 
     @property
     def lowercase(self) -> bool:
