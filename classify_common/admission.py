@@ -103,23 +103,34 @@ def admission_for(method: str, gate: Gate | None, *, edge: bool) -> Admission:
     return InternalAdmission(method, gate)
 
 
-class FrontDoorAdmission:
-    receive_node = GRPC_RECEIVE
-    times_output = True
-    counts_own_nodes = True
+class _MethodChecks:
+    """What both servers know of one method: its gate, and whether it is a batch."""
 
     def __init__(self, method: str, gate: Gate | None) -> None:
         self._method = method
         self._gate = gate
         self._is_batch = method in BATCH_METHODS
         self._validate: Validator = _validate_batch if self._is_batch else _validate_single
+
+    def _calls_in(self, request: Any) -> int:
+        """How many calls a request counts as: one per item for a batch."""
+        return len(request.items) if self._is_batch else 1
+
+
+class FrontDoorAdmission(_MethodChecks):
+    receive_node = GRPC_RECEIVE
+    times_output = True
+    counts_own_nodes = True
+
+    def __init__(self, method: str, gate: Gate | None) -> None:
+        super().__init__(method, gate)
         self.on_receive: ReceiveStep | None = None  # its steps are nodes of their own
         self.admit: AdmitStep | None = self._admit
 
     def _admit(self, headers: Mapping[str, str], request: Any) -> None:
         """Who is calling, whether they may, and what, each as its own node."""
         tenant = self._authenticate(headers)
-        calls = len(request.items) if self._is_batch else 1
+        calls = self._calls_in(request)
         allowance = RateAllowance(None, calls)
         with node(RATE_LIMIT_CHECK, {CLASSIFY_TENANT: tenant}) as span:
             if self._gate is not None:
@@ -146,15 +157,12 @@ class FrontDoorAdmission:
             return tenant
 
 
-class InternalAdmission:
+class InternalAdmission(_MethodChecks):
     receive_node = CAPABILITY_RECEIVE
     times_output = False
 
     def __init__(self, method: str, gate: Gate | None) -> None:
-        self._method = method
-        self._gate = gate
-        self._is_batch = method in BATCH_METHODS
-        self._validate: Validator = _validate_batch if self._is_batch else _validate_single
+        super().__init__(method, gate)
         self.counts_own_nodes = not self._is_batch
         self.on_receive: ReceiveStep | None = self._check_on_receive
         self.admit: AdmitStep | None = None  # admitted on receive
@@ -163,7 +171,7 @@ class InternalAdmission:
         """The gate and validation, inside the receive node."""
         if self._gate is not None:
             tenant = self._gate.authenticate(self._method, headers)
-            self._gate.check_rate_limit(tenant, len(request.items) if self._is_batch else 1)
+            self._gate.check_rate_limit(tenant, self._calls_in(request))
         self._validate(request, span)
 
 
