@@ -17,6 +17,7 @@ Every waiter gets exactly one outcome: its result, ModelFault when its batch
 fails or the loop dies with its batch handed over, or ExpiredInQueue when its
 deadline passes before its batch starts (then it is never computed). A bug in
 the loop itself restarts it after a short pause; the queue keeps its requests.
+What a forward returns, and the trace a batch leaves, are in outcome.py.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ A request is tokenized by the replica it will run on (on the event loop when
 short, else on a tokenizer thread), then admitted to the least-loaded worker
 that holds its model. A batch call's texts are grouped by model: each group
 goes to one replica, is tokenized in one tokenizer call per `max_length` and
-admitted in one step, and every text is answered on its own. Loading a model
-version loads one replica per worker, each on its own device, and switches all
-workers only when every replica loaded: a version that fails anywhere serves
-nowhere, and the previous version keeps serving.
+admitted in one step (capability.workers.admission), and every text is answered
+on its own. Loading a model version loads one replica per worker, each on its
+own device, and switches all workers only when every replica loaded: a version
+that fails anywhere serves nowhere, and the previous version keeps serving.
 """
 
 from __future__ import annotations
