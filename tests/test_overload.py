@@ -24,9 +24,10 @@ API_KEY = new_key()
 CAPACITY_CALLERS = 16
 OVERLOAD_CALLERS = 256
 DEADLINE_SECONDS = 0.3
-# Goodput under overload, as a share of capacity; refusals' median latency.
+# Goodput under overload, as a share of capacity; the median refusal at the front
+# door, as a share of the median served call in the same phase.
 MIN_GOODPUT_SHARE = 0.4
-MAX_REFUSAL_P50_SECONDS = 0.05
+REFUSAL_SHARE_OF_OK_P50 = 0.5
 REFUSED_AT_THE_DOOR = "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED"
 EXPECTED_OUTCOMES = (
     "OK",
@@ -93,7 +94,11 @@ def test_overload_keeps_goodput_and_refuses_promptly(stack: ServerProcess) -> No
     # capability's admission), are not what this measures.
     at_the_door = overload.latencies.get(REFUSED_AT_THE_DOOR, [])
     assert at_the_door, summary
-    assert percentile(at_the_door, 0.5) <= MAX_REFUSAL_P50_SECONDS, summary
+    # Prompt as a ratio to this run's own served calls (a shared machine's load moves
+    # both), and well inside the deadline.
+    door_p50 = percentile(at_the_door, 0.5)
+    assert door_p50 <= REFUSAL_SHARE_OF_OK_P50 * percentile(overload.ok_latencies, 0.5), summary
+    assert door_p50 < DEADLINE_SECONDS / 2, summary
     assert overload.refused_without_hint == 0, summary
     # Healthy right after.
     assert healthy.outcomes == {"OK": healthy.calls}, dict(healthy.outcomes)
