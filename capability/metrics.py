@@ -41,6 +41,12 @@ CLASSIFY_BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
 
 class CapabilityMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._add_model_metrics(registry)
+        self._add_queue_metrics(registry)
+        self._add_worker_metrics(registry)
+
+    def _add_model_metrics(self, registry: CollectorRegistry) -> None:
+        """What the model computed, and which versions are loaded."""
         self.model_forwards = Counter(
             MODEL_FORWARD_TOTAL,
             "Forward passes (batches) the model ran for requests; warm-up excluded.",
@@ -65,6 +71,9 @@ class CapabilityMetrics:
             ["model", "version", "worker", "precision"],
             registry=registry,
         )
+
+    def _add_queue_metrics(self, registry: CollectorRegistry) -> None:
+        """Admission, queues and batches: where a text waited and why it was refused."""
         self.queue_depth = Gauge(
             QUEUE_DEPTH,
             "Requests waiting in a worker's queue for a model.",
@@ -119,6 +128,9 @@ class CapabilityMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=registry,
         )
+
+    def _add_worker_metrics(self, registry: CollectorRegistry) -> None:
+        """Failures, restarts, reloads and the time workers spent computing."""
         self.batch_failures = Counter(
             BATCH_FAILURES_TOTAL,
             "Batches whose texts were answered with a model fault.",

@@ -28,8 +28,9 @@ from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 from classify_common.server_settings import ServerSettings
+from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
-from classify_common.tracing import EXPORT_DROPS, configure_tracing
+from classify_common.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 

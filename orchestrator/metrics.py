@@ -101,12 +101,11 @@ class UpstreamMetrics:
 class OrchestratorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.upstream = UpstreamMetrics(registry)
-        self.batch_items = Histogram(
-            BATCH_CALL_ITEMS,
-            "Items in each public ClassifyBatch call.",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=registry,
-        )
+        self._add_policy_metrics(registry)
+        self._add_request_metrics(registry)
+
+    def _add_policy_metrics(self, registry: CollectorRegistry) -> None:
+        """Retries, the retry budget, outlier ejections and routes reloads."""
         self.retries = Counter(
             UPSTREAM_RETRIES_TOTAL,
             "Attempts after the first on a backend, by route, backend and the failure retried.",
@@ -129,6 +128,15 @@ class OrchestratorMetrics:
             ROUTES_RELOADS_TOTAL,
             "Edits of the routes file, by outcome: ok (applied) or failed (refused).",
             ["outcome"],
+            registry=registry,
+        )
+
+    def _add_request_metrics(self, registry: CollectorRegistry) -> None:
+        """What callers got: latency, PROCESSING, fallbacks, refusals at the door."""
+        self.batch_items = Histogram(
+            BATCH_CALL_ITEMS,
+            "Items in each public ClassifyBatch call.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=registry,
         )
         self.request_duration = Histogram(

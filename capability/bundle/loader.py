@@ -89,6 +89,21 @@ class LoadedBundle:
     memory_bytes: int  # parameters + buffers on the device
 
 
+def _load_parts(
+    config: BundleConfig,
+    encoder: TextEncoder,
+    head: ClassifierHead,
+    directory: Path,
+    part_files: Mapping[str, str],
+    target: torch.device,
+) -> None:
+    """Every weight part into the module that owns it, then check nothing was left out."""
+    for part in config.weight_parts():
+        owner = encoder if part.owner == "encoder" else head
+        _load_part(owner, part, directory / part_files[part.name], target)
+    _require_fully_loaded(encoder, head, part_files)
+
+
 def load_bundle(
     directory: Path,
     device: torch.device | str = "cpu",
@@ -125,10 +140,7 @@ def load_bundle(
         _verify_unread_files(directory, manifest)
 
     with stage("load_weights"):
-        for part in config.weight_parts():
-            owner: nn.Module = encoder if part.owner == "encoder" else head
-            _load_part(owner, part, directory / part_files[part.name], target)
-        _require_fully_loaded(encoder, head, part_files)
+        _load_parts(config, encoder, head, directory, part_files, target)
         classifier = _assemble(config, tokenizer, encoder, head, target, chosen_precision)
 
     with stage("trace_graph"):

@@ -1,0 +1,167 @@
+"""Span export: batched on a thread of its own, bounded, and keeping errors and time-outs.
+
+Spans go to the exporter (OTLP) from a background thread through a bounded
+queue, so a slow or unreachable collector costs the request path nothing;
+spans beyond the queue, or in a batch the collector did not take, are dropped
+and counted (`classify_trace_spans_dropped_total`). Spans of unsampled traces
+are held per trace until the process's part of the trace ends: an error or a
+`timeout` mark exports everything held for that trace, and the rest is
+discarded (classify_common.tracing installs this processor).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Iterator
+
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import StatusCode
+from prometheus_client.core import CounterMetricFamily
+
+log = logging.getLogger(__name__)
+
+# Spans waiting for export before new ones are dropped; how often and how long
+# the exporter thread sends them.
+EXPORT_QUEUE_SIZE = 4096
+EXPORT_DELAY_MILLIS = 1000
+EXPORT_TIMEOUT_SECONDS = 5.0
+EXPORT_BATCH_SIZE = 512
+# Unsampled traces whose spans are held in case one turns out an error or a time-out.
+HELD_TRACES = 2048
+HELD_SPANS_PER_TRACE = 64
+KEPT_TRACES = 4096
+SPANS_DROPPED_TOTAL = "classify_trace_spans_dropped_total"
+
+
+class ExportDrops:
+    """Spans lost on the way to the collector, by reason (queue_full, export_failed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_reason: collections.Counter[str] = collections.Counter()
+
+    def add(self, reason: str, count: int) -> None:
+        with self._lock:
+            self.by_reason[reason] += count
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """A prometheus_client collector: register it on a server's registry."""
+        family = CounterMetricFamily(
+            SPANS_DROPPED_TOTAL,
+            "Spans not exported: the export queue was full, or the collector refused them.",
+            labels=["reason"],
+        )
+        with self._lock:
+            for reason in ("queue_full", "export_failed"):
+                family.add_metric([reason], self.by_reason[reason])
+        yield family
+
+
+# One exporter per process, so one count per process.
+EXPORT_DROPS = ExportDrops()
+
+
+def _is_error_or_timeout(span: ReadableSpan) -> bool:
+    return span.status.status_code == StatusCode.ERROR or bool(
+        (span.attributes or {}).get("timeout")
+    )
+
+
+class KeepingBatchExport(SpanProcessor):
+    """Exports sampled spans, and unsampled traces that had an error or a time-out,
+    in batches from a background thread through a bounded, counted queue."""
+
+    def __init__(self, exporter: SpanExporter, drops: ExportDrops = EXPORT_DROPS) -> None:
+        self._exporter = exporter
+        self._drops = drops
+        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._ready = threading.Condition()
+        self._stopping = False
+        # Unsampled traces, oldest first: trace ID -> its spans so far in this process.
+        self._held: collections.OrderedDict[int, list[ReadableSpan]] = collections.OrderedDict()
+        self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._held_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._export_loop, name="span-export", daemon=True)
+        self._thread.start()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        context = span.context
+        if context is None:
+            return
+        if context.trace_flags.sampled:
+            self._enqueue([span])
+            return
+        self._enqueue(self._keep_or_hold(span, context.trace_id))
+
+    def _keep_or_hold(self, span: ReadableSpan, trace_id: int) -> list[ReadableSpan]:
+        """The spans to export now: this one (and those held before it) if its trace
+        is kept, else none (it is held, or dropped with its trace)."""
+        with self._held_lock:
+            if trace_id in self._kept or _is_error_or_timeout(span):
+                self._kept[trace_id] = None
+                self._kept.move_to_end(trace_id)
+                while len(self._kept) > KEPT_TRACES:
+                    self._kept.popitem(last=False)
+                return [*self._held.pop(trace_id, []), span]
+            held = self._held.setdefault(trace_id, [])
+            if len(held) < HELD_SPANS_PER_TRACE:
+                held.append(span)
+            while len(self._held) > HELD_TRACES:
+                self._held.popitem(last=False)
+            # This process's part of the trace is over, and it went well: let it go.
+            if span.parent is None or span.parent.is_remote:
+                self._held.pop(trace_id, None)
+            return []
+
+    def _enqueue(self, spans: list[ReadableSpan]) -> None:
+        if not spans:
+            return
+        with self._ready:
+            room = EXPORT_QUEUE_SIZE - len(self._queue)
+            if room < len(spans):
+                self._drops.add("queue_full", len(spans) - max(room, 0))
+                spans = spans[: max(room, 0)]
+            self._queue.extend(spans)
+            if len(self._queue) >= EXPORT_BATCH_SIZE:
+                self._ready.notify()
+
+    def _export_loop(self) -> None:
+        while True:
+            with self._ready:
+                if not self._stopping and len(self._queue) < EXPORT_BATCH_SIZE:
+                    self._ready.wait(EXPORT_DELAY_MILLIS / 1000)
+                batch = [
+                    self._queue.popleft() for _ in range(min(EXPORT_BATCH_SIZE, len(self._queue)))
+                ]
+                stopping = self._stopping and not self._queue
+            if batch:
+                self._export(batch)
+            if stopping:
+                return
+
+    def _export(self, batch: list[ReadableSpan]) -> None:
+        try:
+            result = self._exporter.export(batch)
+        except Exception:
+            log.exception("span export failed")
+            result = SpanExportResult.FAILURE
+        if result != SpanExportResult.SUCCESS:
+            self._drops.add("export_failed", len(batch))
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        with self._ready:
+            batch = list(self._queue)
+            self._queue.clear()
+        if batch:
+            self._export(batch)
+        return True
+
+    def shutdown(self) -> None:
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+        self._thread.join(EXPORT_TIMEOUT_SECONDS * 2)
+        self._exporter.shutdown()
