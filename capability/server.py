@@ -11,12 +11,7 @@ from collections.abc import Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-from ai.classify.v1 import (
-    classify_service_pb2,
-    classify_service_pb2_grpc,
-    model_service_pb2,
-    model_service_pb2_grpc,
-)
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from capability.bundle import BundleError
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
@@ -30,11 +25,6 @@ from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAMES = (
-    classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyService"].full_name,
-    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-)
 
 
 def share_cpu_threads(cpu_workers: int, torch_threads: int) -> int:
@@ -87,15 +77,8 @@ class CapabilityServer:
             settings.default_serving(),
             metrics,
         )
-        self.serving = GrpcServing(
-            service_names=SERVICE_NAMES,
-            host=settings.host,
-            port=settings.port,
-            metrics_port=settings.metrics_port,
-            registry=self.registry,
-            gate=internal_gate(settings),
-            edge=False,
-            tls=settings.server_tls(),
+        self.serving = GrpcServing.contract_server(
+            settings, self.registry, gate=internal_gate(settings), edge=False
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.pool, settings.default_model), self.serving.server

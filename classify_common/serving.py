@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from classify_common.admission import Gate, admission_for
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import configure_logging
@@ -31,6 +32,12 @@ from classify_common.server_settings import ServerSettings
 from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
 from classify_common.tracing import configure_tracing
+
+# The contract's services, as both layers serve them (health and reflection list them).
+CONTRACT_SERVICES = (
+    classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyService"].full_name,
+    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +94,27 @@ class GrpcServing:
         )
         self.port = 0
         self.metrics_port = 0
+
+    @classmethod
+    def contract_server(
+        cls,
+        settings: ServerSettings,
+        registry: CollectorRegistry,
+        *,
+        gate: Gate | None,
+        edge: bool,
+    ) -> GrpcServing:
+        """The contract's services as a layer serves them, where its settings say."""
+        return cls(
+            service_names=CONTRACT_SERVICES,
+            host=settings.host,
+            port=settings.port,
+            metrics_port=settings.metrics_port,
+            registry=registry,
+            gate=gate,
+            edge=edge,
+            tls=settings.server_tls(),
+        )
 
     async def start(self) -> None:
         await self.set_serving(False)

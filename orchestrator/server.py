@@ -9,12 +9,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from ai.classify.v1 import (
-    classify_service_pb2,
-    classify_service_pb2_grpc,
-    model_service_pb2,
-    model_service_pb2_grpc,
-)
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
 from orchestrator.calls import RoutingState
@@ -30,11 +25,6 @@ from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.upstream import UpstreamPools
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAMES = (
-    classify_service_pb2.DESCRIPTOR.services_by_name["ClassifyService"].full_name,
-    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
-)
 
 
 class OrchestratorServer:
@@ -60,15 +50,8 @@ class OrchestratorServer:
             ResultStore(settings.results_capacity, settings.results_ttl_seconds),
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
         )
-        self.serving = GrpcServing(
-            service_names=SERVICE_NAMES,
-            host=settings.host,
-            port=settings.port,
-            metrics_port=settings.metrics_port,
-            registry=self.registry,
-            gate=CallerGate(keys, self.metrics),
-            edge=True,
-            tls=settings.server_tls(),
+        self.serving = GrpcServing.contract_server(
+            settings, self.registry, gate=CallerGate(keys, self.metrics), edge=True
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
