@@ -53,8 +53,9 @@ DEFAULT_WATCH_SECONDS = 2.0
 PRECISIONS = ("fp32", "bf16")
 
 
-# Measured with `make bench-overload` (README, "Overload"): at 5 the serving loops
-# of both servers get the cores first when torch keeps them busy.
+# At 5 the serving loops of both servers get the cores first when torch keeps them
+# busy. Alternated `make bench-overload` windows with 0, 5 and 10 differed within the
+# 2-core machine's noise (docs/serving.md, "Overload"); 19 starved the model.
 DEFAULT_CPU_COMPUTE_NICE = 5
 
 

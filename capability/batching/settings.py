@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from classify_common.settings import SettingsError
 
 # Defaults measured with `make bench-capability` on a 2-core CPU machine (see
-# README, "Batching"): beyond 32 a CPU batch gains no throughput. No window:
+# docs/benchmark.md): beyond 32 a CPU batch gains no throughput. No window:
 # a batch is formed only when the device is free, so under load requests pile
 # up during the running forward and batches fill anyway (128 clients: 31 texts
 # per batch with 0 or 5 ms), while a 5 ms window only added 5 ms when idle
