@@ -11,6 +11,7 @@ from capability.batching.queue import (
 )
 from capability.batching.service_time import ServiceTimeModel
 from capability.batching.settings import BatchingSettings
+from capability.batching.wait import WaitPredictor
 
 __all__ = [
     "PRIORITY_BATCH",
@@ -23,4 +24,5 @@ __all__ = [
     "RequestQueue",
     "ServiceTimeModel",
     "TextResult",
+    "WaitPredictor",
 ]

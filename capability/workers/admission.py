@@ -162,7 +162,7 @@ class Admitter:
         ]
         # What each admitted text's span reports, read before the step changes the queue.
         predicted = {
-            index: replica.predicted_wait_seconds(len(cast(EncodedText, encoded[index])))
+            index: replica.predictor.wait_seconds(len(cast(EncodedText, encoded[index])))
             for index in tokenized
             if (trace := texts[index].trace) is not None and trace.makes_spans
         }

@@ -207,10 +207,10 @@ class WorkerPool:
         )
         least_loaded = min(replicas, key=lambda replica: replica.load)
         report.predicted_queue_wait.FromNanoseconds(
-            int(least_loaded.predicted_queue_wait_seconds() * 1e9)
+            int(least_loaded.predictor.queue_wait_seconds() * 1e9)
         )
         report.predicted_service.FromNanoseconds(
-            int(least_loaded.predicted_service_seconds(LOAD_REPORT_TOKENS) * 1e9)
+            int(least_loaded.predictor.service_seconds(LOAD_REPORT_TOKENS) * 1e9)
         )
         return report.SerializeToString()
 
@@ -241,7 +241,7 @@ class WorkerPool:
                     {
                         CLASSIFY_QUEUE_DEPTH: len(replica.queue),
                         CLASSIFY_PREDICTED_WAIT_MS: round(
-                            replica.predicted_wait_seconds(len(encoded)) * 1000, 3
+                            replica.predictor.wait_seconds(len(encoded)) * 1000, 3
                         ),
                     }
                 )

@@ -26,8 +26,8 @@ from capability.batching import (
     BatchingSettings,
     BatchOutcome,
     RequestQueue,
-    ServiceTimeModel,
     TextResult,
+    WaitPredictor,
 )
 from capability.bundle import BundleError, LoadedBundle
 from capability.metrics import CapabilityMetrics
@@ -35,7 +35,6 @@ from capability.model import EncodedText
 from capability.model.stages import StageClock
 from capability.workers.device_thread import DeviceThread
 from classify_common.errors import (
-    DeadlineUnreachable,
     DeviceMemoryPressure,
     ServerDraining,
     ServiceError,
@@ -64,15 +63,18 @@ class ModelReplica:
         self.bundle = bundle
         self.worker = worker
         self.settings = settings
-        self.service_time = ServiceTimeModel()
         self._metrics = metrics
+        self.batcher: Batcher
+        # Built before the Batcher, which takes its drain estimate for retry hints; it
+        # reads the Batcher's queue when asked.
+        self.predictor = WaitPredictor(settings, lambda: self.batcher.queue)
         self.batcher = Batcher(
             bundle,
             settings,
             worker,
             self._compute,
             metrics,
-            retry_after=self._predict_drain_seconds,
+            retry_after=self.predictor.drain_seconds,
             on_settled=self._set_idle_if_nothing_left,
         )
         # Routed here and being tokenized, not yet queued: counted as load so a
@@ -100,29 +102,6 @@ class ModelReplica:
         """Texts arriving, queued or computing: what least-loaded dispatch compares."""
         return self.arriving + len(self.queue) + self.in_flight
 
-    def _predict_drain_seconds(self, depth: int) -> float:
-        full_batches = math.ceil(depth / self.settings.max_batch_size)
-        per_batch = self.service_time.predict(
-            self.settings.max_batch_size, self.settings.length_buckets[0]
-        )
-        return max(full_batches * per_batch, 0.001)
-
-    def predicted_wait_seconds(self, tokens: int) -> float:
-        """Time a text admitted now is expected to wait for its answer: the queue
-        ahead of it, then its own batch."""
-        return self.predicted_queue_wait_seconds() + self.predicted_service_seconds(tokens)
-
-    def predicted_queue_wait_seconds(self) -> float:
-        """Time a text admitted now is expected to wait before its own batch starts."""
-        return self._predict_drain_seconds(len(self.queue)) if self.queue else 0.0
-
-    def predicted_service_seconds(self, tokens: int) -> float:
-        """Time the batch this text would join is expected to take on the device."""
-        bucket = self.settings.bucket_of(tokens)
-        bound = max(self.settings.length_buckets[bucket], tokens)
-        size = min(self.queue.depth_in_bucket(bucket) + 1, self.settings.max_batch_size)
-        return self.service_time.predict(size, bound)
-
     def begin_arrival(self, texts: int = 1) -> None:
         self.arriving += texts
         self._idle.clear()
@@ -140,25 +119,6 @@ class ModelReplica:
         they finish on the version they started with. Only a stopped replica refuses."""
         if self.stopped:
             raise ServerDraining(f"model {self.name} version {self.bundle.version} has stopped")
-
-    def _deadline_refusal(
-        self, encoded: EncodedText, deadline: float | None, now: float
-    ) -> DeadlineUnreachable | None:
-        """DeadlineUnreachable when the time left (event-loop time) is less than the
-        service time predicted for the batch the text would join, else None."""
-        if deadline is None:
-            return None
-        remaining = deadline - now
-        predicted = self.predicted_service_seconds(len(encoded))
-        if remaining >= predicted:
-            return None
-        return DeadlineUnreachable(
-            f"{remaining * 1000:.0f} ms left, but the model needs about {predicted * 1000:.0f} ms"
-            if remaining > 0
-            else "the deadline passed before the text reached the queue; it was not computed",
-            remaining_ms=round(remaining * 1000),
-            predicted_ms=round(predicted * 1000),
-        )
 
     @overload
     def admit(self, admissions: Admission) -> asyncio.Future[TextResult]: ...
@@ -182,7 +142,7 @@ class ModelReplica:
         single = isinstance(admissions, Admission)
         batch = (admissions,) if isinstance(admissions, Admission) else admissions
         now = asyncio.get_running_loop().time()
-        refusals = [self._deadline_refusal(a.encoded, a.deadline, now) for a in batch]
+        refusals = [self.predictor.deadline_refusal(len(a.encoded), a.deadline, now) for a in batch]
         accepted = [a for a, refusal in zip(batch, refusals, strict=True) if refusal is None]
         queued = iter(self.queue.admit_many(accepted))
         outcomes: list[asyncio.Future[TextResult] | ServiceError] = [
@@ -231,7 +191,7 @@ class ModelReplica:
         result = self.bundle.classifier.run(encoded, clock)
         seconds = time.perf_counter() - started
         padded = max(len(text) for text in encoded)
-        self.service_time.record(len(encoded), padded, seconds)
+        self.predictor.service_time.record(len(encoded), padded, seconds)
         # One call to leave torch: checks on the tensor would each give up the GIL and
         # wait to win it back from the serving loop; these are plain Python floats.
         rows = result.probabilities.tolist()
