@@ -29,7 +29,7 @@ from classify_common.errors import ServiceError, grpc_code_for
 from classify_common.tracing import get_tracer, spans_are_exported
 
 # Span attribute keys, OpenTelemetry's semantic conventions where one exists. Each
-# node's row in NODES lists the keys it emits (tests/test_node_attributes.py checks).
+# node's row in NODES lists the keys it emits (tests/unit/test_node_attributes.py checks).
 RPC_SYSTEM = "rpc.system"
 RPC_METHOD = "rpc.method"
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"

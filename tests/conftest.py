@@ -3,19 +3,23 @@
 In-process fixtures (one event loop for the session) start a CapabilityServer
 and an OrchestratorServer on port 0 with fresh Prometheus registries, so tests
 can read exact metric deltas and spans. `start_process` runs the real
-`python -m ...` entry points as separate processes for the end-to-end tests.
+`python -m ...` entry points as separate processes, and `start_stack` (or `stack`)
+the two of them wired together, for the system tests in tests/system/.
+`wait_until` is the one way a test waits for something to happen.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +37,31 @@ from capability.config import CapabilitySettings
 from capability.server import CapabilityServer
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
+from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCESS_READY_TIMEOUT_SECONDS = 120.0
 # The acceptance sentence: every sports-aware model must put `sports` first.
 STRIKER = "The striker scored twice in the final minutes of the cup match"
+# How long `wait_until` waits by default, and how often it looks.
+WAIT_LIMIT_SECONDS = 20.0
+WAIT_POLL_SECONDS = 0.01
+# The key the `stack` fixture's orchestrator accepts (role user, no rate limit).
+STACK_API_KEY = new_key()
+
+
+async def wait_until(
+    condition: Callable[[], object],
+    what: str = "the condition",
+    limit_seconds: float = WAIT_LIMIT_SECONDS,
+) -> None:
+    """Return as soon as `condition()` is true; fail naming `what` after `limit_seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_seconds
+    while not condition():
+        assert loop.time() < deadline, f"not reached in {limit_seconds}s: {what}"
+        await asyncio.sleep(WAIT_POLL_SECONDS)
 
 
 def closed_port() -> int:
@@ -55,6 +78,17 @@ def metric_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
         for family in registry.collect()
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def run_make(*args: str) -> subprocess.CompletedProcess[str]:
+    """`make ARGS...` in the repository, its output captured."""
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -98,8 +132,14 @@ def span_exporter() -> InMemorySpanExporter:
 
 
 def write_routes(path: Path, targets: list[str], timeout: str = "5s") -> Path:
+    path.write_text(routes_text(targets, timeout))
+    return path
+
+
+def routes_text(targets: Sequence[str], timeout: str = "5s") -> str:
+    """A routes.yaml with one route, `default`, to topic-minilm at `targets`."""
     target_list = ", ".join(f'"{t}"' for t in targets)
-    path.write_text(
+    return (
         "version: 1\n"
         "backends:\n"
         "  topic-minilm:\n"
@@ -110,7 +150,6 @@ def write_routes(path: Path, targets: list[str], timeout: str = "5s") -> Path:
         "  - name: default\n"
         "    backend: topic-minilm\n"
     )
-    return path
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -205,6 +244,30 @@ async def start_capability(model_root: Path) -> AsyncIterator[Any]:
         await server.stop(grace_seconds=0)
 
 
+StartOrchestrator = Callable[[str], Awaitable[OrchestratorServer]]
+
+
+@pytest_asyncio.fixture
+async def orchestrator_with(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
+    """Start an orchestrator on a routes.yaml given as text."""
+    started: list[OrchestratorServer] = []
+
+    async def start(routes_yaml: str) -> OrchestratorServer:
+        path = tmp_path / f"routes-{len(started)}.yaml"
+        path.write_text(routes_yaml)
+        server = OrchestratorServer(
+            orchestrator_settings(port=0, metrics_port=-1, routes_file=path),
+            registry=CollectorRegistry(),
+        )
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_seconds=0)
+
+
 @dataclass
 class ServerProcess:
     """A server started as its own OS process, logging JSON lines to a file.
@@ -274,3 +337,67 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
     yield start
     for server in started:
         server.stop()
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The two layers as OS processes: the orchestrator in front of the capability server."""
+
+    orchestrator: ServerProcess
+    capability: ServerProcess
+
+
+@pytest.fixture
+def start_stack(
+    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
+) -> Callable[..., Stack]:
+    """Start a capability server, then an orchestrator routing to it, as processes.
+
+    Both serve /metrics on a free port. With `api_key`, the orchestrator accepts
+    that key and the two share an internal token; without, auth is off. `routes`
+    turns the capability server's address into the routes.yaml text (default: one
+    route to topic-minilm); the flag lists go to each server after the shared ones.
+    """
+
+    def start(
+        *,
+        api_key: str | None = None,
+        routes: Callable[[str], str] = lambda target: routes_text([target]),
+        capability_flags: Sequence[str] = (),
+        orchestrator_flags: Sequence[str] = (),
+    ) -> Stack:
+        secured: list[str] = []
+        front_door = ["--auth", "disabled"]
+        if api_key is not None:
+            token_file = tmp_path / "internal-token"
+            token_file.write_text(secrets.token_urlsafe(16))
+            keys_file = tmp_path / "api-keys.yaml"
+            key = f"{{id: stack, sha256: {hash_key(api_key)}, tenant: stack, role: user}}"
+            keys_file.write_text(f"keys:\n  - {key}\n")
+            secured = ["--internal-token-file", str(token_file)]
+            front_door = ["--api-keys-file", str(keys_file)]
+        capability = start_process(
+            "capability",
+            *("--port", "0", "--metrics-port", "0", "--device", "cpu"),
+            *("--model-root", str(model_root), "--watch-seconds", "0"),
+            *secured,
+            *capability_flags,
+        )
+        routes_file = tmp_path / "routes.yaml"
+        routes_file.write_text(routes(f"127.0.0.1:{capability.port}"))
+        orchestrator = start_process(
+            "orchestrator",
+            *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes_file)),
+            *front_door,
+            *secured,
+            *orchestrator_flags,
+        )
+        return Stack(orchestrator=orchestrator, capability=capability)
+
+    return start
+
+
+@pytest.fixture
+def stack(start_stack: Callable[..., Stack]) -> Stack:
+    """The default stack: topic-minilm behind an orchestrator that accepts STACK_API_KEY."""
+    return start_stack(api_key=STACK_API_KEY)

@@ -4,66 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import NODES
-from orchestrator.security import hash_key, new_key
-from tests.conftest import REPO_ROOT, STRIKER, ServerProcess, write_routes
+from tests.conftest import REPO_ROOT, STACK_API_KEY, STRIKER, Stack
 
-API_KEY = new_key()
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
-
-
-@pytest.fixture
-def stack(
-    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
-) -> tuple[ServerProcess, ServerProcess]:
-    token_file = tmp_path / "internal-token"
-    token_file.write_text(secrets.token_urlsafe(16))
-    keys_file = tmp_path / "api-keys.yaml"
-    keys_file.write_text(
-        f"keys:\n  - {{id: e2e, sha256: {hash_key(API_KEY)}, tenant: e2e, role: user}}\n"
-    )
-    capability = start_process(
-        "capability",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--device",
-        "cpu",
-        "--model-root",
-        str(model_root),
-        "--watch-seconds",
-        "0",
-        "--internal-token-file",
-        str(token_file),
-    )
-    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
-    orchestrator = start_process(
-        "orchestrator",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--routes-file",
-        str(routes),
-        "--api-keys-file",
-        str(keys_file),
-        "--internal-token-file",
-        str(token_file),
-    )
-    return orchestrator, capability
 
 
 def rpc_log_line(lines: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
@@ -79,15 +32,15 @@ def rpc_log_line(lines: list[dict[str, Any]], request_id: str) -> dict[str, Any]
 
 
 def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
-    stack: tuple[ServerProcess, ServerProcess],
+    stack: Stack,
 ) -> None:
-    orchestrator, capability = stack
+    orchestrator, capability = stack.orchestrator, stack.capability
     with grpc.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         response, call = stub.Classify.with_call(
             pb.ClassifyRequest(text=STRIKER, request_id="e2e-1"),
             timeout=30,
-            metadata=(("authorization", f"Bearer {API_KEY}"),),
+            metadata=(("authorization", f"Bearer {STACK_API_KEY}"),),
         )
 
     assert response.labels[0].name == "sports"
@@ -118,7 +71,7 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     # Neither the text nor the key is ever logged.
     for line in (front, back):
         assert "striker" not in json.dumps(line).lower()
-        assert API_KEY not in json.dumps(line)
+        assert STACK_API_KEY not in json.dumps(line)
 
 
 def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -135,14 +88,14 @@ def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "CLASSIFY_API_KEY": API_KEY},
+        env={**os.environ, "CLASSIFY_API_KEY": STACK_API_KEY},
     )
 
 
 def test_command_line_client_prints_sports_for_the_striker_sentence(
-    stack: tuple[ServerProcess, ServerProcess],
+    stack: Stack,
 ) -> None:
-    orchestrator, _ = stack
+    orchestrator = stack.orchestrator
     result = run_client(orchestrator.port, STRIKER)
     assert result.returncode == 0, result.stderr
     first_line, *rest = result.stdout.splitlines()
@@ -152,9 +105,9 @@ def test_command_line_client_prints_sports_for_the_striker_sentence(
 
 
 def test_command_line_client_reports_violations_and_ids_on_a_reject(
-    stack: tuple[ServerProcess, ServerProcess],
+    stack: Stack,
 ) -> None:
-    orchestrator, _ = stack
+    orchestrator = stack.orchestrator
     result = run_client(orchestrator.port, "--top-k", "0", "--request-id", "cli-reject", "   ")
     assert result.returncode == 1
     assert result.stderr.startswith("error: INVALID_ARGUMENT")
@@ -167,9 +120,9 @@ def test_command_line_client_reports_violations_and_ids_on_a_reject(
 
 
 def test_command_line_client_classifies_a_file_with_one_line_per_text(
-    stack: tuple[ServerProcess, ServerProcess], tmp_path: Path
+    stack: Stack, tmp_path: Path
 ) -> None:
-    orchestrator, _ = stack
+    orchestrator = stack.orchestrator
     texts = tmp_path / "texts.txt"
     shares = "Shares fell sharply after the bank cut its profit forecast"
     texts.write_text(f"{STRIKER}\n   \n{shares}\n")

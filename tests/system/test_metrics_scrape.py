@@ -6,7 +6,6 @@ import asyncio
 import re
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -24,9 +23,9 @@ from capability.metrics import (
     WORKER_BUSY_SECONDS_TOTAL,
 )
 from classify_common.metrics import NODE_DURATION_SECONDS, RPC_DURATION_SECONDS, RPC_REQUESTS_TOTAL
-from classify_common.nodes import NODES
+from classify_common.nodes import NODES, RESPONSE_SEND
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
-from tests.conftest import STRIKER, ServerProcess
+from tests.conftest import STRIKER, ServerProcess, Stack, wait_until
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
 CLASSIFY_BATCH = "/ai.classify.v1.ClassifyService/ClassifyBatch"
@@ -64,27 +63,13 @@ def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-def start_stack(
-    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path
-) -> tuple[ServerProcess, ServerProcess]:
-    capability = start_process(
-        "capability",
-        *("--port", "0", "--metrics-port", "0", "--device", "cpu", "--watch-seconds", "0"),
-        *("--model-root", str(model_root), "--models", "topic-static"),
-        *("--default-model", "topic-static", "--max-wait-ms", "20"),
-    )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
+def static_routes(target: str) -> str:
+    """One route, `default`, to topic-static at `target`."""
+    return (
         "version: 1\nbackends:\n"
-        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
+        f"  static: {{model: topic-static, targets: ['{target}']}}\n"
         "routes:\n  - {name: default, backend: static}\n"
     )
-    orchestrator = start_process(
-        "orchestrator",
-        *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes)),
-        *("--auth", "disabled"),
-    )
-    return orchestrator, capability
 
 
 async def burst(orchestrator: ServerProcess) -> None:
@@ -100,12 +85,31 @@ async def burst(orchestrator: ServerProcess) -> None:
 
 
 async def test_a_burst_moves_both_endpoints_by_the_right_amounts(
-    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path
+    start_stack: Callable[..., Stack],
 ) -> None:
-    orchestrator, capability = start_stack(start_process, model_root, tmp_path)
+    stack = start_stack(
+        routes=static_routes,
+        capability_flags=(
+            *("--models", "topic-static", "--default-model", "topic-static"),
+            *("--max-wait-ms", "20"),
+        ),
+    )
+    orchestrator, capability = stack.orchestrator, stack.capability
     front_before, back_before = samples(orchestrator), samples(capability)
     await burst(orchestrator)
-    await asyncio.sleep(0.2)  # response_send ends when gRPC reports the call done
+    # response_send ends when gRPC reports the call done, after the client has its answer.
+    await wait_until(
+        lambda: (
+            delta(
+                front_before,
+                samples(orchestrator),
+                NODE_DURATION_SECONDS + "_count",
+                lifecycle_node=RESPONSE_SEND,
+            )
+            == BURST + 1
+        ),
+        "response_send counted for every call",
+    )
     front, back = samples(orchestrator), samples(capability)
 
     requests = RPC_REQUESTS_TOTAL

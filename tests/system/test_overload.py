@@ -9,18 +9,10 @@ retry hint, no call failing any other way, and full service right after.
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Callable
-from pathlib import Path
-
-import pytest
-
 from bench.harness import SHORT_TEXTS
 from bench.load_clients import PhaseRecord, percentile, run_phase
-from orchestrator.security import hash_key, new_key
-from tests.conftest import ServerProcess
+from tests.conftest import STACK_API_KEY, Stack
 
-API_KEY = new_key()
 CAPACITY_CALLERS = 16
 OVERLOAD_CALLERS = 256
 DEADLINE_SECONDS = 0.3
@@ -36,47 +28,13 @@ EXPECTED_OUTCOMES = (
 )
 
 
-@pytest.fixture
-def stack(
-    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
-) -> ServerProcess:
-    """Orchestrator + capability as processes; a key without a rate limit; no fallback,
-    so every OK answer is topic-minilm's."""
-    token_file = tmp_path / "internal-token"
-    token_file.write_text(secrets.token_urlsafe(16))
-    keys_file = tmp_path / "api-keys.yaml"
-    keys_file.write_text(
-        f"keys:\n  - {{id: load, sha256: {hash_key(API_KEY)}, tenant: load, role: user}}\n"
-    )
-    capability = start_process(
-        "capability",
-        *("--port", "0", "--metrics-port", "-1", "--device", "cpu"),
-        *("--model-root", str(model_root), "--watch-seconds", "0"),
-        *("--internal-token-file", str(token_file)),
-    )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        "version: 1\n"
-        "backends:\n"
-        f"  topic-minilm: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
-        "routes:\n"
-        "  - name: default\n"
-        "    backend: topic-minilm\n"
-    )
-    return start_process(
-        "orchestrator",
-        *("--port", "0", "--metrics-port", "-1", "--routes-file", str(routes)),
-        *("--api-keys-file", str(keys_file), "--internal-token-file", str(token_file)),
-    )
-
-
 def ok_per_second(record: PhaseRecord, seconds: float) -> float:
     return record.outcomes.get("OK", 0) / seconds
 
 
-def test_overload_keeps_goodput_and_refuses_promptly(stack: ServerProcess) -> None:
-    target = f"127.0.0.1:{stack.port}"
-    metadata = (("authorization", f"Bearer {API_KEY}"),)
+def test_overload_keeps_goodput_and_refuses_promptly(stack: Stack) -> None:
+    target = f"127.0.0.1:{stack.orchestrator.port}"
+    metadata = (("authorization", f"Bearer {STACK_API_KEY}"),)
     capacity_record = run_phase(target, metadata, SHORT_TEXTS, CAPACITY_CALLERS, 3.0, None)
     capacity = ok_per_second(capacity_record, 3.0)
     assert capacity_record.outcomes == {"OK": capacity_record.calls}

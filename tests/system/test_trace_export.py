@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
-from classify_common.tracing import SPANS_DROPPED_TOTAL
-from tests.conftest import STRIKER, ServerProcess, closed_port
+from classify_common.span_export import SPANS_DROPPED_TOTAL
+from tests.conftest import STRIKER, ServerProcess, Stack, closed_port, wait_until
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
@@ -56,42 +55,12 @@ async def receiver() -> AsyncIterator[tuple[TraceReceiver, int]]:
     await server.stop(0)
 
 
-def start_stack(
-    start_process: Callable[..., ServerProcess],
-    model_root: Path,
-    tmp_path: Path,
-    endpoint: str,
-    *extra: str,
-    capability_extra: Sequence[str] = (),
-) -> ServerProcess:
-    """A capability server and an orchestrator, as processes, exporting to `endpoint`;
-    `extra` flags go to both, `capability_extra` to the capability server."""
-    capability = start_process(
-        "capability",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--device",
-        "cpu",
-        "--model-root",
-        str(model_root),
-        "--models",
-        "topic-static",
-        "--watch-seconds",
-        "0",
-        "--default-model",
-        "topic-static",
-        "--otlp-endpoint",
-        endpoint,
-        *extra,
-        *capability_extra,
-    )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
+def trace_routes(target: str) -> str:
+    """Routes to topic-static at `target`, plus ones that fail over, miss or overrun."""
+    return (
         "version: 1\nbackends:\n"
-        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
-        f"  missing: {{model: no-such-model, targets: ['127.0.0.1:{capability.port}']}}\n"
+        f"  static: {{model: topic-static, targets: ['{target}']}}\n"
+        f"  missing: {{model: no-such-model, targets: ['{target}']}}\n"
         f"  dead: {{model: topic-static, targets: ['127.0.0.1:{closed_port()}']}}\n"
         "routes:\n"
         "  - {name: missing, match: {model: no-such-model}, backend: missing}\n"
@@ -105,20 +74,26 @@ def start_stack(
         "  - {name: budgeted, match: {model: budgeted}, backend: static, budget: 1ms}\n"
         "  - {name: default, backend: static}\n"
     )
-    return start_process(
-        "orchestrator",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--routes-file",
-        str(routes),
-        "--auth",
-        "disabled",
-        "--otlp-endpoint",
-        endpoint,
-        *extra,
-    )
+
+
+def start_exporting_stack(
+    start_stack: Callable[..., Stack],
+    endpoint: str,
+    *extra: str,
+    capability_extra: Sequence[str] = (),
+) -> ServerProcess:
+    """The stack on topic-static, both processes exporting to `endpoint`; `extra`
+    flags go to both, `capability_extra` to the capability server. The orchestrator."""
+    exporting = ("--otlp-endpoint", endpoint, *extra)
+    return start_stack(
+        routes=trace_routes,
+        capability_flags=(
+            *("--models", "topic-static", "--default-model", "topic-static"),
+            *exporting,
+            *capability_extra,
+        ),
+        orchestrator_flags=exporting,
+    ).orchestrator
 
 
 async def classify(
@@ -150,10 +125,10 @@ def spans_of(
 
 
 async def wait_for_spans(collected: TraceReceiver, trace_id: str, count: int) -> None:
-    for _ in range(300):  # exported in batches about every second
-        if len(spans_of(collected, trace_id)) >= count:
-            return
-        await asyncio.sleep(0.05)
+    """Exported in batches about every second, so up to a few seconds."""
+    await wait_until(
+        lambda: len(spans_of(collected, trace_id)) >= count, f"{count} spans of {trace_id}"
+    )
 
 
 def scrape(process: ServerProcess, name: str, **labels: str) -> float:
@@ -171,12 +146,10 @@ def scrape(process: ServerProcess, name: str, **labels: str) -> float:
 
 async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     receiver: tuple[TraceReceiver, int],
-    start_process: Callable[..., ServerProcess],
-    model_root: Path,
-    tmp_path: Path,
+    start_stack: Callable[..., Stack],
 ) -> None:
     collected, port = receiver
-    orchestrator = start_stack(start_process, model_root, tmp_path, f"127.0.0.1:{port}")
+    orchestrator = start_exporting_stack(start_stack, f"127.0.0.1:{port}")
     response = await classify(orchestrator)
     await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
 
@@ -213,16 +186,12 @@ def attributes(span: trace_pb2.Span) -> dict[str, object]:
 
 async def test_retries_fallback_and_timeouts_are_exported_as_such(
     receiver: tuple[TraceReceiver, int],
-    start_process: Callable[..., ServerProcess],
-    model_root: Path,
-    tmp_path: Path,
+    start_stack: Callable[..., Stack],
 ) -> None:
     collected, port = receiver
     # A 100 ms batching window makes every answer slower than the 1 ms budget.
-    orchestrator = start_stack(
-        start_process,
-        model_root,
-        tmp_path,
+    orchestrator = start_exporting_stack(
+        start_stack,
         f"127.0.0.1:{port}",
         capability_extra=("--max-wait-ms", "100"),
     )
@@ -255,13 +224,11 @@ async def test_retries_fallback_and_timeouts_are_exported_as_such(
 
 async def test_with_sampling_off_only_errors_are_exported(
     receiver: tuple[TraceReceiver, int],
-    start_process: Callable[..., ServerProcess],
-    model_root: Path,
-    tmp_path: Path,
+    start_stack: Callable[..., Stack],
 ) -> None:
     collected, port = receiver
-    orchestrator = start_stack(
-        start_process, model_root, tmp_path, f"127.0.0.1:{port}", "--trace-sample-ratio", "0"
+    orchestrator = start_exporting_stack(
+        start_stack, f"127.0.0.1:{port}", "--trace-sample-ratio", "0"
     )
     good = await classify(orchestrator)
     invalid = await failed_call_trace_id(orchestrator, text="")
@@ -282,17 +249,18 @@ async def test_with_sampling_off_only_errors_are_exported(
 
 
 async def test_requests_succeed_while_the_collector_is_unreachable(
-    start_process: Callable[..., ServerProcess], model_root: Path, tmp_path: Path
+    start_stack: Callable[..., Stack],
 ) -> None:
-    orchestrator = start_stack(start_process, model_root, tmp_path, f"127.0.0.1:{closed_port()}")
+    orchestrator = start_exporting_stack(start_stack, f"127.0.0.1:{closed_port()}")
     for _ in range(3):
         response = await classify(orchestrator)
         assert response.labels[0].name == "sports"
     # The lost spans are counted once the exporter gives up on its batch.
-    for _ in range(300):
-        if scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") > 0:
-            break
-        await asyncio.sleep(0.1)
+    await wait_until(
+        lambda: scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") > 0,
+        "spans counted as dropped",
+        limit_seconds=30,
+    )
     assert scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") >= 3 * (
         len([n for n in NODES if n.service == "orchestrator"]) + 1
     )

@@ -4,10 +4,8 @@ traceback only in the server's log, and the call counted by its code and as a bu
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +21,7 @@ from classify_common import interceptor
 from classify_common.logs import JsonFormatter
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum
+from tests.conftest import STRIKER, metric_sum, wait_until
 from tests.status_details import error_info, error_reason, trailers_of, unpack
 
 # Stands in for what a real bug's message can hold: a path and a secret.
@@ -103,10 +101,7 @@ async def test_planted_bug_answers_internal_with_ids_and_no_traceback(
     assert "Traceback" not in everything_sent
     # NOTE: grpc.aio's abort sends the status before the interceptor's `finally`
     # counts the call, and this client shares the servers' event loop.
-    deadline = time.monotonic() + 5
-    while internal_errors() == before:
-        assert time.monotonic() < deadline, "the call was never counted"
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: internal_errors() != before, "the call counted", limit_seconds=5)
     assert internal_errors() - before == 1
     assert metric_sum(server.registry, INTERNAL_ERRORS_TOTAL) - bugs_before == 1
 

@@ -1,6 +1,6 @@
 """Every request's trace has the 17 lifecycle nodes, once per attempt, under the right
 parents, through a real orchestrator and a real capability server (in-process, with
-an in-memory exporter; tests/test_trace_export.py covers OTLP across processes)."""
+an in-memory exporter; tests/system/test_trace_export.py covers OTLP across processes)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,18 @@ from capability.server import CapabilityServer
 from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
 from orchestrator.server import OrchestratorServer
-from tests.capability.test_serving import device_occupied
-from tests.conftest import STRIKER, metric_sum, orchestrator_for
-from tests.orchestrator.test_policy import (  # noqa: F401
+from tests.conftest import (
+    REPO_ROOT,
+    STRIKER,
     StartOrchestrator,
+    metric_sum,
+    orchestrator_for,
+    routes_text,
+    wait_until,
+)
+from tests.unit.capability.test_serving import device_occupied
+from tests.unit.orchestrator.test_policy import (
     dead_primary_with_fallback,
-    orchestrator_with,
 )
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
@@ -50,12 +56,8 @@ async def settled_trace(
     exporter: InMemorySpanExporter, trace_id: str, count: int
 ) -> list[ReadableSpan]:
     """The trace's spans once `count` have ended (server spans end after the answer)."""
-    for _ in range(400):
-        spans = trace_spans(exporter, trace_id)
-        if len(spans) >= count:
-            return spans
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(trace_spans(exporter, trace_id))} spans, expected {count}")
+    await wait_until(lambda: len(trace_spans(exporter, trace_id)) >= count, f"{count} spans")
+    return trace_spans(exporter, trace_id)
 
 
 def span_id(span: ReadableSpan) -> int:
@@ -178,11 +180,7 @@ async def test_requests_batched_together_link_one_batch_span(
     async with device_occupied(worker):
         calls = [asyncio.ensure_future(classify(calls_never_gather.port)) for _ in range(3)]
         replica = worker.replicas["topic-minilm"]
-        for _ in range(500):
-            if len(replica.queue) == 3:
-                break
-            await asyncio.sleep(0.01)
-        assert len(replica.queue) == 3
+        await wait_until(lambda: len(replica.queue) == 3, "three calls queued")
     responses = await asyncio.gather(*calls)
 
     batches = set()
@@ -196,7 +194,7 @@ async def test_requests_batched_together_link_one_batch_span(
 
 
 async def test_retries_and_fallback_are_attempts_with_their_reasons(
-    orchestrator_with: StartOrchestrator,  # noqa: F811
+    orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
     span_exporter: InMemorySpanExporter,
 ) -> None:
@@ -226,22 +224,12 @@ async def test_retries_and_fallback_are_attempts_with_their_reasons(
 
 
 async def test_a_request_past_its_budget_is_marked_timeout_and_still_traced(
-    orchestrator_with: StartOrchestrator,  # noqa: F811
+    orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
     span_exporter: InMemorySpanExporter,
 ) -> None:
-    server = await orchestrator_with(
-        f"""version: 1
-backends:
-  minilm:
-    model: topic-minilm
-    targets: ["127.0.0.1:{capability.port}"]
-routes:
-  - name: default
-    backend: minilm
-    budget: 1ms
-"""
-    )
+    routes = routes_text([f"127.0.0.1:{capability.port}"])
+    server = await orchestrator_with(routes + "    budget: 1ms\n")
     (worker,) = capability.pool.workers
     async with device_occupied(worker):  # the model cannot answer within 1 ms
         response = await classify(server.port)
@@ -282,7 +270,7 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
 
 
 def test_observability_doc_lists_the_nodes_defined_in_code() -> None:
-    doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    doc = (REPO_ROOT / "docs" / "observability.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (\w+) \| .* \| (.*) \|$", doc, flags=re.MULTILINE)
     assert rows == [
         (str(n.number), n.name, n.service, ", ".join(f"`{key}`" for key in n.attributes))

@@ -5,10 +5,9 @@ and the keys are spelled only beside the table."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
 from opentelemetry.sdk.trace import ReadableSpan
@@ -25,14 +24,12 @@ from classify_common.nodes import (
     RPC_SYSTEM,
 )
 from orchestrator.server import OrchestratorServer
-from tests.capability.test_classify_batch import classify_batch
-from tests.conftest import STRIKER
-from tests.orchestrator.test_policy import (  # noqa: F401
-    StartOrchestrator,
+from tests.conftest import REPO_ROOT, STRIKER, StartOrchestrator, wait_until
+from tests.unit.capability.test_classify_batch import classify_batch
+from tests.unit.orchestrator.test_policy import (
     dead_primary_with_fallback,
-    orchestrator_with,
 )
-from tests.orchestrator.test_security import ACME_KEY, Start, bearer, secured  # noqa: F401
+from tests.unit.orchestrator.test_security import ACME_KEY, Start, bearer, secured  # noqa: F401
 
 LISTED = {n.name: set(n.attributes) for n in NODES}
 
@@ -65,7 +62,7 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     orchestrator: OrchestratorServer,
     capability: CapabilityServer,
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
-    orchestrator_with: StartOrchestrator,  # noqa: F811
+    orchestrator_with: StartOrchestrator,
     secured: Start,  # noqa: F811
     span_exporter: InMemorySpanExporter,
 ) -> None:
@@ -84,11 +81,16 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     assert await classify(capability.port, text="") == invalid
 
     keys: dict[str, set[str]] = {}
-    for _ in range(300):  # server spans and device nodes end after the answers
+
+    def all_listed_emitted() -> bool:
+        nonlocal keys
         keys = emitted_keys(span_exporter.get_finished_spans()[before:])
-        if keys == LISTED:
-            break
-        await asyncio.sleep(0.01)
+        return keys == LISTED
+
+    # Server spans and device nodes end after the answers; what is missing by the
+    # limit is reported below.
+    with contextlib.suppress(AssertionError):
+        await wait_until(all_listed_emitted, "every listed key emitted", limit_seconds=3)
     unlisted = {name: sorted(keys[name] - LISTED[name]) for name in keys}
     never = {name: sorted(LISTED[name] - keys.get(name, set())) for name in LISTED}
     assert {name: found for name, found in unlisted.items() if found} == {}
@@ -101,7 +103,7 @@ def test_span_attribute_keys_are_spelled_only_beside_the_node_table() -> None:
     keys |= {RPC_SYSTEM, CLASSIFY_REQUEST_ID, CLASSIFY_BATCH_INDEX}
     # The dotted ones: "timeout" is also a message field's name (HasField("timeout")).
     keys = {key for key in keys if "." in key}
-    root = Path(__file__).parent.parent
+    root = REPO_ROOT
     spelled = [
         f"{path.relative_to(root)}: {key}"
         for package in ("capability", "orchestrator", "classify_common")

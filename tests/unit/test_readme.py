@@ -1,26 +1,21 @@
 """The README stays a true front page.
 
 Every shell command it shows is run: `make test` is the suite's own command,
-and the test below starts what `make run` starts and runs the README's call
-against it. Every link between the README and docs/ resolves, anchors
+and tests/system/test_make_run.py starts what `make run` starts and runs the
+README's call against it. Every link between the README and docs/ resolves, anchors
 included.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, closed_port, write_routes
+from tests.conftest import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 MAKEFILE = REPO_ROOT / "Makefile"
@@ -28,9 +23,6 @@ FRONT_PAGE_MAX_BYTES = 12 * 1024
 SHELL_FENCES = {"sh", "bash", "shell"}
 # What the README's Python commands start with; the test runs them with its own interpreter.
 VENV_PYTHON = ".venv/bin/python"
-# `make run` prints this once both servers report SERVING.
-READY_LINE = "Ready. In another terminal:"
-STACK_READY_TIMEOUT_SECONDS = 180.0
 
 
 def fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
@@ -68,7 +60,7 @@ def test_readme_is_a_front_page_under_12_kb_that_opens_with_the_two_commands() -
 
 def test_every_shell_command_in_the_readme_is_run_by_make_test() -> None:
     commands = shell_commands(README.read_text())
-    # `make test` runs this file (through its `pytest` step); the next test runs the rest.
+    # `make test` runs this file (through its `pytest` step); test_make_run the rest.
     assert "pytest" in make_prerequisites("test")
     assert commands[:2] == [["make", "run"], ["make", "test"]]
     assert [words[:3] for words in commands[2:]] == [[VENV_PYTHON, "-m", "orchestrator.client"]]
@@ -104,65 +96,3 @@ def test_links_from_the_readme_and_docs_resolve(path: Path) -> None:
         if not linked.exists() or (anchor and anchor not in heading_anchors(linked)):
             broken.append(target)
     assert broken == []
-
-
-def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: Path) -> None:
-    """`make run` is `setup bundles`, then tools/run_stack.py: the suite has done the
-    setup, the model_root fixture builds the bundles, and this runs the script."""
-    assert make_prerequisites("run") == ["setup", "bundles"]
-    assert re.search(r"^run:.*\n\t\$\(PY\) tools/run_stack\.py$", MAKEFILE.read_text(), re.M)
-    readme_call = next(
-        words for words in shell_commands(README.read_text()) if words[0] == VENV_PYTHON
-    )
-
-    capability_port, orchestrator_port = closed_port(), closed_port()
-    environment = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "CAPABILITY_PORT": str(capability_port),
-        "CAPABILITY_METRICS_PORT": "-1",
-        "CAPABILITY_MODEL_ROOT": str(model_root),
-        "CAPABILITY_DEVICE": "cpu",
-        "CAPABILITY_WATCH_SECONDS": "0",
-        "ORCHESTRATOR_PORT": str(orchestrator_port),
-        "ORCHESTRATOR_METRICS_PORT": "-1",
-        "ORCHESTRATOR_ROUTES_FILE": str(
-            write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability_port}"])
-        ),
-    }
-    stack_log = tmp_path / "make-run.log"
-    # In tmp_path, so its .run/ (key, keys file, internal token) is the test's own.
-    with stack_log.open("w") as log:
-        stack = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "tools" / "run_stack.py")],
-            cwd=tmp_path,
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + STACK_READY_TIMEOUT_SECONDS
-        while READY_LINE not in stack_log.read_text():
-            assert stack.poll() is None, stack_log.read_text()
-            assert time.monotonic() < deadline, stack_log.read_text()
-            time.sleep(0.2)
-        # The call the README shows is the one `make run` prints.
-        assert " ".join(readme_call) in stack_log.read_text().replace('"', "")
-
-        result = subprocess.run(
-            [sys.executable, *readme_call[1:]],
-            cwd=tmp_path,  # the client reads the key from .run/api-key here
-            env={**environment, "CLASSIFY_TARGET": f"127.0.0.1:{orchestrator_port}"},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert result.returncode == 0, result.stderr
-        first_line, *rest = result.stdout.splitlines()
-        assert first_line.split()[0] == "sports"
-        assert any(line.startswith("model     topic-minilm") for line in rest)
-    finally:
-        stack.send_signal(signal.SIGTERM)
-        stack.wait(timeout=60)
-    assert stack.returncode == 0, stack_log.read_text()

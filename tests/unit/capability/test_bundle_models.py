@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from capability.bundle import LoadedBundle, build_bundle, load_bundle, write_manifest
 from capability.bundle.minilm import load_minilm_classifier
 from capability.model import STATIC_ZERO_SHOT_SCALE, TextClassifier, ZeroShotHead
+from tests.unit.capability.test_zero_shot import headline_loss
 
-HEADLINES_FILE = Path(__file__).parents[1] / "data" / "headlines.json"
+HEADLINES_FILE = Path(__file__).parents[2] / "data" / "headlines.json"
 VARIED_TEXTS = [
     "",
     "🙂",
@@ -42,13 +43,9 @@ def read_headlines() -> tuple[list[str], list[str]]:
 
 
 @pytest.fixture(scope="module")
-def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture(scope="module")
-def minilm_bundle(models_root: Path) -> Path:
-    return build_bundle("topic-minilm", models_root / "topic-minilm" / "1", progress=False)
+def minilm_bundle(model_root: Path) -> Path:
+    """The session's topic-minilm bundle (tests/conftest.py builds it once)."""
+    return model_root / "topic-minilm" / "1"
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +54,8 @@ def minilm(minilm_bundle: Path) -> LoadedBundle:
 
 
 @pytest.fixture(scope="module")
-def static(models_root: Path) -> LoadedBundle:
-    return load_bundle(
-        build_bundle("topic-static", models_root / "topic-static" / "1", progress=False)
-    )
+def static(model_root: Path) -> LoadedBundle:
+    return load_bundle(model_root / "topic-static" / "1")
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +99,7 @@ def test_static_model_accuracy_stays_above_floor(static: LoadedBundle) -> None:
 def test_static_scale_is_near_its_measured_optimum(static: LoadedBundle) -> None:
     # Guards the measurement behind STATIC_ZERO_SHOT_SCALE, as test_zero_shot does for
     # MiniLM's: new prototypes or pooling shift the cosine spread, and the scale with it.
-    texts, labels = read_headlines()
-    classifier = static.classifier
-    truth = torch.tensor([[label.name for label in classifier.labels].index(x) for x in labels])
-    assert isinstance(classifier.head, ZeroShotHead)
-    with torch.inference_mode():
-        cosine = classifier.embed(texts) @ classifier.head.prototypes.T  # (N, L)
-
-    def mean_nll(scale: float) -> float:
-        log_probs = torch.log_softmax(scale * cosine, dim=1)
-        return float(-log_probs[torch.arange(len(texts)), truth].mean())
-
+    mean_nll = headline_loss(static.classifier)
     best = min((float(scale) for scale in range(5, 201)), key=mean_nll)
     assert 50 <= best <= 90
     assert mean_nll(STATIC_ZERO_SHOT_SCALE) <= mean_nll(best) + 0.01
@@ -132,9 +117,9 @@ def test_static_model_is_a_different_model(static: LoadedBundle, minilm: LoadedB
 
 
 def test_linear_head_bundle_serves_what_the_zero_shot_bundle_serves(
-    models_root: Path, minilm: LoadedBundle
+    tmp_path: Path, minilm: LoadedBundle
 ) -> None:
-    out = models_root / "topic-minilm-linear" / "1"
+    out = tmp_path / "topic-minilm-linear" / "1"
     linear = load_bundle(
         build_bundle("topic-minilm", out, head="linear-from-prototypes", progress=False)
     )

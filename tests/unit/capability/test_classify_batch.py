@@ -36,9 +36,9 @@ from capability.server import CapabilityServer
 from classify_common.errors import ExpiredInQueue, ModelFault, ServerDraining
 from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
-from tests.capability.test_serving import TEXTS, classify_stub, device_occupied, wait_until
-from tests.conftest import STRIKER, metric_sum
+from tests.conftest import STRIKER, metric_sum, wait_until
 from tests.status_details import unpack
+from tests.unit.capability.test_serving import TEXTS, classify_stub, device_occupied
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]

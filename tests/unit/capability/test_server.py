@@ -23,7 +23,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
-from tests.conftest import STRIKER, capability_settings, metric_sum
+from tests.conftest import STRIKER, capability_settings, metric_sum, wait_until
 from tests.status_details import error_reason, violations_of
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
@@ -218,13 +218,6 @@ async def test_reload_switches_versions_and_reports_the_previous_one(
             pb.ClassifyRequest(text=STRIKER)
         )
         assert response.model.version == "2"
-
-
-async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_version_refused_half_copied_is_loaded_by_the_watcher_once_its_copy_completes(

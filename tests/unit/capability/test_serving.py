@@ -36,7 +36,7 @@ from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
 from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
-from tests.conftest import metric_sum
+from tests.conftest import metric_sum, wait_until
 from tests.status_details import error_reason
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
@@ -77,14 +77,6 @@ async def device_occupied(worker: DeviceWorker, *, take_turn: bool = True) -> As
 
 def queue_has(replica: ModelReplica, depth: int) -> bool:
     return len(replica.queue) == depth
-
-
-async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_seconds
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
@@ -202,8 +194,8 @@ async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
     capability: CapabilityServer,
 ) -> None:
     replica = capability.pool.workers[0].replicas["topic-minilm"]
-    assert replica.predicted_service_seconds(20) > 0  # learned from warm-up batches
-    tight = asyncio.get_running_loop().time() + replica.predicted_service_seconds(20) / 10
+    assert replica.predictor.service_seconds(20) > 0  # learned from warm-up batches
+    tight = asyncio.get_running_loop().time() + replica.predictor.service_seconds(20) / 10
     with pytest.raises(DeadlineUnreachable):
         replica.admit(
             Admission(

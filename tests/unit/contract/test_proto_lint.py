@@ -7,21 +7,11 @@ the same make targets CI runs, pointed at the copy.
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT, run_make
+
 CLASSIFY_PROTO = Path("ai/classify/v1/classify_service.proto")
-
-
-def run_make(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["make", "--no-print-directory", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def copy_contract(tmp_path: Path) -> Path:

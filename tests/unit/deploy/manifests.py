@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT
+
 DEPLOY_DIR = REPO_ROOT / "deploy"
 COMPOSE_FILE = DEPLOY_DIR / "compose.yaml"
 K8S_DIR = DEPLOY_DIR / "k8s"

@@ -14,19 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.manifests import DEPLOY_DIR, REPO_ROOT
+from tests.conftest import REPO_ROOT, run_make
+from tests.unit.deploy.manifests import DEPLOY_DIR
 
 PROMTOOL = REPO_ROOT / "build" / "tools" / "promtool"
-
-
-def run_make(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["make", "--no-print-directory", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def run_check(deploy_dir: Path, only: str) -> subprocess.CompletedProcess[str]:

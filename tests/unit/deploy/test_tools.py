@@ -20,8 +20,8 @@ from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security.keys import load_api_keys
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
-from tests.deploy.manifests import DOCKER_DIR, dockerfile_instructions
 from tests.status_details import unpack
+from tests.unit.deploy.manifests import DOCKER_DIR, dockerfile_instructions
 from tools import build_images, grpc_health_check, make_credentials, run_stack
 
 WEIGHTS_SHA = "3f1c0a9be2d4" + "0" * 52

@@ -20,13 +20,14 @@ import yaml
 import capability.config as capability_config
 import capability.metrics as capability_metrics
 import classify_common.metrics as common_metrics
+import classify_common.span_export as common_span_export
 import classify_common.tracing as common_tracing
 import orchestrator.config as orchestrator_config
 import orchestrator.metrics as orchestrator_metrics
 from capability.config import CapabilitySettings
 from orchestrator.config import OrchestratorSettings
 from orchestrator.routing import load_routes
-from tests.deploy.manifests import (
+from tests.unit.deploy.manifests import (
     DEPLOY_DIR,
     DOCKER_DIR,
     compose_services,
@@ -486,7 +487,13 @@ def test_kustomization_lists_every_manifest_in_its_folder() -> None:
 
 def exported_metric_names() -> set[str]:
     """Every metric name the code declares as a module constant."""
-    modules = (common_metrics, common_tracing, capability_metrics, orchestrator_metrics)
+    modules = (
+        common_metrics,
+        common_tracing,
+        common_span_export,
+        capability_metrics,
+        orchestrator_metrics,
+    )
     return {
         value
         for module in modules

@@ -4,10 +4,9 @@ pod's address checked against the name it was found under."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from orchestrator.routing import Backend
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.addresses import Address, HostName, TargetAddresses, parse_target
 from orchestrator.upstream.pool import BackendPool, open_channel
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import CLASSIFY_SERVICE, FlakyPod
 
 
@@ -85,14 +84,6 @@ async def test_a_failed_look_up_keeps_the_addresses_found_before() -> None:
     assert changes == [expected]
 
 
-async def wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 async def test_pods_that_come_and_go_behind_a_name_are_followed(
     capability: CapabilityServer,
 ) -> None:
@@ -117,17 +108,17 @@ async def test_pods_that_come_and_go_behind_a_name_are_followed(
             await pool.classify(request, target=pool.pick(), client_remaining=None)
 
     try:
-        await wait_for(lambda: pool.replicas == (first.address,))
+        await wait_until(lambda: pool.replicas == (first.address,))
         await classify(2)
         assert (first.answered, second.answered) == (2, 0)
 
         answer = ["127.0.0.2", "127.0.0.1"]  # a pod joins
-        await wait_for(lambda: pool.replicas == (first.address, second.address))
+        await wait_until(lambda: pool.replicas == (first.address, second.address))
         await classify(4)
         assert (first.answered, second.answered) == (4, 2)
 
         answer = ["127.0.0.2"]  # the first pod leaves
-        await wait_for(lambda: pool.replicas == (second.address,))
+        await wait_until(lambda: pool.replicas == (second.address,))
         await classify(2)
         assert (first.answered, second.answered) == (4, 4)
         assert set(pool.coalescers) == {second.address}
@@ -174,7 +165,9 @@ routes:
             assert pod.answered == 2  # round robin: both addresses were used
 
             await pod.set_serving(False)
-            await asyncio.sleep(0.3)  # the health watch reports it
+            # The health watch reports it: turns go to the other replica only.
+            (pool,) = orchestrator.dispatcher.state.upstream.pools()
+            await wait_until(lambda: len({pool.pick() for _ in range(4)}) == 1, "pod passed by")
             for _ in range(6):
                 await call()
             assert pod.calls == 2

@@ -17,8 +17,14 @@ from capability.server import CapabilityServer
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security.keys import hash_key
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings, write_routes
-from tests.orchestrator.test_policy import StartOrchestrator, orchestrator_with  # noqa: F401
+from tests.conftest import (
+    STRIKER,
+    StartOrchestrator,
+    closed_port,
+    metric_sum,
+    orchestrator_settings,
+    write_routes,
+)
 from tests.status_details import unpack, violations_of
 
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
@@ -121,7 +127,7 @@ async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
 
 
 async def test_items_take_their_own_routes_and_one_falls_back(
-    orchestrator_with: StartOrchestrator,  # noqa: F811
+    orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
 ) -> None:
     """Items with the `topic-static` hint take the static route; the others take the

@@ -27,9 +27,9 @@ from orchestrator.upstream.coalescer import (
     CoalescingSettings,
     ReplicaCoalescer,
 )
-from tests.capability.test_serving import device_occupied, wait_until
-from tests.conftest import STRIKER, metric_sum, orchestrator_for
-from tests.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
+from tests.conftest import STRIKER, metric_sum, orchestrator_for, wait_until
+from tests.unit.capability.test_serving import device_occupied
+from tests.unit.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
 
 TEXTS = [
     STRIKER,
@@ -155,7 +155,8 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
             late = asyncio.ensure_future(
                 coalescer.classify(late_request, seconds=0.05, trace_metadata=())
             )
-            await asyncio.sleep(0.1)  # the late item's 50 ms pass while the device is held
+            # The point: the late item's 50 ms pass while the device is held.
+            await asyncio.sleep(0.1)
             assert (coalescer.waiting, coalescer.in_flight) == (1, 1)
         assert (await first).request_id == "a"
         with pytest.raises(DeadlineExpired):
@@ -180,7 +181,12 @@ async def test_coalesced_requests_keep_every_node_and_their_own_trace(
                 for t in TEXTS * 2
             ]
             await wait_until(lambda: upstream_calls(server)[1] - items_before >= 1)
-            await asyncio.sleep(0.2)
+            (pool,) = server.dispatcher.state.upstream.pools()
+            (coalescer,) = pool.coalescers.values()
+            await wait_until(
+                lambda: upstream_calls(server)[1] - items_before + coalescer.waiting == 8,
+                "every call sent or gathering",
+            )
         responses = await asyncio.gather(*calls)
     calls_made, items = upstream_calls(server)
     # The first call went on its own (or with whoever arrived in its loop turn); the

@@ -18,7 +18,13 @@ from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
+from tests.conftest import (
+    STRIKER,
+    capability_settings,
+    metric_sum,
+    orchestrator_settings,
+    wait_until,
+)
 from tests.flaky_pod import FlakyPod
 
 
@@ -114,12 +120,17 @@ routes:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
             clients = [asyncio.ensure_future(client(stub)) for _ in range(4)]
-            await asyncio.sleep(0.5)
+            await wait_until(
+                lambda: metric_sum(replicas[1].registry, MODEL_TEXTS_TOTAL) >= 2,
+                "the doomed replica served under load",
+            )
             await replicas[1].stop(grace_seconds=0)  # killed mid-load
-            await asyncio.sleep(1.0)
             # Passed by: ejected after the calls it failed, or its channel failing to connect.
             (pool,) = orchestrator.dispatcher.state.upstream.pools()
-            assert dead_target not in {pool.pick() for _ in range(4)}
+            await wait_until(
+                lambda: dead_target not in {pool.pick() for _ in range(4)},
+                "the killed replica passed by",
+            )
 
             # The replica comes back on the same address, and is used again once its
             # channel reconnects (and its ejection, if any, is over).
@@ -130,10 +141,10 @@ routes:
             await returned.start()
             await returned.warm_up()
             replicas.append(returned)
-            for _ in range(200):
-                if metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(
+                lambda: metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5,
+                "the returned replica used again",
+            )
             stop.set()
             await asyncio.gather(*clients)
     finally:

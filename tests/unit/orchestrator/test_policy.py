@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -23,32 +20,9 @@ from orchestrator.metrics import (
 from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, backoff_seconds
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
-from tests.capability.test_serving import device_occupied
-from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
 from tests.status_details import error_reason
-
-StartOrchestrator = Callable[[str], Awaitable[OrchestratorServer]]
-
-
-@pytest_asyncio.fixture
-async def orchestrator_with(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
-    """Start an orchestrator on a routes.yaml given as text."""
-    started: list[OrchestratorServer] = []
-
-    async def start(routes_yaml: str) -> OrchestratorServer:
-        path = tmp_path / f"routes-{len(started)}.yaml"
-        path.write_text(routes_yaml)
-        server = OrchestratorServer(
-            orchestrator_settings(port=0, metrics_port=-1, routes_file=path),
-            registry=CollectorRegistry(),
-        )
-        await server.start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        await server.stop(grace_seconds=0)
+from tests.unit.capability.test_serving import device_occupied
 
 
 async def classify_many(
@@ -290,20 +264,12 @@ routes:
                 for _ in range(2)
             ]
             pool = server.dispatcher.state.upstream.pool(server.routes.default_route.backend)
-            for _ in range(500):
-                if pool.in_flight == 2:
-                    break
-                await asyncio.sleep(0.01)
-            assert pool.in_flight == 2
+            await wait_until(lambda: pool.in_flight == 2, "two calls held upstream")
             # ...so the third is refused there at once and handed to the fallback, which
             # also waits for the held device: it is answered after the release.
             third = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
             fallback = server.dispatcher.state.upstream.pool(server.routes.backends["static"])
-            for _ in range(500):
-                if fallback.in_flight == 1:
-                    break
-                await asyncio.sleep(0.01)
-            assert fallback.in_flight == 1
+            await wait_until(lambda: fallback.in_flight == 1, "the third call at the fallback")
         answers = await asyncio.gather(*held, third)
     assert [a.fallback for a in answers] == [False, False, True]
     assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL, reason="OVERLOADED") == 1

@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.hostile_files import nested_aliases
 
 
@@ -37,14 +36,6 @@ def replace_file(path: Path, text: str) -> None:
     staging = path.with_name(path.name + ".new")
     staging.write_text(text)
     staging.replace(path)
-
-
-async def wait_until(condition: Callable[[], bool], limit_seconds: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_seconds
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 class LoadedOrchestrator:

@@ -16,9 +16,9 @@ from classify_common.errors import ModelUnavailable, ResultNotFound
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.results import ResultStore
 from orchestrator.server import OrchestratorServer
-from tests.capability.test_serving import device_occupied
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings
 from tests.status_details import error_reason
+from tests.unit.capability.test_serving import device_occupied
 
 
 def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
@@ -21,37 +20,27 @@ from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import (
     STRIKER,
+    StartOrchestrator,
     capability_settings,
     closed_port,
     metric_sum,
-    orchestrator_settings,
-    write_routes,
+    routes_text,
 )
 from tests.status_details import error_info, error_reason
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
-StartOrchestrator = Callable[..., Awaitable[OrchestratorServer]]
+StartOrchestratorTo = Callable[..., Awaitable[OrchestratorServer]]
 
 
-@pytest_asyncio.fixture
-async def orchestrator_to(tmp_path: Path) -> AsyncIterator[StartOrchestrator]:
+@pytest.fixture
+def orchestrator_to(orchestrator_with: StartOrchestrator) -> StartOrchestratorTo:
     """Start an orchestrator whose one backend is `targets` with `timeout`."""
-    started: list[OrchestratorServer] = []
 
     async def start(targets: list[str], backend_timeout: str = "5s") -> OrchestratorServer:
-        routes = write_routes(tmp_path / f"routes-{len(started)}.yaml", targets, backend_timeout)
-        server = OrchestratorServer(
-            orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
-            registry=CollectorRegistry(),
-        )
-        await server.start()
-        started.append(server)
-        return server
+        return await orchestrator_with(routes_text(targets, backend_timeout))
 
-    yield start
-    for server in started:
-        await server.stop(grace_seconds=0)
+    return start
 
 
 def test_call_timeout_takes_the_tighter_of_backend_timeout_and_client_deadline() -> None:
@@ -67,7 +56,7 @@ def test_call_timeout_takes_the_tighter_of_backend_timeout_and_client_deadline()
 
 
 async def test_unreachable_capability_is_a_model_error_with_ids(
-    orchestrator_to: StartOrchestrator,
+    orchestrator_to: StartOrchestratorTo,
 ) -> None:
     server = await orchestrator_to([f"127.0.0.1:{closed_port()}"])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -90,7 +79,7 @@ async def test_unreachable_capability_is_a_model_error_with_ids(
 
 
 async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
-    orchestrator_to: StartOrchestrator, capability: CapabilityServer
+    orchestrator_to: StartOrchestratorTo, capability: CapabilityServer
 ) -> None:
     # 1 ms cannot cover tokenising and six encoder layers on any machine.
     server = await orchestrator_to([f"127.0.0.1:{capability.port}"], "1ms")
@@ -124,7 +113,7 @@ async def test_client_traceparent_is_continued(
 
 
 async def test_replica_reporting_not_serving_gets_no_calls(
-    orchestrator_to: StartOrchestrator, model_root: Path
+    orchestrator_to: StartOrchestratorTo, model_root: Path
 ) -> None:
     # Started but not warmed up: its health says NOT_SERVING.
     cold = CapabilityServer(capability_settings(model_root), registry=CollectorRegistry())
