@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import secrets
@@ -56,12 +57,22 @@ async def wait_until(
     what: str = "the condition",
     limit_seconds: float = WAIT_LIMIT_SECONDS,
 ) -> None:
-    """Return as soon as `condition()` is true; fail naming `what` after `limit_seconds`."""
+    """Return as soon as `condition()` is true; fail naming `what` after `limit_seconds`.
+
+    `condition` may be a coroutine function (one that asks a server, say): what it
+    returns is awaited."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_seconds
-    while not condition():
+    while not await holds(condition):
         assert loop.time() < deadline, f"not reached in {limit_seconds}s: {what}"
         await asyncio.sleep(WAIT_POLL_SECONDS)
+
+
+async def holds(condition: Callable[[], object]) -> bool:
+    outcome = condition()
+    if inspect.isawaitable(outcome):
+        outcome = await outcome
+    return bool(outcome)
 
 
 def closed_port() -> int:

@@ -1,15 +1,24 @@
-"""Read the rich status details (google.rpc.*) and trailers of a failed call."""
+"""Catch a failed call, and read its rich status details (google.rpc.*) and trailers."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import grpc
+import pytest
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 M = TypeVar("M", bound=Message)
+
+
+async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
+    """The error `call` fails with; the test fails if it succeeds."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    return caught.value
 
 
 def unpack(status: status_pb2.Status, kind: type[M]) -> list[M]:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
-import pytest
 import pytest_asyncio
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -19,6 +18,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from classify_common.span_export import SPANS_DROPPED_TOTAL
 from tests.conftest import STRIKER, ServerProcess, Stack, closed_port, wait_until
+from tests.status_details import refusal
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
@@ -109,9 +109,8 @@ async def classify(
 async def failed_call_trace_id(
     orchestrator: ServerProcess, text: str = STRIKER, model: str = ""
 ) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await classify(orchestrator, text, model)
-    return str(dict(caught.value.trailing_metadata() or ())["x-trace-id"])
+    error = await refusal(classify(orchestrator, text, model))
+    return str(dict(error.trailing_metadata() or ())["x-trace-id"])
 
 
 def spans_of(

@@ -22,7 +22,7 @@ from classify_common.logs import JsonFormatter
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, wait_until
-from tests.status_details import error_info, error_reason, trailers_of, unpack
+from tests.status_details import error_info, error_reason, refusal, trailers_of, unpack
 
 # Stands in for what a real bug's message can hold: a path and a secret.
 PLANTED_MESSAGE = "planted bug: /srv/secrets/db.yaml has password=hunter2"
@@ -82,10 +82,10 @@ async def test_planted_bug_answers_internal_with_ids_and_no_traceback(
     bugs_before = metric_sum(server.registry, INTERNAL_ERRORS_TOTAL)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id=REQUEST_ID))
+        error = await refusal(
+            stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id=REQUEST_ID))
+        )
 
-    error = caught.value
     assert error.code() == grpc.StatusCode.INTERNAL
     assert error_reason(error) == "INTERNAL"  # ErrorInfo and trailers carry the same IDs
     trace_id = trailers_of(error)["x-trace-id"]

@@ -33,6 +33,7 @@ from tests.conftest import (
     routes_text,
     wait_until,
 )
+from tests.status_details import refusal
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_policy import (
     dead_primary_with_fallback,
@@ -250,10 +251,9 @@ async def test_a_request_past_its_budget_is_marked_timeout_and_still_traced(
 async def test_an_invalid_request_names_its_violations_on_input_validate(
     orchestrator: OrchestratorServer, span_exporter: InMemorySpanExporter, text: str
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await classify(orchestrator.port, text=text)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    trace_id = dict(caught.value.trailing_metadata() or ())["x-trace-id"]
+    error = await refusal(classify(orchestrator.port, text=text))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trace_id = dict(error.trailing_metadata() or ())["x-trace-id"]
     spans = await settled_trace(span_exporter, trace_id, 6)
     assert [s.name for s in spans if s.name in NODE_NAMES] == [
         "grpc_receive",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from capability.bundle import write_manifest
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, wait_until
-from tests.status_details import error_reason, violations_of
+from tests.status_details import error_reason, refusal, violations_of
 
 StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 
@@ -58,11 +57,10 @@ async def test_health_is_not_serving_until_warm_up_finishes(model_root: Path) ->
 
             # A request that arrives anyway is refused as a model error, with IDs.
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Classify(pb.ClassifyRequest(text=STRIKER))
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert error_reason(caught.value) == "MODEL_NOT_READY"
-            assert dict(caught.value.trailing_metadata() or ())["x-request-id"]
+            error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_reason(error) == "MODEL_NOT_READY"
+            assert dict(error.trailing_metadata() or ())["x-request-id"]
 
             await server.warm_up()
             for service in ("", "ai.classify.v1.ClassifyService", "ai.classify.v1.ModelService"):
@@ -99,18 +97,18 @@ async def test_model_hint_selects_the_static_model(
 async def test_unknown_model_hint_is_not_found(
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await capability_stub.Classify(pb.ClassifyRequest(text=STRIKER, model="no-such-model"))
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    assert error_reason(caught.value) == "MODEL_NOT_FOUND"
+    error = await refusal(
+        capability_stub.Classify(pb.ClassifyRequest(text=STRIKER, model="no-such-model"))
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(error) == "MODEL_NOT_FOUND"
 
 
 async def test_capability_does_not_serve_get_result(
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await capability_stub.GetResult(pb.GetResultRequest(request_id="abc"))
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    error = await refusal(capability_stub.GetResult(pb.GetResultRequest(request_id="abc")))
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_model_service_lists_and_describes_both_models(
@@ -140,22 +138,20 @@ async def test_model_service_lists_and_describes_both_models(
 async def test_model_service_answers_not_found_for_unknown_model(
     model_stub: model_service_pb2_grpc.ModelServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await model_stub.GetModel(model_pb.GetModelRequest(name="no-such-model"))
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    assert error_reason(caught.value) == "MODEL_NOT_FOUND"
+    error = await refusal(model_stub.GetModel(model_pb.GetModelRequest(name="no-such-model")))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(error) == "MODEL_NOT_FOUND"
 
 
 @pytest.mark.parametrize("version", ["..", "../topic-static", "1/../../x", ".hidden"])
 async def test_reload_version_cannot_leave_the_model_root(
     model_stub: model_service_pb2_grpc.ModelServiceAsyncStub, version: str
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await model_stub.ReloadModel(
-            model_pb.ReloadModelRequest(name="topic-minilm", version=version)
-        )
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(caught.value) == [("version", "string.pattern")]
+    error = await refusal(
+        model_stub.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm", version=version))
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == [("version", "string.pattern")]
 
 
 def flip_one_byte(path: Path) -> None:
@@ -192,11 +188,12 @@ async def test_damaged_bundle_is_refused_naming_the_file_and_old_version_keeps_s
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm", version="2"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert named_file in (caught.value.details() or "")
-        assert "version 1 keeps serving" in (caught.value.details() or "")
+        error = await refusal(
+            models.ReloadModel(model_pb.ReloadModelRequest(name="topic-minilm", version="2"))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert named_file in (error.details() or "")
+        assert "version 1 keeps serving" in (error.details() or "")
 
         response = await classify.Classify(pb.ClassifyRequest(text=STRIKER))
         assert response.model.version == "1"
@@ -250,14 +247,11 @@ async def test_version_refused_half_copied_is_loaded_by_the_watcher_once_its_cop
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         models = model_service_pb2_grpc.ModelServiceStub(channel)
 
-        async def serving_version() -> str:
+        async def serving_version_2() -> bool:
             described = await models.GetModel(model_pb.GetModelRequest(name="topic-static"))
-            return str(described.model.version)
+            return str(described.model.version) == "2"
 
-        deadline = time.monotonic() + 20
-        while await serving_version() != "2":
-            assert time.monotonic() < deadline, "version 2 was never loaded"
-            await asyncio.sleep(0.05)
+        await wait_until(serving_version_2, "version 2 loaded")
         response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
             pb.ClassifyRequest(text=STRIKER, model="topic-static")
         )
@@ -281,13 +275,14 @@ async def reload_refusal(
 ) -> grpc.aio.AioRpcError:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         models = model_service_pb2_grpc.ModelServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await models.ReloadModel(model_pb.ReloadModelRequest(name=model, version=version))
+        error = await refusal(
+            models.ReloadModel(model_pb.ReloadModelRequest(name=model, version=version))
+        )
         response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
             pb.ClassifyRequest(text=STRIKER, model=model)
         )
         assert response.model.version == "1", "the old version must keep serving"
-    return caught.value
+    return error
 
 
 async def test_pickled_code_in_a_new_version_is_refused_and_never_runs(

@@ -12,7 +12,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from tests.conftest import STRIKER, metric_sum
-from tests.status_details import trailers_of, violations_of
+from tests.status_details import refusal, trailers_of, violations_of
 
 
 def texts_computed(server: CapabilityServer) -> float:
@@ -82,11 +82,10 @@ async def test_orchestrator_rejects_each_broken_rule_with_its_field_violation(
     expected: list[tuple[str, str]],
 ) -> None:
     forwards_before = texts_computed(capability)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await orchestrator_stub.Classify(request_message)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(caught.value) == expected
-    trailers = trailers_of(caught.value)
+    error = await refusal(orchestrator_stub.Classify(request_message))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == expected
+    trailers = trailers_of(error)
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
     assert texts_computed(capability) == forwards_before
@@ -100,10 +99,9 @@ async def test_capability_server_validates_on_its_own(
     expected: list[tuple[str, str]],
 ) -> None:
     forwards_before = texts_computed(capability)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await capability_stub.Classify(request_message)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(caught.value) == expected
+    error = await refusal(capability_stub.Classify(request_message))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == expected
     assert texts_computed(capability) == forwards_before
 
 
@@ -117,9 +115,8 @@ async def test_empty_text_never_reaches_the_model(
     metric_before = texts_computed(capability)
 
     for stub in (orchestrator_stub, capability_stub):
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Classify(pb.ClassifyRequest(text=""))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text="")))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert served.classifier.forward_count == passes_before
     assert texts_computed(capability) == metric_before
 
@@ -151,16 +148,14 @@ async def test_client_request_id_is_kept_and_reported_in_trailers(
 async def test_get_result_rejects_missing_request_id(
     orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await orchestrator_stub.GetResult(pb.GetResultRequest())
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(caught.value) == [("request_id", "required")]
+    error = await refusal(orchestrator_stub.GetResult(pb.GetResultRequest()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == [("request_id", "required")]
 
 
 async def test_model_service_rejects_malformed_model_name(
     model_stub: model_service_pb2_grpc.ModelServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await model_stub.GetModel(model_pb.GetModelRequest(name="Not A Name"))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(caught.value) == [("name", "string.pattern")]
+    error = await refusal(model_stub.GetModel(model_pb.GetModelRequest(name="Not A Name")))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == [("name", "string.pattern")]

@@ -256,11 +256,12 @@ routes:
             assert pod.calls == calls_before, "an ejected pod got calls"
 
             pod.failing = False  # the pod recovers, and is readmitted when its time is up
-            for _ in range(400):
+
+            async def readmitted() -> bool:
                 await classify()
-                if pod.answered >= 3:
-                    break
-                await asyncio.sleep(0.01)
+                return pod.answered >= 3
+
+            await wait_until(readmitted, "the recovered pod answering again")
     finally:
         await orchestrator.stop(grace_seconds=0)
         await pod.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,7 @@ from classify_common.errors import ModelUnavailable, ResultNotFound
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.results import ResultStore
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.status_details import error_reason
 from tests.unit.capability.test_serving import device_occupied
 
@@ -70,12 +69,14 @@ routes:
 async def poll_until_done(
     stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub, request_id: str
 ) -> pb.ClassifyResponse:
-    for _ in range(500):
-        response = await stub.GetResult(pb.GetResultRequest(request_id=request_id))
-        if response.status == pb.RESULT_STATUS_DONE:
-            return response
-        await asyncio.sleep(0.02)
-    raise AssertionError("the result never arrived")
+    answers: list[pb.ClassifyResponse] = []
+
+    async def done() -> bool:
+        answers.append(await stub.GetResult(pb.GetResultRequest(request_id=request_id)))
+        return answers[-1].status == pb.RESULT_STATUS_DONE
+
+    await wait_until(done, f"the result of {request_id}", limit_seconds=10)
+    return answers[-1]
 
 
 async def test_budget_exceeded_answers_processing_then_get_result_returns_the_result(

@@ -24,7 +24,7 @@ from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_ke
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
-from tests.status_details import error_info, error_reason
+from tests.status_details import error_info, error_reason, refusal
 
 ACME_KEY, OTHER_KEY, ADMIN_KEY = new_key(), new_key(), new_key()
 TOKEN = "internal-token-for-tests"
@@ -112,10 +112,9 @@ async def test_missing_or_wrong_key_is_refused_before_any_model(
     secured: Start, metadata: tuple[tuple[str, str], ...], cause: str
 ) -> None:
     orchestrator, capability = await secured()
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call(orchestrator, metadata=metadata)
-    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert error_reason(caught.value) == "UNAUTHENTICATED"
+    error = await refusal(call(orchestrator, metadata=metadata))
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert error_reason(error) == "UNAUTHENTICATED"
     assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
     assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL) == 1
     assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL, reason=cause) == 1
@@ -126,9 +125,8 @@ async def test_missing_or_wrong_key_is_refused_before_any_model(
 async def test_capability_refuses_callers_without_the_internal_token(secured: Start) -> None:
     _, capability = await secured()
     for metadata in ((), (("x-internal-token", "guess"),)):
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await call(capability, metadata=metadata)
-        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        error = await refusal(call(capability, metadata=metadata))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
     # Probes still work without it.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
@@ -141,11 +139,10 @@ async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
     orchestrator, _ = await secured("tenants:\n  acme: {rate_per_second: 0.01, burst: 2}\n")
     for _ in range(2):
         await call(orchestrator, metadata=bearer(ACME_KEY))
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call(orchestrator, metadata=bearer(ACME_KEY))
-    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert error_reason(caught.value) == "RATE_LIMITED"
-    assert error_info(caught.value).metadata["tenant"] == "acme"
+    error = await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_reason(error) == "RATE_LIMITED"
+    assert error_info(error).metadata["tenant"] == "acme"
     for _ in range(3):  # another tenant is not held back
         await call(orchestrator, metadata=bearer(OTHER_KEY))
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="acme") == 1
@@ -205,10 +202,9 @@ async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Sta
         listed = await models.ListModels(model_pb.ListModelsRequest(), metadata=bearer(ACME_KEY))
         assert [m.name for m in listed.models] == ["topic-static"]
         reload = model_pb.ReloadModelRequest(name="topic-static")
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await models.ReloadModel(reload, metadata=bearer(ACME_KEY))
-        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert error_reason(caught.value) == "PERMISSION_DENIED"
+        error = await refusal(models.ReloadModel(reload, metadata=bearer(ACME_KEY)))
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error_reason(error) == "PERMISSION_DENIED"
         reloaded = await models.ReloadModel(reload, metadata=bearer(ADMIN_KEY))
     assert (reloaded.model.name, reloaded.previous_version) == ("topic-static", "1")
     assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1

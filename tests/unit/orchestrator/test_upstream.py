@@ -26,7 +26,7 @@ from tests.conftest import (
     metric_sum,
     routes_text,
 )
-from tests.status_details import error_info, error_reason
+from tests.status_details import error_info, error_reason, refusal
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
@@ -61,14 +61,13 @@ async def test_unreachable_capability_is_a_model_error_with_ids(
     server = await orchestrator_to([f"127.0.0.1:{closed_port()}"])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert error_reason(caught.value) == "MODEL_UNAVAILABLE"
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(error) == "MODEL_UNAVAILABLE"
     # No internal address or upstream text reaches the client, in the message or details.
-    assert caught.value.details() == "backend topic-minilm is unavailable"
-    assert "127.0.0.1" not in str(error_info(caught.value))
-    trailers = dict(caught.value.trailing_metadata() or ())
+    assert error.details() == "backend topic-minilm is unavailable"
+    assert "127.0.0.1" not in str(error_info(error))
+    trailers = dict(error.trailing_metadata() or ())
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
     counted = server.registry.get_sample_value(
@@ -85,20 +84,18 @@ async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
     server = await orchestrator_to([f"127.0.0.1:{capability.port}"], "1ms")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert error_reason(caught.value) == "DEADLINE_EXPIRED"
-    assert dict(caught.value.trailing_metadata() or ())["x-request-id"]
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error_reason(error) == "DEADLINE_EXPIRED"
+    assert dict(error.trailing_metadata() or ())["x-request-id"]
 
 
 async def test_get_result_answers_not_found_for_unknown_request(
     orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await orchestrator_stub.GetResult(pb.GetResultRequest(request_id="never-seen"))
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    assert error_reason(caught.value) == "RESULT_NOT_FOUND"
+    error = await refusal(orchestrator_stub.GetResult(pb.GetResultRequest(request_id="never-seen")))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(error) == "RESULT_NOT_FOUND"
 
 
 async def test_client_traceparent_is_continued(
@@ -122,9 +119,8 @@ async def test_replica_reporting_not_serving_gets_no_calls(
         server = await orchestrator_to([f"127.0.0.1:{cold.port}"])
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
         # The channel's health check kept every attempt from reaching the server.
         assert metric_sum(cold.registry, RPC_REQUESTS_TOTAL) == 0
     finally:
