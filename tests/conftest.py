@@ -147,6 +147,15 @@ def write_routes(path: Path, targets: list[str], timeout: str = "5s") -> Path:
     return path
 
 
+def static_routes(target: str) -> str:
+    """A routes.yaml with one route, `default`, to topic-static at `target`."""
+    return (
+        "version: 1\nbackends:\n"
+        f"  static: {{model: topic-static, targets: ['{target}']}}\n"
+        "routes:\n  - {name: default, backend: static}\n"
+    )
+
+
 def routes_text(targets: Sequence[str], timeout: str = "5s") -> str:
     """A routes.yaml with one route, `default`, to topic-minilm at `targets`."""
     target_list = ", ".join(f'"{t}"' for t in targets)
@@ -235,8 +244,11 @@ def model_stub(
     return model_service_pb2_grpc.ModelServiceStub(capability_channel)
 
 
+StartCapability = Callable[..., Awaitable[CapabilityServer]]
+
+
 @pytest_asyncio.fixture
-async def start_capability(model_root: Path) -> AsyncIterator[Any]:
+async def start_capability(model_root: Path) -> AsyncIterator[StartCapability]:
     """Start an extra in-process capability server with settings overrides; warmed up."""
     started: list[CapabilityServer] = []
 

@@ -24,7 +24,7 @@ from capability.metrics import (
 from classify_common.metrics import NODE_DURATION_SECONDS, RPC_DURATION_SECONDS, RPC_REQUESTS_TOTAL
 from classify_common.nodes import NODES, RESPONSE_SEND
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
-from tests.conftest import STRIKER, ServerProcess, Stack, wait_until
+from tests.conftest import STRIKER, ServerProcess, Stack, static_routes, wait_until
 from tests.status_details import refusal
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
@@ -61,15 +61,6 @@ def value(scrape: Scrape, name: str, **labels: str) -> float:
 
 def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
-
-
-def static_routes(target: str) -> str:
-    """One route, `default`, to topic-static at `target`."""
-    return (
-        "version: 1\nbackends:\n"
-        f"  static: {{model: topic-static, targets: ['{target}']}}\n"
-        "routes:\n  - {name: default, backend: static}\n"
-    )
 
 
 async def burst(orchestrator: ServerProcess) -> None:

@@ -6,14 +6,13 @@ import subprocess
 from pathlib import Path
 
 import grpc
-import pytest
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.server import CapabilityServer
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, capability_settings, orchestrator_settings
+from tests.conftest import STRIKER, StartCapability, orchestrator_settings, static_routes
+from tests.status_details import refusal
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -71,27 +70,17 @@ def make_certificates(directory: Path) -> None:
 
 
 async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
-    model_root: Path, tmp_path: Path
+    start_capability: StartCapability, tmp_path: Path
 ) -> None:
     make_certificates(tmp_path)
-    capability = CapabilityServer(
-        capability_settings(
-            model_root,
-            models=("topic-static",),
-            tls_cert_file=tmp_path / "server.pem",
-            tls_key_file=tmp_path / "server.key",
-            tls_client_ca_file=tmp_path / "ca.pem",
-        ),
-        registry=CollectorRegistry(),
+    capability = await start_capability(
+        models=("topic-static",),
+        tls_cert_file=tmp_path / "server.pem",
+        tls_key_file=tmp_path / "server.key",
+        tls_client_ca_file=tmp_path / "ca.pem",
     )
-    await capability.start()
-    await capability.warm_up()
     routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        "version: 1\nbackends:\n"
-        f"  static: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
-        "routes:\n  - {name: default, backend: static}\n"
-    )
+    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
     orchestrator = OrchestratorServer(
         orchestrator_settings(
             routes_file=routes,
@@ -115,19 +104,16 @@ async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
 
         # No client certificate: the capability server does not complete the handshake.
         async with grpc.aio.secure_channel(f"127.0.0.1:{capability.port}", trust) as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as no_cert:
-                await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
-                    request, timeout=5
-                )
-        assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE
+            no_cert = await refusal(
+                classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(request, timeout=5)
+            )
+        assert no_cert.code() == grpc.StatusCode.UNAVAILABLE
 
         # Plaintext to a TLS front door fails as well.
         async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as plaintext:
-                await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
-                    request, timeout=5
-                )
-        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+            plaintext = await refusal(
+                classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(request, timeout=5)
+            )
+        assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await orchestrator.stop(grace_seconds=0)
-        await capability.stop(grace_seconds=0)

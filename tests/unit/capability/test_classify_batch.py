@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -36,11 +36,10 @@ from capability.server import CapabilityServer
 from classify_common.errors import ExpiredInQueue, ModelFault, ServerDraining
 from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
-from tests.conftest import STRIKER, metric_sum, wait_until
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import unpack
 from tests.unit.capability.test_serving import TEXTS, classify_stub, device_occupied
 
-StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
 BATCH_CALL_SPAN = CLASSIFY_BATCH_METHOD.lstrip("/")
 

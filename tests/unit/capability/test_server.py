@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,8 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
-from tests.conftest import STRIKER, capability_settings, metric_sum, wait_until
+from tests.conftest import STRIKER, StartCapability, capability_settings, metric_sum, wait_until
 from tests.status_details import error_reason, refusal, violations_of
-
-StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 
 
 async def health_status(channel: grpc.aio.Channel, service: str) -> int:

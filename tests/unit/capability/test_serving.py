@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import shutil
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,9 @@ from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
 from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
-from tests.conftest import metric_sum, wait_until
+from tests.conftest import StartCapability, metric_sum, wait_until
 from tests.status_details import error_reason, refusal
 
-StartCapability = Callable[..., Coroutine[Any, Any, CapabilityServer]]
 TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
     "Shares fell sharply after the bank cut its profit forecast",

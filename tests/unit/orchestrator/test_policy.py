@@ -21,7 +21,7 @@ from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, b
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
-from tests.status_details import error_reason
+from tests.status_details import error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
 
 
@@ -126,10 +126,9 @@ routes:
     fallback: [static]
 """
     )
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await classify_many(server, 1)
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    assert error_reason(caught.value) == "MODEL_NOT_FOUND"
+    error = await refusal(classify_many(server, 1))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(error) == "MODEL_NOT_FOUND"
     assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
     assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL) == 0
 
@@ -207,9 +206,8 @@ routes:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         for _ in range(calls):
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
     retries = metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL)
     # Without the budget: 4 retries per call, 120 in all.
     assert retries <= 0.1 * calls

@@ -9,7 +9,7 @@ failed call. Every share is measured with each capability server's own counters.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -22,9 +22,7 @@ from capability.server import CapabilityServer
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL, UPSTREAM_RETRIES_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
-
-StartCapability = Callable[..., Awaitable[CapabilityServer]]
+from tests.conftest import STRIKER, StartCapability, metric_sum, orchestrator_settings, wait_until
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
 CLIENTS = 6

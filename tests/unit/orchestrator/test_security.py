@@ -22,7 +22,12 @@ from capability.server import CapabilityServer
 from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, capability_settings, metric_sum, orchestrator_settings
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    metric_sum,
+    orchestrator_settings,
+)
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 from tests.status_details import error_info, error_reason, refusal
 
@@ -36,22 +41,16 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
 
 
 @pytest_asyncio.fixture
-async def secured(model_root: Path, tmp_path: Path) -> AsyncIterator[Start]:
+async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIterator[Start]:
     """A capability server requiring the internal token, behind an orchestrator with keys."""
     started: list[Any] = []
 
     async def start(tenants: str = "") -> tuple[OrchestratorServer, CapabilityServer]:
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
-        capability = CapabilityServer(
-            capability_settings(
-                model_root, models=("topic-static",), internal_token_file=token_file
-            ),
-            registry=CollectorRegistry(),
+        capability = await start_capability(
+            models=("topic-static",), internal_token_file=token_file
         )
-        started.append(capability)
-        await capability.start()
-        await capability.warm_up()
         keys = tmp_path / "keys.yaml"
         keys.write_text(
             "keys:\n"
