@@ -131,41 +131,47 @@ async def _caller(
             await asyncio.sleep(min(wait, max(stop_at - loop.time(), 0)))
 
 
-async def _drive(
-    target: str,
-    metadata: Metadata,
-    texts: list[str],
-    callers: int,
-    first_caller: int,
-    starts_at: float,
-    seconds: float,
-    deadline: float | None,
-) -> PhaseRecord:
+@dataclass(frozen=True)
+class ProcessShare:
+    """What one client process drives: its callers, from `first_caller` on, between
+    `starts_at` (wall clock) and `seconds` later."""
+
+    target: str
+    metadata: Metadata
+    texts: list[str]
+    callers: int
+    first_caller: int
+    starts_at: float
+    seconds: float
+    deadline: float | None
+
+
+async def _drive(share: ProcessShare) -> PhaseRecord:
     record = PhaseRecord()
     channels = [
-        grpc.aio.insecure_channel(target)
-        for _ in range(math.ceil(callers / CALLERS_PER_CONNECTION))
+        grpc.aio.insecure_channel(share.target)
+        for _ in range(math.ceil(share.callers / CALLERS_PER_CONNECTION))
     ]
     try:
         for channel in channels:
             await asyncio.wait_for(channel.channel_ready(), timeout=30)
         stubs = [pb_grpc.ClassifyServiceStub(channel) for channel in channels]
-        await asyncio.sleep(max(starts_at - time.time(), 0))
+        await asyncio.sleep(max(share.starts_at - time.time(), 0))
         cpu_before = time.process_time()
         loop = asyncio.get_running_loop()
-        stop_at = loop.time() + seconds
+        stop_at = loop.time() + share.seconds
         await asyncio.gather(
             *(
                 _caller(
                     stubs[index // CALLERS_PER_CONNECTION],
-                    metadata,
-                    texts,
-                    deadline,
+                    share.metadata,
+                    share.texts,
+                    share.deadline,
                     stop_at,
-                    (first_caller + index) * 7,
+                    (share.first_caller + index) * 7,
                     record,
                 )
-                for index in range(callers)
+                for index in range(share.callers)
             )
         )
         record.client_cpu_seconds = time.process_time() - cpu_before
@@ -175,19 +181,8 @@ async def _drive(
     return record
 
 
-def _process_main(
-    target: str,
-    metadata: Metadata,
-    texts: list[str],
-    callers: int,
-    first_caller: int,
-    starts_at: float,
-    seconds: float,
-    deadline: float | None,
-) -> PhaseRecord:
-    return asyncio.run(
-        _drive(target, metadata, texts, callers, first_caller, starts_at, seconds, deadline)
-    )
+def _process_main(share: ProcessShare) -> PhaseRecord:
+    return asyncio.run(_drive(share))
 
 
 class RunningPhase:
@@ -212,14 +207,16 @@ class RunningPhase:
         self._futures = [
             self._pool.submit(
                 _process_main,
-                target,
-                metadata,
-                texts,
-                share,
-                sum(shares[:i]),
-                self.starts_at,
-                seconds,
-                deadline,
+                ProcessShare(
+                    target,
+                    metadata,
+                    texts,
+                    share,
+                    sum(shares[:i]),
+                    self.starts_at,
+                    seconds,
+                    deadline,
+                ),
             )
             for i, share in enumerate(shares)
         ]
