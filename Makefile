@@ -23,8 +23,10 @@ PROTO_FILES := $(shell find proto -name '*.proto')
 # a copy of the contract with a planted fault.
 PROTO_ROOT ?= proto
 IMAGE_DIR ?= build/proto
-# A git ref or a directory holding the contract to compare against.
-BUF_AGAINST ?= main
+# A git ref or a directory holding the contract to compare against: by default
+# the latest release tag reachable from HEAD, so on main the contract is checked
+# against the last release (see CHANGELOG.md). `main` only where no tag is seen.
+BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null || echo main)
 
 PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
 
