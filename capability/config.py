@@ -191,6 +191,13 @@ class CapabilitySettings(ServerSettings):
         "`make run`: .run/internal-token)",
         Path,
     )
+    # None loads unsigned bundles (development); see docs/models.md, "Signed bundles".
+    trusted_signers: Path | None = setting(
+        None,
+        "OpenSSH allowed-signers file; every bundle's manifest.json must be signed by one "
+        "of its keys (none: unsigned bundles load; `make run`: .run/bundle-signers)",
+        Path,
+    )
     # Read from model_config by from_args() / with_model_config().
     per_model: Mapping[str, ModelServingSettings] = field(default_factory=dict, repr=False)
 
@@ -200,6 +207,11 @@ class CapabilitySettings(ServerSettings):
         if not (self.device in ("auto", "cpu") or all(n.startswith("cuda:") for n in device_names)):
             raise SettingsError(
                 f"--device / CAPABILITY_DEVICE: {self.device!r} is not auto, cpu or cuda:N[,cuda:M]"
+            )
+        if self.trusted_signers is not None and not self.trusted_signers.is_file():
+            raise SettingsError(
+                f"--trusted-signers / CAPABILITY_TRUSTED_SIGNERS: {self.trusted_signers} "
+                "is not a file"
             )
         try:
             self.default_serving()

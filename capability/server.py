@@ -66,6 +66,7 @@ class CapabilityServer:
             metrics,
             memory_threshold=settings.memory_threshold,
             cpu_compute_nice=settings.cpu_compute_nice,
+            trusted_signers=settings.trusted_signers,
         )
         self.registry.register(
             DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])

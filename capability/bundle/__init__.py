@@ -1,7 +1,8 @@
 """Model bundles: one verified directory per model version, loaded onto a device.
 
     <root>/<model-name>/<version>/  config.json, tokenizer.json, per-module weight files,
-                                    manifest.json (size + SHA-256 of every other file)
+                                    manifest.json (size + SHA-256 of every other file),
+                                    manifest.json.sig (optional SSH signature, signing.py)
 
 `build_bundle` writes one (also `python -m capability.bundle build`), `verify_bundle`
 checks one against its manifest, `load_bundle` verifies, loads and warms one up. Every
@@ -16,6 +17,9 @@ from capability.bundle.errors import (
     BundleFileMissing,
     BundleHashMismatch,
     BundleShapeMismatch,
+    BundleSignatureInvalid,
+    BundleSignerUntrusted,
+    BundleUnsigned,
     ModelLoadError,
     UnexpectedBundleFile,
     UnsafeWeights,
@@ -24,6 +28,7 @@ from capability.bundle.format import BundleConfig
 from capability.bundle.loader import STAGES, LoadedBundle, load_bundle
 from capability.bundle.manifest import verify_bundle, write_manifest
 from capability.bundle.minilm import load_minilm_classifier
+from capability.bundle.signing import check_manifest_signature, sign_manifest
 
 __all__ = [
     "HEAD_CHOICES",
@@ -35,13 +40,18 @@ __all__ = [
     "BundleFileMissing",
     "BundleHashMismatch",
     "BundleShapeMismatch",
+    "BundleSignatureInvalid",
+    "BundleSignerUntrusted",
+    "BundleUnsigned",
     "LoadedBundle",
     "ModelLoadError",
     "UnexpectedBundleFile",
     "UnsafeWeights",
     "build_bundle",
+    "check_manifest_signature",
     "load_bundle",
     "load_minilm_classifier",
+    "sign_manifest",
     "verify_bundle",
     "write_manifest",
 ]

@@ -3,6 +3,8 @@
     python -m capability.bundle build --model topic-minilm --out build/models/topic-minilm/1
     python -m capability.bundle build --model topic-static --out build/models/topic-static/1
     python -m capability.bundle build --model topic-minilm --head linear-from-prototypes --out ...
+    python -m capability.bundle build --model topic-static --out ... --sign-key KEY
+    python -m capability.bundle sign build/models/topic-minilm/2 --key KEY
     python -m capability.bundle verify build/models/topic-minilm/1
 
 Progress goes to stderr; the result (the bundle's path, or its digest) to stdout. Exit
@@ -19,6 +21,7 @@ from pathlib import Path
 from capability.bundle.builder import HEAD_CHOICES, MODEL_KINDS, build_bundle
 from capability.bundle.errors import BundleError, ModelLoadError
 from capability.bundle.manifest import verify_bundle
+from capability.bundle.signing import sign_manifest
 from capability.model import PRECISION_DTYPES
 
 
@@ -36,7 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(PRECISION_DTYPES),
         help="the precision the bundle is served in unless the server overrides it",
     )
+    build.add_argument(
+        "--sign-key", type=Path, help="SSH private key to sign manifest.json with (none: unsigned)"
+    )
     build.add_argument("--quiet", action="store_true", help="no progress display")
+
+    sign = commands.add_parser("sign", help="sign a bundle's manifest.json (manifest.json.sig)")
+    sign.add_argument("directory", type=Path)
+    sign.add_argument("--key", required=True, type=Path, help="SSH private key file")
 
     verify = commands.add_parser("verify", help="check every file against manifest.json")
     verify.add_argument("directory", type=Path)
@@ -52,7 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 head=args.head,
                 precision=args.precision,
             )
+            if args.sign_key is not None:
+                sign_manifest(out, args.sign_key)
             print(out)
+        elif args.command == "sign":
+            print(sign_manifest(args.directory, args.key))
         else:
             print(verify_bundle(args.directory, progress=not args.quiet))
     except (BundleError, ModelLoadError, FileExistsError) as exc:

@@ -7,7 +7,10 @@ ModelLoadError                a model's files cannot be loaded (any folder)
     ├── BundleShapeMismatch
     ├── UnsafeWeights
     ├── BundleConfigInvalid
-    └── UnexpectedBundleFile
+    ├── UnexpectedBundleFile
+    ├── BundleUnsigned
+    ├── BundleSignatureInvalid
+    └── BundleSignerUntrusted
 """
 
 
@@ -45,3 +48,15 @@ class BundleConfigInvalid(BundleError):
 
 class UnexpectedBundleFile(BundleError):
     """A weight file the bundle does not account for: unlisted, foreign, or a part twice."""
+
+
+class BundleUnsigned(BundleError):
+    """Trusted signers are configured, but the bundle has no manifest.json.sig."""
+
+
+class BundleSignatureInvalid(BundleError):
+    """manifest.json.sig is malformed or does not match manifest.json's bytes."""
+
+
+class BundleSignerUntrusted(BundleError):
+    """manifest.json.sig was made by a key the trusted-signers file does not list."""

@@ -110,11 +110,14 @@ def load_bundle(
     *,
     precision: str | None = None,
     graph: str = DEFAULT_GRAPH,
+    trusted_signers: Path | None = None,
 ) -> LoadedBundle:
     """Verify and load the bundle in `directory` onto `device`, ready to serve (blocking).
 
     `precision` None uses the bundle's own (config.json); "fp32" or "bf16" overrides it.
     `graph` is how the encoder runs (capability.model.classifier.GRAPHS).
+    `trusted_signers` (an OpenSSH allowed-signers file) requires manifest.json.sig by
+    one of its keys (signing.py); None loads unsigned bundles too.
     Raises a BundleError subclass whose message starts with the file at fault.
     Safe to call from several threads at once, one device each.
     """
@@ -126,7 +129,7 @@ def load_bundle(
     stage = times.stage
 
     with stage("read_metadata"):
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory, trusted_signers)
         check_no_unlisted_weights(directory, manifest)
         config = _read_config(directory, manifest)
         tokenizer = _read_tokenizer(directory, manifest, config)

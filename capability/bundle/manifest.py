@@ -24,6 +24,7 @@ from capability.bundle.errors import (
 )
 from capability.bundle.format import FORMAT_VERSION, MANIFEST_FILE, WEIGHT_LIKE_SUFFIXES
 from capability.bundle.progress import Progress
+from capability.bundle.signing import SIGNATURE_FILE, check_manifest_signature
 from classify_common.documents import DocumentRefused, parse_json, read_document
 
 _CHUNK_BYTES = 1 << 20
@@ -53,18 +54,27 @@ def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> st
     return digest.hexdigest()
 
 
-def read_manifest(directory: Path) -> Manifest:
+def read_manifest(directory: Path, trusted_signers: Path | None = None) -> Manifest:
     """Parse `directory/manifest.json` within classify_common.documents' bounds;
-    raises BundleError naming manifest.json."""
+    raises BundleError naming manifest.json (or manifest.json.sig).
+
+    With `trusted_signers` (an allowed-signers file) the bytes are first checked against
+    manifest.json.sig (signing.py); None accepts an unsigned bundle."""
     path = directory / MANIFEST_FILE
     try:
         raw = read_document(path, source=MANIFEST_FILE)
-        document: object = parse_json(raw, MANIFEST_FILE)
     except FileNotFoundError as exc:
         raise BundleFileMissing(f"{MANIFEST_FILE}: not found in {directory}") from exc
     except OSError as exc:
         raise BundleError(f"{MANIFEST_FILE}: cannot be read: {exc}") from exc
-    except DocumentRefused as exc:  # oversized, too deep, duplicate keys, not JSON
+    except DocumentRefused as exc:  # oversized
+        raise BundleConfigInvalid(str(exc)) from exc
+    if trusted_signers is not None:
+        # Before parsing: an untrusted manifest's bytes never reach the JSON parser.
+        check_manifest_signature(directory, raw, trusted_signers)
+    try:
+        document: object = parse_json(raw, MANIFEST_FILE)
+    except DocumentRefused as exc:  # too deep, duplicate keys, not JSON
         raise BundleConfigInvalid(str(exc)) from exc
     if not isinstance(document, dict) or set(document) != {"format_version", "files"}:
         keys = sorted(document) if isinstance(document, dict) else type(document).__name__
@@ -159,7 +169,8 @@ def verify_bundle(directory: Path, *, progress: bool = False) -> str:
 
 
 def write_manifest(directory: Path) -> str:
-    """List every file in `directory` (but manifest.json) in a new manifest.json.
+    """List every file in `directory` (but manifest.json and its signature) in a new
+    manifest.json.
 
     For builders, and for replacing one part of a bundle (a fine-tuned head.safetensors)
     in a fresh version directory. Returns the new digest.
@@ -168,7 +179,7 @@ def write_manifest(directory: Path) -> str:
     files = {
         path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}
         for path in sorted(directory.iterdir())
-        if path.is_file() and path.name != MANIFEST_FILE
+        if path.is_file() and path.name not in (MANIFEST_FILE, SIGNATURE_FILE)
     }
     raw = (
         json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True)

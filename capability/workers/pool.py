@@ -105,8 +105,12 @@ class WorkerPool:
         *,
         memory_threshold: float,
         cpu_compute_nice: int = 0,
+        trusted_signers: Path | None = None,
     ) -> None:
         self._metrics = metrics
+        # An allowed-signers file every loaded bundle's manifest must be signed by a key
+        # of; None loads unsigned bundles too.
+        self._trusted_signers = trusted_signers
         self._unary_items = metrics.rpc_items.labels(CLASSIFY_METHOD)
         self._batch_items = metrics.rpc_items.labels(CLASSIFY_BATCH_METHOD)
         self.workers = [
@@ -152,7 +156,13 @@ class WorkerPool:
         bundles = await asyncio.gather(
             *(
                 loop.run_in_executor(
-                    self._loaders, _load_on, directory, worker.device, precision, graph
+                    self._loaders,
+                    _load_on,
+                    directory,
+                    worker.device,
+                    precision,
+                    graph,
+                    self._trusted_signers,
                 )
                 for worker in self.workers
             )
@@ -322,6 +332,12 @@ class WorkerPool:
 
 
 def _load_on(
-    directory: Path, device: torch.device, precision: str | None, graph: str
+    directory: Path,
+    device: torch.device,
+    precision: str | None,
+    graph: str,
+    trusted_signers: Path | None,
 ) -> LoadedBundle:
-    return load_bundle(directory, device, precision=precision, graph=graph)
+    return load_bundle(
+        directory, device, precision=precision, graph=graph, trusted_signers=trusted_signers
+    )

@@ -1,0 +1,127 @@
+"""manifest.json.sig: who vouches for a bundle, checked with OpenSSH signatures.
+
+The manifest already pins every other file's SHA-256, so signing manifest.json's bytes
+signs the whole bundle. Signatures are SSH signatures as git uses them
+(`ssh-keygen -Y sign` / `-Y verify`, namespace `classify-bundle`), and the trusted keys
+are an OpenSSH allowed-signers file, one `<principal> <key-type> <base64-key>` a line.
+
+A signature is checked in three steps, so each refusal says what is wrong:
+
+    check-novalidate   the signature is well formed and matches the manifest's bytes
+    find-principals    its key is in the trusted-signers file
+    verify             and, as that principal, passes every allowed-signers option
+
+The bytes checked are the very bytes the loader then parses, passed on stdin, so a
+manifest swapped between the check and the parse cannot slip through.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from capability.bundle.errors import (
+    BundleError,
+    BundleSignatureInvalid,
+    BundleSignerUntrusted,
+    BundleUnsigned,
+)
+from capability.bundle.format import MANIFEST_FILE
+
+SIGNATURE_FILE = f"{MANIFEST_FILE}.sig"
+# The signature's purpose, bound into it: a key's git-commit signature is not a bundle's.
+SIGNATURE_NAMESPACE = "classify-bundle"
+# Seconds one ssh-keygen call may take; each is a few milliseconds of CPU.
+SSH_KEYGEN_TIMEOUT_SECONDS = 30.0
+SSH_KEYGEN = "ssh-keygen"
+
+
+def sign_manifest(directory: Path, key: Path) -> Path:
+    """Sign `directory/manifest.json` with the private key file `key`; returns the
+    manifest.json.sig written beside it (replacing any older one)."""
+    directory = Path(directory)
+    raw = (directory / MANIFEST_FILE).read_bytes()
+    # Signing stdin writes the signature to stdout, so an older .sig is never asked about.
+    done = _ssh_keygen(["-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE], raw)
+    if done.returncode != 0:
+        raise BundleError(f"{MANIFEST_FILE}: cannot be signed with {key}: {_reason(done)}")
+    partial = directory / f".{SIGNATURE_FILE}.partial"
+    partial.write_bytes(done.stdout)
+    os.replace(partial, directory / SIGNATURE_FILE)
+    return directory / SIGNATURE_FILE
+
+
+def check_manifest_signature(directory: Path, raw: bytes, trusted_signers: Path) -> str:
+    """Check that `raw` (manifest.json's bytes) carries a good signature by a key in
+    `trusted_signers`; returns the signer's principal (blocking: runs ssh-keygen).
+
+    Raises BundleUnsigned, BundleSignatureInvalid or BundleSignerUntrusted, each
+    naming manifest.json.sig."""
+    signature = Path(directory) / SIGNATURE_FILE
+    if not signature.is_file():
+        raise BundleUnsigned(
+            f"{SIGNATURE_FILE}: not found in {directory}; trusted signers are required "
+            f"({trusted_signers}), so an unsigned bundle is refused"
+        )
+    checked = _ssh_keygen(
+        ["-Y", "check-novalidate", "-n", SIGNATURE_NAMESPACE, "-s", str(signature)], raw
+    )
+    if checked.returncode != 0:
+        raise BundleSignatureInvalid(
+            f"{SIGNATURE_FILE}: does not match {MANIFEST_FILE}'s bytes ({_reason(checked)})"
+        )
+    found = _ssh_keygen(
+        ["-Y", "find-principals", "-f", str(trusted_signers), "-s", str(signature)], b""
+    )
+    principals = found.stdout.decode("utf-8", "replace").split()
+    if found.returncode != 0 or not principals:
+        raise BundleSignerUntrusted(
+            f"{SIGNATURE_FILE}: signed by a key not in the trusted signers ({trusted_signers})"
+        )
+    principal = principals[0].split(",")[0]
+    verified = _ssh_keygen(
+        [
+            "-Y",
+            "verify",
+            "-f",
+            str(trusted_signers),
+            "-I",
+            principal,
+            "-n",
+            SIGNATURE_NAMESPACE,
+            "-s",
+            str(signature),
+        ],
+        raw,
+    )
+    if verified.returncode != 0:
+        raise BundleSignatureInvalid(
+            f"{SIGNATURE_FILE}: refused for signer {principal!r} of {trusted_signers} "
+            f"({_reason(verified)})"
+        )
+    return principal
+
+
+def _ssh_keygen(arguments: list[str], stdin: bytes) -> subprocess.CompletedProcess[bytes]:
+    program = shutil.which(SSH_KEYGEN)
+    if program is None:
+        raise BundleError(f"{SIGNATURE_FILE}: cannot be checked: {SSH_KEYGEN} is not on PATH")
+    try:
+        return subprocess.run(
+            [program, *arguments],
+            input=stdin,
+            capture_output=True,
+            timeout=SSH_KEYGEN_TIMEOUT_SECONDS,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise BundleError(
+            f"{SIGNATURE_FILE}: {SSH_KEYGEN} took over {SSH_KEYGEN_TIMEOUT_SECONDS} s"
+        ) from exc
+
+
+def _reason(done: subprocess.CompletedProcess[bytes]) -> str:
+    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else f"{SSH_KEYGEN} exit status {done.returncode}"

@@ -1,0 +1,160 @@
+"""Signed bundles: with --trusted-signers set, only a manifest signed by a listed key loads.
+
+Real keys, real `ssh-keygen`, real servers: each refusal is checked over gRPC, with
+version 1 still answering afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle import BundleSignerUntrusted, check_manifest_signature, sign_manifest
+from capability.bundle.signing import SIGNATURE_FILE
+from capability.config import CapabilitySettings
+from capability.server import CapabilityServer
+from classify_common.settings import SettingsError
+from tests.conftest import STRIKER, StartCapability
+
+pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
+
+MODEL = "topic-static"
+
+
+@dataclass(frozen=True)
+class Keys:
+    trusted: Path  # private key listed in `signers`
+    stranger: Path  # private key listed nowhere
+    signers: Path  # allowed-signers file naming only `trusted`
+
+
+def make_key(path: Path) -> Path:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
+        check=True,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    folder = tmp_path_factory.mktemp("keys")
+    trusted = make_key(folder / "release")
+    stranger = make_key(folder / "stranger")
+    key_type, key = (folder / "release.pub").read_text().split()[:2]
+    signers = folder / "allowed-signers"
+    signers.write_text(f"release@example.test {key_type} {key}\n")
+    return Keys(trusted, stranger, signers)
+
+
+def copy_version(model_root: Path, root: Path, version: str, key: Path | None) -> Path:
+    destination = root / MODEL / version
+    shutil.copytree(model_root / MODEL / "1", destination)
+    if key is not None:
+        sign_manifest(destination, key)
+    return destination
+
+
+async def start_trusting(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> tuple[CapabilityServer, Path]:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "1", keys.trusted)
+    server = await start_capability(model_root=root, models=(MODEL,), trusted_signers=keys.signers)
+    return server, root
+
+
+async def reload(server: CapabilityServer, version: str) -> tuple[str, str]:
+    """(version now serving, refusal details or "") after asking for `version`."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            await models.ReloadModel(model_pb.ReloadModelRequest(name=MODEL, version=version))
+        except grpc.aio.AioRpcError as error:
+            code, details = error.code(), error.details() or ""
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION)
+        response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+            pb.ClassifyRequest(text=STRIKER, model=MODEL)
+        )
+    assert response.labels[0].name == "sports"
+    return response.model.version, details
+
+
+async def test_bundle_signed_by_a_trusted_key_loads(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    server, root = await start_trusting(model_root, tmp_path, keys, start_capability)
+    copy_version(model_root, root, "2", keys.trusted)
+
+    assert await reload(server, "2") == ("2", "")
+
+
+async def test_unsigned_bundle_is_refused_naming_the_signature_and_old_version_keeps_serving(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    server, root = await start_trusting(model_root, tmp_path, keys, start_capability)
+    copy_version(model_root, root, "2", key=None)
+
+    serving, details = await reload(server, "2")
+
+    assert serving == "1"
+    assert f"{SIGNATURE_FILE}: not found" in details
+    assert "version 1 keeps serving" in details
+
+
+async def test_manifest_changed_after_signing_is_refused_and_old_version_keeps_serving(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    server, root = await start_trusting(model_root, tmp_path, keys, start_capability)
+    bundle = copy_version(model_root, root, "2", keys.trusted)
+    manifest = bundle / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes() + b"\n")  # still valid JSON, other bytes
+
+    serving, details = await reload(server, "2")
+
+    assert serving == "1"
+    assert f"{SIGNATURE_FILE}: does not match manifest.json's bytes" in details
+
+
+async def test_bundle_signed_by_an_untrusted_key_is_refused_and_old_version_keeps_serving(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    server, root = await start_trusting(model_root, tmp_path, keys, start_capability)
+    copy_version(model_root, root, "2", keys.stranger)
+
+    serving, details = await reload(server, "2")
+
+    assert serving == "1"
+    assert f"{SIGNATURE_FILE}: signed by a key not in the trusted signers" in details
+
+
+def test_signature_check_returns_the_signers_principal(tmp_path: Path, keys: Keys) -> None:
+    (tmp_path / "manifest.json").write_text('{"files": {}, "format_version": 1}\n')
+    sign_manifest(tmp_path, keys.trusted)
+    raw = (tmp_path / "manifest.json").read_bytes()
+
+    assert check_manifest_signature(tmp_path, raw, keys.signers) == "release@example.test"
+
+
+def test_signature_by_a_stranger_is_refused_as_untrusted(tmp_path: Path, keys: Keys) -> None:
+    (tmp_path / "manifest.json").write_text('{"files": {}, "format_version": 1}\n')
+    sign_manifest(tmp_path, keys.stranger)
+    raw = (tmp_path / "manifest.json").read_bytes()
+
+    with pytest.raises(BundleSignerUntrusted, match=f"^{re.escape(SIGNATURE_FILE)}: "):
+        check_manifest_signature(tmp_path, raw, keys.signers)
+
+
+def test_trusted_signers_that_is_not_a_file_stops_start_up(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"^--trusted-signers / CAPABILITY_TRUSTED_SIGNERS: "):
+        CapabilitySettings(trusted_signers=tmp_path / "absent")
