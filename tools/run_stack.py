@@ -91,7 +91,10 @@ def ensure_local_credentials() -> dict[str, str]:
         token_file.write_text(secrets.token_urlsafe(32) + "\n")
     for path in (key_file, keys_file, token_file):
         path.chmod(0o600)
+    signers = RUN_DIR / "bundle-signers"  # made by `make bundles`, which signs with its key
+    trust = {"CAPABILITY_TRUSTED_SIGNERS": str(signers)} if signers.is_file() else {}
     return {
+        **trust,
         "ORCHESTRATOR_API_KEYS_FILE": str(keys_file),
         "ORCHESTRATOR_INTERNAL_TOKEN_FILE": str(token_file),
         "CAPABILITY_INTERNAL_TOKEN_FILE": str(token_file),
