@@ -16,7 +16,6 @@ from classify_common.tls import ServerTls, server_tls
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_SECONDS = 10.0
-DEFAULT_TRACE_SAMPLE_RATIO = 1.0
 DEFAULT_LOG_LEVEL = "INFO"
 
 
@@ -64,11 +63,15 @@ class ServerSettings(Settings):
     tls_client_ca_file: Path | None = setting(
         None, "CA that client certificates must be signed by (mTLS)", Path
     )
-    # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None exports nothing.
-    otlp_endpoint: str | None = setting(None, "OTLP gRPC host:port for spans (none: no export)")
-    # Share of traces started here that are kept (parent-based: a caller's decision wins).
-    trace_sample_ratio: float = setting(
-        DEFAULT_TRACE_SAMPLE_RATIO, "share of new traces kept", float, low=0, high=1
+    # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None: the SDK's
+    # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without it no export.
+    otlp_endpoint: str | None = setting(
+        None, "OTLP gRPC host:port for spans (none: OTEL_EXPORTER_OTLP_ENDPOINT, else no export)"
+    )
+    # Share of traces started here that are kept (parent-based: a caller's decision
+    # wins); None: the SDK's OTEL_TRACES_SAMPLER and _ARG, else 1 (keep all).
+    trace_sample_ratio: float | None = setting(
+        None, "share of new traces kept (none: OTEL_TRACES_SAMPLER, else 1)", float, low=0, high=1
     )
     # Seconds admitted or in-flight work gets to finish on SIGTERM.
     grace_seconds: float = setting(

@@ -29,6 +29,7 @@ from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 from classify_common.server_settings import ServerSettings
+from classify_common.settings import SettingsError
 from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
 from classify_common.tracing import configure_tracing
@@ -185,7 +186,11 @@ def run_server(
     a new event loop. A start-up failure of one of `start_errors` (a bad file, a port
     in use) is one clear log line and exit status 2, not a traceback."""
     configure_logging(service, settings.log_level)
-    tracing = configure_tracing(service, settings.otlp_endpoint, settings.trace_sample_ratio)
+    try:
+        tracing = configure_tracing(service, settings.otlp_endpoint, settings.trace_sample_ratio)
+    except SettingsError as exc:  # an OTEL_* variable it cannot use
+        log.error("cannot start", extra={"error": str(exc)})
+        sys.exit(2)
     try:
         asyncio.run(serve())
     except start_errors as exc:

@@ -15,6 +15,7 @@ import collections
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -24,10 +25,10 @@ from prometheus_client.core import CounterMetricFamily
 log = logging.getLogger(__name__)
 
 # Spans waiting for export before new ones are dropped; how often and how long
-# the exporter thread sends them.
+# the exporter thread sends them (OTEL_BSP_* override them: otel_environment).
 EXPORT_QUEUE_SIZE = 4096
 EXPORT_DELAY_MILLIS = 1000
-EXPORT_TIMEOUT_SECONDS = 5.0
+EXPORT_TIMEOUT_MILLIS = 5000
 EXPORT_BATCH_SIZE = 512
 # Unsampled traces whose spans are held in case one turns out an error or a time-out.
 HELD_TRACES = 2048
@@ -64,6 +65,30 @@ class ExportDrops:
 EXPORT_DROPS = ExportDrops()
 
 
+@dataclass(frozen=True)
+class ExportLimits:
+    """The batch span processor's settings, named as OTEL_BSP_* names them."""
+
+    # Spans waiting for export before new ones are dropped; default 4096, >= 1.
+    queue_size: int = EXPORT_QUEUE_SIZE
+    # Milliseconds between exports of a batch that is not full; default 1000, >= 0.
+    delay_millis: int = EXPORT_DELAY_MILLIS
+    # Milliseconds one export may take; default 5000, >= 1.
+    timeout_millis: int = EXPORT_TIMEOUT_MILLIS
+    # Spans per export; default 512, 1..queue_size.
+    batch_size: int = EXPORT_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.timeout_millis < 1 or self.delay_millis < 0:
+            raise ValueError(f"queue size, timeout must be >= 1 and delay >= 0: {self}")
+        if not 1 <= self.batch_size <= self.queue_size:
+            raise ValueError(f"batch size {self.batch_size} is outside 1..{self.queue_size}")
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self.timeout_millis / 1000
+
+
 def _is_error_or_timeout(span: ReadableSpan) -> bool:
     return span.status.status_code == StatusCode.ERROR or bool(
         (span.attributes or {}).get("timeout")
@@ -74,8 +99,14 @@ class KeepingBatchExport(SpanProcessor):
     """Exports sampled spans, and unsampled traces that had an error or a time-out,
     in batches from a background thread through a bounded, counted queue."""
 
-    def __init__(self, exporter: SpanExporter, drops: ExportDrops = EXPORT_DROPS) -> None:
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        drops: ExportDrops = EXPORT_DROPS,
+        limits: ExportLimits = ExportLimits(),
+    ) -> None:
         self._exporter = exporter
+        self._limits = limits
         self._drops = drops
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._ready = threading.Condition()
@@ -120,22 +151,21 @@ class KeepingBatchExport(SpanProcessor):
         if not spans:
             return
         with self._ready:
-            room = EXPORT_QUEUE_SIZE - len(self._queue)
+            room = self._limits.queue_size - len(self._queue)
             if room < len(spans):
                 self._drops.add("queue_full", len(spans) - max(room, 0))
                 spans = spans[: max(room, 0)]
             self._queue.extend(spans)
-            if len(self._queue) >= EXPORT_BATCH_SIZE:
+            if len(self._queue) >= self._limits.batch_size:
                 self._ready.notify()
 
     def _export_loop(self) -> None:
+        batch_size = self._limits.batch_size
         while True:
             with self._ready:
-                if not self._stopping and len(self._queue) < EXPORT_BATCH_SIZE:
-                    self._ready.wait(EXPORT_DELAY_MILLIS / 1000)
-                batch = [
-                    self._queue.popleft() for _ in range(min(EXPORT_BATCH_SIZE, len(self._queue)))
-                ]
+                if not self._stopping and len(self._queue) < batch_size:
+                    self._ready.wait(self._limits.delay_millis / 1000)
+                batch = [self._queue.popleft() for _ in range(min(batch_size, len(self._queue)))]
                 stopping = self._stopping and not self._queue
             if batch:
                 self._export(batch)
@@ -163,5 +193,5 @@ class KeepingBatchExport(SpanProcessor):
         with self._ready:
             self._stopping = True
             self._ready.notify()
-        self._thread.join(EXPORT_TIMEOUT_SECONDS * 2)
+        self._thread.join(self._limits.timeout_seconds * 2)
         self._exporter.shutdown()

@@ -22,6 +22,7 @@ mark exports everything held for that trace, and the rest is discarded.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,8 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
-from classify_common.span_export import EXPORT_TIMEOUT_SECONDS, KeepingBatchExport
+from classify_common import otel_environment
+from classify_common.span_export import KeepingBatchExport
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ TRACER_NAME = "classify"
 def configure_tracing(
     service: str,
     otlp_endpoint: str | None = None,
-    sample_ratio: float = 1.0,
+    sample_ratio: float | None = None,
     processor: SpanProcessor | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> TracerProvider:
     """Install the process's tracer provider (once; later calls get the first).
 
@@ -63,33 +66,69 @@ def configure_tracing(
     `processor` receives spans besides (or instead of) the OTLP exporter.
     Without either, only the server spans are made (their IDs are the trace
     IDs that answers report); lifecycle nodes are then timed but not spanned.
+
+    The SDK's environment variables apply where an argument is None (see
+    otel_environment): the OTLP endpoint, headers and TLS, the sampler, the batch
+    settings; OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES name the service
+    instead of `service`. Raises SettingsError for a variable it cannot use.
     """
-    global _exporting, _new_traces
+    global _exporting, _new_traces, _follows_caller
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
+    otel_environment.check_otlp_protocol(environ)
+    sampling = otel_environment.trace_sampling(environ, sample_ratio)
+    limits = otel_environment.export_limits(environ)
+    new_traces = TraceIdRatioBased(sampling.ratio)
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service}),
+        resource=process_resource(service),
         # Unsampled spans are recorded too (not exported), so an error or time-out
         # in an unsampled trace can still be kept.
-        sampler=AlwaysRecordSampler(ParentBased(TraceIdRatioBased(sample_ratio))),
+        sampler=AlwaysRecordSampler(
+            ParentBased(new_traces) if sampling.parent_based else new_traces
+        ),
     )
-    if otlp_endpoint:
-        exporter = OTLPSpanExporter(
-            endpoint=otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
+    exporting = bool(otlp_endpoint) or otel_environment.export_endpoint_is_set(environ)
+    if exporting:
+        # NOTE: endpoint and insecure left None make the exporter read the variables
+        # (an http:// endpoint is plaintext); headers are always read from them.
+        # The exporter's own timeout variable, when set, wins over the batch's.
+        timeout = (
+            None if otel_environment.exporter_timeout_is_set(environ) else limits.timeout_seconds
         )
-        provider.add_span_processor(KeepingBatchExport(exporter))
+        exporter = OTLPSpanExporter(
+            endpoint=otlp_endpoint or None,
+            insecure=True if otlp_endpoint else None,
+            timeout=timeout,
+        )
+        provider.add_span_processor(KeepingBatchExport(exporter, limits=limits))
     if processor is not None:
         provider.add_span_processor(processor)
-    _exporting = bool(otlp_endpoint) or processor is not None
-    _new_traces = TraceIdRatioBased(sample_ratio)
+    _exporting = exporting or processor is not None
+    _new_traces = new_traces
+    _follows_caller = sampling.parent_based
     trace.set_tracer_provider(provider)
     return provider
 
 
+def process_resource(service: str) -> Resource:
+    """The process's resource: `service` as service.name unless OTEL_SERVICE_NAME or
+    OTEL_RESOURCE_ATTRIBUTES names one.
+
+    NOTE: Resource.create reads both variables from os.environ itself, so this does too.
+    """
+    named = os.environ.get(otel_environment.SERVICE_NAME_VARIABLE, "").strip() or any(
+        item.partition("=")[0].strip() == "service.name"
+        for item in os.environ.get(otel_environment.RESOURCE_ATTRIBUTES_VARIABLE, "").split(",")
+    )
+    return Resource.create({} if named else {"service.name": service})
+
+
 _exporting = False
-# Decides whether a trace that starts here is sampled (see configure_tracing).
+# Decides whether a trace that starts here is sampled (see configure_tracing), and
+# whether a caller's decision wins over it (parent-based).
 _new_traces = TraceIdRatioBased(1.0)
+_follows_caller = True
 
 
 def spans_are_exported() -> bool:
@@ -122,11 +161,13 @@ def start_server_span(
         return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
     caller = _caller_span_context(metadata or ())
     if caller.is_valid:
-        trace_id, sampled, state = caller.trace_id, caller.trace_flags.sampled, caller.trace_state
+        trace_id, state = caller.trace_id, caller.trace_state
     else:
-        trace_id = _random_id(128)
+        trace_id, state = _random_id(128), None
+    if caller.is_valid and _follows_caller:
+        sampled = caller.trace_flags.sampled
+    else:
         sampled = trace_id & _new_traces.TRACE_ID_LIMIT < _new_traces.bound
-        state = None
     flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
     return NonRecordingSpan(SpanContext(trace_id, _random_id(64), False, flags, state))
 

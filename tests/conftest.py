@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -329,10 +329,11 @@ class ServerProcess:
 
 @pytest.fixture
 def start_process(tmp_path: Path) -> Iterator[Any]:
-    """Start `python -m MODULE ARGS...`; returns once it logs "serving"; stopped after the test."""
+    """Start `python -m MODULE ARGS...` (with `env` added to this process's environment);
+    returns once it logs "serving"; stopped after the test."""
     started: list[ServerProcess] = []
 
-    def start(module: str, *args: str) -> ServerProcess:
+    def start(module: str, *args: str, env: Mapping[str, str] | None = None) -> ServerProcess:
         log_path = tmp_path / f"{module}-{len(started)}.log"
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
@@ -340,7 +341,7 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
                 cwd=REPO_ROOT,
                 stdout=subprocess.DEVNULL,
                 stderr=log_file,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             )
         server = ServerProcess(process=process, log_path=log_path, ready={})
         started.append(server)
@@ -379,7 +380,8 @@ def start_stack(
     Both serve /metrics on a free port. With `api_key`, the orchestrator accepts
     that key and the two share an internal token; without, auth is off. `routes`
     turns the capability server's address into the routes.yaml text (default: one
-    route to topic-minilm); the flag lists go to each server after the shared ones.
+    route to topic-minilm); the flag lists go to each server after the shared ones,
+    the `_env` mappings into each server's environment.
     """
 
     def start(
@@ -388,6 +390,8 @@ def start_stack(
         routes: Callable[[str], str] = lambda target: routes_text([target]),
         capability_flags: Sequence[str] = (),
         orchestrator_flags: Sequence[str] = (),
+        capability_env: Mapping[str, str] | None = None,
+        orchestrator_env: Mapping[str, str] | None = None,
     ) -> Stack:
         secured: list[str] = []
         front_door = ["--auth", "disabled"]
@@ -405,6 +409,7 @@ def start_stack(
             *("--model-root", str(model_root), "--watch-seconds", "0"),
             *secured,
             *capability_flags,
+            env=capability_env,
         )
         routes_file = tmp_path / "routes.yaml"
         routes_file.write_text(routes(f"127.0.0.1:{capability.port}"))
@@ -414,6 +419,7 @@ def start_stack(
             *front_door,
             *secured,
             *orchestrator_flags,
+            env=orchestrator_env,
         )
         return Stack(orchestrator=orchestrator, capability=capability)
 

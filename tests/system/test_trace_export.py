@@ -263,3 +263,57 @@ async def test_requests_succeed_while_the_collector_is_unreachable(
     assert scrape(orchestrator, SPANS_DROPPED_TOTAL, reason="export_failed") >= 3 * (
         len([n for n in NODES if n.service == "orchestrator"]) + 1
     )
+
+
+def start_stack_exporting_by_environment(
+    start_stack: Callable[..., Stack], port: int, **variables: str
+) -> ServerProcess:
+    """The stack on topic-static, told where to export only by the SDK's variables
+    (`variables` go to both; each gets its own OTEL_SERVICE_NAME). The orchestrator."""
+    shared = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", **variables}
+    return start_stack(
+        routes=trace_routes,
+        capability_flags=("--models", "topic-static", "--default-model", "topic-static"),
+        capability_env={**shared, "OTEL_SERVICE_NAME": "env-capability"},
+        orchestrator_env={**shared, "OTEL_SERVICE_NAME": "env-orchestrator"},
+    ).orchestrator
+
+
+async def test_the_sdk_variables_alone_export_both_processes_under_their_service_names(
+    receiver: tuple[TraceReceiver, int],
+    start_stack: Callable[..., Stack],
+) -> None:
+    collected, port = receiver
+    orchestrator = start_stack_exporting_by_environment(start_stack, port)
+    response = await classify(orchestrator)
+    await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
+
+    front_spans = spans_of(collected, response.trace_id, "env-orchestrator")
+    back_spans = spans_of(collected, response.trace_id, "env-capability")
+    assert sorted(s.name for s in front_spans) == sorted(
+        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "orchestrator")]
+    )
+    assert sorted(s.name for s in back_spans) == sorted(
+        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "capability")]
+    )
+
+
+async def test_the_sampler_variables_at_ratio_0_export_only_failing_traces(
+    receiver: tuple[TraceReceiver, int],
+    start_stack: Callable[..., Stack],
+) -> None:
+    collected, port = receiver
+    orchestrator = start_stack_exporting_by_environment(
+        start_stack, port, OTEL_TRACES_SAMPLER="traceidratio", OTEL_TRACES_SAMPLER_ARG="0"
+    )
+    good = await classify(orchestrator)
+    missing = await failed_call_trace_id(orchestrator, model="no-such-model")
+    await wait_for_spans(collected, missing, 10)
+
+    assert {name for name, s in collected.spans if s.trace_id.hex() == missing} == {
+        "env-orchestrator",
+        "env-capability",
+    }
+    # Wait one more export round: the good request's spans never come.
+    await asyncio.sleep(1.5)
+    assert spans_of(collected, good.trace_id) == []
