@@ -5,7 +5,7 @@
     python -m capability.bundle build --model topic-minilm --head linear-from-prototypes --out ...
     python -m capability.bundle build --model topic-static --out ... --sign-key KEY
     python -m capability.bundle sign build/models/topic-minilm/2 --key KEY
-    python -m capability.bundle verify build/models/topic-minilm/1
+    python -m capability.bundle verify build/models/topic-minilm/1 [--trusted-signers FILE]
 
 Progress goes to stderr; the result (the bundle's path, or its digest) to stdout. Exit
 status 1 means the bundle was refused or could not be written, with the reason on stderr.
@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify = commands.add_parser("verify", help="check every file against manifest.json")
     verify.add_argument("directory", type=Path)
     verify.add_argument("--quiet", action="store_true", help="no progress display")
+    verify.add_argument(
+        "--trusted-signers",
+        type=Path,
+        help="OpenSSH allowed-signers file; require manifest.json.sig by one of its keys",
+    )
 
     args = parser.parse_args(argv)
     try:
@@ -68,7 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "sign":
             print(sign_manifest(args.directory, args.key))
         else:
-            print(verify_bundle(args.directory, progress=not args.quiet))
+            print(
+                verify_bundle(
+                    args.directory,
+                    progress=not args.quiet,
+                    trusted_signers=args.trusted_signers,
+                )
+            )
     except (BundleError, ModelLoadError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -151,14 +151,17 @@ def check_no_unlisted_weights(directory: Path, manifest: Manifest) -> None:
         )
 
 
-def verify_bundle(directory: Path, *, progress: bool = False) -> str:
+def verify_bundle(
+    directory: Path, *, progress: bool = False, trusted_signers: Path | None = None
+) -> str:
     """Check every file against manifest.json; return the digest (manifest's SHA-256).
 
     Raises BundleError naming the first file at fault: a listed file missing, a size or
-    SHA-256 mismatch, or a weight file in the directory the manifest does not list.
+    SHA-256 mismatch, or a weight file in the directory the manifest does not list; with
+    `trusted_signers`, also a manifest not signed by one of its keys (signing.py).
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, trusted_signers)
     check_no_unlisted_weights(directory, manifest)
     total = sum(entry.size for entry in manifest.files.values())
     display = Progress(f"verify {directory}", total, unit="bytes", enabled=progress)

@@ -19,11 +19,13 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import BundleSignerUntrusted, check_manifest_signature, sign_manifest
+from capability.bundle.__main__ import main as bundle_command
 from capability.bundle.signing import SIGNATURE_FILE
 from capability.config import CapabilitySettings
+from capability.metrics import RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
-from tests.conftest import STRIKER, StartCapability
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
 
@@ -158,3 +160,35 @@ def test_signature_by_a_stranger_is_refused_as_untrusted(tmp_path: Path, keys: K
 def test_trusted_signers_that_is_not_a_file_stops_start_up(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"^--trusted-signers / CAPABILITY_TRUSTED_SIGNERS: "):
         CapabilitySettings(trusted_signers=tmp_path / "absent")
+
+
+async def test_unsigned_version_found_by_the_watcher_is_refused_and_old_version_keeps_serving(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "1", keys.trusted)
+    server = await start_capability(
+        model_root=root, models=(MODEL,), trusted_signers=keys.signers, watch_seconds=0.1
+    )
+    staging = copy_version(model_root, tmp_path / "staging", "2", key=None)
+    staging.rename(root / MODEL / "2")
+
+    await wait_until(
+        lambda: metric_sum(server.registry, RELOADS_TOTAL, model=MODEL, outcome="refused") == 1
+    )
+
+    assert server.pool.serving(MODEL).version == "1"
+
+
+def test_verify_command_refuses_an_unsigned_bundle_given_trusted_signers(
+    model_root: Path, tmp_path: Path, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle = copy_version(model_root, tmp_path, "2", key=None)
+    assert bundle_command(["verify", "--quiet", str(bundle)]) == 0
+
+    status = bundle_command(
+        ["verify", "--quiet", "--trusted-signers", str(keys.signers), str(bundle)]
+    )
+
+    assert status == 1
+    assert f"error: {SIGNATURE_FILE}: not found" in capsys.readouterr().err
