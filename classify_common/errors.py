@@ -282,6 +282,21 @@ GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
     ServiceError: grpc.StatusCode.INTERNAL,
 }
 
+# Status codes that are the server's fault, as OpenTelemetry's gRPC conventions
+# list them: only these give a server (or internal) span error status, so refused
+# calls (INVALID_ARGUMENT, UNAUTHENTICATED, NOT_FOUND, ...) are not kept whatever
+# the sampling (classify_common.nodes.marks_error).
+SERVER_FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
 # Status codes that mean "the model could not answer": a route may try its
 # fallback backends. Client errors never qualify.
 FALLBACK_ELIGIBLE_CODES = frozenset(

@@ -43,6 +43,7 @@ from classify_common.context import (
     new_request_id,
 )
 from classify_common.errors import (
+    SERVER_FAULT_CODES,
     FieldViolation,
     InternalError,
     InvalidRequest,
@@ -287,11 +288,14 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         # The IDs travel in the ErrorInfo too, for clients that only keep the status.
         error.context.update(dict(trailers))
         status = status_for(error)
-        span.set_status(Status(StatusCode.ERROR, error.message))
+        code = grpc_code_for(error)
+        # A refused call is the caller's fault: no error status (as the conventions say).
+        if code in SERVER_FAULT_CODES:
+            span.set_status(Status(StatusCode.ERROR, error.message))
         span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
         request_trace.log_fields.update(reason=error.reason, error=error.message)
         await context.abort(
-            grpc_code_for(error),
+            code,
             error.message,
             trailing_metadata=(*trailers, (STATUS_DETAILS_KEY, status.SerializeToString())),
         )

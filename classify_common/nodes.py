@@ -15,6 +15,7 @@ and end times, parented to the request's server span.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -25,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from classify_common.errors import ServiceError, grpc_code_for
+from classify_common.errors import SERVER_FAULT_CODES, ServiceError, grpc_code_for
 from classify_common.tracing import get_tracer, spans_are_exported
 
 # Span attribute keys, OpenTelemetry's semantic conventions where one exists. Each
@@ -191,9 +192,23 @@ def current_trace() -> RequestTrace | None:
     return _current.get()
 
 
-def mark_error(span: trace.Span, error: BaseException) -> None:
-    """Error status on `span`, with the gRPC code a ServiceError maps to."""
-    span.set_status(Status(StatusCode.ERROR, str(error)))
+def marks_error(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> bool:
+    """Whether `error` gives a span of `kind` error status, as OpenTelemetry's gRPC
+    conventions say: a client span, any failure; a server or internal span, only the
+    server's fault (SERVER_FAULT_CODES, or an exception that is no ServiceError, a
+    bug), not a refused call nor a caller that went away."""
+    if kind is SpanKind.CLIENT:
+        return True
+    if isinstance(error, ServiceError):
+        return grpc_code_for(error) in SERVER_FAULT_CODES
+    return not isinstance(error, asyncio.CancelledError)
+
+
+def mark_error(span: trace.Span, error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> None:
+    """The gRPC code and reason a ServiceError maps to on `span`, and error status
+    when the error is the server's fault (marks_error)."""
+    if marks_error(error, kind):
+        span.set_status(Status(StatusCode.ERROR, str(error)))
     if isinstance(error, ServiceError):
         span.set_attribute(RPC_GRPC_STATUS_CODE, grpc_code_for(error).value[0])
         span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
@@ -258,7 +273,7 @@ def _spanned_node(
         else:
             yield span
     except BaseException as error:
-        mark_error(span, error)
+        mark_error(span, error, kind)
         raise
     finally:
         request_trace.record(name, time.perf_counter() - started)

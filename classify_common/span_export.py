@@ -1,11 +1,11 @@
-"""Span export: batched on a thread of its own, bounded, and keeping errors and time-outs.
+"""Span export: batched on a thread of its own, bounded, keeping server faults and time-outs.
 
 Spans go to the exporter (OTLP) from a background thread through a bounded
 queue, so a slow or unreachable collector costs the request path nothing;
 spans beyond the queue, or in a batch the collector did not take, are dropped
 and counted (`classify_trace_spans_dropped_total`). Spans of unsampled traces
-are held per trace until the process's part of the trace ends: an error or a
-`timeout` mark exports everything held for that trace, and the rest is
+are held per trace until the process's part of the trace ends: a server fault
+or a `timeout` mark exports everything held for that trace, and the rest is
 discarded (classify_common.tracing installs this processor).
 """
 
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.core import CounterMetricFamily
+
+from classify_common.errors import SERVER_FAULT_CODES
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ HELD_TRACES = 2048
 HELD_SPANS_PER_TRACE = 64
 KEPT_TRACES = 4096
 SPANS_DROPPED_TOTAL = "classify_trace_spans_dropped_total"
+_SERVER_FAULT_VALUES = frozenset(code.value[0] for code in SERVER_FAULT_CODES)
 
 
 class ExportDrops:
@@ -89,10 +92,20 @@ class ExportLimits:
         return self.timeout_millis / 1000
 
 
-def _is_error_or_timeout(span: ReadableSpan) -> bool:
-    return span.status.status_code == StatusCode.ERROR or bool(
-        (span.attributes or {}).get("timeout")
-    )
+def _keeps_trace(span: ReadableSpan, status_code_key: str, timeout_key: str) -> bool:
+    """Whether `span` keeps its unsampled trace: a time-out, or error status that
+    is the server's fault. A client span has error status for any failed call (as
+    the conventions say), so there its gRPC code decides: a call the next hop
+    refused (NOT_FOUND, INVALID_ARGUMENT, ...) keeps nothing."""
+    attributes = span.attributes or {}
+    if attributes.get(timeout_key):
+        return True
+    if span.status.status_code != StatusCode.ERROR:
+        return False
+    if span.kind is SpanKind.CLIENT:
+        code = attributes.get(status_code_key)
+        return code is None or code in _SERVER_FAULT_VALUES
+    return True
 
 
 class KeepingBatchExport(SpanProcessor):
@@ -105,6 +118,11 @@ class KeepingBatchExport(SpanProcessor):
         drops: ExportDrops = EXPORT_DROPS,
         limits: ExportLimits = ExportLimits(),
     ) -> None:
+        # NOTE: imported here, not at the top: nodes imports tracing, which imports this.
+        from classify_common.nodes import RPC_GRPC_STATUS_CODE, TIMEOUT_ATTRIBUTE
+
+        self._status_code_key = RPC_GRPC_STATUS_CODE
+        self._timeout_key = TIMEOUT_ATTRIBUTE
         self._exporter = exporter
         self._limits = limits
         self._drops = drops
@@ -131,7 +149,9 @@ class KeepingBatchExport(SpanProcessor):
         """The spans to export now: this one (and those held before it) if its trace
         is kept, else none (it is held, or dropped with its trace)."""
         with self._held_lock:
-            if trace_id in self._kept or _is_error_or_timeout(span):
+            if trace_id in self._kept or _keeps_trace(
+                span, self._status_code_key, self._timeout_key
+            ):
                 self._kept[trace_id] = None
                 self._kept.move_to_end(trace_id)
                 while len(self._kept) > KEPT_TRACES:

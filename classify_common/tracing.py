@@ -13,10 +13,12 @@ caller's trace, or a new one), which responses, trailers, logs and the next hop
 report. Its sampled flag is the decision the sampler would have made, so a
 downstream process that does export samples the same traces.
 
-Sampling is parent-based with a ratio for new traces, but errors and time-outs
-are always kept: spans of unsampled traces are still recorded and held per
-trace until the process's part of the trace ends; an error or a `timeout`
-mark exports everything held for that trace, and the rest is discarded.
+Sampling is parent-based with a ratio for new traces (or as OTEL_TRACES_SAMPLER
+says), but the server's faults and time-outs are always kept (a refused call is
+no fault: classify_common.nodes.marks_error): spans of unsampled traces are
+still recorded and held per trace until the process's part of the trace ends;
+a fault or a `timeout` mark exports everything held for that trace, and the
+rest is discarded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""Unsampled traces are kept for the server's faults and time-outs, not refused calls."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, AlwaysRecordSampler
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from classify_common.nodes import RPC_GRPC_STATUS_CODE, TIMEOUT_ATTRIBUTE
+from classify_common.span_export import ExportDrops, KeepingBatchExport
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "status", "timeout", "kept"),
+    [
+        # A client span has error status for any failed call; its code decides.
+        (SpanKind.CLIENT, grpc.StatusCode.NOT_FOUND, StatusCode.ERROR, False, False),
+        (SpanKind.CLIENT, grpc.StatusCode.INVALID_ARGUMENT, StatusCode.ERROR, False, False),
+        (SpanKind.CLIENT, grpc.StatusCode.UNAVAILABLE, StatusCode.ERROR, False, True),
+        (SpanKind.CLIENT, None, StatusCode.ERROR, False, True),
+        # Elsewhere error status is set only for the server's faults.
+        (SpanKind.INTERNAL, grpc.StatusCode.INTERNAL, StatusCode.ERROR, False, True),
+        (SpanKind.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, StatusCode.UNSET, False, False),
+        (SpanKind.INTERNAL, None, StatusCode.UNSET, True, True),
+    ],
+)
+def test_an_unsampled_trace_is_kept_only_for_a_fault_or_a_timeout(
+    kind: SpanKind,
+    code: grpc.StatusCode | None,
+    status: StatusCode,
+    timeout: bool,
+    kept: bool,
+) -> None:
+    exporter = InMemorySpanExporter()
+    processor = KeepingBatchExport(exporter, drops=ExportDrops())
+    provider = TracerProvider(sampler=AlwaysRecordSampler(ALWAYS_OFF))
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+
+    with (
+        tracer.start_as_current_span("server", kind=SpanKind.SERVER),
+        tracer.start_as_current_span("node", kind=kind) as span,
+    ):
+        span.set_status(Status(status))
+        if code is not None:
+            span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+        if timeout:
+            span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+    processor.force_flush()
+    provider.shutdown()
+
+    names = sorted(span.name for span in exporter.get_finished_spans())
+    assert names == (["node", "server"] if kept else [])
