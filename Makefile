@@ -38,7 +38,7 @@ DEPLOY_DIR ?= deploy
 K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
 
-.PHONY: help setup run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+.PHONY: help setup ssh-keygen run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
 
 help:
@@ -54,7 +54,14 @@ help:
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
 	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
 
-setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF)
+setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF) ssh-keygen
+
+# Signed bundles are made and checked with OpenSSH's ssh-keygen (Debian's
+# openssh-client, which git usually brings along); installed where it is missing.
+ssh-keygen:
+	@command -v ssh-keygen >/dev/null || { \
+		echo "ssh-keygen not found: installing Debian's openssh-client"; \
+		apt-get -qq update && apt-get -qq install -y --no-install-recommends openssh-client; }
 
 $(VENV_STAMP): requirements/dev.lock
 	$(PYTHON) -m venv $(VENV)
