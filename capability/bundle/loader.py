@@ -117,12 +117,10 @@ def load_bundle(
     `precision` None uses the bundle's own (config.json); "fp32" or "bf16" overrides it.
     `graph` is how the encoder runs (capability.model.classifier.GRAPHS).
     `trusted_signers` (an OpenSSH allowed-signers file) requires manifest.json.sig by
-    one of its keys (signing.py); None loads unsigned bundles too.
-    Raises a BundleError subclass whose message starts with the file at fault.
-    Safe to call from several threads at once, one device each.
+    one of its keys (signing.py); None loads unsigned bundles too. Raises a BundleError
+    naming the file at fault. Safe from several threads at once, one device each.
     """
-    directory = Path(directory)
-    target = torch.device(device)
+    directory, target = Path(directory), torch.device(device)
     _check_load_options(precision, graph)
     started = time.perf_counter()
     times = _StageTimes()
