@@ -145,6 +145,20 @@ def scrape(process: ServerProcess, name: str, **labels: str) -> float:
     )
 
 
+def spans_with_every_node(
+    collected: TraceReceiver, trace_id: str, front_service: str, back_service: str
+) -> tuple[list[Any], list[Any]]:
+    """The trace's spans from each process (by service name), after checking that each
+    has its server span and every lifecycle node of its layer."""
+    front_spans = spans_of(collected, trace_id, front_service)
+    back_spans = spans_of(collected, trace_id, back_service)
+    for spans, layer in ((front_spans, "orchestrator"), (back_spans, "capability")):
+        assert sorted(s.name for s in spans) == sorted(
+            [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == layer)]
+        )
+    return front_spans, back_spans
+
+
 async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     receiver: tuple[TraceReceiver, int],
     start_stack: Callable[..., Stack],
@@ -154,13 +168,8 @@ async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     response = await classify(orchestrator)
     await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
 
-    front_spans = spans_of(collected, response.trace_id, "orchestrator")
-    back_spans = spans_of(collected, response.trace_id, "capability")
-    assert sorted(s.name for s in front_spans) == sorted(
-        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "orchestrator")]
-    )
-    assert sorted(s.name for s in back_spans) == sorted(
-        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "capability")]
+    front_spans, back_spans = spans_with_every_node(
+        collected, response.trace_id, "orchestrator", "capability"
     )
     (front,) = [s for s in front_spans if s.name == CLASSIFY_SPAN]
     (back,) = [s for s in back_spans if s.name == CLASSIFY_SPAN]
@@ -306,14 +315,7 @@ async def test_the_sdk_variables_alone_export_both_processes_under_their_service
     response = await classify(orchestrator)
     await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
 
-    front_spans = spans_of(collected, response.trace_id, "env-orchestrator")
-    back_spans = spans_of(collected, response.trace_id, "env-capability")
-    assert sorted(s.name for s in front_spans) == sorted(
-        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "orchestrator")]
-    )
-    assert sorted(s.name for s in back_spans) == sorted(
-        [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == "capability")]
-    )
+    spans_with_every_node(collected, response.trace_id, "env-orchestrator", "env-capability")
 
 
 async def test_the_sampler_variables_at_ratio_0_export_only_failing_traces(
