@@ -21,11 +21,11 @@ DISTRIBUTION_BY_MODULE = {
 }
 
 
-def declared() -> dict[str, str]:
-    """Each declared dependency's name and its version specifier, as written."""
-    project = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())["project"]
+def declared(table: str = "project", key: str = "dependencies") -> dict[str, str]:
+    """Each requirement's name and its version specifier, as written."""
+    config = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())
     requirements: dict[str, str] = {}
-    for line in project["dependencies"]:
+    for line in config[table][key]:
         match = re.fullmatch(r"([A-Za-z0-9._-]+)(.*)", line)
         assert match is not None, line
         requirements[match.group(1)] = match.group(2)
@@ -71,3 +71,5 @@ def test_the_lower_bounds_are_the_versions_the_stubs_were_generated_for() -> Non
     requirements = declared()
     assert requirements["protobuf"] == f">={protobuf},<{major + 1}"
     assert requirements["grpcio"] == f">={grpcio}"
+    # The generator an isolated build installs is the one that made these stubs.
+    assert declared("build-system", "requires")["grpcio-tools"] == f"=={grpcio}"
