@@ -33,8 +33,16 @@ from classify_client import (
 from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings, wait_until
+from tests.conftest import (
+    STRIKER,
+    closed_port,
+    metric_sum,
+    orchestrator_settings,
+    routes_text,
+    wait_until,
+)
 from tests.unit.capability.test_serving import device_occupied
+from tests.unit.test_tls import make_certificates
 
 KEY = new_key()
 TENANT = "metered"
@@ -256,3 +264,36 @@ async def test_batch_items_past_the_rate_are_sent_again_after_the_retry_info_del
     assert retry.error.retry_after_seconds is not None
     assert retry.delay_seconds >= retry.error.retry_after_seconds
     assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+
+
+async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_trust_it(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    make_certificates(tmp_path)
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_text([f"127.0.0.1:{capability.port}"]))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            tls_cert_file=tmp_path / "server.pem",
+            tls_key_file=tmp_path / "server.key",
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    once = RetryPolicy(max_attempts=1)
+    try:
+        async with AsyncClassifyClient(target(server), ca_file=tmp_path / "ca.pem") as trusting:
+            response = await trusting.classify(STRIKER)
+        async with AsyncClassifyClient(target(server), tls=True, retry=once) as default_roots:
+            with pytest.raises(Unavailable) as untrusted:
+                await default_roots.classify(STRIKER, timeout=5)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert response.labels[0].name == "sports"
+    # Refused in the handshake: no server answered, so no IDs and no reason.
+    assert (untrusted.value.code, untrusted.value.reason, untrusted.value.request_id) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "",
+        "",
+    )
