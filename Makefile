@@ -14,6 +14,8 @@ BUF := tools/buf/node_modules/.bin/buf
 
 VENV_STAMP := $(VENV)/.installed-dev-lock
 STUB_STAMP := classify_common/gen/.stamp
+CLIENT_DIR := clients/python
+DIST_DIR := build/dist
 MODEL_ROOT := build/models
 BUNDLE_STAMP := $(MODEL_ROOT)/.built
 DEV_SIGNING_KEY := .run/bundle-signing-key
@@ -30,7 +32,7 @@ IMAGE_DIR ?= build/proto
 # against the last release (see CHANGELOG.md). `main` only where no tag is seen.
 BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null || echo main)
 
-PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
+PYTHON_SOURCES := capability orchestrator classify_common clients/python tests tools bench
 
 # `make lint-deploy` reads these, so a test can point it at a copy of deploy/
 # with a planted fault. K8S_VERSION: the Kubernetes schemas to validate against.
@@ -38,7 +40,7 @@ DEPLOY_DIR ?= deploy
 K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
 
-.PHONY: help setup ssh-keygen run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+.PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
 
 help:
@@ -46,7 +48,8 @@ help:
 	@echo "make test   set up, then lint and run the whole test suite"
 	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, lint-deploy"
 	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
-	@echo "make proto  regenerate Python stubs from proto/"
+	@echo "make proto  regenerate Python stubs from proto/ (the services' and the client package's)"
+	@echo "make dist   build the classify-client wheel into $(DIST_DIR)"
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
 	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
@@ -70,11 +73,23 @@ $(VENV_STAMP): requirements/dev.lock
 	$(PY) -m pip install --quiet --no-deps -r requirements/dev.lock
 	touch $@
 
+# The services' stubs, and the client package's own copy under classify_client.gen;
+# the .pth puts both classify_common/gen and $(CLIENT_DIR)/src on the virtualenv's path.
 $(STUB_STAMP): $(VENV_STAMP) $(PROTO_FILES) tools/protoc.py
 	$(PY) tools/protoc.py stubs
+	$(PY) tools/protoc.py client-stubs
 	touch $@
 
 proto: $(STUB_STAMP)
+
+# The classify-client wheel (docs/client.md), its stubs generated from proto/ by its
+# build hook. Built with the virtualenv's pinned setuptools and grpcio-tools, so the
+# stubs it carries are the ones the services and tests use.
+dist: $(STUB_STAMP)
+	rm -rf $(DIST_DIR) $(CLIENT_DIR)/build
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(DIST_DIR) $(CLIENT_DIR)
+	rm -rf $(CLIENT_DIR)/build $(CLIENT_DIR)/src/*.egg-info
+	@ls $(DIST_DIR)/*.whl
 
 # A development key that signs the bundles `make bundles` builds, made once and kept
 # in .run/ (git-ignored) beside the API key; `make run` trusts it (docs/models.md).

@@ -1,16 +1,22 @@
-"""Command-line client: classify a text, or a file of texts, through the orchestrator.
+"""Command-line client, built on the classify-client package (clients/python).
 
     python -m orchestrator.client "The striker scored twice in the final minutes"
     python -m orchestrator.client --top-k 2 --json "Shares fell after the earnings call"
     python -m orchestrator.client --file headlines.txt     # one text per line; - is stdin
+    python -m orchestrator.client --wait "..."             # follow PROCESSING to DONE
+    python -m orchestrator.client --result REQUEST_ID      # fetch a PROCESSING answer's result
 
 Prints the labels with their scores, the model that answered, the route and
-the request and trace IDs. On failure it prints the status code, each field
-violation, and the request and trace IDs from the trailers, and exits 1.
+the request and trace IDs. An answer that is still PROCESSING (the route's time
+budget ran out while the model worked) is shown as such, with the request ID
+to fetch it by; `--wait` polls GetResult until it is DONE, within `--timeout`.
+On failure it prints the status code, each field violation, and the request
+and trace IDs, and exits 1. Overload and unavailability are retried first, as
+the server's RetryInfo says (classify_client.retry).
 
 With `--file`, the lines are sent with ClassifyBatch (up to 1,024 per call) and
-one line is printed per text, in order: its best label and score, or its error
-with the request ID to look it up by. It exits 1 when any text failed.
+one line is printed per text, in order: its best label and score, PROCESSING,
+or its error with the request ID to look it up by. It exits 1 when any text failed.
 """
 
 from __future__ import annotations
@@ -19,52 +25,45 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import grpc
 from google.protobuf import json_format
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
-from ai.classify.v1 import classify_service_pb2 as pb
-from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_common.context import REQUEST_ID_HEADER, TRACE_ID_HEADER
+from classify_client import (
+    DEFAULT_TARGET,
+    DEFAULT_TIMEOUT_SECONDS,
+    BatchItem,
+    ClassifyClient,
+    ClassifyError,
+    pb,
+)
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 LOCAL_KEY_FILE = Path(".run/api-key")
-DEFAULT_TIMEOUT_SECONDS = 10.0
 BAR_WIDTH = 30
-PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}
-# Items per ClassifyBatch call (the contract's limit).
-BATCH_ITEMS = 1024
+PRIORITIES = ("batch", "interactive")
 # Characters of each text echoed on its `--file` output line.
 ECHO_CHARS = 60
 
 
-def build_request(args: argparse.Namespace, text: str | None = None) -> pb.ClassifyRequest:
-    request = pb.ClassifyRequest(
-        text=args.text if text is None else text,
-        model=args.model or "",
-        request_id=args.request_id or "",
-        priority=PRIORITIES[args.priority],
-    )
-    if args.top_k is not None:
-        request.top_k = args.top_k
-    if args.max_length is not None:
-        request.max_length = args.max_length
-    return request
-
-
 def format_response(response: pb.ClassifyResponse) -> str:
-    width = max((len(label.name) for label in response.labels), default=0)
-    lines = [
-        f"{label.name:<{width}}  {label.score:6.3f}  {'█' * round(label.score * BAR_WIDTH)}"
-        for label in response.labels
-    ]
+    if response.status == pb.RESULT_STATUS_PROCESSING:
+        lines = [
+            "PROCESSING  the route's time budget ran out while the model was working;",
+            f"            the result is kept under request {response.request_id}: fetch it with",
+            f"            --result {response.request_id}, or call again with --wait",
+        ]
+    else:
+        width = max((len(label.name) for label in response.labels), default=0)
+        lines = [
+            f"{label.name:<{width}}  {label.score:6.3f}  {'█' * round(label.score * BAR_WIDTH)}"
+            for label in response.labels
+        ]
+    lines.append("")
+    if response.status != pb.RESULT_STATUS_PROCESSING:
+        lines.append(f"model     {response.model.name} (version {response.model.version})")
     lines += [
-        "",
-        f"model     {response.model.name} (version {response.model.version})",
         f"route     {response.route}{'  [fallback]' if response.fallback else ''}",
         f"request   {response.request_id}",
         f"trace     {response.trace_id}",
@@ -72,55 +71,57 @@ def format_response(response: pb.ClassifyResponse) -> str:
     return "\n".join(lines)
 
 
-def format_item(result: pb.ClassifyBatchResult, text: str) -> str:
+def format_item(item: BatchItem, text: str) -> str:
     """One `--file` output line: best label and score, PROCESSING, or the error."""
     echo = text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 1] + "…"
-    if result.HasField("error"):
-        return f"error       {format_status(result.error)}  {echo!r}"
-    response = result.response
+    if item.error is not None:
+        error = item.error
+        return (
+            f"error       {error.code.name}: {error.message}  "
+            f"(request {error.request_id or '-'})  {echo!r}"
+        )
+    response = item.response
+    assert response is not None
     if response.status == pb.RESULT_STATUS_PROCESSING:
-        return f"processing  poll GetResult with request {response.request_id}  {echo!r}"
+        return f"processing  fetch with --result {response.request_id}  {echo!r}"
     best = response.labels[0]
     return f"{best.name:<10}  {best.score:5.3f}  {echo}"
 
 
-def format_status(status: status_pb2.Status) -> str:
-    """`CODE: message` and each field violation, with the request ID, on one line."""
-    code = next((c.name for c in grpc.StatusCode if c.value[0] == status.code), str(status.code))
-    parts = [f"{code}: {status.message}"]
-    request_id = "-"
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            request_id = info.metadata.get(REQUEST_ID_HEADER, request_id)
-    parts.append(f"(request {request_id})")
-    return "  ".join(parts)
-
-
-def format_error(error: grpc.RpcError) -> str:
-    call: grpc.Call = error  # type: ignore[assignment]
-    lines = [f"error: {call.code().name}: {call.details()}"]
-    status = rpc_status.from_call(call)
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            lines += [
-                f"  {v.field}: {v.description} [{v.reason}]" for v in bad_request.field_violations
-            ]
-    trailers = {key: str(value) for key, value in call.trailing_metadata() or ()}
-    lines.append(f"request   {trailers.get(REQUEST_ID_HEADER, '-')}")
-    lines.append(f"trace     {trailers.get(TRACE_ID_HEADER, '-')}")
+def format_error(error: ClassifyError) -> str:
+    lines = [f"error: {error.code.name}: {error.message}"]
+    lines += [f"  {v.field}: {v.description} [{v.rule}]" for v in error.violations]
+    lines.append(f"request   {error.request_id or '-'}")
+    lines.append(f"trace     {error.trace_id or '-'}")
     return "\n".join(lines)
 
 
-def credentials(flag: str | None) -> tuple[tuple[str, str], ...]:
-    """`authorization` metadata from the flag, the environment or the local key file."""
+def item_json(item: BatchItem) -> dict[str, Any]:
+    if item.response is not None:
+        return {"response": json_format.MessageToDict(item.response)}
+    error = item.error
+    assert error is not None
+    return {
+        "error": {
+            "code": error.code.name,
+            "message": error.message,
+            "reason": error.reason,
+            "requestId": error.request_id,
+            "traceId": error.trace_id,
+            "violations": [
+                {"field": v.field, "rule": v.rule, "description": v.description}
+                for v in error.violations
+            ],
+        }
+    }
+
+
+def api_key(flag: str | None) -> str | None:
+    """The API key from the flag, the environment or the local key file."""
     key = flag or os.environ.get("CLASSIFY_API_KEY")
     if key is None and LOCAL_KEY_FILE.is_file():
         key = LOCAL_KEY_FILE.read_text().strip()
-    return (("authorization", f"Bearer {key}"),) if key else ()
+    return key or None
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -132,17 +133,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--file", help="classify each line of this file (- for stdin) with ClassifyBatch"
     )
     parser.add_argument(
+        "--result", metavar="REQUEST_ID", help="fetch the result of a PROCESSING answer"
+    )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow a PROCESSING answer with GetResult until it is DONE (within --timeout)",
+    )
+    parser.add_argument(
         "--target",
         default=os.environ.get("CLASSIFY_TARGET", DEFAULT_TARGET),
         help=f"orchestrator host:port [env CLASSIFY_TARGET; default {DEFAULT_TARGET}]",
     )
     parser.add_argument("--top-k", type=int, help="only the k best labels")
     parser.add_argument("--max-length", type=int, help="token budget (default 512)")
-    parser.add_argument("--model", help="model name hint for routing")
-    parser.add_argument("--priority", choices=sorted(PRIORITIES), default="interactive")
-    parser.add_argument("--request-id", help="your own request ID")
+    parser.add_argument("--model", default="", help="model name hint for routing")
+    parser.add_argument("--priority", choices=PRIORITIES, default="interactive")
+    parser.add_argument("--request-id", default="", help="your own request ID")
     parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="deadline in seconds"
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        help="deadline in seconds, retries and --wait polling included",
     )
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument("--ca-file", help="CA to verify a TLS orchestrator [env CLASSIFY_CA_FILE]")
@@ -152,8 +164,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"API key [env CLASSIFY_API_KEY; else {LOCAL_KEY_FILE}, written by `make run`]",
     )
     args = parser.parse_args(argv)
-    if (args.text is None) == (args.file is None):
-        parser.error("give either a text or --file")
+    if sum(given is not None for given in (args.text, args.file, args.result)) != 1:
+        parser.error("give one of: a text, --file or --result")
     return args
 
 
@@ -163,49 +175,52 @@ def read_lines(path: str) -> list[str]:
     return source.splitlines()
 
 
-def chunks(texts: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(texts), BATCH_ITEMS):
-        yield texts[start : start + BATCH_ITEMS]
-
-
-def classify_file(stub: pb_grpc.ClassifyServiceStub, args: argparse.Namespace) -> int:
+def classify_file(client: ClassifyClient, args: argparse.Namespace) -> int:
     """Send the file's lines with ClassifyBatch; print one line (or JSON object) per text."""
-    failed = 0
-    for texts in chunks(read_lines(args.file)):
-        request = pb.ClassifyBatchRequest(items=[build_request(args, text) for text in texts])
-        try:
-            response = stub.ClassifyBatch(
-                request, timeout=args.timeout, metadata=credentials(args.api_key)
-            )
-        except grpc.RpcError as error:
-            print(format_error(error), file=sys.stderr)
-            return 1
-        for result, text in zip(response.results, texts, strict=True):
-            failed += result.HasField("error")
-            if args.json:
-                print(json.dumps(json_format.MessageToDict(result), ensure_ascii=False))
-            else:
-                print(format_item(result, text))
-    return 1 if failed else 0
+    texts = read_lines(args.file)
+    items = client.classify_batch(
+        texts,
+        top_k=args.top_k,
+        max_length=args.max_length,
+        model=args.model,
+        priority=args.priority,
+        wait=args.wait,
+    )
+    for item, text in zip(items, texts, strict=True):
+        if args.json:
+            print(json.dumps(item_json(item), ensure_ascii=False))
+        else:
+            print(format_item(item, text))
+    return 0 if all(item.ok for item in items) else 1
+
+
+def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.ClassifyResponse:
+    if args.result is not None:
+        return client.get_result(args.result, wait=args.wait)
+    return client.classify(
+        args.text,
+        top_k=args.top_k,
+        max_length=args.max_length,
+        model=args.model,
+        priority=args.priority,
+        request_id=args.request_id,
+        wait=args.wait,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    ca_file = args.ca_file or os.environ.get("CLASSIFY_CA_FILE")
-    channel = (
-        grpc.secure_channel(args.target, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()))
-        if ca_file
-        else grpc.insecure_channel(args.target)
-    )
-    with channel:
-        stub = pb_grpc.ClassifyServiceStub(channel)
-        if args.file is not None:
-            return classify_file(stub, args)
+    with ClassifyClient(
+        args.target,
+        api_key=api_key(args.api_key),
+        ca_file=args.ca_file or os.environ.get("CLASSIFY_CA_FILE"),
+        timeout=args.timeout,
+    ) as client:
         try:
-            response = stub.Classify(
-                build_request(args), timeout=args.timeout, metadata=credentials(args.api_key)
-            )
-        except grpc.RpcError as error:
+            if args.file is not None:
+                return classify_file(client, args)
+            response = classify_one(client, args)
+        except ClassifyError as error:
             print(format_error(error), file=sys.stderr)
             return 1
     if args.json:
