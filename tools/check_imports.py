@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -115,10 +116,10 @@ def declared_in(path: Path) -> set[str]:
     return names
 
 
-def modules_of(files: Iterable[PurePosixPath]) -> Iterator[str]:
+def modules_of(files: Iterable[str]) -> Iterator[str]:
     """Dotted module (and package) names a distribution's installed files provide."""
     for file in files:
-        parts = file.parts
+        parts = file.split("/")
         if not parts or parts[0] == ".." or parts[0].endswith((".dist-info", ".data")):
             continue
         folders, leaf = parts[:-1], parts[-1]
@@ -138,7 +139,7 @@ def module_providers() -> dict[str, set[str]]:
     providers: dict[str, set[str]] = {}
     for distribution in importlib.metadata.distributions():
         name = normalize(distribution.metadata["Name"])
-        files = [PurePosixPath(str(file)) for file in distribution.files or ()]
+        files = (PurePosixPath(file).as_posix() for file in distribution.files or ())
         for module in set(modules_of(files)):
             providers.setdefault(module, set()).add(name)
     return providers
@@ -153,10 +154,27 @@ class Import:
     candidates: tuple[str, ...]
 
 
-def imports_in(path: Path, relative: str) -> Iterator[Import]:
+def statements(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Every statement, however nested (an import is a statement, never inside an expression)."""
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        yield node
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, name, None)
+            if isinstance(children, list):
+                stack.extend(children)
+
+
+@functools.cache
+def imports_in(path: Path, relative: str) -> tuple[Import, ...]:
     """Absolute imports of one file that are neither standard library nor ours."""
-    tree = ast.parse(path.read_text(), filename=relative)
-    for node in ast.walk(tree):
+    found = _imports_in(ast.parse(path.read_text(), filename=relative), relative)
+    return tuple(sorted(found, key=lambda item: item.line))
+
+
+def _imports_in(tree: ast.Module, relative: str) -> Iterator[Import]:
+    for node in statements(tree.body):
         if isinstance(node, ast.Import):
             modules = [[alias.name] for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

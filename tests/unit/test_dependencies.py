@@ -144,6 +144,39 @@ def test_a_tampered_hash_in_a_lock_fails_the_install(tmp_path: Path) -> None:
     assert (tmp_path / "genuine-target" / "typing_extensions.py").exists()
 
 
+# Imports every module the orchestrator image ships, with nothing on the path but the
+# standard library, the target directory, our code and the generated stubs.
+IMPORT_EVERY_MODULE = """
+import importlib, pkgutil, sys
+sys.path[:0] = {paths!r}
+import classify_common, orchestrator
+for package in (classify_common, orchestrator):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not module.name.endswith(".__main__"):  # that one starts the server
+            importlib.import_module(module.name)
+print(sorted(name for name in ("torch", "numpy", "tokenizers") if name in sys.modules))
+"""
+
+
+def test_orchestrator_code_imports_on_the_orchestrator_lock_alone(tmp_path: Path) -> None:
+    target = tmp_path / "site-packages"
+    installed = pip_install_with_hashes(REQUIREMENTS / "orchestrator.lock", target)
+    assert installed.returncode == 0, installed.stderr
+
+    paths = [str(target), str(REPO_ROOT), str(REPO_ROOT / "classify_common" / "gen")]
+    result = subprocess.run(
+        # -S: no site-packages, so the development virtualenv cannot fill a gap.
+        [sys.executable, "-S", "-c", IMPORT_EVERY_MODULE.format(paths=paths)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_check_imports_passes_on_the_repository() -> None:
     result = subprocess.run(
         [sys.executable, "tools/check_imports.py"],
@@ -154,6 +187,11 @@ def test_check_imports_passes_on_the_repository() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(": ok, every import declared") == len(check_imports.INSTALLED_SETS)
+
+
+@pytest.fixture(scope="module")
+def providers() -> dict[str, set[str]]:
+    return check_imports.module_providers()
 
 
 @pytest.fixture
@@ -167,56 +205,68 @@ def repository_copy(tmp_path: Path) -> Path:
     return root
 
 
-def run_check(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "check_imports.py"), "--root", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def problems_in(root: Path, providers: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Installed set name -> what the import check finds wrong in the tree at `root`."""
+    return {
+        installed.name: check_imports.check(root, installed, providers)[0]
+        for installed in check_imports.INSTALLED_SETS
+    }
 
 
-def test_check_imports_fails_on_an_undeclared_import(repository_copy: Path) -> None:
+def test_check_imports_fails_on_an_undeclared_import(
+    repository_copy: Path, providers: dict[str, set[str]]
+) -> None:
     """packaging is installed (pytest needs it) but declared nowhere."""
     (repository_copy / "classify_common" / "planted.py").write_text(
         '"""Planted."""\n\nfrom packaging.version import Version\n'
     )
 
-    result = run_check(repository_copy)
+    problems = problems_in(repository_copy, providers)
 
-    assert result.returncode == 1
-    for requirements in ("dev.in", "orchestrator.in", "capability.in"):
-        assert (
+    for name, requirements in [
+        ("dev", "dev.in"),
+        ("orchestrator image", "orchestrator.in"),
+        ("capability image", "capability.in"),
+    ]:
+        assert problems[name] == [
             "classify_common/planted.py:3: imports 'packaging.version.Version' from packaging, "
             f"not declared in requirements/{requirements}"
-        ) in result.stderr
+        ]
 
 
 def test_check_imports_fails_when_orchestrator_code_imports_a_capability_package(
-    repository_copy: Path,
+    repository_copy: Path, providers: dict[str, set[str]]
 ) -> None:
     (repository_copy / "orchestrator" / "planted.py").write_text('"""Planted."""\n\nimport torch\n')
 
-    result = run_check(repository_copy)
+    problems = problems_in(repository_copy, providers)
 
-    assert result.returncode == 1
-    assert (
-        "check-imports (orchestrator image): orchestrator/planted.py:3: imports 'torch' from "
-        "torch, not declared in requirements/orchestrator.in"
-    ) in result.stderr
-    assert "check-imports (dev): ok" in result.stdout
+    assert problems["orchestrator image"] == [
+        "orchestrator/planted.py:3: imports 'torch' from torch, "
+        "not declared in requirements/orchestrator.in"
+    ]
+    assert problems["dev"] == []
+
+
+def test_check_imports_fails_on_an_import_nothing_installs(
+    repository_copy: Path, providers: dict[str, set[str]]
+) -> None:
+    (repository_copy / "tools" / "planted.py").write_text('"""Planted."""\n\nimport leftpad\n')
+
+    problems = problems_in(repository_copy, providers)
+
+    assert problems["dev"] == ["tools/planted.py:3: 'leftpad' is installed by no distribution here"]
 
 
 def test_check_imports_fails_when_an_image_declares_what_its_code_never_imports(
-    repository_copy: Path,
+    repository_copy: Path, providers: dict[str, set[str]]
 ) -> None:
     orchestrator_in = repository_copy / "requirements" / "orchestrator.in"
     orchestrator_in.write_text(orchestrator_in.read_text() + "numpy\n")
 
-    result = run_check(repository_copy)
+    problems = problems_in(repository_copy, providers)
 
-    assert result.returncode == 1
-    assert (
+    assert problems["orchestrator image"] == [
         "requirements/orchestrator.in: declares numpy, which no file of the orchestrator "
-        "image imports"
-    ) in result.stderr
+        "image imports (orchestrator, classify_common, tools/grpc_health_check.py)"
+    ]
