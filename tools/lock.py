@@ -45,8 +45,10 @@ LOCKED_SETS = ("dev", "orchestrator", "capability", "stubs", "pip")
 # Installed in a step of their own, from a lock of their own: package -> (its lock, the set
 # whose resolution pins it).
 OWN_STEP = {"torch": ("torch-cpu", "capability")}
-# The oldest glibc a locked wheel may need: Ubuntu 22.04's, the capability image's base.
+# The newest glibc a locked wheel may need: Ubuntu 22.04's, the capability image's base.
 MAX_GLIBC = (2, 35)
+# The build the locks expect each own-step package to resolve to (its local version label).
+OWN_STEP_BUILD = {"torch": "cpu"}
 INPUTS_LINE = "# Inputs (sha256 of the requirement files resolved): "
 
 
@@ -159,9 +161,16 @@ def resolve(requirements: Iterable[str], constraints: Path | None, no_deps: bool
         glibc = glibc_needed(filename)
         if glibc is not None and glibc > MAX_GLIBC:
             raise SystemExit(f"{filename} needs glibc {glibc}, newer than the images' {MAX_GLIBC}")
-        # A local version label (torch's "+cpu") is dropped: "==2.13.0" matches that build.
-        version = item["metadata"]["version"].split("+")[0]
-        pins.append(Pin(normalize(item["metadata"]["name"]), version, sha256, url))
+        name = normalize(item["metadata"]["name"])
+        version, _, build = item["metadata"]["version"].partition("+")
+        if name in OWN_STEP_BUILD and build != OWN_STEP_BUILD[name]:
+            # Elsewhere pip finds PyPI's CUDA build, and the locks would fill with nvidia-*.
+            raise SystemExit(
+                f"{name} resolved to {filename}, not its +{OWN_STEP_BUILD[name]} build: run "
+                "`make lock` where that build is served (docs/development.md#torch)"
+            )
+        # The local version label is dropped: "==2.13.0" matches the +cpu build.
+        pins.append(Pin(name, version, sha256, url))
     return sorted(pins)
 
 
