@@ -9,8 +9,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP_VERSION := 26.3
-BUF := tools/buf/node_modules/.bin/buf
+# The buf CLI comes from the buf-bin wheel on PyPI, pinned (with its hash) in dev.lock.
+BUF := $(VENV)/bin/buf
 
 VENV_STAMP := $(VENV)/.installed-dev-lock
 STUB_STAMP := classify_common/gen/.stamp
@@ -41,12 +41,13 @@ K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
 
 .PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+	check-deps \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
 	@echo "make test   set up, then lint and run the whole test suite"
-	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, lint-deploy"
+	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, check-deps, lint-deploy"
 	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
 	@echo "make proto  regenerate Python stubs from proto/ (the services' and the client package's)"
 	@echo "make dist   build the classify-client wheel into $(DIST_DIR)"
@@ -55,9 +56,9 @@ help:
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
 	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
-	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
+	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock"
 
-setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF) ssh-keygen
+setup: $(VENV_STAMP) $(STUB_STAMP) ssh-keygen
 
 # Signed bundles are made and checked with OpenSSH's ssh-keygen (Debian's
 # openssh-client, which git usually brings along); installed where it is missing.
@@ -66,11 +67,16 @@ ssh-keygen:
 		echo "ssh-keygen not found: installing Debian's openssh-client"; \
 		apt-get -qq update && apt-get -qq install -y --no-install-recommends openssh-client; }
 
-$(VENV_STAMP): requirements/dev.lock
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check pip==$(PIP_VERSION)
-	# The lock is complete, so nothing is resolved at install time.
-	$(PY) -m pip install --quiet --no-deps -r requirements/dev.lock
+# A new lock makes a new virtualenv (--clear), so it holds exactly what the locks name.
+# Every file is checked against the lock's sha256 (--require-hashes); the locks are
+# complete, so nothing is resolved at install time (--no-deps). torch is installed in a
+# step of its own, from torch-cpu.lock (docs/development.md#torch says why).
+$(VENV_STAMP): requirements/pip.lock requirements/dev.lock requirements/torch-cpu.lock
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+		-r requirements/pip.lock
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/dev.lock
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/torch-cpu.lock
 	touch $@
 
 # The services' stubs, and the client package's own copy under classify_client.gen;
@@ -111,29 +117,32 @@ $(BUNDLE_STAMP): $(STUB_STAMP) $(MODEL_SOURCES) $(DEV_SIGNERS)
 
 bundles: $(BUNDLE_STAMP)
 
-$(BUF): tools/buf/package.json tools/buf/package-lock.json
-	cd tools/buf && npm ci --no-audit --no-fund --loglevel=error
-	touch $@
-
 run: setup bundles
 	$(PY) tools/run_stack.py
 
 test: setup lint pytest
 
-lint: buf-lint buf-breaking ruff mypy check-routes lint-deploy
+lint: buf-lint buf-breaking ruff mypy check-deps check-routes lint-deploy
 
-buf-lint: $(BUF) $(VENV_STAMP)
+buf-lint: $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
 	$(BUF) lint $(IMAGE_DIR)/current.binpb --config buf.yaml --path ai
 	@echo "buf lint: ok"
 
-buf-breaking: $(BUF) $(VENV_STAMP)
+buf-breaking: $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
 	@rc=0; $(PY) tools/protoc.py image --against $(BUF_AGAINST) --out $(IMAGE_DIR)/against.binpb || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "buf breaking: no contract at $(BUF_AGAINST) to compare against; skipped"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(BUF) breaking $(IMAGE_DIR)/current.binpb --against $(IMAGE_DIR)/against.binpb --config buf.yaml --path ai; \
 	echo "buf breaking against $(BUF_AGAINST): ok"
+
+# Every import declared in requirements/*.in, each image's .in no wider than its code's
+# imports (tools/check_imports.py), and every lock up to date with its .in files.
+check-deps: $(VENV_STAMP) $(STUB_STAMP)
+	$(PY) tools/check_imports.py
+	$(PY) tools/lock.py --check
+	@echo "locks: up to date with requirements/*.in"
 
 check-routes: $(STUB_STAMP)
 	$(PY) -m orchestrator.routing check routes.yaml
@@ -158,13 +167,9 @@ mypy: $(VENV_STAMP) $(STUB_STAMP)
 pytest: setup
 	$(PY) -m pytest
 
+# Every lock, from every .in, in one run (tools/lock.py): needs PyPI.
 lock: $(VENV_STAMP)
-	mkdir -p build
-	for name in runtime dev; do \
-	  $(PY) -m pip install --quiet --dry-run --ignore-installed \
-	    --report build/$$name-report.json -r requirements/$$name.in; \
-	  $(PY) tools/lock.py build/$$name-report.json requirements/$$name.in > requirements/$$name.lock; \
-	done
+	$(PY) tools/lock.py
 
 # Under 10 minutes in all on the 2-core development machine.
 bench: bench-models bench-capability bench-front-door bench-overload
@@ -185,4 +190,4 @@ gpu-check: setup bundles
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build classify_common/gen tools/buf/node_modules .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build classify_common/gen .mypy_cache .ruff_cache .pytest_cache

@@ -134,7 +134,7 @@ def main() -> int:
         print(
             "\nReady. In another terminal:\n"
             f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
-            "  tools/buf/node_modules/.bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
+            "  .venv/bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
             '    -H "authorization: Bearer $(cat .run/api-key)" \\\n'
             f'    -d \'{{"text": "{EXAMPLE_TEXT}"}}\' \\\n'
             f"    http://127.0.0.1:{orchestrator_port}/ai.classify.v1.ClassifyService/Classify\n"
