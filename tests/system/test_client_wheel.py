@@ -3,8 +3,9 @@
 `make dist` builds the wheel; a new virtualenv gets it and its declared
 dependencies (at the versions this repository pins) and nothing of the
 repository; a script run there classifies a text and a batch, follows PROCESSING
-answers to DONE, and is retried after a rate-limit refusal's RetryInfo. The
-orchestrator's own counters confirm what the script saw.
+answers to DONE, and is retried after a rate-limit refusal's RetryInfo, and the
+wheel's `classify` command answers. The orchestrator's own counters confirm what
+the script saw.
 """
 
 from __future__ import annotations
@@ -169,3 +170,19 @@ def test_the_wheel_alone_classifies_follows_processing_and_retries_after_retry_i
     }
     assert 0 < retry["retry_after"] <= retry["delay"]
     assert value(scrape, RATE_LIMITED_TOTAL, tenant=LIMITED_TENANT) == 1
+
+    # The wheel's `classify` command, from the same virtualenv.
+    command = subprocess.run(
+        [str(client_python.parent / "classify"), "--top-k", "1", STRIKER],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "CLASSIFY_TARGET": f"127.0.0.1:{stack.orchestrator.port}",
+            "CLASSIFY_API_KEY": STACK_API_KEY,
+        },
+    )
+    assert command.returncode == 0, command.stderr
+    assert command.stdout.split()[0] == "sports"

@@ -88,7 +88,7 @@ def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]
         [
             sys.executable,
             "-m",
-            "orchestrator.client",
+            "classify_client",
             "--target",
             f"127.0.0.1:{target_port}",
             *args,

@@ -1,10 +1,10 @@
-"""Command-line client, built on the classify-client package (clients/python).
+"""The `classify` command, built on this package's ClassifyClient.
 
-    python -m orchestrator.client "The striker scored twice in the final minutes"
-    python -m orchestrator.client --top-k 2 --json "Shares fell after the earnings call"
-    python -m orchestrator.client --file headlines.txt     # one text per line; - is stdin
-    python -m orchestrator.client --wait "..."             # follow PROCESSING to DONE
-    python -m orchestrator.client --result REQUEST_ID      # fetch a PROCESSING answer's result
+    python -m classify_client "The striker scored twice in the final minutes"
+    python -m classify_client --top-k 2 --json "Shares fell after the earnings call"
+    python -m classify_client --file headlines.txt     # one text per line; - is stdin
+    python -m classify_client --wait "..."             # follow PROCESSING to DONE
+    python -m classify_client --result REQUEST_ID      # fetch a PROCESSING answer's result
 
 Prints the labels with their scores, the model that answered, the route and
 the request and trace IDs. An answer that is still PROCESSING (the route's time
@@ -125,9 +125,7 @@ def api_key(flag: str | None) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.client", description="Classify a text."
-    )
+    parser = argparse.ArgumentParser(prog="classify", description="Classify a text.")
     parser.add_argument("text", nargs="?", help="the text to classify")
     parser.add_argument(
         "--file", help="classify each line of this file (- for stdin) with ClassifyBatch"
