@@ -129,10 +129,11 @@ CAPABILITY_ALONE = "capability alone"
 NAIVE = "naive"
 
 
-def write_credentials(directory: Path = STACK_DIR) -> tuple[str, dict[str, str]]:
+def write_credentials(directory: Path | None = None) -> tuple[str, dict[str, str]]:
     """A fresh API key for a tenant without a rate limit, and the internal token, under
-    `directory`; returns the key and the environment that points both servers at them
-    (the variables tools/run_stack.py sets)."""
+    `directory` (default STACK_DIR); returns the key and the environment that points
+    both servers at them (the variables tools/run_stack.py sets)."""
+    directory = directory or STACK_DIR
     directory.mkdir(parents=True, exist_ok=True)
     key = new_key()
     keys_file, token_file = directory / "api-keys.yaml", directory / "internal-token"
@@ -153,17 +154,17 @@ def write_credentials(directory: Path = STACK_DIR) -> tuple[str, dict[str, str]]
 
 def write_routes(
     capability_target: str,
-    directory: Path = STACK_DIR,
+    directory: Path | None = None,
     first_routes: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
     """routes.yaml as it stands, with every backend pointed at the bench's capability
     server (the repository's file names the `make run` port), and `first_routes` put
-    before its own."""
+    before its own; written under `directory` (default STACK_DIR)."""
     routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
     for backend in routes["backends"].values():
         backend["targets"] = [capability_target]
     routes["routes"] = [*first_routes, *routes["routes"]]
-    path = directory / "routes.yaml"
+    path = (directory or STACK_DIR) / "routes.yaml"
     path.write_text(yaml.safe_dump(routes, sort_keys=False))
     return path
 
