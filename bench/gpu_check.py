@@ -87,10 +87,10 @@ async def main() -> bool:
     pool = WorkerPool(devices, CapabilityMetrics(CollectorRegistry()), memory_threshold=0.82)
     try:
         bundle = await pool.load(BUNDLE, BatchingSettings(), precision="fp32")
-        consistent = await check_consistency(pool.workers, bundle.name)
         print(
             f"model {bundle.name} v{bundle.version}, load {bundle.load_seconds:.2f} s per replica"
         )
+        consistent = await check_consistency(pool.workers, bundle.name)
         for worker in pool.workers:
             classifier = worker.replicas[bundle.name].bundle.classifier
             print(

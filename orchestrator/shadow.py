@@ -110,7 +110,9 @@ class ShadowTraffic:
         forwarded.CopyFrom(request)
         forwarded.model = shadow.backend.model
         forwarded.request_id = answer.request_id
-        state.enter()  # the routes version's channels stay open until the shadow is done
+        # The routes version's channels stay open until the shadow task is done, however
+        # it ends: a task cancelled before it ever ran leaves through the callback too.
+        state.enter()
         task = asyncio.get_running_loop().create_task(
             self._compare(state, route, forwarded, answer_scores(answer), answer.model.name),
             # NOTE: an empty context: the caller's trace and request-scoped state (its
@@ -119,6 +121,7 @@ class ShadowTraffic:
         )
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+        task.add_done_callback(lambda _: state.leave())
 
     async def _compare(
         self,
@@ -144,8 +147,6 @@ class ShadowTraffic:
             )
             self._metrics.comparisons.labels(*labels, ERROR).inc()
             return
-        finally:
-            state.leave()
         shadow = answer_scores(answer)
         comparison = compare(primary, shadow)
         self._metrics.comparisons.labels(*labels, AGREE if comparison.agrees else DISAGREE).inc()

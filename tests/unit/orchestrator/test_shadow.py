@@ -255,6 +255,29 @@ async def test_shadow_calls_past_the_cap_are_dropped_and_counted(
     assert server.dispatcher.shadow.in_flight == 0
 
 
+async def test_stopping_cancels_shadow_calls_in_flight_and_drains_the_routes_state(
+    capability: CapabilityServer, silent_port: int, tmp_path: Path
+) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        shadow_routes(f"127.0.0.1:{capability.port}", "topic-minilm", f"127.0.0.1:{silent_port}")
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+    )
+    await server.start()
+    await classify_texts(server, [STRIKER] * 2)
+    state = server.dispatcher.state
+    assert server.dispatcher.shadow.in_flight == 2  # hung on the silent backend (5 s)
+    assert state.in_flight == 2  # they hold the routes version's channels open
+
+    await server.stop(grace_seconds=0)
+
+    assert server.dispatcher.shadow.in_flight == 0
+    assert state.in_flight == 0
+    assert compared(server) == 0  # cancelled, neither compared nor counted as errors
+
+
 # --- routes.yaml -------------------------------------------------------------------------
 
 ROUTES = """version: 1
