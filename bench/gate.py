@@ -100,21 +100,23 @@ SHADOW_ROUTE: Mapping[str, Any] = {
 FRONT_DOOR = "front door"
 CAPABILITY = "capability direct"
 
-# The bounds. In brackets, what runs on the development machine showed while other
-# jobs used about a core (docs/benchmark.md has the runs): normal code, then with
-# `time.sleep(0.002)` per request planted in the orchestrator's dispatcher.
-# texts/s over the adjacent one-thread ceiling at 32 clients [0.84-1.23; 0.97].
+# The bounds. In brackets, the range ten runs on the development machine showed
+# while other jobs used up to 1.7 cores, then four runs with `time.sleep(0.002)`
+# per request planted in the orchestrator's dispatcher (docs/benchmark.md).
+# texts/s over the adjacent one-thread ceiling at 32 clients [0.83-2.34; 0.97-1.37].
 MIN_UNARY_RATIO = 0.35
-# p99 over one batch of the ceiling's best size, 32 clients [3-14; 3].
+# p99 over one batch of the ceiling's best size, 32 clients [2.4-9.1; 1.8-3.6].
 MAX_P99_BATCHES = 30.0
-# ClassifyBatch x64 texts/s over the adjacent ceiling [1.2-1.5; 0.64].
+# ClassifyBatch x64 texts/s over the adjacent ceiling [0.90-2.27; 0.64-1.07].
 MIN_BATCH_RATIO = 0.5
-# topic-static, 1 client: front-door p50 over the capability's own [1.8; 4.4-5.6].
+# topic-static, 1 client: front-door p50 over the capability's own
+# [1.86-2.86, once 3.54 first; 3.4-5.8].
 MAX_STATIC_P50_RATIO = 3.0
 # topic-static, 32 clients: front-door texts/s over the capability's own
-# [0.86; 0.16-0.26]. A blocking 2 ms per request caps the front door near 400/s.
+# [0.63-1.37; 0.11-0.40]. A blocking 2 ms per request caps the front door near 400/s.
 MIN_STATIC_RATIO = 0.45
-# p50 at one client, every call shadowed, over p50 without [1.0-1.16; 1.0].
+# p50 at one client, every call shadowed, over p50 without [1.09-1.19; 0.92-1.05]:
+# the shadow call's own CPU on the same two cores.
 MAX_SHADOW_P50_RATIO = 1.3
 
 # Torch threads of the in-process ceiling. NOTE: one, not all cores: a forward on
