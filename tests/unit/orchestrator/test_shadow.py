@@ -223,14 +223,15 @@ def silent_port() -> Iterator[int]:
 async def capped_orchestrator(
     capability: CapabilityServer, silent_port: int, tmp_path: Path
 ) -> AsyncIterator[OrchestratorServer]:
-    """At most one shadow call in flight, to a backend that never answers (2 s timeout)."""
+    """At most one shadow call in flight, to a backend that never answers (5 s timeout:
+    far longer than the four calls the test makes while it hangs)."""
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         shadow_routes(
             f"127.0.0.1:{capability.port}",
             "topic-minilm",
             f"127.0.0.1:{silent_port}",
-            timeout="2s",
+            timeout="5s",
         )
     )
     server = OrchestratorServer(
