@@ -55,6 +55,7 @@ help:
 	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
 	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
+	@echo "make bench-gate  the performance gate make test runs: ratios to adjacent ceilings (about 1 minute)"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
 	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock"
 
@@ -120,7 +121,9 @@ bundles: $(BUNDLE_STAMP)
 run: setup bundles
 	$(PY) tools/run_stack.py
 
-test: setup lint pytest
+# The performance gate runs last, as a step of its own: ratios to ceilings measured
+# in the same run, never timing assertions inside the test suite.
+test: setup lint pytest bench-gate
 
 lint: buf-lint buf-breaking ruff mypy check-deps check-routes lint-deploy
 
@@ -185,6 +188,10 @@ bench-front-door: setup bundles
 
 bench-overload: setup bundles
 	$(PY) bench/overload.py
+
+# A short front-door run that fails on a performance regression (bench/gate.py).
+bench-gate: setup bundles
+	$(PY) bench/gate.py
 
 gpu-check: setup bundles
 	$(PY) bench/gpu_check.py

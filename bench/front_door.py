@@ -129,13 +129,14 @@ CAPABILITY_ALONE = "capability alone"
 NAIVE = "naive"
 
 
-def write_credentials() -> tuple[str, dict[str, str]]:
+def write_credentials(directory: Path | None = None) -> tuple[str, dict[str, str]]:
     """A fresh API key for a tenant without a rate limit, and the internal token, under
-    STACK_DIR; returns the key and the environment that points both servers at them
-    (the variables tools/run_stack.py sets)."""
-    STACK_DIR.mkdir(parents=True, exist_ok=True)
+    `directory` (default STACK_DIR); returns the key and the environment that points
+    both servers at them (the variables tools/run_stack.py sets)."""
+    directory = directory or STACK_DIR
+    directory.mkdir(parents=True, exist_ok=True)
     key = new_key()
-    keys_file, token_file = STACK_DIR / "api-keys.yaml", STACK_DIR / "internal-token"
+    keys_file, token_file = directory / "api-keys.yaml", directory / "internal-token"
     keys_file.write_text(
         "# Written by bench/front_door.py: one key, its tenant without a rate limit.\n"
         "keys:\n"
@@ -151,13 +152,19 @@ def write_credentials() -> tuple[str, dict[str, str]]:
     }
 
 
-def write_routes(capability_target: str) -> Path:
+def write_routes(
+    capability_target: str,
+    directory: Path | None = None,
+    first_routes: Sequence[Mapping[str, Any]] = (),
+) -> Path:
     """routes.yaml as it stands, with every backend pointed at the bench's capability
-    server (the repository's file names the `make run` port)."""
+    server (the repository's file names the `make run` port), and `first_routes` put
+    before its own; written under `directory` (default STACK_DIR)."""
     routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
     for backend in routes["backends"].values():
         backend["targets"] = [capability_target]
-    path = STACK_DIR / "routes.yaml"
+    routes["routes"] = [*first_routes, *routes["routes"]]
+    path = (directory or STACK_DIR) / "routes.yaml"
     path.write_text(yaml.safe_dump(routes, sort_keys=False))
     return path
 

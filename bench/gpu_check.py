@@ -1,5 +1,13 @@
-"""`make gpu-check`: a worker per GPU, a batch-size sweep, memory and the TF32 state,
-then, with CUDA, the full-stack sweep through the front door on the GPU.
+"""`make gpu-check`: a worker per GPU, TF32 off, every device's scores against the CPU,
+a batch-size sweep with memory, then, with CUDA, the full-stack sweep through the
+front door on the GPU.
+
+The consistency check runs first: the same texts (short and long, padded
+together in one batch) through each worker's replica, loaded in fp32, and
+through a CPU replica in fp32 in this process. Each device passes when every
+score is within SCORE_TOLERANCE of the CPU's and the top labels agree; TF32
+must be off (it would move scores by about 1e-3: the tolerance is set to catch
+that). Any failure, of the consistency check or of TF32, makes the exit status 1.
 
 The worker sweep runs in under five minutes, the full-stack sweep
 (bench/front_door.py --device cuda) in about five more. Without CUDA the worker
@@ -15,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,13 +34,30 @@ sys.path.insert(0, str(REPO_ROOT))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from capability.batching import BatchingSettings  # noqa: E402
+from capability.bundle import load_bundle  # noqa: E402
 from capability.metrics import CapabilityMetrics  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
 from capability.model.stages import STAGES, StageClock  # noqa: E402
-from capability.workers import WorkerPool, discover_devices  # noqa: E402
+from capability.workers import DeviceWorker, WorkerPool, discover_devices  # noqa: E402
 from capability.workers.cuda import configure_cuda_defaults, read_device_memory, tf32_enabled  # noqa: E402
 
 BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
+# Largest |score difference| from the CPU's allowed for a device in fp32 with TF32
+# off. fp32 kernels that only sum in another order differ by about 1e-6 here; TF32
+# matmuls (10-bit mantissas) by about 1e-3.
+SCORE_TOLERANCE = 1e-4
+CONSISTENCY_TEXTS = (
+    *(
+        "The striker scored twice in the final minutes of the cup match",
+        "Shares fell sharply after the bank cut its profit forecast",
+        "The new chip doubles battery life in laptops",
+        "Rebels and the army agreed to a ceasefire in the capital",
+        "Tea",
+    ),
+    # Long ones, so the batch is padded and longer sequences are compared too.
+    " ".join(["The central bank said inflation would ease as energy prices fell"] * 12),
+    " ".join(["Engineers tested the reusable rocket engine for a full mission burn"] * 20),
+)
 FRONT_DOOR = Path(__file__).resolve().parent / "front_door.py"
 BATCH_SIZES = (1, 8, 32, 128, 256)
 SECONDS_PER_SIZE = 3.0
@@ -40,7 +66,9 @@ TEXT = "The striker scored twice in the final minutes of the cup match"
 MIB = 1024 * 1024
 
 
-async def main() -> None:
+async def main() -> bool:
+    """The sweep after the consistency check; True when every device passed and TF32 is
+    off."""
     configure_cuda_defaults()
     devices = discover_devices("auto", cpu_workers=1)
     print(
@@ -50,13 +78,19 @@ async def main() -> None:
     for device in devices:
         if device.type == "cuda":
             print(f"  {device}: {torch.cuda.get_device_name(device)}")
-    print(f"TF32 enabled: {tf32_enabled()} (expected False)")
+    tf32_off = not tf32_enabled() and torch.get_float32_matmul_precision() == "highest"
+    print(
+        f"TF32 enabled: {tf32_enabled()}, float32 matmul precision "
+        f"{torch.get_float32_matmul_precision()!r} (expected False, 'highest'): "
+        f"{'ok' if tf32_off else 'FAILED'}"
+    )
     pool = WorkerPool(devices, CapabilityMetrics(CollectorRegistry()), memory_threshold=0.82)
     try:
-        bundle = await pool.load(BUNDLE, BatchingSettings())
+        bundle = await pool.load(BUNDLE, BatchingSettings(), precision="fp32")
         print(
             f"model {bundle.name} v{bundle.version}, load {bundle.load_seconds:.2f} s per replica"
         )
+        consistent = await check_consistency(pool.workers, bundle.name)
         for worker in pool.workers:
             classifier = worker.replicas[bundle.name].bundle.classifier
             print(
@@ -89,6 +123,36 @@ async def main() -> None:
             await print_stages(worker.name, worker.device, classifier)
     finally:
         await pool.close()
+    return tf32_off and consistent
+
+
+async def check_consistency(workers: Sequence[DeviceWorker], model: str) -> bool:
+    """Each worker's scores for CONSISTENCY_TEXTS against a CPU replica's, both in fp32."""
+    reference = load_bundle(BUNDLE, "cpu", precision="fp32").classifier
+    encoded = reference.tokenize(list(CONSISTENCY_TEXTS))
+    expected = reference.run(encoded).probabilities
+    print(
+        f"\nconsistency against the CPU in fp32 ({len(CONSISTENCY_TEXTS)} texts, one padded "
+        f"batch; tolerance {SCORE_TOLERANCE:g}):"
+    )
+    print("  device | largest score difference | top labels agree | result")
+    passed = True
+    for worker in workers:
+        classifier = worker.replicas[model].bundle.classifier
+        scores = (await worker.run_on_device(classifier.run, encoded)).probabilities
+        difference = float((scores - expected).abs().max())
+        agree = bool((scores.argmax(dim=1) == expected.argmax(dim=1)).all())
+        ok = difference <= SCORE_TOLERANCE and agree
+        passed = passed and ok
+        print(
+            f"  {worker.name:>6} | {difference:24.2e} | {'yes' if agree else 'NO':>16} "
+            f"| {'ok' if ok else 'FAILED'}"
+        )
+    if not any(worker.device.type == "cuda" for worker in workers):
+        print(
+            "  (no CUDA device here: only the CPU worker was compared; the CUDA rows are skipped)"
+        )
+    return passed
 
 
 async def print_stages(name: str, device: torch.device, classifier: TextClassifier) -> None:
@@ -117,5 +181,8 @@ def run_stack_sweep() -> int:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
-    sys.exit(run_stack_sweep())
+    checks_passed = asyncio.run(main())
+    sweep_status = run_stack_sweep()
+    if not checks_passed:
+        print("\ngpu-check: FAILED (TF32 or a device's scores; see above)")
+    sys.exit(sweep_status or (0 if checks_passed else 1))

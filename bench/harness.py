@@ -10,6 +10,7 @@ process spent over it (`CpuWindow`), so a neighbour's load shows in the table.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -53,6 +54,11 @@ CALL_TIMEOUT_SECONDS = 30.0
 # all-cores ceiling is the first figure a neighbour spoils.
 NOISY_OTHER_CORES = 0.25
 NOISY_CEILING_SPREAD = 0.25
+# Upper edges of the latency buckets each level counts its calls into (milliseconds;
+# the last bucket takes everything beyond): the reports' latency heatmaps.
+LATENCY_BUCKETS_MS = (
+    0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000,
+)  # fmt: skip
 SHORT_TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
     "Shares fell sharply after the bank cut its profit forecast",
@@ -362,6 +368,7 @@ async def drive(
             elapsed = time.perf_counter() - started
     latencies.sort()
     return {
+        "latency_counts": latency_counts(latencies),
         "requests_per_second": len(latencies) / elapsed,
         "texts_per_second": answered / elapsed,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
@@ -372,6 +379,14 @@ async def drive(
         "texts": answered,
         "seconds": elapsed,
     }
+
+
+def latency_counts(latencies: Sequence[float]) -> list[int]:
+    """Calls per LATENCY_BUCKETS_MS bucket (each up to its edge), plus one past the last."""
+    counts = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+    for seconds in latencies:
+        counts[bisect.bisect_left(LATENCY_BUCKETS_MS, seconds * 1000)] += 1
+    return counts
 
 
 # ---------------------------------------------------------------------------------------

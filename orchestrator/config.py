@@ -19,6 +19,7 @@ from classify_common.server_settings import (
 from classify_common.settings import SettingsError, check_range, setting
 from classify_common.tls import ClientTls, client_tls
 from orchestrator.policy.concurrency import ConcurrencySettings
+from orchestrator.shadow import DEFAULT_MAX_IN_FLIGHT as DEFAULT_SHADOW_MAX_IN_FLIGHT
 from orchestrator.upstream.coalescer import CoalescingSettings
 
 DEFAULT_PORT = 50051
@@ -133,6 +134,15 @@ class OrchestratorSettings(ServerSettings):
         int,
         low=1,
         high=MAX_CONCURRENCY_LIMIT,
+    )
+
+    # Past it, a shadowed call is not sent and is counted (orchestrator/shadow.py).
+    shadow_max_in_flight: int = setting(
+        DEFAULT_SHADOW_MAX_IN_FLIGHT,
+        "shadow calls (routes.yaml `shadow`) in flight at most; more are dropped and counted",
+        int,
+        low=1,
+        high=10_000,
     )
 
     def check_together(self) -> None:

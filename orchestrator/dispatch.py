@@ -48,6 +48,7 @@ from orchestrator.calls import RouteCaller, RoutingState, UpstreamCall
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore
 from orchestrator.routing import RequestFacts, Route
+from orchestrator.shadow import ShadowTraffic
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,13 @@ class Dispatcher:
         metrics: OrchestratorMetrics,
         results: ResultStore,
         on_internal_error: Callable[[], None] = lambda: None,
+        shadow: ShadowTraffic | None = None,
     ) -> None:
         """`on_internal_error()` counts a bug answered INTERNAL here rather than by the
-        request lifecycle (a batch item's, a background call's)."""
+        request lifecycle (a batch item's, a background call's). `shadow` sends routes'
+        shadow shares (default: a ShadowTraffic with its default cap)."""
         self.state = state
+        self.shadow = shadow if shadow is not None else ShadowTraffic(metrics.shadow)
         self._on_internal_error = on_internal_error
         self.results = results
         self._metrics = metrics
@@ -94,6 +98,7 @@ class Dispatcher:
         task.add_done_callback(self._retiring.discard)
 
     async def close(self) -> None:
+        await self.shadow.close()
         for work in self._background:
             work.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -129,6 +134,7 @@ class Dispatcher:
             else:
                 response = await self._classify_within_budget(call, client_remaining)
             model = response.model.name
+            self.shadow.after_answer(state, route, request, response)
             return response
         except ServiceError as error:
             code = grpc_code_for(error).name

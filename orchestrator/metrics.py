@@ -24,6 +24,9 @@ CONCURRENCY_LIMITED_TOTAL = "classify_concurrency_limited_total"
 DEADLINE_UNREACHABLE_TOTAL = "classify_upstream_deadline_unreachable_total"
 BACKEND_CONCURRENCY_LIMIT = "classify_backend_concurrency_limit"
 BACKEND_IN_FLIGHT = "classify_backend_in_flight"
+SHADOW_COMPARISONS_TOTAL = "classify_shadow_comparisons_total"
+SHADOW_SCORE_DIFFERENCE = "classify_shadow_score_difference"
+SHADOW_DROPPED_TOTAL = "classify_shadow_dropped_total"
 
 
 class BackendLoad(Protocol):
@@ -98,9 +101,38 @@ class UpstreamMetrics:
         return self._expired.labels(backend)
 
 
+class ShadowMetrics:
+    """What shadow calls found: agreement with the answer the caller got, score
+    differences, and shadow calls not made because too many were in flight."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.comparisons = Counter(
+            SHADOW_COMPARISONS_TOTAL,
+            "Shadow calls compared with the primary answer, by route, primary and shadow "
+            "backend, and outcome: agree (same top label), disagree, error (the shadow failed).",
+            ["route", "primary", "shadow", "outcome"],
+            registry=registry,
+        )
+        self.score_difference = Histogram(
+            SHADOW_SCORE_DIFFERENCE,
+            "Largest absolute difference of one label's score between the primary and the "
+            "shadow answer, per comparison.",
+            ["route", "primary", "shadow"],
+            buckets=(0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1),
+            registry=registry,
+        )
+        self.dropped = Counter(
+            SHADOW_DROPPED_TOTAL,
+            "Shadow calls not made because the cap on shadow calls in flight was reached.",
+            ["route"],
+            registry=registry,
+        )
+
+
 class OrchestratorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.upstream = UpstreamMetrics(registry)
+        self.shadow = ShadowMetrics(registry)
         self._add_policy_metrics(registry)
         self._add_request_metrics(registry)
 

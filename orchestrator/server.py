@@ -22,6 +22,7 @@ from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_rout
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
+from orchestrator.shadow import ShadowTraffic
 from orchestrator.upstream import UpstreamPools
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class OrchestratorServer:
             self.metrics,
             ResultStore(settings.results_capacity, settings.results_ttl_seconds),
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
+            shadow=ShadowTraffic(self.metrics.shadow, settings.shadow_max_in_flight),
         )
         self.serving = GrpcServing.contract_server(
             settings, self.registry, gate=CallerGate(keys, self.metrics), edge=True

@@ -1,7 +1,14 @@
 """routes.yaml: schema, loading, route selection, and the live watcher."""
 
 from orchestrator.routing.match import RequestFacts, RouteMatch
-from orchestrator.routing.table import Backend, Route, RoutesFileError, RouteTable, load_routes
+from orchestrator.routing.table import (
+    Backend,
+    Route,
+    RoutesFileError,
+    RouteTable,
+    Shadow,
+    load_routes,
+)
 
 __all__ = [
     "Backend",
@@ -10,5 +17,6 @@ __all__ = [
     "RouteMatch",
     "RouteTable",
     "RoutesFileError",
+    "Shadow",
     "load_routes",
 ]

@@ -32,4 +32,10 @@ def explain(table: RouteTable, facts: RequestFacts) -> str:
             f"  {position}. {backend.name} ({role}): model {backend.model}, "
             f"timeout {backend.timeout_seconds:g}s, replicas {', '.join(backend.targets)}"
         )
+    if chosen.shadow is not None:
+        shadow = chosen.shadow.backend
+        lines.append(
+            f"shadow: {shadow.name} (model {shadow.model}) also gets {chosen.shadow.percent}% "
+            "of the answered calls, after the answer, for comparison"
+        )
     return "\n".join(lines)

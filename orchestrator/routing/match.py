@@ -4,7 +4,9 @@ Every condition a route lists must hold (they combine with AND); a route that
 lists none matches everything, which is what the final default route does.
 `percent` sends a stable share of traffic to a route (a canary): a request ID
 always lands in the same one of 100 slots, so a retried or polled request
-follows the same route.
+follows the same route. A route's `shadow` share is chosen the same way from a
+hash of its own (`shadow_slot`), so which requests are shadowed does not depend
+on which route a canary share sent them to.
 """
 
 from __future__ import annotations
@@ -91,4 +93,10 @@ class RouteMatch:
 def percent_slot(request_id: str) -> int:
     """A stable slot in 0..99 for a request ID."""
     digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 100
+
+
+def shadow_slot(request_id: str) -> int:
+    """A stable slot in 0..99 for a request ID, independent of `percent_slot`."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"shadow").digest()
     return int.from_bytes(digest, "big") % 100

@@ -28,7 +28,13 @@ from classify_common.documents import (
 from classify_common.fields import FieldRefused, Fields
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
-from orchestrator.routing.match import PRIORITIES, HeaderMatch, RequestFacts, RouteMatch
+from orchestrator.routing.match import (
+    PRIORITIES,
+    HeaderMatch,
+    RequestFacts,
+    RouteMatch,
+    shadow_slot,
+)
 
 SUPPORTED_VERSION = 1
 MIN_TIMEOUT_SECONDS = 0.001
@@ -66,6 +72,19 @@ class Backend:
 
 
 @dataclass(frozen=True)
+class Shadow:
+    """A second backend that a share of a route's answered calls is also sent to, after
+    the caller has its answer, to compare the two (orchestrator.shadow)."""
+
+    backend: Backend
+    # Share of the route's request IDs shadowed, 1..100, chosen by a hash of the ID.
+    percent: int
+
+    def takes(self, request_id: str) -> bool:
+        return shadow_slot(request_id) < self.percent
+
+
+@dataclass(frozen=True)
 class Route:
     name: str
     backend: Backend
@@ -77,6 +96,8 @@ class Route:
     # Longest a client waits on this route, retries and fallbacks included; when it
     # runs out the client gets PROCESSING and polls GetResult. None: no budget.
     budget_seconds: float | None = None
+    # Also sent a share of the answered calls, for comparison only. None: no shadow.
+    shadow: Shadow | None = None
 
     @property
     def backends(self) -> tuple[Backend, ...]:
@@ -251,7 +272,8 @@ def _backend(name: str, document: Any) -> Backend:
 
 
 _TOP_KEYS = ("version", "backends", "routes", "retry_budget", "outlier_ejection")
-_ROUTE_KEYS = ("name", "backend", "match", "fallback", "retry", "budget")
+_ROUTE_KEYS = ("name", "backend", "match", "fallback", "retry", "budget", "shadow")
+_SHADOW_KEYS = ("backend", "percent")
 _OUTLIER_KEYS = ("consecutive_failures", "base_ejection", "max_ejection", "max_ejected_percent")
 _BUDGET_KEYS = ("ratio", "min_retries_per_second", "window")
 
@@ -324,6 +346,11 @@ def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
     retry = _retry_policy(_section(spec, "retry", _RETRY_KEYS)) if "retry" in spec else None
     match = _route_match(_section(spec, "match", _MATCH_KEYS)) if "match" in spec else None
     budget = parse_duration(spec.raw("budget"), spec.path("budget")) if "budget" in spec else None
+    shadow = (
+        _shadow(_section(spec, "shadow", _SHADOW_KEYS), backends, backend)
+        if "shadow" in spec
+        else None
+    )
     return Route(
         name=name,
         backend=backend,
@@ -331,7 +358,20 @@ def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
         fallback=tuple(fallback),
         retry=retry or RetryPolicy(),
         budget_seconds=budget,
+        shadow=shadow,
     )
+
+
+def _shadow(spec: Fields, backends: Mapping[str, Backend], primary: Backend) -> Shadow:
+    name = spec.raw("backend")
+    backend = backends.get(name)
+    if backend is None:
+        raise RoutesFileError(spec.path("backend"), f"unknown backend {name!r}")
+    if backend is primary:
+        raise RoutesFileError(
+            spec.path("backend"), f"backend {name!r} is the route's own backend; nothing to compare"
+        )
+    return Shadow(backend=backend, percent=spec.integer("percent", low=1, high=100))
 
 
 def _outlier_settings(spec: Fields) -> OutlierSettings:

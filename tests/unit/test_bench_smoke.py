@@ -19,12 +19,14 @@ import pytest
 import pytest_asyncio
 
 from ai.classify.v1 import classify_service_pb2_grpc
-from bench import front_door
+from bench import front_door, gate
 from bench.harness import (
+    LATENCY_BUCKETS_MS,
     CpuWindow,
     Progress,
     batch_call,
     drive,
+    latency_counts,
     process_cpu_seconds,
     unary_call,
 )
@@ -197,3 +199,76 @@ def test_report_table_json_and_plot_are_written(
     assert "orchestrator + capability 2,100 µs" in table
     assert json.loads(front_door.json_text(report))["levels"][0]["mean_batch"] is None
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_latency_counts_put_each_call_in_its_bucket() -> None:
+    counts = latency_counts([0.0004, 0.001, 0.0011, 0.0011, 5.0])
+
+    assert len(counts) == len(LATENCY_BUCKETS_MS) + 1
+    assert counts[:3] == [1, 1, 2]  # up to 0.5 ms, up to 1 ms, up to 2 ms
+    assert counts[-1] == 1  # past the last edge
+    assert sum(counts) == 5
+
+
+def test_gate_routes_shadow_every_call_with_the_header(tmp_path: Path) -> None:
+    table = load_routes(front_door.write_routes("127.0.0.1:40001", tmp_path, [gate.SHADOW_ROUTE]))
+
+    route = table.routes[0]
+    assert route.name == "gate-shadow"
+    assert route.shadow is not None
+    assert (route.shadow.backend.model, route.shadow.percent) == (gate.STATIC_MODEL, 100)
+    assert [r.name for r in table.routes[1:]] == ["static-hint", "default"]
+
+
+def gate_level(name: str, model: str, **figures: float) -> dict[str, Any]:
+    return {
+        "level": name,
+        "model": model,
+        "concurrency": 1,
+        "texts_per_second": 100.0,
+        "p50_ms": 10.0,
+        "p99_ms": 20.0,
+        "errors": 0,
+        "latency_counts": [0] * 6 + [5, 3] + [0] * (len(LATENCY_BUCKETS_MS) - 7),
+        **figures,
+    }
+
+
+def test_gate_checks_read_their_levels_and_the_plots_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = gate.Gate(1.0, runner=None)  # type: ignore[arg-type]  # nothing is driven
+    run.ceiling = {"best_batch_size": 16, "ceiling_texts_per_second": 320.0}
+    run.levels = {
+        "topic-minilm x32": gate_level(
+            "topic-minilm x32", gate.MODEL, ratio_to_ceiling=0.9, p99_in_ceiling_batches=4.0
+        ),
+        "topic-minilm ClassifyBatch x64": gate_level(
+            "topic-minilm ClassifyBatch x64", gate.MODEL, ratio_to_ceiling=0.2
+        ),
+        "topic-static x1": gate_level(
+            "topic-static x1", gate.STATIC_MODEL, p50_over_capability=2.0
+        ),
+        "topic-static x32": gate_level(
+            "topic-static x32", gate.STATIC_MODEL, ratio_to_capability=0.8, errors=1
+        ),
+    }
+    run.shadow_windows = [
+        {"topic-minilm x1, not shadowed": 10.0, "topic-minilm x1, shadowed": ratio * 10}
+        for ratio in (1.0, 1.5, 1.1)
+    ]
+
+    outcomes = {check["check"]: check for check in run.outcomes()}
+
+    failed = {name for name, check in outcomes.items() if not check["passed"]}
+    assert failed == {"ClassifyBatch x64: texts/s / adjacent ceiling", "errors at every level"}
+    assert outcomes["shadowed p50 / not shadowed p50 at one client"]["value"] == pytest.approx(1.1)
+    report = {
+        "ceiling": run.ceiling,
+        "levels": list(run.levels.values()),
+        "latency_buckets_ms": list(LATENCY_BUCKETS_MS),
+    }
+    gate.plot_heatmap(report, tmp_path / "heatmap.png")
+    gate.plot_throughput(report, tmp_path / "throughput.png")
+    for name in ("heatmap.png", "throughput.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")

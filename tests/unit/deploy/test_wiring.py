@@ -549,6 +549,15 @@ def test_dashboard_has_slo_root_cause_and_capacity_views() -> None:
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
     )
 
-    assert [row.split(":")[0] for row in rows] == ["SLO", "Root cause", "Capacity"]
-    for needed in ("gpu_queue_wait", "cuda_launch", "output_serialize", "classify_queue_depth"):
+    assert [row.split(":")[0] for row in rows] == ["SLO", "Root cause", "Capacity", "Shadow"]
+    for needed in (
+        "gpu_queue_wait",
+        "cuda_launch",
+        "output_serialize",
+        "classify_queue_depth",
+        "classify:worker_utilisation:predict30d",
+        "classify:device_memory_ratio:predict30d",
+        "classify:request_rate:predict30d",
+        "classify_shadow_comparisons_total",
+    ):
         assert needed in exprs

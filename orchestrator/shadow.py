@@ -1,0 +1,174 @@
+"""Shadow traffic: a share of a route's answered calls also goes to its shadow backend.
+
+A route in routes.yaml may name `shadow: {backend: NAME, percent: N}`. Once the
+primary backend has answered a call (not a fallback, not PROCESSING), and when
+the call's request ID falls in the N% share (a hash of the ID, so the same
+request is always shadowed or never), the same request goes to the shadow
+backend in a task of its own. The caller already has its answer: the shadow
+call never delays it, and nothing the shadow does can fail it.
+
+What the shadow call finds is counted, never returned:
+`classify_shadow_comparisons_total{route,primary,shadow,outcome}` with outcome
+`agree` (same top label), `disagree` or `error` (the shadow call failed), and
+the largest score difference of any label both answers carry in
+`classify_shadow_score_difference`. A disagreement is logged with the request
+ID, which the capability servers' log lines for both calls carry too.
+
+Shadow calls are bounded: at most `max_in_flight` at once in the process; a
+call that would exceed it is not made and is counted in
+`classify_shadow_dropped_total{route}`. A shadow call makes one attempt on one
+replica, within its backend's timeout, with no retry and no fallback. It runs in
+an empty context, so it joins no caller's trace and adds nothing to the caller's
+lifecycle nodes or access-log line; the capability server traces it on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from dataclasses import dataclass
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.errors import ServiceError
+from orchestrator.calls import RoutingState
+from orchestrator.metrics import ShadowMetrics
+from orchestrator.routing import Route
+
+log = logging.getLogger(__name__)
+
+AGREE = "agree"
+DISAGREE = "disagree"
+ERROR = "error"
+# Shadow calls in flight at most, by default (the --shadow-max-in-flight flag).
+DEFAULT_MAX_IN_FLIGHT = 64
+
+Scores = tuple[tuple[str, float], ...]  # (label, score), highest score first
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How a shadow answer compares with the primary one."""
+
+    agrees: bool  # the same top label
+    # Largest |score difference| over the labels both answers carry; None when they
+    # share none (top_k answers that disagree).
+    largest_difference: float | None
+
+
+def answer_scores(answer: pb.ClassifyResponse) -> Scores:
+    return tuple((label.name, label.score) for label in answer.labels)
+
+
+def compare(primary: Scores, shadow: Scores) -> Comparison:
+    shadow_scores = dict(shadow)
+    differences = [
+        abs(score - shadow_scores[name]) for name, score in primary if name in shadow_scores
+    ]
+    top_primary = primary[0][0] if primary else ""
+    top_shadow = shadow[0][0] if shadow else ""
+    return Comparison(
+        agrees=top_primary == top_shadow,
+        largest_difference=max(differences) if differences else None,
+    )
+
+
+class ShadowTraffic:
+    """Sends the shadowed share of answered calls to their route's shadow backend and
+    counts what comes back; owns the shadow tasks."""
+
+    def __init__(self, metrics: ShadowMetrics, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+        self._metrics = metrics
+        self._max_in_flight = max_in_flight
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def after_answer(
+        self,
+        state: RoutingState,
+        route: Route,
+        request: pb.ClassifyRequest,
+        answer: pb.ClassifyResponse,
+    ) -> None:
+        """Start a shadow call for `answer` if its route shadows this request; returns at
+        once, never raises for the shadow's sake."""
+        shadow = route.shadow
+        if (
+            shadow is None
+            or answer.fallback
+            or answer.status != pb.RESULT_STATUS_DONE
+            or not shadow.takes(answer.request_id)
+        ):
+            return
+        if len(self._in_flight) >= self._max_in_flight:
+            self._metrics.dropped.labels(route.name).inc()
+            return
+        forwarded = pb.ClassifyRequest()
+        forwarded.CopyFrom(request)
+        forwarded.model = shadow.backend.model
+        forwarded.request_id = answer.request_id
+        # The routes version's channels stay open until the shadow task is done, however
+        # it ends: a task cancelled before it ever ran leaves through the callback too.
+        state.enter()
+        task = asyncio.get_running_loop().create_task(
+            self._compare(state, route, forwarded, answer_scores(answer), answer.model.name),
+            # NOTE: an empty context: the caller's trace and request-scoped state (its
+            # nodes, its log line) must not see the shadow call.
+            context=contextvars.Context(),
+        )
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        task.add_done_callback(lambda _: state.leave())
+
+    async def _compare(
+        self,
+        state: RoutingState,
+        route: Route,
+        request: pb.ClassifyRequest,
+        primary: Scores,
+        primary_model: str,
+    ) -> None:
+        assert route.shadow is not None
+        backend = route.shadow.backend
+        labels = (route.name, route.backend.name, backend.name)
+        try:
+            pool = state.upstream.pool(backend)
+            answer = await pool.classify(request, target=pool.pick(), client_remaining=None)
+        except ServiceError:
+            self._metrics.comparisons.labels(*labels, ERROR).inc()
+            return
+        except Exception:
+            # A shadow is never worth failing over: count it, keep the traceback.
+            log.exception(
+                "shadow call failed unexpectedly", extra={"request_id": request.request_id}
+            )
+            self._metrics.comparisons.labels(*labels, ERROR).inc()
+            return
+        shadow = answer_scores(answer)
+        comparison = compare(primary, shadow)
+        self._metrics.comparisons.labels(*labels, AGREE if comparison.agrees else DISAGREE).inc()
+        if comparison.largest_difference is not None:
+            self._metrics.score_difference.labels(*labels).observe(comparison.largest_difference)
+        if not comparison.agrees:
+            log.warning(
+                "shadow disagreement",
+                extra={
+                    "request_id": request.request_id,
+                    "route": route.name,
+                    "primary": route.backend.name,
+                    "primary_model": primary_model,
+                    "primary_label": primary[0][0] if primary else "",
+                    "shadow": backend.name,
+                    "shadow_model": answer.model.name,
+                    "shadow_label": shadow[0][0] if shadow else "",
+                },
+            )
+
+    async def close(self) -> None:
+        """Cancel the shadow calls still in flight (the server is stopping)."""
+        for task in self._in_flight:
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
