@@ -31,6 +31,7 @@ from capability.batching.settings import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEFAULT_QUEUE_CAPACITY,
 )
+from capability.memory import parse_byte_size
 from capability.model import DEFAULT_GRAPH, GRAPHS
 from classify_common.documents import DocumentRefused
 from classify_common.fields import FieldRefused, Fields, read_yaml
@@ -174,6 +175,22 @@ class CapabilitySettings(ServerSettings):
         float,
         low=0.1,
         high=1.0,
+    )
+    # 0: capability.memory.DEFAULT_BUDGET_SHARE of the device (CPU: of host memory).
+    device_memory_budget: int = setting(
+        0,
+        "bytes the model versions resident on a worker may hold together (e.g. 12GiB; "
+        "0: 80% of the device, on the CPU of host memory)",
+        parse_byte_size,
+        low=0,
+        unit="bytes",
+    )
+    # What the model ledger measures at load: `largest` is the real worst case.
+    memory_warm_up: str = setting(
+        "largest",
+        "warm-up the memory ledger measures: the largest batch at the longest length "
+        "bucket, or a small batch (faster starts)",
+        choices=("largest", "small"),
     )
     watch_seconds: float = setting(
         DEFAULT_WATCH_SECONDS,

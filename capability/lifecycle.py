@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.bundle import BundleError, LoadedBundle
+from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
 from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.workers import WorkerPool
@@ -169,7 +169,7 @@ class ModelLifecycle:
             files = await self._read_fingerprint(name, target)
             try:
                 bundle = await self._load(name, target)
-            except (BundleError, OSError) as exc:
+            except (BundleError, MemoryBudgetExceeded, OSError) as exc:
                 self._refused[(name, target)] = RefusedVersion(files, files)
                 self._metrics.reloads.labels(name, "refused").inc()
                 log.warning(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from capability.memory import MemoryLedger
+
 MODEL_FORWARD_TOTAL = "classify_model_forward_total"
 MODEL_TEXTS_TOTAL = "classify_model_texts_total"
 MODEL_LOAD_SECONDS = "classify_model_load_seconds"
@@ -25,6 +27,10 @@ RELOAD_RETRIES_TOTAL = "classify_model_reload_retries_total"
 WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
+DEVICE_FRAGMENTATION_BYTES = "classify_device_fragmentation_bytes"
+DEVICE_MEMORY_BUDGET_BYTES = "classify_device_memory_budget_bytes"
+DEVICE_CACHE_RELEASES_TOTAL = "classify_device_cache_releases_total"
+MODEL_MEMORY_BYTES = "classify_model_memory_bytes"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
 
@@ -34,6 +40,16 @@ RPC_ITEMS = "classify_capability_rpc_items"
 DEADLINE_STAGE_ADMISSION = "admission"
 DEADLINE_STAGE_QUEUE = "queue"
 DEADLINE_STAGE_DEVICE = "device"
+# The `kind`s of MODEL_MEMORY_BYTES, one model version's ledger entry on one worker:
+# weights (parameters and buffers), predicted (footprint foreseen before the weights
+# were read), loaded (allocated growth over the load stages), warmed (growth to after
+# the warm-up at the largest batch and bucket), warm_up_peak (peak during that
+# warm-up above memory before the load), footprint (what the budget counts).
+MODEL_MEMORY_KINDS = ("weights", "predicted", "loaded", "warmed", "warm_up_peak", "footprint")
+# The `reason` of DEVICE_CACHE_RELEASES_TOTAL: after a replaced version was let go,
+# or after a version was refused (over budget, non-finite warm-up) and dropped.
+CACHE_RELEASE_RETIRED = "retired"
+CACHE_RELEASE_REFUSED = "refused"
 # The `method` of RPC_ITEMS: full gRPC method names, as in classify_rpc_requests_total.
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 CLASSIFY_BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
@@ -69,6 +85,14 @@ class CapabilityMetrics:
             MODEL_INFO,
             "1 for each model version serving now, with its worker and precision.",
             ["model", "version", "worker", "precision"],
+            registry=registry,
+        )
+        self.model_memory = Gauge(
+            MODEL_MEMORY_BYTES,
+            "The model ledger: device memory of a serving version on a worker, by kind "
+            "(weights, predicted, loaded, warmed, warm_up_peak, footprint), in bytes; "
+            "on the CPU read from the process's resident memory.",
+            ["model", "version", "worker", "kind"],
             registry=registry,
         )
 
@@ -157,6 +181,20 @@ class CapabilityMetrics:
             ["model"],
             registry=registry,
         )
+        self.device_memory_budget = Gauge(
+            DEVICE_MEMORY_BUDGET_BYTES,
+            "Bytes the model versions resident on a worker may hold together "
+            "(--device-memory-budget).",
+            ["worker"],
+            registry=registry,
+        )
+        self.cache_releases = Counter(
+            DEVICE_CACHE_RELEASES_TOTAL,
+            "Times a worker handed its allocator's unused cached blocks back (CUDA "
+            "empty_cache; CPU malloc_trim), by reason (retired, refused).",
+            ["worker", "reason"],
+            registry=registry,
+        )
         # rate() of it is the worker's utilisation, on the CPU as on a GPU.
         self.worker_busy_seconds = Counter(
             WORKER_BUSY_SECONDS_TOTAL,
@@ -164,3 +202,16 @@ class CapabilityMetrics:
             ["worker"],
             registry=registry,
         )
+
+    def show_ledger(self, model: str, version: str, worker: str, ledger: MemoryLedger) -> None:
+        """Export one ledger entry as MODEL_MEMORY_BYTES, one series per kind."""
+        values = (
+            ledger.weights_bytes,
+            ledger.predicted_bytes,
+            ledger.loaded.allocated_bytes,
+            ledger.warmed.allocated_bytes,
+            ledger.warm_up_peak_bytes - ledger.before_load.allocated_bytes,
+            ledger.footprint_bytes,
+        )
+        for kind, value in zip(MODEL_MEMORY_KINDS, values, strict=True):
+            self.model_memory.labels(model, version, worker, kind).set(value)

@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
-from capability.bundle import BundleError
+from capability.bundle import BundleError, MemoryBudgetExceeded
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
@@ -65,6 +65,8 @@ class CapabilityServer:
             devices,
             metrics,
             memory_threshold=settings.memory_threshold,
+            memory_budget_bytes=settings.device_memory_budget,
+            memory_warm_up=settings.memory_warm_up,
             cpu_compute_nice=settings.cpu_compute_nice,
             trusted_signers=settings.trusted_signers,
         )
@@ -150,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_cuda_defaults()
     if settings.device == "cpu" or not torch.cuda.is_available():
         share_cpu_threads(settings.cpu_workers, settings.torch_threads)
-    # A start-up failure: no bundles under the root, a refused bundle, a port in use.
-    start_errors = (ServiceError, BundleError, OSError)
+    # A start-up failure: no bundles under the root, a refused bundle, a version over
+    # the device memory budget, a port in use.
+    start_errors = (ServiceError, BundleError, MemoryBudgetExceeded, OSError)
     run_server("capability", settings, lambda: serve(settings), start_errors=start_errors, log=log)

@@ -26,6 +26,7 @@ from capability.item_trace import (
     start_item_trace,
 )
 from capability.lifecycle import ModelLifecycle
+from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
 from classify_common.context import (
     LOAD_REPORT_TRAILER,
@@ -209,6 +210,38 @@ def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
         memory_bytes=bundle.memory_bytes,
         digest=bundle.digest,
         architecture=bundle.architecture,
+        memory=[
+            _worker_memory(worker, ledger, budget)
+            for worker, ledger, budget in pool.ledgers(bundle.name)
+        ],
+    )
+
+
+def _reading(reading: MemoryReading) -> model_pb.MemoryReading:
+    return model_pb.MemoryReading(
+        allocated_bytes=reading.allocated_bytes, reserved_bytes=reading.reserved_bytes
+    )
+
+
+def _worker_memory(worker: str, ledger: MemoryLedger, budget: int) -> model_pb.WorkerMemory:
+    """One ledger entry as the contract carries it."""
+    return model_pb.WorkerMemory(
+        worker=worker,
+        source=ledger.source,
+        weights_bytes=ledger.weights_bytes,
+        predicted_bytes=ledger.predicted_bytes,
+        load_stages=[
+            model_pb.LoadStageMemory(
+                stage=stage.stage, before=_reading(stage.before), after=_reading(stage.after)
+            )
+            for stage in ledger.stages
+        ],
+        after_warm_up=_reading(ledger.after_warm_up),
+        warm_up_peak_bytes=ledger.warm_up_peak_bytes,
+        warm_up_batch_size=ledger.warm_up_batch_size,
+        warm_up_tokens=ledger.warm_up_tokens,
+        footprint_bytes=ledger.footprint_bytes,
+        budget_bytes=budget,
     )
 
 

@@ -119,13 +119,16 @@ def orchestrator_settings(**overrides: Any) -> OrchestratorSettings:
 
 
 def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySettings:
-    """In-process test settings: any free port, no /metrics port, CPU, no watcher."""
+    """In-process test settings: any free port, no /metrics port, CPU, no watcher, and
+    the memory ledger measuring a small warm-up (the largest batch at the longest
+    bucket costs the minilm ~2 s a start here; the ledger's tests ask for it)."""
     values: dict[str, Any] = {
         "port": 0,
         "metrics_port": -1,
         "device": "cpu",
         "model_root": model_root,
         "watch_seconds": 0,
+        "memory_warm_up": "small",
         **overrides,
     }
     return CapabilitySettings(**values)
@@ -407,6 +410,7 @@ def start_stack(
             "capability",
             *("--port", "0", "--metrics-port", "0", "--device", "cpu"),
             *("--model-root", str(model_root), "--watch-seconds", "0"),
+            *("--memory-warm-up", "small"),
             *secured,
             *capability_flags,
             env=capability_env,

@@ -7,13 +7,15 @@ goes to one replica, is tokenized in one tokenizer call per `max_length` and
 admitted in one step (capability.workers.admission), and every text is answered
 on its own. Loading a model version loads one replica per worker, each on its
 own device, and switches all workers only when every replica loaded: a version
-that fails anywhere serves nowhere, and the previous version keeps serving.
+that fails anywhere (a bad file, a footprint over a worker's device memory budget)
+serves nowhere, and the previous version keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -28,7 +30,9 @@ from capability.batching import (
     TextResult,
 )
 from capability.bundle import BundleError, LoadedBundle, load_bundle
+from capability.memory import LoadWatch, MemoryLedger, budget_bytes
 from capability.metrics import (
+    CACHE_RELEASE_REFUSED,
     CLASSIFY_BATCH_METHOD,
     CLASSIFY_METHOD,
     DEADLINE_STAGE_ADMISSION,
@@ -104,9 +108,14 @@ class WorkerPool:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        memory_budget_bytes: int = 0,
+        memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
         trusted_signers: Path | None = None,
     ) -> None:
+        """`memory_budget_bytes`: each worker's device memory budget (0: a share of its
+        device, capability.memory.budget_bytes); `memory_warm_up`: the shape the ledger
+        measures (capability.workers.worker.MEMORY_WARM_UPS)."""
         self._metrics = metrics
         # An allowed-signers file every loaded bundle's manifest must be signed by a key
         # of; None loads unsigned bundles too.
@@ -119,6 +128,8 @@ class WorkerPool:
                 name,
                 metrics,
                 memory_threshold=memory_threshold,
+                memory_budget_bytes=budget_bytes(device, memory_budget_bytes),
+                memory_warm_up=memory_warm_up,
                 cpu_compute_nice=cpu_compute_nice,
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
@@ -149,35 +160,20 @@ class WorkerPool:
         graph: str = DEFAULT_GRAPH,
         expected_name: str | None = None,
     ) -> LoadedBundle:
-        """Load the bundle in `directory` on every worker, then switch them all to it."""
-        loop = asyncio.get_running_loop()
-        # Loaded beside the serving version, on loader threads, so serving goes on
-        # meanwhile; each worker's replica lives on that worker's device.
-        bundles = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._loaders,
-                    _load_on,
-                    directory,
-                    worker.device,
-                    precision,
-                    graph,
-                    self._trusted_signers,
-                )
-                for worker in self.workers
+        """Load the bundle in `directory` on every worker, then switch them all to it.
+
+        What a refused version left on the devices is released before the refusal
+        is raised."""
+        try:
+            bundles, replicas = await self._load_everywhere(
+                directory, settings, precision, graph, expected_name
             )
-        )
-        if expected_name is not None and bundles[0].name != expected_name:
-            raise BundleError(
-                f"config.json: names model {bundles[0].name!r}, but the bundle sits under "
-                f"{expected_name!r}"
-            )
-        # Every replica warms up before any worker switches: a version that fails
-        # on one device serves on none.
-        replicas = [
-            await worker.prepare(bundle, settings)
-            for worker, bundle in zip(self.workers, bundles, strict=True)
-        ]
+        except Exception as refused:
+            # The traceback's frames hold the refused tensors; drop their locals first.
+            traceback.clear_frames(refused.__traceback__)
+            for worker in self.workers:
+                await worker.release_cached(CACHE_RELEASE_REFUSED)
+            raise
         for worker, replica in zip(self.workers, replicas, strict=True):
             await worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
@@ -193,6 +189,63 @@ class WorkerPool:
             },
         )
         return bundles[0]
+
+    async def _load_everywhere(
+        self,
+        directory: Path,
+        settings: BatchingSettings,
+        precision: str | None,
+        graph: str,
+        expected_name: str | None,
+    ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
+        """Load and warm up one replica per worker, none serving yet."""
+        loop = asyncio.get_running_loop()
+        model = expected_name or directory.parent.name
+        watches = [worker.load_watch(model, directory.name) for worker in self.workers]
+        # Loaded beside the serving version, on loader threads, so serving goes on
+        # meanwhile; each worker's replica lives on that worker's device. Every load
+        # ends before any refusal is raised, so none is left running.
+        loaded = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._loaders,
+                    _load_on,
+                    directory,
+                    worker.device,
+                    precision,
+                    graph,
+                    self._trusted_signers,
+                    watch,
+                )
+                for worker, watch in zip(self.workers, watches, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        for outcome in loaded:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        bundles = [bundle for bundle in loaded if isinstance(bundle, LoadedBundle)]
+        if expected_name is not None and bundles[0].name != expected_name:
+            raise BundleError(
+                f"config.json: names model {bundles[0].name!r}, but the bundle sits under "
+                f"{expected_name!r}"
+            )
+        # Every replica warms up before any worker switches: a version that fails
+        # on one device serves on none.
+        replicas = [
+            await worker.prepare(bundle, settings, watch.predicted_bytes)
+            for worker, bundle, watch in zip(self.workers, bundles, watches, strict=True)
+        ]
+        return bundles, replicas
+
+    def ledgers(self, model: str) -> list[tuple[str, MemoryLedger, int]]:
+        """(worker, ledger entry, worker's budget) of the serving version of `model` on
+        each worker."""
+        return [
+            (worker.name, replica.ledger, worker.memory_budget_bytes)
+            for worker in self.workers
+            if (replica := worker.replicas.get(model)) is not None and replica.ledger is not None
+        ]
 
     def live_since(self, name: str) -> datetime:
         return self._live_since[name]
@@ -337,7 +390,13 @@ def _load_on(
     precision: str | None,
     graph: str,
     trusted_signers: Path | None,
+    watch: LoadWatch,
 ) -> LoadedBundle:
     return load_bundle(
-        directory, device, precision=precision, graph=graph, trusted_signers=trusted_signers
+        directory,
+        device,
+        precision=precision,
+        graph=graph,
+        trusted_signers=trusted_signers,
+        watch=watch,
     )

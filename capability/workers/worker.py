@@ -5,7 +5,14 @@ so nothing else uses the device, and the event loop never blocks on a model.
 A worker holds one active ModelReplica per model, each with its own bounded
 queue and batching loop (capability.batching.batcher). A reload installs a new
 replica beside the old one and switches new admissions to it; the old replica
-finishes what it admitted, then retires.
+finishes what it admitted, then retires, and the device's cached blocks are
+released (`empty_cache`, or its CPU stand-in) on the device thread.
+
+Every replica keeps a ledger entry (capability.memory.MemoryLedger): memory around
+each load stage and around a warm-up at its largest batch and length bucket. The
+worker refuses a version whose predicted (before its weights are read) or measured
+(after that warm-up) footprint, with what the versions resident on it already
+hold, would exceed its device memory budget; the serving version stays.
 """
 
 from __future__ import annotations
@@ -29,8 +36,23 @@ from capability.batching import (
     TextResult,
     WaitPredictor,
 )
-from capability.bundle import BundleError, LoadedBundle
-from capability.metrics import CapabilityMetrics
+from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
+from capability.memory import (
+    PEAK_WINDOW,
+    MemoryLedger,
+    MemoryReading,
+    format_bytes,
+    memory_source,
+    read_memory,
+    read_peak,
+    release_cached,
+    reset_peak,
+)
+from capability.metrics import (
+    CACHE_RELEASE_RETIRED,
+    MODEL_MEMORY_KINDS,
+    CapabilityMetrics,
+)
 from capability.model import EncodedText
 from capability.model.stages import StageClock
 from capability.workers.device_thread import DeviceThread
@@ -46,6 +68,46 @@ T = TypeVar("T")
 
 # Shapes timed at warm-up to seed the service-time fit: (texts, tokens each).
 WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
+# The ledger's measured warm-up (--memory-warm-up): the largest batch at the longest
+# length bucket the model reads, or (faster starts) the last of WARM_UP_SHAPES.
+MEMORY_WARM_UPS = ("largest", "small")
+
+
+def warm_up_text(tokens: int) -> EncodedText:
+    """A stand-in text of exactly `tokens` tokens, [CLS] and [SEP] included."""
+    return EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)
+
+
+class BudgetedLoad:
+    """A LoadWatch for one version on one worker: readings of its device, and the
+    budget check of the footprint predicted from the weights' bytes, made before
+    any weight is read. `held` and `overhead` are taken on the event loop when the
+    load starts (the loader thread reads no worker state)."""
+
+    def __init__(self, worker: DeviceWorker, model: str, version: str) -> None:
+        self._worker = worker
+        self._model = model
+        self._version = version
+        self._held = worker.held_bytes()
+        # What the serving version of this model needed beyond its weights
+        # (activations, workspaces), measured: the best guess for the next one.
+        serving = worker.replicas.get(model)
+        self._overhead = 0
+        if serving is not None and serving.ledger is not None:
+            self._overhead = serving.ledger.footprint_bytes - serving.ledger.weights_bytes
+        self.predicted_bytes = 0
+
+    def read(self) -> MemoryReading:
+        return read_memory(self._worker.device)
+
+    def admit_weights(self, weights_bytes: int) -> None:
+        self.predicted_bytes = weights_bytes + self._overhead
+        how = f"predicted: {format_bytes(weights_bytes)} of weights"
+        if self._overhead:
+            how += f" + {format_bytes(self._overhead)} measured beyond the serving version's"
+        self._worker.refuse_over_budget(
+            self._model, self._version, self.predicted_bytes, how, self._held
+        )
 
 
 class ModelReplica:
@@ -77,6 +139,8 @@ class ModelReplica:
             retry_after=self.predictor.drain_seconds,
             on_settled=self._set_idle_if_nothing_left,
         )
+        # What this version costs on the device; set by DeviceWorker.prepare.
+        self.ledger: MemoryLedger | None = None
         # Routed here and being tokenized, not yet queued: counted as load so a
         # burst does not all pick the same worker, and waited for before retiring.
         self.arriving = 0
@@ -165,13 +229,40 @@ class ModelReplica:
         """Time a few batch shapes on the device to seed the service-time fit, and refuse
         a version whose scores are not finite."""
         for texts, tokens in WARM_UP_SHAPES:
-            encoded = [EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)]
-            outcome = await self.worker.run_on_device(self._compute, encoded * texts)
-            if not all(outcome.finite_rows):
-                raise BundleError(
-                    f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
-                    "non-finite scores"
-                )
+            outcome = await self.worker.run_on_device(self._compute, [warm_up_text(tokens)] * texts)
+            self._require_finite(outcome)
+
+    def _require_finite(self, outcome: BatchOutcome) -> None:
+        if not all(outcome.finite_rows):
+            raise BundleError(
+                f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
+                "non-finite scores"
+            )
+
+    def measured_shape(self, memory_warm_up: str) -> tuple[int, int]:
+        """(texts, tokens) of the warm-up the ledger measures (see MEMORY_WARM_UPS)."""
+        if memory_warm_up == "small":
+            return WARM_UP_SHAPES[-1]
+        longest = min(self.settings.length_buckets[-1], self.bundle.classifier.max_seq_length)
+        return self.settings.max_batch_size, longest
+
+    async def measure_warm_up(self, memory_warm_up: str) -> tuple[MemoryReading, int]:
+        """Warm up at the measured shape; memory after it, and the peak during it."""
+        texts, tokens = self.measured_shape(memory_warm_up)
+        outcome, after, peak = await self.worker.run_on_device(
+            self._measure, [warm_up_text(tokens)] * texts
+        )
+        self._require_finite(outcome)
+        return after, peak
+
+    def _measure(self, encoded: list[EncodedText]) -> tuple[BatchOutcome, MemoryReading, int]:
+        """On the device thread: one forward in a peak window of its own."""
+        device = self.worker.device
+        with PEAK_WINDOW:
+            reset_peak(device)
+            outcome = self._compute(encoded)
+            peak = read_peak(device)
+        return outcome, read_memory(device), peak
 
     def _compute(
         self, encoded: list[EncodedText], deadlines: list[float | None] | None = None
@@ -228,12 +319,18 @@ class DeviceWorker:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        memory_budget_bytes: int,
+        memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
     ) -> None:
         self.device = device
         self.name = name
         self._metrics = metrics
         self._memory_threshold = memory_threshold
+        # What the model versions resident here may hold together, in bytes.
+        self.memory_budget_bytes = memory_budget_bytes
+        self._memory_warm_up = memory_warm_up
+        metrics.device_memory_budget.labels(name).set(memory_budget_bytes)
         # On a GPU the thread only launches kernels: it must not wait for the CPU.
         nice = cpu_compute_nice if device.type == "cpu" else 0
         self._device_thread = DeviceThread(f"device-{name}", nice)
@@ -243,6 +340,8 @@ class DeviceWorker:
         self._waiting_for_turn = 0
         self.replicas: dict[str, ModelReplica] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        # Replaced versions still finishing their work: resident until released.
+        self._retiring_replicas: set[ModelReplica] = set()
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -287,11 +386,64 @@ class DeviceWorker:
                 worker=self.name,
             )
 
-    async def prepare(self, bundle: LoadedBundle, settings: BatchingSettings) -> ModelReplica:
-        """A warmed-up replica of `bundle` on this device, not yet serving."""
+    def held_bytes(self) -> int:
+        """Footprints of the versions resident here: serving, and retiring ones."""
+        resident = [*self.replicas.values(), *self._retiring_replicas]
+        return sum(r.ledger.footprint_bytes for r in resident if r.ledger is not None)
+
+    def load_watch(self, model: str, version: str) -> BudgetedLoad:
+        """The LoadWatch for loading `version` of `model` onto this worker now."""
+        return BudgetedLoad(self, model, version)
+
+    def refuse_over_budget(
+        self, model: str, version: str, needed: int, how: str, held: int
+    ) -> None:
+        """Raise MemoryBudgetExceeded, naming the numbers, if `needed` bytes beside
+        `held` ones would exceed the budget."""
+        budget = self.memory_budget_bytes
+        if held + needed <= budget:
+            return
+        raise MemoryBudgetExceeded(
+            f"version {version} of {model} needs {format_bytes(needed)} ({needed} bytes; "
+            f"{how}) on {self.name}, where the resident versions hold {format_bytes(held)} "
+            f"({held} bytes): {held + needed} bytes exceed the device memory budget of "
+            f"{format_bytes(budget)} ({budget} bytes, --device-memory-budget)"
+        )
+
+    async def prepare(
+        self, bundle: LoadedBundle, settings: BatchingSettings, predicted_bytes: int = 0
+    ) -> ModelReplica:
+        """A warmed-up replica of `bundle` on this device, with its ledger entry, not
+        yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
+        not fit beside the resident versions."""
         replica = ModelReplica(bundle, self, settings, self._metrics)
         await replica.warm_up()
+        after, peak = await replica.measure_warm_up(self._memory_warm_up)
+        texts, tokens = replica.measured_shape(self._memory_warm_up)
+        ledger = MemoryLedger(
+            source=memory_source(self.device),
+            weights_bytes=bundle.memory_bytes,
+            predicted_bytes=predicted_bytes or bundle.memory_bytes,
+            stages=bundle.stage_memory,
+            after_warm_up=after,
+            warm_up_peak_bytes=peak,
+            warm_up_batch_size=texts,
+            warm_up_tokens=tokens,
+        )
+        replica.ledger = ledger
+        self.refuse_over_budget(
+            bundle.name,
+            bundle.version,
+            ledger.footprint_bytes,
+            f"measured: warm-up peak at {texts} texts x {tokens} tokens",
+            self.held_bytes(),
+        )
         return replica
+
+    async def release_cached(self, reason: str) -> None:
+        """Hand the device's unused cached blocks back, on the device thread (counted)."""
+        await self.run_on_device(release_cached, self.device)
+        self._metrics.cache_releases.labels(self.name, reason).inc()
 
     async def activate(self, replica: ModelReplica) -> None:
         """Make `replica` the one new requests join; the previous version retires."""
@@ -303,26 +455,36 @@ class DeviceWorker:
             bundle.name, bundle.version, self.name, bundle.precision
         ).set(1)
         self._metrics.model_load_seconds.labels(bundle.name, self.name).set(bundle.load_seconds)
+        if replica.ledger is not None:
+            self._metrics.show_ledger(bundle.name, bundle.version, self.name, replica.ledger)
         if previous is not None:
+            self._retiring_replicas.add(previous)
             task = asyncio.create_task(self._retire(previous))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, replica: ModelReplica) -> None:
-        """Finish what the old version admitted (and what was on its way), then let it go."""
+        """Finish what the old version admitted (and what was on its way), let it go,
+        then release the device's cached blocks it leaves behind."""
         await replica.wait_idle()
         await replica.stop(ServerDraining("the model version was replaced"))
-        bundle = replica.bundle
-        if self.replicas.get(bundle.name) is not replica:
-            # Only drop the info series if the new version does not share its labels.
-            current = self.replicas.get(bundle.name)
-            if current is None or current.bundle.version != bundle.version:
-                self._metrics.model_info.remove(
-                    bundle.name, bundle.version, self.name, bundle.precision
-                )
+        name, version, precision = replica.name, replica.bundle.version, replica.bundle.precision
+        if self.replicas.get(name) is not replica:
+            # Only drop its series if the new version does not share their labels.
+            current = self.replicas.get(name)
+            if current is None or current.bundle.version != version:
+                self._metrics.model_info.remove(name, version, self.name, precision)
+                for kind in MODEL_MEMORY_KINDS:
+                    with contextlib.suppress(KeyError):
+                        self._metrics.model_memory.remove(name, version, self.name, kind)
+        self._retiring_replicas.discard(replica)
+        # NOTE: the last reference to the old version's tensors goes here, so that
+        # the release below finds their blocks free.
+        del replica
+        await self.release_cached(CACHE_RELEASE_RETIRED)
         log.info(
             "model version retired",
-            extra={"model": bundle.name, "version": bundle.version, "worker": self.name},
+            extra={"model": name, "version": version, "worker": self.name},
         )
 
     async def drain(self) -> None:
