@@ -33,6 +33,7 @@ from capability.batching.settings import (
 )
 from capability.memory import parse_byte_size
 from capability.model import DEFAULT_GRAPH, GRAPHS
+from capability.workers.cuda import CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATOR
 from classify_common.documents import DocumentRefused
 from classify_common.fields import FieldRefused, Fields, read_yaml
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
@@ -191,6 +192,13 @@ class CapabilitySettings(ServerSettings):
         "warm-up the memory ledger measures: the largest batch at the longest length "
         "bucket, or a small batch (faster starts)",
         choices=("largest", "small"),
+    )
+    # Written into PYTORCH_CUDA_ALLOC_CONF before CUDA starts, unless the operator set
+    # that variable; logged at start-up (capability/workers/cuda.py).
+    cuda_allocator: str = setting(
+        DEFAULT_CUDA_ALLOCATOR,
+        "CUDA caching allocator (no effect on the CPU; PYTORCH_CUDA_ALLOC_CONF wins)",
+        choices=tuple(CUDA_ALLOCATORS),
     )
     watch_seconds: float = setting(
         DEFAULT_WATCH_SECONDS,

@@ -19,7 +19,11 @@ from capability.metrics import CapabilityMetrics
 from capability.security import InternalTokenGate
 from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
-from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
+from capability.workers.cuda import (
+    DeviceMemoryCollector,
+    allocator_report,
+    configure_cuda_defaults,
+)
 from classify_common.errors import ServiceError
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
@@ -97,6 +101,8 @@ class CapabilityServer:
         return self.serving.port
 
     async def start(self) -> None:
+        devices = [worker.device for worker in self.pool.workers]
+        log.info("device memory", extra=allocator_report(devices, self.settings.cuda_allocator))
         await self.serving.start()
 
     async def warm_up(self) -> None:
@@ -149,7 +155,7 @@ async def serve(settings: CapabilitySettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = CapabilitySettings.from_args(argv)
-    configure_cuda_defaults()
+    configure_cuda_defaults(settings.cuda_allocator)
     if settings.device == "cpu" or not torch.cuda.is_available():
         share_cpu_threads(settings.cpu_workers, settings.torch_threads)
     # A start-up failure: no bundles under the root, a refused bundle, a version over

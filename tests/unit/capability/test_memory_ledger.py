@@ -5,6 +5,8 @@ through the same code a CUDA device takes."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -19,9 +21,12 @@ from capability.memory import format_bytes, parse_byte_size
 from capability.metrics import (
     DEVICE_CACHE_RELEASES_TOTAL,
     DEVICE_MEMORY_BUDGET_BYTES,
+    DEVICE_MEMORY_BYTES,
     MODEL_MEMORY_BYTES,
     MODEL_MEMORY_KINDS,
 )
+from capability.server import CapabilityServer
+from capability.workers.cuda import ALLOCATOR_ENV, configure_cuda_defaults
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import error_reason, refusal
 
@@ -176,3 +181,51 @@ async def test_a_reload_over_budget_is_refused_and_the_serving_version_stays(
 )
 def test_budget_sizes_read_binary_units(text: str, expected: int) -> None:
     assert parse_byte_size(text) == expected
+
+
+async def test_each_scrape_starts_a_new_peak_window(capability: CapabilityServer) -> None:
+    def scrape() -> dict[str, float]:
+        """The cpu:0 memory series of one scrape, by kind."""
+        return {
+            sample.labels["kind"]: sample.value
+            for family in capability.registry.collect()
+            for sample in family.samples
+            if sample.name == DEVICE_MEMORY_BYTES and sample.labels["worker"] == "cpu:0"
+        }
+
+    before = scrape()["allocated"]  # and whatever came before ends with this window
+    blob = b"\x01" * (256 * 2**20)  # written, so resident
+    del blob
+    peak_with_blob = scrape()["peak"]
+    assert peak_with_blob > before + 200 * 2**20
+    # The next window never saw the blob.
+    assert scrape()["peak"] < peak_with_blob - 200 * 2**20
+
+
+async def test_start_up_logs_the_allocator_as_not_applicable_on_the_cpu(
+    start_capability: StartCapability, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="capability.server"):
+        await start_capability(models=("topic-static",))
+    (record,) = [r for r in caplog.records if r.getMessage() == "device memory"]
+    assert record.__dict__["cuda_allocator"] == "not applicable (no CUDA device)"
+    assert record.__dict__["cuda_runtime"] == "not applicable (no CUDA device)"
+
+
+@pytest.mark.parametrize(
+    ("allocator", "expected"),
+    [
+        ("expandable_segments", "expandable_segments:True"),
+        ("cudaMallocAsync", "backend:cudaMallocAsync"),
+        ("native", None),
+    ],
+)
+def test_allocator_choice_is_written_for_cuda_unless_the_operator_set_one(
+    allocator: str, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
+    configure_cuda_defaults(allocator)
+    assert os.environ.get(ALLOCATOR_ENV) == expected
+    monkeypatch.setenv(ALLOCATOR_ENV, "backend:native")
+    configure_cuda_defaults(allocator)
+    assert os.environ[ALLOCATOR_ENV] == "backend:native"
