@@ -33,6 +33,7 @@ from capability.batching.settings import (
 )
 from capability.memory import parse_byte_size
 from capability.model import DEFAULT_GRAPH, GRAPHS
+from capability.result_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, DEFAULT_WARM
 from capability.workers.cuda import CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATOR
 from classify_common.documents import DocumentRefused
 from classify_common.fields import FieldRefused, Fields, read_yaml
@@ -192,6 +193,28 @@ class CapabilitySettings(ServerSettings):
         "warm-up the memory ledger measures: the largest batch at the longest length "
         "bucket, or a small batch (faster starts)",
         choices=("largest", "small"),
+    )
+    # The result cache (capability/result_cache.py), in front of every model's queue.
+    result_cache_entries: int = setting(
+        DEFAULT_ENTRIES,
+        "results the cache keeps, all models together (0: no cache)",
+        int,
+        low=0,
+        high=10_000_000,
+    )
+    result_cache_bytes: int = setting(
+        DEFAULT_BYTES,
+        "estimated bytes the result cache may hold (e.g. 64MiB)",
+        parse_byte_size,
+        low=1,
+        unit="bytes",
+    )
+    result_cache_warm: int = setting(
+        DEFAULT_WARM,
+        "most hit texts computed again on a model's new version after a swap (0: none)",
+        int,
+        low=0,
+        high=100_000,
     )
     # Written into PYTORCH_CUDA_ALLOC_CONF before CUDA starts, unless the operator set
     # that variable; logged at start-up (capability/workers/cuda.py).

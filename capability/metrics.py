@@ -31,6 +31,11 @@ DEVICE_FRAGMENTATION_BYTES = "classify_device_fragmentation_bytes"
 DEVICE_MEMORY_BUDGET_BYTES = "classify_device_memory_budget_bytes"
 DEVICE_CACHE_RELEASES_TOTAL = "classify_device_cache_releases_total"
 MODEL_MEMORY_BYTES = "classify_model_memory_bytes"
+RESULT_CACHE_HITS_TOTAL = "classify_result_cache_hits_total"
+RESULT_CACHE_MISSES_TOTAL = "classify_result_cache_misses_total"
+RESULT_CACHE_WARMED_TOTAL = "classify_result_cache_warmed_total"
+RESULT_CACHE_ENTRIES = "classify_result_cache_entries"
+RESULT_CACHE_BYTES = "classify_result_cache_bytes"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
 
@@ -60,6 +65,7 @@ class CapabilityMetrics:
         self._add_model_metrics(registry)
         self._add_queue_metrics(registry)
         self._add_worker_metrics(registry)
+        self._add_cache_metrics(registry)
 
     def _add_model_metrics(self, registry: CollectorRegistry) -> None:
         """What the model computed, and which versions are loaded."""
@@ -200,6 +206,36 @@ class CapabilityMetrics:
             WORKER_BUSY_SECONDS_TOTAL,
             "Seconds a worker's device spent computing batches for requests.",
             ["worker"],
+            registry=registry,
+        )
+
+    def _add_cache_metrics(self, registry: CollectorRegistry) -> None:
+        """The result cache (capability/result_cache.py): how often it answered."""
+        # Counted per text looked up; texts of a call that opted out are neither.
+        self.result_cache_hits = Counter(
+            RESULT_CACHE_HITS_TOTAL,
+            "Texts answered from the result cache: no queue, no forward.",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_misses = Counter(
+            RESULT_CACHE_MISSES_TOTAL,
+            "Texts looked up in the result cache and not found (computed, then stored).",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_warmed = Counter(
+            RESULT_CACHE_WARMED_TOTAL,
+            "Texts computed on a model's new version to refill the cache after a swap.",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_entries = Gauge(
+            RESULT_CACHE_ENTRIES, "Entries in the result cache.", registry=registry
+        )
+        self.result_cache_bytes = Gauge(
+            RESULT_CACHE_BYTES,
+            "Estimated bytes the result cache's entries hold.",
             registry=registry,
         )
 

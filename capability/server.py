@@ -73,6 +73,11 @@ class CapabilityServer:
             memory_warm_up=settings.memory_warm_up,
             cpu_compute_nice=settings.cpu_compute_nice,
             trusted_signers=settings.trusted_signers,
+            result_cache=(
+                settings.result_cache_entries,
+                settings.result_cache_bytes,
+                settings.result_cache_warm,
+            ),
         )
         self.registry.register(
             DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])

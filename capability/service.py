@@ -28,6 +28,7 @@ from capability.item_trace import (
 from capability.lifecycle import ModelLifecycle
 from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
+from capability.workers.admission import CACHE_BYPASS, CACHE_USE
 from classify_common.context import (
     LOAD_REPORT_TRAILER,
     current_request,
@@ -59,6 +60,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             priority=_priority(request),
             request_id=ids.request_id,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
+            cache=_cache_policy(request),
         )
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, self._pool.load_report(model)),))
         return classify_response(request, result, ids.request_id, ids.trace_id)
@@ -125,6 +127,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
                 refusal=refusal,
             ),
             refusal=refusal,
+            cache=_cache_policy(item),
         )
 
     async def GetResult(
@@ -135,6 +138,10 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             "GetResult is served by the orchestrator; capability servers keep no results",
             request_id=request.request_id,
         )
+
+
+def _cache_policy(request: pb.ClassifyRequest) -> str:
+    return CACHE_BYPASS if request.cache == pb.CACHE_POLICY_BYPASS else CACHE_USE
 
 
 def _priority(request: pb.ClassifyRequest) -> int:
@@ -167,6 +174,7 @@ def classify_response(
         request_id=request_id,
         trace_id=trace_id,
         status=pb.RESULT_STATUS_DONE,
+        cached=result.cached,
     )
 
 

@@ -1,8 +1,9 @@
 """The workers of one server, and the dispatch of requests to them.
 
 A request is tokenized by the replica it will run on (on the event loop when
-short, else on a tokenizer thread), then admitted to the least-loaded worker
-that holds its model. A batch call's texts are grouped by model: each group
+short, else on a tokenizer thread), looked up in the result cache (a hit is
+answered at once; capability/result_cache.py), then admitted to the least-loaded
+worker that holds its model. A batch call's texts are grouped by model: each group
 goes to one replica, is tokenized in one tokenizer call per `max_length` and
 admitted in one step (capability.workers.admission), and every text is answered
 on its own. Loading a model version loads one replica per worker, each on its
@@ -19,12 +20,14 @@ import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from capability.batching import (
+    PRIORITY_BATCH,
     Admission,
     BatchingSettings,
     TextResult,
@@ -39,8 +42,27 @@ from capability.metrics import (
     CapabilityMetrics,
 )
 from capability.model import DEFAULT_GRAPH
-from capability.workers.admission import Admitter, TextRequest, priority_lane, run_each
+from capability.result_cache import (
+    DEFAULT_BYTES,
+    DEFAULT_ENTRIES,
+    DEFAULT_WARM,
+    ResultCache,
+    WarmText,
+)
+from capability.workers.admission import (
+    CACHE_BYPASS,
+    CACHE_REFRESH,
+    CACHE_USE,
+    OUTCOME_CACHE_HIT,
+    Admitter,
+    TextRequest,
+    answered_from_cache,
+    priority_lane,
+    remember_result,
+    run_each,
+)
 from capability.workers.worker import DeviceWorker, ModelReplica
+from classify_common.context import new_request_id
 from classify_common.errors import (
     DeadlineExpired,
     InternalError,
@@ -50,6 +72,7 @@ from classify_common.errors import (
     ServiceError,
 )
 from classify_common.nodes import (
+    CLASSIFY_CACHE,
     CLASSIFY_OUTCOME,
     CLASSIFY_PREDICTED_WAIT_MS,
     CLASSIFY_QUEUE_DEPTH,
@@ -112,10 +135,12 @@ class WorkerPool:
         memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
         trusted_signers: Path | None = None,
+        result_cache: tuple[int, int, int] = (DEFAULT_ENTRIES, DEFAULT_BYTES, DEFAULT_WARM),
     ) -> None:
         """`memory_budget_bytes`: each worker's device memory budget (0: a share of its
         device, capability.memory.budget_bytes); `memory_warm_up`: the shape the ledger
-        measures (capability.workers.worker.MEMORY_WARM_UPS)."""
+        measures (capability.workers.worker.MEMORY_WARM_UPS); `result_cache`: its
+        entries (0: off), bytes, and texts recomputed after a swap."""
         self._metrics = metrics
         # An allowed-signers file every loaded bundle's manifest must be signed by a key
         # of; None loads unsigned bundles too.
@@ -134,7 +159,11 @@ class WorkerPool:
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
-        self._admitter = Admitter(self._count_refusal)
+        entries, cache_bytes, warm = result_cache
+        self.cache = ResultCache(metrics, max_entries=entries, max_bytes=cache_bytes, warm=warm)
+        self._admitter = Admitter(self._count_refusal, self.cache)
+        # Refilling the cache after a swap, at batch priority; cancelled at close.
+        self._warming: set[asyncio.Task[None]] = set()
         self._loaders = ThreadPoolExecutor(len(self.workers), thread_name_prefix="load")
         self.draining = False
         # When each model's serving version went live on every worker.
@@ -177,6 +206,9 @@ class WorkerPool:
         for worker, replica in zip(self.workers, replicas, strict=True):
             await worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
+        self._refill_cache(
+            bundles[0].name, self.cache.switch_version(bundles[0].name, bundles[0].version)
+        )
         log.info(
             "model version serving",
             extra={
@@ -247,6 +279,40 @@ class WorkerPool:
             if (replica := worker.replicas.get(model)) is not None and replica.ledger is not None
         ]
 
+    def _refill_cache(self, model: str, texts: list[WarmText]) -> None:
+        """Compute the old version's most hit texts on the new one, in the background."""
+        if not texts:
+            return
+        task = asyncio.create_task(self._warm_cache(model, texts), name=f"warm-cache-{model}")
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm_cache(self, model: str, texts: list[WarmText]) -> None:
+        requests = [
+            TextRequest(
+                model=model,
+                text=warm.text,
+                max_length=warm.max_length,
+                priority=PRIORITY_BATCH,
+                request_id=new_request_id(),
+                deadline=None,
+                cache=CACHE_REFRESH,
+            )
+            for warm in texts
+        ]
+        outcomes = await self._classify_many(requests)
+        computed = sum(isinstance(outcome, TextResult) for outcome in outcomes)
+        self._metrics.result_cache_warmed.labels(model).inc(computed)
+        log.info(
+            "result cache refilled",
+            extra={"model": model, "texts": len(texts), "computed": computed},
+        )
+
+    async def wait_cache_refilled(self) -> None:
+        """Return once every refill of the cache after a swap has finished."""
+        while self._warming:
+            await asyncio.gather(*self._warming, return_exceptions=True)
+
     def live_since(self, name: str) -> datetime:
         return self._live_since[name]
 
@@ -286,8 +352,10 @@ class WorkerPool:
         priority: int,
         request_id: str,
         deadline: float | None,
+        cache: str = CACHE_USE,
     ) -> TextResult:
-        """Tokenize, admit and await one text; errors are ServiceErrors."""
+        """Tokenize, look up (`cache`: see TextRequest), admit and await one text;
+        errors are ServiceErrors."""
         self._unary_items.observe(1)
         if self.draining:
             raise ServerDraining("the server is shutting down; send the request elsewhere")
@@ -299,6 +367,13 @@ class WorkerPool:
                 span.set_attributes(
                     {CLASSIFY_TOKENS: len(encoded), CLASSIFY_TRUNCATED: encoded.truncated}
                 )
+            cached = (
+                answered_from_cache(self.cache, replica, encoded) if cache == CACHE_USE else None
+            )
+            if cached is not None:
+                hit = {CLASSIFY_WORKER: replica.worker.name, CLASSIFY_CACHE: "hit"}
+                with node(QUEUE_ADMIT, {**hit, CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT}):
+                    return cached
             with node(QUEUE_ADMIT, {CLASSIFY_WORKER: replica.worker.name}) as span:
                 span.set_attributes(
                     {
@@ -320,6 +395,10 @@ class WorkerPool:
                     self._count_refusal(model, refused)
                     raise
                 span.set_attribute(CLASSIFY_OUTCOME, "admitted")
+                if self.cache.enabled and cache != CACHE_BYPASS:
+                    future.add_done_callback(
+                        partial(remember_result, self.cache, encoded, text, max_length)
+                    )
         finally:
             replica.end_arrival()
         return await future
@@ -331,6 +410,9 @@ class WorkerPool:
         is tokenized in one call per `max_length` and admitted in one step. A text
         refused at intake (`refusal`) is answered with it and never served."""
         self._batch_items.observe(len(texts))
+        return await self._classify_many(texts)
+
+    async def _classify_many(self, texts: Sequence[TextRequest]) -> list[TextResult | ServiceError]:
         outcomes: list[TextResult | ServiceError | None] = [text.refusal for text in texts]
         by_model: dict[str, list[int]] = {}
         for index, text in enumerate(texts):
@@ -378,6 +460,9 @@ class WorkerPool:
         await asyncio.gather(*(worker.drain() for worker in self.workers))
 
     async def close(self) -> None:
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
         for worker in self.workers:
             await worker.close()
         self._admitter.close()
