@@ -10,6 +10,8 @@ file (`--model-config`), one mapping per model name:
       length_buckets: [16, 32, 64, 128, 256, 512]
       precision: fp32         # fp32 or bf16; absent: the bundle's own
       graph: torchscript      # torchscript or eager: how the encoder's forward runs
+      residency: on_demand    # resident, on_demand or sharded (capability/workers/residency.py)
+      idle_seconds: 300       # on_demand: unused this long, it leaves the device, 0.1..86400
 
 A model not in the file gets the server-wide defaults from the flags. The file is
 read once, at start-up (by `from_args`, or `with_model_config()`), within
@@ -35,6 +37,7 @@ from capability.memory import parse_byte_size
 from capability.model import DEFAULT_GRAPH, GRAPHS
 from capability.result_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, DEFAULT_WARM
 from capability.workers.cuda import CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATOR
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENCIES, RESIDENT, SHARDED
 from classify_common.documents import DocumentRefused
 from classify_common.fields import FieldRefused, Fields, read_yaml
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
@@ -69,12 +72,20 @@ class ModelServingSettings:
     precision: str | None = None
     # "torchscript" or "eager" (capability.model.classifier.GRAPHS).
     graph: str = DEFAULT_GRAPH
+    # capability.workers.residency.RESIDENCIES; on_demand leaves the device after
+    # `idle_seconds` unused, 0.1..86400 s.
+    residency: str = RESIDENT
+    idle_seconds: float = DEFAULT_IDLE_SECONDS
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise SettingsError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.graph not in GRAPHS:
             raise SettingsError(f"graph {self.graph!r} is not one of {GRAPHS}")
+        if self.residency not in RESIDENCIES:
+            raise SettingsError(f"residency {self.residency!r} is not one of {RESIDENCIES}")
+        if not 0.1 <= self.idle_seconds <= 86_400:
+            raise SettingsError(f"idle_seconds {self.idle_seconds} is outside 0.1..86400")
 
 
 def parse_model_config(
@@ -106,9 +117,11 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     # Checked, with their messages, by ModelServingSettings.
     precision = spec.raw("precision", defaults.precision)
     graph = spec.raw("graph", defaults.graph)
+    residency = spec.raw("residency", defaults.residency)
+    idle_seconds = spec.number("idle_seconds", defaults.idle_seconds)
     spec.refuse_unknown()
     batching = BatchingSettings(max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets)
-    return ModelServingSettings(batching, precision, graph)
+    return ModelServingSettings(batching, precision, graph, residency, idle_seconds)
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,20 @@ class CapabilitySettings(ServerSettings):
         "warm-up the memory ledger measures: the largest batch at the longest length "
         "bucket, or a small batch (faster starts)",
         choices=("largest", "small"),
+    )
+    # Per model too (--model-config); sharded is refused (see check_devices).
+    residency: str = setting(
+        RESIDENT,
+        "where models' weights live: kept on the device, or copied there on demand",
+        choices=RESIDENCIES,
+    )
+    idle_seconds: float = setting(
+        DEFAULT_IDLE_SECONDS,
+        "an on_demand model unused this long leaves the device",
+        float,
+        low=0.1,
+        high=86_400,
+        unit="s",
     )
     # The result cache (capability/result_cache.py), in front of every model's queue.
     result_cache_entries: int = setting(
@@ -297,4 +324,27 @@ class CapabilitySettings(ServerSettings):
                 length_buckets=DEFAULT_LENGTH_BUCKETS,
             ),
             graph=self.graph,
+            residency=self.residency,
+            idle_seconds=self.idle_seconds,
         )
+
+    def check_devices(self, worker_names: Sequence[str]) -> None:
+        """Refuse a residency the discovered devices cannot give (read at start-up,
+        once the devices are known)."""
+        chosen = [("--residency / CAPABILITY_RESIDENCY", self.residency)] + [
+            (f"--model-config: {name}: residency", serving.residency)
+            for name, serving in self.per_model.items()
+        ]
+        for where, residency in chosen:
+            if residency != SHARDED:
+                continue
+            if len(worker_names) < 2:
+                raise SettingsError(
+                    f"{where}: sharded splits a model's layers across devices and needs at "
+                    f"least 2; this server has {len(worker_names)} ({', '.join(worker_names)}). "
+                    "Use resident or on_demand, or give --device cuda:0,cuda:1"
+                )
+            raise SettingsError(
+                f"{where}: sharded is not built yet (capability/workers/residency.py); "
+                "use resident or on_demand"
+            )

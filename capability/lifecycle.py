@@ -200,6 +200,8 @@ class ModelLifecycle:
             settings.precision,
             graph=settings.graph,
             expected_name=name,
+            residency=settings.residency,
+            idle_seconds=settings.idle_seconds,
         )
 
     async def watch(self, interval_seconds: float) -> None:

@@ -31,6 +31,10 @@ DEVICE_FRAGMENTATION_BYTES = "classify_device_fragmentation_bytes"
 DEVICE_MEMORY_BUDGET_BYTES = "classify_device_memory_budget_bytes"
 DEVICE_CACHE_RELEASES_TOTAL = "classify_device_cache_releases_total"
 MODEL_MEMORY_BYTES = "classify_model_memory_bytes"
+MODEL_COLD_STARTS_TOTAL = "classify_model_cold_starts_total"
+MODEL_COLD_START_SECONDS = "classify_model_cold_start_seconds"
+MODEL_EVICTIONS_TOTAL = "classify_model_evictions_total"
+MODEL_RESIDENT = "classify_model_resident"
 RESULT_CACHE_HITS_TOTAL = "classify_result_cache_hits_total"
 RESULT_CACHE_MISSES_TOTAL = "classify_result_cache_misses_total"
 RESULT_CACHE_WARMED_TOTAL = "classify_result_cache_warmed_total"
@@ -52,9 +56,11 @@ DEADLINE_STAGE_DEVICE = "device"
 # warm-up above memory before the load), footprint (what the budget counts).
 MODEL_MEMORY_KINDS = ("weights", "predicted", "loaded", "warmed", "warm_up_peak", "footprint")
 # The `reason` of DEVICE_CACHE_RELEASES_TOTAL: after a replaced version was let go,
-# or after a version was refused (over budget, non-finite warm-up) and dropped.
+# after a version was refused (over budget, non-finite warm-up) and dropped, or after
+# an on-demand model left the device.
 CACHE_RELEASE_RETIRED = "retired"
 CACHE_RELEASE_REFUSED = "refused"
+CACHE_RELEASE_EVICTED = "evicted"
 # The `method` of RPC_ITEMS: full gRPC method names, as in classify_rpc_requests_total.
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 CLASSIFY_BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
@@ -91,6 +97,34 @@ class CapabilityMetrics:
             MODEL_INFO,
             "1 for each model version serving now, with its worker and precision.",
             ["model", "version", "worker", "precision"],
+            registry=registry,
+        )
+        self.model_resident = Gauge(
+            MODEL_RESIDENT,
+            "1 while a serving version's weights are on the worker's device, 0 while an "
+            "on_demand one waits in host memory.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.model_cold_starts = Counter(
+            MODEL_COLD_STARTS_TOTAL,
+            "Times an on_demand model was copied onto a device for a request.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.model_cold_start_seconds = Histogram(
+            MODEL_COLD_START_SECONDS,
+            "Seconds a cold start took (weights onto the device, graph traced): what the "
+            "first request after an eviction waits beyond its own computation.",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.model_evictions = Counter(
+            MODEL_EVICTIONS_TOTAL,
+            "Times an on_demand model left a device, by reason: idle (unused for its "
+            "idle_seconds) or budget (room for another model).",
+            ["model", "worker", "reason"],
             registry=registry,
         )
         self.model_memory = Gauge(

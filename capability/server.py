@@ -24,6 +24,7 @@ from capability.workers.cuda import (
     allocator_report,
     configure_cuda_defaults,
 )
+from capability.workers.pool import worker_names
 from classify_common.errors import ServiceError
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
@@ -65,6 +66,7 @@ class CapabilityServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = CapabilityMetrics(self.registry)
         devices = discover_devices(settings.device, settings.cpu_workers)
+        settings.check_devices(worker_names(devices))
         self.pool = WorkerPool(
             devices,
             metrics,

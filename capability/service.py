@@ -219,9 +219,10 @@ def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
         digest=bundle.digest,
         architecture=bundle.architecture,
         memory=[
-            _worker_memory(worker, ledger, budget)
-            for worker, ledger, budget in pool.ledgers(bundle.name)
+            _worker_memory(worker, ledger, budget, resident)
+            for worker, ledger, budget, resident in pool.ledgers(bundle.name)
         ],
+        residency=pool.residency(bundle.name),
     )
 
 
@@ -231,7 +232,9 @@ def _reading(reading: MemoryReading) -> model_pb.MemoryReading:
     )
 
 
-def _worker_memory(worker: str, ledger: MemoryLedger, budget: int) -> model_pb.WorkerMemory:
+def _worker_memory(
+    worker: str, ledger: MemoryLedger, budget: int, resident: bool
+) -> model_pb.WorkerMemory:
     """One ledger entry as the contract carries it."""
     return model_pb.WorkerMemory(
         worker=worker,
@@ -250,6 +253,7 @@ def _worker_memory(worker: str, ledger: MemoryLedger, budget: int) -> model_pb.W
         warm_up_tokens=ledger.warm_up_tokens,
         footprint_bytes=ledger.footprint_bytes,
         budget_bytes=budget,
+        resident=resident,
     )
 
 

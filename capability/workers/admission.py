@@ -165,6 +165,8 @@ class Admitter:
                 tokens_of.update(zip(indexes, group, strict=True))
             encoded = [tokens_of[i] for i in range(len(texts))]
             hits = self._look_up(replica, texts, encoded)
+            if not replica.is_resident and len(hits) < len(texts):
+                encoded = await self._bring_onto_device(replica, texts, encoded, hits)
             if not hits:
                 return self._admit_remembered(replica, texts, encoded)
             missed = [i for i in range(len(texts)) if i not in hits]
@@ -176,6 +178,38 @@ class Admitter:
             return [hits[i] if i in hits else next(admitted) for i in range(len(texts))]
         finally:
             replica.end_arrival(len(texts))
+
+    async def _bring_onto_device(
+        self,
+        replica: ModelReplica,
+        texts: Sequence[TextRequest],
+        encoded: list[EncodedText | ServiceError],
+        hits: dict[int, asyncio.Future[TextResult]],
+    ) -> list[EncodedText | ServiceError]:
+        """Wait for an on_demand replica's cold start for the texts the cache did not
+        answer. A text whose deadline cannot allow the cold start is refused (so its
+        caller's fallback can answer); if the cold start fails, every waiting text is
+        refused with its error. Each refusal is counted."""
+        now = asyncio.get_running_loop().time()
+        outcome = list(encoded)
+        waiting = []
+        for index, (text, tokens) in enumerate(zip(texts, encoded, strict=True)):
+            if index in hits or not isinstance(tokens, EncodedText):
+                continue
+            refusal = replica.cold_start_refusal(len(tokens), text.deadline, now)
+            if refusal is None:
+                waiting.append(index)
+            else:
+                outcome[index] = refusal
+                self._count_refusal(replica.name, refusal)
+        if waiting:
+            try:
+                await replica.worker.ensure_resident(replica)
+            except ServiceError as failed:
+                for index in waiting:
+                    outcome[index] = failed
+                    self._count_refusal(replica.name, failed)
+        return outcome
 
     def _look_up(
         self,

@@ -61,6 +61,7 @@ from capability.workers.admission import (
     remember_result,
     run_each,
 )
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT
 from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.context import new_request_id
 from classify_common.errors import (
@@ -188,6 +189,8 @@ class WorkerPool:
         *,
         graph: str = DEFAULT_GRAPH,
         expected_name: str | None = None,
+        residency: str = RESIDENT,
+        idle_seconds: float = DEFAULT_IDLE_SECONDS,
     ) -> LoadedBundle:
         """Load the bundle in `directory` on every worker, then switch them all to it.
 
@@ -195,7 +198,7 @@ class WorkerPool:
         is raised."""
         try:
             bundles, replicas = await self._load_everywhere(
-                directory, settings, precision, graph, expected_name
+                directory, settings, precision, graph, expected_name, (residency, idle_seconds)
             )
         except Exception as refused:
             # The traceback's frames hold the refused tensors; drop their locals first.
@@ -229,6 +232,7 @@ class WorkerPool:
         precision: str | None,
         graph: str,
         expected_name: str | None,
+        residency: tuple[str, float],
     ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
         """Load and warm up one replica per worker, none serving yet."""
         loop = asyncio.get_running_loop()
@@ -264,17 +268,24 @@ class WorkerPool:
             )
         # Every replica warms up before any worker switches: a version that fails
         # on one device serves on none.
+        mode, idle_seconds = residency
         replicas = [
-            await worker.prepare(bundle, settings, watch.predicted_bytes)
+            await worker.prepare(
+                bundle,
+                settings,
+                watch.predicted_bytes,
+                residency=mode,
+                idle_seconds=idle_seconds,
+            )
             for worker, bundle, watch in zip(self.workers, bundles, watches, strict=True)
         ]
         return bundles, replicas
 
-    def ledgers(self, model: str) -> list[tuple[str, MemoryLedger, int]]:
-        """(worker, ledger entry, worker's budget) of the serving version of `model` on
-        each worker."""
+    def ledgers(self, model: str) -> list[tuple[str, MemoryLedger, int, bool]]:
+        """(worker, ledger entry, worker's budget, whether on the device now) of the
+        serving version of `model` on each worker."""
         return [
-            (worker.name, replica.ledger, worker.memory_budget_bytes)
+            (worker.name, replica.ledger, worker.memory_budget_bytes, replica.is_resident)
             for worker in self.workers
             if (replica := worker.replicas.get(model)) is not None and replica.ledger is not None
         ]
@@ -312,6 +323,10 @@ class WorkerPool:
         """Return once every refill of the cache after a swap has finished."""
         while self._warming:
             await asyncio.gather(*self._warming, return_exceptions=True)
+
+    def residency(self, model: str) -> str:
+        """How the serving version of `model` is kept (capability.workers.residency)."""
+        return self.workers[0].replicas[model].residency
 
     def live_since(self, name: str) -> datetime:
         return self._live_since[name]
@@ -374,6 +389,8 @@ class WorkerPool:
                 hit = {CLASSIFY_WORKER: replica.worker.name, CLASSIFY_CACHE: "hit"}
                 with node(QUEUE_ADMIT, {**hit, CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT}):
                     return cached
+            if not replica.is_resident:
+                await self._bring_onto_device(replica, len(encoded), deadline)
             with node(QUEUE_ADMIT, {CLASSIFY_WORKER: replica.worker.name}) as span:
                 span.set_attributes(
                     {
@@ -444,6 +461,20 @@ class WorkerPool:
         for (index, _), answer in zip(waiting, answers, strict=True):
             outcomes[index] = _as_outcome(answer)
         return [_as_outcome(outcome) for outcome in outcomes]
+
+    async def _bring_onto_device(
+        self, replica: ModelReplica, tokens: int, deadline: float | None
+    ) -> None:
+        """Wait for an on_demand replica's cold start, unless the deadline cannot allow
+        it (refused, so the caller's fallback can answer instead); refusals counted."""
+        refusal = replica.cold_start_refusal(tokens, deadline, asyncio.get_running_loop().time())
+        try:
+            if refusal is not None:
+                raise refusal
+            await replica.worker.ensure_resident(replica)
+        except ServiceError as refused:
+            self._count_refusal(replica.name, refused)
+            raise
 
     def _count_refusal(self, model: str, refused: ServiceError) -> None:
         self._metrics.admissions_refused.labels(model, refused.reason).inc()

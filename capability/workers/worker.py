@@ -13,6 +13,13 @@ each load stage and around a warm-up at its largest batch and length bucket. The
 worker refuses a version whose predicted (before its weights are read) or measured
 (after that warm-up) footprint, with what the versions resident on it already
 hold, would exceed its device memory budget; the serving version stays.
+
+An on_demand replica (capability/workers/residency.py) is loaded and measured like
+any other, then its weights wait in host memory: the first request copies them onto
+the device (after evicting idle on_demand models, least recently used first, if the
+budget needs room), and the worker's evictor takes them off again once unused for
+the model's `idle_seconds`. Residency changes are serialised by one lock per worker
+and run on the device thread in its turn.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from capability.memory import (
     reset_peak,
 )
 from capability.metrics import (
+    CACHE_RELEASE_EVICTED,
     CACHE_RELEASE_RETIRED,
     MODEL_MEMORY_KINDS,
     CapabilityMetrics,
@@ -56,7 +64,15 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.model.stages import StageClock
 from capability.workers.device_thread import DeviceThread
+from capability.workers.residency import (
+    EVICTED_FOR_ROOM,
+    EVICTED_IDLE,
+    ON_DEMAND,
+    RESIDENT,
+    OnDemandWeights,
+)
 from classify_common.errors import (
+    DeadlineUnreachable,
     DeviceMemoryPressure,
     ServerDraining,
     ServiceError,
@@ -71,6 +87,9 @@ WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
 # The ledger's measured warm-up (--memory-warm-up): the largest batch at the longest
 # length bucket the model reads, or (faster starts) the last of WARM_UP_SHAPES.
 MEMORY_WARM_UPS = ("largest", "small")
+# The evictor looks this often, at most, for on_demand models idle long enough (and
+# a quarter of the shortest idle_seconds, when that is less).
+EVICTION_POLL_SECONDS = 1.0
 
 
 def warm_up_text(tokens: int) -> EncodedText:
@@ -121,11 +140,21 @@ class ModelReplica:
         worker: DeviceWorker,
         settings: BatchingSettings,
         metrics: CapabilityMetrics,
+        residency: str = RESIDENT,
+        idle_seconds: float = 0.0,
     ) -> None:
         self.bundle = bundle
         self.worker = worker
         self.settings = settings
         self._metrics = metrics
+        self.residency = residency
+        self.idle_seconds = idle_seconds
+        # The host copy of an on_demand replica's weights, once it is serving.
+        self.on_demand: OnDemandWeights | None = None
+        # When a text last arrived or was answered (time.monotonic, the loop's clock).
+        self.last_used = time.monotonic()
+        # The latest cold start's seconds: the wait predicted for the next one.
+        self.cold_start_seconds: float | None = None
         self.batcher: Batcher
         # Built before the Batcher, which takes its drain estimate for retry hints; it
         # reads the Batcher's queue when asked.
@@ -174,7 +203,46 @@ class ModelReplica:
         self.arriving -= texts
         self._set_idle_if_nothing_left()
 
+    @property
+    def is_resident(self) -> bool:
+        """Whether the weights are on the device (always, unless on_demand)."""
+        return self.on_demand is None or self.on_demand.resident
+
+    def predicted_cold_start_seconds(self) -> float:
+        """How long copying the weights onto the device will take: the latest cold start,
+        else the load's own weight and graph stages."""
+        if self.cold_start_seconds is not None:
+            return self.cold_start_seconds
+        stages = self.bundle.stage_seconds
+        return stages.get("load_weights", 0.0) + stages.get("trace_graph", 0.0)
+
+    def cold_start_refusal(
+        self, tokens: int, deadline: float | None, now: float
+    ) -> DeadlineUnreachable | None:
+        """DeadlineUnreachable when the weights are off the device and the time left is
+        less than the cold start plus the computation predicted for the text."""
+        if deadline is None or self.is_resident:
+            return None
+        remaining = deadline - now
+        needed = self.predicted_cold_start_seconds() + self.predictor.service_seconds(tokens)
+        if remaining >= needed:
+            return None
+        return DeadlineUnreachable(
+            f"{remaining * 1000:.0f} ms left, but model {self.name} is not on "
+            f"{self.worker.name}: copying it there and computing takes about "
+            f"{needed * 1000:.0f} ms",
+            remaining_ms=round(remaining * 1000),
+            predicted_ms=round(needed * 1000),
+        )
+
+    def keep_on_host(self) -> None:
+        """On the device thread: keep a host copy of the weights, and take them off the
+        device until a request needs them."""
+        self.on_demand = OnDemandWeights(self.bundle.classifier, self.bundle.graph)
+        self.on_demand.evict()
+
     def _set_idle_if_nothing_left(self) -> None:
+        self.last_used = time.monotonic()
         if not (self.arriving or self.queue or self.in_flight):
             self._idle.set()
 
@@ -342,6 +410,10 @@ class DeviceWorker:
         self._retiring: set[asyncio.Task[None]] = set()
         # Replaced versions still finishing their work: resident until released.
         self._retiring_replicas: set[ModelReplica] = set()
+        # Held while an on_demand replica's weights move on or off the device.
+        self._residency = asyncio.Lock()
+        # Takes idle on_demand replicas off the device; started with the first one.
+        self._evictor: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -387,9 +459,10 @@ class DeviceWorker:
             )
 
     def held_bytes(self) -> int:
-        """Footprints of the versions resident here: serving, and retiring ones."""
-        resident = [*self.replicas.values(), *self._retiring_replicas]
-        return sum(r.ledger.footprint_bytes for r in resident if r.ledger is not None)
+        """Footprints of the versions whose weights are on the device: serving, and
+        retiring ones (an on_demand one only while it is there)."""
+        here = [*self.replicas.values(), *self._retiring_replicas]
+        return sum(r.ledger.footprint_bytes for r in here if r.ledger is not None and r.is_resident)
 
     def load_watch(self, model: str, version: str) -> BudgetedLoad:
         """The LoadWatch for loading `version` of `model` onto this worker now."""
@@ -411,12 +484,19 @@ class DeviceWorker:
         )
 
     async def prepare(
-        self, bundle: LoadedBundle, settings: BatchingSettings, predicted_bytes: int = 0
+        self,
+        bundle: LoadedBundle,
+        settings: BatchingSettings,
+        predicted_bytes: int = 0,
+        *,
+        residency: str = RESIDENT,
+        idle_seconds: float = 0.0,
     ) -> ModelReplica:
         """A warmed-up replica of `bundle` on this device, with its ledger entry, not
         yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
-        not fit beside the resident versions."""
-        replica = ModelReplica(bundle, self, settings, self._metrics)
+        not fit beside the resident versions. An on_demand one then waits in host
+        memory."""
+        replica = ModelReplica(bundle, self, settings, self._metrics, residency, idle_seconds)
         await replica.warm_up()
         after, peak = await replica.measure_warm_up(self._memory_warm_up)
         texts, tokens = replica.measured_shape(self._memory_warm_up)
@@ -438,7 +518,93 @@ class DeviceWorker:
             f"measured: warm-up peak at {texts} texts x {tokens} tokens",
             self.held_bytes(),
         )
+        if residency == ON_DEMAND:
+            await self.run_on_device(replica.keep_on_host)
+            await self.release_cached(CACHE_RELEASE_EVICTED)
         return replica
+
+    async def ensure_resident(self, replica: ModelReplica) -> None:
+        """Copy an on_demand replica's weights onto the device if they are not there
+        (a cold start, counted and timed), making room first by evicting idle on_demand
+        replicas, least recently used first. DeviceMemoryPressure when none can go."""
+        if replica.is_resident:
+            return
+        async with self._residency:
+            weights = replica.on_demand
+            if weights is None or weights.resident:
+                return
+            await self._make_room(replica)
+            started = time.perf_counter()
+            try:
+                await self.run_on_device(weights.restore)
+            except torch.OutOfMemoryError as exc:
+                raise DeviceMemoryPressure(
+                    f"{self.name} ran out of memory copying model {replica.name} onto it",
+                    retry_after_seconds=1.0,
+                    worker=self.name,
+                ) from exc
+            seconds = time.perf_counter() - started
+        replica.cold_start_seconds = seconds
+        self._metrics.model_cold_starts.labels(replica.name, self.name).inc()
+        self._metrics.model_cold_start_seconds.labels(replica.name).observe(seconds)
+        self._metrics.model_resident.labels(replica.name, self.name).set(1)
+        log.info(
+            "model copied onto the device",
+            extra={"model": replica.name, "worker": self.name, "seconds": round(seconds, 3)},
+        )
+
+    async def _make_room(self, replica: ModelReplica) -> None:
+        """Evict idle on_demand replicas, least recently used first, until `replica`'s
+        footprint fits the budget; the caller holds the residency lock."""
+        assert replica.ledger is not None, "a serving replica has its ledger entry"
+        needed = replica.ledger.footprint_bytes
+        while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
+            idle = [
+                other
+                for other in self.replicas.values()
+                if other.on_demand is not None and other.is_resident and not other.load
+            ]
+            if not idle:
+                raise DeviceMemoryPressure(
+                    f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
+                    f"the models on the device hold {format_bytes(held)} of the "
+                    f"{format_bytes(self.memory_budget_bytes)} budget and none is idle",
+                    retry_after_seconds=1.0,
+                    worker=self.name,
+                )
+            await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
+
+    async def _evict(self, replica: ModelReplica, reason: str) -> None:
+        """Take an idle on_demand replica's weights off the device, in the device's
+        turn; the caller holds the residency lock. A replica that got work meanwhile
+        stays."""
+        weights = replica.on_demand
+        async with self.turn():
+            if weights is None or not weights.resident or replica.load:
+                return
+            await self.execute(weights.evict)
+        self._metrics.model_evictions.labels(replica.name, self.name, reason).inc()
+        self._metrics.model_resident.labels(replica.name, self.name).set(0)
+        await self.release_cached(CACHE_RELEASE_EVICTED)
+        log.info(
+            "model taken off the device",
+            extra={"model": replica.name, "worker": self.name, "reason": reason},
+        )
+
+    async def _evict_idle(self) -> None:
+        """Forever: take on_demand replicas unused for their idle_seconds off the device."""
+        while True:
+            waiting = [r for r in self.replicas.values() if r.on_demand is not None]
+            shortest = min((r.idle_seconds for r in waiting), default=EVICTION_POLL_SECONDS * 4)
+            await asyncio.sleep(min(EVICTION_POLL_SECONDS, shortest / 4))
+            for replica in waiting:
+                if not replica.is_resident or replica.load:
+                    continue
+                if time.monotonic() - replica.last_used < replica.idle_seconds:
+                    continue
+                async with self._residency:
+                    if time.monotonic() - replica.last_used >= replica.idle_seconds:
+                        await self._evict(replica, EVICTED_IDLE)
 
     async def release_cached(self, reason: str) -> None:
         """Hand the device's unused cached blocks back, on the device thread (counted)."""
@@ -457,6 +623,9 @@ class DeviceWorker:
         self._metrics.model_load_seconds.labels(bundle.name, self.name).set(bundle.load_seconds)
         if replica.ledger is not None:
             self._metrics.show_ledger(bundle.name, bundle.version, self.name, replica.ledger)
+        self._metrics.model_resident.labels(bundle.name, self.name).set(int(replica.is_resident))
+        if replica.on_demand is not None and self._evictor is None:
+            self._evictor = asyncio.create_task(self._evict_idle(), name=f"evictor-{self.name}")
         if previous is not None:
             self._retiring_replicas.add(previous)
             task = asyncio.create_task(self._retire(previous))
@@ -494,6 +663,10 @@ class DeviceWorker:
             await asyncio.gather(*self._retiring)
 
     async def close(self) -> None:
+        if self._evictor is not None:
+            self._evictor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._evictor
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()
