@@ -12,6 +12,8 @@ file (`--model-config`), one mapping per model name:
       graph: torchscript      # torchscript or eager: how the encoder's forward runs
       residency: on_demand    # resident, on_demand or sharded (capability/workers/residency.py)
       idle_seconds: 300       # on_demand: unused this long, it leaves the device, 0.1..86400
+      warm_texts: hot.txt     # frequent texts, one a line, computed at each load to fill
+                              # the result cache (relative to this file's folder)
 
 A model not in the file gets the server-wide defaults from the flags. The file is
 read once, at start-up (by `from_args`, or `with_model_config()`), within
@@ -76,6 +78,9 @@ class ModelServingSettings:
     # `idle_seconds` unused, 0.1..86400 s.
     residency: str = RESIDENT
     idle_seconds: float = DEFAULT_IDLE_SECONDS
+    # A file of frequent texts, one a line, computed at each load into the result
+    # cache (capability.result_cache.read_warm_texts); None: none.
+    warm_texts: Path | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -119,9 +124,19 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     graph = spec.raw("graph", defaults.graph)
     residency = spec.raw("residency", defaults.residency)
     idle_seconds = spec.number("idle_seconds", defaults.idle_seconds)
+    warm_texts = spec.raw("warm_texts", None)
     spec.refuse_unknown()
+    if warm_texts is not None and not isinstance(warm_texts, str):
+        raise SettingsError(f"warm_texts {warm_texts!r} is not a file name")
     batching = BatchingSettings(max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets)
-    return ModelServingSettings(batching, precision, graph, residency, idle_seconds)
+    return ModelServingSettings(
+        batching,
+        precision,
+        graph,
+        residency,
+        idle_seconds,
+        None if warm_texts is None else Path(warm_texts),
+    )
 
 
 @dataclass(frozen=True)
@@ -313,6 +328,17 @@ class CapabilitySettings(ServerSettings):
             )
         except (OSError, DocumentRefused, FieldRefused) as exc:
             raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
+        folder = self.model_config.parent
+        for name, serving in per_model.items():
+            if serving.warm_texts is None:
+                continue
+            warm_texts = folder / serving.warm_texts  # an absolute path stays as it is
+            if not warm_texts.is_file():
+                raise SettingsError(
+                    f"--model-config / CAPABILITY_MODEL_CONFIG: {name}: warm_texts: "
+                    f"{warm_texts} is not a file"
+                )
+            per_model[name] = replace(serving, warm_texts=warm_texts)
         return replace(self, per_model=per_model)
 
     def default_serving(self) -> ModelServingSettings:

@@ -27,6 +27,7 @@ from pathlib import Path
 from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
 from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
+from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
 from classify_common.errors import ModelNotFound, ReloadRefused
 from classify_common.model_names import is_model_name
@@ -202,6 +203,11 @@ class ModelLifecycle:
             expected_name=name,
             residency=settings.residency,
             idle_seconds=settings.idle_seconds,
+            warm_texts=(
+                ()
+                if settings.warm_texts is None
+                else await asyncio.to_thread(read_warm_texts, settings.warm_texts)
+            ),
         )
 
     async def watch(self, interval_seconds: float) -> None:

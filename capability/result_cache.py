@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from capability.metrics import CapabilityMetrics
 from capability.model import EncodedText
@@ -34,6 +35,11 @@ BYTES_PER_NUMBER = 32
 DEFAULT_ENTRIES = 10_000
 DEFAULT_BYTES = 64 * 2**20
 DEFAULT_WARM = 100
+
+# A model's warm_texts file (--model-config): at most this many texts, each at most
+# the contract's 100,000 characters; the rest of the file is not read.
+WARM_TEXTS_LIMIT = 10_000
+WARM_TEXT_CHARS = 100_000
 
 Key = tuple[str, str, tuple[int, ...]]  # (model, version, token ids)
 
@@ -142,3 +148,18 @@ class ResultCache:
     def _show_size(self) -> None:
         self._metrics.result_cache_entries.set(len(self._entries))
         self._metrics.result_cache_bytes.set(self.size_bytes)
+
+
+def read_warm_texts(path: Path) -> list[WarmText]:
+    """The texts of a warm_texts file: one a line, blank lines skipped, at most
+    WARM_TEXTS_LIMIT of them, each cut to WARM_TEXT_CHARS (the model truncates far
+    sooner)."""
+    texts: list[WarmText] = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            text = line.strip()
+            if text:
+                texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
+            if len(texts) == WARM_TEXTS_LIMIT:
+                break
+    return texts

@@ -191,8 +191,11 @@ class WorkerPool:
         expected_name: str | None = None,
         residency: str = RESIDENT,
         idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        warm_texts: Sequence[WarmText] = (),
     ) -> LoadedBundle:
-        """Load the bundle in `directory` on every worker, then switch them all to it.
+        """Load the bundle in `directory` on every worker, then switch them all to it,
+        and refill the result cache in the background: the previous version's most
+        hit texts, and `warm_texts`.
 
         What a refused version left on the devices is released before the refusal
         is raised."""
@@ -209,9 +212,11 @@ class WorkerPool:
         for worker, replica in zip(self.workers, replicas, strict=True):
             await worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
-        self._refill_cache(
-            bundles[0].name, self.cache.switch_version(bundles[0].name, bundles[0].version)
-        )
+        serving = bundles[0]
+        carried = self.cache.switch_version(serving.name, serving.version)
+        # The old version's most hit texts, then the model's warm_texts file.
+        refill = list(dict.fromkeys([*carried, *warm_texts]))
+        self._refill_cache(serving.name, refill if self.cache.enabled else [])
         log.info(
             "model version serving",
             extra={

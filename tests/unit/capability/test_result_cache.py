@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.config import CapabilitySettings
 from capability.metrics import (
     MODEL_FORWARD_TOTAL,
     RESULT_CACHE_HITS_TOTAL,
@@ -153,3 +154,24 @@ async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_f
     # Neither looked up nor counted.
     assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
     assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+
+
+async def test_warm_texts_fill_the_cache_at_load(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    (tmp_path / "hot.txt").write_text(f"{STRIKER}\n\n{OTHER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    assert per_model[MODEL].warm_texts == tmp_path / "hot.txt"
+    server = await cached_server(start_capability, per_model=per_model)
+    await wait_until(lambda: counted(server, RESULT_CACHE_WARMED_TOTAL) == 2, "warmed")
+    forwards = counted(server, MODEL_FORWARD_TOTAL)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answers = [
+            await stub.Classify(pb.ClassifyRequest(text=text, model=MODEL))
+            for text in (STRIKER, OTHER)
+        ]
+    assert [a.cached for a in answers] == [True, True]
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards
