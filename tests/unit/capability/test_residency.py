@@ -30,7 +30,15 @@ from capability.metrics import (
 )
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
-from tests.conftest import STRIKER, StartCapability, capability_settings, metric_sum, wait_until
+from orchestrator.metrics import MODEL_FALLBACK_TOTAL
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    StartOrchestrator,
+    capability_settings,
+    metric_sum,
+    wait_until,
+)
 from tests.status_details import refusal
 
 MODEL = "topic-static"
@@ -188,3 +196,42 @@ async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recen
     assert total(MODEL_RESIDENT) <= 2
     worker = server.pool.workers[0]
     assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_a_primary_that_cannot_wait_for_its_cold_start_falls_back(
+    start_capability: StartCapability,
+    capability: CapabilityServer,
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    cold = await start_capability(
+        models=("topic-minilm",), residency="on_demand", idle_seconds=3600
+    )
+    # The primary's 50 ms are less than the minilm's predicted cold start (its
+    # weights copied, six layers traced: its load's own stages); the capability
+    # refuses before any work, and the static fallback answers in the call's time.
+    front = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{cold.port}"]
+    timeout: 50ms
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+"""
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+    assert answer.fallback
+    assert (answer.model.name, answer.labels[0].name) == ("topic-static", "sports")
+    fell_back = metric_sum(
+        front.registry, MODEL_FALLBACK_TOTAL, reason="DEADLINE_UNREACHABLE", route="default"
+    )
+    assert fell_back == 1
+    assert metric_sum(cold.registry, MODEL_COLD_STARTS_TOTAL) == 0
