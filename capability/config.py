@@ -14,6 +14,8 @@ file (`--model-config`), one mapping per model name:
       idle_seconds: 300       # on_demand: unused this long, it leaves the device, 0.1..86400
       warm_texts: hot.txt     # frequent texts, one a line, computed at each load to fill
                               # the result cache (relative to this file's folder)
+      cache_hit_floor: 0.9    # the result cache's hit ratio this model should keep, 0..1
+                              # (exported for the ClassifyResultCacheHitRatioLow alert)
 
 A model not in the file gets the server-wide defaults from the flags. The file is
 read once, at start-up (by `from_args`, or `with_model_config()`), within
@@ -81,6 +83,9 @@ class ModelServingSettings:
     # A file of frequent texts, one a line, computed at each load into the result
     # cache (capability.result_cache.read_warm_texts); None: none.
     warm_texts: Path | None = None
+    # The result cache's hit ratio this model is expected to keep, 0..1; exported as
+    # classify_result_cache_hit_floor for the alert. None: no expectation.
+    cache_hit_floor: float | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -91,6 +96,8 @@ class ModelServingSettings:
             raise SettingsError(f"residency {self.residency!r} is not one of {RESIDENCIES}")
         if not 0.1 <= self.idle_seconds <= 86_400:
             raise SettingsError(f"idle_seconds {self.idle_seconds} is outside 0.1..86400")
+        if self.cache_hit_floor is not None and not 0 <= self.cache_hit_floor <= 1:
+            raise SettingsError(f"cache_hit_floor {self.cache_hit_floor} is outside 0..1")
 
 
 def parse_model_config(
@@ -125,6 +132,7 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     residency = spec.raw("residency", defaults.residency)
     idle_seconds = spec.number("idle_seconds", defaults.idle_seconds)
     warm_texts = spec.raw("warm_texts", None)
+    cache_hit_floor = spec.optional_number("cache_hit_floor")
     spec.refuse_unknown()
     if warm_texts is not None and not isinstance(warm_texts, str):
         raise SettingsError(f"warm_texts {warm_texts!r} is not a file name")
@@ -136,6 +144,7 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
         residency,
         idle_seconds,
         None if warm_texts is None else Path(warm_texts),
+        cache_hit_floor,
     )
 
 

@@ -195,6 +195,8 @@ class ModelLifecycle:
     async def _load(self, name: str, version: str) -> LoadedBundle:
         directory = self.root.version_dir(name, version)
         settings = self.settings_for(name)
+        if settings.cache_hit_floor is not None:
+            self._metrics.result_cache_hit_floor.labels(name).set(settings.cache_hit_floor)
         return await self.pool.load(
             directory,
             settings.batching,

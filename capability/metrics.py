@@ -40,6 +40,7 @@ RESULT_CACHE_MISSES_TOTAL = "classify_result_cache_misses_total"
 RESULT_CACHE_WARMED_TOTAL = "classify_result_cache_warmed_total"
 RESULT_CACHE_ENTRIES = "classify_result_cache_entries"
 RESULT_CACHE_BYTES = "classify_result_cache_bytes"
+RESULT_CACHE_HIT_FLOOR = "classify_result_cache_hit_floor"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
 
@@ -266,6 +267,13 @@ class CapabilityMetrics:
         )
         self.result_cache_entries = Gauge(
             RESULT_CACHE_ENTRIES, "Entries in the result cache.", registry=registry
+        )
+        self.result_cache_hit_floor = Gauge(
+            RESULT_CACHE_HIT_FLOOR,
+            "The result cache hit ratio a model is expected to keep (cache_hit_floor in "
+            "--model-config); the ClassifyResultCacheHitRatioLow alert compares with it.",
+            ["model"],
+            registry=registry,
         )
         self.result_cache_bytes = Gauge(
             RESULT_CACHE_BYTES,

@@ -16,6 +16,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
 from capability.metrics import (
     MODEL_FORWARD_TOTAL,
+    RESULT_CACHE_HIT_FLOOR,
     RESULT_CACHE_HITS_TOTAL,
     RESULT_CACHE_MISSES_TOTAL,
     RESULT_CACHE_WARMED_TOTAL,
@@ -156,16 +157,17 @@ async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_f
     assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
 
 
-async def test_warm_texts_fill_the_cache_at_load(
+async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(
     start_capability: StartCapability, tmp_path: Path
 ) -> None:
     (tmp_path / "hot.txt").write_text(f"{STRIKER}\n\n{OTHER}\n")
     config = tmp_path / "models.yaml"
-    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n  cache_hit_floor: 0.9\n")
     per_model = CapabilitySettings(model_config=config).with_model_config().per_model
     assert per_model[MODEL].warm_texts == tmp_path / "hot.txt"
     server = await cached_server(start_capability, per_model=per_model)
     await wait_until(lambda: counted(server, RESULT_CACHE_WARMED_TOTAL) == 2, "warmed")
+    assert counted(server, RESULT_CACHE_HIT_FLOOR) == 0.9
     forwards = counted(server, MODEL_FORWARD_TOTAL)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
