@@ -231,10 +231,11 @@ class CapabilitySettings(ServerSettings):
         "bucket, or a small batch (faster starts)",
         choices=("largest", "small"),
     )
-    # Per model too (--model-config); sharded is refused (see check_devices).
+    # Per model too (--model-config); sharded needs 2 devices (see check_devices).
     residency: str = setting(
         RESIDENT,
-        "where models' weights live: kept on the device, or copied there on demand",
+        "where models' weights live: kept on the device, copied there on demand, or "
+        "the encoder's layers split across the devices",
         choices=RESIDENCIES,
     )
     idle_seconds: float = setting(
@@ -379,7 +380,3 @@ class CapabilitySettings(ServerSettings):
                     f"least 2; this server has {len(worker_names)} ({', '.join(worker_names)}). "
                     "Use resident or on_demand, or give --device cuda:0,cuda:1"
                 )
-            raise SettingsError(
-                f"{where}: sharded is not built yet (capability/workers/residency.py); "
-                "use resident or on_demand"
-            )

@@ -61,7 +61,7 @@ from capability.workers.admission import (
     remember_result,
     run_each,
 )
-from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT, SHARDED
 from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.context import new_request_id
 from classify_common.errors import (
@@ -209,8 +209,8 @@ class WorkerPool:
             for worker in self.workers:
                 await worker.release_cached(CACHE_RELEASE_REFUSED)
             raise
-        for worker, replica in zip(self.workers, replicas, strict=True):
-            await worker.activate(replica)
+        for replica in replicas:
+            await replica.worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
         serving = bundles[0]
         carried = self.cache.switch_version(serving.name, serving.version)
@@ -239,10 +239,13 @@ class WorkerPool:
         expected_name: str | None,
         residency: tuple[str, float],
     ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
-        """Load and warm up one replica per worker, none serving yet."""
+        """Load and warm up one replica per worker (a sharded model: one, on the first
+        worker, its layers across every worker's device), none serving yet."""
         loop = asyncio.get_running_loop()
         model = expected_name or directory.parent.name
-        watches = [worker.load_watch(model, directory.name) for worker in self.workers]
+        mode, idle_seconds = residency
+        workers = self.workers[:1] if mode == SHARDED else self.workers
+        watches = [worker.load_watch(model, directory.name) for worker in workers]
         # Loaded beside the serving version, on loader threads, so serving goes on
         # meanwhile; each worker's replica lives on that worker's device. Every load
         # ends before any refusal is raised, so none is left running.
@@ -258,7 +261,7 @@ class WorkerPool:
                     self._trusted_signers,
                     watch,
                 )
-                for worker, watch in zip(self.workers, watches, strict=True)
+                for worker, watch in zip(workers, watches, strict=True)
             ),
             return_exceptions=True,
         )
@@ -273,7 +276,6 @@ class WorkerPool:
             )
         # Every replica warms up before any worker switches: a version that fails
         # on one device serves on none.
-        mode, idle_seconds = residency
         replicas = [
             await worker.prepare(
                 bundle,
@@ -281,8 +283,9 @@ class WorkerPool:
                 watch.predicted_bytes,
                 residency=mode,
                 idle_seconds=idle_seconds,
+                shard_devices=[each.device for each in self.workers],
             )
-            for worker, bundle, watch in zip(self.workers, bundles, watches, strict=True)
+            for worker, bundle, watch in zip(workers, bundles, watches, strict=True)
         ]
         return bundles, replicas
 

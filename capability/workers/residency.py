@@ -6,8 +6,11 @@
                 taken off again when idle for `idle_seconds`, or when the device
                 memory budget needs room for another model (least recently used
                 first)
-    sharded     the encoder's layers split across devices: refused, it needs at
-                least two devices and is not built yet (docs/models.md)
+    sharded     the encoder's transformer layers split into contiguous runs, one per
+                device (every worker's), hidden states moved from one to the next;
+                served by the first worker, whose device also holds the embeddings,
+                the pooling and the head. Needs at least two devices (two CPU
+                workers stand in for two GPUs, through the same code).
 
 The device copy is made with `Tensor.to(device, copy=True)` from the host copy, on
 every device: on CUDA that is the host-to-device copy; on the CPU it is a second,
@@ -19,12 +22,13 @@ tensors; a cold start traces it again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from capability.model import TextClassifier
+from capability.bundle import BundleConfigInvalid
+from capability.model import SentenceEncoder, TextClassifier
 
 RESIDENT = "resident"
 ON_DEMAND = "on_demand"
@@ -99,3 +103,54 @@ class OnDemandWeights:
                 owner._parameters[name] = nn.Parameter(tensor, requires_grad=False)
             else:
                 owner._buffers[name] = tensor
+
+
+def layer_runs(layers: int, devices: int) -> list[range]:
+    """Contiguous runs of layer indexes, one per device, as even as they can be."""
+    base, extra = divmod(layers, devices)
+    runs, start = [], 0
+    for index in range(devices):
+        size = base + (1 if index < extra else 0)
+        runs.append(range(start, start + size))
+        start += size
+    return runs
+
+
+def shard_layers(classifier: TextClassifier, devices: Sequence[torch.device]) -> list[range]:
+    """Move the encoder's layers onto `devices` in contiguous runs (the first run stays
+    on the classifier's device with everything else), and move the hidden states with
+    them: each run's first layer takes its inputs onto its device, and the stack's
+    output comes back to the first device for pooling and the head. The graph must
+    be traced again afterwards (the hooks are traced into it). Returns the runs."""
+    encoder = classifier.encoder
+    if not isinstance(encoder, SentenceEncoder):
+        raise BundleConfigInvalid(
+            "config.json: a static-embedding model has no layers to shard "
+            "(residency: sharded); use resident or on_demand"
+        )
+    layers = encoder.encoder.layer
+    runs = layer_runs(len(layers), len(devices))
+    for device, run in zip(devices, runs, strict=True):
+        if not run:
+            continue
+        for index in run:
+            layers[index].to(device)
+        layers[run.start].register_forward_pre_hook(_inputs_onto(device))
+    encoder.encoder.register_forward_hook(_output_onto(classifier.device))
+    return runs
+
+
+def _inputs_onto(
+    device: torch.device,
+) -> Callable[[nn.Module, tuple[Tensor, ...]], tuple[Tensor, ...]]:
+    def move(module: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return tuple(tensor.to(device) for tensor in inputs)  # (B, T, H), (B, 1, 1, T)
+
+    return move
+
+
+def _output_onto(device: torch.device) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], Tensor]:
+    def move(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        return output.to(device)  # (B, T, H)
+
+    return move

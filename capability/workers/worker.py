@@ -69,7 +69,9 @@ from capability.workers.residency import (
     EVICTED_IDLE,
     ON_DEMAND,
     RESIDENT,
+    SHARDED,
     OnDemandWeights,
+    shard_layers,
 )
 from classify_common.errors import (
     DeadlineUnreachable,
@@ -155,6 +157,8 @@ class ModelReplica:
         self.last_used = time.monotonic()
         # The latest cold start's seconds: the wait predicted for the next one.
         self.cold_start_seconds: float | None = None
+        # Sharded: the devices holding the encoder's layers, and which layers each.
+        self.shards: list[tuple[torch.device, range]] = []
         self.batcher: Batcher
         # Built before the Batcher, which takes its drain estimate for retry hints; it
         # reads the Batcher's queue when asked.
@@ -234,6 +238,14 @@ class ModelReplica:
             remaining_ms=round(remaining * 1000),
             predicted_ms=round(needed * 1000),
         )
+
+    def shard(self, devices: list[torch.device]) -> None:
+        """On the device thread: split the encoder's layers across `devices` and trace
+        the graph again over them."""
+        classifier = self.bundle.classifier
+        runs = shard_layers(classifier, devices)
+        classifier.use_graph(self.bundle.graph)
+        self.shards = list(zip(devices, runs, strict=True))
 
     def keep_on_host(self) -> None:
         """On the device thread: keep a host copy of the weights, and take them off the
@@ -491,12 +503,15 @@ class DeviceWorker:
         *,
         residency: str = RESIDENT,
         idle_seconds: float = 0.0,
+        shard_devices: list[torch.device] | None = None,
     ) -> ModelReplica:
         """A warmed-up replica of `bundle` on this device, with its ledger entry, not
         yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
         not fit beside the resident versions. An on_demand one then waits in host
-        memory."""
+        memory; a sharded one has its layers split across `shard_devices` first."""
         replica = ModelReplica(bundle, self, settings, self._metrics, residency, idle_seconds)
+        if residency == SHARDED:
+            await self.run_on_device(replica.shard, shard_devices or [self.device])
         await replica.warm_up()
         after, peak = await replica.measure_warm_up(self._memory_warm_up)
         texts, tokens = replica.measured_shape(self._memory_warm_up)

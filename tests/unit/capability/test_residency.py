@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from capability.bundle import write_manifest
+from capability.bundle import BundleConfigInvalid, write_manifest
 from capability.metrics import (
     DEVICE_CACHE_RELEASES_TOTAL,
     DEVICE_MEMORY_BYTES,
@@ -142,24 +142,52 @@ async def test_a_deadline_shorter_than_the_cold_start_is_refused_before_loading(
     assert not await resident_now(server)
 
 
-@pytest.mark.parametrize(
-    ("workers", "expected"),
-    [
-        (1, "sharded splits a model's layers across devices and needs at least 2; "
-            "this server has 1 (cpu:0)"),
-        (2, "sharded is not built yet"),
-    ],
-)  # fmt: skip
-def test_sharded_residency_is_refused_naming_the_flag(
-    model_root: Path, workers: int, expected: str
-) -> None:
+def test_sharding_on_one_device_is_refused_naming_the_flag(model_root: Path) -> None:
     with pytest.raises(SettingsError) as refused:
         CapabilityServer(
-            capability_settings(model_root, residency="sharded", cpu_workers=workers),
+            capability_settings(model_root, residency="sharded", cpu_workers=1),
             registry=CollectorRegistry(),
         )
-    assert str(refused.value).startswith("--residency / CAPABILITY_RESIDENCY: ")
-    assert expected in str(refused.value)
+    assert str(refused.value) == (
+        "--residency / CAPABILITY_RESIDENCY: sharded splits a model's layers across devices "
+        "and needs at least 2; this server has 1 (cpu:0). Use resident or on_demand, or "
+        "give --device cuda:0,cuda:1"
+    )
+
+
+async def test_a_sharded_model_scores_as_the_resident_one(
+    start_capability: StartCapability, capability: CapabilityServer
+) -> None:
+    # Two CPU workers stand in for two GPUs: the same moves between devices run.
+    sharded = await start_capability(models=("topic-minilm",), residency="sharded", cpu_workers=2)
+    first, second = sharded.pool.workers
+    replica = first.replicas["topic-minilm"]
+    assert [(str(device), list(run)) for device, run in replica.shards] == [
+        ("cpu", [0, 1, 2]),
+        ("cpu", [3, 4, 5]),
+    ]
+    assert "topic-minilm" not in second.replicas  # served by the first worker only
+    texts = [STRIKER, "Shares fell after the bank cut its forecast", "A new telescope image"]
+    items = [pb.ClassifyRequest(text=text) for text in texts]
+    answers = {}
+    for server in (sharded, capability):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            batch = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))
+            answers[server.port] = [
+                {label.name: label.score for label in result.response.labels}
+                for result in batch.results
+            ]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            info = (await models.GetModel(model_pb.GetModelRequest(name="topic-minilm"))).model
+        if server is sharded:
+            assert info.residency == "sharded"
+            assert list(info.devices) == ["cpu:0", "cpu:1"]
+    for got, want in zip(answers[sharded.port], answers[capability.port], strict=True):
+        assert got.keys() == want.keys()
+        for label, score in want.items():
+            assert got[label] == pytest.approx(score, abs=1e-5)
 
 
 async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recently_used(
@@ -235,3 +263,12 @@ routes:
     )
     assert fell_back == 1
     assert metric_sum(cold.registry, MODEL_COLD_STARTS_TOTAL) == 0
+
+
+async def test_a_model_without_layers_is_not_sharded(start_capability: StartCapability) -> None:
+    with pytest.raises(BundleConfigInvalid) as refused:
+        await start_capability(models=(MODEL,), residency="sharded", cpu_workers=2)
+    assert str(refused.value) == (
+        "config.json: a static-embedding model has no layers to shard (residency: sharded); "
+        "use resident or on_demand"
+    )
