@@ -1,6 +1,6 @@
 """`make gpu-check`: a worker per GPU, TF32 off, every device's scores against the CPU,
-a batch-size sweep with memory, then, with CUDA, the full-stack sweep through the
-front door on the GPU.
+a batch-size sweep with memory, the model memory ledger, fragmentation and on-demand
+cold starts, then, with CUDA, the full-stack sweep through the front door on the GPU.
 
 The consistency check runs first: the same texts (short and long, padded
 together in one batch) through each worker's replica, loaded in fp32, and
@@ -35,11 +35,17 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from capability.batching import BatchingSettings  # noqa: E402
 from capability.bundle import load_bundle  # noqa: E402
-from capability.metrics import CapabilityMetrics  # noqa: E402
+from capability.memory import format_bytes, read_memory, split_memory  # noqa: E402
+from capability.metrics import CACHE_RELEASE_EVICTED, CapabilityMetrics  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
 from capability.model.stages import STAGES, StageClock  # noqa: E402
 from capability.workers import DeviceWorker, WorkerPool, discover_devices  # noqa: E402
-from capability.workers.cuda import configure_cuda_defaults, read_device_memory, tf32_enabled  # noqa: E402
+from capability.workers.cuda import (  # noqa: E402
+    allocator_report,
+    configure_cuda_defaults,
+    read_device_memory,
+    tf32_enabled,
+)
 
 BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
 # Largest |score difference| from the CPU's allowed for a device in fp32 with TF32
@@ -84,6 +90,7 @@ async def main() -> bool:
         f"{torch.get_float32_matmul_precision()!r} (expected False, 'highest'): "
         f"{'ok' if tf32_off else 'FAILED'}"
     )
+    print(f"allocator: {allocator_report(devices, 'expandable_segments')}")
     pool = WorkerPool(devices, CapabilityMetrics(CollectorRegistry()), memory_threshold=0.82)
     try:
         bundle = await pool.load(BUNDLE, BatchingSettings(), precision="fp32")
@@ -121,6 +128,9 @@ async def main() -> bool:
                     f"{timings[int(0.99 * (len(timings) - 1))] * 1000:6.2f} | {memory_text}"
                 )
             await print_stages(worker.name, worker.device, classifier)
+        print_ledger(pool, bundle.name)
+        for worker in pool.workers:
+            await print_cold_starts(worker, bundle.name)
     finally:
         await pool.close()
     return tf32_off and consistent
@@ -165,6 +175,63 @@ async def print_stages(name: str, device: torch.device, classifier: TextClassifi
         for stage, start, end in zip(STAGES, marks, marks[1:], strict=False)
     )
     print(f"{name:>8}: stages at batch {STAGE_BATCH} ({clock.kind}): {stages}")
+
+
+def print_ledger(pool: WorkerPool, model: str) -> None:
+    """The memory ledger of `model` on each worker, and the allocator's fragmentation."""
+    for name, ledger, budget, _ in pool.ledgers(model):
+        print(
+            f"\n{name}: ledger of {model} ({ledger.source}), budget {format_bytes(budget)}: "
+            f"weights {format_bytes(ledger.weights_bytes)}, "
+            f"predicted {format_bytes(ledger.predicted_bytes)}, "
+            f"footprint {format_bytes(ledger.footprint_bytes)}"
+        )
+        for stage in ledger.stages:
+            grown = stage.after.minus(stage.before)
+            after = stage.after
+            print(
+                f"{name:>8}: {stage.stage:>13} "
+                f"allocated {format_bytes(after.allocated_bytes)} "
+                f"({grown.allocated_bytes / MIB:+.1f} MiB), "
+                f"reserved {format_bytes(after.reserved_bytes)} "
+                f"({grown.reserved_bytes / MIB:+.1f} MiB)"
+            )
+        print(
+            f"{name:>8}: warm-up at {ledger.warm_up_batch_size} x {ledger.warm_up_tokens}: "
+            f"after {format_bytes(ledger.after_warm_up.allocated_bytes)} allocated, "
+            f"{format_bytes(ledger.after_warm_up.reserved_bytes)} reserved, "
+            f"peak {format_bytes(ledger.warm_up_peak_bytes)}"
+        )
+    for worker in pool.workers:
+        split = split_memory(worker.device)
+        print(
+            f"{worker.name:>8}: fragmentation: "
+            + (
+                f"{format_bytes(split.reserved_unallocated_bytes)} reserved unallocated, "
+                f"{format_bytes(split.inactive_split_bytes)} inactive split"
+                if split is not None
+                else "not measured on the CPU"
+            )
+        )
+
+
+async def print_cold_starts(worker: DeviceWorker, model: str, times: int = 3) -> None:
+    """Take the model's weights off the device and bring them back (an on_demand cold
+    start), `times` times: seconds and memory each way."""
+    replica = worker.replicas[model]
+    await worker.run_on_device(replica.keep_on_host)
+    await worker.release_cached(CACHE_RELEASE_EVICTED)
+    for _ in range(times):
+        off = read_memory(worker.device).allocated_bytes
+        await worker.ensure_resident(replica)
+        on = read_memory(worker.device).allocated_bytes
+        print(
+            f"{worker.name:>8}: cold start {replica.cold_start_seconds or 0:.3f} s, "
+            f"allocated {format_bytes(off)} -> {format_bytes(on)}"
+        )
+        assert replica.on_demand is not None
+        await worker.run_on_device(replica.on_demand.evict)
+        await worker.release_cached(CACHE_RELEASE_EVICTED)
 
 
 def run_stack_sweep() -> int:

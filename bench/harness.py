@@ -444,7 +444,12 @@ class ServerProcess:
 def capability_command(*args: str) -> list[str]:
     """`python -m capability` on free ports (its serving line says which), defaults
     otherwise, then `args`."""
-    return [sys.executable, "-m", "capability", "--port", "0", "--metrics-port", "0", *args]
+    # No result cache: the benchmarks repeat their texts, and measure the model path.
+    return [
+        *(sys.executable, "-m", "capability", "--port", "0", "--metrics-port", "0"),
+        *("--result-cache-entries", "0"),
+        *args,
+    ]
 
 
 def orchestrator_command(*args: str) -> list[str]:

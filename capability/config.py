@@ -10,6 +10,12 @@ file (`--model-config`), one mapping per model name:
       length_buckets: [16, 32, 64, 128, 256, 512]
       precision: fp32         # fp32 or bf16; absent: the bundle's own
       graph: torchscript      # torchscript or eager: how the encoder's forward runs
+      residency: on_demand    # resident, on_demand or sharded (capability/workers/residency.py)
+      idle_seconds: 300       # on_demand: unused this long, it leaves the device, 0.1..86400
+      warm_texts: hot.txt     # frequent texts, one a line, computed at each load to fill
+                              # the result cache (relative to this file's folder)
+      cache_hit_floor: 0.9    # the result cache's hit ratio this model should keep, 0..1
+                              # (exported for the ClassifyResultCacheHitRatioLow alert)
 
 A model not in the file gets the server-wide defaults from the flags. The file is
 read once, at start-up (by `from_args`, or `with_model_config()`), within
@@ -31,7 +37,11 @@ from capability.batching.settings import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEFAULT_QUEUE_CAPACITY,
 )
+from capability.memory import parse_byte_size
 from capability.model import DEFAULT_GRAPH, GRAPHS
+from capability.result_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, DEFAULT_WARM
+from capability.workers.cuda import CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATOR
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENCIES, RESIDENT, SHARDED
 from classify_common.documents import DocumentRefused
 from classify_common.fields import FieldRefused, Fields, read_yaml
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
@@ -66,12 +76,28 @@ class ModelServingSettings:
     precision: str | None = None
     # "torchscript" or "eager" (capability.model.classifier.GRAPHS).
     graph: str = DEFAULT_GRAPH
+    # capability.workers.residency.RESIDENCIES; on_demand leaves the device after
+    # `idle_seconds` unused, 0.1..86400 s.
+    residency: str = RESIDENT
+    idle_seconds: float = DEFAULT_IDLE_SECONDS
+    # A file of frequent texts, one a line, computed at each load into the result
+    # cache (capability.result_cache.read_warm_texts); None: none.
+    warm_texts: Path | None = None
+    # The result cache's hit ratio this model is expected to keep, 0..1; exported as
+    # classify_result_cache_hit_floor for the alert. None: no expectation.
+    cache_hit_floor: float | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise SettingsError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.graph not in GRAPHS:
             raise SettingsError(f"graph {self.graph!r} is not one of {GRAPHS}")
+        if self.residency not in RESIDENCIES:
+            raise SettingsError(f"residency {self.residency!r} is not one of {RESIDENCIES}")
+        if not 0.1 <= self.idle_seconds <= 86_400:
+            raise SettingsError(f"idle_seconds {self.idle_seconds} is outside 0.1..86400")
+        if self.cache_hit_floor is not None and not 0 <= self.cache_hit_floor <= 1:
+            raise SettingsError(f"cache_hit_floor {self.cache_hit_floor} is outside 0..1")
 
 
 def parse_model_config(
@@ -103,9 +129,23 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     # Checked, with their messages, by ModelServingSettings.
     precision = spec.raw("precision", defaults.precision)
     graph = spec.raw("graph", defaults.graph)
+    residency = spec.raw("residency", defaults.residency)
+    idle_seconds = spec.number("idle_seconds", defaults.idle_seconds)
+    warm_texts = spec.raw("warm_texts", None)
+    cache_hit_floor = spec.optional_number("cache_hit_floor")
     spec.refuse_unknown()
+    if warm_texts is not None and not isinstance(warm_texts, str):
+        raise SettingsError(f"warm_texts {warm_texts!r} is not a file name")
     batching = BatchingSettings(max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets)
-    return ModelServingSettings(batching, precision, graph)
+    return ModelServingSettings(
+        batching,
+        precision,
+        graph,
+        residency,
+        idle_seconds,
+        None if warm_texts is None else Path(warm_texts),
+        cache_hit_floor,
+    )
 
 
 @dataclass(frozen=True)
@@ -175,6 +215,66 @@ class CapabilitySettings(ServerSettings):
         low=0.1,
         high=1.0,
     )
+    # 0: capability.memory.DEFAULT_BUDGET_SHARE of the device (CPU: of host memory).
+    device_memory_budget: int = setting(
+        0,
+        "bytes the model versions resident on a worker may hold together (e.g. 12GiB; "
+        "0: 80% of the device, on the CPU of host memory)",
+        parse_byte_size,
+        low=0,
+        unit="bytes",
+    )
+    # What the model ledger measures at load: `largest` is the real worst case.
+    memory_warm_up: str = setting(
+        "largest",
+        "warm-up the memory ledger measures: the largest batch at the longest length "
+        "bucket, or a small batch (faster starts)",
+        choices=("largest", "small"),
+    )
+    # Per model too (--model-config); sharded needs 2 devices (see check_devices).
+    residency: str = setting(
+        RESIDENT,
+        "where models' weights live: kept on the device, copied there on demand, or "
+        "the encoder's layers split across the devices",
+        choices=RESIDENCIES,
+    )
+    idle_seconds: float = setting(
+        DEFAULT_IDLE_SECONDS,
+        "an on_demand model unused this long leaves the device",
+        float,
+        low=0.1,
+        high=86_400,
+        unit="s",
+    )
+    # The result cache (capability/result_cache.py), in front of every model's queue.
+    result_cache_entries: int = setting(
+        DEFAULT_ENTRIES,
+        "results the cache keeps, all models together (0: no cache)",
+        int,
+        low=0,
+        high=10_000_000,
+    )
+    result_cache_bytes: int = setting(
+        DEFAULT_BYTES,
+        "estimated bytes the result cache may hold (e.g. 64MiB)",
+        parse_byte_size,
+        low=1,
+        unit="bytes",
+    )
+    result_cache_warm: int = setting(
+        DEFAULT_WARM,
+        "most hit texts computed again on a model's new version after a swap (0: none)",
+        int,
+        low=0,
+        high=100_000,
+    )
+    # Written into PYTORCH_CUDA_ALLOC_CONF before CUDA starts, unless the operator set
+    # that variable; logged at start-up (capability/workers/cuda.py).
+    cuda_allocator: str = setting(
+        DEFAULT_CUDA_ALLOCATOR,
+        "CUDA caching allocator (no effect on the CPU; PYTORCH_CUDA_ALLOC_CONF wins)",
+        choices=tuple(CUDA_ALLOCATORS),
+    )
     watch_seconds: float = setting(
         DEFAULT_WATCH_SECONDS,
         "poll for new version folders (0: off)",
@@ -238,6 +338,17 @@ class CapabilitySettings(ServerSettings):
             )
         except (OSError, DocumentRefused, FieldRefused) as exc:
             raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
+        folder = self.model_config.parent
+        for name, serving in per_model.items():
+            if serving.warm_texts is None:
+                continue
+            warm_texts = folder / serving.warm_texts  # an absolute path stays as it is
+            if not warm_texts.is_file():
+                raise SettingsError(
+                    f"--model-config / CAPABILITY_MODEL_CONFIG: {name}: warm_texts: "
+                    f"{warm_texts} is not a file"
+                )
+            per_model[name] = replace(serving, warm_texts=warm_texts)
         return replace(self, per_model=per_model)
 
     def default_serving(self) -> ModelServingSettings:
@@ -249,4 +360,23 @@ class CapabilitySettings(ServerSettings):
                 length_buckets=DEFAULT_LENGTH_BUCKETS,
             ),
             graph=self.graph,
+            residency=self.residency,
+            idle_seconds=self.idle_seconds,
         )
+
+    def check_devices(self, worker_names: Sequence[str]) -> None:
+        """Refuse a residency the discovered devices cannot give (read at start-up,
+        once the devices are known)."""
+        chosen = [("--residency / CAPABILITY_RESIDENCY", self.residency)] + [
+            (f"--model-config: {name}: residency", serving.residency)
+            for name, serving in self.per_model.items()
+        ]
+        for where, residency in chosen:
+            if residency != SHARDED:
+                continue
+            if len(worker_names) < 2:
+                raise SettingsError(
+                    f"{where}: sharded splits a model's layers across devices and needs at "
+                    f"least 2; this server has {len(worker_names)} ({', '.join(worker_names)}). "
+                    "Use resident or on_demand, or give --device cuda:0,cuda:1"
+                )

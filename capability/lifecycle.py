@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.bundle import BundleError, LoadedBundle
+from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
 from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
+from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
 from classify_common.errors import ModelNotFound, ReloadRefused
 from classify_common.model_names import is_model_name
@@ -169,7 +170,7 @@ class ModelLifecycle:
             files = await self._read_fingerprint(name, target)
             try:
                 bundle = await self._load(name, target)
-            except (BundleError, OSError) as exc:
+            except (BundleError, MemoryBudgetExceeded, OSError) as exc:
                 self._refused[(name, target)] = RefusedVersion(files, files)
                 self._metrics.reloads.labels(name, "refused").inc()
                 log.warning(
@@ -194,12 +195,21 @@ class ModelLifecycle:
     async def _load(self, name: str, version: str) -> LoadedBundle:
         directory = self.root.version_dir(name, version)
         settings = self.settings_for(name)
+        if settings.cache_hit_floor is not None:
+            self._metrics.result_cache_hit_floor.labels(name).set(settings.cache_hit_floor)
         return await self.pool.load(
             directory,
             settings.batching,
             settings.precision,
             graph=settings.graph,
             expected_name=name,
+            residency=settings.residency,
+            idle_seconds=settings.idle_seconds,
+            warm_texts=(
+                ()
+                if settings.warm_texts is None
+                else await asyncio.to_thread(read_warm_texts, settings.warm_texts)
+            ),
         )
 
     async def watch(self, interval_seconds: float) -> None:

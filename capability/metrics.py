@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from capability.memory import MemoryLedger
+
 MODEL_FORWARD_TOTAL = "classify_model_forward_total"
 MODEL_TEXTS_TOTAL = "classify_model_texts_total"
 MODEL_LOAD_SECONDS = "classify_model_load_seconds"
@@ -25,6 +27,20 @@ RELOAD_RETRIES_TOTAL = "classify_model_reload_retries_total"
 WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
+DEVICE_FRAGMENTATION_BYTES = "classify_device_fragmentation_bytes"
+DEVICE_MEMORY_BUDGET_BYTES = "classify_device_memory_budget_bytes"
+DEVICE_CACHE_RELEASES_TOTAL = "classify_device_cache_releases_total"
+MODEL_MEMORY_BYTES = "classify_model_memory_bytes"
+MODEL_COLD_STARTS_TOTAL = "classify_model_cold_starts_total"
+MODEL_COLD_START_SECONDS = "classify_model_cold_start_seconds"
+MODEL_EVICTIONS_TOTAL = "classify_model_evictions_total"
+MODEL_RESIDENT = "classify_model_resident"
+RESULT_CACHE_HITS_TOTAL = "classify_result_cache_hits_total"
+RESULT_CACHE_MISSES_TOTAL = "classify_result_cache_misses_total"
+RESULT_CACHE_WARMED_TOTAL = "classify_result_cache_warmed_total"
+RESULT_CACHE_ENTRIES = "classify_result_cache_entries"
+RESULT_CACHE_BYTES = "classify_result_cache_bytes"
+RESULT_CACHE_HIT_FLOOR = "classify_result_cache_hit_floor"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
 
@@ -34,6 +50,18 @@ RPC_ITEMS = "classify_capability_rpc_items"
 DEADLINE_STAGE_ADMISSION = "admission"
 DEADLINE_STAGE_QUEUE = "queue"
 DEADLINE_STAGE_DEVICE = "device"
+# The `kind`s of MODEL_MEMORY_BYTES, one model version's ledger entry on one worker:
+# weights (parameters and buffers), predicted (footprint foreseen before the weights
+# were read), loaded (allocated growth over the load stages), warmed (growth to after
+# the warm-up at the largest batch and bucket), warm_up_peak (peak during that
+# warm-up above memory before the load), footprint (what the budget counts).
+MODEL_MEMORY_KINDS = ("weights", "predicted", "loaded", "warmed", "warm_up_peak", "footprint")
+# The `reason` of DEVICE_CACHE_RELEASES_TOTAL: after a replaced version was let go,
+# after a version was refused (over budget, non-finite warm-up) and dropped, or after
+# an on-demand model left the device.
+CACHE_RELEASE_RETIRED = "retired"
+CACHE_RELEASE_REFUSED = "refused"
+CACHE_RELEASE_EVICTED = "evicted"
 # The `method` of RPC_ITEMS: full gRPC method names, as in classify_rpc_requests_total.
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 CLASSIFY_BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
@@ -44,6 +72,7 @@ class CapabilityMetrics:
         self._add_model_metrics(registry)
         self._add_queue_metrics(registry)
         self._add_worker_metrics(registry)
+        self._add_cache_metrics(registry)
 
     def _add_model_metrics(self, registry: CollectorRegistry) -> None:
         """What the model computed, and which versions are loaded."""
@@ -69,6 +98,42 @@ class CapabilityMetrics:
             MODEL_INFO,
             "1 for each model version serving now, with its worker and precision.",
             ["model", "version", "worker", "precision"],
+            registry=registry,
+        )
+        self.model_resident = Gauge(
+            MODEL_RESIDENT,
+            "1 while a serving version's weights are on the worker's device, 0 while an "
+            "on_demand one waits in host memory.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.model_cold_starts = Counter(
+            MODEL_COLD_STARTS_TOTAL,
+            "Times an on_demand model was copied onto a device for a request.",
+            ["model", "worker"],
+            registry=registry,
+        )
+        self.model_cold_start_seconds = Histogram(
+            MODEL_COLD_START_SECONDS,
+            "Seconds a cold start took (weights onto the device, graph traced): what the "
+            "first request after an eviction waits beyond its own computation.",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.model_evictions = Counter(
+            MODEL_EVICTIONS_TOTAL,
+            "Times an on_demand model left a device, by reason: idle (unused for its "
+            "idle_seconds) or budget (room for another model).",
+            ["model", "worker", "reason"],
+            registry=registry,
+        )
+        self.model_memory = Gauge(
+            MODEL_MEMORY_BYTES,
+            "The model ledger: device memory of a serving version on a worker, by kind "
+            "(weights, predicted, loaded, warmed, warm_up_peak, footprint), in bytes; "
+            "on the CPU read from the process's resident memory.",
+            ["model", "version", "worker", "kind"],
             registry=registry,
         )
 
@@ -157,6 +222,20 @@ class CapabilityMetrics:
             ["model"],
             registry=registry,
         )
+        self.device_memory_budget = Gauge(
+            DEVICE_MEMORY_BUDGET_BYTES,
+            "Bytes the model versions resident on a worker may hold together "
+            "(--device-memory-budget).",
+            ["worker"],
+            registry=registry,
+        )
+        self.cache_releases = Counter(
+            DEVICE_CACHE_RELEASES_TOTAL,
+            "Times a worker handed its allocator's unused cached blocks back (CUDA "
+            "empty_cache; CPU malloc_trim), by reason (retired, refused).",
+            ["worker", "reason"],
+            registry=registry,
+        )
         # rate() of it is the worker's utilisation, on the CPU as on a GPU.
         self.worker_busy_seconds = Counter(
             WORKER_BUSY_SECONDS_TOTAL,
@@ -164,3 +243,53 @@ class CapabilityMetrics:
             ["worker"],
             registry=registry,
         )
+
+    def _add_cache_metrics(self, registry: CollectorRegistry) -> None:
+        """The result cache (capability/result_cache.py): how often it answered."""
+        # Counted per text looked up; texts of a call that opted out are neither.
+        self.result_cache_hits = Counter(
+            RESULT_CACHE_HITS_TOTAL,
+            "Texts answered from the result cache: no queue, no forward.",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_misses = Counter(
+            RESULT_CACHE_MISSES_TOTAL,
+            "Texts looked up in the result cache and not found (computed, then stored).",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_warmed = Counter(
+            RESULT_CACHE_WARMED_TOTAL,
+            "Texts computed on a model's new version to refill the cache after a swap.",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_entries = Gauge(
+            RESULT_CACHE_ENTRIES, "Entries in the result cache.", registry=registry
+        )
+        self.result_cache_hit_floor = Gauge(
+            RESULT_CACHE_HIT_FLOOR,
+            "The result cache hit ratio a model is expected to keep (cache_hit_floor in "
+            "--model-config); the ClassifyResultCacheHitRatioLow alert compares with it.",
+            ["model"],
+            registry=registry,
+        )
+        self.result_cache_bytes = Gauge(
+            RESULT_CACHE_BYTES,
+            "Estimated bytes the result cache's entries hold.",
+            registry=registry,
+        )
+
+    def show_ledger(self, model: str, version: str, worker: str, ledger: MemoryLedger) -> None:
+        """Export one ledger entry as MODEL_MEMORY_BYTES, one series per kind."""
+        values = (
+            ledger.weights_bytes,
+            ledger.predicted_bytes,
+            ledger.loaded.allocated_bytes,
+            ledger.warmed.allocated_bytes,
+            ledger.warm_up_peak_bytes - ledger.before_load.allocated_bytes,
+            ledger.footprint_bytes,
+        )
+        for kind, value in zip(MODEL_MEMORY_KINDS, values, strict=True):
+            self.model_memory.labels(model, version, worker, kind).set(value)

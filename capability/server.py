@@ -12,14 +12,19 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
-from capability.bundle import BundleError
+from capability.bundle import BundleError, MemoryBudgetExceeded
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
 from capability.security import InternalTokenGate
 from capability.service import ClassifyServicer, ModelServicer
 from capability.workers import WorkerPool, discover_devices
-from capability.workers.cuda import DeviceMemoryCollector, configure_cuda_defaults
+from capability.workers.cuda import (
+    DeviceMemoryCollector,
+    allocator_report,
+    configure_cuda_defaults,
+)
+from capability.workers.pool import worker_names
 from classify_common.errors import ServiceError
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
@@ -61,12 +66,20 @@ class CapabilityServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         metrics = CapabilityMetrics(self.registry)
         devices = discover_devices(settings.device, settings.cpu_workers)
+        settings.check_devices(worker_names(devices))
         self.pool = WorkerPool(
             devices,
             metrics,
             memory_threshold=settings.memory_threshold,
+            memory_budget_bytes=settings.device_memory_budget,
+            memory_warm_up=settings.memory_warm_up,
             cpu_compute_nice=settings.cpu_compute_nice,
             trusted_signers=settings.trusted_signers,
+            result_cache=(
+                settings.result_cache_entries,
+                settings.result_cache_bytes,
+                settings.result_cache_warm,
+            ),
         )
         self.registry.register(
             DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])
@@ -95,6 +108,8 @@ class CapabilityServer:
         return self.serving.port
 
     async def start(self) -> None:
+        devices = [worker.device for worker in self.pool.workers]
+        log.info("device memory", extra=allocator_report(devices, self.settings.cuda_allocator))
         await self.serving.start()
 
     async def warm_up(self) -> None:
@@ -147,9 +162,10 @@ async def serve(settings: CapabilitySettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = CapabilitySettings.from_args(argv)
-    configure_cuda_defaults()
+    configure_cuda_defaults(settings.cuda_allocator)
     if settings.device == "cpu" or not torch.cuda.is_available():
         share_cpu_threads(settings.cpu_workers, settings.torch_threads)
-    # A start-up failure: no bundles under the root, a refused bundle, a port in use.
-    start_errors = (ServiceError, BundleError, OSError)
+    # A start-up failure: no bundles under the root, a refused bundle, a version over
+    # the device memory budget, a port in use.
+    start_errors = (ServiceError, BundleError, MemoryBudgetExceeded, OSError)
     run_server("capability", settings, lambda: serve(settings), start_errors=start_errors, log=log)

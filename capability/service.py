@@ -26,7 +26,9 @@ from capability.item_trace import (
     start_item_trace,
 )
 from capability.lifecycle import ModelLifecycle
+from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
+from capability.workers.admission import CACHE_BYPASS, CACHE_USE
 from classify_common.context import (
     LOAD_REPORT_TRAILER,
     current_request,
@@ -58,6 +60,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             priority=_priority(request),
             request_id=ids.request_id,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
+            cache=_cache_policy(request),
         )
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, self._pool.load_report(model)),))
         return classify_response(request, result, ids.request_id, ids.trace_id)
@@ -124,6 +127,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
                 refusal=refusal,
             ),
             refusal=refusal,
+            cache=_cache_policy(item),
         )
 
     async def GetResult(
@@ -134,6 +138,10 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             "GetResult is served by the orchestrator; capability servers keep no results",
             request_id=request.request_id,
         )
+
+
+def _cache_policy(request: pb.ClassifyRequest) -> str:
+    return CACHE_BYPASS if request.cache == pb.CACHE_POLICY_BYPASS else CACHE_USE
 
 
 def _priority(request: pb.ClassifyRequest) -> int:
@@ -166,6 +174,7 @@ def classify_response(
         request_id=request_id,
         trace_id=trace_id,
         status=pb.RESULT_STATUS_DONE,
+        cached=result.cached,
     )
 
 
@@ -209,6 +218,42 @@ def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
         memory_bytes=bundle.memory_bytes,
         digest=bundle.digest,
         architecture=bundle.architecture,
+        memory=[
+            _worker_memory(worker, ledger, budget, resident)
+            for worker, ledger, budget, resident in pool.ledgers(bundle.name)
+        ],
+        residency=pool.residency(bundle.name),
+    )
+
+
+def _reading(reading: MemoryReading) -> model_pb.MemoryReading:
+    return model_pb.MemoryReading(
+        allocated_bytes=reading.allocated_bytes, reserved_bytes=reading.reserved_bytes
+    )
+
+
+def _worker_memory(
+    worker: str, ledger: MemoryLedger, budget: int, resident: bool
+) -> model_pb.WorkerMemory:
+    """One ledger entry as the contract carries it."""
+    return model_pb.WorkerMemory(
+        worker=worker,
+        source=ledger.source,
+        weights_bytes=ledger.weights_bytes,
+        predicted_bytes=ledger.predicted_bytes,
+        load_stages=[
+            model_pb.LoadStageMemory(
+                stage=stage.stage, before=_reading(stage.before), after=_reading(stage.after)
+            )
+            for stage in ledger.stages
+        ],
+        after_warm_up=_reading(ledger.after_warm_up),
+        warm_up_peak_bytes=ledger.warm_up_peak_bytes,
+        warm_up_batch_size=ledger.warm_up_batch_size,
+        warm_up_tokens=ledger.warm_up_tokens,
+        footprint_bytes=ledger.footprint_bytes,
+        budget_bytes=budget,
+        resident=resident,
     )
 
 

@@ -95,6 +95,8 @@ CLASSIFY_BUCKET = "classify.bucket"
 CLASSIFY_PADDING_RATIO = "classify.padding_ratio"
 CLASSIFY_CLOCK = "classify.clock"
 CLASSIFY_ERROR_REASON = "classify.error_reason"
+# "hit": answered from the capability's result cache, so no device node follows.
+CLASSIFY_CACHE = "classify.cache"
 # Set on every span of a request whose time budget ran out before its answer.
 TIMEOUT_ATTRIBUTE = "timeout"
 # Any node may carry these besides its own: a failed node's status code and error

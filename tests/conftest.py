@@ -123,13 +123,18 @@ def orchestrator_settings(**overrides: Any) -> OrchestratorSettings:
 
 
 def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySettings:
-    """In-process test settings: any free port, no /metrics port, CPU, no watcher."""
+    """In-process test settings: any free port, no /metrics port, CPU, no watcher, the
+    memory ledger measuring a small warm-up (the largest batch at the longest bucket
+    costs the minilm ~2 s a start here; the ledger's tests ask for it), and no result
+    cache (tests count forwards of repeated texts; the cache's tests turn it on)."""
     values: dict[str, Any] = {
         "port": 0,
         "metrics_port": -1,
         "device": "cpu",
         "model_root": model_root,
         "watch_seconds": 0,
+        "memory_warm_up": "small",
+        "result_cache_entries": 0,
         **overrides,
     }
     return CapabilitySettings(**values)
@@ -443,6 +448,7 @@ def start_stack(
             "capability",
             *("--port", "0", "--metrics-port", "0", "--device", "cpu"),
             *("--model-root", str(model_root), "--watch-seconds", "0"),
+            *("--memory-warm-up", "small", "--result-cache-entries", "0"),
             *secured,
             *capability_flags,
             env=capability_env,

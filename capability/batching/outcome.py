@@ -43,6 +43,8 @@ class TextResult:
     bundle: LoadedBundle
     token_count: int
     truncated: bool
+    # Answered from the result cache (capability/result_cache.py), not computed now.
+    cached: bool = False
 
 
 @dataclass(frozen=True)

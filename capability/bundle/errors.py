@@ -1,6 +1,7 @@
 """Why a model's files were refused. Every message starts with the offending file's name.
 
 ModelLoadError                a model's files cannot be loaded (any folder)
+├── MemoryBudgetExceeded      the version would not fit the worker's device memory budget
 └── BundleError               a bundle directory cannot be served
     ├── BundleFileMissing
     ├── BundleHashMismatch
@@ -19,6 +20,14 @@ class ModelLoadError(ValueError):
 
     The message always names the offending file, because the operator fixing it
     is looking at a folder, not at a stack trace.
+    """
+
+
+class MemoryBudgetExceeded(ModelLoadError):
+    """A version's predicted or measured footprint does not fit the device memory budget.
+
+    The one refusal that names numbers rather than a file: the bundle is sound, the
+    device is too full for it (capability/memory.py).
     """
 
 

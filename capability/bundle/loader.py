@@ -8,6 +8,11 @@
                    by shape, then assigned into the module in place of its meta tensors
     warm_up        one small batch, so the first request does not pay for kernel setup
 
+With a `LoadWatch`, device memory is read before and after each stage (the model
+ledger, capability/memory.py), and the weights' bytes, known exactly once the module
+is built on the meta device, are offered to it before any weight file is read: it
+refuses a version that cannot fit by raising.
+
 Verification comes before any weight file is parsed, so a modified file never reaches
 a parser. Assigning the loaded tensors (rather than copying into allocated parameters)
 means each weight exists once, on the target device, and never passes through host
@@ -53,6 +58,7 @@ from capability.bundle.manifest import (
     read_manifest,
 )
 from capability.bundle.minilm import load_tokenizer
+from capability.memory import LoadWatch, StageMemory
 from capability.model import (
     DEFAULT_GRAPH,
     GRAPHS,
@@ -87,6 +93,8 @@ class LoadedBundle:
     load_seconds: float  # the whole load, verification and warm-up included
     stage_seconds: Mapping[str, float]  # seconds per stage, keys in STAGES order
     memory_bytes: int  # parameters + buffers on the device
+    # Device memory before and after each stage, in STAGES order (with a LoadWatch).
+    stage_memory: tuple[StageMemory, ...] = ()
 
 
 def _load_parts(
@@ -111,6 +119,7 @@ def load_bundle(
     precision: str | None = None,
     graph: str = DEFAULT_GRAPH,
     trusted_signers: Path | None = None,
+    watch: LoadWatch | None = None,
 ) -> LoadedBundle:
     """Verify and load the bundle in `directory` onto `device`, ready to serve (blocking).
 
@@ -118,12 +127,14 @@ def load_bundle(
     `graph` is how the encoder runs (capability.model.classifier.GRAPHS).
     `trusted_signers` (an OpenSSH allowed-signers file) requires manifest.json.sig by
     one of its keys (signing.py); None loads unsigned bundles too. Raises a BundleError
-    naming the file at fault. Safe from several threads at once, one device each.
+    naming the file at fault. `watch` reads device memory around each stage and may
+    refuse the weights' bytes before they are read (its own error). Safe from several
+    threads at once, one device each.
     """
     directory, target = Path(directory), torch.device(device)
     _check_load_options(precision, graph)
     started = time.perf_counter()
-    times = _StageTimes()
+    times = _StageTimes(watch)
     stage = times.stage
 
     with stage("read_metadata"):
@@ -136,6 +147,8 @@ def load_bundle(
 
     with stage("build_module"):
         encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
+    if watch is not None:
+        watch.admit_weights(_module_bytes(encoder) + _module_bytes(head))
 
     with stage("verify"):
         _verify_unread_files(directory, manifest)
@@ -162,7 +175,14 @@ def load_bundle(
         load_seconds=time.perf_counter() - started,
         stage_seconds=times.seconds,
         memory_bytes=classifier.memory_bytes(),
+        stage_memory=tuple(times.memory),
     )
+
+
+def _module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (exact on the meta device too)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _check_load_options(precision: str | None, graph: str) -> None:
@@ -173,16 +193,22 @@ def _check_load_options(precision: str | None, graph: str) -> None:
 
 
 class _StageTimes:
-    """Seconds each load stage took, by name, in the order they ran."""
+    """Seconds each load stage took, by name, in the order they ran, and with a
+    LoadWatch the device memory before and after each."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: LoadWatch | None) -> None:
         self.seconds: dict[str, float] = {}
+        self.memory: list[StageMemory] = []
+        self._watch = watch
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
+        before = self._watch.read() if self._watch is not None else None
         begun = time.perf_counter()
         yield
         self.seconds[name] = time.perf_counter() - begun
+        if self._watch is not None and before is not None:
+            self.memory.append(StageMemory(name, before, self._watch.read()))
 
 
 def _verify_unread_files(directory: Path, manifest: Manifest) -> None:

@@ -1,6 +1,8 @@
 """Texts on their way into a replica's queue: tokenized in one call per `max_length`
-(on the event loop when short, else on a tokenizer thread) and admitted in one
-step, each text recorded as its own `tokenize` and `queue_admit` nodes.
+(on the event loop when short, else on a tokenizer thread), looked up in the
+result cache, and the rest admitted in one step, each text recorded as its own
+`tokenize` and `queue_admit` nodes (a cache hit's `queue_admit` says so, and no
+device node follows it).
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from opentelemetry.util.types import AttributeValue
 
 from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Admission, TextResult
 from capability.model import EncodedText
+from capability.result_cache import ResultCache
 from capability.workers.worker import ModelReplica
 from classify_common.errors import ModelFault, ServiceError
 from classify_common.nodes import (
+    CLASSIFY_CACHE,
     CLASSIFY_OUTCOME,
     CLASSIFY_PREDICTED_WAIT_MS,
     CLASSIFY_QUEUE_DEPTH,
@@ -43,6 +48,14 @@ TOKENIZER_THREADS = 2
 # microseconds), which costs less than the hop to a tokenizer thread and back.
 INLINE_TOKENIZE_CHARS = 2_000
 
+# TextRequest.cache: look up and store; neither (the caller opted out); store
+# without looking up (the pool refilling the cache after a version swap).
+CACHE_USE = "use"
+CACHE_BYPASS = "bypass"
+CACHE_REFRESH = "refresh"
+# The `classify.outcome` of a text answered from the result cache.
+OUTCOME_CACHE_HIT = "cache_hit"
+
 
 @dataclass(frozen=True, slots=True)
 class TextRequest:
@@ -58,6 +71,8 @@ class TextRequest:
     trace: RequestTrace | None = None
     # Refused at intake (classify_common.intake): answered with it, never served.
     refusal: ServiceError | None = None
+    # CACHE_USE, CACHE_BYPASS or CACHE_REFRESH: how the result cache serves it.
+    cache: str = CACHE_USE
 
 
 def priority_lane(priority: int) -> int:
@@ -72,12 +87,41 @@ async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
     return list(await asyncio.gather(*steps))
 
 
-class Admitter:
-    """Tokenizes and admits texts for the pool; `count_refusal(model, error)` counts
-    each text a replica refused."""
+def answered_from_cache(
+    cache: ResultCache, replica: ModelReplica, encoded: EncodedText
+) -> TextResult | None:
+    """The text's result from the cache, for the replica's version; None on a miss."""
+    bundle = replica.bundle
+    scores = cache.lookup(bundle.name, bundle.version, encoded)
+    if scores is None:
+        return None
+    return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
 
-    def __init__(self, count_refusal: Callable[[str, ServiceError], None]) -> None:
+
+def remember_result(
+    cache: ResultCache,
+    encoded: EncodedText,
+    text: str,
+    max_length: int | None,
+    future: asyncio.Future[TextResult],
+) -> None:
+    """A done-callback: store a computed result in the cache (failures are not)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    result = future.result()
+    bundle = result.bundle
+    cache.store(bundle.name, bundle.version, encoded, text, max_length, result.probabilities)
+
+
+class Admitter:
+    """Tokenizes, looks up and admits texts for the pool; `count_refusal(model, error)`
+    counts each text a replica refused."""
+
+    def __init__(
+        self, count_refusal: Callable[[str, ServiceError], None], cache: ResultCache
+    ) -> None:
         self._count_refusal = count_refusal
+        self._cache = cache
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     def close(self) -> None:
@@ -119,9 +163,106 @@ class Admitter:
             tokens_of: dict[int, EncodedText | ServiceError] = {}
             for indexes, group in zip(by_length.values(), tokenized, strict=True):
                 tokens_of.update(zip(indexes, group, strict=True))
-            return self._admit_traced(replica, texts, [tokens_of[i] for i in range(len(texts))])
+            encoded = [tokens_of[i] for i in range(len(texts))]
+            hits = self._look_up(replica, texts, encoded)
+            if not replica.is_resident and len(hits) < len(texts):
+                encoded = await self._bring_onto_device(replica, texts, encoded, hits)
+            if not hits:
+                return self._admit_remembered(replica, texts, encoded)
+            missed = [i for i in range(len(texts)) if i not in hits]
+            admitted = iter(
+                self._admit_remembered(
+                    replica, [texts[i] for i in missed], [encoded[i] for i in missed]
+                )
+            )
+            return [hits[i] if i in hits else next(admitted) for i in range(len(texts))]
         finally:
             replica.end_arrival(len(texts))
+
+    async def _bring_onto_device(
+        self,
+        replica: ModelReplica,
+        texts: Sequence[TextRequest],
+        encoded: list[EncodedText | ServiceError],
+        hits: dict[int, asyncio.Future[TextResult]],
+    ) -> list[EncodedText | ServiceError]:
+        """Wait for an on_demand replica's cold start for the texts the cache did not
+        answer. A text whose deadline cannot allow the cold start is refused (so its
+        caller's fallback can answer); if the cold start fails, every waiting text is
+        refused with its error. Each refusal is counted."""
+        now = asyncio.get_running_loop().time()
+        outcome = list(encoded)
+        waiting = []
+        for index, (text, tokens) in enumerate(zip(texts, encoded, strict=True)):
+            if index in hits or not isinstance(tokens, EncodedText):
+                continue
+            refusal = replica.cold_start_refusal(len(tokens), text.deadline, now)
+            if refusal is None:
+                waiting.append(index)
+            else:
+                outcome[index] = refusal
+                self._count_refusal(replica.name, refusal)
+        if waiting:
+            try:
+                await replica.worker.ensure_resident(replica)
+            except ServiceError as failed:
+                for index in waiting:
+                    outcome[index] = failed
+                    self._count_refusal(replica.name, failed)
+        return outcome
+
+    def _look_up(
+        self,
+        replica: ModelReplica,
+        texts: Sequence[TextRequest],
+        encoded: Sequence[EncodedText | ServiceError],
+    ) -> dict[int, asyncio.Future[TextResult]]:
+        """The texts the cache answers, by index, as futures already done; each such
+        text's `queue_admit` node says it was a cache hit."""
+        if not self._cache.enabled:
+            return {}
+        hits: dict[int, asyncio.Future[TextResult]] = {}
+        for index, (text, tokens) in enumerate(zip(texts, encoded, strict=True)):
+            if text.cache != CACHE_USE or not isinstance(tokens, EncodedText):
+                continue
+            result = answered_from_cache(self._cache, replica, tokens)
+            if result is None:
+                continue
+            answered: asyncio.Future[TextResult] = asyncio.get_running_loop().create_future()
+            answered.set_result(result)
+            hits[index] = answered
+            if text.trace is not None:
+                now = time.time_ns()
+                attributes: dict[str, AttributeValue] | None = None
+                if text.trace.makes_spans:
+                    attributes = {
+                        CLASSIFY_WORKER: replica.worker.name,
+                        CLASSIFY_CACHE: "hit",
+                        CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT,
+                    }
+                emit_node(text.trace, QUEUE_ADMIT, now, now, attributes)
+        return hits
+
+    def _admit_remembered(
+        self,
+        replica: ModelReplica,
+        texts: Sequence[TextRequest],
+        encoded: Sequence[EncodedText | ServiceError],
+    ) -> list[asyncio.Future[TextResult] | ServiceError]:
+        """Admit the texts; each computed result of a text that uses the cache is stored."""
+        admitted = self._admit_traced(replica, texts, encoded)
+        if not self._cache.enabled:
+            return admitted
+        for text, tokens, admission in zip(texts, encoded, admitted, strict=True):
+            if (
+                text.cache != CACHE_BYPASS
+                and isinstance(tokens, EncodedText)
+                and isinstance(admission, asyncio.Future)
+            ):
+                admission.add_done_callback(
+                    partial(remember_result, self._cache, tokens, text.text, text.max_length)
+                )
+        return admitted
 
     async def _tokenize_traced(
         self, replica: ModelReplica, texts: Sequence[TextRequest], max_length: int | None

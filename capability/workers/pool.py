@@ -1,42 +1,69 @@
 """The workers of one server, and the dispatch of requests to them.
 
 A request is tokenized by the replica it will run on (on the event loop when
-short, else on a tokenizer thread), then admitted to the least-loaded worker
-that holds its model. A batch call's texts are grouped by model: each group
+short, else on a tokenizer thread), looked up in the result cache (a hit is
+answered at once; capability/result_cache.py), then admitted to the least-loaded
+worker that holds its model. A batch call's texts are grouped by model: each group
 goes to one replica, is tokenized in one tokenizer call per `max_length` and
 admitted in one step (capability.workers.admission), and every text is answered
 on its own. Loading a model version loads one replica per worker, each on its
 own device, and switches all workers only when every replica loaded: a version
-that fails anywhere serves nowhere, and the previous version keeps serving.
+that fails anywhere (a bad file, a footprint over a worker's device memory budget)
+serves nowhere, and the previous version keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from capability.batching import (
+    PRIORITY_BATCH,
     Admission,
     BatchingSettings,
     TextResult,
 )
 from capability.bundle import BundleError, LoadedBundle, load_bundle
+from capability.memory import LoadWatch, MemoryLedger, budget_bytes
 from capability.metrics import (
+    CACHE_RELEASE_REFUSED,
     CLASSIFY_BATCH_METHOD,
     CLASSIFY_METHOD,
     DEADLINE_STAGE_ADMISSION,
     CapabilityMetrics,
 )
 from capability.model import DEFAULT_GRAPH
-from capability.workers.admission import Admitter, TextRequest, priority_lane, run_each
+from capability.result_cache import (
+    DEFAULT_BYTES,
+    DEFAULT_ENTRIES,
+    DEFAULT_WARM,
+    ResultCache,
+    WarmText,
+)
+from capability.workers.admission import (
+    CACHE_BYPASS,
+    CACHE_REFRESH,
+    CACHE_USE,
+    OUTCOME_CACHE_HIT,
+    Admitter,
+    TextRequest,
+    answered_from_cache,
+    priority_lane,
+    remember_result,
+    run_each,
+)
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT, SHARDED
 from capability.workers.worker import DeviceWorker, ModelReplica
+from classify_common.context import new_request_id
 from classify_common.errors import (
     DeadlineExpired,
     InternalError,
@@ -46,6 +73,7 @@ from classify_common.errors import (
     ServiceError,
 )
 from classify_common.nodes import (
+    CLASSIFY_CACHE,
     CLASSIFY_OUTCOME,
     CLASSIFY_PREDICTED_WAIT_MS,
     CLASSIFY_QUEUE_DEPTH,
@@ -104,9 +132,16 @@ class WorkerPool:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        memory_budget_bytes: int = 0,
+        memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
         trusted_signers: Path | None = None,
+        result_cache: tuple[int, int, int] = (DEFAULT_ENTRIES, DEFAULT_BYTES, DEFAULT_WARM),
     ) -> None:
+        """`memory_budget_bytes`: each worker's device memory budget (0: a share of its
+        device, capability.memory.budget_bytes); `memory_warm_up`: the shape the ledger
+        measures (capability.workers.worker.MEMORY_WARM_UPS); `result_cache`: its
+        entries (0: off), bytes, and texts recomputed after a swap."""
         self._metrics = metrics
         # An allowed-signers file every loaded bundle's manifest must be signed by a key
         # of; None loads unsigned bundles too.
@@ -119,11 +154,17 @@ class WorkerPool:
                 name,
                 metrics,
                 memory_threshold=memory_threshold,
+                memory_budget_bytes=budget_bytes(device, memory_budget_bytes),
+                memory_warm_up=memory_warm_up,
                 cpu_compute_nice=cpu_compute_nice,
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
-        self._admitter = Admitter(self._count_refusal)
+        entries, cache_bytes, warm = result_cache
+        self.cache = ResultCache(metrics, max_entries=entries, max_bytes=cache_bytes, warm=warm)
+        self._admitter = Admitter(self._count_refusal, self.cache)
+        # Refilling the cache after a swap, at batch priority; cancelled at close.
+        self._warming: set[asyncio.Task[None]] = set()
         self._loaders = ThreadPoolExecutor(len(self.workers), thread_name_prefix="load")
         self.draining = False
         # When each model's serving version went live on every worker.
@@ -148,39 +189,34 @@ class WorkerPool:
         *,
         graph: str = DEFAULT_GRAPH,
         expected_name: str | None = None,
+        residency: str = RESIDENT,
+        idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        warm_texts: Sequence[WarmText] = (),
     ) -> LoadedBundle:
-        """Load the bundle in `directory` on every worker, then switch them all to it."""
-        loop = asyncio.get_running_loop()
-        # Loaded beside the serving version, on loader threads, so serving goes on
-        # meanwhile; each worker's replica lives on that worker's device.
-        bundles = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._loaders,
-                    _load_on,
-                    directory,
-                    worker.device,
-                    precision,
-                    graph,
-                    self._trusted_signers,
-                )
-                for worker in self.workers
+        """Load the bundle in `directory` on every worker, then switch them all to it,
+        and refill the result cache in the background: the previous version's most
+        hit texts, and `warm_texts`.
+
+        What a refused version left on the devices is released before the refusal
+        is raised."""
+        try:
+            bundles, replicas = await self._load_everywhere(
+                directory, settings, precision, graph, expected_name, (residency, idle_seconds)
             )
-        )
-        if expected_name is not None and bundles[0].name != expected_name:
-            raise BundleError(
-                f"config.json: names model {bundles[0].name!r}, but the bundle sits under "
-                f"{expected_name!r}"
-            )
-        # Every replica warms up before any worker switches: a version that fails
-        # on one device serves on none.
-        replicas = [
-            await worker.prepare(bundle, settings)
-            for worker, bundle in zip(self.workers, bundles, strict=True)
-        ]
-        for worker, replica in zip(self.workers, replicas, strict=True):
-            await worker.activate(replica)
+        except Exception as refused:
+            # The traceback's frames hold the refused tensors; drop their locals first.
+            traceback.clear_frames(refused.__traceback__)
+            for worker in self.workers:
+                await worker.release_cached(CACHE_RELEASE_REFUSED)
+            raise
+        for replica in replicas:
+            await replica.worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
+        serving = bundles[0]
+        carried = self.cache.switch_version(serving.name, serving.version)
+        # The old version's most hit texts, then the model's warm_texts file.
+        refill = list(dict.fromkeys([*carried, *warm_texts]))
+        self._refill_cache(serving.name, refill if self.cache.enabled else [])
         log.info(
             "model version serving",
             extra={
@@ -193,6 +229,112 @@ class WorkerPool:
             },
         )
         return bundles[0]
+
+    async def _load_everywhere(
+        self,
+        directory: Path,
+        settings: BatchingSettings,
+        precision: str | None,
+        graph: str,
+        expected_name: str | None,
+        residency: tuple[str, float],
+    ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
+        """Load and warm up one replica per worker (a sharded model: one, on the first
+        worker, its layers across every worker's device), none serving yet."""
+        loop = asyncio.get_running_loop()
+        model = expected_name or directory.parent.name
+        mode, idle_seconds = residency
+        workers = self.workers[:1] if mode == SHARDED else self.workers
+        watches = [worker.load_watch(model, directory.name) for worker in workers]
+        # Loaded beside the serving version, on loader threads, so serving goes on
+        # meanwhile; each worker's replica lives on that worker's device. Every load
+        # ends before any refusal is raised, so none is left running.
+        loaded = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._loaders,
+                    _load_on,
+                    directory,
+                    worker.device,
+                    precision,
+                    graph,
+                    self._trusted_signers,
+                    watch,
+                )
+                for worker, watch in zip(workers, watches, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        for outcome in loaded:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        bundles = [bundle for bundle in loaded if isinstance(bundle, LoadedBundle)]
+        if expected_name is not None and bundles[0].name != expected_name:
+            raise BundleError(
+                f"config.json: names model {bundles[0].name!r}, but the bundle sits under "
+                f"{expected_name!r}"
+            )
+        # Every replica warms up before any worker switches: a version that fails
+        # on one device serves on none.
+        replicas = [
+            await worker.prepare(
+                bundle,
+                settings,
+                watch.predicted_bytes,
+                residency=mode,
+                idle_seconds=idle_seconds,
+                shard_devices=[each.device for each in self.workers],
+            )
+            for worker, bundle, watch in zip(workers, bundles, watches, strict=True)
+        ]
+        return bundles, replicas
+
+    def ledgers(self, model: str) -> list[tuple[str, MemoryLedger, int, bool]]:
+        """(worker, ledger entry, worker's budget, whether on the device now) of the
+        serving version of `model` on each worker."""
+        return [
+            (worker.name, replica.ledger, worker.memory_budget_bytes, replica.is_resident)
+            for worker in self.workers
+            if (replica := worker.replicas.get(model)) is not None and replica.ledger is not None
+        ]
+
+    def _refill_cache(self, model: str, texts: list[WarmText]) -> None:
+        """Compute the old version's most hit texts on the new one, in the background."""
+        if not texts:
+            return
+        task = asyncio.create_task(self._warm_cache(model, texts), name=f"warm-cache-{model}")
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm_cache(self, model: str, texts: list[WarmText]) -> None:
+        requests = [
+            TextRequest(
+                model=model,
+                text=warm.text,
+                max_length=warm.max_length,
+                priority=PRIORITY_BATCH,
+                request_id=new_request_id(),
+                deadline=None,
+                cache=CACHE_REFRESH,
+            )
+            for warm in texts
+        ]
+        outcomes = await self._classify_many(requests)
+        computed = sum(isinstance(outcome, TextResult) for outcome in outcomes)
+        self._metrics.result_cache_warmed.labels(model).inc(computed)
+        log.info(
+            "result cache refilled",
+            extra={"model": model, "texts": len(texts), "computed": computed},
+        )
+
+    async def wait_cache_refilled(self) -> None:
+        """Return once every refill of the cache after a swap has finished."""
+        while self._warming:
+            await asyncio.gather(*self._warming, return_exceptions=True)
+
+    def residency(self, model: str) -> str:
+        """How the serving version of `model` is kept (capability.workers.residency)."""
+        return self.workers[0].replicas[model].residency
 
     def live_since(self, name: str) -> datetime:
         return self._live_since[name]
@@ -233,8 +375,10 @@ class WorkerPool:
         priority: int,
         request_id: str,
         deadline: float | None,
+        cache: str = CACHE_USE,
     ) -> TextResult:
-        """Tokenize, admit and await one text; errors are ServiceErrors."""
+        """Tokenize, look up (`cache`: see TextRequest), admit and await one text;
+        errors are ServiceErrors."""
         self._unary_items.observe(1)
         if self.draining:
             raise ServerDraining("the server is shutting down; send the request elsewhere")
@@ -246,6 +390,15 @@ class WorkerPool:
                 span.set_attributes(
                     {CLASSIFY_TOKENS: len(encoded), CLASSIFY_TRUNCATED: encoded.truncated}
                 )
+            cached = (
+                answered_from_cache(self.cache, replica, encoded) if cache == CACHE_USE else None
+            )
+            if cached is not None:
+                hit = {CLASSIFY_WORKER: replica.worker.name, CLASSIFY_CACHE: "hit"}
+                with node(QUEUE_ADMIT, {**hit, CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT}):
+                    return cached
+            if not replica.is_resident:
+                await self._bring_onto_device(replica, len(encoded), deadline)
             with node(QUEUE_ADMIT, {CLASSIFY_WORKER: replica.worker.name}) as span:
                 span.set_attributes(
                     {
@@ -267,6 +420,10 @@ class WorkerPool:
                     self._count_refusal(model, refused)
                     raise
                 span.set_attribute(CLASSIFY_OUTCOME, "admitted")
+                if self.cache.enabled and cache != CACHE_BYPASS:
+                    future.add_done_callback(
+                        partial(remember_result, self.cache, encoded, text, max_length)
+                    )
         finally:
             replica.end_arrival()
         return await future
@@ -278,6 +435,9 @@ class WorkerPool:
         is tokenized in one call per `max_length` and admitted in one step. A text
         refused at intake (`refusal`) is answered with it and never served."""
         self._batch_items.observe(len(texts))
+        return await self._classify_many(texts)
+
+    async def _classify_many(self, texts: Sequence[TextRequest]) -> list[TextResult | ServiceError]:
         outcomes: list[TextResult | ServiceError | None] = [text.refusal for text in texts]
         by_model: dict[str, list[int]] = {}
         for index, text in enumerate(texts):
@@ -310,6 +470,20 @@ class WorkerPool:
             outcomes[index] = _as_outcome(answer)
         return [_as_outcome(outcome) for outcome in outcomes]
 
+    async def _bring_onto_device(
+        self, replica: ModelReplica, tokens: int, deadline: float | None
+    ) -> None:
+        """Wait for an on_demand replica's cold start, unless the deadline cannot allow
+        it (refused, so the caller's fallback can answer instead); refusals counted."""
+        refusal = replica.cold_start_refusal(tokens, deadline, asyncio.get_running_loop().time())
+        try:
+            if refusal is not None:
+                raise refusal
+            await replica.worker.ensure_resident(replica)
+        except ServiceError as refused:
+            self._count_refusal(replica.name, refused)
+            raise
+
     def _count_refusal(self, model: str, refused: ServiceError) -> None:
         self._metrics.admissions_refused.labels(model, refused.reason).inc()
         if isinstance(refused, DeadlineExpired):
@@ -325,6 +499,9 @@ class WorkerPool:
         await asyncio.gather(*(worker.drain() for worker in self.workers))
 
     async def close(self) -> None:
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
         for worker in self.workers:
             await worker.close()
         self._admitter.close()
@@ -337,7 +514,13 @@ def _load_on(
     precision: str | None,
     graph: str,
     trusted_signers: Path | None,
+    watch: LoadWatch,
 ) -> LoadedBundle:
     return load_bundle(
-        directory, device, precision=precision, graph=graph, trusted_signers=trusted_signers
+        directory,
+        device,
+        precision=precision,
+        graph=graph,
+        trusted_signers=trusted_signers,
+        watch=watch,
     )

@@ -5,7 +5,21 @@ so nothing else uses the device, and the event loop never blocks on a model.
 A worker holds one active ModelReplica per model, each with its own bounded
 queue and batching loop (capability.batching.batcher). A reload installs a new
 replica beside the old one and switches new admissions to it; the old replica
-finishes what it admitted, then retires.
+finishes what it admitted, then retires, and the device's cached blocks are
+released (`empty_cache`, or its CPU stand-in) on the device thread.
+
+Every replica keeps a ledger entry (capability.memory.MemoryLedger): memory around
+each load stage and around a warm-up at its largest batch and length bucket. The
+worker refuses a version whose predicted (before its weights are read) or measured
+(after that warm-up) footprint, with what the versions resident on it already
+hold, would exceed its device memory budget; the serving version stays.
+
+An on_demand replica (capability/workers/residency.py) is loaded and measured like
+any other, then its weights wait in host memory: the first request copies them onto
+the device (after evicting idle on_demand models, least recently used first, if the
+budget needs room), and the worker's evictor takes them off again once unused for
+the model's `idle_seconds`. Residency changes are serialised by one lock per worker
+and run on the device thread in its turn.
 """
 
 from __future__ import annotations
@@ -29,12 +43,38 @@ from capability.batching import (
     TextResult,
     WaitPredictor,
 )
-from capability.bundle import BundleError, LoadedBundle
-from capability.metrics import CapabilityMetrics
+from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
+from capability.memory import (
+    PEAK_WINDOW,
+    MemoryLedger,
+    MemoryReading,
+    format_bytes,
+    memory_source,
+    read_memory,
+    read_peak,
+    release_cached,
+    reset_peak,
+)
+from capability.metrics import (
+    CACHE_RELEASE_EVICTED,
+    CACHE_RELEASE_RETIRED,
+    MODEL_MEMORY_KINDS,
+    CapabilityMetrics,
+)
 from capability.model import EncodedText
 from capability.model.stages import StageClock
 from capability.workers.device_thread import DeviceThread
+from capability.workers.residency import (
+    EVICTED_FOR_ROOM,
+    EVICTED_IDLE,
+    ON_DEMAND,
+    RESIDENT,
+    SHARDED,
+    OnDemandWeights,
+    shard_layers,
+)
 from classify_common.errors import (
+    DeadlineUnreachable,
     DeviceMemoryPressure,
     ServerDraining,
     ServiceError,
@@ -46,6 +86,49 @@ T = TypeVar("T")
 
 # Shapes timed at warm-up to seed the service-time fit: (texts, tokens each).
 WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
+# The ledger's measured warm-up (--memory-warm-up): the largest batch at the longest
+# length bucket the model reads, or (faster starts) the last of WARM_UP_SHAPES.
+MEMORY_WARM_UPS = ("largest", "small")
+# The evictor looks this often, at most, for on_demand models idle long enough (and
+# a quarter of the shortest idle_seconds, when that is less).
+EVICTION_POLL_SECONDS = 1.0
+
+
+def warm_up_text(tokens: int) -> EncodedText:
+    """A stand-in text of exactly `tokens` tokens, [CLS] and [SEP] included."""
+    return EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)
+
+
+class BudgetedLoad:
+    """A LoadWatch for one version on one worker: readings of its device, and the
+    budget check of the footprint predicted from the weights' bytes, made before
+    any weight is read. `held` and `overhead` are taken on the event loop when the
+    load starts (the loader thread reads no worker state)."""
+
+    def __init__(self, worker: DeviceWorker, model: str, version: str) -> None:
+        self._worker = worker
+        self._model = model
+        self._version = version
+        self._held = worker.held_bytes()
+        # What the serving version of this model needed beyond its weights
+        # (activations, workspaces), measured: the best guess for the next one.
+        serving = worker.replicas.get(model)
+        self._overhead = 0
+        if serving is not None and serving.ledger is not None:
+            self._overhead = serving.ledger.footprint_bytes - serving.ledger.weights_bytes
+        self.predicted_bytes = 0
+
+    def read(self) -> MemoryReading:
+        return read_memory(self._worker.device)
+
+    def admit_weights(self, weights_bytes: int) -> None:
+        self.predicted_bytes = weights_bytes + self._overhead
+        how = f"predicted: {format_bytes(weights_bytes)} of weights"
+        if self._overhead:
+            how += f" + {format_bytes(self._overhead)} measured beyond the serving version's"
+        self._worker.refuse_over_budget(
+            self._model, self._version, self.predicted_bytes, how, self._held
+        )
 
 
 class ModelReplica:
@@ -59,11 +142,23 @@ class ModelReplica:
         worker: DeviceWorker,
         settings: BatchingSettings,
         metrics: CapabilityMetrics,
+        residency: str = RESIDENT,
+        idle_seconds: float = 0.0,
     ) -> None:
         self.bundle = bundle
         self.worker = worker
         self.settings = settings
         self._metrics = metrics
+        self.residency = residency
+        self.idle_seconds = idle_seconds
+        # The host copy of an on_demand replica's weights, once it is serving.
+        self.on_demand: OnDemandWeights | None = None
+        # When a text last arrived or was answered (time.monotonic, the loop's clock).
+        self.last_used = time.monotonic()
+        # The latest cold start's seconds: the wait predicted for the next one.
+        self.cold_start_seconds: float | None = None
+        # Sharded: the devices holding the encoder's layers, and which layers each.
+        self.shards: list[tuple[torch.device, range]] = []
         self.batcher: Batcher
         # Built before the Batcher, which takes its drain estimate for retry hints; it
         # reads the Batcher's queue when asked.
@@ -77,6 +172,8 @@ class ModelReplica:
             retry_after=self.predictor.drain_seconds,
             on_settled=self._set_idle_if_nothing_left,
         )
+        # What this version costs on the device; set by DeviceWorker.prepare.
+        self.ledger: MemoryLedger | None = None
         # Routed here and being tokenized, not yet queued: counted as load so a
         # burst does not all pick the same worker, and waited for before retiring.
         self.arriving = 0
@@ -110,7 +207,54 @@ class ModelReplica:
         self.arriving -= texts
         self._set_idle_if_nothing_left()
 
+    @property
+    def is_resident(self) -> bool:
+        """Whether the weights are on the device (always, unless on_demand)."""
+        return self.on_demand is None or self.on_demand.resident
+
+    def predicted_cold_start_seconds(self) -> float:
+        """How long copying the weights onto the device will take: the latest cold start,
+        else the load's own weight and graph stages."""
+        if self.cold_start_seconds is not None:
+            return self.cold_start_seconds
+        stages = self.bundle.stage_seconds
+        return stages.get("load_weights", 0.0) + stages.get("trace_graph", 0.0)
+
+    def cold_start_refusal(
+        self, tokens: int, deadline: float | None, now: float
+    ) -> DeadlineUnreachable | None:
+        """DeadlineUnreachable when the weights are off the device and the time left is
+        less than the cold start plus the computation predicted for the text."""
+        if deadline is None or self.is_resident:
+            return None
+        remaining = deadline - now
+        needed = self.predicted_cold_start_seconds() + self.predictor.service_seconds(tokens)
+        if remaining >= needed:
+            return None
+        return DeadlineUnreachable(
+            f"{remaining * 1000:.0f} ms left, but model {self.name} is not on "
+            f"{self.worker.name}: copying it there and computing takes about "
+            f"{needed * 1000:.0f} ms",
+            remaining_ms=round(remaining * 1000),
+            predicted_ms=round(needed * 1000),
+        )
+
+    def shard(self, devices: list[torch.device]) -> None:
+        """On the device thread: split the encoder's layers across `devices` and trace
+        the graph again over them."""
+        classifier = self.bundle.classifier
+        runs = shard_layers(classifier, devices)
+        classifier.use_graph(self.bundle.graph)
+        self.shards = list(zip(devices, runs, strict=True))
+
+    def keep_on_host(self) -> None:
+        """On the device thread: keep a host copy of the weights, and take them off the
+        device until a request needs them."""
+        self.on_demand = OnDemandWeights(self.bundle.classifier, self.bundle.graph)
+        self.on_demand.evict()
+
     def _set_idle_if_nothing_left(self) -> None:
+        self.last_used = time.monotonic()
         if not (self.arriving or self.queue or self.in_flight):
             self._idle.set()
 
@@ -165,13 +309,40 @@ class ModelReplica:
         """Time a few batch shapes on the device to seed the service-time fit, and refuse
         a version whose scores are not finite."""
         for texts, tokens in WARM_UP_SHAPES:
-            encoded = [EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)]
-            outcome = await self.worker.run_on_device(self._compute, encoded * texts)
-            if not all(outcome.finite_rows):
-                raise BundleError(
-                    f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
-                    "non-finite scores"
-                )
+            outcome = await self.worker.run_on_device(self._compute, [warm_up_text(tokens)] * texts)
+            self._require_finite(outcome)
+
+    def _require_finite(self, outcome: BatchOutcome) -> None:
+        if not all(outcome.finite_rows):
+            raise BundleError(
+                f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
+                "non-finite scores"
+            )
+
+    def measured_shape(self, memory_warm_up: str) -> tuple[int, int]:
+        """(texts, tokens) of the warm-up the ledger measures (see MEMORY_WARM_UPS)."""
+        if memory_warm_up == "small":
+            return WARM_UP_SHAPES[-1]
+        longest = min(self.settings.length_buckets[-1], self.bundle.classifier.max_seq_length)
+        return self.settings.max_batch_size, longest
+
+    async def measure_warm_up(self, memory_warm_up: str) -> tuple[MemoryReading, int]:
+        """Warm up at the measured shape; memory after it, and the peak during it."""
+        texts, tokens = self.measured_shape(memory_warm_up)
+        outcome, after, peak = await self.worker.run_on_device(
+            self._measure, [warm_up_text(tokens)] * texts
+        )
+        self._require_finite(outcome)
+        return after, peak
+
+    def _measure(self, encoded: list[EncodedText]) -> tuple[BatchOutcome, MemoryReading, int]:
+        """On the device thread: one forward in a peak window of its own."""
+        device = self.worker.device
+        with PEAK_WINDOW:
+            reset_peak(device)
+            outcome = self._compute(encoded)
+            peak = read_peak(device)
+        return outcome, read_memory(device), peak
 
     def _compute(
         self, encoded: list[EncodedText], deadlines: list[float | None] | None = None
@@ -228,12 +399,18 @@ class DeviceWorker:
         metrics: CapabilityMetrics,
         *,
         memory_threshold: float,
+        memory_budget_bytes: int,
+        memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
     ) -> None:
         self.device = device
         self.name = name
         self._metrics = metrics
         self._memory_threshold = memory_threshold
+        # What the model versions resident here may hold together, in bytes.
+        self.memory_budget_bytes = memory_budget_bytes
+        self._memory_warm_up = memory_warm_up
+        metrics.device_memory_budget.labels(name).set(memory_budget_bytes)
         # On a GPU the thread only launches kernels: it must not wait for the CPU.
         nice = cpu_compute_nice if device.type == "cpu" else 0
         self._device_thread = DeviceThread(f"device-{name}", nice)
@@ -243,6 +420,12 @@ class DeviceWorker:
         self._waiting_for_turn = 0
         self.replicas: dict[str, ModelReplica] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        # Replaced versions still finishing their work: resident until released.
+        self._retiring_replicas: set[ModelReplica] = set()
+        # Held while an on_demand replica's weights move on or off the device.
+        self._residency = asyncio.Lock()
+        # Takes idle on_demand replicas off the device; started with the first one.
+        self._evictor: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -287,11 +470,161 @@ class DeviceWorker:
                 worker=self.name,
             )
 
-    async def prepare(self, bundle: LoadedBundle, settings: BatchingSettings) -> ModelReplica:
-        """A warmed-up replica of `bundle` on this device, not yet serving."""
-        replica = ModelReplica(bundle, self, settings, self._metrics)
+    def held_bytes(self) -> int:
+        """Footprints of the versions whose weights are on the device: serving, and
+        retiring ones (an on_demand one only while it is there)."""
+        here = [*self.replicas.values(), *self._retiring_replicas]
+        return sum(r.ledger.footprint_bytes for r in here if r.ledger is not None and r.is_resident)
+
+    def load_watch(self, model: str, version: str) -> BudgetedLoad:
+        """The LoadWatch for loading `version` of `model` onto this worker now."""
+        return BudgetedLoad(self, model, version)
+
+    def refuse_over_budget(
+        self, model: str, version: str, needed: int, how: str, held: int
+    ) -> None:
+        """Raise MemoryBudgetExceeded, naming the numbers, if `needed` bytes beside
+        `held` ones would exceed the budget."""
+        budget = self.memory_budget_bytes
+        if held + needed <= budget:
+            return
+        raise MemoryBudgetExceeded(
+            f"version {version} of {model} needs {format_bytes(needed)} ({needed} bytes; "
+            f"{how}) on {self.name}, where the resident versions hold {format_bytes(held)} "
+            f"({held} bytes): {held + needed} bytes exceed the device memory budget of "
+            f"{format_bytes(budget)} ({budget} bytes, --device-memory-budget)"
+        )
+
+    async def prepare(
+        self,
+        bundle: LoadedBundle,
+        settings: BatchingSettings,
+        predicted_bytes: int = 0,
+        *,
+        residency: str = RESIDENT,
+        idle_seconds: float = 0.0,
+        shard_devices: list[torch.device] | None = None,
+    ) -> ModelReplica:
+        """A warmed-up replica of `bundle` on this device, with its ledger entry, not
+        yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
+        not fit beside the resident versions. An on_demand one then waits in host
+        memory; a sharded one has its layers split across `shard_devices` first."""
+        replica = ModelReplica(bundle, self, settings, self._metrics, residency, idle_seconds)
+        if residency == SHARDED:
+            await self.run_on_device(replica.shard, shard_devices or [self.device])
         await replica.warm_up()
+        after, peak = await replica.measure_warm_up(self._memory_warm_up)
+        texts, tokens = replica.measured_shape(self._memory_warm_up)
+        ledger = MemoryLedger(
+            source=memory_source(self.device),
+            weights_bytes=bundle.memory_bytes,
+            predicted_bytes=predicted_bytes or bundle.memory_bytes,
+            stages=bundle.stage_memory,
+            after_warm_up=after,
+            warm_up_peak_bytes=peak,
+            warm_up_batch_size=texts,
+            warm_up_tokens=tokens,
+        )
+        replica.ledger = ledger
+        self.refuse_over_budget(
+            bundle.name,
+            bundle.version,
+            ledger.footprint_bytes,
+            f"measured: warm-up peak at {texts} texts x {tokens} tokens",
+            self.held_bytes(),
+        )
+        if residency == ON_DEMAND:
+            await self.run_on_device(replica.keep_on_host)
+            await self.release_cached(CACHE_RELEASE_EVICTED)
         return replica
+
+    async def ensure_resident(self, replica: ModelReplica) -> None:
+        """Copy an on_demand replica's weights onto the device if they are not there
+        (a cold start, counted and timed), making room first by evicting idle on_demand
+        replicas, least recently used first. DeviceMemoryPressure when none can go."""
+        if replica.is_resident:
+            return
+        async with self._residency:
+            weights = replica.on_demand
+            if weights is None or weights.resident:
+                return
+            await self._make_room(replica)
+            started = time.perf_counter()
+            try:
+                await self.run_on_device(weights.restore)
+            except torch.OutOfMemoryError as exc:
+                raise DeviceMemoryPressure(
+                    f"{self.name} ran out of memory copying model {replica.name} onto it",
+                    retry_after_seconds=1.0,
+                    worker=self.name,
+                ) from exc
+            seconds = time.perf_counter() - started
+        replica.cold_start_seconds = seconds
+        self._metrics.model_cold_starts.labels(replica.name, self.name).inc()
+        self._metrics.model_cold_start_seconds.labels(replica.name).observe(seconds)
+        self._metrics.model_resident.labels(replica.name, self.name).set(1)
+        log.info(
+            "model copied onto the device",
+            extra={"model": replica.name, "worker": self.name, "seconds": round(seconds, 3)},
+        )
+
+    async def _make_room(self, replica: ModelReplica) -> None:
+        """Evict idle on_demand replicas, least recently used first, until `replica`'s
+        footprint fits the budget; the caller holds the residency lock."""
+        assert replica.ledger is not None, "a serving replica has its ledger entry"
+        needed = replica.ledger.footprint_bytes
+        while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
+            idle = [
+                other
+                for other in self.replicas.values()
+                if other.on_demand is not None and other.is_resident and not other.load
+            ]
+            if not idle:
+                raise DeviceMemoryPressure(
+                    f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
+                    f"the models on the device hold {format_bytes(held)} of the "
+                    f"{format_bytes(self.memory_budget_bytes)} budget and none is idle",
+                    retry_after_seconds=1.0,
+                    worker=self.name,
+                )
+            await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
+
+    async def _evict(self, replica: ModelReplica, reason: str) -> None:
+        """Take an idle on_demand replica's weights off the device, in the device's
+        turn; the caller holds the residency lock. A replica that got work meanwhile
+        stays."""
+        weights = replica.on_demand
+        async with self.turn():
+            if weights is None or not weights.resident or replica.load:
+                return
+            await self.execute(weights.evict)
+        self._metrics.model_evictions.labels(replica.name, self.name, reason).inc()
+        self._metrics.model_resident.labels(replica.name, self.name).set(0)
+        await self.release_cached(CACHE_RELEASE_EVICTED)
+        log.info(
+            "model taken off the device",
+            extra={"model": replica.name, "worker": self.name, "reason": reason},
+        )
+
+    async def _evict_idle(self) -> None:
+        """Forever: take on_demand replicas unused for their idle_seconds off the device."""
+        while True:
+            waiting = [r for r in self.replicas.values() if r.on_demand is not None]
+            shortest = min((r.idle_seconds for r in waiting), default=EVICTION_POLL_SECONDS * 4)
+            await asyncio.sleep(min(EVICTION_POLL_SECONDS, shortest / 4))
+            for replica in waiting:
+                if not replica.is_resident or replica.load:
+                    continue
+                if time.monotonic() - replica.last_used < replica.idle_seconds:
+                    continue
+                async with self._residency:
+                    if time.monotonic() - replica.last_used >= replica.idle_seconds:
+                        await self._evict(replica, EVICTED_IDLE)
+
+    async def release_cached(self, reason: str) -> None:
+        """Hand the device's unused cached blocks back, on the device thread (counted)."""
+        await self.run_on_device(release_cached, self.device)
+        self._metrics.cache_releases.labels(self.name, reason).inc()
 
     async def activate(self, replica: ModelReplica) -> None:
         """Make `replica` the one new requests join; the previous version retires."""
@@ -303,26 +636,39 @@ class DeviceWorker:
             bundle.name, bundle.version, self.name, bundle.precision
         ).set(1)
         self._metrics.model_load_seconds.labels(bundle.name, self.name).set(bundle.load_seconds)
+        if replica.ledger is not None:
+            self._metrics.show_ledger(bundle.name, bundle.version, self.name, replica.ledger)
+        self._metrics.model_resident.labels(bundle.name, self.name).set(int(replica.is_resident))
+        if replica.on_demand is not None and self._evictor is None:
+            self._evictor = asyncio.create_task(self._evict_idle(), name=f"evictor-{self.name}")
         if previous is not None:
+            self._retiring_replicas.add(previous)
             task = asyncio.create_task(self._retire(previous))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, replica: ModelReplica) -> None:
-        """Finish what the old version admitted (and what was on its way), then let it go."""
+        """Finish what the old version admitted (and what was on its way), let it go,
+        then release the device's cached blocks it leaves behind."""
         await replica.wait_idle()
         await replica.stop(ServerDraining("the model version was replaced"))
-        bundle = replica.bundle
-        if self.replicas.get(bundle.name) is not replica:
-            # Only drop the info series if the new version does not share its labels.
-            current = self.replicas.get(bundle.name)
-            if current is None or current.bundle.version != bundle.version:
-                self._metrics.model_info.remove(
-                    bundle.name, bundle.version, self.name, bundle.precision
-                )
+        name, version, precision = replica.name, replica.bundle.version, replica.bundle.precision
+        if self.replicas.get(name) is not replica:
+            # Only drop its series if the new version does not share their labels.
+            current = self.replicas.get(name)
+            if current is None or current.bundle.version != version:
+                self._metrics.model_info.remove(name, version, self.name, precision)
+                for kind in MODEL_MEMORY_KINDS:
+                    with contextlib.suppress(KeyError):
+                        self._metrics.model_memory.remove(name, version, self.name, kind)
+        self._retiring_replicas.discard(replica)
+        # NOTE: the last reference to the old version's tensors goes here, so that
+        # the release below finds their blocks free.
+        del replica
+        await self.release_cached(CACHE_RELEASE_RETIRED)
         log.info(
             "model version retired",
-            extra={"model": bundle.name, "version": bundle.version, "worker": self.name},
+            extra={"model": name, "version": version, "worker": self.name},
         )
 
     async def drain(self) -> None:
@@ -332,6 +678,10 @@ class DeviceWorker:
             await asyncio.gather(*self._retiring)
 
     async def close(self) -> None:
+        if self._evictor is not None:
+            self._evictor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._evictor
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()

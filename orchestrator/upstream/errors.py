@@ -2,7 +2,11 @@
 
 The orchestrator never forwards a raw upstream status: each code becomes the
 ServiceError that means the same thing one layer up, so the client sees one
-consistent set of codes and the request/trace IDs of the orchestrator.
+consistent set of codes and the request/trace IDs of the orchestrator. A
+DEADLINE_EXCEEDED whose ErrorInfo says DEADLINE_UNREACHABLE was refused before
+any work (the capability predicted it could not answer in the time left: a long
+queue, or an on-demand model's cold start), so it stays DeadlineUnreachable and
+the route's fallback may still answer in time.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from grpc_status import rpc_status
 
 from classify_common.errors import (
     DeadlineExpired,
+    DeadlineUnreachable,
     FieldViolation,
     InternalError,
     InvalidRequest,
@@ -38,7 +43,11 @@ def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
 def _unpack(status: status_pb2.Status) -> list[object]:
     unpacked: list[object] = []
     for packed in status.details:
-        for kind in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+        for kind in (
+            error_details_pb2.BadRequest,
+            error_details_pb2.RetryInfo,
+            error_details_pb2.ErrorInfo,
+        ):
             if packed.Is(kind.DESCRIPTOR):
                 message = kind()
                 packed.Unpack(message)
@@ -99,6 +108,15 @@ def _translate(
             f"backend {backend} is overloaded", retry_after_seconds=retry_after, **where
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if any(
+            isinstance(d, error_details_pb2.ErrorInfo) and d.reason == DeadlineUnreachable.reason
+            for d in details
+        ):
+            return DeadlineUnreachable(
+                f"backend {backend} cannot answer in the time left: {message}",
+                backend=backend,
+                upstream_code=code.name,
+            )
         return DeadlineExpired(f"backend {backend} did not answer in time", **where)
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFound(f"backend {backend} does not serve the requested model", **where)

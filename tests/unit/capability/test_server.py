@@ -322,7 +322,7 @@ async def test_version_whose_warm_up_scores_are_not_finite_is_refused(
     assert "non-finite" in (error.details() or "")
 
 
-async def test_metrics_scrape_reports_queue_and_model_series_and_no_cuda_series_on_cpu(
+async def test_metrics_scrape_reports_queue_model_and_process_memory_series_on_cpu(
     capability: CapabilityServer,
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
@@ -333,4 +333,8 @@ async def test_metrics_scrape_reports_queue_and_model_series_and_no_cuda_series_
         in exposition
     )
     assert 'classify_queue_depth{model="topic-minilm",worker="cpu:0"}' in exposition
-    assert "classify_device_memory_bytes{" not in exposition  # CPU workers have no device memory
+    # A CPU worker's memory is the process's; glibc reports no fragmentation.
+    for kind in ("allocated", "reserved", "peak", "total"):
+        assert f'classify_device_memory_bytes{{kind="{kind}",worker="cpu:0"}}' in exposition
+    assert "classify_device_fragmentation_bytes{" not in exposition
+    assert "classify_device_utilisation{" not in exposition

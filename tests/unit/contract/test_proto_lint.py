@@ -69,8 +69,8 @@ def test_buf_breaking_accepts_an_added_field(tmp_path: Path) -> None:
     root = copy_contract(tmp_path)
     plant(
         root,
-        "  bool fallback = 8;\n",
-        "  bool fallback = 8;\n  // A new field.\n  string note = 9;\n",
+        "  bool cached = 9;\n",
+        "  bool cached = 9;\n  // A new field.\n  string note = 10;\n",
     )
 
     result = run_make(

@@ -86,7 +86,9 @@ async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert error_reason(error) == "DEADLINE_EXPIRED"
+    # Out of time on the way, or refused up front by the capability, which predicts
+    # it cannot answer in 1 ms (kept as such, so a fallback could still answer).
+    assert error_reason(error) in ("DEADLINE_EXPIRED", "DEADLINE_UNREACHABLE")
     assert dict(error.trailing_metadata() or ())["x-request-id"]
 
 

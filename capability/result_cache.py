@@ -1,0 +1,165 @@
+"""Results the model already computed, answered again without the queue or the device.
+
+A repeated text (the same headline from many clients, a retry, a polling client)
+is looked up after tokenizing and before admission: a hit is answered on the event
+loop, never queued, batched or computed. Entries are keyed by model, serving version
+and the text as the model reads it: its token ids, after the tokenizer's own
+normalisation and the truncation to the call's `max_length`, so two texts the model
+cannot tell apart share one entry and a different `max_length` that changes the
+tokens is another. The scores are the same whichever text filled the entry; what
+the answer says about the text itself (token count, truncated) is the caller's.
+
+Bounded by entries and by (estimated) bytes, least recently used out first. Only
+the serving version's results are stored or found: when a model's version changes
+every entry of the old one is dropped, and the texts hit most often are returned
+to be computed again on the new version (the pool does, at batch priority), so a
+swap does not empty the cache of its most frequent queries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from capability.metrics import CapabilityMetrics
+from capability.model import EncodedText
+
+# Bytes an entry costs beyond its text, ids and scores: the key tuple, the entry
+# object and the OrderedDict's node (measured with sys.getsizeof, rounded up).
+ENTRY_OVERHEAD_BYTES = 400
+# Bytes per token id and per score held (a Python int or float in a tuple).
+BYTES_PER_NUMBER = 32
+
+# Defaults of --result-cache-entries, --result-cache-bytes, --result-cache-warm.
+DEFAULT_ENTRIES = 10_000
+DEFAULT_BYTES = 64 * 2**20
+DEFAULT_WARM = 100
+
+# A model's warm_texts file (--model-config): at most this many texts, each at most
+# the contract's 100,000 characters; the rest of the file is not read.
+WARM_TEXTS_LIMIT = 10_000
+WARM_TEXT_CHARS = 100_000
+
+Key = tuple[str, str, tuple[int, ...]]  # (model, version, token ids)
+
+
+@dataclass(slots=True)
+class _Entry:
+    probabilities: tuple[float, ...]
+    # The first text that filled the entry, and its max_length: what a new version
+    # computes again when the entry is among the most hit.
+    text: str
+    max_length: int | None
+    size_bytes: int
+    hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmText:
+    """A text to compute on a model's new version, to fill the cache before it is asked."""
+
+    text: str
+    max_length: int | None
+
+
+class ResultCache:
+    """An LRU of label probabilities per (model, version, token ids); see the module
+    docstring. `max_entries` 0 turns it off (every lookup misses, nothing is stored)."""
+
+    def __init__(
+        self, metrics: CapabilityMetrics, *, max_entries: int, max_bytes: int, warm: int
+    ) -> None:
+        self._metrics = metrics
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._warm = warm
+        self._entries: OrderedDict[Key, _Entry] = OrderedDict()
+        self.size_bytes = 0
+        # The version of each model whose results are stored and found.
+        self._serving: dict[str, str] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, model: str, version: str, encoded: EncodedText) -> tuple[float, ...] | None:
+        """The stored scores of this text on this version, counted as a hit or a miss."""
+        if not self.enabled:
+            return None
+        entry = self._entries.get((model, version, encoded.ids))
+        if entry is None or self._serving.get(model) != version:
+            self._metrics.result_cache_misses.labels(model).inc()
+            return None
+        self._entries.move_to_end((model, version, encoded.ids))
+        entry.hits += 1
+        self._metrics.result_cache_hits.labels(model).inc()
+        return entry.probabilities
+
+    def store(
+        self,
+        model: str,
+        version: str,
+        encoded: EncodedText,
+        text: str,
+        max_length: int | None,
+        probabilities: tuple[float, ...],
+    ) -> None:
+        """Remember the scores of a text the serving version computed; a result of a
+        version no longer serving (finished after a swap) is not kept."""
+        if not self.enabled or self._serving.get(model) != version:
+            return
+        key = (model, version, encoded.ids)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        size = (
+            ENTRY_OVERHEAD_BYTES
+            + len(text.encode("utf-8", "surrogatepass"))
+            + BYTES_PER_NUMBER * (len(encoded.ids) + len(probabilities))
+        )
+        if size > self.max_bytes:
+            return
+        self._entries[key] = _Entry(probabilities, text, max_length, size)
+        self.size_bytes += size
+        while len(self._entries) > self.max_entries or self.size_bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.size_bytes -= evicted.size_bytes
+        self._show_size()
+
+    def switch_version(self, model: str, version: str) -> list[WarmText]:
+        """`version` of `model` serves from now on: drop the old version's entries and
+        return its most hit texts (at most --result-cache-warm, most hit first) for the
+        new version to compute."""
+        self._serving[model] = version
+        dropped = [(key, entry) for key, entry in self._entries.items() if key[0] == model]
+        for key, entry in dropped:
+            del self._entries[key]
+            self.size_bytes -= entry.size_bytes
+        self._show_size()
+        # Most hit first; among equals, the most recently used.
+        recent_first = [entry for _, entry in reversed(dropped) if entry.hits]
+        hit = sorted(recent_first, key=lambda entry: -entry.hits)
+        return [WarmText(entry.text, entry.max_length) for entry in hit[: self._warm]]
+
+    def _show_size(self) -> None:
+        self._metrics.result_cache_entries.set(len(self._entries))
+        self._metrics.result_cache_bytes.set(self.size_bytes)
+
+
+def read_warm_texts(path: Path) -> list[WarmText]:
+    """The texts of a warm_texts file: one a line, blank lines skipped, at most
+    WARM_TEXTS_LIMIT of them, each cut to WARM_TEXT_CHARS (the model truncates far
+    sooner)."""
+    texts: list[WarmText] = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            text = line.strip()
+            if text:
+                texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
+            if len(texts) == WARM_TEXTS_LIMIT:
+                break
+    return texts

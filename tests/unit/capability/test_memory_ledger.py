@@ -1,0 +1,231 @@
+"""The model memory ledger over real gRPC: per version and worker, in ModelService and
+as `classify_model_memory_bytes`; the device memory budget; the release of a retired
+version's cached blocks. On the CPU the ledger reads the process's resident memory,
+through the same code a CUDA device takes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle import STAGES, MemoryBudgetExceeded
+from capability.memory import format_bytes, parse_byte_size
+from capability.metrics import (
+    DEVICE_CACHE_RELEASES_TOTAL,
+    DEVICE_MEMORY_BUDGET_BYTES,
+    DEVICE_MEMORY_BYTES,
+    MODEL_MEMORY_BYTES,
+    MODEL_MEMORY_KINDS,
+)
+from capability.server import CapabilityServer
+from capability.workers.cuda import ALLOCATOR_ENV, configure_cuda_defaults
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+from tests.status_details import error_reason, refusal
+
+BUDGET = 8 * 2**30
+
+
+async def describe(port: int, name: str) -> model_pb.ModelInfo:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        return (await stub.GetModel(model_pb.GetModelRequest(name=name))).model
+
+
+async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(
+        memory_warm_up="largest", device_memory_budget=BUDGET, cpu_workers=2
+    )
+    info = await describe(server.port, "topic-minilm")
+
+    assert [entry.worker for entry in info.memory] == ["cpu:0", "cpu:1"]
+    for entry in info.memory:
+        assert entry.source == "process_resident"
+        assert entry.weights_bytes == info.memory_bytes
+        assert entry.predicted_bytes == entry.weights_bytes  # no earlier version to learn from
+        assert [stage.stage for stage in entry.load_stages] == list(STAGES)
+        for stage in entry.load_stages:
+            assert stage.before.allocated_bytes > 0
+            assert stage.after.allocated_bytes > 0
+        # The largest batch (--max-batch-size) at the longest bucket the model reads.
+        assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (32, 256)
+        assert entry.after_warm_up.allocated_bytes > 0
+        assert entry.warm_up_peak_bytes >= entry.load_stages[0].before.allocated_bytes
+        assert entry.footprint_bytes == max(
+            entry.weights_bytes,
+            entry.warm_up_peak_bytes - entry.load_stages[0].before.allocated_bytes,
+        )
+        assert entry.budget_bytes == BUDGET
+
+
+async def test_ledger_sees_memory_grow_through_load_and_warm_up(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(memory_warm_up="largest", models=("topic-minilm",))
+    (entry,) = (await describe(server.port, "topic-minilm")).memory
+    before = entry.load_stages[0].before.allocated_bytes
+    # The weights' pages and the warm-up's activations are resident by the peak.
+    assert entry.warm_up_peak_bytes - before > 0
+    assert entry.footprint_bytes >= entry.weights_bytes > 80_000_000
+
+
+async def test_ledger_is_exported_per_model_version_worker_and_kind(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(device_memory_budget=BUDGET)
+    info = await describe(server.port, "topic-static")
+    (entry,) = info.memory
+    for kind in MODEL_MEMORY_KINDS:
+        labels = {"model": "topic-static", "version": "1", "worker": "cpu:0", "kind": kind}
+        assert any(
+            sample.labels == labels
+            for family in server.registry.collect()
+            for sample in family.samples
+            if sample.name == MODEL_MEMORY_BYTES
+        ), kind
+    labels = {"model": "topic-static", "version": "1", "worker": "cpu:0"}
+    assert metric_sum(server.registry, MODEL_MEMORY_BYTES, kind="weights", **labels) == (
+        entry.weights_bytes
+    )
+    assert metric_sum(server.registry, MODEL_MEMORY_BYTES, kind="footprint", **labels) == (
+        entry.footprint_bytes
+    )
+    assert metric_sum(server.registry, DEVICE_MEMORY_BUDGET_BYTES, worker="cpu:0") == BUDGET
+
+
+async def test_a_budget_too_small_for_the_weights_refuses_the_load_naming_the_numbers(
+    start_capability: StartCapability,
+) -> None:
+    with pytest.raises(MemoryBudgetExceeded) as refused:
+        await start_capability(device_memory_budget=2**20, models=("topic-minilm",))
+    message = str(refused.value)
+    assert "version 1 of topic-minilm needs 86.1 MiB (90267648 bytes; predicted:" in message
+    assert "on cpu:0" in message
+    assert "exceed the device memory budget of 1.0 MiB (1048576 bytes, --device-memory-budget)" in (
+        message
+    )
+
+
+async def test_retiring_a_version_releases_the_cached_blocks_once_per_worker(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    server = await start_capability(model_root=root, cpu_workers=2)
+    shutil.copytree(root / "topic-static" / "1", root / "topic-static" / "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        reloaded = await stub.ReloadModel(model_pb.ReloadModelRequest(name="topic-static"))
+        assert reloaded.model.version == "2"
+        assert [entry.worker for entry in reloaded.model.memory] == ["cpu:0", "cpu:1"]
+
+        def released(worker: str) -> float:
+            return metric_sum(
+                server.registry, DEVICE_CACHE_RELEASES_TOTAL, worker=worker, reason="retired"
+            )
+
+        await wait_until(lambda: released("cpu:0") == released("cpu:1") == 1, "both released")
+        version_1 = {"model": "topic-static", "version": "1"}
+        assert metric_sum(server.registry, MODEL_MEMORY_BYTES, **version_1) == 0  # series gone
+        classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await classify.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-static"))
+        assert answer.model.version == "2"
+
+
+async def test_a_reload_over_budget_is_refused_and_the_serving_version_stays(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    # The weights' floor is exact: 46887936 bytes. Room for one copy, not two.
+    server = await start_capability(model_root=root, device_memory_budget=70 * 2**20)
+    (entry,) = (await describe(server.port, "topic-static")).memory
+    if entry.footprint_bytes > 70 * 2**20:  # pragma: no cover - the budget must hold v1
+        pytest.fail(f"version 1 measured {entry.footprint_bytes} bytes")
+    shutil.copytree(root / "topic-static" / "1", root / "topic-static" / "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        error = await refusal(
+            stub.ReloadModel(model_pb.ReloadModelRequest(name="topic-static", version="2"))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_reason(error) == "RELOAD_REFUSED"
+        details = error.details() or ""
+        assert "version 2 of 'topic-static' refused, version 1 keeps serving" in details
+        assert f"where the resident versions hold {format_bytes(entry.footprint_bytes)}" in details
+        assert "(73400320 bytes, --device-memory-budget)" in details
+        classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await classify.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-static"))
+        assert answer.model.version == "1"
+    assert metric_sum(server.registry, DEVICE_CACHE_RELEASES_TOTAL, reason="refused") == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("1048576", 2**20),
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("64M", 64 * 2**20),
+    ],
+)
+def test_budget_sizes_read_binary_units(text: str, expected: int) -> None:
+    assert parse_byte_size(text) == expected
+
+
+async def test_each_scrape_starts_a_new_peak_window(capability: CapabilityServer) -> None:
+    def scrape() -> dict[str, float]:
+        """The cpu:0 memory series of one scrape, by kind."""
+        return {
+            sample.labels["kind"]: sample.value
+            for family in capability.registry.collect()
+            for sample in family.samples
+            if sample.name == DEVICE_MEMORY_BYTES and sample.labels["worker"] == "cpu:0"
+        }
+
+    before = scrape()["allocated"]  # and whatever came before ends with this window
+    blob = b"\x01" * (256 * 2**20)  # written, so resident
+    del blob
+    peak_with_blob = scrape()["peak"]
+    assert peak_with_blob > before + 200 * 2**20
+    # The next window never saw the blob.
+    assert scrape()["peak"] < peak_with_blob - 200 * 2**20
+
+
+async def test_start_up_logs_the_allocator_as_not_applicable_on_the_cpu(
+    start_capability: StartCapability, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="capability.server"):
+        await start_capability(models=("topic-static",))
+    (record,) = [r for r in caplog.records if r.getMessage() == "device memory"]
+    assert record.__dict__["cuda_allocator"] == "not applicable (no CUDA device)"
+    assert record.__dict__["cuda_runtime"] == "not applicable (no CUDA device)"
+
+
+@pytest.mark.parametrize(
+    ("allocator", "expected"),
+    [
+        ("expandable_segments", "expandable_segments:True"),
+        ("cudaMallocAsync", "backend:cudaMallocAsync"),
+        ("native", None),
+    ],
+)
+def test_allocator_choice_is_written_for_cuda_unless_the_operator_set_one(
+    allocator: str, expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
+    configure_cuda_defaults(allocator)
+    assert os.environ.get(ALLOCATOR_ENV) == expected
+    monkeypatch.setenv(ALLOCATOR_ENV, "backend:native")
+    configure_cuda_defaults(allocator)
+    assert os.environ[ALLOCATOR_ENV] == "backend:native"

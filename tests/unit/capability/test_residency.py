@@ -1,0 +1,274 @@
+"""On-demand residency over real gRPC, on the CPU through the code a GPU takes: the
+weights wait in host memory, the first request copies them onto the device (a cold
+start, counted and timed), an idle model leaves again and gives its memory back, a
+deadline shorter than the cold start is refused so a fallback can answer; and
+sharding is refused where it cannot run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle import BundleConfigInvalid, write_manifest
+from capability.metrics import (
+    DEVICE_CACHE_RELEASES_TOTAL,
+    DEVICE_MEMORY_BYTES,
+    MODEL_COLD_START_SECONDS,
+    MODEL_COLD_STARTS_TOTAL,
+    MODEL_EVICTIONS_TOTAL,
+    MODEL_FORWARD_TOTAL,
+    MODEL_RESIDENT,
+)
+from capability.server import CapabilityServer
+from classify_common.settings import SettingsError
+from orchestrator.metrics import MODEL_FALLBACK_TOTAL
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    StartOrchestrator,
+    capability_settings,
+    metric_sum,
+    wait_until,
+)
+from tests.status_details import refusal
+
+MODEL = "topic-static"
+ON_CPU = {"model": MODEL, "worker": "cpu:0"}
+
+
+def counted(server: CapabilityServer, name: str, **labels: str) -> float:
+    return metric_sum(server.registry, name, **{"model": MODEL, **labels})
+
+
+async def on_demand(start_capability: StartCapability, idle_seconds: float) -> CapabilityServer:
+    return await start_capability(models=(MODEL,), residency="on_demand", idle_seconds=idle_seconds)
+
+
+async def resident_now(server: CapabilityServer) -> bool:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        info = (await stub.GetModel(model_pb.GetModelRequest(name=MODEL))).model
+    assert info.residency == "on_demand"
+    (entry,) = info.memory
+    return entry.resident
+
+
+async def classify(server: CapabilityServer) -> pb.ClassifyResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        return await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+
+
+async def test_an_on_demand_model_waits_in_host_memory_until_a_request_needs_it(
+    start_capability: StartCapability,
+) -> None:
+    server = await on_demand(start_capability, idle_seconds=3600)
+    assert not await resident_now(server)
+    assert counted(server, MODEL_RESIDENT, worker="cpu:0") == 0
+
+    first = await classify(server)
+    assert first.labels[0].name == "sports"
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 1
+    assert counted(server, MODEL_COLD_START_SECONDS + "_count") == 1
+    assert counted(server, MODEL_COLD_START_SECONDS + "_sum") > 0
+    assert await resident_now(server)
+    assert counted(server, MODEL_RESIDENT, worker="cpu:0") == 1
+
+    second = await classify(server)
+    assert list(second.labels) == list(first.labels)
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 1
+
+
+async def test_an_idle_on_demand_model_leaves_the_device_and_a_request_brings_it_back(
+    start_capability: StartCapability,
+) -> None:
+    server = await on_demand(start_capability, idle_seconds=0.3)
+
+    def allocated() -> float:
+        return metric_sum(server.registry, DEVICE_MEMORY_BYTES, worker="cpu:0", kind="allocated")
+
+    def evicted() -> float:
+        return counted(server, MODEL_EVICTIONS_TOTAL, reason="idle", **ON_CPU)
+
+    before = allocated()
+    first = await classify(server)
+    on_device = allocated()
+    await wait_until(lambda: evicted() == 1, "evicted when idle")
+    assert not await resident_now(server)
+    assert counted(server, MODEL_RESIDENT, worker="cpu:0") == 0
+    released = metric_sum(server.registry, DEVICE_CACHE_RELEASES_TOTAL, reason="evicted")
+    assert released == 2  # after the load, and after this eviction
+    # The device copy (the weights, 46.9 MB) is gone again: back near the level before.
+    weights = 46_887_936
+    assert on_device - before > 0.8 * weights
+    assert allocated() < on_device - 0.8 * weights
+
+    forwards = counted(server, MODEL_FORWARD_TOTAL)
+    again = await classify(server)
+    assert list(again.labels) == list(first.labels)
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 2
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 1
+
+
+async def test_a_deadline_shorter_than_the_cold_start_is_refused_before_loading(
+    start_capability: StartCapability,
+) -> None:
+    server = await on_demand(start_capability, idle_seconds=3600)
+    # Predicted from the load: reading the weights and tracing the graph (tens of ms
+    # or more), while computing one text takes a few ms.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        item = pb.ClassifyRequest(text=STRIKER, model=MODEL)
+        context = pb.ItemContext(timeout=duration_pb2.Duration(nanos=2_000_000))
+        batch = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=[item], item_contexts=[context])
+        )
+        error = batch.results[0].error
+        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert "is not on cpu:0: copying it there and computing takes about" in error.message
+        # (Its refusal may come from the transport already: only the code is certain.)
+        unary = await refusal(stub.Classify(item, timeout=0.002))
+        assert unary.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 0
+    assert not await resident_now(server)
+
+
+def test_sharding_on_one_device_is_refused_naming_the_flag(model_root: Path) -> None:
+    with pytest.raises(SettingsError) as refused:
+        CapabilityServer(
+            capability_settings(model_root, residency="sharded", cpu_workers=1),
+            registry=CollectorRegistry(),
+        )
+    assert str(refused.value) == (
+        "--residency / CAPABILITY_RESIDENCY: sharded splits a model's layers across devices "
+        "and needs at least 2; this server has 1 (cpu:0). Use resident or on_demand, or "
+        "give --device cuda:0,cuda:1"
+    )
+
+
+async def test_a_sharded_model_scores_as_the_resident_one(
+    start_capability: StartCapability, capability: CapabilityServer
+) -> None:
+    # Two CPU workers stand in for two GPUs: the same moves between devices run.
+    sharded = await start_capability(models=("topic-minilm",), residency="sharded", cpu_workers=2)
+    first, second = sharded.pool.workers
+    replica = first.replicas["topic-minilm"]
+    assert [(str(device), list(run)) for device, run in replica.shards] == [
+        ("cpu", [0, 1, 2]),
+        ("cpu", [3, 4, 5]),
+    ]
+    assert "topic-minilm" not in second.replicas  # served by the first worker only
+    texts = [STRIKER, "Shares fell after the bank cut its forecast", "A new telescope image"]
+    items = [pb.ClassifyRequest(text=text) for text in texts]
+    answers = {}
+    for server in (sharded, capability):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            batch = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))
+            answers[server.port] = [
+                {label.name: label.score for label in result.response.labels}
+                for result in batch.results
+            ]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            info = (await models.GetModel(model_pb.GetModelRequest(name="topic-minilm"))).model
+        if server is sharded:
+            assert info.residency == "sharded"
+            assert list(info.devices) == ["cpu:0", "cpu:1"]
+    for got, want in zip(answers[sharded.port], answers[capability.port], strict=True):
+        assert got.keys() == want.keys()
+        for label, score in want.items():
+            assert got[label] == pytest.approx(score, abs=1e-5)
+
+
+async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recently_used(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    names = [f"static-{index}" for index in range(6)]
+    for name in names:
+        bundle = tmp_path / "models" / name / "1"
+        shutil.copytree(model_root / MODEL / "1", bundle)
+        config = json.loads((bundle / "config.json").read_text())
+        (bundle / "config.json").write_text(json.dumps({**config, "name": name}))
+        write_manifest(bundle)
+    weights = 46_887_936
+    server = await start_capability(
+        model_root=tmp_path / "models",
+        default_model=names[0],
+        residency="on_demand",
+        idle_seconds=3600,
+        device_memory_budget=int(2.5 * weights),
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for _ in range(2):
+            for name in names:
+                answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=name))
+                assert (answer.model.name, answer.labels[0].name) == (name, "sports")
+
+    def total(metric: str, **labels: str) -> float:
+        return metric_sum(server.registry, metric, **labels)
+
+    # Round-robin over more models than fit: each request finds its model evicted.
+    assert total(MODEL_COLD_STARTS_TOTAL) == 12
+    assert total(MODEL_EVICTIONS_TOTAL, reason="budget") >= 10
+    assert total(MODEL_RESIDENT) <= 2
+    worker = server.pool.workers[0]
+    assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_a_primary_that_cannot_wait_for_its_cold_start_falls_back(
+    start_capability: StartCapability,
+    capability: CapabilityServer,
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    cold = await start_capability(
+        models=("topic-minilm",), residency="on_demand", idle_seconds=3600
+    )
+    # The primary's 50 ms are less than the minilm's predicted cold start (its
+    # weights copied, six layers traced: its load's own stages); the capability
+    # refuses before any work, and the static fallback answers in the call's time.
+    front = await orchestrator_with(
+        f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{cold.port}"]
+    timeout: 50ms
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+"""
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+    assert answer.fallback
+    assert (answer.model.name, answer.labels[0].name) == ("topic-static", "sports")
+    fell_back = metric_sum(
+        front.registry, MODEL_FALLBACK_TOTAL, reason="DEADLINE_UNREACHABLE", route="default"
+    )
+    assert fell_back == 1
+    assert metric_sum(cold.registry, MODEL_COLD_STARTS_TOTAL) == 0
+
+
+async def test_a_model_without_layers_is_not_sharded(start_capability: StartCapability) -> None:
+    with pytest.raises(BundleConfigInvalid) as refused:
+        await start_capability(models=(MODEL,), residency="sharded", cpu_workers=2)
+    assert str(refused.value) == (
+        "config.json: a static-embedding model has no layers to shard (residency: sharded); "
+        "use resident or on_demand"
+    )

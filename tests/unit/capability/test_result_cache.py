@@ -1,0 +1,179 @@
+"""The result cache over real gRPC: a repeated text is answered without a forward, a
+version swap never serves the old version's result and refills the cache with the
+most hit texts, and the bounds hold."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.config import CapabilitySettings
+from capability.metrics import (
+    MODEL_FORWARD_TOTAL,
+    RESULT_CACHE_HIT_FLOOR,
+    RESULT_CACHE_HITS_TOTAL,
+    RESULT_CACHE_MISSES_TOTAL,
+    RESULT_CACHE_WARMED_TOTAL,
+    CapabilityMetrics,
+)
+from capability.model import EncodedText
+from capability.result_cache import ENTRY_OVERHEAD_BYTES, ResultCache
+from capability.server import CapabilityServer
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+
+MODEL = "topic-static"
+OTHER = "Shares fell sharply after the bank reported lower quarterly profits"
+
+
+def counted(server: CapabilityServer, name: str) -> float:
+    return metric_sum(server.registry, name, model=MODEL)
+
+
+async def cached_server(start_capability: StartCapability, **settings: object) -> CapabilityServer:
+    return await start_capability(models=(MODEL,), result_cache_entries=1000, **settings)
+
+
+async def test_the_same_text_twice_is_computed_once(start_capability: StartCapability) -> None:
+    server = await cached_server(start_capability)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        first = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 1
+        second = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL, top_k=2))
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 1
+    assert list(second.labels) == list(first.labels)[:2]
+    assert second.model == first.model
+    assert second.request_id != first.request_id
+    assert counted(server, RESULT_CACHE_MISSES_TOTAL) == 1
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+
+
+async def test_batch_items_already_cached_never_reach_the_device(
+    start_capability: StartCapability,
+) -> None:
+    server = await cached_server(start_capability)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        alone = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        items = [
+            pb.ClassifyRequest(text=STRIKER, model=MODEL),
+            pb.ClassifyRequest(text=OTHER, model=MODEL),
+            pb.ClassifyRequest(text=STRIKER, model=MODEL),
+        ]
+        batch = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))
+    # One forward, for the one text not cached.
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 1
+    assert [r.response.labels[0].name for r in batch.results] == ["sports", "business", "sports"]
+    assert list(batch.results[0].response.labels) == list(alone.labels)
+    assert list(batch.results[2].response.labels) == list(alone.labels)
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 2
+
+
+async def test_a_swap_never_serves_the_old_versions_result_and_refills_the_most_hit(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / MODEL / "1", root / MODEL / "1")
+    server = await cached_server(start_capability, model_root=root)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for text in (STRIKER, STRIKER, OTHER):  # STRIKER is hit once, OTHER never
+            await stub.Classify(pb.ClassifyRequest(text=text, model=MODEL))
+
+        shutil.copytree(root / MODEL / "1", root / MODEL / "2")
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        await models.ReloadModel(model_pb.ReloadModelRequest(name=MODEL, version="2"))
+        await wait_until(lambda: counted(server, RESULT_CACHE_WARMED_TOTAL) == 1, "refilled")
+
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        refilled = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        assert refilled.model.version == "2"
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards  # computed by the refill
+        dropped = await stub.Classify(pb.ClassifyRequest(text=OTHER, model=MODEL))
+        assert dropped.model.version == "2"
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 1
+
+
+async def test_no_cache_computes_every_text(start_capability: StartCapability) -> None:
+    server = await start_capability(models=(MODEL,), result_cache_entries=0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        for _ in range(2):
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 0
+
+
+def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None:
+    def text(n: int) -> EncodedText:
+        return EncodedText(ids=(101, n, 102), truncated=False)
+
+    entry_bytes = ENTRY_OVERHEAD_BYTES + 1 + 32 * (3 + 2)
+    cache = ResultCache(
+        CapabilityMetrics(CollectorRegistry()), max_entries=100, max_bytes=2 * entry_bytes, warm=0
+    )
+    cache.switch_version(MODEL, "1")
+    for n in (1, 2):
+        cache.store(MODEL, "1", text(n), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, "1", text(1)) == (0.5, 0.5)  # 1 is now the most recent
+    cache.store(MODEL, "1", text(3), "x", None, (0.5, 0.5))
+    assert len(cache) == 2
+    assert cache.size_bytes == 2 * entry_bytes
+    assert cache.lookup(MODEL, "1", text(2)) is None
+    assert cache.lookup(MODEL, "1", text(1)) is not None
+    # A version not serving is neither stored nor found.
+    cache.store(MODEL, "0", text(4), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, "0", text(4)) is None
+
+
+async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_from(
+    start_capability: StartCapability,
+) -> None:
+    server = await cached_server(start_capability)
+    bypass = pb.CACHE_POLICY_BYPASS
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        computed = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        cached = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        bypassed = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL, cache=bypass))
+        items = [pb.ClassifyRequest(text=STRIKER, model=MODEL, cache=bypass)]
+        batch = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
+    assert [computed.cached, cached.cached, bypassed.cached] == [False, True, False]
+    assert not batch.results[0].response.cached
+    # Neither looked up nor counted.
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
+    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+
+
+async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    (tmp_path / "hot.txt").write_text(f"{STRIKER}\n\n{OTHER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n  cache_hit_floor: 0.9\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    assert per_model[MODEL].warm_texts == tmp_path / "hot.txt"
+    server = await cached_server(start_capability, per_model=per_model)
+    await wait_until(lambda: counted(server, RESULT_CACHE_WARMED_TOTAL) == 2, "warmed")
+    assert counted(server, RESULT_CACHE_HIT_FLOOR) == 0.9
+    forwards = counted(server, MODEL_FORWARD_TOTAL)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answers = [
+            await stub.Classify(pb.ClassifyRequest(text=text, model=MODEL))
+            for text in (STRIKER, OTHER)
+        ]
+    assert [a.cached for a in answers] == [True, True]
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards
