@@ -228,7 +228,11 @@ async def test_interactive_requests_are_served_before_queued_batch_requests(
                 tasks.append(asyncio.ensure_future(call(stub, name, priority)))
                 await wait_until(partial(queue_has, replica, queued))
         await asyncio.gather(*tasks)
-    assert finished == ["live0", "live1", "live2", "batch0", "batch1", "batch2"]
+    # Within a priority the order may be either way: a queue standing longer than the
+    # adaptive-LIFO threshold (easily reached on a loaded machine while six calls
+    # queue) serves newest first; across priorities it never changes.
+    assert set(finished[:3]) == {"live0", "live1", "live2"}
+    assert set(finished[3:]) == {"batch0", "batch1", "batch2"}
 
 
 async def test_batched_results_equal_unbatched_results(start_capability: StartCapability) -> None:
