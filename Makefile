@@ -37,6 +37,8 @@ PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
 DEPLOY_DIR ?= deploy
 K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
+# Debian's Redis, unpacked without root, for the tests of shared state (tools/redis_server.py).
+REDIS_SERVER := build/tools/redis/redis-server
 
 .PHONY: help setup ssh-keygen run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
@@ -140,8 +142,11 @@ ruff: $(VENV_STAMP)
 mypy: $(VENV_STAMP) $(STUB_STAMP)
 	$(VENV)/bin/mypy $(PYTHON_SOURCES)
 
-pytest: setup
+pytest: setup $(REDIS_SERVER)
 	$(PY) -m pytest
+
+$(REDIS_SERVER): | $(VENV_STAMP)
+	$(PY) -m tools.redis_server install $(@D)
 
 lock: $(VENV_STAMP)
 	mkdir -p build

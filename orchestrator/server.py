@@ -11,17 +11,17 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
-from classify_common.settings import read_secret
+from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
 from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
+from orchestrator.state import StateMetrics, open_shared_state
 from orchestrator.upstream import UpstreamPools
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,20 @@ class OrchestratorServer:
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
         self._internal_token = read_secret(settings.internal_token_file)
+        self.state = open_shared_state(
+            settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
+        )
         self.dispatcher = Dispatcher(
             self._routing_state(load_routes(settings.routes_file)),
             self.metrics,
-            ResultStore(settings.results_capacity, settings.results_ttl_seconds),
+            self.state.results,
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
         )
         self.serving = GrpcServing.contract_server(
-            settings, self.registry, gate=CallerGate(keys, self.metrics), edge=True
+            settings,
+            self.registry,
+            gate=CallerGate(keys, self.metrics, self.state.limits),
+            edge=True,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
@@ -94,10 +100,20 @@ class OrchestratorServer:
         self.metrics.routes_reloads.labels("failed").inc()
 
     @property
+    def _state_host(self) -> str:
+        """--state-url without its password, for logs."""
+        url = self.settings.state_url or ""
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}"
+
+    @property
     def port(self) -> int:
         return self.serving.port
 
     async def start(self) -> None:
+        if self.state.redis is not None and not await self.state.redis.ping():
+            # Serving anyway: calls are answered without it (docs/deploy.md#shared-state-redis).
+            log.warning("shared state store unreachable at start", extra={"url": self._state_host})
         await self.serving.start()
         await self.serving.set_serving(True)
         if self.settings.routes_poll_seconds > 0:
@@ -118,6 +134,7 @@ class OrchestratorServer:
             self._watcher = None
         await self.serving.stop(grace)
         await self.dispatcher.close()
+        await self.state.close()
 
 
 async def serve(settings: OrchestratorSettings) -> None:
@@ -137,7 +154,7 @@ async def serve(settings: OrchestratorSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = OrchestratorSettings.from_args(argv)
-    start_errors = (RoutesFileError, KeysFileError, OSError)
+    start_errors = (RoutesFileError, KeysFileError, SettingsError, OSError)
     run_server(
         "orchestrator", settings, lambda: serve(settings), start_errors=start_errors, log=log
     )
