@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
@@ -23,6 +28,7 @@ from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.state import StateMetrics, open_shared_state
 from orchestrator.upstream import UpstreamPools
+from orchestrator.workers import WorkerStartFailed, supervise
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +158,37 @@ async def serve(settings: OrchestratorSettings) -> None:
     await serve_until_signal(server, start, log)
 
 
+async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+    """One of several processes on the port (orchestrator.workers): its /metrics on a
+    loopback port of its own, which it sends the supervisor once serving."""
+    server = OrchestratorServer(settings)
+
+    async def start() -> dict[str, object]:
+        await server.start()
+        metrics = MetricsEndpoint(server.registry, "127.0.0.1", 0)
+        ready.send({"pid": os.getpid(), "metrics_port": metrics.port})
+        ready.close()
+        return {"worker": index, "pid": os.getpid(), "port": server.port}
+
+    await serve_until_signal(server, start, log, event="worker serving")
+
+
+START_ERRORS = (RoutesFileError, KeysFileError, SettingsError, WorkerStartFailed, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = OrchestratorSettings.from_args(argv)
-    start_errors = (RoutesFileError, KeysFileError, SettingsError, OSError)
-    run_server(
-        "orchestrator", settings, lambda: serve(settings), start_errors=start_errors, log=log
-    )
+    try:
+        settings = OrchestratorSettings.from_args(argv)
+    except SettingsError as exc:  # one line naming flag and variable, not a traceback
+        print(f"{OrchestratorSettings.PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if settings.processes > 1:
+        run = functools.partial(supervise, settings)
+    else:
+        run = functools.partial(serve, settings)
+    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)
+
+
+def main_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+    run = functools.partial(serve_worker, settings, index, ready)
+    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)
