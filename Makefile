@@ -165,11 +165,14 @@ bench-models: setup
 bench-capability: setup bundles
 	$(PY) bench/capability_server.py
 
+# ORCHESTRATOR_PROCESSES=2: the orchestrator as two processes sharing a Redis.
+ORCHESTRATOR_PROCESSES ?= 1
+
 bench-front-door: setup bundles
-	$(PY) bench/front_door.py
+	$(PY) bench/front_door.py --orchestrator-processes $(ORCHESTRATOR_PROCESSES)
 
 bench-overload: setup bundles
-	$(PY) bench/overload.py
+	$(PY) bench/overload.py --orchestrator-processes $(ORCHESTRATOR_PROCESSES)
 
 gpu-check: setup bundles
 	$(PY) bench/gpu_check.py
