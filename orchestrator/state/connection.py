@@ -115,7 +115,7 @@ class RedisState:
             options["ssl_ca_certs"] = str(settings.state_ca_file)
         pool = BlockingConnectionPool.from_url(settings.state_url, **options)
         return cls(
-            Redis(connection_pool=pool),
+            Redis.from_pool(pool),  # the client owns the pool: closing it closes both
             metrics,
             timeout_seconds=timeout,
             retry_seconds=settings.state_retry_seconds,
