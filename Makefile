@@ -9,11 +9,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP_VERSION := 26.3
-BUF := tools/buf/node_modules/.bin/buf
+# The buf CLI comes from the buf-bin wheel on PyPI, pinned (with its hash) in dev.lock.
+BUF := $(VENV)/bin/buf
 
 VENV_STAMP := $(VENV)/.installed-dev-lock
 STUB_STAMP := classify_common/gen/.stamp
+CLIENT_DIR := clients/python
+DIST_DIR := build/dist
 MODEL_ROOT := build/models
 BUNDLE_STAMP := $(MODEL_ROOT)/.built
 DEV_SIGNING_KEY := .run/bundle-signing-key
@@ -30,7 +32,7 @@ IMAGE_DIR ?= build/proto
 # against the last release (see CHANGELOG.md). `main` only where no tag is seen.
 BUF_AGAINST ?= $(shell git describe --tags --abbrev=0 --match 'v*' 2>/dev/null || echo main)
 
-PYTHON_SOURCES := capability orchestrator classify_common tests tools bench
+PYTHON_SOURCES := capability orchestrator classify_common clients/python tests tools bench
 
 # `make lint-deploy` reads these, so a test can point it at a copy of deploy/
 # with a planted fault. K8S_VERSION: the Kubernetes schemas to validate against.
@@ -40,23 +42,25 @@ PROMTOOL := build/tools/promtool
 # Debian's Redis, unpacked without root, for the tests of shared state (tools/redis_server.py).
 REDIS_SERVER := build/tools/redis/redis-server
 
-.PHONY: help setup ssh-keygen run test lint proto bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+.PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+	check-deps \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
 	@echo "make test   set up, then lint and run the whole test suite"
-	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, lint-deploy"
+	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, check-deps, lint-deploy"
 	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
-	@echo "make proto  regenerate Python stubs from proto/"
+	@echo "make proto  regenerate Python stubs from proto/ (the services' and the client package's)"
+	@echo "make dist   build the classify-client wheel into $(DIST_DIR)"
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
 	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
 	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
-	@echo "make lock   re-resolve requirements/*.in into requirements/*.lock"
+	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock"
 
-setup: $(VENV_STAMP) $(STUB_STAMP) $(BUF) ssh-keygen
+setup: $(VENV_STAMP) $(STUB_STAMP) ssh-keygen
 
 # Signed bundles are made and checked with OpenSSH's ssh-keygen (Debian's
 # openssh-client, which git usually brings along); installed where it is missing.
@@ -65,18 +69,35 @@ ssh-keygen:
 		echo "ssh-keygen not found: installing Debian's openssh-client"; \
 		apt-get -qq update && apt-get -qq install -y --no-install-recommends openssh-client; }
 
-$(VENV_STAMP): requirements/dev.lock
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check pip==$(PIP_VERSION)
-	# The lock is complete, so nothing is resolved at install time.
-	$(PY) -m pip install --quiet --no-deps -r requirements/dev.lock
+# A new lock makes a new virtualenv (--clear), so it holds exactly what the locks name.
+# Every file is checked against the lock's sha256 (--require-hashes); the locks are
+# complete, so nothing is resolved at install time (--no-deps). torch is installed in a
+# step of its own, from torch-cpu.lock (docs/development.md#torch says why).
+$(VENV_STAMP): requirements/pip.lock requirements/dev.lock requirements/torch-cpu.lock
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+		-r requirements/pip.lock
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/dev.lock
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements/torch-cpu.lock
 	touch $@
 
+# The services' stubs, and the client package's own copy under classify_client.gen;
+# the .pth puts both classify_common/gen and $(CLIENT_DIR)/src on the virtualenv's path.
 $(STUB_STAMP): $(VENV_STAMP) $(PROTO_FILES) tools/protoc.py
 	$(PY) tools/protoc.py stubs
+	$(PY) tools/protoc.py client-stubs
 	touch $@
 
 proto: $(STUB_STAMP)
+
+# The classify-client wheel (docs/client.md), its stubs generated from proto/ by its
+# build hook. Built with the virtualenv's pinned setuptools and grpcio-tools, so the
+# stubs it carries are the ones the services and tests use.
+dist: $(STUB_STAMP)
+	rm -rf $(DIST_DIR) $(CLIENT_DIR)/build
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(DIST_DIR) $(CLIENT_DIR)
+	rm -rf $(CLIENT_DIR)/build $(CLIENT_DIR)/src/*.egg-info
+	@ls $(DIST_DIR)/*.whl
 
 # A development key that signs the bundles `make bundles` builds, made once and kept
 # in .run/ (git-ignored) beside the API key; `make run` trusts it (docs/models.md).
@@ -98,29 +119,32 @@ $(BUNDLE_STAMP): $(STUB_STAMP) $(MODEL_SOURCES) $(DEV_SIGNERS)
 
 bundles: $(BUNDLE_STAMP)
 
-$(BUF): tools/buf/package.json tools/buf/package-lock.json
-	cd tools/buf && npm ci --no-audit --no-fund --loglevel=error
-	touch $@
-
 run: setup bundles
 	$(PY) tools/run_stack.py
 
 test: setup lint pytest
 
-lint: buf-lint buf-breaking ruff mypy check-routes lint-deploy
+lint: buf-lint buf-breaking ruff mypy check-deps check-routes lint-deploy
 
-buf-lint: $(BUF) $(VENV_STAMP)
+buf-lint: $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
 	$(BUF) lint $(IMAGE_DIR)/current.binpb --config buf.yaml --path ai
 	@echo "buf lint: ok"
 
-buf-breaking: $(BUF) $(VENV_STAMP)
+buf-breaking: $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
 	@rc=0; $(PY) tools/protoc.py image --against $(BUF_AGAINST) --out $(IMAGE_DIR)/against.binpb || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "buf breaking: no contract at $(BUF_AGAINST) to compare against; skipped"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(BUF) breaking $(IMAGE_DIR)/current.binpb --against $(IMAGE_DIR)/against.binpb --config buf.yaml --path ai; \
 	echo "buf breaking against $(BUF_AGAINST): ok"
+
+# Every import declared in requirements/*.in, each image's .in no wider than its code's
+# imports (tools/check_imports.py), and every lock up to date with its .in files.
+check-deps: $(VENV_STAMP) $(STUB_STAMP)
+	$(PY) tools/check_imports.py
+	$(PY) tools/lock.py --check
+	@echo "locks: up to date with requirements/*.in"
 
 check-routes: $(STUB_STAMP)
 	$(PY) -m orchestrator.routing check routes.yaml
@@ -148,13 +172,9 @@ pytest: setup $(REDIS_SERVER)
 $(REDIS_SERVER): | $(VENV_STAMP)
 	$(PY) -m tools.redis_server install $(@D)
 
+# Every lock, from every .in, in one run (tools/lock.py): needs PyPI.
 lock: $(VENV_STAMP)
-	mkdir -p build
-	for name in runtime dev; do \
-	  $(PY) -m pip install --quiet --dry-run --ignore-installed \
-	    --report build/$$name-report.json -r requirements/$$name.in; \
-	  $(PY) tools/lock.py build/$$name-report.json requirements/$$name.in > requirements/$$name.lock; \
-	done
+	$(PY) tools/lock.py
 
 # Under 10 minutes in all on the 2-core development machine.
 bench: bench-models bench-capability bench-front-door bench-overload
@@ -178,4 +198,4 @@ gpu-check: setup bundles
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build classify_common/gen tools/buf/node_modules .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build classify_common/gen .mypy_cache .ruff_cache .pytest_cache

@@ -27,17 +27,19 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from capability.metrics import CLASSIFY_BATCH_METHOD
 from classify_common.errors import InvalidRequest, ServiceError, grpc_code_for
 from classify_common.nodes import (
     CAPABILITY_RECEIVE,
     CLASSIFY_BATCH_INDEX,
+    CLASSIFY_BATCH_METHOD_NAME,
+    CLASSIFY_METHOD_NAME,
     CLASSIFY_REQUEST_ID,
     CLASSIFY_VIOLATION_FIELDS,
     CLASSIFY_VIOLATIONS,
-    RPC_GRPC_STATUS_CODE,
     RPC_METHOD,
-    RPC_SYSTEM,
+    RPC_RESPONSE_STATUS_CODE,
+    RPC_SYSTEM_GRPC,
+    RPC_SYSTEM_NAME,
     RequestTrace,
     emit_node,
     mark_error,
@@ -46,7 +48,7 @@ from classify_common.tracing import extract_context, get_tracer, spans_are_expor
 
 # An item's server span has the name a Classify call's server span has, so an
 # operator reads one request's trace the same way whether it was merged or not.
-ITEM_SPAN_NAME = "ai.classify.v1.ClassifyService/Classify"
+ITEM_SPAN_NAME = CLASSIFY_METHOD_NAME
 TRACEPARENT = "traceparent"
 
 
@@ -92,8 +94,8 @@ def start_item_trace(
             context=call_trace.parent_context if parent is None else parent,
             kind=SpanKind.SERVER,
             attributes={
-                RPC_SYSTEM: "grpc",
-                RPC_METHOD: CLASSIFY_BATCH_METHOD,
+                RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC,
+                RPC_METHOD: CLASSIFY_BATCH_METHOD_NAME,
                 CLASSIFY_REQUEST_ID: request_id,
                 CLASSIFY_BATCH_INDEX: index,
             },
@@ -107,7 +109,7 @@ def start_item_trace(
     item_trace = RequestTrace(span, call_trace.observe_node)
     attributes: dict[str, AttributeValue] | None = None
     if item_trace.makes_spans:
-        attributes = {RPC_METHOD: CLASSIFY_BATCH_METHOD, CLASSIFY_BATCH_INDEX: index}
+        attributes = {RPC_METHOD: CLASSIFY_BATCH_METHOD_NAME, CLASSIFY_BATCH_INDEX: index}
         if isinstance(refusal, InvalidRequest):
             attributes[CLASSIFY_VIOLATIONS] = len(refusal.violations)
             attributes[CLASSIFY_VIOLATION_FIELDS] = [v.field for v in refusal.violations]
@@ -130,7 +132,7 @@ def end_item_trace(item_trace: RequestTrace | None, error: ServiceError | None) 
     code = grpc.StatusCode.OK if error is None else grpc_code_for(error)
     if error is not None:
         mark_error(span, error)
-    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+    span.set_attribute(RPC_RESPONSE_STATUS_CODE, code.name)
     span.end()
 
 
@@ -139,5 +141,5 @@ def abandon_item_trace(item_trace: RequestTrace | None) -> None:
     (the caller went away)."""
     if item_trace is None or not item_trace.makes_spans:
         return
-    item_trace.server_span.set_attribute(RPC_GRPC_STATUS_CODE, grpc.StatusCode.CANCELLED.value[0])
+    item_trace.server_span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.CANCELLED.name)
     item_trace.server_span.end()

@@ -59,17 +59,19 @@ from classify_common.nodes import (
     CLASSIFY_REQUEST_BYTES,
     CLASSIFY_REQUEST_ID,
     CLASSIFY_RESPONSE_BYTES,
-    NET_PEER_ADDRESS,
+    ERROR_TYPE,
     OUTPUT_SERIALIZE,
     RESPONSE_SEND,
-    RPC_GRPC_STATUS_CODE,
     RPC_METHOD,
-    RPC_SYSTEM,
+    RPC_RESPONSE_STATUS_CODE,
+    RPC_SYSTEM_GRPC,
+    RPC_SYSTEM_NAME,
     TIMEOUT_ATTRIBUTE,
     USER_AGENT_ORIGINAL,
     RequestTrace,
     bind_trace,
     node,
+    peer_attributes,
 )
 from classify_common.tracing import format_trace_id, get_tracer, start_server_span
 
@@ -158,7 +160,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         serialize: Callable[[Any], bytes],
     ) -> RawBehavior:
         span_name = method.lstrip("/")
-        span_attributes = {RPC_SYSTEM: "grpc", RPC_METHOD: method}
+        span_attributes = {RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC, RPC_METHOD: span_name}
         # Chosen once per method, so a call asks nothing about its server or method.
         admission = self._admission_for(method)
         admit, times_output = admission.admit, admission.times_output
@@ -241,17 +243,17 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             if times_send and request_trace.makes_spans
             else None
         )
-        code_value = code.value[0]
+        code_name = code.name
 
         def finish(_: grpc.aio.ServicerContext[Any, Any]) -> None:
             if times_send:
                 request_trace.record(RESPONSE_SEND, time.perf_counter() - send_started)
             if send_span is not None:
-                send_span.set_attribute(RPC_GRPC_STATUS_CODE, code_value)
+                send_span.set_attribute(RPC_RESPONSE_STATUS_CODE, code_name)
                 if request_trace.timed_out:
                     send_span.set_attribute(TIMEOUT_ATTRIBUTE, True)
                 send_span.end()
-            server_span.set_attribute(RPC_GRPC_STATUS_CODE, code_value)
+            server_span.set_attribute(RPC_RESPONSE_STATUS_CODE, code_name)
             server_span.end()
 
         # The stubs declare the callback as a nominal class no function can be.
@@ -292,6 +294,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         # A refused call is the caller's fault: no error status (as the conventions say).
         if code in SERVER_FAULT_CODES:
             span.set_status(Status(StatusCode.ERROR, error.message))
+            span.set_attribute(ERROR_TYPE, code.name)
         span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
         request_trace.log_fields.update(reason=error.reason, error=error.message)
         await context.abort(
@@ -313,8 +316,8 @@ def _receive(
     """The parsed request, inside the receive node; admitted there on an internal server."""
     attributes: dict[str, AttributeValue] | None = (
         {
-            RPC_METHOD: method,
-            NET_PEER_ADDRESS: context.peer(),
+            RPC_METHOD: method.lstrip("/"),
+            **peer_attributes(context.peer()),
             USER_AGENT_ORIGINAL: headers.get("user-agent", ""),
             CLASSIFY_REQUEST_BYTES: len(raw),
         }

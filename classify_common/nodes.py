@@ -2,8 +2,10 @@
 
 A request's trace is the same shape every time, so an operator reads a slow
 one at a glance. Each node is a child span of the request's server span in the
-process that runs it; `upstream_call` is the client span the capability
-server's spans hang under, which joins both processes into one trace. Nodes
+process that runs it. Under each `upstream_call` node is the attempt's client
+span, named after the method it calls as OpenTelemetry's RPC conventions name
+client spans; the capability server's spans hang under it, which joins both
+processes into one trace. Nodes
 6-15 repeat per attempt (a retry or a fallback is a new attempt); the others
 occur once per request. Every node's duration also lands in the
 `classify_node_duration_seconds{lifecycle_node}` histogram, sampled or not.
@@ -18,24 +20,53 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import grpc
 from opentelemetry import trace
+
+# Re-exported (`as`): emit sites import every key from here.
+from opentelemetry.semconv._incubating.attributes.rpc_attributes import (
+    RPC_METHOD as RPC_METHOD,
+)
+from opentelemetry.semconv._incubating.attributes.rpc_attributes import (
+    RPC_RESPONSE_STATUS_CODE as RPC_RESPONSE_STATUS_CODE,
+)
+from opentelemetry.semconv._incubating.attributes.rpc_attributes import (
+    RPC_SYSTEM_NAME as RPC_SYSTEM_NAME,
+)
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE as ERROR_TYPE
+from opentelemetry.semconv.attributes.network_attributes import (
+    NETWORK_PEER_ADDRESS as NETWORK_PEER_ADDRESS,
+)
+from opentelemetry.semconv.attributes.network_attributes import (
+    NETWORK_PEER_PORT as NETWORK_PEER_PORT,
+)
+from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS as SERVER_ADDRESS
+from opentelemetry.semconv.attributes.server_attributes import SERVER_PORT as SERVER_PORT
+from opentelemetry.semconv.attributes.user_agent_attributes import (
+    USER_AGENT_ORIGINAL as USER_AGENT_ORIGINAL,
+)
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from classify_common.errors import SERVER_FAULT_CODES, ServiceError, grpc_code_for
 from classify_common.tracing import get_tracer, spans_are_exported
 
-# Span attribute keys, OpenTelemetry's semantic conventions where one exists. Each
-# node's row in NODES lists the keys it emits (tests/unit/test_node_attributes.py checks).
-RPC_SYSTEM = "rpc.system"
-RPC_METHOD = "rpc.method"
-RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
-NET_PEER_ADDRESS = "net.peer.address"
-USER_AGENT_ORIGINAL = "user_agent.original"
+# Span attribute keys: OpenTelemetry's semantic conventions (RPC, server, network,
+# error), taken from the pinned opentelemetry-semantic-conventions so that a rename
+# there shows up here (tests/unit/test_semantic_conventions.py refuses deprecated
+# keys), then the project's own under `classify.`. Each node's row in NODES lists the
+# keys it emits (tests/unit/test_node_attributes.py checks). Values: `rpc.method` is
+# the full method name without the leading slash, `rpc.response.status_code` the
+# status code's name ("OK", "UNAVAILABLE"), `error.type` that name or, for a bug,
+# the exception's class.
+RPC_SYSTEM_GRPC = "grpc"
+# The contract's calls as client spans and `rpc.method` name them.
+CLASSIFY_METHOD_NAME = "ai.classify.v1.ClassifyService/Classify"
+CLASSIFY_BATCH_METHOD_NAME = "ai.classify.v1.ClassifyService/ClassifyBatch"
 CLASSIFY_REQUEST_ID = "classify.request_id"
 CLASSIFY_REQUEST_BYTES = "classify.request_bytes"
 CLASSIFY_RESPONSE_BYTES = "classify.response_bytes"
@@ -68,7 +99,21 @@ CLASSIFY_ERROR_REASON = "classify.error_reason"
 TIMEOUT_ATTRIBUTE = "timeout"
 # Any node may carry these besides its own: a failed node's status code and error
 # reason (mark_error), and the timeout mark.
-ANY_NODE_ATTRIBUTES = (RPC_GRPC_STATUS_CODE, CLASSIFY_ERROR_REASON, TIMEOUT_ATTRIBUTE)
+ANY_NODE_ATTRIBUTES = (
+    RPC_RESPONSE_STATUS_CODE,
+    ERROR_TYPE,
+    CLASSIFY_ERROR_REASON,
+    TIMEOUT_ATTRIBUTE,
+)
+# What the client span of a call to a capability server carries (one per attempt,
+# under its `upstream_call` node, named after the method it was sent with).
+UPSTREAM_CLIENT_ATTRIBUTES = (
+    RPC_SYSTEM_NAME,
+    RPC_METHOD,
+    SERVER_ADDRESS,
+    SERVER_PORT,
+    RPC_RESPONSE_STATUS_CODE,
+)
 
 # The lifecycle nodes' names, in request order.
 GRPC_RECEIVE = "grpc_receive"
@@ -101,7 +146,8 @@ class Node:
 
 NODES: tuple[Node, ...] = (
     Node(1, GRPC_RECEIVE, "orchestrator", "parsing the request message and its metadata",
-         (NET_PEER_ADDRESS, RPC_METHOD, USER_AGENT_ORIGINAL, CLASSIFY_REQUEST_BYTES)),
+         (NETWORK_PEER_ADDRESS, NETWORK_PEER_PORT, RPC_METHOD, USER_AGENT_ORIGINAL,
+          CLASSIFY_REQUEST_BYTES)),
     Node(2, AUTH_VALIDATE, "orchestrator", "checking the API key",
          (CLASSIFY_TENANT, CLASSIFY_OUTCOME)),
     Node(3, RATE_LIMIT_CHECK, "orchestrator", "taking a token from the tenant's bucket",
@@ -112,14 +158,16 @@ NODES: tuple[Node, ...] = (
          (CLASSIFY_ROUTE, CLASSIFY_RULES_VERSION)),
     Node(6, BACKEND_SELECT, "orchestrator", "picking a replica of the attempt's backend",
          (CLASSIFY_BACKEND, CLASSIFY_REPLICA, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION)),
+    # Its child is the attempt's client span (UPSTREAM_CLIENT_ATTRIBUTES).
     Node(7, UPSTREAM_CALL, "orchestrator", "the call to the capability server, wire included",
          (CLASSIFY_ATTEMPT, CLASSIFY_BACKEND, CLASSIFY_RETRY_REASON,
-          CLASSIFY_FALLBACK_REASON, RPC_GRPC_STATUS_CODE)),
+          CLASSIFY_FALLBACK_REASON)),
     # An item of a ClassifyBatch has its own: its index, no peer, size or user agent.
     Node(8, CAPABILITY_RECEIVE, "capability",
          "parsing, internal-token check and validation on the capability server",
-         (NET_PEER_ADDRESS, RPC_METHOD, USER_AGENT_ORIGINAL, CLASSIFY_REQUEST_BYTES,
-          CLASSIFY_BATCH_INDEX, CLASSIFY_VIOLATIONS, CLASSIFY_VIOLATION_FIELDS)),
+         (NETWORK_PEER_ADDRESS, NETWORK_PEER_PORT, RPC_METHOD, USER_AGENT_ORIGINAL,
+          CLASSIFY_REQUEST_BYTES, CLASSIFY_BATCH_INDEX, CLASSIFY_VIOLATIONS,
+          CLASSIFY_VIOLATION_FIELDS)),
     Node(9, TOKENIZE, "capability", "turning the text into token IDs",
          (CLASSIFY_TOKENS, CLASSIFY_TRUNCATED)),
     Node(10, QUEUE_ADMIT, "capability", "admission to the worker's bounded queue",
@@ -139,7 +187,7 @@ NODES: tuple[Node, ...] = (
     Node(16, OUTPUT_SERIALIZE, "orchestrator", "serialising the response message",
          (CLASSIFY_RESPONSE_BYTES,)),
     Node(17, RESPONSE_SEND, "orchestrator",
-         "handing the answer to gRPC until the call completes", (RPC_GRPC_STATUS_CODE,)),
+         "handing the answer to gRPC until the call completes", (RPC_RESPONSE_STATUS_CODE,)),
 )  # fmt: skip
 NODE_NAMES: tuple[str, ...] = tuple(node.name for node in NODES)
 # The span every request of a batch links to (from its batch_assemble node).
@@ -205,13 +253,53 @@ def marks_error(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> boo
 
 
 def mark_error(span: trace.Span, error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> None:
-    """The gRPC code and reason a ServiceError maps to on `span`, and error status
-    when the error is the server's fault (marks_error)."""
+    """The status code and reason an error maps to on `span`; error status and
+    `error.type` when the error is a failure of the span's kind (marks_error)."""
+    code = status_code_name(error, kind)
     if marks_error(error, kind):
         span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.set_attribute(ERROR_TYPE, code or _qualified_name(type(error)))
+    if code is not None:
+        span.set_attribute(RPC_RESPONSE_STATUS_CODE, code)
     if isinstance(error, ServiceError):
-        span.set_attribute(RPC_GRPC_STATUS_CODE, grpc_code_for(error).value[0])
         span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
+
+
+def status_code_name(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> str | None:
+    """The gRPC status code `error` stands for, by name; None for a bug. A client span
+    reports the code its server answered (kept on the error as `upstream_code`)."""
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED.name
+    if not isinstance(error, ServiceError):
+        return None
+    upstream = error.context.get("upstream_code") if kind is SpanKind.CLIENT else None
+    return upstream or grpc_code_for(error).name
+
+
+def _qualified_name(cls: type) -> str:
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def peer_attributes(peer: str) -> dict[str, AttributeValue]:
+    """`network.peer.*` from gRPC's peer string: "ipv4:10.0.0.7:5123",
+    "ipv6:[::1]:5123", "unix:/run/classify.sock"."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return {NETWORK_PEER_ADDRESS: rest or peer}
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        return {NETWORK_PEER_ADDRESS: rest}
+    return {NETWORK_PEER_ADDRESS: host.strip("[]"), NETWORK_PEER_PORT: int(port)}
+
+
+def server_attributes(target: str) -> dict[str, AttributeValue]:
+    """`server.address` and `server.port` of a "host:port" target ("[::1]:5000" too)."""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return {SERVER_ADDRESS: target}
+    return {SERVER_ADDRESS: host.strip("[]"), SERVER_PORT: int(port)}
 
 
 def node(
@@ -231,6 +319,35 @@ def node(
     if request_trace is None or not request_trace.makes_spans:
         return _TimedNode(request_trace, name)
     return _spanned_node(request_trace, name, attributes, kind, current)
+
+
+def client_call(method: str, target: str) -> AbstractContextManager[trace.Span]:
+    """Run the body as the client span of one call to `target` ("host:port"): named
+    after `method` (the full name, no leading slash), with `rpc.*` and `server.*`, a
+    child of the current span and current for the body, so the call carries it and
+    the server's spans hang under it. A non-recording span when no spans are made."""
+    request_trace = _current.get()
+    if request_trace is None or not request_trace.makes_spans:
+        return _NO_CLIENT_SPAN
+    return _client_span(method, target)
+
+
+_NO_CLIENT_SPAN = nullcontext(trace.INVALID_SPAN)
+
+
+@contextmanager
+def _client_span(method: str, target: str) -> Iterator[trace.Span]:
+    attributes = {RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC, RPC_METHOD: method, **server_attributes(target)}
+    span = get_tracer().start_span(method, kind=SpanKind.CLIENT, attributes=attributes)
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield span
+        except BaseException as error:
+            mark_error(span, error, SpanKind.CLIENT)
+            raise
+        span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
 
 
 class _TimedNode:

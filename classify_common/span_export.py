@@ -37,7 +37,7 @@ HELD_TRACES = 2048
 HELD_SPANS_PER_TRACE = 64
 KEPT_TRACES = 4096
 SPANS_DROPPED_TOTAL = "classify_trace_spans_dropped_total"
-_SERVER_FAULT_VALUES = frozenset(code.value[0] for code in SERVER_FAULT_CODES)
+_SERVER_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
 
 
 class ExportDrops:
@@ -104,7 +104,7 @@ def _keeps_trace(span: ReadableSpan, status_code_key: str, timeout_key: str) -> 
         return False
     if span.kind is SpanKind.CLIENT:
         code = attributes.get(status_code_key)
-        return code is None or code in _SERVER_FAULT_VALUES
+        return code is None or code in _SERVER_FAULT_NAMES
     return True
 
 
@@ -119,9 +119,9 @@ class KeepingBatchExport(SpanProcessor):
         limits: ExportLimits = ExportLimits(),
     ) -> None:
         # NOTE: imported here, not at the top: nodes imports tracing, which imports this.
-        from classify_common.nodes import RPC_GRPC_STATUS_CODE, TIMEOUT_ATTRIBUTE
+        from classify_common.nodes import RPC_RESPONSE_STATUS_CODE, TIMEOUT_ATTRIBUTE
 
-        self._status_code_key = RPC_GRPC_STATUS_CODE
+        self._status_code_key = RPC_RESPONSE_STATUS_CODE
         self._timeout_key = TIMEOUT_ATTRIBUTE
         self._exporter = exporter
         self._limits = limits

@@ -14,8 +14,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from opentelemetry.trace import SpanKind
-
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import ServiceError, is_fallback_eligible
@@ -24,12 +22,13 @@ from classify_common.nodes import (
     CLASSIFY_ATTEMPT,
     CLASSIFY_BACKEND,
     CLASSIFY_FALLBACK_REASON,
+    CLASSIFY_METHOD_NAME,
     CLASSIFY_MODEL,
     CLASSIFY_MODEL_VERSION,
     CLASSIFY_REPLICA,
     CLASSIFY_RETRY_REASON,
-    RPC_GRPC_STATUS_CODE,
     UPSTREAM_CALL,
+    client_call,
     current_trace,
     emit_node,
     node,
@@ -204,18 +203,20 @@ class RouteCaller:
             CLASSIFY_FALLBACK_REASON: call.fallback_reason,
         }
         try:
-            with node(
-                UPSTREAM_CALL,
-                {
-                    CLASSIFY_ATTEMPT: call.attempts,
-                    CLASSIFY_BACKEND: backend.name,
-                    **{key: value for key, value in reasons.items() if value},
-                },
-                kind=SpanKind.CLIENT,
-                current=True,  # the capability server's spans hang under it
-            ) as span:
+            with (
+                node(
+                    UPSTREAM_CALL,
+                    {
+                        CLASSIFY_ATTEMPT: call.attempts,
+                        CLASSIFY_BACKEND: backend.name,
+                        **{key: value for key, value in reasons.items() if value},
+                    },
+                    current=True,
+                ),
+                # The capability server's spans hang under the attempt's client span.
+                client_call(CLASSIFY_METHOD_NAME, target),
+            ):
                 response = await pool.classify(forwarded, target=target, client_remaining=remaining)
-                span.set_attribute(RPC_GRPC_STATUS_CODE, 0)
                 version = response.model.version
                 return response
         finally:

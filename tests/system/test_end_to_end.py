@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,15 @@ import grpc
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import NODES
-from tests.conftest import REPO_ROOT, STACK_API_KEY, STRIKER, Stack
+from tests.conftest import (
+    BUDGETED_MODEL,
+    REPO_ROOT,
+    STACK_API_KEY,
+    STATIC_ONLY_FLAGS,
+    STRIKER,
+    Stack,
+    processing_routes,
+)
 
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
 
@@ -79,7 +88,7 @@ def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]
         [
             sys.executable,
             "-m",
-            "orchestrator.client",
+            "classify_client",
             "--target",
             f"127.0.0.1:{target_port}",
             *args,
@@ -135,3 +144,27 @@ def test_command_line_client_classifies_a_file_with_one_line_per_text(
     assert "items[1].text" in blank
     assert "(request " in blank
     assert business.split()[0] == "business"
+
+
+def test_command_line_client_says_processing_with_the_request_id_and_wait_polls_to_done(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack(
+        api_key=STACK_API_KEY, routes=processing_routes, capability_flags=STATIC_ONLY_FLAGS
+    )
+    port = stack.orchestrator.port
+    pending = run_client(port, "--model", BUDGETED_MODEL, "--request-id", "cli-pending", STRIKER)
+    fetched = run_client(port, "--result", "cli-pending", "--wait")
+    waited = run_client(port, "--model", BUDGETED_MODEL, "--wait", STRIKER)
+
+    assert pending.returncode == 0, pending.stderr
+    first_line, *rest = pending.stdout.splitlines()
+    assert first_line.startswith("PROCESSING  ")
+    assert "request cli-pending" in pending.stdout
+    assert "--result cli-pending" in pending.stdout
+    assert "request   cli-pending" in rest
+    assert not any(line.startswith("model ") for line in rest)
+    for done in (fetched, waited):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[0] == "sports"
+    assert "request   cli-pending" in fetched.stdout.splitlines()

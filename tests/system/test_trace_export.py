@@ -149,14 +149,20 @@ def spans_with_every_node(
     collected: TraceReceiver, trace_id: str, front_service: str, back_service: str
 ) -> tuple[list[Any], list[Any]]:
     """The trace's spans from each process (by service name), after checking that each
-    has its server span and every lifecycle node of its layer."""
+    has its server span and every lifecycle node of its layer, and the orchestrator the
+    attempt's client span (named after the method, like the server spans)."""
     front_spans = spans_of(collected, trace_id, front_service)
     back_spans = spans_of(collected, trace_id, back_service)
-    for spans, layer in ((front_spans, "orchestrator"), (back_spans, "capability")):
+    for spans, layer, calls in ((front_spans, "orchestrator", 1), (back_spans, "capability", 0)):
         assert sorted(s.name for s in spans) == sorted(
-            [CLASSIFY_SPAN, *(n.name for n in NODES if n.service == layer)]
+            [*[CLASSIFY_SPAN] * (1 + calls), *(n.name for n in NODES if n.service == layer)]
         )
     return front_spans, back_spans
+
+
+def server_span(spans: list[Any]) -> Any:
+    (found,) = [s for s in spans if s.kind == trace_pb2.Span.SPAN_KIND_SERVER]
+    return found
 
 
 async def test_both_processes_export_one_trace_with_all_nodes_and_links(
@@ -166,19 +172,21 @@ async def test_both_processes_export_one_trace_with_all_nodes_and_links(
     collected, port = receiver
     orchestrator = start_exporting_stack(start_stack, f"127.0.0.1:{port}")
     response = await classify(orchestrator)
-    await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
+    await wait_for_spans(collected, response.trace_id, len(NODES) + 3)
 
     front_spans, back_spans = spans_with_every_node(
         collected, response.trace_id, "orchestrator", "capability"
     )
-    (front,) = [s for s in front_spans if s.name == CLASSIFY_SPAN]
-    (back,) = [s for s in back_spans if s.name == CLASSIFY_SPAN]
+    front, back = server_span(front_spans), server_span(back_spans)
     (upstream,) = [s for s in front_spans if s.name == "upstream_call"]
-    assert front.kind == back.kind == trace_pb2.Span.SPAN_KIND_SERVER
-    assert upstream.kind == trace_pb2.Span.SPAN_KIND_CLIENT
+    (client,) = [s for s in front_spans if s.kind == trace_pb2.Span.SPAN_KIND_CLIENT]
+    assert front.name == back.name == client.name == CLASSIFY_SPAN
+    assert upstream.kind == trace_pb2.Span.SPAN_KIND_INTERNAL
     assert not front.parent_span_id
-    assert back.parent_span_id == upstream.span_id  # across the wire
-    assert all(s.parent_span_id == front.span_id for s in front_spans if s is not front)
+    assert client.parent_span_id == upstream.span_id
+    assert back.parent_span_id == client.span_id  # across the wire
+    nodes = [s for s in front_spans if s not in (front, client)]
+    assert all(s.parent_span_id == front.span_id for s in nodes)
     assert all(s.parent_span_id == back.span_id for s in back_spans if s is not back)
     (assemble,) = [s for s in back_spans if s.name == "batch_assemble"]
     (link,) = assemble.links
@@ -209,7 +217,7 @@ async def test_retries_fallback_and_timeouts_are_exported_as_such(
     failover = await classify(orchestrator, model="failover")
     assert failover.fallback
     # Two attempts on the dead backend reach no capability server.
-    await wait_for_spans(collected, failover.trace_id, len(NODES) + 4 + 2)
+    await wait_for_spans(collected, failover.trace_id, len(NODES) + 4 + 2 + 3)
     attempts = sorted(
         (s for s in spans_of(collected, failover.trace_id) if s.name == "upstream_call"),
         key=lambda s: int(str(attributes(s)["classify.attempt"])),
@@ -217,15 +225,15 @@ async def test_retries_fallback_and_timeouts_are_exported_as_such(
     error, ok = trace_pb2.Status.STATUS_CODE_ERROR, trace_pb2.Status.STATUS_CODE_UNSET
     assert [s.status.code for s in attempts] == [error, error, ok]
     assert [attributes(s).get("classify.backend") for s in attempts] == ["dead", "dead", "static"]
-    assert attributes(attempts[0])["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert attributes(attempts[0])["rpc.response.status_code"] == "UNAVAILABLE"
     assert attributes(attempts[1])["classify.retry_reason"] == "MODEL_UNAVAILABLE"
     assert attributes(attempts[2])["classify.fallback_reason"] == "MODEL_UNAVAILABLE"
 
     budgeted = await classify(orchestrator, model="budgeted")
     assert budgeted.status == pb.RESULT_STATUS_PROCESSING
-    await wait_for_spans(collected, budgeted.trace_id, len(NODES) + 2)
+    await wait_for_spans(collected, budgeted.trace_id, len(NODES) + 3)
     front_spans = spans_of(collected, budgeted.trace_id, "orchestrator")
-    (front,) = [s for s in front_spans if s.name == CLASSIFY_SPAN]
+    front = server_span(front_spans)
     (upstream,) = [s for s in front_spans if s.name == "upstream_call"]
     assert attributes(front)["timeout"] is True
     assert attributes(upstream)["timeout"] is True  # ended after the answer, still exported
@@ -245,9 +253,10 @@ async def test_with_sampling_off_only_server_faults_are_exported(
     await wait_for_spans(collected, failed, len([n for n in NODES if n.service == "orchestrator"]))
 
     failed_spans = spans_of(collected, failed, "orchestrator")
-    (front,) = [s for s in failed_spans if s.name == CLASSIFY_SPAN]
+    front = server_span(failed_spans)
     assert front.status.code == trace_pb2.Status.STATUS_CODE_ERROR
-    assert attributes(front)["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert attributes(front)["rpc.response.status_code"] == "UNAVAILABLE"
+    assert attributes(front)["error.type"] == "UNAVAILABLE"
     # Wait one more export round: the good request's spans never come.
     await asyncio.sleep(1.5)
     assert spans_of(collected, good.trace_id) == []
@@ -313,7 +322,7 @@ async def test_the_sdk_variables_alone_export_both_processes_under_their_service
     collected, port = receiver
     orchestrator = start_stack_exporting_by_environment(start_stack, port)
     response = await classify(orchestrator)
-    await wait_for_spans(collected, response.trace_id, len(NODES) + 2)
+    await wait_for_spans(collected, response.trace_id, len(NODES) + 3)
 
     spans_with_every_node(collected, response.trace_id, "env-orchestrator", "env-capability")
 

@@ -83,10 +83,15 @@ def only(spans: Sequence[ReadableSpan], name: str) -> ReadableSpan:
 
 def server_spans(spans: Sequence[ReadableSpan]) -> tuple[ReadableSpan, list[ReadableSpan]]:
     """The orchestrator's server span (the root) and the capability's, one per attempt."""
-    servers = [s for s in spans if s.name == CLASSIFY_SPAN]
-    assert all(s.kind == SpanKind.SERVER for s in servers)
+    servers = [s for s in spans if s.kind == SpanKind.SERVER]
+    assert all(s.name == CLASSIFY_SPAN for s in servers)
     (front,) = [s for s in servers if s.parent is None]
     return front, [s for s in servers if s is not front]
+
+
+def client_spans(spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
+    """The attempts' client spans (named after the method, like the server spans)."""
+    return [s for s in spans if s.kind == SpanKind.CLIENT]
 
 
 def node_count(orchestrator: OrchestratorServer, capability: CapabilityServer, name: str) -> float:
@@ -114,22 +119,33 @@ async def test_a_request_has_every_node_once_under_the_right_parent(
 ) -> None:
     before = {name: node_count(orchestrator, capability, name) for name in NODE_NAMES}
     response = await classify(orchestrator.port)
-    # 17 nodes and the two server spans; the batch span has a trace of its own.
-    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+    # 17 nodes, the two server spans and the attempt's client span; the batch span
+    # has a trace of its own.
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 3)
 
     names = collections.Counter(s.name for s in spans)
-    assert names == collections.Counter([*NODE_NAMES, CLASSIFY_SPAN, CLASSIFY_SPAN])
+    assert names == collections.Counter([*NODE_NAMES, *[CLASSIFY_SPAN] * 3])
     front, (back,) = server_spans(spans)
     upstream = only(spans, "upstream_call")
-    assert upstream.kind == SpanKind.CLIENT
-    assert parent_id(back) == span_id(upstream)
+    (client,) = client_spans(spans)
+    assert upstream.kind == SpanKind.INTERNAL
+    assert parent_id(client) == span_id(upstream)
+    assert parent_id(back) == span_id(client)
+    assert dict(client.attributes or {}) == {
+        "rpc.system.name": "grpc",
+        "rpc.method": CLASSIFY_SPAN,
+        "server.address": "127.0.0.1",
+        "server.port": capability.port,
+        "rpc.response.status_code": "OK",
+    }
     for name in ORCHESTRATOR_NODES:
         assert parent_id(only(spans, name)) == span_id(front), name
     for name in CAPABILITY_NODES:
         assert parent_id(only(spans, name)) == span_id(back), name
 
     attributes = {s.name: dict(s.attributes or {}) for s in spans if s.name in NODE_NAMES}
-    assert attributes["grpc_receive"]["rpc.method"] == "/" + CLASSIFY_SPAN
+    assert attributes["grpc_receive"]["rpc.method"] == CLASSIFY_SPAN
+    assert attributes["grpc_receive"]["network.peer.address"] == "127.0.0.1"
     assert attributes["auth_validate"]["classify.outcome"] == "ok"
     assert attributes["input_validate"]["classify.violations"] == 0
     assert attributes["route_match"]["classify.route"] == "default"
@@ -143,7 +159,7 @@ async def test_a_request_has_every_node_once_under_the_right_parent(
     assert attributes["queue_admit"]["classify.outcome"] == "admitted"
     assert attributes["batch_assemble"]["classify.batch_size"] == 1
     assert attributes["cuda_launch"]["classify.clock"] == "monotonic"
-    assert attributes["response_send"]["rpc.grpc.status_code"] == 0
+    assert attributes["response_send"]["rpc.response.status_code"] == "OK"
     assert all(s.status.status_code != StatusCode.ERROR for s in spans)
 
     # The device nodes follow each other without a gap: one batch, measured once.
@@ -186,7 +202,7 @@ async def test_requests_batched_together_link_one_batch_span(
 
     batches = set()
     for response in responses:
-        spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+        spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 3)
         assemble = only(spans, "batch_assemble")
         assert dict(assemble.attributes or {})["classify.batch_size"] == 3
         (link,) = assemble.links
@@ -202,18 +218,34 @@ async def test_retries_and_fallback_are_attempts_with_their_reasons(
     server = await orchestrator_with(dead_primary_with_fallback(capability.port))
     response = await classify(server.port)
     assert response.fallback
-    # Two failed attempts reach no capability server: 17 + 2 * 2 attempt nodes, 2 servers.
-    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 4 + 2)
+    # Two failed attempts reach no capability server: 17 + 2 * 2 attempt nodes, 2
+    # servers, 3 client spans.
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 4 + 2 + 3)
 
     attempts = sorted((s for s in spans if s.name == "upstream_call"), key=attempt_of)
     assert [attempt_of(s) for s in attempts] == [1, 2, 3]
     first, retry, fallback = (dict(s.attributes or {}) for s in attempts)
+    # A dead replica is the server side's fault: error status on the node too.
     assert [s.status.status_code for s in attempts] == [
         StatusCode.ERROR,
         StatusCode.ERROR,
         StatusCode.UNSET,
     ]
-    assert first["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert first["rpc.response.status_code"] == "UNAVAILABLE"
+    assert first["error.type"] == "UNAVAILABLE"
+    clients = sorted(client_spans(spans), key=lambda s: s.start_time or 0)
+    assert [s.status.status_code for s in clients] == [
+        StatusCode.ERROR,
+        StatusCode.ERROR,
+        StatusCode.UNSET,
+    ]
+    assert [dict(s.attributes or {})["rpc.response.status_code"] for s in clients] == [
+        "UNAVAILABLE",
+        "UNAVAILABLE",
+        "OK",
+    ]
+    assert dict(clients[0].attributes or {})["error.type"] == "UNAVAILABLE"
+    assert [parent_id(c) for c in clients] == [span_id(a) for a in attempts]
     assert first["classify.backend"] == retry["classify.backend"] == "minilm"
     assert "classify.retry_reason" not in first
     assert retry["classify.retry_reason"] == "MODEL_UNAVAILABLE"
@@ -236,7 +268,7 @@ async def test_a_request_past_its_budget_is_marked_timeout_and_still_traced(
         response = await classify(server.port)
     assert response.status == pb.RESULT_STATUS_PROCESSING
 
-    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 2)
+    spans = await settled_trace(span_exporter, response.trace_id, len(NODES) + 3)
     front, _ = server_spans(spans)
     assert dict(front.attributes or {})["timeout"] is True
     upstream = only(spans, "upstream_call")
@@ -265,11 +297,12 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
     validate = only(spans, "input_validate")
     # The caller's fault, not the server's: no error status, the code says what it was.
     assert validate.status.status_code == StatusCode.UNSET
-    assert dict(validate.attributes or {})["rpc.grpc.status_code"] == 3
+    assert dict(validate.attributes or {})["rpc.response.status_code"] == "INVALID_ARGUMENT"
+    assert "error.type" not in dict(validate.attributes or {})
     assert dict(validate.attributes or {})["classify.violation_fields"] == ("text",)
     front, _ = server_spans(spans)
     assert front.status.status_code == StatusCode.UNSET
-    assert dict(front.attributes or {})["rpc.grpc.status_code"] == 3
+    assert dict(front.attributes or {})["rpc.response.status_code"] == "INVALID_ARGUMENT"
 
 
 def test_observability_doc_lists_the_nodes_defined_in_code() -> None:

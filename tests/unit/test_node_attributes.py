@@ -21,7 +21,8 @@ from classify_common.nodes import (
     CLASSIFY_BATCH_INDEX,
     CLASSIFY_REQUEST_ID,
     NODES,
-    RPC_SYSTEM,
+    RPC_SYSTEM_NAME,
+    UPSTREAM_CLIENT_ATTRIBUTES,
 )
 from orchestrator.server import OrchestratorServer
 from tests.conftest import REPO_ROOT, STRIKER, StartOrchestrator, wait_until
@@ -100,7 +101,8 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
 def test_span_attribute_keys_are_spelled_only_beside_the_node_table() -> None:
     """Emit sites use the constants in classify_common.nodes, never the keys' text."""
     keys = {key for n in NODES for key in n.attributes} | set(ANY_NODE_ATTRIBUTES)
-    keys |= {RPC_SYSTEM, CLASSIFY_REQUEST_ID, CLASSIFY_BATCH_INDEX}
+    keys |= {RPC_SYSTEM_NAME, CLASSIFY_REQUEST_ID, CLASSIFY_BATCH_INDEX}
+    keys |= set(UPSTREAM_CLIENT_ATTRIBUTES)
     # The dotted ones: "timeout" is also a message field's name (HasField("timeout")).
     keys = {key for key in keys if "." in key}
     root = REPO_ROOT

@@ -63,7 +63,7 @@ def test_every_shell_command_in_the_readme_is_run_by_make_test() -> None:
     # `make test` runs this file (through its `pytest` step); test_make_run the rest.
     assert "pytest" in make_prerequisites("test")
     assert commands[:2] == [["make", "run"], ["make", "test"]]
-    assert [words[:3] for words in commands[2:]] == [[VENV_PYTHON, "-m", "orchestrator.client"]]
+    assert [words[:3] for words in commands[2:]] == [[VENV_PYTHON, "-m", "classify_client"]]
 
 
 def markdown_files() -> list[Path]:

@@ -32,7 +32,7 @@ from classify_common.tracing import (
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
-ATTRIBUTES = {"rpc.system": "grpc", "rpc.method": "/ai.classify.v1.ClassifyService/Classify"}
+ATTRIBUTES = {"rpc.system.name": "grpc", "rpc.method": "ai.classify.v1.ClassifyService/Classify"}
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, AlwaysRecordSampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from classify_common.nodes import RPC_GRPC_STATUS_CODE, TIMEOUT_ATTRIBUTE
+from classify_common.nodes import RPC_RESPONSE_STATUS_CODE, TIMEOUT_ATTRIBUTE
 from classify_common.span_export import ExportDrops, KeepingBatchExport
 
 
@@ -46,7 +46,7 @@ def test_an_unsampled_trace_is_kept_only_for_a_fault_or_a_timeout(
     ):
         span.set_status(Status(status))
         if code is not None:
-            span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+            span.set_attribute(RPC_RESPONSE_STATUS_CODE, code.name)
         if timeout:
             span.set_attribute(TIMEOUT_ATTRIBUTE, True)
     processor.force_flush()

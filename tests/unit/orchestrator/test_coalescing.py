@@ -13,6 +13,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -196,15 +197,18 @@ async def test_coalesced_requests_keep_every_node_and_their_own_trace(
 
     trace_ids = [response.trace_id for response in responses]
     assert len(set(trace_ids)) == 8
-    # Each coalesced request's upstream_call links to its shared call's span.
+    # Each coalesced request's client span is named after the batch call it left in
+    # and links to that shared call's span; a request that left alone is a Classify.
     linked: collections.Counter[int] = collections.Counter()
     for trace_id in trace_ids:
-        spans = await settled_trace(span_exporter, trace_id, len(NODE_NAMES) + 2)
-        names = collections.Counter(span.name for span in spans)
+        spans = await settled_trace(span_exporter, trace_id, len(NODE_NAMES) + 3)
+        (client,) = [span for span in spans if span.kind == SpanKind.CLIENT]
+        names = collections.Counter(span.name for span in spans if span is not client)
         assert names == collections.Counter([*NODE_NAMES, CLASSIFY_SPAN, CLASSIFY_SPAN])
-        (upstream,) = [span for span in spans if span.name == "upstream_call"]
-        assert len(upstream.links) <= 1
-        linked.update(link.context.span_id for link in upstream.links)
+        assert len(client.links) <= 1
+        merged = UPSTREAM_BATCH_SPAN_NAME if client.links else CLASSIFY_SPAN
+        assert client.name == dict(client.attributes or {})["rpc.method"] == merged
+        linked.update(link.context.span_id for link in client.links)
     assert sum(linked.values()) >= 2  # some requests did travel together
     shared_spans = {
         span.context.span_id: span
@@ -216,3 +220,7 @@ async def test_coalesced_requests_keep_every_node_and_their_own_trace(
         shared = shared_spans[shared_id]
         assert len(shared.links) == requests
         assert dict(shared.attributes or {})["classify.batch_size"] == requests
+        assert shared.kind == SpanKind.CLIENT
+        assert shared.parent is None
+        assert dict(shared.attributes or {})["server.address"] == "127.0.0.1"
+        assert dict(shared.attributes or {})["rpc.response.status_code"] == "OK"

@@ -1,0 +1,157 @@
+"""When to try a call again, and how long to wait: gRPC's A6 retry design, with the
+server's pushback.
+
+A call is retried only for the codes the service marks retryable
+(UNAVAILABLE, RESOURCE_EXHAUSTED). `max_attempts` counts the first try, as A6's
+`maxAttempts` does. Before attempt n+1 the client waits:
+
+- the server's google.rpc.RetryInfo delay where the error carries one (its
+  pushback; every RESOURCE_EXHAUSTED of this service does), never less, plus up
+  to `pushback_jitter` of it more so that many refused callers do not return at
+  the same instant;
+- else `random(0, min(initial_backoff * multiplier**(n-1), max_backoff))`.
+
+The call's deadline bounds everything: a retry whose wait would end past the
+deadline is not made, and the last error is raised instead.
+
+While a Classify answer is PROCESSING, `PollPolicy` spaces the GetResult polls:
+the service sends no poll interval, so the client starts at
+`initial_interval` and grows it by `multiplier` up to `max_interval`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from classify_client.errors import ClassifyError
+
+# A6 defaults a client may keep: 4 tries in all, 0.1 s growing to 5 s.
+DEFAULT_MAX_ATTEMPTS = 4
+DEFAULT_INITIAL_BACKOFF_SECONDS = 0.1
+DEFAULT_MAX_BACKOFF_SECONDS = 5.0
+DEFAULT_BACKOFF_MULTIPLIER = 2.0
+# Up to this share of the server's delay is added on top of it.
+DEFAULT_PUSHBACK_JITTER = 0.2
+# The service's retryable codes (docs/api.md#errors).
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+# GetResult polling: 50 ms growing by half each poll to at most 1 s.
+DEFAULT_POLL_INITIAL_SECONDS = 0.05
+DEFAULT_POLL_MAX_SECONDS = 1.0
+DEFAULT_POLL_MULTIPLIER = 1.5
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and when a failed call is tried again."""
+
+    # Tries in all, the first included; 1 means never retry. 1 to 10.
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    # Backoff cap before the first retry, seconds, > 0 (used without pushback).
+    initial_backoff_seconds: float = DEFAULT_INITIAL_BACKOFF_SECONDS
+    # Backoff cap's ceiling, seconds, >= initial_backoff_seconds.
+    max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS
+    # Growth of the backoff cap per retry, >= 1.
+    multiplier: float = DEFAULT_BACKOFF_MULTIPLIER
+    # Extra wait after the server's RetryInfo delay, as a share of it, 0 to 1.
+    pushback_jitter: float = DEFAULT_PUSHBACK_JITTER
+    retryable_codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+    # Source of randomness in [0, 1); tests may pass a fixed one.
+    random: Callable[[], float] = field(default=random.random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_attempts <= 10:
+            raise ValueError(f"max_attempts {self.max_attempts} must be 1 to 10")
+        if self.initial_backoff_seconds <= 0:
+            raise ValueError(f"initial_backoff_seconds {self.initial_backoff_seconds} must be > 0")
+        if self.max_backoff_seconds < self.initial_backoff_seconds:
+            raise ValueError(
+                f"max_backoff_seconds {self.max_backoff_seconds} must be at least "
+                f"initial_backoff_seconds {self.initial_backoff_seconds}"
+            )
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier {self.multiplier} must be at least 1")
+        if not 0 <= self.pushback_jitter <= 1:
+            raise ValueError(f"pushback_jitter {self.pushback_jitter} must be 0 to 1")
+
+    def delay_before_retry(self, error: ClassifyError, attempt: int) -> float | None:
+        """Seconds to wait before trying again after `attempt` (1 = the first try)
+        failed with `error`; None when the policy does not retry it."""
+        if error.code not in self.retryable_codes or attempt >= self.max_attempts:
+            return None
+        if error.retry_after_seconds is not None:
+            hint = error.retry_after_seconds
+            return hint + hint * self.pushback_jitter * self.random()
+        cap = min(
+            self.initial_backoff_seconds * self.multiplier ** (attempt - 1),
+            self.max_backoff_seconds,
+        )
+        return cap * self.random()
+
+
+NO_RETRIES = RetryPolicy(max_attempts=1)
+
+
+@dataclass(frozen=True)
+class PollPolicy:
+    """How often GetResult is asked while an answer is PROCESSING."""
+
+    # First wait after the PROCESSING answer, seconds, > 0.
+    initial_interval_seconds: float = DEFAULT_POLL_INITIAL_SECONDS
+    # Longest wait between two polls, seconds, >= initial_interval_seconds.
+    max_interval_seconds: float = DEFAULT_POLL_MAX_SECONDS
+    # Growth per poll, >= 1.
+    multiplier: float = DEFAULT_POLL_MULTIPLIER
+
+    def __post_init__(self) -> None:
+        if self.initial_interval_seconds <= 0:
+            raise ValueError(
+                f"initial_interval_seconds {self.initial_interval_seconds} must be > 0"
+            )
+        if self.max_interval_seconds < self.initial_interval_seconds:
+            raise ValueError(
+                f"max_interval_seconds {self.max_interval_seconds} must be at least "
+                f"initial_interval_seconds {self.initial_interval_seconds}"
+            )
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier {self.multiplier} must be at least 1")
+
+    def interval(self, poll: int) -> float:
+        """Seconds to wait before poll number `poll` (1 = the first GetResult)."""
+        return min(
+            self.initial_interval_seconds * self.multiplier ** (poll - 1),
+            self.max_interval_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class RetryEvent:
+    """A failed attempt that will be tried again: what failed, and the wait before the
+    next attempt. Passed to the client's `on_retry` callback."""
+
+    method: str
+    # The attempt that failed (1 = the first try).
+    attempt: int
+    error: ClassifyError
+    delay_seconds: float
+
+
+class Deadline:
+    """The end of a call's time, retries and polling included; None: no deadline."""
+
+    def __init__(self, timeout_seconds: float | None) -> None:
+        self._end = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+
+    def remaining(self) -> float | None:
+        """Seconds left (never below 0), or None without a deadline."""
+        return None if self._end is None else max(self._end - time.monotonic(), 0.0)
+
+    def allows_wait(self, seconds: float) -> bool:
+        """Whether a wait of `seconds` still leaves time for another call."""
+        left = self.remaining()
+        return left is None or seconds < left

@@ -1,0 +1,299 @@
+"""classify_client against real in-process servers: the typed errors, retries after the
+server's RetryInfo, PROCESSING followed to DONE, and batches.
+
+The servers share the test session's event loop, so the sync client is driven from
+a worker thread (`asyncio.to_thread`); the asyncio client is awaited directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from capability.server import CapabilityServer
+from classify_client import (
+    AsyncClassifyClient,
+    ClassifyClient,
+    InvalidRequest,
+    RateLimited,
+    ResultNotFound,
+    RetryEvent,
+    RetryPolicy,
+    StillProcessing,
+    Unauthenticated,
+    Unavailable,
+    pb,
+)
+from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.security import hash_key, new_key
+from orchestrator.server import OrchestratorServer
+from tests.conftest import (
+    STRIKER,
+    closed_port,
+    metric_sum,
+    orchestrator_settings,
+    routes_text,
+    wait_until,
+)
+from tests.unit.capability.test_serving import device_occupied
+from tests.unit.test_tls import make_certificates
+
+KEY = new_key()
+TENANT = "metered"
+# One call at once, then one more every 0.2 s: a second call at once is refused
+# with a RetryInfo of about 0.2 s.
+METERED = "{rate_per_second: 5, burst: 1}"
+# A token every 100 s: the hint is far past any test's deadline.
+STARVED = "{rate_per_second: 0.01, burst: 1}"
+SHARES = "Shares fell sharply after the bank cut its profit forecast"
+
+
+@contextlib.asynccontextmanager
+async def front_door(
+    capability: CapabilityServer, directory: Path, *, limit: str = "", budget: str = ""
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator before `capability` that accepts KEY (tenant TENANT, rate `limit`);
+    its route has the time `budget` when given."""
+    keys = directory / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - {{id: test, sha256: {hash_key(KEY)}, tenant: {TENANT}, role: user}}\n"
+        + (f"tenants:\n  {TENANT}: {limit}\n" if limit else "")
+    )
+    routes = directory / "routes.yaml"
+    routes.write_text(
+        "version: 1\nbackends:\n"
+        f"  minilm: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}'],"
+        " timeout: 30s}\n"
+        "routes:\n  - name: default\n    backend: minilm\n"
+        + (f"    budget: {budget}\n" if budget else "")
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes, routes_poll_seconds=0, auth="required", api_keys_file=keys
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+def target(server: OrchestratorServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+async def test_a_reject_raises_invalid_request_with_each_violation_and_the_ids(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door(capability, tmp_path) as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            await client.classify("   ", top_k=0, request_id="client-reject")
+    error = refused.value
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.reason == "INVALID_REQUEST"
+    assert {(v.field, v.rule) for v in error.violations} == {
+        ("text", "text.not_blank"),
+        ("top_k", "int32.gte_lte"),
+    }
+    assert error.request_id == "client-reject"
+    assert len(error.trace_id) == 32
+
+
+async def test_a_missing_key_raises_unauthenticated_and_an_unknown_result_not_found(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with front_door(capability, tmp_path) as server:
+        async with AsyncClassifyClient(target(server)) as anonymous:
+            with pytest.raises(Unauthenticated) as no_key:
+                await anonymous.classify(STRIKER)
+        async with AsyncClassifyClient(target(server), api_key=KEY) as client:
+            with pytest.raises(ResultNotFound) as unknown:
+                await client.get_result("never-sent")
+    assert (no_key.value.code, no_key.value.reason) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "UNAUTHENTICATED",
+    )
+    assert len(no_key.value.request_id) == len(no_key.value.trace_id) == 32
+    assert (unknown.value.code, unknown.value.reason) == (
+        grpc.StatusCode.NOT_FOUND,
+        "RESULT_NOT_FOUND",
+    )
+
+
+async def test_a_rate_limited_call_is_retried_after_the_servers_retry_info_delay(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    retries: list[RetryEvent] = []
+    async with front_door(capability, tmp_path, limit=METERED) as server:
+        with ClassifyClient(target(server), api_key=KEY, on_retry=retries.append) as client:
+            first = await asyncio.to_thread(client.classify, STRIKER)
+            second = await asyncio.to_thread(client.classify, STRIKER)
+    assert first.labels[0].name == second.labels[0].name == "sports"
+    (retry,) = retries
+    assert isinstance(retry.error, RateLimited)
+    assert (retry.method, retry.attempt, retry.error.metadata["tenant"]) == ("Classify", 1, TENANT)
+    assert retry.error.retry_after_seconds is not None
+    assert retry.delay_seconds >= retry.error.retry_after_seconds
+    # The server refused once: the retry came when its bucket had a token again.
+    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+
+
+async def test_a_retry_info_delay_past_the_deadline_is_not_waited_for(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    retries: list[RetryEvent] = []
+    async with (
+        front_door(capability, tmp_path, limit=STARVED) as server,
+        AsyncClassifyClient(target(server), api_key=KEY, on_retry=retries.append) as client,
+    ):
+        await client.classify(STRIKER)
+        with pytest.raises(RateLimited) as refused:
+            await client.classify(STRIKER, timeout=5)
+    assert retries == []
+    assert refused.value.retry_after_seconds is not None
+    assert refused.value.retry_after_seconds > 5
+    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+
+
+def test_an_unreachable_server_is_tried_max_attempts_times_then_raises_unavailable() -> None:
+    retries: list[RetryEvent] = []
+    policy = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    with (
+        ClassifyClient(
+            f"127.0.0.1:{closed_port()}", retry=policy, on_retry=retries.append
+        ) as client,
+        pytest.raises(Unavailable) as failed,
+    ):
+        client.classify(STRIKER, timeout=10)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert [(r.method, r.attempt) for r in retries] == [("Classify", 1), ("Classify", 2)]
+    assert all(0 <= r.delay_seconds <= 0.02 for r in retries)
+
+
+async def test_wait_follows_a_processing_answer_with_get_result_to_done(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            pending = await client.classify(STRIKER, request_id="no-wait-1")
+            waiting = asyncio.ensure_future(
+                client.classify(STRIKER, request_id="wait-1", wait=True, timeout=30)
+            )
+            await wait_until(
+                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 2,
+                "both answers PROCESSING",
+            )
+        done = await waiting
+        fetched = await client.get_result("no-wait-1", wait=True, timeout=30)
+    assert (pending.status, len(pending.labels)) == (pb.RESULT_STATUS_PROCESSING, 0)
+    assert (done.status, done.request_id, done.labels[0].name) == (
+        pb.RESULT_STATUS_DONE,
+        "wait-1",
+        "sports",
+    )
+    assert (fetched.status, fetched.trace_id) == (pb.RESULT_STATUS_DONE, pending.trace_id)
+
+
+async def test_wait_past_the_deadline_raises_still_processing_with_the_request_id(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            with pytest.raises(StillProcessing) as late:
+                await client.classify(STRIKER, request_id="late-wait-1", wait=True, timeout=1)
+        done = await client.get_result("late-wait-1", wait=True, timeout=30)
+    assert (late.value.code, late.value.request_id) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "late-wait-1",
+    )
+    assert done.labels[0].name == "sports"
+
+
+async def test_a_batch_answers_each_text_in_order_with_its_own_typed_error(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door(capability, tmp_path) as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        items = await client.classify_batch([STRIKER, "   ", SHARES], top_k=1)
+    striker, blank, shares = items
+    assert striker.response is not None
+    assert shares.response is not None
+    assert [len(striker.response.labels), striker.response.labels[0].name] == [1, "sports"]
+    assert shares.response.labels[0].name == "business"
+    assert isinstance(blank.error, InvalidRequest)
+    assert [(v.field, v.rule) for v in blank.error.violations] == [
+        ("items[1].text", "text.not_blank")
+    ]
+    assert len(blank.error.request_id) == len(blank.error.trace_id) == 32
+
+
+async def test_batch_items_past_the_rate_are_sent_again_after_the_retry_info_delay(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    retries: list[RetryEvent] = []
+    async with (
+        front_door(capability, tmp_path, limit=METERED) as server,
+        AsyncClassifyClient(target(server), api_key=KEY, on_retry=retries.append) as client,
+    ):
+        items = await client.classify_batch([STRIKER, SHARES])
+    assert [item.response.labels[0].name for item in items if item.response] == [
+        "sports",
+        "business",
+    ]
+    (retry,) = retries
+    assert (retry.method, type(retry.error)) == ("ClassifyBatch", RateLimited)
+    assert retry.error.retry_after_seconds is not None
+    assert retry.delay_seconds >= retry.error.retry_after_seconds
+    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+
+
+async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_trust_it(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    make_certificates(tmp_path)
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_text([f"127.0.0.1:{capability.port}"]))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            tls_cert_file=tmp_path / "server.pem",
+            tls_key_file=tmp_path / "server.key",
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    once = RetryPolicy(max_attempts=1)
+    try:
+        async with AsyncClassifyClient(target(server), ca_file=tmp_path / "ca.pem") as trusting:
+            response = await trusting.classify(STRIKER)
+        async with AsyncClassifyClient(target(server), tls=True, retry=once) as default_roots:
+            with pytest.raises(Unavailable) as untrusted:
+                await default_roots.classify(STRIKER, timeout=5)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert response.labels[0].name == "sports"
+    # Refused in the handshake: no server answered, so no IDs and no reason.
+    assert (untrusted.value.code, untrusted.value.reason, untrusted.value.request_id) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "",
+        "",
+    )

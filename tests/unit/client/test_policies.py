@@ -1,0 +1,70 @@
+"""The client's pure policies: retry delays as A6 and the server's pushback say, the
+GetResult poll schedule, and batches cut at the contract's limits."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from classify_client import ClassifyError, PollPolicy, RetryPolicy, pb
+from classify_client._shared import BATCH_MAX_CHARS, BATCH_MAX_ITEMS, batch_chunks
+
+
+def refused(code: grpc.StatusCode, retry_after: float | None = None) -> ClassifyError:
+    return ClassifyError("refused", code=code, retry_after_seconds=retry_after)
+
+
+def test_the_servers_retry_info_delay_is_a_floor_with_jitter_above_it() -> None:
+    lowest = RetryPolicy(random=lambda: 0.0)
+    highest = RetryPolicy(random=lambda: 0.999)
+    overloaded = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, retry_after=2.0)
+    assert lowest.delay_before_retry(overloaded, attempt=1) == 2.0
+    assert highest.delay_before_retry(overloaded, attempt=1) == pytest.approx(2.0 * 1.1998)
+
+
+def test_without_a_hint_the_backoff_cap_grows_by_the_multiplier_up_to_its_maximum() -> None:
+    policy = RetryPolicy(
+        max_attempts=10,
+        initial_backoff_seconds=0.1,
+        multiplier=2,
+        max_backoff_seconds=0.5,
+        random=lambda: 0.5,
+    )
+    unavailable = refused(grpc.StatusCode.UNAVAILABLE)
+    delays = [policy.delay_before_retry(unavailable, attempt) for attempt in range(1, 6)]
+    assert delays == pytest.approx([0.05, 0.1, 0.2, 0.25, 0.25])
+
+
+def test_only_retryable_codes_are_retried_and_max_attempts_counts_the_first_try() -> None:
+    policy = RetryPolicy(max_attempts=3)
+    assert policy.delay_before_retry(refused(grpc.StatusCode.INVALID_ARGUMENT), 1) is None
+    assert policy.delay_before_retry(refused(grpc.StatusCode.DEADLINE_EXCEEDED, 1.0), 1) is None
+    assert policy.delay_before_retry(refused(grpc.StatusCode.UNAVAILABLE), 2) is not None
+    assert policy.delay_before_retry(refused(grpc.StatusCode.UNAVAILABLE), 3) is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"max_attempts": 0}, "max_attempts 0"),
+        ({"initial_backoff_seconds": 0}, "initial_backoff_seconds 0"),
+        ({"initial_backoff_seconds": 2, "max_backoff_seconds": 1}, "max_backoff_seconds 1"),
+        ({"multiplier": 0.5}, "multiplier 0.5"),
+        ({"pushback_jitter": 2}, "pushback_jitter 2"),
+    ],
+)
+def test_a_bad_retry_setting_is_refused_naming_it(settings: dict[str, float], named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named} "):
+        RetryPolicy(**settings)  # type: ignore[arg-type]
+
+
+def test_polls_start_short_and_grow_to_the_longest_interval() -> None:
+    poll = PollPolicy(initial_interval_seconds=0.1, multiplier=2, max_interval_seconds=0.5)
+    assert [poll.interval(n) for n in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+
+
+def test_batches_are_cut_at_the_item_limit_and_at_the_character_limit() -> None:
+    short = [pb.ClassifyRequest(text="x")] * (BATCH_MAX_ITEMS + 1)
+    assert [len(chunk) for chunk in batch_chunks(short)] == [BATCH_MAX_ITEMS, 1]
+    long = [pb.ClassifyRequest(text="x" * (BATCH_MAX_CHARS // 2))] * 3
+    assert list(batch_chunks(long)) == [[0, 1], [2]]
