@@ -85,11 +85,18 @@ def worker_pids(orchestrator: ServerProcess) -> dict[int, int]:
     }
 
 
+async def every_worker_logged(orchestrator: ServerProcess, processes: int) -> dict[int, int]:
+    """The workers' pids, once each has logged "worker serving" (the lines of several
+    processes reach the log file in their own time)."""
+    await wait_until(lambda: len(worker_pids(orchestrator)) == processes, "every worker's line")
+    return worker_pids(orchestrator)
+
+
 async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     start_stack: Callable[..., Stack], redis_server: RedisServer, tmp_path: Path
 ) -> None:
     stack = start_workers(start_stack, redis_server, keys_with_limit(tmp_path, BURST), 3)
-    assert len(worker_pids(stack.orchestrator)) == 3
+    await every_worker_logged(stack.orchestrator, 3)
     port = stack.orchestrator.port
     codes = [await classify_on_new_connection(port) for _ in range(BURST + 6)]
     assert codes == [grpc.StatusCode.OK] * BURST + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
@@ -108,7 +115,7 @@ async def test_killed_worker_is_restarted_and_sigterm_drains_every_worker(
     with SIGKILL comes back while the other answers; SIGTERM then drains them all."""
     stack = start_workers(start_stack, redis_server, keys_with_limit(tmp_path), 2)
     port = stack.orchestrator.port
-    before = worker_pids(stack.orchestrator)
+    before = await every_worker_logged(stack.orchestrator, 2)
     assert [await classify_on_new_connection(port) for _ in range(4)] == [grpc.StatusCode.OK] * 4
 
     os.kill(before[0], signal.SIGKILL)
