@@ -145,7 +145,10 @@ async def test_killed_worker_is_restarted_and_sigterm_drains_every_worker(
     admitted = [
         line for line in lines if line.get("event") == "rpc" and line.get("method") == CLASSIFY
     ]
-    assert [line["code"] for line in admitted] == ["OK"] * (4 + 16 + answered)
+    assert {line["code"] for line in admitted} == {"OK"}
+    # Every call since the kill was logged; of the 4 before it, the killed worker's
+    # lines may still have been queued in its log writer when it died.
+    assert 16 + answered <= len(admitted) <= 4 + 16 + answered
 
 
 async def calls_then_sigterm(
