@@ -39,6 +39,8 @@ PYTHON_SOURCES := capability orchestrator classify_common clients/python tests t
 DEPLOY_DIR ?= deploy
 K8S_VERSION ?= 1.32.0
 PROMTOOL := build/tools/promtool
+# Debian's Redis, unpacked without root, for the tests of shared state (tools/redis_server.py).
+REDIS_SERVER := build/tools/redis/redis-server
 
 .PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	check-deps \
@@ -167,8 +169,11 @@ ruff: $(VENV_STAMP)
 mypy: $(VENV_STAMP) $(STUB_STAMP)
 	$(VENV)/bin/mypy $(PYTHON_SOURCES)
 
-pytest: setup
+pytest: setup $(REDIS_SERVER)
 	$(PY) -m pytest
+
+$(REDIS_SERVER): | $(VENV_STAMP)
+	$(PY) -m tools.redis_server install $(@D)
 
 # Every lock, from every .in, in one run (tools/lock.py): needs PyPI.
 lock: $(VENV_STAMP)
@@ -183,11 +188,14 @@ bench-models: setup
 bench-capability: setup bundles
 	$(PY) bench/capability_server.py
 
+# ORCHESTRATOR_PROCESSES=2: the orchestrator as two processes sharing a Redis.
+ORCHESTRATOR_PROCESSES ?= 1
+
 bench-front-door: setup bundles
-	$(PY) bench/front_door.py
+	$(PY) bench/front_door.py --orchestrator-processes $(ORCHESTRATOR_PROCESSES)
 
 bench-overload: setup bundles
-	$(PY) bench/overload.py
+	$(PY) bench/overload.py --orchestrator-processes $(ORCHESTRATOR_PROCESSES)
 
 # A short front-door run that fails on a performance regression (bench/gate.py).
 bench-gate: setup bundles

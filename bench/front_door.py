@@ -25,7 +25,8 @@ one text on all cores.
 Prints two tables (markdown), writes build/bench/front_door.json and a plot of
 throughput against p99 per system, build/bench/front_door.png.
 
-    python bench/front_door.py [--device cpu|cuda] [--seconds 5]
+    python bench/front_door.py [--device cpu|cuda] [--seconds 5] [--orchestrator-processes 1]
+        [--front-door-only]
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from bench.harness import (  # noqa: E402
     measure_level,
     naive_command,
     orchestrator_command,
+    orchestrator_processes,
     start_server,
     torch_threads,
     unary_call,
@@ -214,6 +216,8 @@ class FrontDoorBench:
         self.device = device
         self.seconds = seconds
         self.runner = runner
+        # The orchestrator's --processes (more than 1: with a Redis for their state).
+        self.orchestrator_processes = 1
         self.progress = Progress(STEPS)
         self.levels: list[dict[str, Any]] = []
         self.forward_ms: dict[str, list[dict[str, float]]] = {MODEL: [], STATIC_MODEL: []}
@@ -318,11 +322,14 @@ class FrontDoorBench:
             "front_door-capability", capability_command("--device", self.device), environment
         ) as capability:
             routes = write_routes(capability.target)
-            with start_server(
-                "front_door-orchestrator",
-                orchestrator_command("--routes-file", str(routes)),
-                environment,
-            ) as orchestrator:
+            with (
+                orchestrator_processes(self.orchestrator_processes) as processes_flags,
+                start_server(
+                    "front_door-orchestrator",
+                    orchestrator_command("--routes-file", str(routes), *processes_flags),
+                    environment,
+                ) as orchestrator,
+            ):
                 stack = {"orchestrator": orchestrator, "capability": capability}
                 for model, concurrency, batch_clients in (
                     (MODEL, CONCURRENCY, BATCH_CLIENTS),
@@ -366,16 +373,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the capability's device")
     parser.add_argument("--seconds", type=float, default=5.0, help="load per level")
+    parser.add_argument(
+        "--orchestrator-processes", type=int, default=1, help="its --processes (>1: with Redis)"
+    )
+    parser.add_argument(
+        "--front-door-only",
+        action="store_true",
+        help="skip the capability server alone and the naive server",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     with asyncio.Runner() as runner:
         bench = FrontDoorBench(args.device, args.seconds, runner)
+        bench.orchestrator_processes = args.orchestrator_processes
         bench.measure_ceilings()
         bench.measure_front_door()
-        bench.measure_alone(
-            CAPABILITY_ALONE, "capability", capability_command("--device", args.device)
-        )
-        bench.measure_alone(NAIVE, "naive", naive_command(args.device))
+        if not args.front_door_only:
+            bench.measure_alone(
+                CAPABILITY_ALONE, "capability", capability_command("--device", args.device)
+            )
+            bench.measure_alone(NAIVE, "naive", naive_command(args.device))
         bench.progress.clear()
 
     duration = time.perf_counter() - started
@@ -396,6 +413,7 @@ def main() -> None:
             ),
         },
         "seconds_per_level": args.seconds,
+        "orchestrator_processes": args.orchestrator_processes,
         "ceiling": bench.ceilings,
         "ceiling_served_threads": bench.served_ceilings,
         "one_forward_batch_1_ms": {

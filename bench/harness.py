@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -455,6 +456,41 @@ def capability_command(*args: str) -> list[str]:
 def orchestrator_command(*args: str) -> list[str]:
     """`python -m orchestrator` on free ports, defaults otherwise, then `args`."""
     return [sys.executable, "-m", "orchestrator", "--port", "0", "--metrics-port", "0", *args]
+
+
+@contextlib.contextmanager
+def orchestrator_processes(processes: int) -> Iterator[list[str]]:
+    """The orchestrator flags for `processes` worker processes on one port: none for 1;
+    otherwise a Redis (Debian's, unpacked by tools/redis_server.py) on a free loopback
+    port for their shared state, stopped on exit. Its CPU lands in "others"."""
+    if processes == 1:
+        yield []
+        return
+    from tools import redis_server
+
+    launcher = redis_server.server_path()
+    if not launcher.is_file() and redis_server.install(redis_server.DEFAULT_TARGET) != 0:
+        raise SystemExit("no redis-server for --orchestrator-processes")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    redis = subprocess.Popen(
+        [launcher, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            if time.monotonic() > deadline or redis.poll() is not None:
+                raise SystemExit("redis-server did not start")
+            time.sleep(0.05)
+        yield ["--processes", str(processes), "--state-url", f"redis://127.0.0.1:{port}/0"]
+    finally:
+        redis.terminate()
+        redis.wait(timeout=30)
 
 
 def naive_command(device: str) -> list[str]:

@@ -24,7 +24,7 @@ targets: goodput at least 0.8 of capacity, at most 0.1% of calls more than
 
 Prints a table, writes build/bench/overload.json.
 
-    python bench/overload.py [--seconds 20] [--capacity-seconds 8]
+    python bench/overload.py [--seconds 20] [--capacity-seconds 8] [--orchestrator-processes 1]
 """
 
 from __future__ import annotations
@@ -204,12 +204,16 @@ def main() -> None:
         Progress,
         capability_command,
         orchestrator_command,
+        orchestrator_processes,
         start_server,
     )
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="each overload phase")
     parser.add_argument("--capacity-seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--orchestrator-processes", type=int, default=1, help="its --processes (>1: with Redis)"
+    )
     args = parser.parse_args()
     phases_planned = [
         ("capacity", CAPACITY_CALLERS, None, args.capacity_seconds),
@@ -226,13 +230,16 @@ def main() -> None:
     progress.step("starting orchestrator + capability (loading the models)")
     phases: list[dict[str, Any]] = []
     with (
+        orchestrator_processes(args.orchestrator_processes) as processes_flags,
         start_server(
             "overload-capability", capability_command("--device", "cpu"), environment
         ) as capability,
         start_server(
             "overload-orchestrator",
             orchestrator_command(
-                "--routes-file", str(write_routes_without_fallback(capability.target))
+                "--routes-file",
+                str(write_routes_without_fallback(capability.target)),
+                *processes_flags,
             ),
             environment,
         ) as orchestrator,
@@ -253,6 +260,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "phases": phases,
         "capacity_ok_per_second": phases[0]["ok_per_second"],
+        "orchestrator_processes": args.orchestrator_processes,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     report["targets"] = judge(report)

@@ -28,5 +28,5 @@ class InternalTokenGate:
             raise Unauthenticated("capability servers answer the orchestrator only")
         return ORCHESTRATOR
 
-    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+    async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
         return RateAllowance(None, calls)  # overload is the bounded queue's job here

@@ -23,7 +23,7 @@ which server or which method it serves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -63,14 +63,16 @@ class Gate(Protocol):
         """The caller's tenant, from the request metadata (lower-case keys)."""
         ...
 
-    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+    async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
         """Take one token per call (a batch item is a call) from the tenant's allowance;
-        raise when not even one is left."""
+        raise when not even one is left. Only the front door asks: an internal server
+        leaves overload to its bounded queues."""
         ...
 
 
-# Admits a request: raises a ServiceError to refuse it.
-AdmitStep = Callable[[Mapping[str, str], Any], None]
+# Admits a request: raises a ServiceError to refuse it. A coroutine: the tenant's
+# rate limit may live in a shared store (orchestrator.state).
+AdmitStep = Callable[[Mapping[str, str], Any], Awaitable[None]]
 # Admits a request inside the receive node, recording on its span.
 ReceiveStep = Callable[[Mapping[str, str], Any, trace.Span], None]
 
@@ -127,14 +129,14 @@ class FrontDoorAdmission(_MethodChecks):
         self.on_receive: ReceiveStep | None = None  # its steps are nodes of their own
         self.admit: AdmitStep | None = self._admit
 
-    def _admit(self, headers: Mapping[str, str], request: Any) -> None:
+    async def _admit(self, headers: Mapping[str, str], request: Any) -> None:
         """Who is calling, whether they may, and what, each as its own node."""
         tenant = self._authenticate(headers)
         calls = self._calls_in(request)
         allowance = RateAllowance(None, calls)
         with node(RATE_LIMIT_CHECK, {CLASSIFY_TENANT: tenant}) as span:
             if self._gate is not None:
-                allowance = self._gate.check_rate_limit(tenant, calls)
+                allowance = await self._gate.check_rate_limit(tenant, calls)
             if allowance.tokens_left is not None:
                 span.set_attribute(CLASSIFY_TOKENS_LEFT, allowance.tokens_left)
         with node(INPUT_VALIDATE) as span:
@@ -168,10 +170,10 @@ class InternalAdmission(_MethodChecks):
         self.admit: AdmitStep | None = None  # admitted on receive
 
     def _check_on_receive(self, headers: Mapping[str, str], request: Any, span: trace.Span) -> None:
-        """The gate and validation, inside the receive node."""
+        """The gate's authentication and validation, inside the receive node; no rate
+        limit (see Gate.check_rate_limit)."""
         if self._gate is not None:
-            tenant = self._gate.authenticate(self._method, headers)
-            self._gate.check_rate_limit(tenant, self._calls_in(request))
+            self._gate.authenticate(self._method, headers)
         self._validate(request, span)
 
 

@@ -14,6 +14,7 @@
     │   ├── ModelUnavailable      UNAVAILABLE: the capability server is unreachable
     │   ├── ModelFault            UNAVAILABLE: NaN output, failed batch, crashed worker
     │   └── ServerDraining        UNAVAILABLE: shutting down, try another replica
+    ├── StateUnavailable          UNAVAILABLE: the shared state store (Redis) did not answer
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
     │   ├── RateLimited           the tenant's token bucket is empty
     │   ├── QueueFull             the worker's bounded queue has no room
@@ -168,6 +169,12 @@ class ServerDraining(ModelError):
     reason = "SERVER_DRAINING"
 
 
+class StateUnavailable(ServiceError):
+    """The shared state store (Redis) did not answer in time; retrying later may work."""
+
+    reason = "STATE_UNAVAILABLE"
+
+
 class Overloaded(ServiceError):
     """Too much work queued; try again after `retry_after_seconds`."""
 
@@ -275,6 +282,7 @@ GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
     ClientError: grpc.StatusCode.INVALID_ARGUMENT,
     MethodNotServed: grpc.StatusCode.UNIMPLEMENTED,
     ModelError: grpc.StatusCode.UNAVAILABLE,
+    StateUnavailable: grpc.StatusCode.UNAVAILABLE,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     ReloadRefused: grpc.StatusCode.FAILED_PRECONDITION,

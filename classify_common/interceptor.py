@@ -183,7 +183,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 ids = rebind_own_request_id(request, ids)
                 server_span.set_attribute(CLASSIFY_REQUEST_ID, ids.request_id)
                 if admit is not None:
-                    admit(headers, request)
+                    await admit(headers, request)
                 response = await behavior(request, context)
                 payload = encode(response)
             except ServiceError as error:

@@ -206,13 +206,17 @@ async def serve_until_signal(
     server: StoppableServer,
     start: Callable[[], Awaitable[Mapping[str, object]]],
     log: logging.Logger,
+    *,
+    event: str = "serving",
+    wait: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Run `start` (which starts `server` and returns the fields of its "serving" log
-    line), serve until SIGINT or SIGTERM, and stop gracefully, even after a failed start."""
+    """Run `start` (which starts `server` and returns the fields of its `event` log
+    line), serve until SIGINT or SIGTERM (or until `wait()` returns), and stop
+    gracefully, even after a failed start."""
     try:
         fields = await start()
-        log.info("serving", extra=dict(fields))
-        await wait_for_shutdown_signal()
+        log.info(event, extra=dict(fields))
+        await (wait or wait_for_shutdown_signal)()
     finally:
         await server.stop()
         log.info("stopped")

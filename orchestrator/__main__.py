@@ -1,3 +1,6 @@
 from orchestrator.server import main
 
-main()
+# Guarded: worker processes (--processes, orchestrator.workers) are spawned, and a
+# spawned process imports the main module again.
+if __name__ == "__main__":
+    main()

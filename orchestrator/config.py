@@ -7,6 +7,7 @@ ServerSettings.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -35,6 +36,18 @@ DEFAULT_CONCURRENCY_LIMIT = "adaptive"
 DEFAULT_CONCURRENCY = ConcurrencySettings()
 # Highest value --concurrency-max-limit may take; its lowest is --concurrency-min-limit.
 MAX_CONCURRENCY_LIMIT = 100_000
+DEFAULT_STATE_TIMEOUT_MS = 100
+DEFAULT_STATE_RETRY_SECONDS = 1.0
+DEFAULT_PROCESSES = 1
+MAX_PROCESSES = 256
+STATE_URL_SCHEMES = ("redis://", "rediss://")
+
+
+def processes_count(text: str) -> int:
+    """--processes: a number, or `auto`: the cores this process may run on."""
+    if text.strip() == "auto":
+        return len(os.sched_getaffinity(0))
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,49 @@ class OrchestratorSettings(ServerSettings):
         low=1,
         high=86400,
         unit="s",
+    )
+    # Where results and rate-limit buckets live; None keeps them in this process. A
+    # redis:// URL (rediss:// for TLS) with an optional password (`redis://:pw@host:6379/0`).
+    state_url: str | None = setting(
+        None,
+        "redis:// or rediss:// URL of the shared state (none: in this process)",
+        test=lambda url: url.startswith(STATE_URL_SCHEMES),
+        rule="a redis:// or rediss:// URL",
+    )
+    # Wins over a password in the URL, which would show in process listings.
+    state_password_file: Path | None = setting(
+        None, "file holding the password of --state-url's Redis", Path
+    )
+    # For rediss:// with a private CA; None: the system's CAs.
+    state_ca_file: Path | None = setting(
+        None, "CA of the Redis server's certificate (rediss:// only)", Path
+    )
+    # Longest a call waits for Redis (each command) before going on without it.
+    state_timeout_ms: int = setting(
+        DEFAULT_STATE_TIMEOUT_MS,
+        "most a call waits for the shared state store per command",
+        int,
+        low=1,
+        high=10_000,
+        unit="ms",
+    )
+    # After a failed command, Redis is not asked again for this long.
+    state_retry_seconds: float = setting(
+        DEFAULT_STATE_RETRY_SECONDS,
+        "after a shared state failure, go without it this long",
+        float,
+        low=0.01,
+        high=60,
+        unit="s",
+    )
+    # Worker processes on one port (SO_REUSEPORT) under a supervisor; more than 1
+    # needs --state-url (see orchestrator/workers.py).
+    processes: int = setting(
+        DEFAULT_PROCESSES,
+        "orchestrator processes serving the port (auto: one per core; >1 needs --state-url)",
+        processes_count,
+        low=1,
+        high=MAX_PROCESSES,
     )
     # 1 sends every request on its own (see orchestrator/upstream/coalescer.py).
     upstream_batch_max_items: int = setting(
@@ -155,6 +211,17 @@ class OrchestratorSettings(ServerSettings):
             "ORCHESTRATOR_CONCURRENCY_MAX_LIMIT",
         )
         self.upstream_tls()  # refuses an incomplete set of upstream TLS files now
+        if self.processes > 1 and self.state_url is None:
+            raise SettingsError(
+                f"--processes / ORCHESTRATOR_PROCESSES {self.processes} needs shared state: "
+                "set --state-url / ORCHESTRATOR_STATE_URL to a redis:// URL (each process "
+                "would otherwise keep its own results and rate limits)"
+            )
+        if self.state_ca_file is not None and not (self.state_url or "").startswith("rediss://"):
+            raise SettingsError(
+                "--state-ca-file / ORCHESTRATOR_STATE_CA_FILE needs a rediss:// (TLS) "
+                "--state-url / ORCHESTRATOR_STATE_URL"
+            )
         if self.auth == "required" and self.api_keys_file is None:
             raise SettingsError(
                 "--api-keys-file / ORCHESTRATOR_API_KEYS_FILE is needed while --auth is required "

@@ -89,6 +89,8 @@ class Dispatcher:
         self._retiring: set[asyncio.Task[None]] = set()
         # Calls that outlived their budget and still run, for GetResult.
         self._background: set[asyncio.Task[pb.ClassifyResponse]] = set()
+        # Tasks that store a background call's outcome in the result store.
+        self._storing: set[asyncio.Task[None]] = set()
 
     def replace(self, state: RoutingState) -> None:
         """Serve new calls from `state`; the old one closes once its calls are done."""
@@ -102,6 +104,7 @@ class Dispatcher:
         for work in self._background:
             work.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._storing, return_exceptions=True)
         await asyncio.gather(*self._retiring)
         await self.state.upstream.close()
 
@@ -214,20 +217,46 @@ class Dispatcher:
             # shield: the client leaving (its deadline, a cancel) must not stop the work.
             return await asyncio.wait_for(asyncio.shield(work), timeout=max(wait, 0))
         except TimeoutError:
+            pending = self._processing_response(route, ids)
+            if not await self.results.hold(ids.request_id, pending):
+                return await self._answer_unstored(work, call)
             request_trace = current_trace()
             if request_trace is not None:
                 # The work goes on: its spans end later, marked, and are still exported.
                 request_trace.mark_timed_out()
-            self._keep_for_polling(work, route, ids)
+            self._store_when_done(work, ids)
             if client_remaining is not None and wait < route.budget_seconds:
                 raise DeadlineExpired(
                     "the deadline passed while the model was working; poll GetResult",
                     request_id=ids.request_id,
                 ) from None
             self._metrics.processing.labels(route.name).inc()
-            return self._processing_response(route, ids)
+            return pending
         except asyncio.CancelledError:
-            self._keep_for_polling(work, route, ids)
+            self._store_when_done(work, ids, hold_first=self._processing_response(route, ids))
+            raise
+
+    async def _answer_unstored(
+        self, work: asyncio.Task[pb.ClassifyResponse], call: UpstreamCall
+    ) -> pb.ClassifyResponse:
+        """The result store could not keep a place (the shared store is down): nobody
+        could poll a PROCESSING answer, so answer when the work is done, within the
+        client's deadline; past it, DEADLINE_EXCEEDED and the work is dropped."""
+        timeout = None
+        if call.deadline is not None:
+            loop_now = asyncio.get_running_loop().time()
+            timeout = max(call.deadline - loop_now - DEADLINE_SAFETY_MARGIN_SECONDS, 0)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), timeout=timeout)
+        except TimeoutError:
+            work.cancel()
+            raise DeadlineExpired(
+                "the deadline passed while the model was working, and the result store "
+                "is unavailable, so there is no result to poll",
+                request_id=call.ids.request_id,
+            ) from None
+        except asyncio.CancelledError:
+            work.cancel()  # the client left and no store would keep the result
             raise
 
     def _processing_response(self, route: Route, ids: RequestContext) -> pb.ClassifyResponse:
@@ -238,24 +267,33 @@ class Dispatcher:
             route=route.name,
         )
 
-    def _keep_for_polling(
-        self, work: asyncio.Task[pb.ClassifyResponse], route: Route, ids: RequestContext
+    def _store_when_done(
+        self,
+        work: asyncio.Task[pb.ClassifyResponse],
+        ids: RequestContext,
+        hold_first: pb.ClassifyResponse | None = None,
     ) -> None:
-        self.results.hold(ids.request_id, self._processing_response(route, ids))
+        """Store the work's outcome for GetResult once it is done (holding its place
+        first when `hold_first` is the pending answer), off the caller's path."""
 
-        def store(finished: asyncio.Task[pb.ClassifyResponse]) -> None:
-            if finished.cancelled():
+        async def store() -> None:
+            if hold_first is not None and not await self.results.hold(ids.request_id, hold_first):
+                return  # nowhere to keep it; the store counted why
+            await asyncio.wait([work])
+            if work.cancelled():
                 return
-            error = finished.exception()
+            error = work.exception()
             if error is None:
-                self.results.finish(ids.request_id, response=finished.result())
+                await self.results.finish(ids.request_id, response=work.result())
             elif isinstance(error, ServiceError):
-                self.results.finish(ids.request_id, error=error)
+                await self.results.finish(ids.request_id, error=error)
             else:
                 log.error("unhandled error", exc_info=error, extra={"request_id": ids.request_id})
                 self._on_internal_error()
-                self.results.finish(
+                await self.results.finish(
                     ids.request_id, error=internal_error(ids.request_id, ids.trace_id)
                 )
 
-        work.add_done_callback(store)
+        task = asyncio.get_running_loop().create_task(store())
+        self._storing.add(task)
+        task.add_done_callback(self._storing.discard)

@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import sys
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
-from classify_common.settings import read_secret
+from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
 from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.results import ResultStore
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
+from orchestrator.state import StateMetrics, open_shared_state
 from orchestrator.upstream import UpstreamPools
+from orchestrator.workers import WorkerStartFailed, supervise
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +51,21 @@ class OrchestratorServer:
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
         self._internal_token = read_secret(settings.internal_token_file)
+        self.state = open_shared_state(
+            settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
+        )
         self.dispatcher = Dispatcher(
             self._routing_state(load_routes(settings.routes_file)),
             self.metrics,
-            ResultStore(settings.results_capacity, settings.results_ttl_seconds),
+            self.state.results,
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
             shadow=ShadowTraffic(self.metrics.shadow, settings.shadow_max_in_flight),
         )
         self.serving = GrpcServing.contract_server(
-            settings, self.registry, gate=CallerGate(keys, self.metrics), edge=True
+            settings,
+            self.registry,
+            gate=CallerGate(keys, self.metrics, self.state.limits),
+            edge=True,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
             ClassifyServicer(self.dispatcher), self.serving.server
@@ -96,10 +108,20 @@ class OrchestratorServer:
         self.metrics.routes_reloads.labels("failed").inc()
 
     @property
+    def _state_host(self) -> str:
+        """--state-url without its password, for logs."""
+        url = self.settings.state_url or ""
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}"
+
+    @property
     def port(self) -> int:
         return self.serving.port
 
     async def start(self) -> None:
+        if self.state.redis is not None and not await self.state.redis.ping():
+            # Serving anyway: calls are answered without it (docs/deploy.md#shared-state-redis).
+            log.warning("shared state store unreachable at start", extra={"url": self._state_host})
         await self.serving.start()
         await self.serving.set_serving(True)
         if self.settings.routes_poll_seconds > 0:
@@ -120,6 +142,7 @@ class OrchestratorServer:
             self._watcher = None
         await self.serving.stop(grace)
         await self.dispatcher.close()
+        await self.state.close()
 
 
 async def serve(settings: OrchestratorSettings) -> None:
@@ -137,9 +160,37 @@ async def serve(settings: OrchestratorSettings) -> None:
     await serve_until_signal(server, start, log)
 
 
+async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+    """One of several processes on the port (orchestrator.workers): its /metrics on a
+    loopback port of its own, which it sends the supervisor once serving."""
+    server = OrchestratorServer(settings)
+
+    async def start() -> dict[str, object]:
+        await server.start()
+        metrics = MetricsEndpoint(server.registry, "127.0.0.1", 0)
+        ready.send({"pid": os.getpid(), "metrics_port": metrics.port})
+        ready.close()
+        return {"worker": index, "pid": os.getpid(), "port": server.port}
+
+    await serve_until_signal(server, start, log, event="worker serving")
+
+
+START_ERRORS = (RoutesFileError, KeysFileError, SettingsError, WorkerStartFailed, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = OrchestratorSettings.from_args(argv)
-    start_errors = (RoutesFileError, KeysFileError, OSError)
-    run_server(
-        "orchestrator", settings, lambda: serve(settings), start_errors=start_errors, log=log
-    )
+    try:
+        settings = OrchestratorSettings.from_args(argv)
+    except SettingsError as exc:  # one line naming flag and variable, not a traceback
+        print(f"{OrchestratorSettings.PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if settings.processes > 1:
+        run = functools.partial(supervise, settings)
+    else:
+        run = functools.partial(serve, settings)
+    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)
+
+
+def main_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+    run = functools.partial(serve_worker, settings, index, ready)
+    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)

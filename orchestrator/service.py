@@ -81,4 +81,4 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     async def GetResult(
         self, request: pb.GetResultRequest, context: Context
     ) -> pb.ClassifyResponse:
-        return self._dispatcher.results.get(request.request_id)
+        return await self._dispatcher.results.get(request.request_id)

@@ -5,7 +5,9 @@ and an OrchestratorServer on port 0 with fresh Prometheus registries, so tests
 can read exact metric deltas and spans. `start_process` runs the real
 `python -m ...` entry points as separate processes, and `start_stack` (or `stack`)
 the two of them wired together, for the system tests in tests/system/.
-`wait_until` is the one way a test waits for something to happen.
+`redis_server` starts a real Redis (Debian's, unpacked by tools/redis_server.py)
+on a free loopback port. `wait_until` is the one way a test waits for something
+to happen.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
+from tools import redis_server as redis_tool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCESS_READY_TIMEOUT_SECONDS = 120.0
@@ -472,3 +475,57 @@ def start_stack(
 def stack(start_stack: Callable[..., Stack]) -> Stack:
     """The default stack: topic-minilm behind an orchestrator that accepts STACK_API_KEY."""
     return start_stack(api_key=STACK_API_KEY)
+
+
+class RedisServer:
+    """A real redis-server on a loopback port, with nothing saved to disk; it can be
+    stopped and started again on the same port (Redis going away and coming back)."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.port = closed_port()
+        self._work_dir = work_dir
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        launcher = redis_tool.server_path()
+        if not launcher.is_file():
+            assert redis_tool.install(redis_tool.DEFAULT_TARGET) == 0, "no redis-server"
+        self._process = subprocess.Popen(
+            [launcher, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""],
+            cwd=self._work_dir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + PROCESS_READY_TIMEOUT_SECONDS
+        while self.command("PING") != "+PONG":
+            assert self._process.poll() is None, "redis-server exited at start"
+            assert time.monotonic() < deadline, "redis-server did not answer PING"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(timeout=10)
+        self._process = None
+
+    def command(self, *words: str) -> str:
+        """One command's first reply line (inline protocol), or "" when nothing answers."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as connection:
+                connection.sendall((" ".join(words) + "\r\n").encode())
+                return connection.makefile("rb").readline().decode().strip()
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh, empty Redis for one test, stopped after it."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -9,13 +9,14 @@ from orchestrator.security.keys import (
     load_api_keys,
     new_key,
 )
-from orchestrator.security.limits import TenantRateLimits, TokenBucketSettings
+from orchestrator.security.limits import RateLimits, TenantRateLimits, TokenBucketSettings
 
 __all__ = [
     "ApiKeys",
     "Caller",
     "CallerGate",
     "KeysFileError",
+    "RateLimits",
     "TenantRateLimits",
     "TokenBucketSettings",
     "hash_key",

@@ -15,7 +15,7 @@ from classify_common.admission import RateAllowance
 from classify_common.errors import RateLimited, Unauthenticated
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.security.keys import ApiKeys, Caller
-from orchestrator.security.limits import TenantRateLimits
+from orchestrator.security.limits import RateLimits, TenantRateLimits
 
 BEARER = "bearer "
 TENANT_HEADER = "x-tenant"
@@ -32,10 +32,18 @@ def current_caller() -> Caller:
 class CallerGate:
     """The interceptor's gate (classify_common.admission.Gate) for the front door."""
 
-    def __init__(self, keys: ApiKeys | None, metrics: OrchestratorMetrics) -> None:
-        """`keys` None switches authentication off (development only)."""
+    def __init__(
+        self,
+        keys: ApiKeys | None,
+        metrics: OrchestratorMetrics,
+        limits: RateLimits | None = None,
+    ) -> None:
+        """`keys` None switches authentication off (development only); `limits` None:
+        the keys file's tenant limits, in this process."""
         self._keys = keys
-        self._limits = TenantRateLimits(keys.tenant_limits if keys else {})
+        self._limits: RateLimits = (
+            limits if limits is not None else TenantRateLimits(keys.tenant_limits if keys else {})
+        )
         self._metrics = metrics
 
     def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
@@ -47,8 +55,8 @@ class CallerGate:
         _caller.set(caller)
         return caller.tenant
 
-    def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
-        tokens_left, granted, wait = self._limits.try_acquire(tenant, calls)
+    async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        tokens_left, granted, wait = await self._limits.try_acquire(tenant, calls)
         if granted == calls:
             return RateAllowance(tokens_left, granted)
         self._metrics.rate_limited.labels(tenant).inc(calls - granted)

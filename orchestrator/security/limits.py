@@ -1,10 +1,28 @@
-"""Per-tenant rate limits: one token bucket each, refilled continuously."""
+"""Per-tenant rate limits: one token bucket each, refilled continuously.
+
+Two implementations keep the `RateLimits` contract: `TenantRateLimits` in this
+process (the default), and orchestrator.state.RedisRateLimits, whose buckets
+live in Redis, so every orchestrator process that shares it draws on one bucket
+per tenant.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
+
+# What a check grants: (tokens left, or None for an unlimited tenant; calls granted;
+# seconds to wait before retrying the rest, 0 when all were granted).
+Grant = tuple[float | None, int, float]
+
+
+class RateLimits(Protocol):
+    async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
+        """Take one token per call, as many as there are up to `calls` (a batch counts
+        each item)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -19,6 +37,11 @@ class TokenBucketSettings:
             raise ValueError(f"rate_per_second {self.rate_per_second} must be above 0")
         if self.burst < 1:
             raise ValueError(f"burst {self.burst} must be at least 1")
+
+
+def seconds_to_next_token(tokens: float, settings: TokenBucketSettings) -> float:
+    """How long a bucket holding `tokens` (fewer than one) takes to hold one."""
+    return (1 - tokens) / settings.rate_per_second
 
 
 class _Bucket:
@@ -38,7 +61,7 @@ class _Bucket:
         self.tokens -= granted
         if granted == calls:
             return granted, 0.0
-        return granted, (1 - self.tokens) / self.settings.rate_per_second
+        return granted, seconds_to_next_token(self.tokens, self.settings)
 
 
 class TenantRateLimits:
@@ -50,10 +73,15 @@ class TenantRateLimits:
         self._clock = clock
         self._buckets = {tenant: _Bucket(s, clock()) for tenant, s in limits.items()}
 
-    def try_acquire(self, tenant: str, calls: int = 1) -> tuple[float | None, int, float]:
-        """Take one token per call, as many as there are up to `calls` (a batch counts
-        each item): (tokens left, or None for an unlimited tenant; calls granted;
-        seconds to wait before retrying the rest, 0 when all were granted)."""
+    @property
+    def limits(self) -> Mapping[str, TokenBucketSettings]:
+        return {tenant: bucket.settings for tenant, bucket in self._buckets.items()}
+
+    async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
+        return self.take(tenant, calls)
+
+    def take(self, tenant: str, calls: int = 1) -> Grant:
+        """try_acquire without a coroutine, for callers already on the event loop."""
         bucket = self._buckets.get(tenant)
         if bucket is None:
             return None, calls, 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -27,6 +28,29 @@ def test_auth_is_required_unless_switched_off_explicitly() -> None:
     ):
         OrchestratorSettings.from_args([], environ={})
     assert OrchestratorSettings.from_args(["--auth", "disabled"], environ={}).auth == "disabled"
+
+
+def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
+    with pytest.raises(
+        SettingsError,
+        match=re.escape(
+            "--processes / ORCHESTRATOR_PROCESSES 2 needs shared state: "
+            "set --state-url / ORCHESTRATOR_STATE_URL to a redis:// URL"
+        ),
+    ):
+        OrchestratorSettings.from_args(["--auth", "disabled", "--processes", "2"], environ={})
+    with pytest.raises(
+        SettingsError,
+        match="--state-url / ORCHESTRATOR_STATE_URL: 'http://r:6379' is not a redis:// or",
+    ):
+        OrchestratorSettings.from_args(
+            ["--auth", "disabled"], environ={"ORCHESTRATOR_STATE_URL": "http://r:6379"}
+        )
+    shared = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--processes", "auto", "--state-url", "rediss://r:6380/0"],
+        environ={},
+    )
+    assert shared.processes == len(os.sched_getaffinity(0))
 
 
 def test_environment_overrides_default_and_flag_overrides_environment() -> None:

@@ -24,6 +24,8 @@ import classify_common.span_export as common_span_export
 import classify_common.tracing as common_tracing
 import orchestrator.config as orchestrator_config
 import orchestrator.metrics as orchestrator_metrics
+import orchestrator.state.connection as state_metrics
+import orchestrator.workers as worker_metrics
 from capability.config import CapabilitySettings
 from orchestrator.config import OrchestratorSettings
 from orchestrator.routing import load_routes
@@ -414,6 +416,32 @@ def test_k8s_secrets_are_mounted_where_the_flags_point() -> None:
     assert orchestrator_settings(resolve_env(env_values(orchestrator_pod()[1]))).auth == "required"
 
 
+def test_compose_orchestrator_runs_two_processes_sharing_the_redis_service() -> None:
+    settings = orchestrator_settings(compose_environment("orchestrator"))
+    services = compose_services()
+    assert settings.processes == 2
+    assert settings.state_url == "redis://redis:6379/0"
+    assert "redis" in services
+    assert services["orchestrator"]["depends_on"]["redis"] == {"condition": "service_healthy"}
+
+
+def test_k8s_orchestrator_uses_the_redis_service_with_the_password_secret() -> None:
+    deployment, spec = orchestrator_pod()
+    settings = orchestrator_settings(resolve_env(env_values(spec)))
+    service = k8s_resource("Service", "redis")
+    port = service["spec"]["ports"][0]["port"]
+    assert settings.state_url == f"redis://redis.classify.svc.cluster.local:{port}/0"
+    assert settings.processes > 1
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mounts = {PurePosixPath(m["mountPath"]): m["name"] for m in spec["volumeMounts"]}
+    assert settings.state_password_file is not None
+    volume = volumes[mounts[PurePosixPath(settings.state_password_file).parent]]
+    assert volume["secret"]["secretName"] == "classify-redis"
+    redis = k8s_resource("StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
+    secret = redis["env"][0]["valueFrom"]["secretKeyRef"]
+    assert (secret["name"], secret["key"]) == ("classify-redis", settings.state_password_file.name)
+
+
 def test_k8s_capability_pod_takes_one_gpu_of_a_selected_model() -> None:
     deployment, spec = capability_pod()
     pod = deployment["spec"]["template"]["spec"]
@@ -493,6 +521,8 @@ def exported_metric_names() -> set[str]:
         common_span_export,
         capability_metrics,
         orchestrator_metrics,
+        state_metrics,
+        worker_metrics,
     )
     return {
         value

@@ -13,37 +13,38 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.errors import ModelUnavailable, ResultNotFound
 from orchestrator.metrics import PROCESSING_TOTAL
-from orchestrator.results import ResultStore
+from orchestrator.results import LocalResultStore
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.status_details import error_reason
 from tests.unit.capability.test_serving import device_occupied
 
 
-def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:
+async def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:
     now = [0.0]
-    store = ResultStore(capacity=2, ttl_seconds=10, clock=lambda: now[0])
+    store = LocalResultStore(capacity=2, ttl_seconds=10, clock=lambda: now[0])
     pending = pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_PROCESSING)
-    store.hold("a", pending)
-    assert store.get("a").status == pb.RESULT_STATUS_PROCESSING
-    store.finish("a", response=pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_DONE))
-    assert store.get("a").status == pb.RESULT_STATUS_DONE
+    assert await store.hold("a", pending)
+    assert (await store.get("a")).status == pb.RESULT_STATUS_PROCESSING
+    done = pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_DONE)
+    await store.finish("a", response=done)
+    assert (await store.get("a")).status == pb.RESULT_STATUS_DONE
 
-    store.hold("b", pending)
-    store.finish("b", error=ModelUnavailable("backend down"))
+    await store.hold("b", pending)
+    await store.finish("b", error=ModelUnavailable("backend down"))
     with pytest.raises(ModelUnavailable):
-        store.get("b")
+        await store.get("b")
 
-    store.hold("c", pending)  # over capacity: the oldest, "a", goes
+    await store.hold("c", pending)  # over capacity: the oldest, "a", goes
     assert store.dropped == 1
     with pytest.raises(ResultNotFound):
-        store.get("a")
+        await store.get("a")
     now[0] = 10.0  # "b" and "c" expire
     with pytest.raises(ResultNotFound):
-        store.get("c")
-    store.finish("never-held", response=pending)  # an outcome nobody waits for is not kept
+        await store.get("c")
+    await store.finish("never-held", response=pending)  # an outcome nobody waits for
     with pytest.raises(ResultNotFound):
-        store.get("never-held")
+        await store.get("never-held")
 
 
 async def start_orchestrator(capability: CapabilityServer, tmp_path: Path) -> OrchestratorServer:

@@ -1,0 +1,168 @@
+"""One Redis client for the shared state, and the guard around every command.
+
+Every command runs under `--state-timeout-ms`, so a slow Redis costs a call at
+most that long, never the event loop. After a command fails (refused, reset,
+timed out), commands are not sent for `--state-retry-seconds`: they fail at once
+as skipped, so a Redis that is down costs nothing per call while it is down,
+and one command per retry period finds out when it is back. Each outcome is
+counted in `classify_state_operations_total{operation,outcome}`, and answered
+commands' latency in `classify_state_operation_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from classify_common.errors import StateUnavailable
+from classify_common.metrics import LabelledHistogram
+from classify_common.settings import read_secret
+from orchestrator.config import OrchestratorSettings
+
+# Every key the orchestrator writes starts with this (see orchestrator.state).
+KEY_PREFIX = "classify:v1:"
+STATE_OPERATIONS_TOTAL = "classify_state_operations_total"
+STATE_OPERATION_SECONDS = "classify_state_operation_seconds"
+# Connections one process keeps to Redis; calls beyond that wait (within the timeout).
+MAX_CONNECTIONS = 64
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class StateMetrics:
+    """How the shared state store answered, by operation (rate_limit, result_hold,
+    result_finish, result_get, ping) and outcome (ok, error, timeout, skipped)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._operations = Counter(
+            STATE_OPERATIONS_TOTAL,
+            "Commands to the shared state store (Redis), by operation and outcome: ok, "
+            "error, timeout, or skipped (not sent: the store failed moments ago).",
+            ["operation", "outcome"],
+            registry=registry,
+        )
+        self._seconds = LabelledHistogram(
+            STATE_OPERATION_SECONDS,
+            "Round trip of answered commands to the shared state store, by operation.",
+            ["operation"],
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=registry,
+        )
+        self._counters: dict[tuple[str, str], Counter] = {}
+
+    def count(self, operation: str, outcome: str) -> None:
+        key = (operation, outcome)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self._operations.labels(operation, outcome)
+        counter.inc()
+
+    def answered(self, operation: str, seconds: float) -> None:
+        self.count(operation, "ok")
+        self._seconds.observe(operation, seconds)
+
+
+class RedisState:
+    """The client, and `run()`, the one way a command is sent."""
+
+    def __init__(
+        self,
+        client: Redis,
+        metrics: StateMetrics,
+        *,
+        timeout_seconds: float,
+        retry_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self._metrics = metrics
+        self._timeout = timeout_seconds
+        self._retry = retry_seconds
+        self._clock = clock
+        self._resting_until = float("-inf")
+        self._failing = False
+
+    @classmethod
+    def from_settings(cls, settings: OrchestratorSettings, metrics: StateMetrics) -> RedisState:
+        """A client for --state-url: password from the URL or --state-password-file (which
+        wins), TLS for rediss:// (with --state-ca-file's CA, else the system's)."""
+        assert settings.state_url is not None
+        timeout = settings.state_timeout_ms / 1000
+        options: dict[str, Any] = {
+            "max_connections": MAX_CONNECTIONS,
+            "timeout": None,  # waiting for a free connection is bounded by run()'s timeout
+            "socket_connect_timeout": timeout,
+            "socket_timeout": timeout,
+            # NOTE: redis-py retries failed commands by default, with backoff; here a
+            # failed command fails at once and run() decides what happens next.
+            "retry": Retry(NoBackoff(), 0),
+            "client_name": "classify-orchestrator",
+        }
+        password = read_secret(settings.state_password_file)
+        if password is not None:
+            options["password"] = password
+        if settings.state_ca_file is not None:
+            options["ssl_ca_certs"] = str(settings.state_ca_file)
+        pool = BlockingConnectionPool.from_url(settings.state_url, **options)
+        return cls(
+            Redis.from_pool(pool),  # the client owns the pool: closing it closes both
+            metrics,
+            timeout_seconds=timeout,
+            retry_seconds=settings.state_retry_seconds,
+        )
+
+    async def run(self, operation: str, command: Callable[[], Awaitable[T]]) -> T:
+        """`command()`'s answer; StateUnavailable when Redis fails, is slower than the
+        timeout, or failed less than the retry period ago (then nothing is sent)."""
+        if self._clock() < self._resting_until:
+            self._metrics.count(operation, "skipped")
+            raise StateUnavailable(
+                "the shared state store failed moments ago; not asked again yet",
+                operation=operation,
+            )
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._timeout):
+                answer = await command()
+        except TimeoutError as exc:
+            raise self._failed(operation, "timeout", exc) from exc
+        except (RedisError, OSError) as exc:
+            raise self._failed(operation, "error", exc) from exc
+        self._metrics.answered(operation, time.perf_counter() - started)
+        if self._failing:
+            self._failing = False
+            log.warning("shared state store answers again", extra={"operation": operation})
+        return answer
+
+    def _failed(self, operation: str, outcome: str, cause: Exception) -> StateUnavailable:
+        self._metrics.count(operation, outcome)
+        self._resting_until = self._clock() + self._retry
+        if not self._failing:  # one line per outage, not one per call
+            self._failing = True
+            log.warning(
+                "shared state store failed",
+                extra={"operation": operation, "outcome": outcome, "error": repr(cause)},
+            )
+        return StateUnavailable(
+            f"the shared state store did not answer ({outcome})", operation=operation
+        )
+
+    async def ping(self) -> bool:
+        try:
+            await self.run("ping", self.client.ping)
+        except StateUnavailable:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,82 @@
+"""Tenants' token buckets in Redis: one bucket per tenant for every orchestrator process.
+
+A check is one server-side script (one round trip, atomic): refill the bucket
+for the time since it was last touched, by Redis's own clock, take up to the
+calls asked for, and keep the bucket until it would be full again anyway.
+
+When Redis does not answer, the check falls back to this process's own bucket
+for the tenant (orchestrator.security.TenantRateLimits): limiting stays on, but
+each process grants the tenant its whole rate, so N processes admit up to N
+times the rate while Redis is away. Each such check counts as a failed (or
+skipped) `rate_limit` operation, and the SharedStateUnavailable alert fires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from classify_common.errors import StateUnavailable
+from orchestrator.security.limits import (
+    Grant,
+    TenantRateLimits,
+    TokenBucketSettings,
+    seconds_to_next_token,
+)
+from orchestrator.state.connection import KEY_PREFIX, RedisState
+
+BUCKET_PREFIX = KEY_PREFIX + "bucket:"
+
+# KEYS[1] the bucket. ARGV: rate (tokens/s), burst, calls. Returns {calls granted,
+# tokens left as text} (a Lua number would come back truncated to an integer).
+_TAKE = """
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local calls = tonumber(ARGV[3])
+local now = redis.call('TIME')
+local now_s = tonumber(now[1]) + tonumber(now[2]) / 1000000
+local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'updated')
+local tokens = tonumber(bucket[1])
+local updated = tonumber(bucket[2])
+if tokens == nil or updated == nil then
+  tokens = burst
+  updated = now_s
+end
+tokens = math.min(burst, tokens + math.max(0, now_s - updated) * rate)
+local granted = math.min(calls, math.floor(tokens))
+tokens = tokens - granted
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'updated', tostring(now_s))
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+return {granted, tostring(tokens)}
+"""
+
+
+class RedisRateLimits:
+    """RateLimits (orchestrator.security.limits) whose buckets live in Redis."""
+
+    def __init__(
+        self,
+        state: RedisState,
+        limits: Mapping[str, TokenBucketSettings],
+        fallback: TenantRateLimits,
+    ) -> None:
+        self._state = state
+        self._limits = dict(limits)
+        self._fallback = fallback
+        self._take = state.client.register_script(_TAKE)
+
+    async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
+        settings = self._limits.get(tenant)
+        if settings is None:
+            return None, calls, 0.0
+        keys = [BUCKET_PREFIX + tenant]
+        args = [settings.rate_per_second, settings.burst, calls]
+        try:
+            granted, left = await self._state.run(
+                "rate_limit", lambda: self._take(keys=keys, args=args)
+            )
+        except StateUnavailable:
+            return self._fallback.take(tenant, calls)
+        tokens = float(left)
+        if granted == calls:
+            return tokens, calls, 0.0
+        return tokens, int(granted), seconds_to_next_token(tokens, settings)

@@ -1,0 +1,154 @@
+"""Results for GetResult in Redis, shared by every orchestrator process that uses it.
+
+The same contract as orchestrator.results.LocalResultStore, with the capacity
+and TTL across all processes: holding a result is one script (set the value
+with its TTL, index it, drop the oldest past the capacity), finishing one is a
+SET that keeps the TTL and only replaces a value still there, and a poll is one
+GET.
+
+When Redis does not answer:
+- hold: False, and the dispatcher answers the call when it is done, within the
+  client's deadline, instead of PROCESSING (no one could poll for it);
+- finish: the outcome is lost; polls see PROCESSING until the entry expires
+  (logged and counted as a failed result_finish);
+- get: StateUnavailable (UNAVAILABLE), and the client polls again later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.errors import (
+    InternalError,
+    InvalidRequest,
+    ServiceError,
+    StateUnavailable,
+)
+from orchestrator.results import result_not_found
+from orchestrator.state.connection import KEY_PREFIX, RedisState
+
+RESULT_PREFIX = KEY_PREFIX + "result:"
+RESULTS_INDEX = KEY_PREFIX + "results"
+# The first byte of a stored value says what follows it.
+PENDING, DONE, ERROR = b"P", b"D", b"E"
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] the result, KEYS[2] the index. ARGV: request ID, value, TTL (ms), capacity,
+# result key prefix. Server time, so orchestrators' clocks need not agree.
+# NOTE: the keys of dropped results are built here, not passed in KEYS: fine on one
+# Redis server (or a primary with replicas), not on Redis Cluster.
+_HOLD = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local ttl_ms = tonumber(ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
+redis.call('ZADD', KEYS[2], now_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - ttl_ms)
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if over > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #oldest, 2 do
+    redis.call('DEL', ARGV[5] .. oldest[i])
+  end
+end
+redis.call('PEXPIRE', KEYS[2], ttl_ms)
+return math.max(over, 0)
+"""
+
+
+class RedisResultStore:
+    """A ResultStore (orchestrator.results) in Redis."""
+
+    def __init__(self, state: RedisState, capacity: int, ttl_seconds: float) -> None:
+        if capacity < 1 or ttl_seconds <= 0:
+            raise ValueError("the result store needs a capacity of 1 or more and a positive TTL")
+        self._state = state
+        self._capacity = capacity
+        self._ttl_ms = int(ttl_seconds * 1000)
+        self._hold_script = state.client.register_script(_HOLD)
+
+    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
+        keys = [RESULT_PREFIX + request_id, RESULTS_INDEX]
+        value = PENDING + pending.SerializeToString()
+        args: list[bytes | str | int] = [request_id, value, self._ttl_ms, self._capacity]
+        args.append(RESULT_PREFIX)
+        try:
+            await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
+        except StateUnavailable:
+            return False
+        return True
+
+    async def finish(
+        self,
+        request_id: str,
+        response: pb.ClassifyResponse | None = None,
+        error: ServiceError | None = None,
+    ) -> None:
+        if error is not None:
+            value = ERROR + encode_error(error)
+        else:
+            assert response is not None, "finish needs a response or an error"
+            value = DONE + response.SerializeToString()
+        key = RESULT_PREFIX + request_id
+        client = self._state.client
+        try:
+            await self._state.run(
+                "result_finish", lambda: client.set(key, value, xx=True, keepttl=True)
+            )
+        except StateUnavailable:
+            log.warning(
+                "result not stored; polls see PROCESSING until it expires",
+                extra={"request_id": request_id},
+            )
+
+    async def get(self, request_id: str) -> pb.ClassifyResponse:
+        key = RESULT_PREFIX + request_id
+        client = self._state.client
+        value = await self._state.run("result_get", lambda: client.get(key))
+        if not isinstance(value, bytes):  # None: not there (the client never decodes)
+            raise result_not_found(request_id)
+        kind, payload = value[:1], value[1:]
+        if kind == ERROR:
+            raise decode_error(payload)
+        return pb.ClassifyResponse.FromString(payload)
+
+
+def encode_error(error: ServiceError) -> bytes:
+    """What a client would learn of `error`: its reason, message, context, retry hint."""
+    fields: dict[str, object] = {
+        "reason": error.reason,
+        "message": error.message,
+        "context": error.context,
+    }
+    if hasattr(error, "retry_after_seconds"):  # an overload's hint (may be None)
+        fields["retry_after_seconds"] = error.retry_after_seconds
+    return json.dumps(fields).encode()
+
+
+def decode_error(payload: bytes) -> ServiceError:
+    """The error `encode_error` stored, as the class its reason names (so it maps to the
+    same status); an unknown reason (a newer orchestrator's) is an InternalError."""
+    fields = json.loads(payload)
+    cls: type[ServiceError] = _ERRORS_BY_REASON.get(fields["reason"], InternalError)
+    # NOTE: built without the class's __init__, whose arguments differ by class (a
+    # field violation list, a retry hint); ServiceError's takes what every one has.
+    error: ServiceError = cls.__new__(cls)
+    ServiceError.__init__(error, str(fields["message"]), **fields["context"])
+    if "retry_after_seconds" in fields:
+        setattr(error, "retry_after_seconds", fields["retry_after_seconds"])  # noqa: B010
+    if isinstance(error, InvalidRequest):
+        error.violations = ()  # the work behind a stored result was validated before it ran
+    return error
+
+
+def _with_subclasses(cls: type[ServiceError]) -> Iterator[type[ServiceError]]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _with_subclasses(sub)
+
+
+_ERRORS_BY_REASON = {error.reason: error for error in _with_subclasses(ServiceError)}

@@ -1,0 +1,271 @@
+"""Several orchestrator processes on one port: a small supervisor and its workers.
+
+    python -m orchestrator --processes N --state-url redis://...   (N or auto)
+
+One Python process is one event loop: about a core of serving. With
+`--processes N` this process becomes a supervisor that
+- reserves the port (when it is 0, picks one) and starts N worker processes,
+  each a whole orchestrator bound to that port with SO_REUSEPORT (gRPC sets it
+  on Linux), so the kernel spreads new connections over them;
+- restarts a worker that exits without being asked to, counted in
+  `classify_worker_restarts_total`, after a pause if it had just started;
+- passes SIGTERM (and SIGINT) on, so each worker drains as a lone server does,
+  and exits once they have, killing any still there after the grace period;
+- serves one /metrics for the set: at each scrape it reads every worker's own
+  /metrics (on a loopback port each reported at start) and adds the samples up.
+
+What the merged /metrics loses: exemplars (a histogram bucket's trace ID), and
+the difference between gauges that add up (calls in flight: the set's total)
+and those that do not (a backend's adaptive concurrency limit reads as the sum
+of the workers' limits). Health is per worker: a probe lands on one of them.
+
+Workers share results and rate limits only through Redis (orchestrator.state),
+which is why more than one process needs --state-url.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from classify_common.metrics import MetricsEndpoint
+from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_shutdown_signal
+from orchestrator.config import OrchestratorSettings
+
+WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
+WORKERS = "classify_workers"
+# How long a new worker may take to serve (imports, routes, keys) before start fails.
+WORKER_START_SECONDS = 120.0
+# A worker that exits sooner than this after starting is restarted after a pause,
+# so a worker that cannot start does not spin.
+QUICK_EXIT_SECONDS = 5.0
+RESTART_PAUSE_SECONDS = 1.0
+# How often the supervisor looks for exited workers.
+WATCH_SECONDS = 0.1
+# Beyond --grace-seconds, how long a worker has to exit after SIGTERM before it is killed.
+STOP_SLACK_SECONDS = 10.0
+SCRAPE_TIMEOUT_SECONDS = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class WorkerStartFailed(RuntimeError):
+    """A worker exited, or did not report ready in time, while the set was starting."""
+
+
+@dataclass
+class Worker:
+    index: int
+    process: BaseProcess
+    started: float
+    metrics_port: int | None = None  # known once it reports ready
+
+
+class WorkerSupervisor:
+    """Starts, watches, restarts and stops the workers; serves their merged /metrics."""
+
+    def __init__(self, settings: OrchestratorSettings) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self._restarts = Counter(
+            WORKER_RESTARTS_TOTAL,
+            "Orchestrator worker processes that exited unasked and were started again.",
+            registry=self.registry,
+        )
+        self._live = Gauge(
+            WORKERS, "Orchestrator worker processes serving.", registry=self.registry
+        )
+        self._live.set_function(lambda: sum(1 for w in self._workers if w.metrics_port))
+        self.registry.register(WorkerMetrics(self))
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[Worker] = []
+        # The receiving end of each worker's ready pipe, by worker index.
+        self._pipes: dict[int, Connection] = {}
+        self._reserved: socket.socket | None = None
+        self._metrics: MetricsEndpoint | None = None
+        self._stopping = False
+        self.port = settings.port
+        self.metrics_port = 0
+
+    def worker_metrics_ports(self) -> list[int]:
+        return [w.metrics_port for w in self._workers if w.metrics_port is not None]
+
+    async def start(self) -> None:
+        self._reserve_port()
+        self._workers = [self._spawn(index) for index in range(self.settings.processes)]
+        for worker in self._workers:
+            await self._wait_ready(worker)
+        if self.settings.metrics_port != METRICS_DISABLED:
+            self._metrics = MetricsEndpoint(
+                self.registry, self.settings.host, self.settings.metrics_port
+            )
+            self.metrics_port = self._metrics.port
+
+    def _reserve_port(self) -> None:
+        """Port 0: pick a free port and hold it (bound, not listening, SO_REUSEPORT)
+        so the workers can all bind it and nothing else takes it meanwhile."""
+        if self.port != 0:
+            return
+        reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind((self.settings.host, 0))
+        self._reserved = reserved
+        self.port = reserved.getsockname()[1]
+
+    def _spawn(self, index: int) -> Worker:
+        worker_settings = replace(
+            self.settings, processes=1, port=self.port, metrics_port=METRICS_DISABLED
+        )
+        receive, send = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=run_worker,
+            args=(worker_settings, index, send),
+            name=f"orchestrator-worker-{index}",
+        )
+        process.start()
+        send.close()  # the worker holds the only sending end: its exit closes the pipe
+        worker = Worker(index, process, time.monotonic())
+        self._pipes[index] = receive
+        return worker
+
+    async def _wait_ready(self, worker: Worker) -> None:
+        pipe = self._pipes[worker.index]
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, pipe.poll, WORKER_START_SECONDS)
+        try:
+            message = pipe.recv() if ready else None
+        except EOFError:
+            message = None
+        pipe.close()
+        if not isinstance(message, dict):
+            raise WorkerStartFailed(
+                f"orchestrator worker {worker.index} did not start "
+                f"(exit status {worker.process.exitcode}); its log says why"
+            )
+        worker.metrics_port = int(message["metrics_port"])
+
+    async def watch(self) -> None:
+        """Restart workers that exit unasked, until stop() is called."""
+        while not self._stopping:
+            await asyncio.sleep(WATCH_SECONDS)
+            for position, worker in enumerate(self._workers):
+                if worker.process.is_alive() or self._stopping:
+                    continue
+                log.warning(
+                    "worker exited",
+                    extra={
+                        "worker": worker.index,
+                        "pid": worker.process.pid,
+                        "exit_status": worker.process.exitcode,
+                    },
+                )
+                self._restarts.inc()
+                if time.monotonic() - worker.started < QUICK_EXIT_SECONDS:
+                    await asyncio.sleep(RESTART_PAUSE_SECONDS)
+                replacement = self._spawn(worker.index)
+                self._workers[position] = replacement
+                try:
+                    await self._wait_ready(replacement)
+                except WorkerStartFailed as exc:
+                    log.error("worker restart failed", extra={"error": str(exc)})
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """SIGTERM to every worker (each drains), then wait; kill what is left after the
+        grace period and some slack."""
+        self._stopping = True
+        grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
+        for worker in self._workers:
+            if worker.process.is_alive() and worker.process.pid is not None:
+                os.kill(worker.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace + STOP_SLACK_SECONDS
+        loop = asyncio.get_running_loop()
+        for worker in self._workers:
+            left = max(deadline - time.monotonic(), 0)
+            await loop.run_in_executor(None, worker.process.join, left)
+            if worker.process.is_alive():
+                log.warning("worker killed after the grace period", extra={"worker": worker.index})
+                worker.process.kill()
+                await loop.run_in_executor(None, worker.process.join)
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._reserved is not None:
+            self._reserved.close()
+
+
+class WorkerMetrics(Collector):
+    """The workers' own /metrics, added up sample by sample (see the module docstring)."""
+
+    def __init__(self, supervisor: WorkerSupervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+        for port in self._supervisor.worker_metrics_ports():
+            try:
+                url = f"http://127.0.0.1:{port}/metrics"
+                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                continue  # a worker restarting: its counts are back at its next scrape
+            for family in text_string_to_metric_families(text):
+                merged.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for sample in family.samples:
+                    key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                    if sample.name.endswith("_created"):  # the earliest start
+                        values[key] = min(values.get(key, sample.value), sample.value)
+                    else:
+                        values[key] = values.get(key, 0.0) + sample.value
+        for (family_name, sample_name, labels), value in values.items():
+            merged[family_name].add_sample(sample_name, dict(labels), value)
+        yield from merged.values()
+
+
+def run_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+    """A worker process's main: one orchestrator on the shared port; reports its
+    metrics port to the supervisor once serving."""
+    # Imported here: the supervisor itself never builds a server.
+    from orchestrator.server import main_worker
+
+    main_worker(settings, index, ready)
+
+
+async def supervise(settings: OrchestratorSettings) -> None:
+    supervisor = WorkerSupervisor(settings)
+
+    async def start() -> dict[str, object]:
+        await supervisor.start()
+        return {
+            "port": supervisor.port,
+            "metrics_port": supervisor.metrics_port,
+            "processes": settings.processes,
+        }
+
+    async def serve_and_watch() -> None:
+        watching = asyncio.create_task(supervisor.watch(), name="worker-watch")
+        try:
+            await wait_for_shutdown_signal()
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+
+    await serve_until_signal(supervisor, start, log, wait=serve_and_watch)

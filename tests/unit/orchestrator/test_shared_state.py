@@ -1,0 +1,254 @@
+"""Orchestrators that share their state in a real Redis: results, rate limits, outages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.errors import QueueFull, StateUnavailable, status_for
+from orchestrator.metrics import RATE_LIMITED_TOTAL
+from orchestrator.security import hash_key, new_key
+from orchestrator.server import OrchestratorServer
+from orchestrator.state import RedisResultStore, RedisState, StateMetrics
+from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
+from tests.conftest import (
+    STRIKER,
+    RedisServer,
+    metric_sum,
+    orchestrator_settings,
+    wait_until,
+)
+from tests.status_details import error_reason, refusal
+from tests.unit.capability.test_serving import device_occupied
+
+ACME_KEY = new_key()
+StartShared = Callable[..., Awaitable[OrchestratorServer]]
+
+
+@pytest_asyncio.fixture
+async def start_shared(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[StartShared]:
+    """Start orchestrators that share `redis_server`, routing to a capability server;
+    tenant `acme` (ACME_KEY) has `burst` calls and next to no refill."""
+    started: list[OrchestratorServer] = []
+
+    async def start(
+        capability: CapabilityServer,
+        *,
+        model: str = "topic-static",
+        burst: int = 5,
+        **settings: Any,
+    ) -> OrchestratorServer:
+        keys = tmp_path / "keys.yaml"
+        keys.write_text(
+            f"keys:\n  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
+            f"tenants:\n  acme: {{rate_per_second: 0.001, burst: {burst}}}\n"
+        )
+        routes = tmp_path / "routes.yaml"
+        routes.write_text(
+            f"""version: 1
+backends:
+  model: {{model: {model}, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
+routes:
+  - name: default
+    backend: model
+    budget: 200ms
+"""
+        )
+        values = {"state_url": redis_server.url, "state_retry_seconds": 0.05, **settings}
+        server = OrchestratorServer(
+            orchestrator_settings(
+                routes_file=routes, auth="required", api_keys_file=keys, **values
+            ),
+            registry=CollectorRegistry(),
+        )
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop(grace_seconds=0)
+
+
+def stub_for(channel: grpc.aio.Channel) -> classify_service_pb2_grpc.ClassifyServiceAsyncStub:
+    return classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+
+async def classify(server: OrchestratorServer, **fields: Any) -> pb.ClassifyResponse:
+    """One Classify on a fresh connection, as tenant acme."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        response: pb.ClassifyResponse = await stub_for(channel).Classify(
+            pb.ClassifyRequest(text=STRIKER, **fields),
+            metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+        )
+        return response
+
+
+async def get_result(server: OrchestratorServer, request_id: str) -> pb.ClassifyResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        response: pb.ClassifyResponse = await stub_for(channel).GetResult(
+            pb.GetResultRequest(request_id=request_id),
+            metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+        )
+        return response
+
+
+def state_failures(server: OrchestratorServer, operation: str) -> float:
+    """Commands of `operation` that Redis did not answer (failed, timed out or skipped)."""
+    return sum(
+        metric_sum(server.registry, STATE_OPERATIONS_TOTAL, operation=operation, outcome=outcome)
+        for outcome in ("error", "timeout", "skipped")
+    )
+
+
+async def test_processing_answer_from_one_orchestrator_is_polled_to_done_on_another(
+    capability: CapabilityServer, start_shared: StartShared
+) -> None:
+    first = await start_shared(capability, model="topic-minilm", burst=100)
+    second = await start_shared(capability, model="topic-minilm", burst=100)
+    async with device_occupied(capability.pool.workers[0]):
+        answer = await classify(first, request_id="shared-1")
+        assert answer.status == pb.RESULT_STATUS_PROCESSING
+        polled = await get_result(second, "shared-1")
+        assert (polled.status, polled.route) == (pb.RESULT_STATUS_PROCESSING, "default")
+    done: list[pb.ClassifyResponse] = []
+
+    async def is_done() -> bool:
+        done.append(await get_result(second, "shared-1"))
+        return done[-1].status == pb.RESULT_STATUS_DONE
+
+    await wait_until(is_done, "shared-1 done on the other orchestrator", limit_seconds=10)
+    assert done[-1].labels[0].name == "sports"
+    assert (done[-1].request_id, done[-1].trace_id) == ("shared-1", answer.trace_id)
+    unknown = await refusal(get_result(second, "never-sent"))
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(unknown) == "RESULT_NOT_FOUND"
+    assert state_failures(first, "result_hold") == 0
+
+
+async def test_a_tenants_rate_is_one_bucket_across_orchestrators(
+    capability: CapabilityServer, start_shared: StartShared
+) -> None:
+    servers = [await start_shared(capability, burst=5) for _ in range(2)]
+    codes = []
+    for turn in range(8):  # alternating: each orchestrator sees 4 calls
+        try:
+            await classify(servers[turn % 2])
+            codes.append(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as error:
+            codes.append(error.code())
+    assert codes == [grpc.StatusCode.OK] * 5 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    refused = [metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="acme") for server in servers]
+    assert refused == [1, 2]  # calls 6 and 8 went to the first, 7 to the second
+
+
+async def test_redis_stopped_calls_are_answered_counted_and_state_returns_with_it(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    server = await start_shared(capability, model="topic-minilm", burst=4)
+    assert (await classify(server)).labels[0].name == "sports"  # a token from Redis's bucket
+    redis_server.stop()
+
+    # Polls: UNAVAILABLE while the store is away (the call takes a token too).
+    away = await refusal(get_result(server, "anything"))
+    assert away.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(away) == "STATE_UNAVAILABLE"
+    assert state_failures(server, "result_get") == 1
+
+    # Rate limits: the process's own bucket (it was full: 4 tokens) stands in for Redis's.
+    codes = [await code_of(classify(server)) for _ in range(4)]
+    assert codes == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert state_failures(server, "rate_limit") == 5
+
+    redis_server.start()  # back, empty: the tenant's bucket in Redis is full again
+
+    def answered_by_redis() -> float:
+        return metric_sum(
+            server.registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="ok"
+        )
+
+    before = answered_by_redis()
+
+    async def checked_in_redis() -> bool:
+        await code_of(classify(server))
+        return answered_by_redis() > before
+
+    await wait_until(checked_in_redis, "a rate-limit check answered by Redis again")
+    assert (await classify(server)).labels[0].name == "sports"
+
+
+async def code_of(call: Awaitable[object]) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def test_over_budget_call_is_answered_when_done_while_redis_is_away(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    server = await start_shared(capability, model="topic-minilm", burst=100)
+    redis_server.stop()
+    async with device_occupied(capability.pool.workers[0]):
+        call = asyncio.ensure_future(classify(server, request_id="unstored-1"))
+        # Past the budget, no place could be held: the call waits instead of PROCESSING.
+        await wait_until(lambda: state_failures(server, "result_hold") == 1, "a failed hold")
+        assert not call.done()
+    answer = await call
+    assert (answer.status, answer.labels[0].name) == (pb.RESULT_STATUS_DONE, "sports")
+
+    redis_server.start()  # back: results are kept again and polls find them
+
+    async def held() -> bool:
+        async with device_occupied(capability.pool.workers[0]):
+            try:
+                answer = await classify(server, request_id="kept-after")
+            except grpc.aio.AioRpcError:
+                return False
+        return answer.status == pb.RESULT_STATUS_PROCESSING
+
+    await wait_until(held, "a PROCESSING answer once Redis is back")
+    await wait_until(
+        lambda: _is_done(get_result(server, "kept-after")), "the kept result", limit_seconds=10
+    )
+
+
+async def _is_done(answer: Awaitable[pb.ClassifyResponse]) -> bool:
+    return (await answer).status == pb.RESULT_STATUS_DONE
+
+
+async def test_stored_error_is_answered_with_its_class_and_retry_hint(
+    redis_server: RedisServer,
+) -> None:
+    settings = orchestrator_settings(state_url=redis_server.url)
+    state = RedisState.from_settings(settings, StateMetrics(CollectorRegistry()))
+    store = RedisResultStore(state, capacity=2, ttl_seconds=60)
+    try:
+        pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
+        for request_id in ("e", "f", "g"):  # capacity 2: "e", the oldest, is dropped
+            assert await store.hold(request_id, pending)
+        refused = QueueFull("the queue is full", retry_after_seconds=0.25, model="m")
+        await store.finish("g", error=refused)
+        with pytest.raises(QueueFull) as stored:
+            await store.get("g")
+        assert status_for(stored.value) == status_for(refused)
+        await store.finish("e", response=pending)  # dropped: not written back
+        assert redis_server.command("EXISTS", "classify:v1:result:e") == ":0"
+        assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
+        redis_server.stop()
+        assert not await store.hold("h", pending)
+        with pytest.raises(StateUnavailable):
+            await store.get("f")
+    finally:
+        await state.close()
