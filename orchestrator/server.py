@@ -193,4 +193,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def main_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
     run = functools.partial(serve_worker, settings, index, ready)
-    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)
+    # Every line names its worker: the workers share the supervisor's stderr.
+    run_server(
+        "orchestrator",
+        settings,
+        run,
+        start_errors=START_ERRORS,
+        log=log,
+        log_fields={"worker": index},
+    )
