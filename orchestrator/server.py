@@ -170,7 +170,12 @@ async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connec
         metrics = MetricsEndpoint(server.registry, "127.0.0.1", 0)
         ready.send({"pid": os.getpid(), "metrics_port": metrics.port})
         ready.close()
-        return {"worker": index, "pid": os.getpid(), "port": server.port}
+        return {
+            "worker": index,
+            "pid": os.getpid(),
+            "port": server.port,
+            "metrics_port": metrics.port,
+        }
 
     await serve_until_signal(server, start, log, event="worker serving")
 

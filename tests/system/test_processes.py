@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.metrics import RPC_REQUESTS_TOTAL
-from orchestrator.metrics import RATE_LIMITED_TOTAL
+from orchestrator.config import DEFAULT_CONCURRENCY
+from orchestrator.metrics import BACKEND_CONCURRENCY_LIMIT, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
 from orchestrator.workers import WORKERS
@@ -25,7 +28,7 @@ from tests.conftest import (
     Stack,
     wait_until,
 )
-from tests.system.test_metrics_scrape import samples, value
+from tests.system.test_metrics_scrape import Scrape, samples, value
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
 BURST = 12
@@ -103,6 +106,26 @@ async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     assert value(scrape, RPC_REQUESTS_TOTAL, method=CLASSIFY, code="OK") == BURST
     assert value(scrape, RATE_LIMITED_TOTAL, tenant="stack") == 6
     assert value(scrape, WORKERS) == 3
+    # Each worker holds its third of the backend's adaptive limit (--concurrency-max-limit
+    # for the set, rounded up), so the three together hold what one process would.
+    share = -(-DEFAULT_CONCURRENCY.max_limit // 3)
+    for line in stack.orchestrator.log_lines():
+        if line.get("event") == "worker serving":
+            own = worker_samples(int(line["metrics_port"]))
+            assert value(own, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == share
+    assert value(scrape, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == 3 * share
+
+
+def worker_samples(metrics_port: int) -> Scrape:
+    """One worker's own /metrics (on the loopback port its "worker serving" line names)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as page:
+        text = page.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_more_than_one_process_without_redis_is_refused_naming_the_settings() -> None:
