@@ -43,9 +43,12 @@ _STANDARD_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None
 
 
 class JsonFormatter(logging.Formatter):
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, process_fields: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._service = service
+        # Fields on every line of this process (an orchestrator worker's index, so the
+        # lines of several workers sharing one stderr can be told apart).
+        self._process_fields = dict(process_fields or {})
         # The timestamp's whole-second part, made once per second: (second, text).
         self._second: tuple[int, str] = (-1, "")
 
@@ -82,6 +85,8 @@ class JsonFormatter(logging.Formatter):
             "logger": logger,
             "event": event,
         }
+        if self._process_fields:
+            entry.update(self._process_fields)
         request = current_request()
         if request is not None:
             entry["request_id"] = request.request_id
@@ -191,8 +196,11 @@ _handler: DroppingQueueHandler | None = None
 _formatter: JsonFormatter | None = None
 
 
-def configure_logging(service: str, level: str = "INFO") -> DroppingQueueHandler:
-    """JSON lines to stderr for the whole process, written off the caller's thread.
+def configure_logging(
+    service: str, level: str = "INFO", process_fields: Mapping[str, Any] | None = None
+) -> DroppingQueueHandler:
+    """JSON lines to stderr for the whole process, written off the caller's thread,
+    each with `process_fields` added.
 
     Servers call this once in main; it returns the handler so the drop count can
     be exported.
@@ -202,7 +210,7 @@ def configure_logging(service: str, level: str = "INFO") -> DroppingQueueHandler
         _writer.stop()
     lines = LineQueue(LOG_QUEUE_CAPACITY)
     handler = DroppingQueueHandler(lines)
-    formatter = JsonFormatter(service)
+    formatter = JsonFormatter(service, process_fields)
     handler.setFormatter(formatter)
     _handler, _formatter = handler, formatter
     root = logging.getLogger()

@@ -181,11 +181,13 @@ def run_server(
     *,
     start_errors: tuple[type[Exception], ...],
     log: logging.Logger,
+    log_fields: Mapping[str, object] | None = None,
 ) -> None:
-    """A server process's main: JSON logs and tracing for `service`, then `serve()` on
-    a new event loop. A start-up failure of one of `start_errors` (a bad file, a port
-    in use) is one clear log line and exit status 2, not a traceback."""
-    configure_logging(service, settings.log_level)
+    """A server process's main: JSON logs (each line with `log_fields`) and tracing for
+    `service`, then `serve()` on a new event loop. A start-up failure of one of
+    `start_errors` (a bad file, a port in use) is one clear log line and exit status 2,
+    not a traceback."""
+    configure_logging(service, settings.log_level, log_fields)
     try:
         tracing = configure_tracing(service, settings.otlp_endpoint, settings.trace_sample_ratio)
     except SettingsError as exc:  # an OTEL_* variable it cannot use

@@ -158,7 +158,8 @@ class OrchestratorSettings(ServerSettings):
     # Requests that arrive while all calls are busy gather for the next call.
     upstream_calls_in_flight: int = setting(
         DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
-        "calls in flight to one capability replica (per backend) before requests gather",
+        "calls in flight to one capability replica (per backend) before requests gather; "
+        "with --processes, for all of them (each gets its share)",
         int,
         low=1,
         high=64,
@@ -178,7 +179,7 @@ class OrchestratorSettings(ServerSettings):
     )
     concurrency_min_limit: int = setting(
         DEFAULT_CONCURRENCY.min_limit,
-        "lowest adaptive limit (calls in flight per backend)",
+        "lowest adaptive limit (calls in flight per backend; with --processes, for all of them)",
         int,
         low=1,
         high=10_000,
@@ -186,7 +187,8 @@ class OrchestratorSettings(ServerSettings):
     # Its lowest value is --concurrency-min-limit (checked in check_together).
     concurrency_max_limit: int = setting(
         DEFAULT_CONCURRENCY.max_limit,
-        "highest adaptive limit (calls in flight per backend; at least the lowest)",
+        "highest adaptive limit (calls in flight per backend, at least the lowest; with "
+        "--processes, for all of them)",
         int,
         low=1,
         high=MAX_CONCURRENCY_LIMIT,

@@ -170,7 +170,12 @@ async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connec
         metrics = MetricsEndpoint(server.registry, "127.0.0.1", 0)
         ready.send({"pid": os.getpid(), "metrics_port": metrics.port})
         ready.close()
-        return {"worker": index, "pid": os.getpid(), "port": server.port}
+        return {
+            "worker": index,
+            "pid": os.getpid(),
+            "port": server.port,
+            "metrics_port": metrics.port,
+        }
 
     await serve_until_signal(server, start, log, event="worker serving")
 
@@ -193,4 +198,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def main_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
     run = functools.partial(serve_worker, settings, index, ready)
-    run_server("orchestrator", settings, run, start_errors=START_ERRORS, log=log)
+    # Every line names its worker: the workers share the supervisor's stderr.
+    run_server(
+        "orchestrator",
+        settings,
+        run,
+        start_errors=START_ERRORS,
+        log=log,
+        log_fields={"worker": index},
+    )

@@ -14,10 +14,16 @@ One Python process is one event loop: about a core of serving. With
 - serves one /metrics for the set: at each scrape it reads every worker's own
   /metrics (on a loopback port each reported at start) and adds the samples up.
 
+Each worker gets its share (1/N, rounded up) of the per-backend adaptive
+concurrency limits and of the calls in flight per capability replica
+(`one_worker_of`): those are per process, and the flags say what the set may
+hold, so N workers do not send a backend N times what one process would.
+
 What the merged /metrics loses: exemplars (a histogram bucket's trace ID), and
 the difference between gauges that add up (calls in flight: the set's total)
 and those that do not (a backend's adaptive concurrency limit reads as the sum
-of the workers' limits). Health is per worker: a probe lands on one of them.
+of the workers' limits: about the flags' value while none is engaged). Health
+is per worker: a probe lands on one of them.
 
 Workers share results and rate limits only through Redis (orchestrator.state),
 which is why more than one process needs --state-url.
@@ -129,9 +135,7 @@ class WorkerSupervisor:
         self.port = reserved.getsockname()[1]
 
     def _spawn(self, index: int) -> Worker:
-        worker_settings = replace(
-            self.settings, processes=1, port=self.port, metrics_port=METRICS_DISABLED
-        )
+        worker_settings = one_worker_of(self.settings, self.port)
         receive, send = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=run_worker,
@@ -206,6 +210,32 @@ class WorkerSupervisor:
             self._metrics.close()
         if self._reserved is not None:
             self._reserved.close()
+
+
+def one_worker_of(settings: OrchestratorSettings, port: int) -> OrchestratorSettings:
+    """A worker's settings: one process on the set's `port`, its /metrics on a port of
+    its own, and its share of what the flags set for the whole set.
+
+    Each worker keeps its own adaptive concurrency limit per backend and its own
+    coalescers, so N workers would hold N times the calls in flight a backend (or a
+    replica) should see. The flags' values are therefore for the set, and each of N
+    workers gets 1/N of them, rounded up (at least 1): the lowest and highest
+    adaptive limits and the calls in flight per replica."""
+    workers = settings.processes
+    return replace(
+        settings,
+        processes=1,
+        port=port,
+        metrics_port=METRICS_DISABLED,
+        concurrency_min_limit=share_of(settings.concurrency_min_limit, workers),
+        concurrency_max_limit=share_of(settings.concurrency_max_limit, workers),
+        upstream_calls_in_flight=share_of(settings.upstream_calls_in_flight, workers),
+    )
+
+
+def share_of(total: int, workers: int) -> int:
+    """One worker's part of `total`: total / workers rounded up, at least 1."""
+    return max(1, -(-total // workers))
 
 
 class WorkerMetrics(Collector):

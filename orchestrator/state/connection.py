@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from classify_common.errors import StateUnavailable
 from classify_common.metrics import LabelledHistogram
@@ -104,8 +105,14 @@ class RedisState:
             "socket_connect_timeout": timeout,
             "socket_timeout": timeout,
             # NOTE: redis-py retries failed commands by default, with backoff; here a
-            # failed command fails at once and run() decides what happens next.
-            "retry": Retry(NoBackoff(), 0),
+            # failed command fails at once and run() decides what happens next, with
+            # one exception: a command that finds its pooled connection dropped is sent
+            # once more on a new one. A process that made no call while Redis was away
+            # still holds connections to the Redis that went; without this, its first
+            # command after Redis returns fails, and its calls fall back to the
+            # process's own buckets for --state-retry-seconds. A refused connect fails
+            # the retry at once; a timeout is never retried (the command may have run).
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "client_name": "classify-orchestrator",
         }
         password = read_secret(settings.state_password_file)

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.metrics import RPC_REQUESTS_TOTAL
-from orchestrator.metrics import RATE_LIMITED_TOTAL
+from orchestrator.config import DEFAULT_CONCURRENCY
+from orchestrator.metrics import BACKEND_CONCURRENCY_LIMIT, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
-from orchestrator.workers import WORKER_RESTARTS_TOTAL, WORKERS
+from orchestrator.workers import WORKERS
 from tests.conftest import (
     REPO_ROOT,
     STACK_API_KEY,
@@ -28,7 +28,7 @@ from tests.conftest import (
     Stack,
     wait_until,
 )
-from tests.system.test_metrics_scrape import samples, value
+from tests.system.test_metrics_scrape import Scrape, samples, value
 
 CLASSIFY = "/ai.classify.v1.ClassifyService/Classify"
 BURST = 12
@@ -106,76 +106,26 @@ async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     assert value(scrape, RPC_REQUESTS_TOTAL, method=CLASSIFY, code="OK") == BURST
     assert value(scrape, RATE_LIMITED_TOTAL, tenant="stack") == 6
     assert value(scrape, WORKERS) == 3
+    # Each worker holds its third of the backend's adaptive limit (--concurrency-max-limit
+    # for the set, rounded up), so the three together hold what one process would.
+    share = -(-DEFAULT_CONCURRENCY.max_limit // 3)
+    for line in stack.orchestrator.log_lines():
+        if line.get("event") == "worker serving":
+            own = worker_samples(int(line["metrics_port"]))
+            assert value(own, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == share
+    assert value(scrape, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == 3 * share
 
 
-async def test_killed_worker_is_restarted_and_sigterm_drains_every_worker(
-    start_stack: Callable[..., Stack], redis_server: RedisServer, tmp_path: Path
-) -> None:
-    """One stack for two behaviours, as starting one costs seconds: a worker killed
-    with SIGKILL comes back while the other answers; SIGTERM then drains them all."""
-    stack = start_workers(start_stack, redis_server, keys_with_limit(tmp_path), 2)
-    port = stack.orchestrator.port
-    before = await every_worker_logged(stack.orchestrator, 2)
-    assert [await classify_on_new_connection(port) for _ in range(4)] == [grpc.StatusCode.OK] * 4
-
-    os.kill(before[0], signal.SIGKILL)
-    # No call is in flight on it: every call from now on, on a new connection, is
-    # answered (by the other worker, then by either).
-    codes = [await classify_on_new_connection(port) for _ in range(8)]
-    await wait_until(lambda: worker_pids(stack.orchestrator)[0] != before[0], "worker 0 back")
-    codes += [await classify_on_new_connection(port) for _ in range(8)]
-    assert codes == [grpc.StatusCode.OK] * 16
-    await wait_until(
-        lambda: value(samples(stack.orchestrator), WORKERS) == 2, "both workers serving"
-    )
-    assert value(samples(stack.orchestrator), WORKER_RESTARTS_TOTAL) == 1
-    assert worker_pids(stack.orchestrator)[1] == before[1]
-
-    outcomes = await calls_then_sigterm(stack.orchestrator, connections=8, calls_each=4)
-    assert stack.orchestrator.process.wait(timeout=60) == 0
-    lines = stack.orchestrator.log_lines()
-    # The supervisor, the worker that lived, the one that replaced the killed one.
-    assert sum(1 for line in lines if line.get("event") == "stopped") == 3
-    # A call either was admitted and answered, or never reached a handler: gRPC cancels
-    # calls not yet started when a worker begins to drain (CANCELLED), and a draining
-    # worker refuses new ones (UNAVAILABLE). Nothing admitted is cut off.
-    answered = sum(1 for outcome in outcomes if isinstance(outcome, pb.ClassifyResponse))
-    refused = {o.code() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)}
-    assert refused <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
-    admitted = [
-        line for line in lines if line.get("event") == "rpc" and line.get("method") == CLASSIFY
-    ]
-    assert {line["code"] for line in admitted} == {"OK"}
-    # Every call since the kill was logged; of the 4 before it, the killed worker's
-    # lines may still have been queued in its log writer when it died.
-    assert 16 + answered <= len(admitted) <= 4 + 16 + answered
-
-
-async def calls_then_sigterm(
-    orchestrator: ServerProcess, *, connections: int, calls_each: int
-) -> list[object]:
-    """Start calls on `connections` ready connections, SIGTERM the supervisor at once,
-    and return every call's outcome (its response or its error)."""
-    port = orchestrator.port
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(connections)]
-    try:
-        for channel in channels:
-            await channel.channel_ready()
-        calls = [
-            classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
-                pb.ClassifyRequest(text=STRIKER),
-                metadata=(("authorization", f"Bearer {STACK_API_KEY}"),),
-                timeout=60,
-            )
-            for channel in channels
-            for _ in range(calls_each)
-        ]
-        await asyncio.sleep(0)  # sent
-        orchestrator.process.send_signal(signal.SIGTERM)
-        return list(await asyncio.gather(*calls, return_exceptions=True))
-    finally:
-        for channel in channels:
-            await channel.close()
+def worker_samples(metrics_port: int) -> Scrape:
+    """One worker's own /metrics (on the loopback port its "worker serving" line names)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as page:
+        text = page.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_more_than_one_process_without_redis_is_refused_naming_the_settings() -> None:

@@ -252,3 +252,20 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
             await store.get("f")
     finally:
         await state.close()
+
+
+async def test_first_command_after_redis_returns_is_answered_by_it(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """A process that made no call while Redis was away still holds a connection to
+    the Redis that went: its first command afterwards goes out on a new one."""
+    server = await start_shared(capability, burst=4)
+    await classify(server)  # leaves a pooled connection to this Redis
+    redis_server.stop()
+    redis_server.start()
+    await classify(server)
+    assert state_failures(server, "rate_limit") == 0
+    answered = metric_sum(
+        server.registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="ok"
+    )
+    assert answered == 2
