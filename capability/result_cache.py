@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.metrics import CapabilityMetrics
+from capability.metrics import CACHE_HIT, CACHE_MISS, CapabilityMetrics
 from capability.model import EncodedText
 
 # Bytes an entry costs beyond its text, ids and scores: the key tuple, the entry
@@ -92,11 +92,11 @@ class ResultCache:
             return None
         entry = self._entries.get((model, version, encoded.ids))
         if entry is None or self._serving.get(model) != version:
-            self._metrics.result_cache_misses.labels(model).inc()
+            self._metrics.cache_requests.labels(model, CACHE_MISS).inc()
             return None
         self._entries.move_to_end((model, version, encoded.ids))
         entry.hits += 1
-        self._metrics.result_cache_hits.labels(model).inc()
+        self._metrics.cache_requests.labels(model, CACHE_HIT).inc()
         return entry.probabilities
 
     def store(

@@ -16,9 +16,10 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
 from capability.metrics import (
     MODEL_FORWARD_TOTAL,
+    CACHE_HIT,
+    CACHE_MISS,
+    CACHE_REQUESTS_TOTAL,
     RESULT_CACHE_HIT_FLOOR,
-    RESULT_CACHE_HITS_TOTAL,
-    RESULT_CACHE_MISSES_TOTAL,
     RESULT_CACHE_WARMED_TOTAL,
     CapabilityMetrics,
 )
@@ -33,6 +34,11 @@ OTHER = "Shares fell sharply after the bank reported lower quarterly profits"
 
 def counted(server: CapabilityServer, name: str) -> float:
     return metric_sum(server.registry, name, model=MODEL)
+
+
+def looked_up(server: CapabilityServer, outcome: str) -> float:
+    """The model's texts the cache answered (CACHE_HIT) or did not (CACHE_MISS)."""
+    return metric_sum(server.registry, CACHE_REQUESTS_TOTAL, model=MODEL, outcome=outcome)
 
 
 async def cached_server(start_capability: StartCapability, **settings: object) -> CapabilityServer:
@@ -51,8 +57,8 @@ async def test_the_same_text_twice_is_computed_once(start_capability: StartCapab
     assert list(second.labels) == list(first.labels)[:2]
     assert second.model == first.model
     assert second.request_id != first.request_id
-    assert counted(server, RESULT_CACHE_MISSES_TOTAL) == 1
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+    assert looked_up(server, CACHE_MISS) == 1
+    assert looked_up(server, CACHE_HIT) == 1
 
 
 async def test_batch_items_already_cached_never_reach_the_device(
@@ -74,7 +80,7 @@ async def test_batch_items_already_cached_never_reach_the_device(
     assert [r.response.labels[0].name for r in batch.results] == ["sports", "business", "sports"]
     assert list(batch.results[0].response.labels) == list(alone.labels)
     assert list(batch.results[2].response.labels) == list(alone.labels)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 2
+    assert looked_up(server, CACHE_HIT) == 2
 
 
 async def test_a_swap_never_serves_the_old_versions_result_and_refills_the_most_hit(
@@ -110,8 +116,8 @@ async def test_no_cache_computes_every_text(start_capability: StartCapability) -
         for _ in range(2):
             await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
     assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 0
+    assert looked_up(server, CACHE_HIT) == looked_up(server, CACHE_MISS)
+    assert looked_up(server, CACHE_HIT) == 0
 
 
 def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None:
@@ -153,8 +159,8 @@ async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_f
     assert [computed.cached, cached.cached, bypassed.cached] == [False, True, False]
     assert not batch.results[0].response.cached
     # Neither looked up nor counted.
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+    assert looked_up(server, CACHE_HIT) == looked_up(server, CACHE_MISS)
+    assert looked_up(server, CACHE_HIT) == 1
 
 
 async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(
