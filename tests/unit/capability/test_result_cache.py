@@ -15,10 +15,10 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
 from capability.metrics import (
-    MODEL_FORWARD_TOTAL,
     CACHE_HIT,
     CACHE_MISS,
     CACHE_REQUESTS_TOTAL,
+    MODEL_FORWARD_TOTAL,
     RESULT_CACHE_HIT_FLOOR,
     RESULT_CACHE_WARMED_TOTAL,
     CapabilityMetrics,
