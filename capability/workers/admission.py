@@ -93,9 +93,9 @@ async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
 def answered_from_cache(
     cache: ResultCache, replica: ModelReplica, encoded: EncodedText
 ) -> TextResult | None:
-    """The text's result from the cache, for the replica's version; None on a miss."""
+    """The text's result from the cache, for the replica's bundle; None on a miss."""
     bundle = replica.bundle
-    scores = cache.lookup(bundle.name, bundle.version, encoded)
+    scores = cache.lookup(bundle.name, bundle.digest, encoded)
     if scores is None:
         return None
     return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
@@ -113,7 +113,7 @@ def remember_result(
         return
     result = future.result()
     bundle = result.bundle
-    cache.store(bundle.name, bundle.version, encoded, text, max_length, result.probabilities)
+    cache.store(bundle.name, bundle.digest, encoded, text, max_length, result.probabilities)
 
 
 class Admitter:

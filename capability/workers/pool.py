@@ -217,7 +217,7 @@ class WorkerPool:
             await replica.worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
         serving = bundles[0]
-        carried = self.cache.switch_version(serving.name, serving.version)
+        carried = self.cache.switch_bundle(serving.name, serving.digest)
         # The old version's most hit texts, then the model's warm_texts file.
         refill = list(dict.fromkeys([*carried, *warm_texts]))
         self._refill_cache(serving.name, refill if self.cache.enabled else [])
