@@ -35,8 +35,7 @@ MODEL_COLD_STARTS_TOTAL = "classify_model_cold_starts_total"
 MODEL_COLD_START_SECONDS = "classify_model_cold_start_seconds"
 MODEL_EVICTIONS_TOTAL = "classify_model_evictions_total"
 MODEL_RESIDENT = "classify_model_resident"
-RESULT_CACHE_HITS_TOTAL = "classify_result_cache_hits_total"
-RESULT_CACHE_MISSES_TOTAL = "classify_result_cache_misses_total"
+CACHE_REQUESTS_TOTAL = "classify_cache_requests_total"
 RESULT_CACHE_WARMED_TOTAL = "classify_result_cache_warmed_total"
 RESULT_CACHE_ENTRIES = "classify_result_cache_entries"
 RESULT_CACHE_BYTES = "classify_result_cache_bytes"
@@ -44,6 +43,9 @@ RESULT_CACHE_HIT_FLOOR = "classify_result_cache_hit_floor"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
 
+# The `outcome` of CACHE_REQUESTS_TOTAL.
+CACHE_HIT = "hit"
+CACHE_MISS = "miss"
 # Where a text's time ran out (the `stage` of DEADLINE_EXCEEDED_TOTAL): refused at
 # admission (no time left, or less than the predicted service time), evicted from
 # the queue by its timer, or left out by the device thread as its batch started.
@@ -247,16 +249,11 @@ class CapabilityMetrics:
     def _add_cache_metrics(self, registry: CollectorRegistry) -> None:
         """The result cache (capability/result_cache.py): how often it answered."""
         # Counted per text looked up; texts of a call that opted out are neither.
-        self.result_cache_hits = Counter(
-            RESULT_CACHE_HITS_TOTAL,
-            "Texts answered from the result cache: no queue, no forward.",
-            ["model"],
-            registry=registry,
-        )
-        self.result_cache_misses = Counter(
-            RESULT_CACHE_MISSES_TOTAL,
-            "Texts looked up in the result cache and not found (computed, then stored).",
-            ["model"],
+        self.cache_requests = Counter(
+            CACHE_REQUESTS_TOTAL,
+            "Texts looked up in the result cache, by outcome: hit (answered from it: no "
+            "queue, no forward) or miss (computed, then stored).",
+            ["model", "outcome"],
             registry=registry,
         )
         self.result_cache_warmed = Counter(

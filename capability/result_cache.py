@@ -2,17 +2,31 @@
 
 A repeated text (the same headline from many clients, a retry, a polling client)
 is looked up after tokenizing and before admission: a hit is answered on the event
-loop, never queued, batched or computed. Entries are keyed by model, serving version
+loop, never queued, batched or computed. Entries are keyed by model, the serving
+bundle's digest (the SHA-256 of its manifest.json, which lists every file's SHA-256)
 and the text as the model reads it: its token ids, after the tokenizer's own
-normalisation and the truncation to the call's `max_length`, so two texts the model
-cannot tell apart share one entry and a different `max_length` that changes the
-tokens is another. The scores are the same whichever text filled the entry; what
-the answer says about the text itself (token count, truncated) is the caller's.
+normalisation and the truncation to the call's `max_length`.
+
+Why the digest and not the version: a version is a directory's name, and a bundle
+rebuilt under the same name (new weights, a new head) is another model; its digest
+differs, so a result of the one is never stored for or found by the other, even one
+computed by the old bundle and finished after the swap. Two bundles with one digest
+hold byte-identical files and compute identical scores.
+
+Why token ids stand for "normalised text and max_length": the ids are exactly what
+the model is given (the attention mask follows from their count), so two texts with
+the same ids get the same scores, whatever their spelling before the tokenizer's
+normalisation and whatever `max_length` cut them to those ids. A separate text
+normaliser could only be coarser than the tokenizer's own (folding texts the model
+tells apart) or finer (missing texts it cannot); and a `max_length` in the key would
+only split entries whose scores are equal. The ids are the tightest key that is
+still exact. The scores are the same whichever text filled the entry; what the
+answer says about the text itself (token count, truncated) is the caller's.
 
 Bounded by entries and by (estimated) bytes, least recently used out first. Only
-the serving version's results are stored or found: when a model's version changes
+the serving bundle's results are stored or found: when a model's bundle changes
 every entry of the old one is dropped, and the texts hit most often are returned
-to be computed again on the new version (the pool does, at batch priority), so a
+to be computed again on the new one (the pool does, at batch priority), so a
 swap does not empty the cache of its most frequent queries.
 """
 
@@ -22,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.metrics import CapabilityMetrics
+from capability.metrics import CACHE_HIT, CACHE_MISS, CapabilityMetrics
 from capability.model import EncodedText
 
 # Bytes an entry costs beyond its text, ids and scores: the key tuple, the entry
@@ -41,7 +55,7 @@ DEFAULT_WARM = 100
 WARM_TEXTS_LIMIT = 10_000
 WARM_TEXT_CHARS = 100_000
 
-Key = tuple[str, str, tuple[int, ...]]  # (model, version, token ids)
+Key = tuple[str, str, tuple[int, ...]]  # (model, bundle digest, token ids)
 
 
 @dataclass(slots=True)
@@ -64,8 +78,9 @@ class WarmText:
 
 
 class ResultCache:
-    """An LRU of label probabilities per (model, version, token ids); see the module
-    docstring. `max_entries` 0 turns it off (every lookup misses, nothing is stored)."""
+    """An LRU of label probabilities per (model, bundle digest, token ids); see the
+    module docstring. `max_entries` 0 turns it off (every lookup misses, nothing is
+    stored)."""
 
     def __init__(
         self, metrics: CapabilityMetrics, *, max_entries: int, max_bytes: int, warm: int
@@ -76,7 +91,7 @@ class ResultCache:
         self._warm = warm
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self.size_bytes = 0
-        # The version of each model whose results are stored and found.
+        # The digest of each model's serving bundle: only its results are stored and found.
         self._serving: dict[str, str] = {}
 
     @property
@@ -86,33 +101,35 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, model: str, version: str, encoded: EncodedText) -> tuple[float, ...] | None:
-        """The stored scores of this text on this version, counted as a hit or a miss."""
+    def lookup(self, model: str, digest: str, encoded: EncodedText) -> tuple[float, ...] | None:
+        """The stored scores of this text on the bundle with this digest, counted as a
+        hit or a miss."""
         if not self.enabled:
             return None
-        entry = self._entries.get((model, version, encoded.ids))
-        if entry is None or self._serving.get(model) != version:
-            self._metrics.result_cache_misses.labels(model).inc()
+        key = (model, digest, encoded.ids)
+        entry = self._entries.get(key)
+        if entry is None or self._serving.get(model) != digest:
+            self._metrics.cache_requests.labels(model, CACHE_MISS).inc()
             return None
-        self._entries.move_to_end((model, version, encoded.ids))
+        self._entries.move_to_end(key)
         entry.hits += 1
-        self._metrics.result_cache_hits.labels(model).inc()
+        self._metrics.cache_requests.labels(model, CACHE_HIT).inc()
         return entry.probabilities
 
     def store(
         self,
         model: str,
-        version: str,
+        digest: str,
         encoded: EncodedText,
         text: str,
         max_length: int | None,
         probabilities: tuple[float, ...],
     ) -> None:
-        """Remember the scores of a text the serving version computed; a result of a
-        version no longer serving (finished after a swap) is not kept."""
-        if not self.enabled or self._serving.get(model) != version:
+        """Remember the scores of a text the serving bundle computed; a result of a
+        bundle no longer serving (finished after a swap) is not kept."""
+        if not self.enabled or self._serving.get(model) != digest:
             return
-        key = (model, version, encoded.ids)
+        key = (model, digest, encoded.ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -130,11 +147,11 @@ class ResultCache:
             self.size_bytes -= evicted.size_bytes
         self._show_size()
 
-    def switch_version(self, model: str, version: str) -> list[WarmText]:
-        """`version` of `model` serves from now on: drop the old version's entries and
-        return its most hit texts (at most --result-cache-warm, most hit first) for the
-        new version to compute."""
-        self._serving[model] = version
+    def switch_bundle(self, model: str, digest: str) -> list[WarmText]:
+        """The bundle with `digest` serves `model` from now on: drop the old bundle's
+        entries and return its most hit texts (at most --result-cache-warm, most hit
+        first) for the new one to compute."""
+        self._serving[model] = digest
         dropped = [(key, entry) for key, entry in self._entries.items() if key[0] == model]
         for key, entry in dropped:
             del self._entries[key]

@@ -95,8 +95,13 @@ CLASSIFY_BUCKET = "classify.bucket"
 CLASSIFY_PADDING_RATIO = "classify.padding_ratio"
 CLASSIFY_CLOCK = "classify.clock"
 CLASSIFY_ERROR_REASON = "classify.error_reason"
-# "hit": answered from the capability's result cache, so no device node follows.
+# "hit": answered from the capability's result cache; the device nodes that follow
+# are skipped (CLASSIFY_SKIPPED).
 CLASSIFY_CACHE = "classify.cache"
+# On a node the request did not run, why: SKIPPED_CACHE_HIT (a cache hit's device
+# nodes, zero-length spans so its trace keeps all 17 nodes).
+CLASSIFY_SKIPPED = "classify.skipped"
+SKIPPED_CACHE_HIT = "cache_hit"
 # Set on every span of a request whose time budget ran out before its answer.
 TIMEOUT_ATTRIBUTE = "timeout"
 # Any node may carry these besides its own: a failed node's status code and error
@@ -174,24 +179,33 @@ NODES: tuple[Node, ...] = (
          (CLASSIFY_TOKENS, CLASSIFY_TRUNCATED)),
     Node(10, QUEUE_ADMIT, "capability", "admission to the worker's bounded queue",
          (CLASSIFY_WORKER, CLASSIFY_QUEUE_DEPTH, CLASSIFY_PREDICTED_WAIT_MS,
-          CLASSIFY_OUTCOME)),
+          CLASSIFY_OUTCOME, CLASSIFY_CACHE)),
     Node(11, GPU_QUEUE_WAIT, "capability",
          "waiting in the queue until the request's batch starts on the device",
-         (CLASSIFY_WORKER,)),
+         (CLASSIFY_WORKER, CLASSIFY_SKIPPED)),
     Node(12, BATCH_ASSEMBLE, "capability",
          "padding the batch into tensors; linked to the batch's shared span",
-         (CLASSIFY_BATCH_SIZE, CLASSIFY_BUCKET, CLASSIFY_PADDING_RATIO)),
-    Node(13, H2D_COPY, "capability", "copying the inputs to the device", (CLASSIFY_CLOCK,)),
+         (CLASSIFY_BATCH_SIZE, CLASSIFY_BUCKET, CLASSIFY_PADDING_RATIO, CLASSIFY_SKIPPED)),
+    Node(13, H2D_COPY, "capability", "copying the inputs to the device",
+         (CLASSIFY_CLOCK, CLASSIFY_SKIPPED)),
     Node(14, CUDA_LAUNCH, "capability", "the forward, encoder and head, on the device",
-         (CLASSIFY_CLOCK, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION)),
+         (CLASSIFY_CLOCK, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION, CLASSIFY_SKIPPED)),
     Node(15, POSTPROCESS, "capability", "copying the scores back to the host",
-         (CLASSIFY_CLOCK,)),
+         (CLASSIFY_CLOCK, CLASSIFY_SKIPPED)),
     Node(16, OUTPUT_SERIALIZE, "orchestrator", "serialising the response message",
          (CLASSIFY_RESPONSE_BYTES,)),
     Node(17, RESPONSE_SEND, "orchestrator",
          "handing the answer to gRPC until the call completes", (RPC_RESPONSE_STATUS_CODE,)),
 )  # fmt: skip
 NODE_NAMES: tuple[str, ...] = tuple(node.name for node in NODES)
+# The nodes of a request's time on the device, in order: what a cache hit skips.
+DEVICE_NODE_NAMES: tuple[str, ...] = (
+    GPU_QUEUE_WAIT,
+    BATCH_ASSEMBLE,
+    H2D_COPY,
+    CUDA_LAUNCH,
+    POSTPROCESS,
+)
 # The span every request of a batch links to (from its batch_assemble node).
 BATCH_SPAN_NAME = "batch"
 
@@ -426,3 +440,25 @@ def emit_node(
     if request_trace.timed_out:
         span.set_attribute(TIMEOUT_ATTRIBUTE, True)
     span.end(end_time=max(end_ns, start_ns))
+
+
+def emit_skipped_nodes(
+    request_trace: RequestTrace, names: Sequence[str], at_ns: int, reason: str
+) -> None:
+    """Zero-length spans at `at_ns` (epoch ns) for nodes the request did not run, each
+    with CLASSIFY_SKIPPED = `reason`, so its trace still has every node. They are
+    neither observed in the node histogram nor timed in the log line: a zero there
+    would read as a node that ran in no time. Nothing is done when no spans are made."""
+    if not request_trace.makes_spans:
+        return
+    tracer = get_tracer()
+    for name in names:
+        span = tracer.start_span(
+            name,
+            context=request_trace.parent_context,
+            attributes={CLASSIFY_SKIPPED: reason},
+            start_time=at_ns,
+        )
+        if request_trace.timed_out:
+            span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+        span.end(end_time=at_ns)

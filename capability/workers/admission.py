@@ -1,8 +1,8 @@
 """Texts on their way into a replica's queue: tokenized in one call per `max_length`
 (on the event loop when short, else on a tokenizer thread), looked up in the
 result cache, and the rest admitted in one step, each text recorded as its own
-`tokenize` and `queue_admit` nodes (a cache hit's `queue_admit` says so, and no
-device node follows it).
+`tokenize` and `queue_admit` nodes (a cache hit's `queue_admit` says so, and its
+device nodes are zero-length spans that say they were skipped).
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ from classify_common.nodes import (
     CLASSIFY_TOKENS,
     CLASSIFY_TRUNCATED,
     CLASSIFY_WORKER,
+    DEVICE_NODE_NAMES,
     QUEUE_ADMIT,
+    SKIPPED_CACHE_HIT,
     TOKENIZE,
     RequestTrace,
     emit_node,
+    emit_skipped_nodes,
 )
 
 log = logging.getLogger(__name__)
@@ -90,9 +93,9 @@ async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
 def answered_from_cache(
     cache: ResultCache, replica: ModelReplica, encoded: EncodedText
 ) -> TextResult | None:
-    """The text's result from the cache, for the replica's version; None on a miss."""
+    """The text's result from the cache, for the replica's bundle; None on a miss."""
     bundle = replica.bundle
-    scores = cache.lookup(bundle.name, bundle.version, encoded)
+    scores = cache.lookup(bundle.name, bundle.digest, encoded)
     if scores is None:
         return None
     return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
@@ -110,7 +113,7 @@ def remember_result(
         return
     result = future.result()
     bundle = result.bundle
-    cache.store(bundle.name, bundle.version, encoded, text, max_length, result.probabilities)
+    cache.store(bundle.name, bundle.digest, encoded, text, max_length, result.probabilities)
 
 
 class Admitter:
@@ -218,7 +221,8 @@ class Admitter:
         encoded: Sequence[EncodedText | ServiceError],
     ) -> dict[int, asyncio.Future[TextResult]]:
         """The texts the cache answers, by index, as futures already done; each such
-        text's `queue_admit` node says it was a cache hit."""
+        text's `queue_admit` node says it was a cache hit, and its device nodes that
+        they were skipped."""
         if not self._cache.enabled:
             return {}
         hits: dict[int, asyncio.Future[TextResult]] = {}
@@ -241,6 +245,7 @@ class Admitter:
                         CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT,
                     }
                 emit_node(text.trace, QUEUE_ADMIT, now, now, attributes)
+                emit_skipped_nodes(text.trace, DEVICE_NODE_NAMES, now, SKIPPED_CACHE_HIT)
         return hits
 
     def _admit_remembered(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,9 +81,12 @@ from classify_common.nodes import (
     CLASSIFY_TOKENS,
     CLASSIFY_TRUNCATED,
     CLASSIFY_WORKER,
+    DEVICE_NODE_NAMES,
     QUEUE_ADMIT,
+    SKIPPED_CACHE_HIT,
     TOKENIZE,
     current_trace,
+    emit_skipped_nodes,
     node,
 )
 
@@ -213,7 +217,7 @@ class WorkerPool:
             await replica.worker.activate(replica)
         self._live_since[bundles[0].name] = datetime.now(UTC)
         serving = bundles[0]
-        carried = self.cache.switch_version(serving.name, serving.version)
+        carried = self.cache.switch_bundle(serving.name, serving.digest)
         # The old version's most hit texts, then the model's warm_texts file.
         refill = list(dict.fromkeys([*carried, *warm_texts]))
         self._refill_cache(serving.name, refill if self.cache.enabled else [])
@@ -396,7 +400,12 @@ class WorkerPool:
             if cached is not None:
                 hit = {CLASSIFY_WORKER: replica.worker.name, CLASSIFY_CACHE: "hit"}
                 with node(QUEUE_ADMIT, {**hit, CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT}):
-                    return cached
+                    pass
+                if (request_trace := current_trace()) is not None:
+                    emit_skipped_nodes(
+                        request_trace, DEVICE_NODE_NAMES, time.time_ns(), SKIPPED_CACHE_HIT
+                    )
+                return cached
             if not replica.is_resident:
                 await self._bring_onto_device(replica, len(encoded), deadline)
             with node(QUEUE_ADMIT, {CLASSIFY_WORKER: replica.worker.name}) as span:

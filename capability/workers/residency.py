@@ -79,6 +79,13 @@ class OnDemandWeights:
         yield from _owned_tensors(self._classifier.encoder)
         yield from _owned_tensors(self._classifier.head)
 
+    def begin_eviction(self) -> None:
+        """On the event loop, as `evict` is handed to the device thread: from now on the
+        weights count as off the device, so a request that arrives while they are being
+        taken off waits for a cold start instead of being queued behind the eviction
+        (its batch would run on meta tensors)."""
+        self.resident = False
+
     def evict(self) -> None:
         """Take the weights off the device: meta tensors in their place, no graph."""
         self._place({key: host.to(_META) for key, host in self._host.items()})

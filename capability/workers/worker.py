@@ -597,6 +597,11 @@ class DeviceWorker:
         async with self.turn():
             if weights is None or not weights.resident or replica.load:
                 return
+            # NOTE: marked off before the await, in the same step as the load check:
+            # until the device thread has run `evict`, `resident` would still say
+            # True, and a request arriving meanwhile would be admitted without a cold
+            # start and computed on the evicted (meta) weights.
+            weights.begin_eviction()
             await self.execute(weights.evict)
         self._metrics.model_evictions.labels(replica.name, self.name, reason).inc()
         self._metrics.model_resident.labels(replica.name, self.name).set(0)

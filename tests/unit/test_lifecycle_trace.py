@@ -22,15 +22,17 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.metrics import NODE_DURATION_SECONDS
-from classify_common.nodes import BATCH_SPAN_NAME, NODE_NAMES, NODES
+from classify_common.nodes import BATCH_SPAN_NAME, DEVICE_NODE_NAMES, NODE_NAMES, NODES
 from orchestrator.server import OrchestratorServer
 from tests.conftest import (
     REPO_ROOT,
     STRIKER,
+    StartCapability,
     StartOrchestrator,
     metric_sum,
     orchestrator_for,
     routes_text,
+    static_routes,
     wait_until,
 )
 from tests.status_details import refusal
@@ -303,6 +305,45 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
     front, _ = server_spans(spans)
     assert front.status.status_code == StatusCode.UNSET
     assert dict(front.attributes or {})["rpc.response.status_code"] == "INVALID_ARGUMENT"
+
+
+async def test_a_cache_hit_has_every_node_once_and_its_device_nodes_say_they_were_skipped(
+    start_capability: StartCapability,
+    orchestrator_with: StartOrchestrator,
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    cached = await start_capability(models=("topic-static",), result_cache_entries=100)
+    orchestrator = await orchestrator_with(static_routes(f"127.0.0.1:{cached.port}"))
+    computed = await classify(orchestrator.port)
+    await settled_trace(span_exporter, computed.trace_id, len(NODES) + 3)
+    before = {name: node_count(orchestrator, cached, name) for name in NODE_NAMES}
+    hit = await classify(orchestrator.port)
+    spans = await settled_trace(span_exporter, hit.trace_id, len(NODES) + 3)
+
+    assert (computed.cached, hit.cached) == (False, True)
+    names = collections.Counter(s.name for s in spans)
+    assert names == collections.Counter([*NODE_NAMES, *[CLASSIFY_SPAN] * 3])
+    _, (back,) = server_spans(spans)
+    admit = only(spans, "queue_admit")
+    assert dict(admit.attributes or {})["classify.cache"] == "hit"
+    assert dict(admit.attributes or {})["classify.outcome"] == "cache_hit"
+    for name in DEVICE_NODE_NAMES:
+        skipped = only(spans, name)
+        assert dict(skipped.attributes or {}) == {"classify.skipped": "cache_hit"}, name
+        # Zero-length, at the moment of the hit (after its queue_admit).
+        assert skipped.start_time == skipped.end_time, name
+        assert (skipped.start_time or 0) >= (admit.end_time or 0) > 0, name
+        assert parent_id(skipped) == span_id(back), name
+        assert skipped.status.status_code == StatusCode.UNSET, name
+    # Skipped nodes stay out of the node histogram; the nodes that ran are in it.
+    await wait_until(
+        lambda: node_count(orchestrator, cached, "response_send") == before["response_send"] + 1,
+        "response_send observed",
+    )
+    after = {name: node_count(orchestrator, cached, name) for name in NODE_NAMES}
+    assert {name: after[name] - before[name] for name in NODE_NAMES} == {
+        name: 0 if name in DEVICE_NODE_NAMES else 1 for name in NODE_NAMES
+    }
 
 
 def test_observability_doc_lists_the_nodes_defined_in_code() -> None:

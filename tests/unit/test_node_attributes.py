@@ -1,7 +1,7 @@
 """Each lifecycle node emits exactly the span attributes its row in the node table
 lists, through real servers: a plain call, an invalid one, a retried and fallen-back
-one, a rate-limited tenant's, and a ClassifyBatch straight to a capability server;
-and the keys are spelled only beside the table."""
+one, a rate-limited tenant's, a ClassifyBatch straight to a capability server, and
+a result-cache hit; and the keys are spelled only beside the table."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from classify_common.nodes import (
     UPSTREAM_CLIENT_ATTRIBUTES,
 )
 from orchestrator.server import OrchestratorServer
-from tests.conftest import REPO_ROOT, STRIKER, StartOrchestrator, wait_until
+from tests.conftest import REPO_ROOT, STRIKER, StartCapability, StartOrchestrator, wait_until
 from tests.unit.capability.test_classify_batch import classify_batch
 from tests.unit.orchestrator.test_policy import (
     dead_primary_with_fallback,
@@ -65,6 +65,7 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
     orchestrator_with: StartOrchestrator,
     secured: Start,  # noqa: F811
+    start_capability: StartCapability,
     span_exporter: InMemorySpanExporter,
 ) -> None:
     before = len(span_exporter.get_finished_spans())
@@ -80,6 +81,11 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     await classify_batch(capability_stub, [pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest()])
     # capability_receive's violation fields, on a whole call
     assert await classify(capability.port, text="") == invalid
+    # queue_admit's cache mark and the device nodes' skipped mark, on a cache hit
+    cached = await start_capability(
+        models=("topic-static",), default_model="topic-static", result_cache_entries=100
+    )
+    assert [await classify(cached.port) for _ in range(2)] == [ok, ok]
 
     keys: dict[str, set[str]] = {}
 

@@ -1,14 +1,19 @@
 """On-demand residency over real gRPC, on the CPU through the code a GPU takes: the
 weights wait in host memory, the first request copies them onto the device (a cold
 start, counted and timed), an idle model leaves again and gives its memory back, a
-deadline shorter than the cold start is refused so a fallback can answer; and
-sharding is refused where it cannot run."""
+deadline shorter than the cold start is refused so a fallback can answer, twenty
+models share a budget that holds five under round-robin load; and sharding is
+refused where it cannot run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -190,17 +195,35 @@ async def test_a_sharded_model_scores_as_the_resident_one(
             assert got[label] == pytest.approx(score, abs=1e-5)
 
 
+# What topic-static's weights take on a device (its ledger's `weights`).
+STATIC_WEIGHT_BYTES = 46_887_936
+# Texts whose topic-static answers differ: sports, business, science and technology.
+TOPICAL_TEXTS = (
+    STRIKER,
+    "Shares fell sharply after the bank reported lower quarterly profits",
+    "The new processor doubles battery life in laptops and phones",
+)
+
+
+def copy_under_names(bundle: Path, root: Path, names: Sequence[str]) -> None:
+    """`bundle` as version 1 of each of `names` under `root`: the weights hard-linked
+    (the same bytes, no copying), config.json renamed, and a new manifest."""
+    for name in names:
+        copy = root / name / "1"
+        shutil.copytree(bundle, copy, copy_function=os.link)
+        config = json.loads((copy / "config.json").read_text())
+        # A new file, not a write through the link into the original bundle.
+        (copy / "config.json").unlink()
+        (copy / "config.json").write_text(json.dumps({**config, "name": name}))
+        write_manifest(copy)
+
+
 async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recently_used(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
     names = [f"static-{index}" for index in range(6)]
-    for name in names:
-        bundle = tmp_path / "models" / name / "1"
-        shutil.copytree(model_root / MODEL / "1", bundle)
-        config = json.loads((bundle / "config.json").read_text())
-        (bundle / "config.json").write_text(json.dumps({**config, "name": name}))
-        write_manifest(bundle)
-    weights = 46_887_936
+    copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
+    weights = STATIC_WEIGHT_BYTES
     server = await start_capability(
         model_root=tmp_path / "models",
         default_model=names[0],
@@ -222,6 +245,67 @@ async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recen
     assert total(MODEL_COLD_STARTS_TOTAL) == 12
     assert total(MODEL_EVICTIONS_TOTAL, reason="budget") >= 10
     assert total(MODEL_RESIDENT) <= 2
+    worker = server.pool.workers[0]
+    assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_twenty_models_with_a_budget_for_five_all_answer_correctly_under_round_robin_load(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    names = [f"static-{index:02d}" for index in range(20)]
+    copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
+    reference = await start_capability(models=(MODEL,))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{reference.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        expected = {
+            text: (await stub.Classify(pb.ClassifyRequest(text=text, model=MODEL))).labels
+            for text in TOPICAL_TEXTS
+        }
+    assert len({labels[0].name for labels in expected.values()}) == len(TOPICAL_TEXTS)
+    server = await start_capability(
+        model_root=tmp_path / "models",
+        default_model=names[0],
+        residency="on_demand",
+        idle_seconds=3600,
+        device_memory_budget=int(5.5 * STATIC_WEIGHT_BYTES),
+    )
+
+    async def classify_on(stub: Any, name: str, text: str) -> None:
+        answer = await stub.Classify(pb.ClassifyRequest(text=text, model=name), timeout=60)
+        assert answer.model.name == name
+        assert [label.name for label in answer.labels] == [
+            label.name for label in expected[text]
+        ], (name, text)
+        for got, want in zip(answer.labels, expected[text], strict=True):
+            assert got.score == pytest.approx(want.score, abs=1e-5), (name, text)
+
+    # Each round sends one text to every model at once, the texts rotating over the
+    # models: twenty cold starts compete for five places.
+    rounds = 3
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for turn in range(rounds):
+            await asyncio.gather(
+                *[
+                    classify_on(stub, name, TOPICAL_TEXTS[(index + turn) % len(TOPICAL_TEXTS)])
+                    for index, name in enumerate(names)
+                ]
+            )
+
+    def total(metric: str, **labels: str) -> float:
+        return metric_sum(server.registry, metric, **labels)
+
+    cold_starts = total(MODEL_COLD_STARTS_TOTAL)
+    resident = total(MODEL_RESIDENT)
+    # Every model came onto the device at least once a round but for the five (at
+    # most) still there from the round before; each cold start was timed; every
+    # model that left was evicted for room (none was idle an hour).
+    assert cold_starts >= len(names) + (rounds - 1) * (len(names) - 5)
+    assert all(total(MODEL_COLD_STARTS_TOTAL, model=name) >= 1 for name in names)
+    assert total(MODEL_COLD_START_SECONDS + "_count") == cold_starts
+    assert total(MODEL_EVICTIONS_TOTAL, reason="budget") == cold_starts - resident
+    assert total(MODEL_EVICTIONS_TOTAL, reason="idle") == 0
+    assert resident <= 5
     worker = server.pool.workers[0]
     assert worker.held_bytes() <= worker.memory_budget_bytes
 

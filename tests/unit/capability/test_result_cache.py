@@ -1,9 +1,11 @@
 """The result cache over real gRPC: a repeated text is answered without a forward, a
 version swap never serves the old version's result and refills the cache with the
-most hit texts, and the bounds hold."""
+most hit texts, a bundle rebuilt under the same version (another digest) never
+serves the other's, and the bounds hold."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,12 +15,14 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle.manifest import write_manifest
 from capability.config import CapabilitySettings
 from capability.metrics import (
+    CACHE_HIT,
+    CACHE_MISS,
+    CACHE_REQUESTS_TOTAL,
     MODEL_FORWARD_TOTAL,
     RESULT_CACHE_HIT_FLOOR,
-    RESULT_CACHE_HITS_TOTAL,
-    RESULT_CACHE_MISSES_TOTAL,
     RESULT_CACHE_WARMED_TOTAL,
     CapabilityMetrics,
 )
@@ -28,11 +32,19 @@ from capability.server import CapabilityServer
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 
 MODEL = "topic-static"
+# Bundle digests (SHA-256 of a manifest.json) for the ResultCache's own tests.
+SERVING_DIGEST = "5e" * 32
+RETIRED_DIGEST = "0d" * 32
 OTHER = "Shares fell sharply after the bank reported lower quarterly profits"
 
 
 def counted(server: CapabilityServer, name: str) -> float:
     return metric_sum(server.registry, name, model=MODEL)
+
+
+def looked_up(server: CapabilityServer, outcome: str) -> float:
+    """The model's texts the cache answered (CACHE_HIT) or did not (CACHE_MISS)."""
+    return metric_sum(server.registry, CACHE_REQUESTS_TOTAL, model=MODEL, outcome=outcome)
 
 
 async def cached_server(start_capability: StartCapability, **settings: object) -> CapabilityServer:
@@ -51,8 +63,8 @@ async def test_the_same_text_twice_is_computed_once(start_capability: StartCapab
     assert list(second.labels) == list(first.labels)[:2]
     assert second.model == first.model
     assert second.request_id != first.request_id
-    assert counted(server, RESULT_CACHE_MISSES_TOTAL) == 1
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+    assert looked_up(server, CACHE_MISS) == 1
+    assert looked_up(server, CACHE_HIT) == 1
 
 
 async def test_batch_items_already_cached_never_reach_the_device(
@@ -74,7 +86,7 @@ async def test_batch_items_already_cached_never_reach_the_device(
     assert [r.response.labels[0].name for r in batch.results] == ["sports", "business", "sports"]
     assert list(batch.results[0].response.labels) == list(alone.labels)
     assert list(batch.results[2].response.labels) == list(alone.labels)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 2
+    assert looked_up(server, CACHE_HIT) == 2
 
 
 async def test_a_swap_never_serves_the_old_versions_result_and_refills_the_most_hit(
@@ -110,8 +122,8 @@ async def test_no_cache_computes_every_text(start_capability: StartCapability) -
         for _ in range(2):
             await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
     assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 0
+    assert looked_up(server, CACHE_HIT) == looked_up(server, CACHE_MISS)
+    assert looked_up(server, CACHE_HIT) == 0
 
 
 def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None:
@@ -122,18 +134,75 @@ def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None
     cache = ResultCache(
         CapabilityMetrics(CollectorRegistry()), max_entries=100, max_bytes=2 * entry_bytes, warm=0
     )
-    cache.switch_version(MODEL, "1")
+    cache.switch_bundle(MODEL, SERVING_DIGEST)
     for n in (1, 2):
-        cache.store(MODEL, "1", text(n), "x", None, (0.5, 0.5))
-    assert cache.lookup(MODEL, "1", text(1)) == (0.5, 0.5)  # 1 is now the most recent
-    cache.store(MODEL, "1", text(3), "x", None, (0.5, 0.5))
+        cache.store(MODEL, SERVING_DIGEST, text(n), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, SERVING_DIGEST, text(1)) == (0.5, 0.5)  # now the most recent
+    cache.store(MODEL, SERVING_DIGEST, text(3), "x", None, (0.5, 0.5))
     assert len(cache) == 2
     assert cache.size_bytes == 2 * entry_bytes
-    assert cache.lookup(MODEL, "1", text(2)) is None
-    assert cache.lookup(MODEL, "1", text(1)) is not None
-    # A version not serving is neither stored nor found.
-    cache.store(MODEL, "0", text(4), "x", None, (0.5, 0.5))
-    assert cache.lookup(MODEL, "0", text(4)) is None
+    assert cache.lookup(MODEL, SERVING_DIGEST, text(2)) is None
+    assert cache.lookup(MODEL, SERVING_DIGEST, text(1)) is not None
+    # A bundle not serving is neither stored nor found.
+    cache.store(MODEL, RETIRED_DIGEST, text(4), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, RETIRED_DIGEST, text(4)) is None
+
+
+def test_a_result_the_replaced_bundle_finishes_after_the_swap_is_never_kept() -> None:
+    """The race a version-keyed cache loses when a bundle is rebuilt under the same
+    version: the old bundle's batch ends after the new one serves."""
+    striker = EncodedText(ids=(101, 7, 102), truncated=False)
+    cache = ResultCache(
+        CapabilityMetrics(CollectorRegistry()), max_entries=10, max_bytes=2**20, warm=0
+    )
+    cache.switch_bundle(MODEL, RETIRED_DIGEST)
+    cache.switch_bundle(MODEL, SERVING_DIGEST)  # rebuilt, same version directory
+    cache.store(MODEL, RETIRED_DIGEST, striker, "x", None, (0.9, 0.1))  # old batch ends
+    assert len(cache) == 0
+    assert cache.lookup(MODEL, SERVING_DIGEST, striker) is None
+    assert cache.lookup(MODEL, RETIRED_DIGEST, striker) is None
+
+
+async def test_a_bundle_rebuilt_under_the_same_version_never_serves_the_others_results(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(model_root / MODEL / "1", root / MODEL / "1")
+    server = await cached_server(start_capability, model_root=root)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        before = (await models.GetModel(model_pb.GetModelRequest(name=MODEL))).model
+        old, hit = [
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL)) for _ in range(2)
+        ]
+        assert hit.cached
+
+        # Rebuilt: the same weights served at bf16 by default, a new manifest, the
+        # same version directory "1".
+        rebuilt = tmp_path / "rebuilt"
+        shutil.copytree(root / MODEL / "1", rebuilt)
+        config = json.loads((rebuilt / "config.json").read_text())
+        config["precision"] = "bf16"
+        (rebuilt / "config.json").write_text(json.dumps(config))
+        write_manifest(rebuilt)
+        shutil.rmtree(root / MODEL / "1")
+        rebuilt.rename(root / MODEL / "1")
+        reloaded = await models.ReloadModel(model_pb.ReloadModelRequest(name=MODEL, version="1"))
+        assert (reloaded.model.version, reloaded.previous_version) == ("1", "1")
+        assert reloaded.model.digest != before.digest
+
+        # The old bundle's most hit text is computed again, by the rebuilt one.
+        await wait_until(lambda: counted(server, RESULT_CACHE_WARMED_TOTAL) == 1, "refilled")
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        refilled = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        assert (refilled.cached, counted(server, MODEL_FORWARD_TOTAL)) == (True, forwards)
+        bypass = pb.CACHE_POLICY_BYPASS
+        computed = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL, cache=bypass))
+    # The rebuilt bundle's scores (bf16) differ from the old one's, and the cache
+    # answers with the rebuilt bundle's.
+    assert [label.score for label in old.labels] != [label.score for label in computed.labels]
+    assert list(refilled.labels) == list(computed.labels)
 
 
 async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_from(
@@ -153,8 +222,8 @@ async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_f
     assert [computed.cached, cached.cached, bypassed.cached] == [False, True, False]
     assert not batch.results[0].response.cached
     # Neither looked up nor counted.
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == counted(server, RESULT_CACHE_MISSES_TOTAL)
-    assert counted(server, RESULT_CACHE_HITS_TOTAL) == 1
+    assert looked_up(server, CACHE_HIT) == looked_up(server, CACHE_MISS)
+    assert looked_up(server, CACHE_HIT) == 1
 
 
 async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(
