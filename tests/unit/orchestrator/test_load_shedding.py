@@ -6,6 +6,7 @@ adaptive limit refuses the excess with RESOURCE_EXHAUSTED and RetryInfo."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -152,7 +153,11 @@ async def test_without_a_fallback_the_call_is_refused_at_once_with_a_retry_hint(
     assert info.metadata["x-request-id"]
     assert info.metadata["x-trace-id"]
     assert retry_delay_seconds(error) > 0
-    assert "reports a wait of about 8" in (error.details() or "")
+    # The reported 800 ms wait (plus 5 ms of service), counted down by the time since
+    # the report arrived: on a loaded machine that can be tens of milliseconds.
+    reported = re.search(r"reports a wait of about (\d+) ms", error.details() or "")
+    assert reported is not None, error.details()
+    assert 500 < int(reported.group(1)) <= 805
     # Refused before any work, not at the deadline (generous for a shared machine).
     assert took < DEADLINE_SECONDS / 2
     assert busy_pod.calls == 1
