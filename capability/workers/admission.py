@@ -206,8 +206,11 @@ class Admitter:
                 outcome[index] = refusal
                 self._count_refusal(replica.name, refusal)
         if waiting:
+            # Room for the cold start is waited for as long as the latest text can wait.
+            deadlines = [texts[index].deadline for index in waiting]
+            latest = None if None in deadlines else max(d for d in deadlines if d is not None)
             try:
-                await replica.worker.ensure_resident(replica)
+                await replica.worker.ensure_resident(replica, latest)
             except ServiceError as failed:
                 for index in waiting:
                     outcome[index] = failed

@@ -488,7 +488,7 @@ class WorkerPool:
         try:
             if refusal is not None:
                 raise refusal
-            await replica.worker.ensure_resident(replica)
+            await replica.worker.ensure_resident(replica, deadline)
         except ServiceError as refused:
             self._count_refusal(replica.name, refused)
             raise

@@ -92,6 +92,9 @@ MEMORY_WARM_UPS = ("largest", "small")
 # The evictor looks this often, at most, for on_demand models idle long enough (and
 # a quarter of the shortest idle_seconds, when that is less).
 EVICTION_POLL_SECONDS = 1.0
+# How long a cold start without a deadline waits for a busy resident model to go
+# idle so that it can be evicted for room; with a deadline, until the deadline.
+ROOM_WAIT_SECONDS = 10.0
 
 
 def warm_up_text(tokens: int) -> EncodedText:
@@ -538,17 +541,19 @@ class DeviceWorker:
             await self.release_cached(CACHE_RELEASE_EVICTED)
         return replica
 
-    async def ensure_resident(self, replica: ModelReplica) -> None:
+    async def ensure_resident(self, replica: ModelReplica, deadline: float | None = None) -> None:
         """Copy an on_demand replica's weights onto the device if they are not there
         (a cold start, counted and timed), making room first by evicting idle on_demand
-        replicas, least recently used first. DeviceMemoryPressure when none can go."""
+        replicas, least recently used first; when every one is busy, waiting for one to
+        go idle until `deadline` (event-loop time; None: ROOM_WAIT_SECONDS).
+        DeviceMemoryPressure when none can go by then."""
         if replica.is_resident:
             return
         async with self._residency:
             weights = replica.on_demand
             if weights is None or weights.resident:
                 return
-            await self._make_room(replica)
+            await self._make_room(replica, deadline)
             started = time.perf_counter()
             try:
                 await self.run_on_device(weights.restore)
@@ -568,26 +573,34 @@ class DeviceWorker:
             extra={"model": replica.name, "worker": self.name, "seconds": round(seconds, 3)},
         )
 
-    async def _make_room(self, replica: ModelReplica) -> None:
+    async def _make_room(self, replica: ModelReplica, deadline: float | None) -> None:
         """Evict idle on_demand replicas, least recently used first, until `replica`'s
-        footprint fits the budget; the caller holds the residency lock."""
+        footprint fits the budget; while every evictable one is busy, wait for one to go
+        idle (until `deadline`). The caller holds the residency lock, so cold starts
+        queue behind this one while the resident models keep serving."""
         assert replica.ledger is not None, "a serving replica has its ledger entry"
         needed = replica.ledger.footprint_bytes
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + ROOM_WAIT_SECONDS if deadline is None else deadline
         while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
-            idle = [
+            evictable = [
                 other
                 for other in self.replicas.values()
-                if other.on_demand is not None and other.is_resident and not other.load
+                if other.on_demand is not None and other.is_resident and other is not replica
             ]
-            if not idle:
+            idle = [other for other in evictable if not other.load]
+            if idle:
+                await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
+                continue
+            if not evictable or not await _one_goes_idle(evictable, give_up_at - loop.time()):
                 raise DeviceMemoryPressure(
                     f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
                     f"the models on the device hold {format_bytes(held)} of the "
-                    f"{format_bytes(self.memory_budget_bytes)} budget and none is idle",
+                    f"{format_bytes(self.memory_budget_bytes)} budget and none went idle "
+                    "in time to make room",
                     retry_after_seconds=1.0,
                     worker=self.name,
                 )
-            await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
 
     async def _evict(self, replica: ModelReplica, reason: str) -> None:
         """Take an idle on_demand replica's weights off the device, in the device's
@@ -690,3 +703,17 @@ class DeviceWorker:
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()
+
+
+async def _one_goes_idle(replicas: Sequence[ModelReplica], seconds: float) -> bool:
+    """Whether any of `replicas` has nothing arriving, queued or computing within
+    `seconds`."""
+    if seconds <= 0:
+        return False
+    waits = [asyncio.ensure_future(replica.wait_idle()) for replica in replicas]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return bool(done)

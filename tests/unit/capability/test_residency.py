@@ -45,6 +45,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.status_details import refusal
+from tests.unit.capability.test_serving import device_occupied
 
 MODEL = "topic-static"
 ON_CPU = {"model": MODEL, "worker": "cpu:0"}
@@ -247,6 +248,44 @@ async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recen
     assert total(MODEL_RESIDENT) <= 2
     worker = server.pool.workers[0]
     assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_a_cold_start_waits_for_a_busy_model_to_go_idle_to_take_its_room(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    names = ["static-a", "static-b"]
+    copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
+    server = await start_capability(
+        model_root=tmp_path / "models",
+        default_model=names[0],
+        residency="on_demand",
+        idle_seconds=3600,
+        device_memory_budget=int(1.5 * STATIC_WEIGHT_BYTES),  # room for one
+    )
+    worker = server.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+        def classify(name: str) -> Any:
+            return asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model=name), timeout=30)
+            )
+
+        await classify("static-a")  # a is on the device, alone in the budget
+        async with device_occupied(worker):
+            busy = classify("static-a")  # queued behind the held device: a is busy
+            await wait_until(lambda: worker.replicas["static-a"].load == 1)
+            cold = classify("static-b")  # needs a's room while a is busy
+            await wait_until(
+                lambda: worker.replicas["static-b"].load == 1 and worker._residency.locked()
+            )
+            assert not cold.done()  # waiting for room, not refused
+        # Once a's request is answered, a is idle: evicted for b, which then answers.
+        answers = await asyncio.gather(busy, cold)
+    assert [answer.model.name for answer in answers] == names
+    assert [answer.labels[0].name for answer in answers] == ["sports", "sports"]
+    assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL, reason="budget") == 1
+    assert metric_sum(server.registry, MODEL_RESIDENT, model="static-b") == 1
 
 
 async def test_twenty_models_with_a_budget_for_five_all_answer_correctly_under_round_robin_load(
