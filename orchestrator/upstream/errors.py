@@ -113,7 +113,8 @@ def _translate(
             for d in details
         ):
             return DeadlineUnreachable(
-                f"backend {backend} cannot answer in the time left: {message}",
+                # The capability's own message stays in the log (see the NOTE above).
+                f"backend {backend} cannot answer in the time left",
                 backend=backend,
                 upstream_code=code.name,
             )
