@@ -101,6 +101,23 @@ def answered_from_cache(
     return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
 
 
+def record_cache_hit(request_trace: RequestTrace | None, worker: str) -> None:
+    """A cache hit's nodes: `queue_admit` at once, saying so, and the device nodes as
+    skipped (emit_skipped_nodes), so its trace still has all 17."""
+    if request_trace is None:
+        return
+    now = time.time_ns()
+    attributes: dict[str, AttributeValue] | None = None
+    if request_trace.makes_spans:
+        attributes = {
+            CLASSIFY_WORKER: worker,
+            CLASSIFY_CACHE: "hit",
+            CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT,
+        }
+    emit_node(request_trace, QUEUE_ADMIT, now, now, attributes)
+    emit_skipped_nodes(request_trace, DEVICE_NODE_NAMES, now, SKIPPED_CACHE_HIT)
+
+
 def remember_result(
     cache: ResultCache,
     encoded: EncodedText,
@@ -238,17 +255,7 @@ class Admitter:
             answered: asyncio.Future[TextResult] = asyncio.get_running_loop().create_future()
             answered.set_result(result)
             hits[index] = answered
-            if text.trace is not None:
-                now = time.time_ns()
-                attributes: dict[str, AttributeValue] | None = None
-                if text.trace.makes_spans:
-                    attributes = {
-                        CLASSIFY_WORKER: replica.worker.name,
-                        CLASSIFY_CACHE: "hit",
-                        CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT,
-                    }
-                emit_node(text.trace, QUEUE_ADMIT, now, now, attributes)
-                emit_skipped_nodes(text.trace, DEVICE_NODE_NAMES, now, SKIPPED_CACHE_HIT)
+            record_cache_hit(text.trace, replica.worker.name)
         return hits
 
     def _admit_remembered(

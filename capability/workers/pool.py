@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,11 +53,11 @@ from capability.workers.admission import (
     CACHE_BYPASS,
     CACHE_REFRESH,
     CACHE_USE,
-    OUTCOME_CACHE_HIT,
     Admitter,
     TextRequest,
     answered_from_cache,
     priority_lane,
+    record_cache_hit,
     remember_result,
     run_each,
 )
@@ -74,19 +73,15 @@ from classify_common.errors import (
     ServiceError,
 )
 from classify_common.nodes import (
-    CLASSIFY_CACHE,
     CLASSIFY_OUTCOME,
     CLASSIFY_PREDICTED_WAIT_MS,
     CLASSIFY_QUEUE_DEPTH,
     CLASSIFY_TOKENS,
     CLASSIFY_TRUNCATED,
     CLASSIFY_WORKER,
-    DEVICE_NODE_NAMES,
     QUEUE_ADMIT,
-    SKIPPED_CACHE_HIT,
     TOKENIZE,
     current_trace,
-    emit_skipped_nodes,
     node,
 )
 
@@ -398,13 +393,7 @@ class WorkerPool:
                 answered_from_cache(self.cache, replica, encoded) if cache == CACHE_USE else None
             )
             if cached is not None:
-                hit = {CLASSIFY_WORKER: replica.worker.name, CLASSIFY_CACHE: "hit"}
-                with node(QUEUE_ADMIT, {**hit, CLASSIFY_OUTCOME: OUTCOME_CACHE_HIT}):
-                    pass
-                if (request_trace := current_trace()) is not None:
-                    emit_skipped_nodes(
-                        request_trace, DEVICE_NODE_NAMES, time.time_ns(), SKIPPED_CACHE_HIT
-                    )
+                record_cache_hit(current_trace(), replica.worker.name)
                 return cached
             if not replica.is_resident:
                 await self._bring_onto_device(replica, len(encoded), deadline)
