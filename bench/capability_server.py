@@ -52,7 +52,7 @@ from bench.harness import (  # noqa: E402
 )
 from capability.bundle import load_bundle  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
-from capability.server import share_cpu_threads  # noqa: E402
+from capability.workers.threads import cpu_threads_per_worker  # noqa: E402
 
 RESULTS = RESULTS_DIR / "capability_server.json"
 BUNDLE = MODEL_ROOT / "topic-minilm" / "1"
@@ -129,7 +129,8 @@ def main() -> None:
     all_cores = torch.get_num_threads()
     progress.step(f"ceiling: in-process forward passes ({all_cores} torch threads)")
     ceiling_all_cores = measure_ceiling(load_bundle(BUNDLE, "cpu").classifier, 2.0)
-    threads = share_cpu_threads(cpu_workers=1, torch_threads=0)
+    threads = cpu_threads_per_worker(cpu_workers=1)
+    torch.set_num_threads(threads)
     progress.step(f"ceiling: in-process forward passes ({threads} torch threads)")
     # A fresh load after the thread change, as the server would have it.
     probe = load_bundle(BUNDLE, "cpu").classifier

@@ -78,7 +78,7 @@ from bench.harness import (  # noqa: E402
 from capability.bundle import load_bundle  # noqa: E402
 from capability.metrics import BATCH_SIZE, WORKER_BUSY_SECONDS_TOTAL  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
-from capability.server import share_cpu_threads  # noqa: E402
+from capability.workers.threads import cpu_threads_per_worker  # noqa: E402
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL, UPSTREAM_CALL_ITEMS  # noqa: E402
 from orchestrator.security import hash_key, new_key  # noqa: E402
 
@@ -229,8 +229,7 @@ class FrontDoorBench:
         # where they are fewer than all cores (`--torch-threads N`, or several CPU
         # workers): a neighbour on the other core spoils it far less.
         self.all_cores = torch.get_num_threads()
-        self.served_threads = share_cpu_threads(cpu_workers=1, torch_threads=0)
-        torch.set_num_threads(self.all_cores)
+        self.served_threads = cpu_threads_per_worker(cpu_workers=1)
         self.served_ceilings: dict[str, dict[str, Any]] = {}
         self.served_probes: dict[str, AdjacentCeiling] = {}
 

@@ -2,7 +2,7 @@
 
 No queue and no batching: each Classify call tokenizes its text and runs the model
 on it alone, one call at a time on one thread, as the simplest model server would.
-It uses the same torch threads as `python -m capability` (share_cpu_threads), so
+It uses the same torch threads as `python -m capability` (cpu_threads_per_worker), so
 the comparison is of serving, not of thread counts.
 
     python bench/naive_server.py --port 0 [--device cpu] [--bundle build/models/topic-minilm/1]
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
 from capability.bundle import load_bundle  # noqa: E402
-from capability.server import share_cpu_threads  # noqa: E402
+from capability.workers.threads import cpu_threads_per_worker  # noqa: E402
 
 DEFAULT_BUNDLE = REPO_ROOT / "build" / "models" / "topic-minilm" / "1"
 
@@ -69,7 +69,9 @@ class NaiveServicer(pb_grpc.ClassifyServiceServicer):
 
 async def serve(port: int, bundle: Path, device: str) -> None:
     if device == "cpu" or not torch.cuda.is_available():
-        share_cpu_threads(cpu_workers=1, torch_threads=0)  # the same threads as ours
+        # The same threads as ours; its forwards run on the event loop, the only thread
+        # that computes.
+        torch.set_num_threads(cpu_threads_per_worker(cpu_workers=1))
     server = grpc.aio.server()
     pb_grpc.add_ClassifyServiceServicer_to_server(NaiveServicer(bundle, device), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")

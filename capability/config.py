@@ -182,7 +182,11 @@ class CapabilitySettings(ServerSettings):
     )
     # 0 splits all cores between the CPU workers.
     torch_threads: int = setting(
-        0, "torch CPU threads (0: all cores, split between workers)", int, low=0, high=256
+        0,
+        "torch threads of each CPU worker's device thread (0: all cores, split between workers)",
+        int,
+        low=0,
+        high=256,
     )
     # Niceness of CPU workers' compute threads (the device thread and its torch
     # threads): when the cores are busy, the serving loops run first.

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Sequence
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
@@ -25,28 +23,12 @@ from capability.workers.cuda import (
     configure_cuda_defaults,
 )
 from capability.workers.pool import worker_names
+from capability.workers.threads import compute_inline
 from classify_common.errors import ServiceError
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
 from classify_common.settings import read_secret
 
 log = logging.getLogger(__name__)
-
-
-def share_cpu_threads(cpu_workers: int, torch_threads: int) -> int:
-    """Set torch's intra-op threads (one pool per process, shared by the CPU workers).
-
-    Auto (0) splits all cores between the workers. Measured on 2 cores through the
-    front door (orchestrator + capability, alternated A/B, 32 and 128 clients):
-    two threads served 349-357 and 442-447 requests/s, one thread 273-287 and
-    302-319; the capability alone 390-437 and 440-449 against 298-306 and 312-326.
-    Leaving a core to the event loop paid off while the serving loop cost ~1.2 ms
-    of CPU per request; at today's ~0.4 ms the core it kept idle is worth more
-    to torch than the stalls the loop causes its parallel ops.
-    """
-    cores = os.cpu_count() or 1
-    threads = torch_threads or max(1, cores // cpu_workers)
-    torch.set_num_threads(threads)
-    return threads
 
 
 def internal_gate(settings: CapabilitySettings) -> InternalTokenGate | None:
@@ -74,6 +56,7 @@ class CapabilityServer:
             memory_budget_bytes=settings.device_memory_budget,
             memory_warm_up=settings.memory_warm_up,
             cpu_compute_nice=settings.cpu_compute_nice,
+            torch_threads=settings.torch_threads,
             trusted_signers=settings.trusted_signers,
             result_cache=(
                 settings.result_cache_entries,
@@ -155,6 +138,7 @@ async def serve(settings: CapabilitySettings) -> None:
             "metrics_port": server.serving.metrics_port,
             "models": {name: b.version for name, b in server.pool.models().items()},
             "workers": [worker.name for worker in server.pool.workers],
+            "cpu_threads_per_worker": server.pool.cpu_threads,
         }
 
     await serve_until_signal(server, start, log)
@@ -163,8 +147,8 @@ async def serve(settings: CapabilitySettings) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     settings = CapabilitySettings.from_args(argv)
     configure_cuda_defaults(settings.cuda_allocator)
-    if settings.device == "cpu" or not torch.cuda.is_available():
-        share_cpu_threads(settings.cpu_workers, settings.torch_threads)
+    # The event loop computes nothing; torch's CPU threads are the device threads'.
+    compute_inline()
     # A start-up failure: no bundles under the root, a refused bundle, a version over
     # the device memory budget, a port in use.
     start_errors = (ServiceError, BundleError, MemoryBudgetExceeded, OSError)

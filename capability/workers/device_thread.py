@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from capability.workers.threads import use_intra_op_threads
+
 T = TypeVar("T")
 
 
@@ -50,11 +52,13 @@ def _settle(answer: _Answer[Any]) -> None:
 class DeviceThread:
     """Runs submitted functions one at a time, in order, on a thread of its own."""
 
-    def __init__(self, name: str, nice: int = 0) -> None:
+    def __init__(self, name: str, nice: int = 0, intra_op_threads: int = 1) -> None:
         """`nice`: niceness of the thread that runs the jobs (and of the threads it
         starts, such as torch's intra-op threads on the CPU), so that when the cores
-        are busy the event loops serving requests run before the computation."""
+        are busy the event loops serving requests run before the computation.
+        `intra_op_threads`: the torch threads the jobs compute on (threads.py)."""
         self._nice = nice
+        self._intra_op_threads = intra_op_threads
         self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
         self._answers: queue.SimpleQueue[_Answer[Any] | None] = queue.SimpleQueue()
         self._runner = threading.Thread(target=self._run_jobs, name=name, daemon=True)
@@ -95,6 +99,7 @@ class DeviceThread:
             # Threads inherit it when created: set before the first job starts any.
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        use_intra_op_threads(self._intra_op_threads)
         while (job := self._jobs.get()) is not None:
             # Read across threads, so possibly stale: at worst a job whose caller has
             # gone runs anyway and its answer is dropped (`_settle`).

@@ -62,6 +62,7 @@ from capability.workers.admission import (
     run_each,
 )
 from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT, SHARDED
+from capability.workers.threads import compute_inline, cpu_threads_per_worker
 from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.context import new_request_id
 from classify_common.errors import (
@@ -134,19 +135,23 @@ class WorkerPool:
         memory_budget_bytes: int = 0,
         memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
+        torch_threads: int = 0,
         trusted_signers: Path | None = None,
         result_cache: tuple[int, int, int] = (DEFAULT_ENTRIES, DEFAULT_BYTES, DEFAULT_WARM),
     ) -> None:
         """`memory_budget_bytes`: each worker's device memory budget (0: a share of its
         device, capability.memory.budget_bytes); `memory_warm_up`: the shape the ledger
         measures (capability.workers.worker.MEMORY_WARM_UPS); `result_cache`: its
-        entries (0: off), bytes, and texts recomputed after a swap."""
+        entries (0: off), bytes, and texts recomputed after a swap; `torch_threads`: each
+        CPU worker's torch intra-op threads (0: all cores split between them)."""
         self._metrics = metrics
         # An allowed-signers file every loaded bundle's manifest must be signed by a key
         # of; None loads unsigned bundles too.
         self._trusted_signers = trusted_signers
         self._unary_items = metrics.rpc_items.labels(CLASSIFY_METHOD)
         self._batch_items = metrics.rpc_items.labels(CLASSIFY_BATCH_METHOD)
+        cpu_workers = sum(device.type == "cpu" for device in devices)
+        self.cpu_threads = cpu_threads_per_worker(cpu_workers, torch_threads)
         self.workers = [
             DeviceWorker(
                 device,
@@ -156,6 +161,7 @@ class WorkerPool:
                 memory_budget_bytes=budget_bytes(device, memory_budget_bytes),
                 memory_warm_up=memory_warm_up,
                 cpu_compute_nice=cpu_compute_nice,
+                cpu_threads=self.cpu_threads,
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
@@ -164,7 +170,11 @@ class WorkerPool:
         self._admitter = Admitter(self._count_refusal, self.cache)
         # Refilling the cache after a swap, at batch priority; cancelled at close.
         self._warming: set[asyncio.Task[None]] = set()
-        self._loaders = ThreadPoolExecutor(len(self.workers), thread_name_prefix="load")
+        # A loader's warm-up computes inline: a loader thread keeping torch threads of
+        # its own would slow every forward on the device threads (threads.py).
+        self._loaders = ThreadPoolExecutor(
+            len(self.workers), thread_name_prefix="load", initializer=compute_inline
+        )
         self.draining = False
         # When each model's serving version went live on every worker.
         self._live_since: dict[str, datetime] = {}

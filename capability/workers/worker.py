@@ -405,7 +405,10 @@ class DeviceWorker:
         memory_budget_bytes: int,
         memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
+        cpu_threads: int = 1,
     ) -> None:
+        """`cpu_threads`: torch intra-op threads of a CPU worker's device thread (a CUDA
+        worker's runs on one: capability.workers.threads)."""
         self.device = device
         self.name = name
         self._metrics = metrics
@@ -415,8 +418,12 @@ class DeviceWorker:
         self._memory_warm_up = memory_warm_up
         metrics.device_memory_budget.labels(name).set(memory_budget_bytes)
         # On a GPU the thread only launches kernels: it must not wait for the CPU.
-        nice = cpu_compute_nice if device.type == "cpu" else 0
-        self._device_thread = DeviceThread(f"device-{name}", nice)
+        on_cpu = device.type == "cpu"
+        self._device_thread = DeviceThread(
+            f"device-{name}",
+            nice=cpu_compute_nice if on_cpu else 0,
+            intra_op_threads=cpu_threads if on_cpu else 1,
+        )
         # Whoever holds this may use the device next (FIFO): batches of every
         # replica, warm-ups and maintenance take turns through it (see `turn`).
         self._device_turn = asyncio.Lock()
