@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +47,15 @@ PRECISION_DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": to
 GRAPHS = ("torchscript", "eager")
 # What serving uses unless told otherwise.
 DEFAULT_GRAPH = "torchscript"
+
+
+class Lanes(Protocol):
+    """Computes a forward in row parts side by side (a CPU worker's cores:
+    capability.workers.threads.CpuLanes)."""
+
+    def score(
+        self, fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, attention_mask: Tensor
+    ) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -130,11 +140,15 @@ class TextClassifier:
 
     @torch.inference_mode()
     def run(
-        self, encoded: Sequence[EncodedText], clock: StageClock | None = None
+        self,
+        encoded: Sequence[EncodedText],
+        clock: StageClock | None = None,
+        lanes: Lanes | None = None,
     ) -> ClassifyBatchResult:
         """Pad already-tokenized texts to the longest of them and run the model once.
 
         `clock` is marked at each of capability.model.stages.MARKS, the stages' bounds.
+        `lanes` computes the forward in row parts side by side (a CPU worker's cores).
         """
         clock = clock or NoClock()
         clock.mark("started")
@@ -144,7 +158,10 @@ class TextClassifier:
             input_ids, attention_mask = self._to_device(batch)
             clock.mark("copied")
             self.forward_count += 1
-            probabilities = self._score(input_ids, attention_mask)  # (B, L) float32
+            if lanes is None:
+                probabilities = self._score(input_ids, attention_mask)  # (B, L) float32
+            else:
+                probabilities = lanes.score(self._score, input_ids, attention_mask)
             clock.mark("forwarded")
             if probabilities.device.type != "cpu":
                 probabilities = probabilities.cpu()

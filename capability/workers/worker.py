@@ -73,6 +73,7 @@ from capability.workers.residency import (
     OnDemandWeights,
     shard_layers,
 )
+from capability.workers.threads import CpuLanes
 from classify_common.errors import (
     DeadlineUnreachable,
     DeviceMemoryPressure,
@@ -361,10 +362,15 @@ class ModelReplica:
         if not encoded:
             return BatchOutcome([], (), 0, 0.0, None, "monotonic", expired)
         clock = StageClock(self.worker.device)
-        started = time.perf_counter()
-        result = self.bundle.classifier.run(encoded, clock)
-        seconds = time.perf_counter() - started
         padded = max(len(text) for text in encoded)
+        lanes = self.worker.lanes
+        if lanes is not None and not lanes.worth_splitting(
+            self.predictor.service_time.predict(len(encoded), padded)
+        ):
+            lanes = None
+        started = time.perf_counter()
+        result = self.bundle.classifier.run(encoded, clock, lanes)
+        seconds = time.perf_counter() - started
         self.predictor.service_time.record(len(encoded), padded, seconds)
         # One call to leave torch: checks on the tensor would each give up the GIL and
         # wait to win it back from the serving loop; these are plain Python floats.
@@ -419,10 +425,13 @@ class DeviceWorker:
         metrics.device_memory_budget.labels(name).set(memory_budget_bytes)
         # On a GPU the thread only launches kernels: it must not wait for the CPU.
         on_cpu = device.type == "cpu"
+        nice = cpu_compute_nice if on_cpu else 0
         self._device_thread = DeviceThread(
-            f"device-{name}",
-            nice=cpu_compute_nice if on_cpu else 0,
-            intra_op_threads=cpu_threads if on_cpu else 1,
+            f"device-{name}", nice=nice, intra_op_threads=cpu_threads if on_cpu else 1
+        )
+        # A CPU worker's forwards of several texts run one part per core (threads.py).
+        self.lanes = (
+            CpuLanes(f"device-{name}", cpu_threads, nice) if on_cpu and cpu_threads > 1 else None
         )
         # Whoever holds this may use the device next (FIFO): batches of every
         # replica, warm-ups and maintenance take turns through it (see `turn`).
@@ -710,6 +719,8 @@ class DeviceWorker:
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()
+        if self.lanes is not None:
+            self.lanes.close()
 
 
 async def _one_goes_idle(replicas: Sequence[ModelReplica], seconds: float) -> bool:
