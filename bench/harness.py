@@ -38,6 +38,7 @@ if str(REPO_ROOT) not in sys.path:
 from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
+from capability.workers.threads import CpuLanes  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "build" / "bench"
 MODEL_ROOT = REPO_ROOT / "build" / "models"
@@ -82,13 +83,34 @@ def short_texts(count: int, offset: int = 0) -> list[str]:
 
 
 def forward_rate(classifier: TextClassifier, size: int, seconds: float) -> float:
-    """Texts/s of back-to-back forward passes of `size` short texts, no server in the way."""
+    """Texts/s of back-to-back forward passes of `size` short texts, no server in the way.
+
+    On a CPU with several torch threads, the better of two ways to use them, half the
+    time each: every op on all of them, and one part of the batch per thread side by
+    side (capability.workers.threads.CpuLanes), as the capability runs batches.
+    """
+    threads = torch.get_num_threads()
+    if classifier.device.type != "cpu" or threads < 2 or size < 2:
+        return _forward_rate(classifier, size, seconds)
+    lanes = CpuLanes("ceiling", threads)
+    try:
+        return max(
+            _forward_rate(classifier, size, seconds / 2),
+            _forward_rate(classifier, size, seconds / 2, lanes),
+        )
+    finally:
+        lanes.close()
+
+
+def _forward_rate(
+    classifier: TextClassifier, size: int, seconds: float, lanes: CpuLanes | None = None
+) -> float:
     encoded = classifier.tokenize(short_texts(size))
-    classifier.run(encoded)  # warm this shape
+    classifier.run(encoded, lanes=lanes)  # warm this shape
     done = 0
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
-        classifier.run(encoded)
+        classifier.run(encoded, lanes=lanes)
         done += size
     return done / (time.perf_counter() - started)
 

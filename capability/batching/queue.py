@@ -19,8 +19,9 @@ Three properties are the point of this module:
   on requests whose callers are about to give up while the new ones age past
   their deadlines behind them. Batches are then taken newest first, so the
   requests that can still make their deadlines are the ones served; the old
-  ones leave at their deadlines as ever. Once the queue drains to a short wait,
-  order is first-come first-served again.
+  ones leave at their deadlines as ever. An oldest request without a deadline
+  goes first even then, as it would never leave. Once the queue drains to a
+  short wait, order is first-come first-served again.
 
 All methods run on the event loop thread; none blocks.
 """
@@ -221,7 +222,10 @@ class RequestQueue(Generic[ResultT]):
                 continue
             oldest = min((lane[0] for lane in lanes), key=lambda r: r.sequence)
             waited = asyncio.get_running_loop().time() - oldest.enqueued_at
-            if waited <= self.standing_seconds():
+            # A request without a deadline never leaves on its own: served newest
+            # first it would wait for as long as new ones keep coming (seconds, under
+            # steady load), so it goes first.
+            if waited <= self.standing_seconds() or oldest.deadline is None:
                 return oldest
             self.newest_first = True
             return max((lane[-1] for lane in lanes), key=lambda r: r.sequence)

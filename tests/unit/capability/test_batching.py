@@ -94,6 +94,36 @@ async def test_partial_batch_closes_after_the_oldest_waited_max_wait() -> None:
     assert [r.request_id for r in batch] == ["alone"]
 
 
+async def test_a_standing_queue_serves_newest_first_those_that_can_still_make_it() -> None:
+    queue = make_queue(max_batch_size=2)
+    loop = asyncio.get_running_loop()
+    for n in range(4):
+        queue.admit(
+            text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=loop.time() + 60
+        )
+    await asyncio.sleep(queue.standing_seconds() + 0.05)
+    batch = await queue.next_batch()
+    assert [r.request_id for r in batch] == ["r3", "r2"]
+    assert queue.newest_first_batches == 1
+
+
+async def test_a_request_without_a_deadline_is_not_left_behind_in_a_standing_queue() -> None:
+    queue = make_queue(max_batch_size=2)
+    loop = asyncio.get_running_loop()
+    queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id="patient", deadline=None)
+    for n in range(3):
+        queue.admit(
+            text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=loop.time() + 60
+        )
+    await asyncio.sleep(queue.standing_seconds() + 0.05)
+    # It would never leave at a deadline: newest first would keep it waiting while
+    # new requests arrive. It goes first, then the queue serves newest first.
+    first = await queue.next_batch()
+    second = await queue.next_batch()
+    assert [r.request_id for r in first] == ["patient", "r0"]
+    assert [r.request_id for r in second] == ["r2", "r1"]
+
+
 async def test_fail_all_answers_every_waiter() -> None:
     queue = make_queue()
     futures = [
