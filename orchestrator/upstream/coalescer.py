@@ -18,7 +18,10 @@ Each item keeps its own deadline, trace and outcome:
   travels in its `ItemContext.timeout`, so the capability server answers an
   item whose time ran out DEADLINE_EXCEEDED without computing it; an item
   whose time ran out before the call left is answered here at once and never
-  sent,
+  sent; an item that would gather behind busy calls and cannot make its
+  deadline even if they come back when expected (each is expected after the
+  wait the replica reported when it was sent) is refused DEADLINE_UNREACHABLE
+  as it arrives, not when its turn to be sent comes,
 - each item's `ItemContext.traceparent` is its own client span (the child of
   its `upstream_call` node, renamed after ClassifyBatch when merged), so the
   capability's spans for that item join the item's trace; the shared call gets
@@ -140,6 +143,9 @@ class ReplicaCoalescer:
         self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
         self._in_flight = 0
+        # When each call in flight is expected back (loop time): its send time plus
+        # the wait the replica reported then.
+        self._expected_back: list[float] = []
         self._send_scheduled = False
         self._calls: set[asyncio.Task[None]] = set()
 
@@ -171,6 +177,8 @@ class ReplicaCoalescer:
             span=trace.get_current_span(),
             future=loop.create_future(),
         )
+        if self._in_flight >= self._settings.max_in_flight:
+            self._refuse_if_it_cannot_make_it(item, loop.time())
         self._waiting.append(item)
         if not self._send_scheduled and self._in_flight < self._settings.max_in_flight:
             # Not sent right here: items that arrive in this same loop turn (the other
@@ -178,6 +186,23 @@ class ReplicaCoalescer:
             self._send_scheduled = True
             loop.call_soon(self._send_waiting)
         return await item.future
+
+    def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
+        """DeadlineUnreachable now, rather than when its turn to be sent comes, for an
+        item that gathers behind busy calls and cannot make its deadline even if a
+        call comes back when expected and the replica's wait stays as reported."""
+        sent_at = max(now, min(self._expected_back, default=now))
+        wait = self._predicted_wait()
+        if item.expires_at - sent_at >= wait:
+            return
+        self._on_expired()
+        raise DeadlineUnreachable(
+            f"backend {self._backend} is busy for about {(sent_at - now) * 1000:.0f} ms "
+            f"and then reports a wait of about {wait * 1000:.0f} ms, but only "
+            f"{(item.expires_at - now) * 1000:.0f} ms are left",
+            retry_after_seconds=self._retry_after(),
+            backend=self._backend,
+        )
 
     def _send_waiting(self) -> None:
         """Send what is waiting, as many calls as free slots allow."""
@@ -214,11 +239,13 @@ class ReplicaCoalescer:
             if not live:
                 continue
             self._in_flight += 1
-            task = asyncio.create_task(self._call(live, now))
+            expected_back = now + wait
+            self._expected_back.append(expected_back)
+            task = asyncio.create_task(self._call(live, now, expected_back))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
 
-    async def _call(self, items: list[UpstreamItem], sent_at: float) -> None:
+    async def _call(self, items: list[UpstreamItem], sent_at: float, expected_back: float) -> None:
         try:
             self._on_sent(len(items))
             if len(items) == 1:
@@ -232,6 +259,7 @@ class ReplicaCoalescer:
                     item.future.set_exception(exc)
         finally:
             self._in_flight -= 1
+            self._expected_back.remove(expected_back)
             if self._waiting and not self._send_scheduled:
                 self._send_waiting()
 

@@ -19,7 +19,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
-from classify_common.errors import DeadlineExpired
+from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import UPSTREAM_CALL_ITEMS
 from orchestrator.server import OrchestratorServer
@@ -54,6 +54,7 @@ def coalescer_on(
     capability: CapabilityServer,
     settings: CoalescingSettings | None = None,
     on_expired: Callable[[], None] = lambda: None,
+    predicted_wait: Callable[[], float] = lambda: 0.0,
 ) -> ReplicaCoalescer:
     """A coalescer in front of the real capability server, as a backend pool makes one."""
     return ReplicaCoalescer(
@@ -63,6 +64,7 @@ def coalescer_on(
         credentials=(),
         settings=settings or CoalescingSettings(),
         on_expired=on_expired,
+        predicted_wait=predicted_wait,
     )
 
 
@@ -164,6 +166,52 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
             await late
     assert expired == [1]
     assert texts_computed(capability) - computed_before == 1
+
+
+async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_arrives(
+    capability: CapabilityServer,
+) -> None:
+    """The replica reports a 1 s wait: the call in flight is expected back in 1 s, and
+    an item with 1.5 s left would need 2 s. It is refused at once, not after waiting for
+    its turn; one with 3 s left gathers and is answered."""
+    loop = asyncio.get_running_loop()
+    expired: list[int] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel,
+            capability,
+            CoalescingSettings(max_in_flight=1),
+            lambda: expired.append(1),
+            predicted_wait=lambda: 1.0,
+        )
+        computed_before = texts_computed(capability)
+        first_request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="a")
+        async with device_occupied(capability.pool.workers[0]):
+            first = asyncio.ensure_future(
+                coalescer.classify(first_request, seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            started = loop.time()
+            with pytest.raises(DeadlineUnreachable) as refused:
+                await coalescer.classify(
+                    pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="b"),
+                    seconds=1.5,
+                    trace_metadata=(),
+                )
+            assert loop.time() - started < 0.5  # while the device is still held
+            patient = asyncio.ensure_future(
+                coalescer.classify(
+                    pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="c"),
+                    seconds=3.0,
+                    trace_metadata=(),
+                )
+            )
+            await wait_until(lambda: coalescer.waiting == 1)
+        assert (await first).request_id == "a"
+        assert (await patient).request_id == "c"
+    assert "busy for about" in str(refused.value)
+    assert expired == [1]
+    assert texts_computed(capability) - computed_before == 2
 
 
 async def test_coalesced_requests_keep_every_node_and_their_own_trace(
