@@ -116,8 +116,9 @@ class CpuLanes:
     def score(
         self, fn: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, attention_mask: Tensor
     ) -> Tensor:
-        """`fn(input_ids, attention_mask)` computed in row parts, one per lane, on the
-        device thread (whose torch threads it sets back after its own part)."""
+        """`fn(input_ids, attention_mask)` computed in row parts, one per lane; the
+        calling thread (the device thread) computes the first part on one torch
+        thread, then gets its own count back."""
         rows = input_ids.shape[0]
         lanes = min(self.threads, rows)
         if lanes < 2:
@@ -126,11 +127,12 @@ class CpuLanes:
         others = [_Part(fn, (ids[i], masks[i])) for i in range(1, lanes)]
         for part, parts in zip(others, self._parts, strict=False):
             parts.put(part)
+        own_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             first = fn(ids[0], masks[0])
         finally:
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(own_threads)
         results = [first]
         for part in others:
             part.done.wait()
