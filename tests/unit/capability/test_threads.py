@@ -21,14 +21,10 @@ from capability.workers.threads import (
     use_intra_op_threads,
 )
 from tests.conftest import StartCapability
+from tests.unit.capability.test_serving import TEXTS as SERVING_TEXTS
 
-TEXTS = [
-    "The striker scored twice in the final minutes of the cup match",
-    "Shares fell sharply after the bank cut its profit forecast",
-    "The new chip doubles battery life in laptops",
-    "Rebels and the army agreed to a ceasefire in the capital",
-    "The goalkeeper saved a penalty in extra time",
-]
+# Five of them: three lanes get parts of 2, 2 and 1 texts.
+TEXTS = SERVING_TEXTS[:5]
 
 
 def test_a_threads_count_stays_when_another_thread_sets_its_own() -> None:
