@@ -1,4 +1,4 @@
-"""Only a CPU worker's device thread runs torch on several threads (workers/threads.py)."""
+"""Which threads run torch on the CPU, and a CPU worker's cores as lanes (workers/threads.py)."""
 
 from __future__ import annotations
 
