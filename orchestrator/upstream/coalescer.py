@@ -19,9 +19,9 @@ Each item keeps its own deadline, trace and outcome:
   item whose time ran out DEADLINE_EXCEEDED without computing it; an item
   whose time ran out before the call left is answered here at once and never
   sent; an item that would gather behind busy calls and cannot make its
-  deadline even if they come back when expected (each is expected after the
-  wait the replica reported when it was sent) is refused DEADLINE_UNREACHABLE
-  as it arrives, not when its turn to be sent comes,
+  deadline even if they come back when expected and its own call is as quick
+  as calls of that many items have been (orchestrator.upstream.call_time) is
+  refused DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
 - each item's `ItemContext.traceparent` is its own client span (the child of
   its `upstream_call` node, renamed after ClassifyBatch when merged), so the
   capability's spans for that item join the item's trace; the shared call gets
@@ -59,6 +59,7 @@ from classify_common.nodes import (
     server_attributes,
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
+from orchestrator.upstream.call_time import CallTimeModel
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,10 @@ class ReplicaCoalescer:
         self._waiting: list[UpstreamItem] = []
         self._in_flight = 0
         # When each call in flight is expected back (loop time): its send time plus
-        # the wait the replica reported then.
+        # the time calls of its size have been taking, or the wait the replica
+        # reported then if that is longer.
         self._expected_back: list[float] = []
+        self._call_time = CallTimeModel()
         self._send_scheduled = False
         self._calls: set[asyncio.Task[None]] = set()
 
@@ -190,16 +193,20 @@ class ReplicaCoalescer:
     def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
         """DeadlineUnreachable now, rather than when its turn to be sent comes, for an
         item that gathers behind busy calls and cannot make its deadline even if a
-        call comes back when expected and the replica's wait stays as reported."""
+        call comes back when expected and the call it then leaves in (with the items
+        gathered before it) takes as long as calls of that size have been taking."""
         sent_at = max(now, min(self._expected_back, default=now))
-        wait = self._predicted_wait()
-        if item.expires_at - sent_at >= wait:
+        # Beyond max_items gathered it would leave in a later call still; counting it
+        # in the next one errs towards sending it.
+        items = min(len(self._waiting) + 1, self._settings.max_items)
+        needed = max(self._predicted_wait(), self._call_time.predict(items))
+        if item.expires_at - sent_at >= needed:
             return
         self._on_expired()
         raise DeadlineUnreachable(
             f"backend {self._backend} is busy for about {(sent_at - now) * 1000:.0f} ms "
-            f"and then reports a wait of about {wait * 1000:.0f} ms, but only "
-            f"{(item.expires_at - now) * 1000:.0f} ms are left",
+            f"and then needs about {needed * 1000:.0f} ms for a call of {items} items, but "
+            f"only {(item.expires_at - now) * 1000:.0f} ms are left",
             retry_after_seconds=self._retry_after(),
             backend=self._backend,
         )
@@ -239,7 +246,7 @@ class ReplicaCoalescer:
             if not live:
                 continue
             self._in_flight += 1
-            expected_back = now + wait
+            expected_back = now + max(wait, self._call_time.predict(len(live)))
             self._expected_back.append(expected_back)
             task = asyncio.create_task(self._call(live, now, expected_back))
             self._calls.add(task)
@@ -277,7 +284,7 @@ class ReplicaCoalescer:
         except grpc.aio.AioRpcError as exc:
             self._fail_all([item], exc)
             return
-        self._on_answered()
+        self._answered(1, sent_at)
         await self._read_load(call)
         if not item.future.done():
             item.future.set_result(response)
@@ -308,7 +315,7 @@ class ReplicaCoalescer:
             return
         finally:
             span.end()
-        self._on_answered()
+        self._answered(len(items), sent_at)
         await self._read_load(call)
         if len(response.results) != len(items):
             log.error(
@@ -330,6 +337,10 @@ class ReplicaCoalescer:
                 item.future.set_exception(
                     translate_item_status(result.error, self._backend, self._target)
                 )
+
+    def _answered(self, items: int, sent_at: float) -> None:
+        self._call_time.record(items, asyncio.get_running_loop().time() - sent_at)
+        self._on_answered()
 
     async def _read_load(self, call: grpc.aio.UnaryUnaryCall[Any, Any]) -> None:
         """Hand on the call's load report trailer, if the replica sent one."""

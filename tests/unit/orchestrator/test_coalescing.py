@@ -23,6 +23,7 @@ from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import UPSTREAM_CALL_ITEMS
 from orchestrator.server import OrchestratorServer
+from orchestrator.upstream.call_time import CallTimeModel
 from orchestrator.upstream.coalescer import (
     UPSTREAM_BATCH_SPAN_NAME,
     CoalescingSettings,
@@ -211,6 +212,76 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
     assert "busy for about" in str(refused.value)
     assert expired == [1]
     assert texts_computed(capability) - computed_before == 2
+
+
+async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_take(
+    capability: CapabilityServer,
+) -> None:
+    """The replica reports no wait, but its last call took at least 0.5 s (the device was
+    held that long). Behind the next such call, an item with 0.8 s left would need about
+    1 s: it is refused as it arrives. Trusting the report alone, it would be sent."""
+    expired: list[int] = []
+    worker = capability.pool.workers[0]
+
+    def request(request_id: str) -> pb.ClassifyRequest:
+        return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+        )
+        async with device_occupied(worker):
+            slow = asyncio.ensure_future(
+                coalescer.classify(request("slow"), seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            await asyncio.sleep(0.5)
+        assert (await slow).request_id == "slow"
+        async with device_occupied(worker):
+            first = asyncio.ensure_future(
+                coalescer.classify(request("a"), seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            with pytest.raises(DeadlineUnreachable) as refused:
+                await coalescer.classify(request("b"), seconds=0.8, trace_metadata=())
+            assert not first.done()
+            patient = asyncio.ensure_future(
+                coalescer.classify(request("c"), seconds=10.0, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.waiting == 1)
+        assert (await first).request_id == "a"
+        assert (await patient).request_id == "c"
+    assert "for a call of 1 items" in str(refused.value)
+    assert expired == [1]
+
+
+def test_call_time_is_fitted_as_a_fixed_cost_plus_a_cost_per_item() -> None:
+    model = CallTimeModel()
+    assert (model.learned, model.predict(10)) == (False, 0.0)
+    for items in (4, 16, 64, 8, 32) * 6:
+        model.record(items, 0.005 + 0.002 * items)
+    assert model.predict(1) == pytest.approx(0.007, rel=1e-6)
+    assert model.predict(100) == pytest.approx(0.205, rel=1e-6)
+
+
+def test_calls_of_one_size_put_all_of_their_time_on_the_items() -> None:
+    """Equal counts cannot tell the fixed cost from the per-item one; all of it per
+    item overestimates a larger call rather than underestimating it."""
+    model = CallTimeModel()
+    for _ in range(5):
+        model.record(10, 0.1)
+    assert model.predict(10) == pytest.approx(0.1)
+    assert model.predict(20) == pytest.approx(0.2)
+
+
+def test_a_negative_cost_from_noise_is_taken_as_none() -> None:
+    """Larger calls that happened to come back sooner: no cost per item, and the fixed
+    cost is what the calls took on average, never a negative time."""
+    model = CallTimeModel()
+    for items, seconds in ((10, 0.3), (40, 0.1), (10, 0.3), (40, 0.1)):
+        model.record(items, seconds)
+    assert model.predict(1000) == pytest.approx(model.predict(1))
+    assert model.predict(1) > 0
 
 
 async def test_coalesced_requests_keep_every_node_and_their_own_trace(
