@@ -9,6 +9,10 @@ and stop at the same wall-clock time, and their records are merged.
 
 A caller behaves as a well-made client does: after an answer carrying a
 RetryInfo it waits the delay; after any other answer it calls again at once.
+A phase may ramp its callers in: caller k of n sends its first call k/n of
+`ramp_seconds` after the phase starts, as a crowd arrives, instead of all n
+in the same millisecond (a burst no server answers faster than its per-call
+cost times n; the overload bench reports the first second on its own).
 
 Kept free of torch and the model code, so a client process starts in a moment.
 """
@@ -55,6 +59,8 @@ class PhaseRecord:
     ok_latencies: list[float] = field(default_factory=list)
     # Calls refused: RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED for DEADLINE_UNREACHABLE.
     refusal_latencies: list[float] = field(default_factory=list)
+    # Seconds into the phase at which each refused call was sent (same order).
+    refusal_sent_at: list[float] = field(default_factory=list)
     late: int = 0
     calls: int = 0
     # RESOURCE_EXHAUSTED answers that carried no RetryInfo (a client cannot pace itself).
@@ -68,6 +74,7 @@ class PhaseRecord:
             self.latencies.setdefault(outcome, []).extend(latencies)
         self.ok_latencies += other.ok_latencies
         self.refusal_latencies += other.refusal_latencies
+        self.refusal_sent_at += other.refusal_sent_at
         self.late += other.late
         self.calls += other.calls
         self.refused_without_hint += other.refused_without_hint
@@ -97,11 +104,15 @@ async def _caller(
     metadata: Metadata,
     texts: list[str],
     deadline: float | None,
+    starts_at: float,
     stop_at: float,
     offset: int,
     record: PhaseRecord,
+    first_call_after: float = 0.0,
 ) -> None:
     loop = asyncio.get_running_loop()
+    if first_call_after > 0:
+        await asyncio.sleep(first_call_after)
     n = offset
     timeout = deadline if deadline is not None else NO_DEADLINE_SECONDS
     while loop.time() < stop_at:
@@ -123,6 +134,7 @@ async def _caller(
             record.ok_latencies.append(took)
         elif outcome.startswith("RESOURCE_EXHAUSTED") or outcome.endswith(REFUSED_UNREACHABLE):
             record.refusal_latencies.append(took)
+            record.refusal_sent_at.append(started - starts_at)
             if outcome.startswith("RESOURCE_EXHAUSTED") and wait <= 0:
                 record.refused_without_hint += 1
         if deadline is not None and took > deadline + LATE_BY_SECONDS:
@@ -144,6 +156,16 @@ class ProcessShare:
     starts_at: float
     seconds: float
     deadline: float | None
+    # Callers of the whole phase (all processes), and the seconds over which they
+    # send their first calls (0: all at once).
+    total_callers: int = 0
+    ramp_seconds: float = 0.0
+
+    def first_call_after(self, index: int) -> float:
+        """Seconds into the phase at which this process's `index`-th caller starts."""
+        if self.ramp_seconds <= 0:
+            return 0.0
+        return (self.first_caller + index) / max(self.total_callers, 1) * self.ramp_seconds
 
 
 async def _drive(share: ProcessShare) -> PhaseRecord:
@@ -159,7 +181,8 @@ async def _drive(share: ProcessShare) -> PhaseRecord:
         await asyncio.sleep(max(share.starts_at - time.time(), 0))
         cpu_before = time.process_time()
         loop = asyncio.get_running_loop()
-        stop_at = loop.time() + share.seconds
+        starts_at = loop.time()
+        stop_at = starts_at + share.seconds
         await asyncio.gather(
             *(
                 _caller(
@@ -167,9 +190,11 @@ async def _drive(share: ProcessShare) -> PhaseRecord:
                     share.metadata,
                     share.texts,
                     share.deadline,
+                    starts_at,
                     stop_at,
                     (share.first_caller + index) * 7,
                     record,
+                    share.first_call_after(index),
                 )
                 for index in range(share.callers)
             )
@@ -197,6 +222,8 @@ class RunningPhase:
         callers: int,
         seconds: float,
         deadline: float | None,
+        *,
+        ramp_seconds: float = 0.0,
     ) -> None:
         processes = math.ceil(callers / CALLERS_PER_PROCESS)
         shares = [callers // processes + (i < callers % processes) for i in range(processes)]
@@ -216,6 +243,8 @@ class RunningPhase:
                     self.starts_at,
                     seconds,
                     deadline,
+                    callers,
+                    ramp_seconds,
                 ),
             )
             for i, share in enumerate(shares)
@@ -241,11 +270,15 @@ def run_phase(
     callers: int,
     seconds: float,
     deadline: float | None,
+    *,
+    ramp_seconds: float = 0.0,
 ) -> PhaseRecord:
     """`callers` closed-loop callers for `seconds`, each call with `deadline` (seconds,
     or none), in ceil(callers / CALLERS_PER_PROCESS) client processes started
-    together; their records merged."""
-    return RunningPhase(target, metadata, texts, callers, seconds, deadline).result()
+    together, the callers' first calls spread over `ramp_seconds`; their records merged."""
+    return RunningPhase(
+        target, metadata, texts, callers, seconds, deadline, ramp_seconds=ramp_seconds
+    ).result()
 
 
 def percentile(values: list[float], share: float) -> float:

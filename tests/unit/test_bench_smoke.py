@@ -30,6 +30,7 @@ from bench.harness import (
     process_cpu_seconds,
     unary_call,
 )
+from bench.load_clients import ProcessShare
 from bench.naive_server import NaiveServicer
 from orchestrator.routing import load_routes
 from orchestrator.security import load_api_keys
@@ -272,3 +273,27 @@ def test_gate_checks_read_their_levels_and_the_plots_are_written(
     gate.plot_throughput(report, tmp_path / "throughput.png")
     for name in ("heatmap.png", "throughput.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_ramped_phase_starts_its_callers_evenly_across_processes() -> None:
+    """Caller k of n sends its first call k/n of the ramp into the phase, whichever
+    client process drives it; without a ramp, all start at once."""
+    shares = [
+        ProcessShare(
+            "t",
+            (),
+            ["x"],
+            callers=2,
+            first_caller=first,
+            starts_at=0.0,
+            seconds=1.0,
+            deadline=None,
+            total_callers=4,
+            ramp_seconds=1.0,
+        )
+        for first in (0, 2)
+    ]
+    starts = [share.first_call_after(index) for share in shares for index in range(2)]
+    assert starts == [0.0, 0.25, 0.5, 0.75]
+    unramped = ProcessShare("t", (), ["x"], 2, 0, 0.0, 1.0, None, total_callers=2)
+    assert [unramped.first_call_after(index) for index in range(2)] == [0.0, 0.0]
