@@ -54,9 +54,9 @@ def test_overload_keeps_goodput_and_refuses_promptly(stack: Stack) -> None:
     assert at_the_door, summary
     # Prompt as a ratio to this run's own served calls (a shared machine's load moves
     # both), and inside the deadline. The first quarter, not the median: on a loaded
-    # machine grpc.aio's one-at-a-time accept holds some calls back before any handler
-    # runs (docs/benchmark.md), refusals and served calls alike; what the servers
-    # decide shows in the quick ones. `make bench-overload` reports the percentiles.
+    # machine some calls wait for a core before any handler runs (docs/benchmark.md),
+    # refusals and served calls alike; what the servers decide shows in the quick ones.
+    # `make bench-overload` reports the percentiles.
     door_p25 = percentile(at_the_door, 0.25)
     assert door_p25 <= REFUSAL_SHARE_OF_OK_P50 * percentile(overload.ok_latencies, 0.5), summary
     assert percentile(at_the_door, 0.5) < DEADLINE_SECONDS, summary
