@@ -43,10 +43,13 @@ class CallTimeModel:
         self._items_seconds = FORGETTING * self._items_seconds + n * seconds
         determinant = self._weight * self._items_squared - self._items**2
         if determinant < MIN_COUNT_VARIANCE * self._weight**2:
-            # Every call so far carried the same count: all of the time is per item,
-            # which overestimates larger calls rather than underestimating them.
-            self._fixed = 0.0
-            self._per_item = self._seconds / max(self._items, 1e-9)
+            # The calls remembered all carried about the same count (one client's
+            # calls of one item, say): a call of any size is expected to take what they
+            # took. Sizes not seen yet are underestimated, which errs towards sending,
+            # as the replica's report of one text's wait did; all of it per item would
+            # refuse the first calls of a burst for ten times their real cost.
+            self._fixed = self._seconds / self._weight
+            self._per_item = 0.0
             return
         per_item = (self._weight * self._items_seconds - self._items * self._seconds) / determinant
         # Costs cannot be negative; a negative term is noise in a short history.

@@ -264,14 +264,18 @@ def test_call_time_is_fitted_as_a_fixed_cost_plus_a_cost_per_item() -> None:
     assert model.predict(100) == pytest.approx(0.205, rel=1e-6)
 
 
-def test_calls_of_one_size_put_all_of_their_time_on_the_items() -> None:
-    """Equal counts cannot tell the fixed cost from the per-item one; all of it per
-    item overestimates a larger call rather than underestimating it."""
+def test_calls_of_one_size_say_nothing_of_other_sizes() -> None:
+    """Equal counts cannot tell the fixed cost from the per-item one: any call is
+    expected to take what they took (the first calls of a burst are not refused for
+    ten times what they cost)."""
     model = CallTimeModel()
     for _ in range(5):
-        model.record(10, 0.1)
-    assert model.predict(10) == pytest.approx(0.1)
-    assert model.predict(20) == pytest.approx(0.2)
+        model.record(1, 0.01)
+    assert model.predict(1) == pytest.approx(0.01)
+    assert model.predict(30) == pytest.approx(0.01)
+    for items in (10, 30, 20):
+        model.record(items, 0.01 + 0.002 * items)
+    assert model.predict(30) > 0.04
 
 
 def test_a_negative_cost_from_noise_is_taken_as_none() -> None:
