@@ -48,7 +48,8 @@ CACHE_HIT = "hit"
 CACHE_MISS = "miss"
 # Where a text's time ran out (the `stage` of DEADLINE_EXCEEDED_TOTAL): refused at
 # admission (no time left, or less than the predicted service time), evicted from
-# the queue by its timer, or left out by the device thread as its batch started.
+# the queue by its timer, or left out by the device thread as its batch started
+# (the deadline had passed, or would pass before the forward could end).
 DEADLINE_STAGE_ADMISSION = "admission"
 DEADLINE_STAGE_QUEUE = "queue"
 DEADLINE_STAGE_DEVICE = "device"

@@ -14,9 +14,11 @@ early) and only while no other model waits for the device (it would starve).
 When `running` is answered, `following` moves up and the slot is free again.
 
 Every waiter gets exactly one outcome: its result, ModelFault when its batch
-fails or the loop dies with its batch handed over, or ExpiredInQueue when its
-deadline passes before its batch starts (then it is never computed). A bug in
-the loop itself restarts it after a short pause; the queue keeps its requests.
+fails or the loop dies with its batch handed over, ExpiredInQueue when its
+deadline passes before its batch starts, or DeadlineUnreachable when it would
+pass before the batch's forward is predicted to end (in both, never computed).
+A bug in the loop itself restarts it after a short pause; the queue keeps its
+requests.
 What a forward returns, and the trace a batch leaves, are in outcome.py.
 """
 
@@ -47,7 +49,7 @@ from capability.metrics import (
     DEADLINE_STAGE_QUEUE,
     CapabilityMetrics,
 )
-from classify_common.errors import ExpiredInQueue, ModelFault
+from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault, ServiceError
 from classify_common.nodes import (
     CLASSIFY_WORKER,
     GPU_QUEUE_WAIT,
@@ -243,11 +245,11 @@ class Batcher:
         batch = submitted.requests
         try:
             outcome = await submitted.computing
-            computed = [r for r, gone in zip(batch, outcome.expired, strict=True) if not gone]
+            computed = [r for i, r in enumerate(batch) if not outcome.left_out(i)]
             if len(computed) < len(batch):
-                for request, gone in zip(batch, outcome.expired, strict=True):
-                    if gone:
-                        self._expire_unqueued(request)
+                for index, request in enumerate(batch):
+                    if outcome.left_out(index):
+                        self._leave_out(request, outcome, index)
             if computed:
                 self._record(computed, outcome)
                 trace_batch(computed, outcome, self.bundle, self._device.name)
@@ -288,28 +290,42 @@ class Batcher:
                 request.future.set_exception(error)
         self.in_flight -= len(batch)
 
-    def _expire_unqueued(self, request: PendingRequest[TextResult]) -> None:
-        """A request whose deadline passed after it left the queue, before its batch ran:
-        it was not computed, and is answered as if evicted from the queue."""
+    def _leave_out(
+        self, request: PendingRequest[TextResult], outcome: BatchOutcome, index: int
+    ) -> None:
+        """A request the device thread left out of its forward: its deadline passed after
+        it left the queue (answered as if evicted from the queue), or would have passed
+        before the forward ended (DeadlineUnreachable, which a route may fall back on)."""
         self._evictions.inc()
         self._expired[DEADLINE_STAGE_DEVICE].inc()
-        self._trace_expiry(request)
-        if not request.future.done():
-            request.future.set_exception(
-                ExpiredInQueue(
-                    "the deadline passed while the request waited for the device; "
-                    "it was not computed"
-                )
+        if outcome.expired and outcome.expired[index]:
+            error: ServiceError = ExpiredInQueue(
+                "the deadline passed while the request waited for the device; it was not computed"
             )
+        else:
+            assert request.deadline is not None  # only a deadline makes a text unreachable
+            remaining = request.deadline - outcome.started_at
+            error = DeadlineUnreachable(
+                f"{remaining * 1000:.0f} ms were left when its batch reached the device, "
+                f"but the batch needs about {outcome.predicted_seconds * 1000:.0f} ms; "
+                "it was not computed",
+                remaining_ms=round(remaining * 1000),
+                predicted_ms=round(outcome.predicted_seconds * 1000),
+            )
+        self._trace_expiry(request, error)
+        if not request.future.done():
+            request.future.set_exception(error)
 
     def _evicted(self, request: PendingRequest[TextResult]) -> None:
         """The queue's timer evicted `request` (already answered ExpiredInQueue)."""
         self._evictions.inc()
         self._expired[DEADLINE_STAGE_QUEUE].inc()
-        self._trace_expiry(request)
+        self._trace_expiry(
+            request, ExpiredInQueue("the deadline passed while the request was queued")
+        )
         self._on_settled()
 
-    def _trace_expiry(self, request: PendingRequest[TextResult]) -> None:
+    def _trace_expiry(self, request: PendingRequest[TextResult], error: ServiceError) -> None:
         if request.trace is not None:
             emit_node(
                 request.trace,
@@ -317,7 +333,7 @@ class Batcher:
                 request.admitted_ns,
                 time.time_ns(),
                 {CLASSIFY_WORKER: self._device.name, TIMEOUT_ATTRIBUTE: True},
-                error=ExpiredInQueue("the deadline passed while the request was queued"),
+                error=error,
             )
 
     def _record(self, batch: list[PendingRequest[TextResult]], outcome: BatchOutcome) -> None:

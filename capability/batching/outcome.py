@@ -61,6 +61,18 @@ class BatchOutcome:
     # Per submitted text: whether its deadline had passed, so it was left out. The
     # other fields describe the texts that were computed, in order.
     expired: tuple[bool, ...] = ()
+    # Per submitted text: whether its deadline would pass before the forward could
+    # end (the time left was shorter than `predicted_seconds`, the forward's predicted
+    # time when it started at `started_at`, monotonic), so it was left out too.
+    unreachable: tuple[bool, ...] = ()
+    predicted_seconds: float = 0.0
+    started_at: float = 0.0
+
+    def left_out(self, index: int) -> bool:
+        """Whether the `index`-th submitted text was not computed."""
+        return (bool(self.expired) and self.expired[index]) or (
+            bool(self.unreachable) and self.unreachable[index]
+        )
 
 
 # Runs on the device thread: the texts of a batch and their deadlines (event-loop

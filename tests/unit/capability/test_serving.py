@@ -26,6 +26,7 @@ from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
     BATCH_FAILURES_TOTAL,
     BATCH_SIZE,
+    DEADLINE_EXCEEDED_TOTAL,
     EVICTIONS_TOTAL,
     MODEL_FORWARD_TOTAL,
     MODEL_TEXTS_TOTAL,
@@ -158,6 +159,40 @@ async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired
     assert all(isinstance(outcome, ExpiredInQueue) for outcome in outcomes[2:])
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 2
     assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 2
+    await replica.wait_idle()
+    assert replica.in_flight == 0
+
+
+async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
+    start_capability: StartCapability,
+) -> None:
+    """Its batch reaches the device with about 5 s left, but the device has turned slow
+    meanwhile (the service-time fit now predicts most of a minute a batch): the text
+    is answered DEADLINE_UNREACHABLE, which a route may fall back on, and is never
+    computed; the text without a deadline in the same batch is."""
+    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    loop = asyncio.get_running_loop()
+    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+    async with device_occupied(worker, take_turn=False):
+        patient = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, "patient", None))
+        hurried = replica.admit(
+            Admission(encoded, PRIORITY_INTERACTIVE, "hurried", loop.time() + 5.0)
+        )
+        await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 2)
+        for texts in (1, 2, 4) * 50:
+            replica.predictor.service_time.record(texts, len(encoded), 60.0)
+    outcomes = await asyncio.gather(patient, hurried, return_exceptions=True)
+    assert isinstance(outcomes[0], TextResult)
+    assert isinstance(outcomes[1], DeadlineUnreachable), outcomes[1]
+    assert "it was not computed" in outcomes[1].message
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 1
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="device")
+        == 1
+    )
     await replica.wait_idle()
     assert replica.in_flight == 0
 
