@@ -12,7 +12,12 @@ figures measure load shedding, not the cheap model. Phases, one after another:
    does, not all in one millisecond;
 3. healthy: 32 callers without a deadline right after, against capacity;
 4. refusal cost: 32 callers whose 5 ms deadlines nothing can meet, so the
-   orchestrator refuses every call, for the CPU one refusal costs.
+   orchestrator refuses every call, for the CPU one refusal costs;
+5. with fallback: 1,024 callers again, through a second orchestrator that
+   reads routes.yaml as it is (the default route falls back to topic-static),
+   for what a user's own stack does under the same overload: how many calls
+   are answered in time, and how many of those by the fallback. Not judged
+   against the targets, which are about load shedding.
 
 Callers behave as a well-made client does: after RESOURCE_EXHAUSTED they wait
 the RetryInfo delay the status carries; after any other answer they call again
@@ -71,6 +76,7 @@ HOPELESS_DEADLINE_SECONDS = 0.005
 GOODPUT_TARGET = 0.8
 LATE_SHARE_TARGET = 0.001
 REFUSAL_P99_TARGET_MS = 10.0
+WITH_FALLBACK = f"overload {OVERLOAD_CALLERS[-1]}, with fallback"
 
 
 def summarise(
@@ -83,6 +89,8 @@ def summarise(
     servers: Mapping[str, ServerProcess],
     ramp_seconds: float,
 ) -> dict[str, Any]:
+    from orchestrator.metrics import MODEL_FALLBACK_TOTAL
+
     ok = record.outcomes.get("OK", 0)
     # The callers ran in processes of their own: their CPU is theirs, not "others".
     cpu = dict(observed.cpu)
@@ -96,6 +104,8 @@ def summarise(
         "calls": record.calls,
         "ok": ok,
         "ok_per_second": ok / elapsed,
+        # OK answers that came from a route's fallback (0 without one).
+        "fallback_answers": observed.delta("orchestrator", MODEL_FALLBACK_TOTAL),
         "calls_per_second": record.calls / elapsed,
         "ok_p50_ms": percentile(record.ok_latencies, 0.5) * 1000,
         "ok_p99_ms": percentile(record.ok_latencies, 0.99) * 1000,
@@ -205,6 +215,15 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     errors = healthy["calls"] - healthy["ok"]
     lines.append(f"healthy right after: {recovered:.2f} of capacity, {errors} errors")
     met &= recovered >= GOODPUT_TARGET and errors == 0
+    if WITH_FALLBACK in phases:
+        phase = phases[WITH_FALLBACK]
+        lines.append(
+            f"with routes.yaml's fallback, {OVERLOAD_CALLERS[-1]} callers: "
+            f"{phase['ok_per_second']:,.0f} OK/s ({phase['ok_per_second'] / capacity:.2f} of "
+            f"topic-minilm's capacity), {phase['fallback_answers'] / max(phase['ok'], 1):.0%} "
+            f"of them from the fallback; {phase['late_share'] * 100:.2f}% > 50 ms late "
+            "(informational: the targets are about shedding without a fallback)"
+        )
     served = phases["capacity"]["cpu_us_per_call"]
     refused = phases["refusal cost"]["cpu_us_per_call"]
     served_total = served["orchestrator"] + served["capability"]
@@ -217,7 +236,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    from bench.front_door import write_credentials
+    from bench.front_door import write_credentials, write_routes
     from bench.harness import (
         RESULTS_DIR,
         SHORT_TEXTS,
@@ -251,17 +270,44 @@ def main() -> None:
             0.0,
         ),
     ]
-    progress = Progress(1 + len(phases_planned))
+    progress = Progress(3 + len(phases_planned))
     key, environment = write_credentials()
     metadata = (("authorization", f"Bearer {key}"),)
     progress.step("starting orchestrator + capability (loading the models)")
     phases: list[dict[str, Any]] = []
+
+    def measure(
+        servers: dict[str, ServerProcess],
+        name: str,
+        callers: int,
+        deadline: float | None,
+        seconds: float,
+        ramp: float,
+    ) -> None:
+        progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
+        phase = RunningPhase(
+            servers["orchestrator"].target,
+            metadata,
+            SHORT_TEXTS,
+            callers,
+            seconds,
+            deadline,
+            ramp_seconds=ramp,
+        )
+        phase.wait_for_start()
+        # The window of the phase itself, not of the client processes starting.
+        with Observation(servers) as observed:
+            time.sleep(seconds)
+        record = phase.result()
+        phases.append(summarise(name, callers, deadline, record, seconds, observed, servers, ramp))
+
     with (
         orchestrator_processes(args.orchestrator_processes) as processes_flags,
         start_server(
             "overload-capability", capability_command("--device", "cpu"), environment
         ) as capability,
-        start_server(
+    ):
+        with start_server(
             "overload-orchestrator",
             orchestrator_command(
                 "--routes-file",
@@ -269,27 +315,24 @@ def main() -> None:
                 *processes_flags,
             ),
             environment,
-        ) as orchestrator,
-    ):
-        servers = {"orchestrator": orchestrator, "capability": capability}
-        for name, callers, deadline, seconds, ramp in phases_planned:
-            progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
-            phase = RunningPhase(
-                orchestrator.target,
-                metadata,
-                SHORT_TEXTS,
-                callers,
-                seconds,
-                deadline,
-                ramp_seconds=ramp,
-            )
-            phase.wait_for_start()
-            # The window of the phase itself, not of the client processes starting.
-            with Observation(servers) as observed:
-                time.sleep(seconds)
-            record = phase.result()
-            phases.append(
-                summarise(name, callers, deadline, record, seconds, observed, servers, ramp)
+        ) as orchestrator:
+            for planned in phases_planned:
+                measure({"orchestrator": orchestrator, "capability": capability}, *planned)
+        progress.step("starting an orchestrator that reads routes.yaml with its fallback")
+        with start_server(
+            "overload-orchestrator-fallback",
+            orchestrator_command(
+                "--routes-file", str(write_routes(capability.target)), *processes_flags
+            ),
+            environment,
+        ) as with_fallback:
+            measure(
+                {"orchestrator": with_fallback, "capability": capability},
+                WITH_FALLBACK,
+                OVERLOAD_CALLERS[-1],
+                DEADLINE_SECONDS,
+                args.seconds,
+                RAMP_SECONDS,
             )
     progress.clear()
     report: dict[str, Any] = {
