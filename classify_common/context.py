@@ -48,3 +48,17 @@ def current_request() -> RequestContext | None:
 def bind_request(context: RequestContext) -> None:
     """Make `context` the current request for this task (asyncio copies contextvars per task)."""
     _current.set(context)
+
+
+# Seconds the current call had left when its handler began (None: no deadline).
+_arrived_with: ContextVar[float | None] = ContextVar("classify_arrived_with", default=None)
+
+
+def bind_time_left_on_arrival(seconds: float | None) -> None:
+    _arrived_with.set(seconds)
+
+
+def time_left_on_arrival() -> float | None:
+    """Seconds the current call's deadline left it when its handler began, None when it
+    has no deadline (or outside a call)."""
+    return _arrived_with.get()

@@ -19,6 +19,7 @@
     │   ├── RateLimited           the tenant's token bucket is empty
     │   ├── QueueFull             the worker's bounded queue has no room
     │   ├── ConcurrencyLimited    the backend's adaptive concurrency limit is reached
+    │   ├── FrontDoorBusy         calls reach the orchestrator with their deadlines spent
     │   └── DeviceMemoryPressure  device memory use is past its threshold
     ├── DeadlineExpired           DEADLINE_EXCEEDED
     │   ├── DeadlineUnreachable   refused at admission: predicted service > time left
@@ -207,6 +208,14 @@ class ConcurrencyLimited(Overloaded):
     call was refused before any work was spent on it."""
 
     reason = "CONCURRENCY_LIMITED"
+
+
+class FrontDoorBusy(Overloaded):
+    """Calls are reaching the orchestrator with their deadlines spent: it is behind
+    taking them in. The call was refused before validation and routing
+    (orchestrator.policy.backlog)."""
+
+    reason = "FRONT_DOOR_BUSY"
 
 
 class DeviceMemoryPressure(Overloaded):

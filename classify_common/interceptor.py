@@ -39,6 +39,7 @@ from classify_common.context import (
     TRACE_ID_HEADER,
     RequestContext,
     bind_request,
+    bind_time_left_on_arrival,
     is_valid_request_id,
     new_request_id,
 )
@@ -177,6 +178,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)
             ids = bind_ids(metadata, format_trace_id(server_span))
+            bind_time_left_on_arrival(context.time_remaining())
             code = grpc.StatusCode.OK
             try:
                 request = _receive(method, raw, parse, context, headers, request_trace, admission)

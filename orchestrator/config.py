@@ -19,6 +19,7 @@ from classify_common.server_settings import (
 )
 from classify_common.settings import SettingsError, check_range, setting
 from classify_common.tls import ClientTls, client_tls
+from orchestrator.policy.backlog import BacklogSettings
 from orchestrator.policy.concurrency import ConcurrencySettings
 from orchestrator.shadow import DEFAULT_MAX_IN_FLIGHT as DEFAULT_SHADOW_MAX_IN_FLIGHT
 from orchestrator.upstream.coalescer import CoalescingSettings
@@ -34,6 +35,7 @@ DEFAULT_UPSTREAM_BATCH_MAX_ITEMS = 128
 DEFAULT_UPSTREAM_CALLS_IN_FLIGHT = 2
 DEFAULT_CONCURRENCY_LIMIT = "adaptive"
 DEFAULT_CONCURRENCY = ConcurrencySettings()
+DEFAULT_BACKLOG = BacklogSettings()
 # Highest value --concurrency-max-limit may take; its lowest is --concurrency-min-limit.
 MAX_CONCURRENCY_LIMIT = 100_000
 DEFAULT_STATE_TIMEOUT_MS = 100
@@ -194,6 +196,16 @@ class OrchestratorSettings(ServerSettings):
         high=MAX_CONCURRENCY_LIMIT,
     )
 
+    # See orchestrator/policy/backlog.py.
+    max_late_arrivals: float = setting(
+        DEFAULT_BACKLOG.max_late_share,
+        "refuse a tenant's new calls (RESOURCE_EXHAUSTED, FRONT_DOOR_BUSY) while more than this "
+        "share of its recent calls reached the orchestrator with their deadlines spent; 0: never",
+        float,
+        low=0,
+        high=1,
+    )
+
     # Past it, a shadowed call is not sent and is counted (orchestrator/shadow.py).
     shadow_max_in_flight: int = setting(
         DEFAULT_SHADOW_MAX_IN_FLIGHT,
@@ -241,6 +253,9 @@ class OrchestratorSettings(ServerSettings):
             min_limit=self.concurrency_min_limit,
             max_limit=self.concurrency_max_limit,
         )
+
+    def backlog(self) -> BacklogSettings:
+        return BacklogSettings(self.max_late_arrivals)
 
     def upstream_tls(self) -> ClientTls | None:
         return client_tls(

@@ -17,6 +17,8 @@ PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 RATE_LIMITED_TOTAL = "classify_rate_limited_total"
 AUTH_FAILURES_TOTAL = "classify_auth_failures_total"
+FRONT_DOOR_BUSY_TOTAL = "classify_front_door_busy_total"
+LATE_ARRIVAL_SHARE = "classify_late_arrival_share"
 UPSTREAM_CALL_ITEMS = "classify_upstream_call_items"
 UPSTREAM_ITEMS_EXPIRED_TOTAL = "classify_upstream_items_expired_total"
 BATCH_CALL_ITEMS = "classify_batch_call_items"
@@ -195,6 +197,17 @@ class OrchestratorMetrics:
             RATE_LIMITED_TOTAL,
             "Calls refused because their tenant was over its rate limit.",
             ["tenant"],
+            registry=registry,
+        )
+        self.late_arrivals = Gauge(
+            LATE_ARRIVAL_SHARE,
+            "Share of recent calls with deadlines that reached the orchestrator with them "
+            "spent (smoothed, the highest tenant's; see --max-late-arrivals).",
+            registry=registry,
+        )
+        self.front_door_busy = Counter(
+            FRONT_DOOR_BUSY_TOTAL,
+            "Calls refused while calls reached the orchestrator with their deadlines spent.",
             registry=registry,
         )
         self.auth_failures = Counter(

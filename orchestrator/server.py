@@ -22,6 +22,7 @@ from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
 from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
@@ -61,10 +62,12 @@ class OrchestratorServer:
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
             shadow=ShadowTraffic(self.metrics.shadow, settings.shadow_max_in_flight),
         )
+        self.backlog = FrontDoorBacklog(settings.backlog())
+        self.metrics.late_arrivals.set_function(lambda: self.backlog.worst_late_share)
         self.serving = GrpcServing.contract_server(
             settings,
             self.registry,
-            gate=CallerGate(keys, self.metrics, self.state.limits),
+            gate=CallerGate(keys, self.metrics, self.state.limits, self.backlog),
             edge=True,
         )
         classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(

@@ -1,4 +1,5 @@
-"""The orchestrator's gate: authenticate the caller, then apply its tenant's rate limit.
+"""The orchestrator's gate: authenticate the caller, refuse it while the front door is
+behind (orchestrator.policy.backlog), then apply its tenant's rate limit.
 
 It runs in the request lifecycle before validation, so a refused call reaches
 no handler and no model. The authenticated caller is bound to the request
@@ -12,8 +13,10 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 
 from classify_common.admission import RateAllowance
-from classify_common.errors import RateLimited, Unauthenticated
+from classify_common.context import time_left_on_arrival
+from classify_common.errors import FrontDoorBusy, RateLimited, Unauthenticated
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.security.keys import ApiKeys, Caller
 from orchestrator.security.limits import RateLimits, TenantRateLimits
 
@@ -37,10 +40,14 @@ class CallerGate:
         keys: ApiKeys | None,
         metrics: OrchestratorMetrics,
         limits: RateLimits | None = None,
+        backlog: FrontDoorBacklog | None = None,
     ) -> None:
         """`keys` None switches authentication off (development only); `limits` None:
-        the keys file's tenant limits, in this process."""
+        the keys file's tenant limits, in this process; `backlog`, when given, refuses
+        calls while calls reach the front door with their deadlines spent (before any
+        tenant's tokens are spent on them)."""
         self._keys = keys
+        self._backlog = backlog
         self._limits: RateLimits = (
             limits if limits is not None else TenantRateLimits(keys.tenant_limits if keys else {})
         )
@@ -56,6 +63,12 @@ class CallerGate:
         return caller.tenant
 
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
+        if self._backlog is not None:
+            try:
+                self._backlog.admit(tenant, time_left_on_arrival())
+            except FrontDoorBusy:
+                self._metrics.front_door_busy.inc(calls)
+                raise
         tokens_left, granted, wait = await self._limits.try_acquire(tenant, calls)
         if granted == calls:
             return RateAllowance(tokens_left, granted)

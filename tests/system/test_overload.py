@@ -25,6 +25,7 @@ REFUSED_AT_THE_DOOR = "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED"
 EXPECTED_OUTCOMES = (
     "OK",
     "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED",
+    "RESOURCE_EXHAUSTED: FRONT_DOOR_BUSY",  # calls reached the front door late
     "DEADLINE_EXCEEDED",  # any reason: unreachable, expired, the client's own deadline
 )
 

@@ -19,6 +19,7 @@
     │   ├── RateLimited           the tenant's rate is used up
     │   ├── QueueFull
     │   ├── ConcurrencyLimited
+    │   ├── FrontDoorBusy
     │   └── DeviceMemoryPressure
     ├── DeadlineExpired           DEADLINE_EXCEEDED
     │   ├── DeadlineUnreachable   refused before any work: the deadline cannot be met
@@ -166,6 +167,11 @@ class ConcurrencyLimited(Overloaded):
     """The backend had as many calls in flight as its limit allows."""
 
 
+class FrontDoorBusy(Overloaded):
+    """Calls were reaching the orchestrator with their deadlines spent; it refused new
+    ones until it caught up."""
+
+
 class DeviceMemoryPressure(Overloaded):
     """The model's device memory was past its admission threshold."""
 
@@ -214,6 +220,7 @@ ERROR_BY_REASON: Mapping[str, type[ClassifyError]] = {
     "RATE_LIMITED": RateLimited,
     "QUEUE_FULL": QueueFull,
     "CONCURRENCY_LIMITED": ConcurrencyLimited,
+    "FRONT_DOOR_BUSY": FrontDoorBusy,
     "DEVICE_MEMORY_PRESSURE": DeviceMemoryPressure,
     "DEADLINE_EXPIRED": DeadlineExpired,
     "DEADLINE_UNREACHABLE": DeadlineUnreachable,

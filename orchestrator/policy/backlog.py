@@ -1,0 +1,143 @@
+"""Refuse new calls at the front door while calls reach it with their deadlines spent.
+
+The adaptive concurrency limit (orchestrator.policy.concurrency) guards each
+backend, but a call first waits to be taken in by the orchestrator itself.
+grpc.aio takes in one call at a time, each one a round trip between gRPC's
+poller thread and the event loop, and on busy cores those handoffs wait for a
+core. When callers arrive faster than calls are taken in, they queue there,
+in front of every limit, and their handlers start with the deadline already
+spent. Nobody tells those callers to wait: they are answered DEADLINE_EXCEEDED
+after they gave up, and call again at once. With a fixed crowd of callers the
+queue is the crowd, so it never drains.
+
+Measured with `make bench-overload`'s last phase (routes.yaml as it is: its
+fallback answers what the limit refuses, so no refusal paces anyone): 1,024
+callers with 300 ms deadlines arriving at a freshly started orchestrator left
+it answering 10-70 calls a second in time, every other call expiring before or
+as it was taken in, while its event loop ran less than a millisecond behind.
+
+So the gate watches the time each call has left when its handler begins. While
+more than `max_late_share` of a tenant's recent calls with deadlines arrived
+with less than LATE_SECONDS left (less than the orchestrator keeps to answer, so
+they are refused anyway), the front door is behind for that tenant: its call
+that arrives with time left is refused at once, before validation and routing,
+with RESOURCE_EXHAUSTED (FRONT_DOOR_BUSY) and a retry-after hint, which reaches
+its caller while it still waits. The hints spread the refused callers over the
+rate calls are taken in (the k-th caller waiting out a hint comes back after
+about k calls), so the crowd inside shrinks until calls arrive in time again.
+Calls that arrived late go on to be answered DEADLINE_EXCEEDED as before.
+
+The share is kept per tenant because the server cannot tell a call that waited
+to be taken in from one sent with a deadline of a few milliseconds. A backlog
+delays every tenant's calls, so each tenant's share rises; a tenant whose own
+callers send deadlines too short to serve raises only its own, and cannot get
+other tenants' calls refused.
+
+All methods run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from classify_common.errors import FrontDoorBusy
+
+# A call that arrives with less than this left is late: the orchestrator keeps
+# about as much to answer (orchestrator.upstream.pool.DEADLINE_SAFETY_MARGIN_SECONDS).
+LATE_SECONDS = 0.01
+# Weight of each new call in the smoothed share of late arrivals (about the last
+# 50 calls with deadlines).
+SMOOTHING = 0.02
+# Retry-after hints: at least this, at most MAX_HINT_SECONDS, jittered by ±JITTER.
+MIN_HINT_SECONDS = 0.05
+MAX_HINT_SECONDS = 5.0
+JITTER = 0.2
+# Seconds over which calls taken in are counted for the hint.
+RATE_WINDOW_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class BacklogSettings:
+    """Orchestrator flag `--max-late-arrivals` (0: never refuse for a backlog)."""
+
+    max_late_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_late_share <= 1:
+            raise ValueError(f"max_late_share {self.max_late_share} is outside 0..1")
+
+
+class FrontDoorBacklog:
+    """The smoothed share of calls arriving late, and the refusal while it is too high."""
+
+    def __init__(
+        self,
+        settings: BacklogSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._rng = rng or random.Random()
+        # Per tenant: the smoothed share of its calls with deadlines that arrived late.
+        self.late_shares: dict[str, float] = {}
+        # When each refused caller's hint runs out (a heap), and calls taken in per
+        # window, for the hint.
+        self._waiting_out: list[float] = []
+        self._window_ends = clock() + RATE_WINDOW_SECONDS
+        self._taken_now = self._taken_last = 0
+
+    def behind(self, tenant: str) -> bool:
+        share = self.settings.max_late_share
+        return share > 0 and self.late_shares.get(tenant, 0.0) > share
+
+    def admit(self, tenant: str, time_left: float | None) -> None:
+        """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
+        deadline); FrontDoorBusy when it still has time but the front door is behind
+        for the tenant."""
+        self._count_taken_in()
+        late = time_left is not None and time_left < LATE_SECONDS
+        if time_left is not None:
+            share = self.late_shares.get(tenant, 0.0)
+            self.late_shares[tenant] = share + SMOOTHING * (float(late) - share)
+        if late or not self.behind(tenant):
+            return
+        raise FrontDoorBusy(
+            f"calls are reaching the orchestrator late ({self.late_shares[tenant]:.0%} of "
+            f"recent ones with under {LATE_SECONDS * 1000:.0f} ms left); it is behind",
+            retry_after_seconds=self._hint(),
+            late_share=round(self.late_shares[tenant], 2),
+        )
+
+    @property
+    def worst_late_share(self) -> float:
+        """The highest tenant's share (for the gauge)."""
+        return max(self.late_shares.values(), default=0.0)
+
+    def _count_taken_in(self) -> None:
+        now = self._clock()
+        if now >= self._window_ends:
+            stale = now - self._window_ends >= RATE_WINDOW_SECONDS
+            self._taken_last = 0 if stale else self._taken_now
+            self._taken_now = 0
+            self._window_ends = now + RATE_WINDOW_SECONDS
+        self._taken_now += 1
+
+    def _hint(self) -> float:
+        """The refused callers still waiting out their hints, over the rate calls are
+        taken in: the k-th comes back after about k calls."""
+        now = self._clock()
+        waiting = self._waiting_out
+        while waiting and waiting[0] <= now:
+            heapq.heappop(waiting)
+        rate = (self._taken_last or self._taken_now) / RATE_WINDOW_SECONDS
+        spread = len(waiting) / rate if rate > 0 else MIN_HINT_SECONDS
+        hint = min(max(spread, MIN_HINT_SECONDS), MAX_HINT_SECONDS)
+        hint *= self._rng.uniform(1 - JITTER, 1 + JITTER)
+        heapq.heappush(waiting, now + hint)
+        return hint

@@ -1,0 +1,137 @@
+"""Calls that reach the front door with their deadlines spent: while many of a tenant's
+do, its call that still has time is refused at once with RESOURCE_EXHAUSTED and a retry
+hint (orchestrator.policy.backlog), over a real orchestrator and capability."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common.errors import FrontDoorBusy
+from orchestrator.metrics import FRONT_DOOR_BUSY_TOTAL
+from orchestrator.policy.backlog import (
+    MAX_HINT_SECONDS,
+    MIN_HINT_SECONDS,
+    BacklogSettings,
+    FrontDoorBacklog,
+)
+from orchestrator.security.gate import ANONYMOUS
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, metric_sum, orchestrator_for
+from tests.status_details import error_reason, refusal, retry_delay_seconds
+
+TENANT = ANONYMOUS.tenant  # the test orchestrator does not authenticate
+
+
+@pytest_asyncio.fixture
+async def own_orchestrator(
+    capability: CapabilityServer, tmp_path: Path
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator of this module's own: the share it keeps must not leak into others."""
+    async with orchestrator_for(capability, tmp_path) as server:
+        yield server
+
+
+async def test_a_call_with_time_left_is_refused_while_calls_arrive_without(
+    own_orchestrator: OrchestratorServer,
+) -> None:
+    """Calls sent with 5 ms deadlines reach the handler with under 10 ms left, as calls
+    that waited to be taken in do; the server cannot tell them apart. Past a tenth of
+    the tenant's recent calls, its call with time left is refused, then served again
+    once calls in time bring the share down."""
+    server = own_orchestrator
+    refused_before = metric_sum(server.registry, FRONT_DOOR_BUSY_TOTAL)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        request = pb.ClassifyRequest(text=STRIKER)
+        for _ in range(200):
+            if server.backlog.behind(TENANT):
+                break
+            late = await refusal(stub.Classify(request, timeout=0.005))
+            assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert server.backlog.behind(TENANT)
+        error = await refusal(stub.Classify(request, timeout=10))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error_reason(error) == "FRONT_DOOR_BUSY"
+        assert MIN_HINT_SECONDS * 0.8 <= retry_delay_seconds(error) <= MAX_HINT_SECONDS * 1.2
+        assert metric_sum(server.registry, FRONT_DOOR_BUSY_TOTAL) == refused_before + 1
+        reasons, answer = [], None
+        for _ in range(200):
+            try:
+                answer = await stub.Classify(request, timeout=10)
+            except grpc.aio.AioRpcError as refused_again:
+                reasons.append(error_reason(refused_again))
+                continue
+            break
+    assert answer is not None, "still refused after 200 calls that arrived in time"
+    assert set(reasons) <= {"FRONT_DOOR_BUSY"}
+    assert answer.labels[0].name == "sports"
+    assert not server.backlog.behind(TENANT)
+
+
+def test_late_arrivals_refuse_the_tenants_calls_with_time_left_only() -> None:
+    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.1), rng=random.Random(1))
+    for _ in range(4):
+        backlog.admit("a", 0.2)  # in time
+    assert not backlog.behind("a")
+    for _ in range(10):
+        backlog.admit("a", 0.0)  # late: never refused here, their callers are gone
+    assert backlog.behind("a")
+    share = backlog.late_shares["a"]
+    with pytest.raises(FrontDoorBusy):
+        backlog.admit("a", None)  # a call without a deadline is refused too...
+    assert backlog.late_shares["a"] == share  # ...and does not count
+    with pytest.raises(FrontDoorBusy):
+        backlog.admit("a", 0.2)
+    assert backlog.late_shares["a"] < share  # in time, it counts towards catching up
+
+
+def test_a_tenant_sending_deadlines_too_short_to_serve_gets_no_one_else_refused() -> None:
+    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.1))
+    for _ in range(100):
+        backlog.admit("hurried", 0.002)
+    assert backlog.behind("hurried")
+    backlog.admit("patient", 1.0)  # not refused
+    assert not backlog.behind("patient")
+    assert backlog.worst_late_share > 0.1
+
+
+def test_hints_spread_the_refused_callers_over_the_rate_calls_are_taken_in() -> None:
+    """With 100 calls taken in a second, the k-th caller refused comes back after about
+    k/100 s (within the jitter), so they do not return together."""
+    now = [0.0]
+    backlog = FrontDoorBacklog(
+        BacklogSettings(max_late_share=0.1), clock=lambda: now[0], rng=random.Random(2)
+    )
+    for index in range(100):  # a second of calls taken in, all late
+        now[0] = index / 100
+        backlog.admit("a", 0.0)
+    now[0] = 1.0
+    hints = []
+    for _ in range(50):
+        with pytest.raises(FrontDoorBusy) as refused:
+            backlog.admit("a", 1.0)
+        hints.append(refused.value.retry_after_seconds)
+    assert hints[0] == pytest.approx(MIN_HINT_SECONDS, rel=0.25)
+    assert hints[-1] == pytest.approx(49 / 101, rel=0.25)
+
+
+def test_a_share_of_zero_never_refuses() -> None:
+    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.0))
+    for _ in range(100):
+        backlog.admit("a", 0.0)
+    backlog.admit("a", 1.0)
+    assert not backlog.behind("a")
+
+
+def test_the_share_must_be_a_share() -> None:
+    with pytest.raises(ValueError, match=r"outside 0\.\.1"):
+        BacklogSettings(max_late_share=1.5)
