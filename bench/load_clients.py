@@ -8,7 +8,8 @@ each process drives at most CALLERS_PER_PROCESS callers, all processes start
 and stop at the same wall-clock time, and their records are merged.
 
 A caller behaves as a well-made client does: after an answer carrying a
-RetryInfo it waits the delay; after any other answer it calls again at once.
+RetryInfo it waits the delay (unless the phase says not to); after any other
+answer it calls again at once.
 A phase may ramp its callers in: caller k of n sends its first call k/n of
 `ramp_seconds` after the phase starts, as a crowd arrives, instead of all n
 in the same millisecond (a burst no server answers faster than its per-call
@@ -109,6 +110,7 @@ async def _caller(
     offset: int,
     record: PhaseRecord,
     first_call_after: float = 0.0,
+    honour_hints: bool = True,
 ) -> None:
     loop = asyncio.get_running_loop()
     if first_call_after > 0:
@@ -139,7 +141,7 @@ async def _caller(
                 record.refused_without_hint += 1
         if deadline is not None and took > deadline + LATE_BY_SECONDS:
             record.late += 1
-        if wait > 0:
+        if wait > 0 and honour_hints:
             await asyncio.sleep(min(wait, max(stop_at - loop.time(), 0)))
 
 
@@ -160,6 +162,9 @@ class ProcessShare:
     # send their first calls (0: all at once).
     total_callers: int = 0
     ramp_seconds: float = 0.0
+    # False: call again at once even after a RetryInfo (to measure what a refusal
+    # costs, not how the hints pace the callers).
+    honour_hints: bool = True
 
     def first_call_after(self, index: int) -> float:
         """Seconds into the phase at which this process's `index`-th caller starts."""
@@ -195,6 +200,7 @@ async def _drive(share: ProcessShare) -> PhaseRecord:
                     (share.first_caller + index) * 7,
                     record,
                     share.first_call_after(index),
+                    share.honour_hints,
                 )
                 for index in range(share.callers)
             )
@@ -224,6 +230,7 @@ class RunningPhase:
         deadline: float | None,
         *,
         ramp_seconds: float = 0.0,
+        honour_hints: bool = True,
     ) -> None:
         processes = math.ceil(callers / CALLERS_PER_PROCESS)
         shares = [callers // processes + (i < callers % processes) for i in range(processes)]
@@ -245,6 +252,7 @@ class RunningPhase:
                     deadline,
                     callers,
                     ramp_seconds,
+                    honour_hints,
                 ),
             )
             for i, share in enumerate(shares)

@@ -12,7 +12,10 @@ figures measure load shedding, not the cheap model. Phases, one after another:
    does, not all in one millisecond;
 3. healthy: 32 callers without a deadline right after, against capacity;
 4. refusal cost: 32 callers whose 5 ms deadlines nothing can meet, so the
-   orchestrator refuses every call, for the CPU one refusal costs;
+   orchestrator refuses every call, for the CPU one refusal costs; these
+   callers call again at once even after a RetryInfo (their calls arrive
+   with under 10 ms left, so the front door soon refuses them as behind,
+   FRONT_DOOR_BUSY, with hints that would leave it idle);
 5. with fallback: 1,024 callers again, through a second orchestrator that
    reads routes.yaml as it is (the default route falls back to topic-static),
    for what a user's own stack does under the same overload: how many calls
@@ -256,18 +259,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     phases_planned = [
-        ("capacity", CAPACITY_CALLERS, None, args.capacity_seconds, 0.0),
+        ("capacity", CAPACITY_CALLERS, None, args.capacity_seconds, 0.0, True),
         *(
-            (f"overload {callers}", callers, DEADLINE_SECONDS, args.seconds, RAMP_SECONDS)
+            (f"overload {callers}", callers, DEADLINE_SECONDS, args.seconds, RAMP_SECONDS, True)
             for callers in OVERLOAD_CALLERS
         ),
-        ("healthy", CAPACITY_CALLERS, None, args.capacity_seconds, 0.0),
+        ("healthy", CAPACITY_CALLERS, None, args.capacity_seconds, 0.0, True),
         (
             "refusal cost",
             CAPACITY_CALLERS,
             HOPELESS_DEADLINE_SECONDS,
             args.capacity_seconds / 2,
             0.0,
+            False,
         ),
     ]
     progress = Progress(3 + len(phases_planned))
@@ -283,6 +287,7 @@ def main() -> None:
         deadline: float | None,
         seconds: float,
         ramp: float,
+        honour_hints: bool = True,
     ) -> None:
         progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
         phase = RunningPhase(
@@ -293,6 +298,7 @@ def main() -> None:
             seconds,
             deadline,
             ramp_seconds=ramp,
+            honour_hints=honour_hints,
         )
         phase.wait_for_start()
         # The window of the phase itself, not of the client processes starting.

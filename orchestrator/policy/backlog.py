@@ -19,13 +19,15 @@ as it was taken in, while its event loop ran less than a millisecond behind.
 So the gate watches the time each call has left when its handler begins. While
 more than `max_late_share` of a tenant's recent calls with deadlines arrived
 with less than LATE_SECONDS left (less than the orchestrator keeps to answer, so
-they are refused anyway), the front door is behind for that tenant: its call
-that arrives with time left is refused at once, before validation and routing,
-with RESOURCE_EXHAUSTED (FRONT_DOOR_BUSY) and a retry-after hint, which reaches
-its caller while it still waits. The hints spread the refused callers over the
-rate calls are taken in (the k-th caller waiting out a hint comes back after
-about k calls), so the crowd inside shrinks until calls arrive in time again.
-Calls that arrived late go on to be answered DEADLINE_EXCEEDED as before.
+they are refused anyway), the front door is behind for that tenant: its calls
+are refused at once, before validation and routing, with RESOURCE_EXHAUSTED
+(FRONT_DOOR_BUSY) and a retry-after hint. Those with time left get the hint
+while their callers still wait, and so do the late ones whose last few
+milliseconds have not run out: in a deep backlog almost every call is late, and
+the few milliseconds are the only way to reach its callers. The hints spread
+the refused callers over the rate calls are taken in (the k-th caller waiting
+out a hint comes back after about k calls), so the crowd inside shrinks until
+calls arrive in time again.
 
 The share is kept per tenant because the server cannot tell a call that waited
 to be taken in from one sent with a deadline of a few milliseconds. A backlog
@@ -98,14 +100,13 @@ class FrontDoorBacklog:
 
     def admit(self, tenant: str, time_left: float | None) -> None:
         """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
-        deadline); FrontDoorBusy when it still has time but the front door is behind
-        for the tenant."""
+        deadline); FrontDoorBusy while the front door is behind for the tenant."""
         self._count_taken_in()
         late = time_left is not None and time_left < LATE_SECONDS
         if time_left is not None:
             share = self.late_shares.get(tenant, 0.0)
             self.late_shares[tenant] = share + SMOOTHING * (float(late) - share)
-        if late or not self.behind(tenant):
+        if not self.behind(tenant):
             return
         raise FrontDoorBusy(
             f"calls are reaching the orchestrator late ({self.late_shares[tenant]:.0%} of "
