@@ -54,6 +54,9 @@ LATE_SECONDS = 0.01
 # Weight of each new call in the smoothed share of late arrivals (about the last
 # 50 calls with deadlines).
 SMOOTHING = 0.02
+# The share also fades with time, halving every HALF_LIFE_SECONDS, so a tenant
+# whose calls stopped, or carry no deadline, is not refused on old news.
+HALF_LIFE_SECONDS = 1.0
 # Retry-after hints: at least this, at most MAX_HINT_SECONDS, jittered by ±JITTER.
 MIN_HINT_SECONDS = 0.05
 MAX_HINT_SECONDS = 5.0
@@ -86,39 +89,47 @@ class FrontDoorBacklog:
         self.settings = settings
         self._clock = clock
         self._rng = rng or random.Random()
-        # Per tenant: the smoothed share of its calls with deadlines that arrived late.
-        self.late_shares: dict[str, float] = {}
+        # Per tenant: the smoothed share of its calls with deadlines that arrived late,
+        # and when it was last updated.
+        self._shares: dict[str, tuple[float, float]] = {}
         # When each refused caller's hint runs out (a heap), and calls taken in per
         # window, for the hint.
         self._waiting_out: list[float] = []
         self._window_ends = clock() + RATE_WINDOW_SECONDS
         self._taken_now = self._taken_last = 0
 
+    def late_share(self, tenant: str) -> float:
+        """The tenant's smoothed share of late arrivals, faded to now."""
+        share, updated = self._shares.get(tenant, (0.0, 0.0))
+        return share * float(0.5 ** ((self._clock() - updated) / HALF_LIFE_SECONDS))
+
     def behind(self, tenant: str) -> bool:
-        share = self.settings.max_late_share
-        return share > 0 and self.late_shares.get(tenant, 0.0) > share
+        limit = self.settings.max_late_share
+        return limit > 0 and self.late_share(tenant) > limit
 
     def admit(self, tenant: str, time_left: float | None) -> None:
         """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
         deadline); FrontDoorBusy while the front door is behind for the tenant."""
         self._count_taken_in()
-        late = time_left is not None and time_left < LATE_SECONDS
+        share = self.late_share(tenant)
         if time_left is not None:
-            share = self.late_shares.get(tenant, 0.0)
-            self.late_shares[tenant] = share + SMOOTHING * (float(late) - share)
-        if not self.behind(tenant):
+            late = time_left < LATE_SECONDS
+            share += SMOOTHING * (float(late) - share)
+            self._shares[tenant] = (share, self._clock())
+        limit = self.settings.max_late_share
+        if limit <= 0 or share <= limit:
             return
         raise FrontDoorBusy(
-            f"calls are reaching the orchestrator late ({self.late_shares[tenant]:.0%} of "
-            f"recent ones with under {LATE_SECONDS * 1000:.0f} ms left); it is behind",
+            f"calls are reaching the orchestrator late ({share:.0%} of recent ones with "
+            f"under {LATE_SECONDS * 1000:.0f} ms left); it is behind",
             retry_after_seconds=self._hint(),
-            late_share=round(self.late_shares[tenant], 2),
+            late_share=round(share, 2),
         )
 
     @property
     def worst_late_share(self) -> float:
         """The highest tenant's share (for the gauge)."""
-        return max(self.late_shares.values(), default=0.0)
+        return max(map(self.late_share, self._shares), default=0.0)
 
     def _count_taken_in(self) -> None:
         now = self._clock()

@@ -83,7 +83,9 @@ async def test_a_call_with_time_left_is_refused_while_calls_arrive_without(
 
 
 def test_while_behind_every_call_of_the_tenant_is_refused_and_in_time_ones_catch_up() -> None:
-    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.1), rng=random.Random(1))
+    backlog = FrontDoorBacklog(
+        BacklogSettings(max_late_share=0.1), clock=lambda: 0.0, rng=random.Random(1)
+    )
     for _ in range(4):
         backlog.admit("a", 0.2)  # in time
     for _ in range(5):
@@ -97,13 +99,13 @@ def test_while_behind_every_call_of_the_tenant_is_refused_and_in_time_ones_catch
             refused += 1
     assert refused > 0
     assert backlog.behind("a")
-    share = backlog.late_shares["a"]
+    share = backlog.late_share("a")
     with pytest.raises(FrontDoorBusy):
         backlog.admit("a", None)  # a call without a deadline is refused too...
-    assert backlog.late_shares["a"] == share  # ...and does not count
+    assert backlog.late_share("a") == share  # ...and does not count
     with pytest.raises(FrontDoorBusy):
         backlog.admit("a", 0.2)
-    assert backlog.late_shares["a"] < share  # in time, it counts towards catching up
+    assert backlog.late_share("a") < share  # in time, it counts towards catching up
 
 
 def test_a_tenant_sending_deadlines_too_short_to_serve_gets_no_one_else_refused() -> None:
@@ -137,6 +139,22 @@ def test_hints_spread_the_refused_callers_over_the_rate_calls_are_taken_in() -> 
     assert len(hints) > 40
     assert hints[0] == pytest.approx(MIN_HINT_SECONDS, rel=0.25)
     assert hints[-1] == pytest.approx((len(hints) - 1) / 100, rel=0.25)
+
+
+def test_the_share_fades_with_time_so_old_news_refuses_no_one() -> None:
+    """Behind, then the tenant's calls stop (or carry no deadline): two seconds later
+    its call is admitted, though no call in time brought the share down."""
+    now = [0.0]
+    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.1), clock=lambda: now[0])
+    for _ in range(20):
+        with contextlib.suppress(FrontDoorBusy):
+            backlog.admit("a", 0.0)
+    assert backlog.behind("a")
+    with pytest.raises(FrontDoorBusy):
+        backlog.admit("a", None)
+    now[0] = 2.0
+    backlog.admit("a", None)
+    assert not backlog.behind("a")
 
 
 def test_a_share_of_zero_never_refuses() -> None:
