@@ -55,8 +55,10 @@ LATE_SECONDS = 0.01
 # 50 calls with deadlines).
 SMOOTHING = 0.02
 # The share also fades with time, halving every HALF_LIFE_SECONDS, so a tenant
-# whose calls stopped, or carry no deadline, is not refused on old news.
-HALF_LIFE_SECONDS = 1.0
+# whose calls stopped is not refused on old news. Slowly: in a deep backlog gRPC
+# itself cancels most calls before any handler sees them, and the few that arrive
+# must keep the share up between them.
+HALF_LIFE_SECONDS = 10.0
 # Retry-after hints: at least this, at most MAX_HINT_SECONDS, jittered by ±JITTER.
 MIN_HINT_SECONDS = 0.05
 MAX_HINT_SECONDS = 5.0
@@ -111,11 +113,11 @@ class FrontDoorBacklog:
         """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
         deadline); FrontDoorBusy while the front door is behind for the tenant."""
         self._count_taken_in()
+        # A call without a deadline was taken in with all the time it wants: in time.
+        late = time_left is not None and time_left < LATE_SECONDS
         share = self.late_share(tenant)
-        if time_left is not None:
-            late = time_left < LATE_SECONDS
-            share += SMOOTHING * (float(late) - share)
-            self._shares[tenant] = (share, self._clock())
+        share += SMOOTHING * (float(late) - share)
+        self._shares[tenant] = (share, self._clock())
         limit = self.settings.max_late_share
         if limit <= 0 or share <= limit:
             return
