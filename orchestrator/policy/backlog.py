@@ -55,9 +55,9 @@ LATE_SECONDS = 0.01
 # 50 calls with deadlines).
 SMOOTHING = 0.02
 # The share also fades with time, halving every HALF_LIFE_SECONDS, so a tenant
-# whose calls stopped is not refused on old news. Slowly: in a deep backlog gRPC
-# itself cancels most calls before any handler sees them, and the few that arrive
-# must keep the share up between them.
+# whose calls stopped is not refused on old news. Slowly: in a deep backlog most
+# calls were seen cancelled before any handler ran (by gRPC's core, as far as the
+# logs tell), and the few that arrive must keep the share up between them.
 HALF_LIFE_SECONDS = 10.0
 # Retry-after hints: at least this, at most MAX_HINT_SECONDS, jittered by ±JITTER.
 MIN_HINT_SECONDS = 0.05
