@@ -40,13 +40,13 @@ All methods run on the event loop thread.
 
 from __future__ import annotations
 
-import heapq
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from classify_common.errors import FrontDoorBusy
+from orchestrator.policy.pacing import RetryPacer
 
 # A call that arrives with less than this left is late: the orchestrator keeps
 # about as much to answer (orchestrator.upstream.pool.DEADLINE_SAFETY_MARGIN_SECONDS).
@@ -63,8 +63,6 @@ HALF_LIFE_SECONDS = 10.0
 MIN_HINT_SECONDS = 0.05
 MAX_HINT_SECONDS = 5.0
 JITTER = 0.2
-# Seconds over which calls taken in are counted for the hint.
-RATE_WINDOW_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,15 +88,17 @@ class FrontDoorBacklog:
     ) -> None:
         self.settings = settings
         self._clock = clock
-        self._rng = rng or random.Random()
         # Per tenant: the smoothed share of its calls with deadlines that arrived late,
         # and when it was last updated.
         self._shares: dict[str, tuple[float, float]] = {}
-        # When each refused caller's hint runs out (a heap), and calls taken in per
-        # window, for the hint.
-        self._waiting_out: list[float] = []
-        self._window_ends = clock() + RATE_WINDOW_SECONDS
-        self._taken_now = self._taken_last = 0
+        # Retry-after hints, spread over the rate calls are taken in.
+        self._pacer = RetryPacer(
+            clock=clock,
+            rng=rng or random.Random(),
+            jitter=JITTER,
+            max_seconds=MAX_HINT_SECONDS,
+            min_elapsed_seconds=MIN_HINT_SECONDS,
+        )
 
     def late_share(self, tenant: str) -> float:
         """The tenant's smoothed share of late arrivals, faded to now."""
@@ -112,7 +112,7 @@ class FrontDoorBacklog:
     def admit(self, tenant: str, time_left: float | None) -> None:
         """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
         deadline); FrontDoorBusy while the front door is behind for the tenant."""
-        self._count_taken_in()
+        self._pacer.count()
         # A call without a deadline was taken in with all the time it wants: in time.
         late = time_left is not None and time_left < LATE_SECONDS
         share = self.late_share(tenant)
@@ -124,7 +124,7 @@ class FrontDoorBacklog:
         raise FrontDoorBusy(
             f"calls are reaching the orchestrator late ({share:.0%} of recent ones with "
             f"under {LATE_SECONDS * 1000:.0f} ms left); it is behind",
-            retry_after_seconds=self._hint(),
+            retry_after_seconds=self._pacer.hint(floor=MIN_HINT_SECONDS),
             late_share=round(share, 2),
         )
 
@@ -132,26 +132,3 @@ class FrontDoorBacklog:
     def worst_late_share(self) -> float:
         """The highest tenant's share (for the gauge)."""
         return max(map(self.late_share, self._shares), default=0.0)
-
-    def _count_taken_in(self) -> None:
-        now = self._clock()
-        if now >= self._window_ends:
-            stale = now - self._window_ends >= RATE_WINDOW_SECONDS
-            self._taken_last = 0 if stale else self._taken_now
-            self._taken_now = 0
-            self._window_ends = now + RATE_WINDOW_SECONDS
-        self._taken_now += 1
-
-    def _hint(self) -> float:
-        """The refused callers still waiting out their hints, over the rate calls are
-        taken in: the k-th comes back after about k calls."""
-        now = self._clock()
-        waiting = self._waiting_out
-        while waiting and waiting[0] <= now:
-            heapq.heappop(waiting)
-        rate = (self._taken_last or self._taken_now) / RATE_WINDOW_SECONDS
-        spread = len(waiting) / rate if rate > 0 else MIN_HINT_SECONDS
-        hint = min(max(spread, MIN_HINT_SECONDS), MAX_HINT_SECONDS)
-        hint *= self._rng.uniform(1 - JITTER, 1 + JITTER)
-        heapq.heappush(waiting, now + hint)
-        return hint

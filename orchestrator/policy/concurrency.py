@@ -45,13 +45,14 @@ All methods run on the event loop thread.
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from orchestrator.policy.pacing import RetryPacer
 
 MAX_RETRY_AFTER_SECONDS = 5.0
 # The hint before any latency has been measured.
@@ -64,8 +65,6 @@ MISSED_DEADLINE_SHARE = 0.02
 MISSED_DEADLINE_BACKOFF = 0.75
 # Retry-after hints and probe intervals are drawn from ±this share around their value.
 JITTER = 0.2
-# Seconds over which refusals and answers are counted for the retry-after hint.
-HINT_WINDOW_SECONDS = 1.0
 # Seconds without a refusal or a call out of time after which the limit disengages.
 CALM_SECONDS = 10.0
 
@@ -144,11 +143,14 @@ class AdaptiveConcurrencyLimit:
         self._probing_from: float | None = None
         self._probe_started = now
         self._probe: list[float] = []
-        # Retry-after hint: when each refused caller's hint runs out (a heap), and the
-        # calls answered this hint window and the last.
-        self._waiting_out: list[float] = []
-        self._hint_window_ends = now + HINT_WINDOW_SECONDS
-        self._answered_now = self._answered_last = 0
+        # Retry-after hints, spread over the rate calls are answered.
+        self._pacer = RetryPacer(
+            clock=clock,
+            rng=self._rng,
+            jitter=JITTER,
+            max_seconds=MAX_RETRY_AFTER_SECONDS,
+            min_elapsed_seconds=settings.window_seconds,
+        )
 
     @property
     def probing(self) -> bool:
@@ -179,8 +181,7 @@ class AdaptiveConcurrencyLimit:
             self._overload_seen = True
             self._window_misses += 1
         if latency is not None:
-            self._answered_now += 1
-            self._roll_hint_window(now)
+            self._pacer.count()
             if self._probing_from is not None:
                 if latency > now - self._probe_started:
                     return  # sent before the probe, at the old limit: no news of the minimum
@@ -253,33 +254,8 @@ class AdaptiveConcurrencyLimit:
         self._window_ends = now + self.settings.window_seconds
         self._next_probe = now + self._jittered(self.settings.probe_interval_seconds)
 
-    def _roll_hint_window(self, now: float) -> None:
-        if now < self._hint_window_ends:
-            return
-        stale = now - self._hint_window_ends >= HINT_WINDOW_SECONDS
-        self._answered_last = 0 if stale else self._answered_now
-        self._answered_now = 0
-        self._hint_window_ends = now + HINT_WINDOW_SECONDS
-
-    def _answer_rate(self, now: float) -> float:
-        """Calls answered a second: over the last hint window, else the current one."""
-        if self._answered_last:
-            return self._answered_last / HINT_WINDOW_SECONDS
-        elapsed = now - (self._hint_window_ends - HINT_WINDOW_SECONDS)
-        return self._answered_now / max(elapsed, self.settings.window_seconds)
-
     def retry_after_seconds(self) -> float:
         """The hint for a call refused now: the refused callers still waiting out their
         hints, over the rate calls are answered, so that they come back about as fast
         as slots free up (the k-th waiting caller after about k answers)."""
-        now = self._clock()
-        self._roll_hint_window(now)
-        waiting = self._waiting_out
-        while waiting and waiting[0] <= now:
-            heapq.heappop(waiting)
-        rate = self._answer_rate(now)
-        floor = self.median_latency or DEFAULT_RETRY_AFTER_SECONDS
-        spread = len(waiting) / rate if rate > 0 else floor
-        hint = self._jittered(min(max(spread, floor), MAX_RETRY_AFTER_SECONDS))
-        heapq.heappush(waiting, now + hint)
-        return hint
+        return self._pacer.hint(floor=self.median_latency or DEFAULT_RETRY_AFTER_SECONDS)

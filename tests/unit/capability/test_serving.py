@@ -133,15 +133,23 @@ async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_com
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before
 
 
-async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired(
+async def minilm_in_batches_of_two(
     start_capability: StartCapability,
-) -> None:
+) -> tuple[CapabilityServer, DeviceWorker, ModelReplica, EncodedText]:
+    """A server of topic-minilm alone in batches of two, its worker and replica, and a
+    headline tokenized by it."""
     server = await start_capability(models=("topic-minilm",), max_batch_size=2)
     worker = server.pool.workers[0]
     replica = worker.replicas["topic-minilm"]
+    return server, worker, replica, replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+
+
+async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired(
+    start_capability: StartCapability,
+) -> None:
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
     loop = asyncio.get_running_loop()
-    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
     # The loop takes the first batch and hands it over, then the next full one behind it.
     async with device_occupied(worker, take_turn=False):
         waiters = [
@@ -170,12 +178,9 @@ async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
     meanwhile (the service-time fit now predicts most of a minute a batch): the text
     is answered DEADLINE_UNREACHABLE, which a route may fall back on, and is never
     computed; the text without a deadline in the same batch is."""
-    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
-    worker = server.pool.workers[0]
-    replica = worker.replicas["topic-minilm"]
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
     loop = asyncio.get_running_loop()
-    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
     async with device_occupied(worker, take_turn=False):
         patient = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, "patient", None))
         hurried = replica.admit(
