@@ -53,6 +53,17 @@ SERVER_OPTIONS: Sequence[tuple[str, int]] = (
     # The grace lets calls in flight on an old connection finish.
     ("grpc.max_connection_age_ms", 5 * 60 * 1000),
     ("grpc.max_connection_age_grace_ms", 60 * 1000),
+    # Calls that arrive faster than the event loop takes them in wait in gRPC core.
+    # By default core drops them at random once 1,000 wait (all of them at 3,000),
+    # answering a bare CANCELLED: no reason, no retry hint, no request ID, and callers
+    # call again at once. Under overload that storm left the front door serving
+    # nothing (docs/benchmark.md, 2026-12-01). Past the caps below a waiting call is
+    # out of time long before its turn; it expires in core, cheaply, and the calls
+    # taken in are answered or refused by the server's own admission, with a hint.
+    # The arguments are core's (src/core/server/server.h), not in grpc's public
+    # headers; a grpc release without them ignores them.
+    ("grpc.server.max_pending_requests", 10_000),
+    ("grpc.server.max_pending_requests_hard_limit", 20_000),
 )
 METRICS_DISABLED = -1
 

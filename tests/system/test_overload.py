@@ -9,9 +9,20 @@ retry hint, no call failing any other way, and full service right after.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from bench.harness import SHORT_TEXTS
 from bench.load_clients import PhaseRecord, percentile, run_phase
-from tests.conftest import STACK_API_KEY, Stack
+from tests.conftest import STACK_API_KEY, ServerProcess, Stack, closed_port, write_routes
 
 CAPACITY_CALLERS = 16
 OVERLOAD_CALLERS = 256
@@ -22,6 +33,11 @@ RAMP_SECONDS = 1.0
 MIN_GOODPUT_SHARE = 0.4
 REFUSAL_SHARE_OF_OK_P50 = 0.5
 REFUSED_AT_THE_DOOR = "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED"
+# More calls than gRPC core's default backlog (1,000 waiting calls, dropped at random up
+# to 3,000), over several connections as from several clients.
+BACKLOG_CALLS = 2_400
+BACKLOG_CONNECTIONS = 8
+BACKLOG_DEADLINE_SECONDS = 60.0
 EXPECTED_OUTCOMES = (
     "OK",
     "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED",
@@ -76,3 +92,54 @@ def test_overload_keeps_goodput_and_refuses_promptly(stack: Stack) -> None:
     assert overload.refused_without_hint == 0, summary
     # Healthy right after.
     assert healthy.outcomes == {"OK": healthy.calls}, dict(healthy.outcomes)
+
+
+def test_a_deep_backlog_of_calls_is_served_not_cancelled(
+    tmp_path: Path, start_process: Callable[..., ServerProcess]
+) -> None:
+    """Calls that pile up before the server's event loop takes them in (here: the
+    process is stopped while they arrive) wait their turn in gRPC core. Left at its
+    defaults, core drops calls at random once more than 1,000 wait, answering a bare
+    CANCELLED that names no reason and carries no retry hint; callers call again at
+    once, and under overload that storm took the front door down to nothing served."""
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{closed_port()}"])
+    server = start_process(
+        "orchestrator",
+        *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes)),
+        *("--auth", "disabled"),
+    )
+
+    async def backlog() -> Counter[str]:
+        target = f"127.0.0.1:{server.port}"
+        channels = [grpc.aio.insecure_channel(target) for _ in range(BACKLOG_CONNECTIONS)]
+        try:
+            for channel in channels:
+                await asyncio.wait_for(channel.channel_ready(), timeout=30)
+            # typeshed's HealthStub declares no methods; Check is generated at runtime.
+            stubs: list[Any] = [health_pb2_grpc.HealthStub(channel) for channel in channels]
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                calls = [
+                    asyncio.ensure_future(
+                        stubs[n % len(stubs)].Check(
+                            health_pb2.HealthCheckRequest(), timeout=BACKLOG_DEADLINE_SECONDS
+                        )
+                    )
+                    for n in range(BACKLOG_CALLS)
+                ]
+                # Every call written to the server's sockets before it runs again.
+                await asyncio.sleep(1.0)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            for channel in channels:
+                await channel.close()
+        return Counter(
+            "OK" if not isinstance(result, BaseException) else str(result.code().name)
+            for result in results
+            if isinstance(result, (health_pb2.HealthCheckResponse, grpc.aio.AioRpcError))
+        )
+
+    outcomes = asyncio.run(backlog())
+    assert outcomes == {"OK": BACKLOG_CALLS}, dict(outcomes)
