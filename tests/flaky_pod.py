@@ -6,11 +6,13 @@ show outlier ejection. This one accepts connections and reports SERVING,
 answers every ClassifyService call UNAVAILABLE while `failing`, and after that
 passes each call on as it came (raw bytes and metadata) to a real capability
 server, so its answers are real ones; with `load_report` set, it sends that
-LoadReport with them instead of the capability's (a pod reporting a long queue).
+LoadReport with them instead of the capability's (a pod reporting a long queue);
+with `answering` cleared, its calls wait until it is set again (a stalled pod).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -33,6 +35,9 @@ class FlakyPod(grpc.GenericRpcHandler):
         # When set, the LoadReport trailer the pod sends with every answer in place of
         # the capability's own (a pod that reports a long queue, say).
         self.load_report: bytes | None = None
+        # Cleared: calls wait here (the pod stalls) until it is set.
+        self.answering = asyncio.Event()
+        self.answering.set()
         # ClassifyService calls that reached the pod, and those it answered OK.
         self.calls = 0
         self.answered = 0
@@ -76,6 +81,7 @@ class FlakyPod(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
             self.calls += 1
+            await self.answering.wait()
             if self.failing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this pod is failing")
             metadata = [

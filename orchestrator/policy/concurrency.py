@@ -10,9 +10,10 @@ It engages on overload, not on load. A backend that answers its callers in
 time is not limited (the limit stays at `max_limit`): a client that sends many
 calls without deadlines, or a ClassifyBatch of a thousand items, has asked to
 wait, and refusing part of it would only make it send again. When more than
-2% of a window's calls run out of time upstream (their deadline passed, or
-their caller gave up) or are refused by the backend for load, the limit
-engages at three quarters of the calls then in flight, and from then on:
+2% of a window's calls run out of time upstream (their deadline passed, the
+caller's own included; a caller that hangs up earlier is no news of the
+backend) or are refused by the backend for load, the limit engages at three
+quarters of the calls then in flight, and from then on:
 
 - every `window` the median latency of the calls answered in it is compared
   with the minimum latency, and the limit becomes
@@ -173,8 +174,8 @@ class AdaptiveConcurrencyLimit:
         """Give back a slot; `latency` (seconds) when the backend answered the call,
         None when it failed or was cancelled (no sample: a fast failure is no news
         about the backend's latency). `overloaded`: the call ran out of time upstream,
-        its caller gave up waiting, or the backend refused it for load: more calls
-        were admitted than the backend answers in time."""
+        its caller's deadline passed while it waited, or the backend refused it for
+        load: more calls were admitted than the backend answers in time."""
         self.in_flight -= 1
         now = self._clock()
         if overloaded:

@@ -50,6 +50,9 @@ CONCURRENCY_RETRY_AFTER_SECONDS = 0.05
 # Time kept back from the caller's deadline for the orchestrator's own work
 # (answering, serialising) after the capability call returns.
 DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
+# A call cancelled this close to its caller's deadline, or later, went at the deadline
+# (the time left is read just before the call starts; the cancel arrives at or after it).
+DEADLINE_CANCEL_MARGIN_SECONDS = 0.01
 
 CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_time_ms", 30_000),
@@ -108,6 +111,15 @@ def call_timeout(backend_timeout: float, client_remaining: float | None) -> floa
                 remaining_ms=round(client_remaining * 1000, 1),
             )
     return timeout
+
+
+def cancelled_at_deadline(elapsed: float, client_remaining: float | None) -> bool:
+    """Whether a call its caller cancelled after `elapsed` seconds went at the caller's
+    deadline (`client_remaining` seconds away when it was sent; None: no deadline)."""
+    return (
+        client_remaining is not None
+        and elapsed >= client_remaining - DEADLINE_CANCEL_MARGIN_SECONDS
+    )
 
 
 class BackendPool:
@@ -321,10 +333,15 @@ class BackendPool:
             )
             latency = time.perf_counter() - started
             return response
-        except (DeadlineExpired, Overloaded, asyncio.CancelledError):
-            # Out of time here, refused by the backend for load, or the caller gave up
-            # waiting (its own deadline passed first): answered too late or not at all.
+        except (DeadlineExpired, Overloaded):
+            # Out of time here, or refused by the backend for load.
             overloaded = True
+            raise
+        except asyncio.CancelledError:
+            # The caller went. At its deadline, the call was answered too late: overload.
+            # Before it (a hedged call's loser, a user's Ctrl-C) it is no news of the
+            # backend, and counting it would hold hedging clients to the limit for good.
+            overloaded = cancelled_at_deadline(time.perf_counter() - started, client_remaining)
             raise
         finally:
             self.in_flight -= 1

@@ -20,13 +20,16 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.context import LOAD_REPORT_TRAILER
+from orchestrator.config import DEFAULT_CONCURRENCY
 from orchestrator.metrics import (
+    BACKEND_CONCURRENCY_LIMIT,
+    BACKEND_IN_FLIGHT,
     CONCURRENCY_LIMITED_TOTAL,
     DEADLINE_UNREACHABLE_TOTAL,
     MODEL_FALLBACK_TOTAL,
 )
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
 from tests.status_details import error_info, retry_delay_seconds
 
@@ -35,6 +38,8 @@ LONG_QUEUE = pb.LoadReport(queue_depth=400, device_busy_share=1.0)
 LONG_QUEUE.predicted_queue_wait.FromMilliseconds(800)
 LONG_QUEUE.predicted_service.FromMilliseconds(5)
 DEADLINE_SECONDS = 0.5
+# Calls held by a stalled pod: more than a window of the adaptive limit needs.
+STALLED_CALLS = 12
 
 
 def routes_with_busy_primary(path: Path, pod: str, capability: str, fallback: bool) -> Path:
@@ -195,3 +200,62 @@ async def test_adaptive_limit_refuses_the_excess_at_once_with_a_retry_hint(
         assert error_info(error).reason == "CONCURRENCY_LIMITED"
         assert retry_delay_seconds(error) > 0
     assert metric_sum(server.registry, CONCURRENCY_LIMITED_TOTAL, backend="topic-minilm") == 4
+
+
+@pytest.mark.parametrize(
+    ("deadline_seconds", "cancel_after_seconds", "engages"),
+    [
+        # A caller that hangs up with most of its time left (a hedged call's loser, a
+        # user's Ctrl-C) says nothing about the backend.
+        (10.0, 0.3, False),
+        # Calls whose deadlines pass while the backend holds them are overload.
+        (0.3, None, True),
+    ],
+)
+async def test_only_calls_that_run_out_of_time_engage_the_adaptive_limit(
+    capability: CapabilityServer,
+    tmp_path: Path,
+    deadline_seconds: float,
+    cancel_after_seconds: float | None,
+    engages: bool,
+) -> None:
+    pod = FlakyPod(capability.port, failing=False)
+    await pod.start()
+    pod.answering.clear()  # the pod holds every call
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  stalled: {{model: topic-minilm, targets: ['{pod.address}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: stalled\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, concurrency_min_limit=2),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            calls = [
+                stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=deadline_seconds)
+                for _ in range(STALLED_CALLS)
+            ]
+            if cancel_after_seconds is not None:
+                await asyncio.sleep(cancel_after_seconds)
+                for call in calls:
+                    call.cancel()
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(outcome, BaseException) for outcome in outcomes), outcomes
+            # The orchestrator's handlers see the callers go (cancelled, or out of time).
+            await wait_until(
+                lambda: metric_sum(server.registry, BACKEND_IN_FLIGHT, backend="stalled") == 0
+            )
+            limit = metric_sum(server.registry, BACKEND_CONCURRENCY_LIMIT, backend="stalled")
+    finally:
+        await server.stop(grace_seconds=0)
+        pod.answering.set()
+        await pod.stop()
+    assert (limit < DEFAULT_CONCURRENCY.max_limit) is engages, limit
