@@ -82,7 +82,9 @@ class OrchestratorServer:
     def routes(self) -> RouteTable:
         return self.dispatcher.state.table
 
-    def _routing_state(self, table: RouteTable) -> RoutingState:
+    def _routing_state(
+        self, table: RouteTable, carried_from: UpstreamPools | None = None
+    ) -> RoutingState:
         def count_ejection(backend: Backend, target: str, seconds: float) -> None:
             self.metrics.outlier_ejections.labels(backend.name, target).inc()
             log.warning(
@@ -99,13 +101,22 @@ class OrchestratorServer:
             coalescing=self.settings.coalescing(),
             metrics=self.metrics.upstream,
             concurrency=self.settings.concurrency(),
+            carried_from=carried_from,
         )
         return RoutingState(table, upstream)
 
     def _apply_routes(self, table: RouteTable) -> None:
-        self.dispatcher.replace(self._routing_state(table))
+        previous = self.dispatcher.state.upstream
+        self.dispatcher.replace(self._routing_state(table, previous))
         self.metrics.routes_reloads.labels("ok").inc()
-        log.info("routes reloaded", extra={"routes": [route.name for route in table.routes]})
+        log.info(
+            "routes reloaded",
+            extra={
+                "routes": [route.name for route in table.routes],
+                # Backends the edit left as they were keep their pools (UpstreamPools).
+                "backends_kept": sorted(previous.carried_over),
+            },
+        )
 
     def _refuse_routes(self, error: RoutesFileError) -> None:
         self.metrics.routes_reloads.labels("failed").inc()

@@ -358,7 +358,15 @@ class BackendPool:
 
 
 class UpstreamPools:
-    """A BackendPool for every backend in the route table."""
+    """A BackendPool for every backend in the route table.
+
+    Built for an edit of routes.yaml, it takes over from `carried_from` (the pools of
+    the routes in force) every backend the edit left as it was, under the same
+    outlier settings: its connections, its adaptive limit, its ejected replicas, its
+    replicas' load reports and its coalescers' call-time models carry on. An edit
+    made during an incident (a fallback added, a route moved) must not readmit an
+    ejected pod, forget an engaged limit, or reconnect every channel at once.
+    """
 
     def __init__(
         self,
@@ -370,9 +378,16 @@ class UpstreamPools:
         coalescing: CoalescingSettings = DEFAULT_COALESCING,
         metrics: UpstreamMetrics | None = None,
         concurrency: ConcurrencySettings = DEFAULT_CONCURRENCY,
+        *,
+        carried_from: UpstreamPools | None = None,
     ) -> None:
-        self._pools = {
-            name: BackendPool(
+        self.outliers = outliers
+        # Pools a later edit took over: they are its to close, not this one's.
+        self._handed_over: set[str] = set()
+        self._pools: dict[str, BackendPool] = {}
+        for name, backend in backends.items():
+            carried = carried_from.take_over(backend, outliers) if carried_from else None
+            self._pools[name] = carried or BackendPool(
                 backend,
                 outliers,
                 partial(on_ejected, backend),
@@ -382,8 +397,20 @@ class UpstreamPools:
                 metrics,
                 concurrency,
             )
-            for name, backend in backends.items()
-        }
+
+    def take_over(self, backend: Backend, outliers: OutlierSettings) -> BackendPool | None:
+        """This pool of `backend`, handed to the next routes, if it is defined exactly
+        as before and ejects under the same settings; None otherwise."""
+        pool = self._pools.get(backend.name)
+        if pool is None or pool.backend != backend or outliers != self.outliers:
+            return None
+        self._handed_over.add(backend.name)
+        return pool
+
+    @property
+    def carried_over(self) -> frozenset[str]:
+        """The backends whose pools the next routes took over."""
+        return frozenset(self._handed_over)
 
     def pool(self, backend: Backend) -> BackendPool:
         return self._pools[backend.name]
@@ -392,5 +419,7 @@ class UpstreamPools:
         return list(self._pools.values())
 
     async def close(self) -> None:
-        for pool in self._pools.values():
-            await pool.close()
+        """Close the pools no later routes took over."""
+        for name, pool in self._pools.items():
+            if name not in self._handed_over:
+                await pool.close()

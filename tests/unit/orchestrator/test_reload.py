@@ -17,6 +17,7 @@ from capability.server import CapabilityServer
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
+from tests.flaky_pod import FlakyPod
 from tests.hostile_files import nested_aliases
 
 
@@ -196,3 +197,81 @@ def release_pipe_readers(pipe: Path) -> None:
         except OSError:  # ENXIO: nobody is waiting to read
             return
         os.close(writer)
+
+
+def routes_with_pod(
+    pod: str, capability_port: int, *, second_backend: bool, pod_first: bool
+) -> str:
+    """One backend, `minilm`, on a pod and the capability; the pod is ejected on its first
+    failure for a minute. `second_backend` adds a backend no route uses (an edit that
+    leaves `minilm` as it was); `pod_first` lists the pod first (an edit of `minilm`)."""
+    targets = [f"'{pod}'", f"'127.0.0.1:{capability_port}'"]
+    if not pod_first:
+        targets.reverse()
+    spare = (
+        f"  spare: {{model: topic-static, targets: ['127.0.0.1:{capability_port}']}}\n"
+        if second_backend
+        else ""
+    )
+    return (
+        "version: 1\n"
+        "outlier_ejection: {consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}\n"
+        "backends:\n"
+        f"  minilm: {{model: topic-minilm, targets: [{', '.join(targets)}]}}\n"
+        f"{spare}"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: minilm\n"
+        "    retry: {max_attempts: 3, initial_backoff: 1ms, max_backoff: 5ms}\n"
+    )
+
+
+async def test_an_edit_keeps_the_pools_of_backends_it_leaves_as_they_were(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """An edit made during an incident must not readmit an ejected pod: a backend the edit
+    leaves as it was keeps its pool (ejections, adaptive limit, connections); a backend
+    the edit changes gets a fresh one."""
+    pod = FlakyPod(capability.port)  # fails every call
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        routes_with_pod(pod.address, capability.port, second_backend=False, pod_first=True)
+    )
+    try:
+        async with LoadedOrchestrator(routes) as loaded:
+            await wait_until(lambda: pod.calls >= 1, "the pod tried")
+            kept = loaded.server.dispatcher.state.upstream.pool(
+                loaded.server.routes.backends["minilm"]
+            )
+            calls_before_edit = pod.calls
+
+            replace_file(
+                routes,
+                routes_with_pod(pod.address, capability.port, second_backend=True, pod_first=True),
+            )
+            await wait_until(lambda: loaded.reloads("ok") == 1)
+            served = len(loaded.models)
+            await wait_until(lambda: len(loaded.models) >= served + 20)
+            assert pod.calls == calls_before_edit, "the edit readmitted the ejected pod"
+            upstream = loaded.server.dispatcher.state.upstream
+            assert upstream.pool(loaded.server.routes.backends["minilm"]) is kept
+
+            replace_file(
+                routes,
+                routes_with_pod(pod.address, capability.port, second_backend=True, pod_first=False),
+            )
+            await wait_until(lambda: loaded.reloads("ok") == 2)
+            # minilm's targets changed: a fresh pool, which tries the pod again.
+            await wait_until(
+                lambda: pod.calls > calls_before_edit, "the changed backend's new pool"
+            )
+            assert (
+                loaded.server.dispatcher.state.upstream.pool(
+                    loaded.server.routes.backends["minilm"]
+                )
+                is not kept
+            )
+    finally:
+        await pod.stop()
+    assert loaded.failures == []
