@@ -63,6 +63,7 @@ class CapabilityServer:
                 settings.result_cache_bytes,
                 settings.result_cache_warm,
             ),
+            on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
         )
         self.registry.register(
             DeviceMemoryCollector(lambda: [(w.name, w.device) for w in self.pool.workers])

@@ -51,8 +51,8 @@ class RpcMetrics:
         # the first bug would make that bug invisible to increase() in an alert.
         self.internal_errors = Counter(
             INTERNAL_ERRORS_TOTAL,
-            "RPCs answered INTERNAL because the handler raised an exception no layer "
-            "expected (a bug); the server's `unhandled error` log line has the traceback.",
+            "RPCs, and items of batch calls, answered INTERNAL for a bug (an exception no "
+            "layer expected); the server's error log line has the cause.",
             registry=registry,
         )
         self.duration = LabelledHistogram(

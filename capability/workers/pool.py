@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from functools import partial
@@ -92,11 +92,12 @@ log = logging.getLogger(__name__)
 LOAD_REPORT_TOKENS = 16
 
 
-def _as_outcome(answer: object) -> TextResult | ServiceError:
+def _as_outcome(answer: object, on_bug: Callable[[], None]) -> TextResult | ServiceError:
     """A text's answer as classify_many returns it: anything that is neither a result
-    nor a ServiceError is a bug, answered INTERNAL."""
+    nor a ServiceError is a bug, answered INTERNAL and counted by `on_bug()`."""
     if isinstance(answer, TextResult | ServiceError):
         return answer
+    on_bug()
     log.error("a text was left without an answer", extra={"answer": repr(answer)})
     return InternalError("internal error (the text was not answered)")
 
@@ -138,13 +139,17 @@ class WorkerPool:
         torch_threads: int = 0,
         trusted_signers: Path | None = None,
         result_cache: tuple[int, int, int] = (DEFAULT_ENTRIES, DEFAULT_BYTES, DEFAULT_WARM),
+        on_internal_error: Callable[[], None] = lambda: None,
     ) -> None:
         """`memory_budget_bytes`: each worker's device memory budget (0: a share of its
         device, capability.memory.budget_bytes); `memory_warm_up`: the shape the ledger
         measures (capability.workers.worker.MEMORY_WARM_UPS); `result_cache`: its
         entries (0: off), bytes, and texts recomputed after a swap; `torch_threads`: each
-        CPU worker's torch intra-op threads (0: all cores split between them)."""
+        CPU worker's torch intra-op threads (0: all cores split between them);
+        `on_internal_error()` counts a text answered INTERNAL here for a bug (an item of
+        a batch call never reaches the interceptor, which counts the call's own)."""
         self._metrics = metrics
+        self._on_internal_error = on_internal_error
         # An allowed-signers file every loaded bundle's manifest must be signed by a key
         # of; None loads unsigned bundles too.
         self._trusted_signers = trusted_signers
@@ -475,8 +480,8 @@ class WorkerPool:
                     waiting.append((index, admission))
         answers = await asyncio.gather(*(future for _, future in waiting), return_exceptions=True)
         for (index, _), answer in zip(waiting, answers, strict=True):
-            outcomes[index] = _as_outcome(answer)
-        return [_as_outcome(outcome) for outcome in outcomes]
+            outcomes[index] = _as_outcome(answer, self._on_internal_error)
+        return [_as_outcome(outcome, self._on_internal_error) for outcome in outcomes]
 
     async def _bring_onto_device(
         self, replica: ModelReplica, tokens: int, deadline: float | None

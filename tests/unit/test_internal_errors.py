@@ -4,6 +4,7 @@ traceback only in the server's log, and the call counted by its code and as a bu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterator
@@ -140,3 +141,36 @@ async def test_planted_bug_in_a_batch_item_answers_that_item_internal_and_counts
         )
         assert "hunter2" not in str(result.error)
     assert metric_sum(orchestrator.registry, INTERNAL_ERRORS_TOTAL) - bugs_before == 2
+
+
+async def test_a_text_left_without_an_answer_in_a_capability_batch_is_internal_and_counted(
+    capability: CapabilityServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capability batch call's items are answered by the worker pool, not the request
+    lifecycle: a bug that leaves one text without an answer answers it INTERNAL, answers
+    the others, and counts as a bug, as the orchestrator counts its own items'."""
+    admitter = capability.pool._admitter
+    admit_group = admitter.admit_group
+
+    async def admit_losing_the_first(*args: Any) -> list[Any]:
+        admitted = await admit_group(*args)
+        lost: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        lost.set_exception(RuntimeError(PLANTED_MESSAGE))
+        return [lost, *admitted[1:]]
+
+    monkeypatch.setattr(admitter, "admit_group", admit_losing_the_first)
+    bugs_before = metric_sum(capability.registry, INTERNAL_ERRORS_TOTAL)
+    request = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER, request_id=f"{REQUEST_ID}-{n}") for n in (1, 2)]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.ClassifyBatch(request, timeout=10)
+    lost, answered = answer.results
+    assert lost.error.code == grpc.StatusCode.INTERNAL.value[0]
+    (info,) = unpack(lost.error, ErrorInfo)
+    assert info.reason == "INTERNAL"
+    assert info.metadata["x-request-id"] == f"{REQUEST_ID}-1"
+    assert "hunter2" not in str(lost.error)
+    assert answered.HasField("response")
+    assert metric_sum(capability.registry, INTERNAL_ERRORS_TOTAL) - bugs_before == 1
