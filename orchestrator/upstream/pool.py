@@ -159,6 +159,9 @@ class BackendPool:
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
         self.in_flight = 0
+        # The route tables serving from this pool (an edit that leaves the backend as it
+        # was shares it with the routes before it); the last one to go closes it.
+        self._holders = 1
         self._tls = tls
         self._coalescing = coalescing
         self._metrics = metrics
@@ -348,6 +351,17 @@ class BackendPool:
             if self.concurrency is not None:
                 self.concurrency.release(latency, overloaded=overloaded)
 
+    def hold(self) -> BackendPool:
+        """One more route table serves from this pool; it calls `release` when done."""
+        self._holders += 1
+        return self
+
+    async def release(self) -> None:
+        """A route table is done with this pool: the last one closes it."""
+        self._holders -= 1
+        if self._holders == 0:
+            await self.close()
+
     async def close(self) -> None:
         await self._addresses.close()
         for coalescer in self.coalescers.values():
@@ -382,20 +396,24 @@ class UpstreamPools:
         carried_from: UpstreamPools | None = None,
     ) -> None:
         self.outliers = outliers
-        # Pools a later edit took over: they are its to close, not this one's.
+        # Backends whose pools the next routes took over (for the reload's log line).
         self._handed_over: set[str] = set()
         self._pools: dict[str, BackendPool] = {}
         for name, backend in backends.items():
             carried = carried_from.take_over(backend, outliers) if carried_from else None
-            self._pools[name] = carried or BackendPool(
-                backend,
-                outliers,
-                partial(on_ejected, backend),
-                internal_token,
-                tls,
-                coalescing,
-                metrics,
-                concurrency,
+            self._pools[name] = (
+                carried
+                if carried is not None
+                else BackendPool(
+                    backend,
+                    outliers,
+                    partial(on_ejected, backend),
+                    internal_token,
+                    tls,
+                    coalescing,
+                    metrics,
+                    concurrency,
+                )
             )
 
     def take_over(self, backend: Backend, outliers: OutlierSettings) -> BackendPool | None:
@@ -405,7 +423,7 @@ class UpstreamPools:
         if pool is None or pool.backend != backend or outliers != self.outliers:
             return None
         self._handed_over.add(backend.name)
-        return pool
+        return pool.hold()
 
     @property
     def carried_over(self) -> frozenset[str]:
@@ -419,7 +437,7 @@ class UpstreamPools:
         return list(self._pools.values())
 
     async def close(self) -> None:
-        """Close the pools no later routes took over."""
-        for name, pool in self._pools.items():
-            if name not in self._handed_over:
-                await pool.close()
+        """Let go of every pool; each closes once no route table serves from it (calls
+        that began under older routes may still be using one that this table shared)."""
+        for pool in self._pools.values():
+            await pool.release()

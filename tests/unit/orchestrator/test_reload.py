@@ -199,26 +199,17 @@ def release_pipe_readers(pipe: Path) -> None:
         os.close(writer)
 
 
-def routes_with_pod(
-    pod: str, capability_port: int, *, second_backend: bool, pod_first: bool
-) -> str:
-    """One backend, `minilm`, on a pod and the capability; the pod is ejected on its first
-    failure for a minute. `second_backend` adds a backend no route uses (an edit that
-    leaves `minilm` as it was); `pod_first` lists the pod first (an edit of `minilm`)."""
-    targets = [f"'{pod}'", f"'127.0.0.1:{capability_port}'"]
-    if not pod_first:
-        targets.reverse()
-    spare = (
-        f"  spare: {{model: topic-static, targets: ['127.0.0.1:{capability_port}']}}\n"
-        if second_backend
-        else ""
-    )
+def routes_on(targets: list[str], spare: str | None = None) -> str:
+    """One backend, `minilm`, on `targets`, where a replica is ejected on its first
+    failure for a minute; `spare` adds a backend on it that no route uses (an edit
+    that leaves `minilm` as it was)."""
+    spare_line = f"  spare: {{model: topic-static, targets: ['{spare}']}}\n" if spare else ""
     return (
         "version: 1\n"
         "outlier_ejection: {consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}\n"
         "backends:\n"
-        f"  minilm: {{model: topic-minilm, targets: [{', '.join(targets)}]}}\n"
-        f"{spare}"
+        f"  minilm: {{model: topic-minilm, targets: {targets}}}\n"
+        f"{spare_line}"
         "routes:\n"
         "  - name: default\n"
         "    backend: minilm\n"
@@ -235,9 +226,8 @@ async def test_an_edit_keeps_the_pools_of_backends_it_leaves_as_they_were(
     pod = FlakyPod(capability.port)  # fails every call
     await pod.start()
     routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        routes_with_pod(pod.address, capability.port, second_backend=False, pod_first=True)
-    )
+    replica = f"127.0.0.1:{capability.port}"
+    routes.write_text(routes_on([pod.address, replica]))
     try:
         async with LoadedOrchestrator(routes) as loaded:
             await wait_until(lambda: pod.calls >= 1, "the pod tried")
@@ -246,10 +236,7 @@ async def test_an_edit_keeps_the_pools_of_backends_it_leaves_as_they_were(
             )
             calls_before_edit = pod.calls
 
-            replace_file(
-                routes,
-                routes_with_pod(pod.address, capability.port, second_backend=True, pod_first=True),
-            )
+            replace_file(routes, routes_on([pod.address, replica], spare=replica))
             await wait_until(lambda: loaded.reloads("ok") == 1)
             served = len(loaded.models)
             await wait_until(lambda: len(loaded.models) >= served + 20)
@@ -257,10 +244,7 @@ async def test_an_edit_keeps_the_pools_of_backends_it_leaves_as_they_were(
             upstream = loaded.server.dispatcher.state.upstream
             assert upstream.pool(loaded.server.routes.backends["minilm"]) is kept
 
-            replace_file(
-                routes,
-                routes_with_pod(pod.address, capability.port, second_backend=True, pod_first=False),
-            )
+            replace_file(routes, routes_on([replica, pod.address], spare=replica))
             await wait_until(lambda: loaded.reloads("ok") == 2)
             # minilm's targets changed: a fresh pool, which tries the pod again.
             await wait_until(
@@ -275,3 +259,44 @@ async def test_an_edit_keeps_the_pools_of_backends_it_leaves_as_they_were(
     finally:
         await pod.stop()
     assert loaded.failures == []
+
+
+async def test_a_call_outlives_two_edits_of_the_backend_it_is_on(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A pool shared by the routes before an edit and after it stays open for as long as
+    either has calls on it. A call begun before two edits (the first leaves its backend
+    as it was, the second changes it) fails on the pod it went to, and its retry, sent
+    after both edits, still goes out on the pool of the routes it began under."""
+    pod = FlakyPod(capability.port)  # fails every call, once let go
+    await pod.start()
+    pod.answering.clear()
+    replica = f"127.0.0.1:{capability.port}"
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_on([pod.address, replica]))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+
+    def reloads() -> float:
+        return metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok")
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            held = stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+            await wait_until(lambda: pod.calls == 1, "the call reached the pod")
+            replace_file(routes, routes_on([pod.address, replica], spare=replica))
+            await wait_until(lambda: reloads() == 1)
+            replace_file(routes, routes_on([replica], spare=replica))
+            await wait_until(lambda: reloads() == 2)
+            pod.answering.set()  # UNAVAILABLE; the retry goes to the other replica
+            response = await held
+    finally:
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert response.model.name == "topic-minilm"
