@@ -94,6 +94,12 @@ def test_overload_keeps_goodput_and_refuses_promptly(stack: Stack) -> None:
     assert healthy.outcomes == {"OK": healthy.calls}, dict(healthy.outcomes)
 
 
+def outcome_of(result: object) -> str:
+    if isinstance(result, grpc.aio.AioRpcError):
+        return result.code().name
+    return "OK" if isinstance(result, health_pb2.HealthCheckResponse) else repr(result)
+
+
 def test_a_deep_backlog_of_calls_is_served_not_cancelled(
     tmp_path: Path, start_process: Callable[..., ServerProcess]
 ) -> None:
@@ -135,11 +141,7 @@ def test_a_deep_backlog_of_calls_is_served_not_cancelled(
         finally:
             for channel in channels:
                 await channel.close()
-        return Counter(
-            "OK" if not isinstance(result, BaseException) else str(result.code().name)
-            for result in results
-            if isinstance(result, (health_pb2.HealthCheckResponse, grpc.aio.AioRpcError))
-        )
+        return Counter(map(outcome_of, results))
 
     outcomes = asyncio.run(backlog())
     assert outcomes == {"OK": BACKLOG_CALLS}, dict(outcomes)
