@@ -47,15 +47,19 @@ class RetryPacer:
         self._roll(self._clock())
         self._counted_now += 1
 
-    def hint(self, floor: float) -> float:
-        """Seconds the caller refused now should wait: at least `floor`."""
+    def hint(self, floor: float, *, without_rate: float | None = None) -> float:
+        """Seconds the caller refused now should wait: at least `floor`; `without_rate`
+        (default `floor`) while no call has got through lately."""
         now = self._clock()
         self._roll(now)
         waiting = self._waiting_out
         while waiting and waiting[0] <= now:
             heapq.heappop(waiting)
         rate = self._rate(now)
-        spread = len(waiting) / rate if rate > 0 else floor
+        if rate > 0:
+            spread = len(waiting) / rate
+        else:
+            spread = floor if without_rate is None else without_rate
         hint = min(max(spread, floor), self._max_seconds)
         hint *= self._rng.uniform(1 - self._jitter, 1 + self._jitter)
         heapq.heappush(waiting, now + hint)

@@ -19,6 +19,7 @@ from capability.server import CapabilityServer
 from classify_common.errors import FrontDoorBusy
 from orchestrator.metrics import FRONT_DOOR_BUSY_TOTAL
 from orchestrator.policy.backlog import (
+    JITTER,
     MAX_HINT_SECONDS,
     MIN_HINT_SECONDS,
     BacklogSettings,
@@ -120,8 +121,8 @@ def test_a_tenant_sending_deadlines_too_short_to_serve_gets_no_one_else_refused(
     assert backlog.worst_late_share > 0.1
 
 
-def test_hints_spread_the_refused_callers_over_the_rate_calls_are_taken_in() -> None:
-    """With 100 calls taken in a second, the k-th caller refused comes back after about
+def test_hints_spread_the_refused_callers_over_the_rate_calls_get_past_the_door() -> None:
+    """With 100 calls let through a second, the k-th caller refused comes back after about
     k/100 s (within the jitter), so they do not return together."""
     now = [0.0]
     backlog = FrontDoorBacklog(
@@ -140,6 +141,24 @@ def test_hints_spread_the_refused_callers_over_the_rate_calls_are_taken_in() -> 
     assert len(hints) > 40
     assert hints[0] == pytest.approx(MIN_HINT_SECONDS, rel=0.25)
     assert hints[-1] == pytest.approx((len(hints) - 1) / 100, rel=0.25)
+
+
+def test_while_nothing_gets_past_the_door_the_refused_wait_the_longest_hint() -> None:
+    """The refusals themselves do not count as calls getting through: after a second in
+    which every call was refused, hundreds of them, the next refused caller is told to
+    wait the longest hint, not its place among the refused over the refusals' rate."""
+    now = [0.0]
+    backlog = FrontDoorBacklog(
+        BacklogSettings(max_late_share=0.1), clock=lambda: now[0], rng=random.Random(3)
+    )
+    for index in range(500):  # two seconds of late calls, refused once the share is up
+        now[0] = index / 250
+        with contextlib.suppress(FrontDoorBusy):
+            backlog.admit("a", 0.0)
+    now[0] = 2.0
+    with pytest.raises(FrontDoorBusy) as refused:
+        backlog.admit("a", 0.0)
+    assert refused.value.retry_after_seconds >= MAX_HINT_SECONDS * (1 - JITTER)
 
 
 def test_the_share_fades_with_time_so_old_news_refuses_no_one() -> None:
