@@ -58,6 +58,17 @@ async def planted_bug(*args: object, **kwargs: object) -> Any:
     raise RuntimeError(PLANTED_MESSAGE)
 
 
+async def two_item_batch(port: int) -> pb.ClassifyBatchResponse:
+    """A ClassifyBatch of two items, with request IDs REQUEST_ID-1 and -2, to `port`."""
+    request = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER, request_id=f"{REQUEST_ID}-{n}") for n in (1, 2)]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer: pb.ClassifyBatchResponse = await stub.ClassifyBatch(request, timeout=10)
+    return answer
+
+
 # Each server's domain object that its Classify servicer calls; the bug is planted
 # there, so the servicer, the interceptor and the server around it are the real ones.
 PLANT_IN = {"capability": "pool", "orchestrator": "dispatcher"}
@@ -123,12 +134,7 @@ async def test_planted_bug_in_a_batch_item_answers_that_item_internal_and_counts
     a bug there answers each item as a single call would be answered, and counts."""
     monkeypatch.setattr(orchestrator.dispatcher, "classify", planted_bug)
     bugs_before = metric_sum(orchestrator.registry, INTERNAL_ERRORS_TOTAL)
-    request = pb.ClassifyBatchRequest(
-        items=[pb.ClassifyRequest(text=STRIKER, request_id=f"{REQUEST_ID}-{n}") for n in (1, 2)]
-    )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
-        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        answer = await stub.ClassifyBatch(request, timeout=10)
+    answer = await two_item_batch(orchestrator.port)
     for n, result in zip((1, 2), answer.results, strict=True):
         assert result.error.code == grpc.StatusCode.INTERNAL.value[0]
         (info,) = unpack(result.error, ErrorInfo)
@@ -160,12 +166,7 @@ async def test_a_text_left_without_an_answer_in_a_capability_batch_is_internal_a
 
     monkeypatch.setattr(admitter, "admit_group", admit_losing_the_first)
     bugs_before = metric_sum(capability.registry, INTERNAL_ERRORS_TOTAL)
-    request = pb.ClassifyBatchRequest(
-        items=[pb.ClassifyRequest(text=STRIKER, request_id=f"{REQUEST_ID}-{n}") for n in (1, 2)]
-    )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
-        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        answer = await stub.ClassifyBatch(request, timeout=10)
+    answer = await two_item_batch(capability.port)
     lost, answered = answer.results
     assert lost.error.code == grpc.StatusCode.INTERNAL.value[0]
     (info,) = unpack(lost.error, ErrorInfo)
