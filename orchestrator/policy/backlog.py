@@ -129,8 +129,8 @@ class FrontDoorBacklog:
         raise FrontDoorBusy(
             f"calls are reaching the orchestrator late ({share:.0%} of recent ones with "
             f"under {LATE_SECONDS * 1000:.0f} ms left); it is behind",
-            # Nothing got past the door for a whole window: the crowd must shrink before
-            # any of it comes back.
+            # While nothing gets past the door (in the last window, nor in this one so
+            # far), the crowd must shrink before any of it comes back.
             retry_after_seconds=self._pacer.hint(
                 floor=MIN_HINT_SECONDS, without_rate=MAX_HINT_SECONDS
             ),
