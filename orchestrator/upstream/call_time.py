@@ -30,10 +30,6 @@ class CallTimeModel:
         self._seconds = self._items_seconds = 0.0
         self._fixed = self._per_item = 0.0
 
-    @property
-    def learned(self) -> bool:
-        return self._weight > 0
-
     def record(self, items: int, seconds: float) -> None:
         n = float(items)
         self._weight = FORGETTING * self._weight + 1.0
