@@ -178,7 +178,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)
             ids = bind_ids(metadata, format_trace_id(server_span))
-            bind_time_left_on_arrival(context.time_remaining())
+            time_left = context.time_remaining()
+            bind_time_left_on_arrival(time_left)
             code = grpc.StatusCode.OK
             try:
                 request = _receive(method, raw, parse, context, headers, request_trace, admission)
@@ -202,7 +203,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 elapsed = time.perf_counter() - started
                 self._metrics.observe(method, code.name, elapsed, ids.trace_id)
-                self._log_request(method, code, elapsed, request_trace)
+                self._log_request(method, code, elapsed, time_left, request_trace)
                 if times_output or request_trace.makes_spans:
                     self._end_when_done(context, server_span, code, request_trace, times_output)
                 otel_context.detach(attached)
@@ -262,23 +263,29 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         context.add_done_callback(finish)  # type: ignore[arg-type]
 
     def _log_request(
-        self, method: str, code: grpc.StatusCode, elapsed: float, request_trace: RequestTrace
+        self,
+        method: str,
+        code: grpc.StatusCode,
+        elapsed: float,
+        time_left: float | None,
+        request_trace: RequestTrace,
     ) -> None:
-        log_event(
-            log,
-            "rpc",
-            {
-                "method": method,
-                "code": code.name,
-                # round(x * 1e5) / 100 is round(x * 1000, 2) at a third of its cost.
-                "duration_ms": round(elapsed * 1e5) / 100,
-                **request_trace.log_fields,
-                "timings_ms": {
-                    name: round(seconds * 1e6) / 1000
-                    for name, seconds in request_trace.seconds.items()
-                },
+        fields: dict[str, object] = {
+            "method": method,
+            "code": code.name,
+            # round(x * 1e5) / 100 is round(x * 1000, 2) at a third of its cost.
+            "duration_ms": round(elapsed * 1e5) / 100,
+            **request_trace.log_fields,
+            "timings_ms": {
+                name: round(seconds * 1e6) / 1000 for name, seconds in request_trace.seconds.items()
             },
-        )
+        }
+        if time_left is not None:
+            # What the caller's deadline left when the handler began. Well under the
+            # caller's own timeout, the call waited before any of this server's code
+            # ran: in gRPC's queue behind a busy event loop, or on the network.
+            fields["time_left_on_arrival_ms"] = round(time_left * 1e4) / 10
+        log_event(log, "rpc", fields)
 
     @staticmethod
     async def _abort(

@@ -51,6 +51,10 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
             timeout=30,
             metadata=(("authorization", f"Bearer {STACK_API_KEY}"),),
         )
+        stub.Classify(
+            pb.ClassifyRequest(text=STRIKER, request_id="e2e-no-deadline"),
+            metadata=(("authorization", f"Bearer {STACK_API_KEY}"),),
+        )
 
     assert response.labels[0].name == "sports"
     assert response.status == pb.RESULT_STATUS_DONE
@@ -61,7 +65,8 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     assert dict(call.trailing_metadata())["x-trace-id"] == response.trace_id
 
     # Both processes logged the call under the same request ID and trace ID.
-    front = rpc_log_line(orchestrator.read_logs(), "e2e-1")
+    front_lines = orchestrator.read_logs()
+    front = rpc_log_line(front_lines, "e2e-1")
     back = rpc_log_line(capability.read_logs(), "e2e-1")
     assert front["code"] == back["code"] == "OK"
     assert front["trace_id"] == back["trace_id"] == response.trace_id
@@ -77,6 +82,11 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
     assert (back["model"], back["batch_size"], back["worker"]) == ("topic-minilm", 1, "cpu:0")
     assert set(back["timings_ms"]) == {n.name for n in NODES if n.service == "capability"}
     assert front["duration_ms"] >= front["timings_ms"]["upstream_call"] >= back["duration_ms"]
+    # What each deadline left when the handler began: the client's 30 s at the front
+    # door; at the capability, the backend's 5 s timeout, the shorter of the two.
+    assert 25_000 < front["time_left_on_arrival_ms"] <= 30_000
+    assert 0 < back["time_left_on_arrival_ms"] <= 5_000
+    assert "time_left_on_arrival_ms" not in rpc_log_line(front_lines, "e2e-no-deadline")
     # Neither the text nor the key is ever logged.
     for line in (front, back):
         assert "striker" not in json.dumps(line).lower()
