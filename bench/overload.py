@@ -29,7 +29,11 @@ capacity, the share of calls that ended more than 50 ms past their deadline
 (seen by the client), the p99 latency of refusals (calls answered RESOURCE_EXHAUSTED, or
 DEADLINE_EXCEEDED with reason DEADLINE_UNREACHABLE) over the whole phase and
 over its first second alone, the outcome of
-every call by code and reason, and each server's CPU per call. The issue's
+every call by code and reason, each server's CPU per call, and, from the
+orchestrator's per-call log lines, how long calls waited before its handler
+began (the deadline minus what it left on arrival) against the time in the
+handler: a refusal the handler answers in a millisecond but the caller sees
+after 50 ms waited in gRPC's queue, before any of the server's code. The issue's
 targets: goodput at least 0.8 of capacity, at most 0.1% of calls more than
 50 ms late, refusals under 10 ms at p99, healthy right after.
 
@@ -54,7 +58,12 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.load_clients import PhaseRecord, RunningPhase, percentile  # noqa: E402
+from bench.load_clients import (  # noqa: E402
+    REFUSED_UNREACHABLE,
+    PhaseRecord,
+    RunningPhase,
+    percentile,
+)
 
 if TYPE_CHECKING:
     from bench.harness import Observation, ServerProcess
@@ -144,6 +153,50 @@ def summarise(
     }
 
 
+def time_before_handlers(
+    log_path: Path, log_offset: int, window: tuple[float, float], deadline: float
+) -> dict[str, dict[str, float]]:
+    """Where the phase's calls spent their time inside the orchestrator, from its
+    per-call log lines (written from `log_offset` on, ending within `window`, wall
+    clock): before the handler began (the callers' deadline minus what it left on
+    arrival: the wait in gRPC's queue, and the network) and in the handler, p50 and
+    p99 in milliseconds, for refusals (as the callers count them) and for all calls.
+    A refusal the callers saw late but the handler answered at once was late
+    before any of the orchestrator's code ran."""
+    from datetime import datetime
+
+    since, until = window
+    before: dict[str, list[float]] = {"refusals": [], "all": []}
+    handler: dict[str, list[float]] = {"refusals": [], "all": []}
+    with log_path.open("rb") as log:
+        log.seek(log_offset)
+        for raw in log:
+            if b'"event": "rpc"' not in raw or b"ClassifyService/Classify" not in raw:
+                continue
+            try:
+                line = json.loads(raw)
+                ended = datetime.fromisoformat(line["ts"]).timestamp()
+                left = line["time_left_on_arrival_ms"] / 1000
+            except (ValueError, KeyError):
+                continue  # a line cut short at the end of the file, or one without a deadline
+            if not since <= ended <= until:
+                continue
+            kinds = ["all"]
+            if line["code"] == "RESOURCE_EXHAUSTED" or line.get("reason") == REFUSED_UNREACHABLE:
+                kinds.append("refusals")
+            for kind in kinds:
+                before[kind].append(deadline - left)
+                handler[kind].append(line["duration_ms"] / 1000)
+    return {
+        f"{kind}_{where}_ms": {
+            "p50": percentile(seconds, 0.5) * 1000,
+            "p99": percentile(seconds, 0.99) * 1000,
+        }
+        for kind in ("refusals", "all")
+        for where, seconds in (("before_handler", before[kind]), ("in_handler", handler[kind]))
+    }
+
+
 def write_routes_without_fallback(capability_target: str) -> Path:
     """routes.yaml with every backend at the bench's capability server and no route
     falling back, so that every OK answer is the primary model's."""
@@ -188,6 +241,24 @@ def print_report(report: dict[str, Any]) -> None:
             for name, count in phase["outcomes"].items()
         )
         print(f"- {phase['phase']}: {counts}")
+    print(
+        "\nWhere the time went in the orchestrator (its per-call log lines): before the "
+        "handler (the deadline minus what it left on arrival: gRPC's queue, the network) "
+        "and in the handler, p50 / p99 ms:"
+    )
+    for phase in report["phases"]:
+        if "all_before_handler_ms" not in phase:
+            continue
+        print(
+            f"- {phase['phase']}: "
+            + "; ".join(
+                f"{kind} {phase[f'{kind}_before_handler_ms']['p50']:.1f} / "
+                f"{phase[f'{kind}_before_handler_ms']['p99']:.1f} before, "
+                f"{phase[f'{kind}_in_handler_ms']['p50']:.1f} / "
+                f"{phase[f'{kind}_in_handler_ms']['p99']:.1f} in"
+                for kind in ("refusals", "all")
+            )
+        )
     targets = report["targets"]
     print("\nAgainst the issue's targets:")
     for line in targets["lines"]:
@@ -300,12 +371,18 @@ def main() -> None:
             ramp_seconds=ramp,
             honour_hints=honour_hints,
         )
+        log_path = servers["orchestrator"].log_path
+        log_offset = log_path.stat().st_size
         phase.wait_for_start()
         # The window of the phase itself, not of the client processes starting.
         with Observation(servers) as observed:
             time.sleep(seconds)
         record = phase.result()
-        phases.append(summarise(name, callers, deadline, record, seconds, observed, servers, ramp))
+        summary = summarise(name, callers, deadline, record, seconds, observed, servers, ramp)
+        if deadline is not None:
+            window = (phase.starts_at, phase.starts_at + seconds)
+            summary.update(time_before_handlers(log_path, log_offset, window, deadline))
+        phases.append(summary)
 
     with (
         orchestrator_processes(args.orchestrator_processes) as processes_flags,

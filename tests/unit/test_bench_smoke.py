@@ -297,3 +297,55 @@ def test_a_ramped_phase_starts_its_callers_evenly_across_processes() -> None:
     assert starts == [0.0, 0.25, 0.5, 0.75]
     unramped = ProcessShare("t", (), ["x"], 2, 0, 0.0, 1.0, None, total_callers=2)
     assert [unramped.first_call_after(index) for index in range(2)] == [0.0, 0.0]
+
+
+def test_time_before_handlers_reads_the_phase_lines_of_the_orchestrator_log(
+    tmp_path: Path,
+) -> None:
+    from bench.overload import time_before_handlers
+
+    def line(ts: str, code: str, left_ms: float | None, took_ms: float, **extra: str) -> bytes:
+        fields: dict[str, Any] = {
+            "ts": ts,
+            "event": "rpc",
+            "method": extra.pop("method", "/ai.classify.v1.ClassifyService/Classify"),
+            "code": code,
+            "duration_ms": took_ms,
+            **extra,
+        }
+        if left_ms is not None:
+            fields["time_left_on_arrival_ms"] = left_ms
+        return json.dumps(fields).encode() + b"\n"
+
+    earlier = line("2026-12-01T10:00:01.000Z", "RESOURCE_EXHAUSTED", 10.0, 1.0)
+    log = tmp_path / "orchestrator.log"
+    log.write_bytes(
+        earlier  # written before the phase: skipped by the offset
+        + line("2026-12-01T10:00:05.000Z", "RESOURCE_EXHAUSTED", 250.0, 1.0)
+        + line(
+            "2026-12-01T10:00:06.000Z",
+            "DEADLINE_EXCEEDED",
+            290.0,
+            200.0,
+            reason="DEADLINE_UNREACHABLE",
+        )
+        + line("2026-12-01T10:00:07.000Z", "OK", 299.0, 100.0)
+        # The caller's deadline passing is no refusal.
+        + line("2026-12-01T10:00:07.500Z", "DEADLINE_EXCEEDED", 100.0, 300.0)
+        # Not counted: another method, no deadline, after the window, a line cut short.
+        + line("2026-12-01T10:00:08.000Z", "OK", 1.0, 1.0, method="/grpc.health.v1.Health/Check")
+        + line("2026-12-01T10:00:08.000Z", "OK", None, 1.0)
+        + line("2026-12-01T10:00:30.000Z", "RESOURCE_EXHAUSTED", 0.0, 1.0)
+        + b'{"ts": "2026-12-01T10:00:09.000Z", "event": "rpc", "method": "/ai.classify.v1.Cla'
+    )
+    start = 1796119204.0  # 2026-12-01T10:00:04Z
+    found = time_before_handlers(log, len(earlier), (start, start + 10), deadline=0.3)
+
+    # Refusals: RESOURCE_EXHAUSTED and DEADLINE_UNREACHABLE, waited 50 and 10 ms.
+    assert found["refusals_before_handler_ms"]["p50"] == pytest.approx(50.0)
+    assert found["refusals_before_handler_ms"]["p99"] == pytest.approx(50.0)
+    assert found["refusals_in_handler_ms"]["p99"] == pytest.approx(200.0)
+    # All four Classify calls with a deadline in the window: waited 1, 10, 50, 200 ms.
+    assert found["all_before_handler_ms"]["p50"] == pytest.approx(50.0)
+    assert found["all_before_handler_ms"]["p99"] == pytest.approx(200.0)
+    assert found["all_in_handler_ms"]["p50"] == pytest.approx(200.0)
