@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import os
 import secrets
 import socket
@@ -38,6 +39,8 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from capability.bundle import build_bundle
 from capability.config import CapabilitySettings
 from capability.server import CapabilityServer
+from classify_common import interceptor
+from classify_common.logs import JsonFormatter
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.security import hash_key, new_key
@@ -204,6 +207,32 @@ def routes_text(targets: Sequence[str], timeout: str = "5s") -> str:
         "  - name: default\n"
         "    backend: topic-minilm\n"
     )
+
+
+class LineCollector(logging.Handler):
+    """Formats each record as the servers' JSON log line, on the logging thread, so
+    the request and trace IDs bound to the call are read where they are bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter("test"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def interceptor_log() -> Iterator[LineCollector]:
+    """The lifecycle interceptor's log lines, as the servers write them (its "rpc"
+    lines are INFO: a test that reads them enables that level on its logger)."""
+    collector = LineCollector()
+    logger = logging.getLogger(interceptor.__name__)
+    logger.addHandler(collector)
+    try:
+        yield collector
+    finally:
+        logger.removeHandler(collector)
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -18,40 +16,14 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import CLASSIFY_METHOD
 from capability.server import CapabilityServer
-from classify_common import interceptor
-from classify_common.logs import JsonFormatter
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, wait_until
+from tests.conftest import STRIKER, LineCollector, metric_sum, wait_until
 from tests.status_details import error_info, error_reason, refusal, trailers_of, unpack
 
 # Stands in for what a real bug's message can hold: a path and a secret.
 PLANTED_MESSAGE = "planted bug: /srv/secrets/db.yaml has password=hunter2"
 REQUEST_ID = "planted-bug-1"
-
-
-class LineCollector(logging.Handler):
-    """Formats each record as the servers' JSON log line, on the logging thread, so
-    the request and trace IDs bound to the call are read where they are bound."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(JsonFormatter("test"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-
-@pytest.fixture
-def interceptor_log() -> Iterator[LineCollector]:
-    collector = LineCollector()
-    logger = logging.getLogger(interceptor.__name__)
-    logger.addHandler(collector)
-    try:
-        yield collector
-    finally:
-        logger.removeHandler(collector)
 
 
 async def planted_bug(*args: object, **kwargs: object) -> Any:
