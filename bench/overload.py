@@ -50,6 +50,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,8 +164,6 @@ def time_before_handlers(
     p99 in milliseconds, for refusals (as the callers count them) and for all calls.
     A refusal the callers saw late but the handler answered at once was late
     before any of the orchestrator's code ran."""
-    from datetime import datetime
-
     since, until = window
     before: dict[str, list[float]] = {"refusals": [], "all": []}
     handler: dict[str, list[float]] = {"refusals": [], "all": []}
