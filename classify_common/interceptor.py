@@ -45,6 +45,7 @@ from classify_common.context import (
 )
 from classify_common.errors import (
     SERVER_FAULT_CODES,
+    DeadlineExpired,
     FieldViolation,
     InternalError,
     InvalidRequest,
@@ -111,6 +112,16 @@ def rebind_own_request_id(request: object, ids: RequestContext) -> RequestContex
 class _DeadlinePassed(asyncio.CancelledError):
     """The call's deadline passed before its error status could be sent: the handler
     ends as a cancelled one does, sending nothing."""
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the call's deadline has passed. Its caller's own gRPC has answered it
+    DEADLINE_EXCEEDED then: nothing sent reaches it, and sending fails in gRPC core,
+    which grpc logs as an error with a traceback (40 of them in one `make
+    bench-overload`, most for FRONT_DOOR_BUSY refusals of calls taken in with their
+    last milliseconds)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
@@ -194,6 +205,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                     await admit(headers, request)
                 response = await behavior(request, context)
                 payload = encode(response)
+                if _deadline_passed(context):
+                    raise DeadlineExpired("the answer was ready after the deadline; not sent")
             except ServiceError as error:
                 code = grpc_code_for(error)
                 try:
@@ -315,12 +328,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             span.set_attribute(ERROR_TYPE, code.name)
         span.set_attribute(CLASSIFY_ERROR_REASON, error.reason)
         request_trace.log_fields.update(reason=error.reason, error=error.message)
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            # The caller's own gRPC has answered it DEADLINE_EXCEEDED: no status reaches
-            # it now, and sending one fails in gRPC core, which logs that as an error
-            # with a traceback (40 of them in one `make bench-overload`, most for
-            # FRONT_DOOR_BUSY refusals of calls taken in with their last milliseconds).
+        if _deadline_passed(context):
             raise _DeadlinePassed
         await context.abort(
             code,

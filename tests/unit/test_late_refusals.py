@@ -1,8 +1,9 @@
-"""An error decided after the caller's deadline passed, over a real orchestrator:
-nothing is sent (the caller's own gRPC has answered it DEADLINE_EXCEEDED), the call
-counts and logs as DEADLINE_EXCEEDED with the error's reason, and gRPC logs no failed
-send. Under overload the front door refuses calls taken in with their last
-milliseconds; a send that failed there was logged as an error with a traceback."""
+"""An error or an answer ready after the caller's deadline passed, over a real
+orchestrator: nothing is sent (the caller's own gRPC has answered it
+DEADLINE_EXCEEDED), the call counts and logs as DEADLINE_EXCEEDED with a reason, and
+gRPC logs no failed send. Under overload the front door refuses calls taken in with
+their last milliseconds; a send that failed there was logged as an error with a
+traceback."""
 
 from __future__ import annotations
 
@@ -34,20 +35,31 @@ async def refuse_after_the_deadline(*args: object, **kwargs: object) -> Any:
     raise Overloaded("planted refusal", retry_after_seconds=1.0)
 
 
-async def test_an_error_decided_after_the_deadline_is_not_sent_and_counts_as_deadline_exceeded(
+async def answer_after_the_deadline(*args: object, **kwargs: object) -> Any:
+    time.sleep(0.3)  # noqa: ASYNC251 - as above
+    return pb.ClassifyResponse(request_id=REQUEST_ID, status=pb.RESULT_STATUS_DONE)
+
+
+@pytest.mark.parametrize(
+    ("planted", "reason"),
+    [(refuse_after_the_deadline, "OVERLOADED"), (answer_after_the_deadline, "DEADLINE_EXPIRED")],
+)
+async def test_what_is_ready_after_the_deadline_is_not_sent_and_counts_as_deadline_exceeded(
+    planted: Any,
+    reason: str,
     orchestrator: OrchestratorServer,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     interceptor_log: LineCollector,
 ) -> None:
-    monkeypatch.setattr(orchestrator.dispatcher, "classify", refuse_after_the_deadline)
+    monkeypatch.setattr(orchestrator.dispatcher, "classify", planted)
 
     def calls(code: str) -> float:
         return metric_sum(
             orchestrator.registry, RPC_REQUESTS_TOTAL, method=CLASSIFY_METHOD, code=code
         )
 
-    before = {code: calls(code) for code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")}
+    before = {code: calls(code) for code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "OK")}
     caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
     with caplog.at_level(logging.ERROR, logger="grpc"):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
@@ -64,6 +76,7 @@ async def test_an_error_decided_after_the_deadline_is_not_sent_and_counts_as_dea
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert calls("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == 1
     assert calls("RESOURCE_EXHAUSTED") == before["RESOURCE_EXHAUSTED"]
+    assert calls("OK") == before["OK"]
     assert [
         record.getMessage() for record in caplog.records if record.name.startswith("grpc")
     ] == []
@@ -72,4 +85,4 @@ async def test_an_error_decided_after_the_deadline_is_not_sent_and_counts_as_dea
         for entry in map(json.loads, interceptor_log.lines)
         if entry.get("request_id") == REQUEST_ID
     ]
-    assert (line["code"], line["reason"]) == ("DEADLINE_EXCEEDED", "OVERLOADED")
+    assert (line["code"], line["reason"]) == ("DEADLINE_EXCEEDED", reason)
