@@ -64,6 +64,15 @@ SERVER_OPTIONS: Sequence[tuple[str, int]] = (
     # headers; a grpc release without them ignores them.
     ("grpc.server.max_pending_requests", 10_000),
     ("grpc.server.max_pending_requests_hard_limit", 20_000),
+    # ...but the queue is taken in arrival order, and core hands the loop a waiting
+    # call even when its caller has left. After the front door's loop stalled for 3 s
+    # under overload, every call it then took had waited past its caller's deadline,
+    # as many new ones arrived as it took, and it served nothing until the crowd left
+    # (docs/benchmark.md, 2026-12-02). So core drops a call that has waited over a
+    # second (the least it takes, in whole seconds) when the loop next asks for one:
+    # a caller still there sees a bare CANCELLED, and with this much of a backlog the
+    # loop is over a second behind.
+    ("grpc.server_max_unrequested_time_in_server", 1),
 )
 METRICS_DISABLED = -1
 

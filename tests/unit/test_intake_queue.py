@@ -1,0 +1,98 @@
+"""Calls that wait in gRPC core's intake queue: the servers' options have core drop a
+call that waited there over a second, before any of our code sees it.
+
+gRPC core takes calls in on its own threads and queues each until the server's event
+loop asks for it. When the loop falls behind (blocked, starved of a core), the queue
+grows in arrival order, so every call taken from it has waited behind all the others.
+Under overload after a stall of a few seconds, every call the front door took was one
+its caller had already given up on, and it served nothing until the crowd left
+(docs/benchmark.md, 2026-12-02). Here a real orchestrator's event loop is blocked on
+purpose while calls arrive from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from orchestrator.server import OrchestratorServer
+
+BLOCK = "block the event loop"
+CALLS_DURING_THE_BLOCK = 8
+# Long enough that no call ends at its own deadline: what ends them is the server.
+CALL_TIMEOUT_SECONDS = 30.0
+
+
+def send_calls_while_blocked(port: int, outcomes: Counter[str]) -> None:
+    """One call that blocks the loop, then calls that arrive while it is blocked, then
+    one after it all (in a thread: the test's event loop is the one blocked)."""
+
+    def outcome(call: Any) -> str:
+        try:
+            call.result()
+            return "OK"
+        except grpc.RpcError as error:
+            return str(error.code().name)
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        blocking = stub.Classify.future(
+            pb.ClassifyRequest(text=BLOCK), timeout=CALL_TIMEOUT_SECONDS
+        )
+        time.sleep(0.3)  # the loop is blocked by now
+        waiting = [
+            stub.Classify.future(pb.ClassifyRequest(text=f"call {n}"), timeout=CALL_TIMEOUT_SECONDS)
+            for n in range(CALLS_DURING_THE_BLOCK)
+        ]
+        outcomes.update(outcome(call) for call in waiting)
+        outcomes[f"blocking: {outcome(blocking)}"] += 1
+        after = stub.Classify.future(pb.ClassifyRequest(text="after"), timeout=CALL_TIMEOUT_SECONDS)
+        outcomes[f"after: {outcome(after)}"] += 1
+
+
+@pytest.mark.parametrize(
+    ("block_seconds", "served_at_most", "cancelled_at_least"),
+    [
+        # The one call core may hand to the loop's standing request as it arrives is
+        # served; the rest waited over a second in the queue and core drops them.
+        (2.5, 1, CALLS_DURING_THE_BLOCK - 1),
+        # Under a second in the queue: every call is taken in and served.
+        (0.5, CALLS_DURING_THE_BLOCK, 0),
+    ],
+)
+async def test_calls_left_waiting_over_a_second_are_dropped_by_core_unseen(
+    block_seconds: float,
+    served_at_most: int,
+    cancelled_at_least: int,
+    orchestrator: OrchestratorServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+
+    async def planted(request: pb.ClassifyRequest, *args: object) -> pb.ClassifyResponse:
+        if request.text == BLOCK:
+            time.sleep(block_seconds)  # noqa: ASYNC251 - the blocked loop is the point
+        else:
+            seen.append(request.text)
+        return pb.ClassifyResponse(status=pb.RESULT_STATUS_DONE)
+
+    monkeypatch.setattr(orchestrator.dispatcher, "classify", planted)
+    outcomes: Counter[str] = Counter()
+    await asyncio.to_thread(send_calls_while_blocked, orchestrator.port, outcomes)
+
+    during = {key: count for key, count in outcomes.items() if ": " not in key}
+    assert sum(during.values()) == CALLS_DURING_THE_BLOCK, outcomes
+    assert set(during) <= {"OK", "CANCELLED"}, outcomes
+    # What core dropped never reached the handler; what reached it was answered.
+    assert len([text for text in seen if text.startswith("call ")]) == during.get("OK", 0), seen
+    assert during.get("OK", 0) <= served_at_most, outcomes
+    assert during.get("CANCELLED", 0) >= cancelled_at_least, outcomes
+    # The blocking call itself, and a call once the loop runs again, are served.
+    assert (outcomes["blocking: OK"], outcomes["after: OK"]) == (1, 1), outcomes
