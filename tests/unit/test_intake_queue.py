@@ -58,19 +58,19 @@ def send_calls_while_blocked(port: int, outcomes: Counter[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("block_seconds", "served_at_most", "cancelled_at_least"),
+    ("block_seconds", "served_at_least", "served_at_most"),
     [
         # The one call core may hand to the loop's standing request as it arrives is
         # served; the rest waited over a second in the queue and core drops them.
-        (2.5, 1, CALLS_DURING_THE_BLOCK - 1),
+        (2.5, 0, 1),
         # Under a second in the queue: every call is taken in and served.
-        (0.5, CALLS_DURING_THE_BLOCK, 0),
+        (0.5, CALLS_DURING_THE_BLOCK, CALLS_DURING_THE_BLOCK),
     ],
 )
 async def test_calls_left_waiting_over_a_second_are_dropped_by_core_unseen(
     block_seconds: float,
+    served_at_least: int,
     served_at_most: int,
-    cancelled_at_least: int,
     orchestrator: OrchestratorServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -92,7 +92,7 @@ async def test_calls_left_waiting_over_a_second_are_dropped_by_core_unseen(
     assert set(during) <= {"OK", "CANCELLED"}, outcomes
     # What core dropped never reached the handler; what reached it was answered.
     assert len([text for text in seen if text.startswith("call ")]) == during.get("OK", 0), seen
-    assert during.get("OK", 0) <= served_at_most, outcomes
-    assert during.get("CANCELLED", 0) >= cancelled_at_least, outcomes
+    # The rest ended CANCELLED: dropped by core, the caller told at once.
+    assert served_at_least <= during.get("OK", 0) <= served_at_most, outcomes
     # The blocking call itself, and a call once the loop runs again, are served.
     assert (outcomes["blocking: OK"], outcomes["after: OK"]) == (1, 1), outcomes
