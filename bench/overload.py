@@ -20,7 +20,12 @@ figures measure load shedding, not the cheap model. Phases, one after another:
    reads routes.yaml as it is (the default route falls back to topic-static),
    for what a user's own stack does under the same overload: how many calls
    are answered in time, and how many of those by the fallback. Not judged
-   against the targets, which are about load shedding.
+   against the targets, which are about load shedding;
+6. stopped: the same again, with that orchestrator (all its processes)
+   stopped (SIGSTOP) for STALL_SECONDS, STALL_AT_SECONDS into the phase, as a
+   paused container or a node's hiccup stops it: its OK answers second by
+   second, and how long after it runs again until a second has half the OK
+   answers a second of before. Informational too.
 
 Callers behave as a well-made client does: after RESOURCE_EXHAUSTED they wait
 the RetryInfo delay the status carries; after any other answer they call again
@@ -45,8 +50,12 @@ Prints a table, writes build/bench/overload.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -90,6 +99,15 @@ GOODPUT_TARGET = 0.8
 LATE_SHARE_TARGET = 0.001
 REFUSAL_P99_TARGET_MS = 10.0
 WITH_FALLBACK = f"overload {OVERLOAD_CALLERS[-1]}, with fallback"
+# The stall phase: the orchestrator with the fallback stopped for STALL_SECONDS,
+# STALL_AT_SECONDS into a phase of STALL_PHASE_SECONDS under the same crowd. Served
+# again: the first whole second with RECOVERED_SHARE of the OK answers a second of
+# before the stall (after the callers' ramp).
+STALL_AT_SECONDS = 5
+STALL_SECONDS = 3
+STALL_PHASE_SECONDS = 15
+RECOVERED_SHARE = 0.5
+STALLED = f"{WITH_FALLBACK}, stopped {STALL_SECONDS} s"
 
 
 def summarise(
@@ -152,6 +170,30 @@ def summarise(
         },
         "cores_used": {name: cpu[name] / cpu["wall"] for name in (*servers, "client", "others")},
     }
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux's /proc): an orchestrator with
+    `--processes` is a supervisor and its workers, each with its own event loop."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pids[index]}/task").iterdir():
+                pids += [int(child) for child in (task / "children").read_text().split()]
+        index += 1
+    return pids
+
+
+def recovered_after(ok_by_second: list[float | None], stall_ends: int, before: float) -> int | None:
+    """Whole seconds from the end of a stall (`stall_ends` seconds into the phase) to
+    the end of the first second with at least RECOVERED_SHARE of `before` OK answers;
+    None if no second had. `ok_by_second[i]` holds the OK answers from i to i + 1
+    seconds into the phase (None: not measured, the server was stopped)."""
+    for second in range(stall_ends, len(ok_by_second)):
+        answered = ok_by_second[second]
+        if answered is not None and answered >= RECOVERED_SHARE * before:
+            return second + 1 - stall_ends
+    return None
 
 
 def time_before_handlers(
@@ -258,6 +300,18 @@ def print_report(report: dict[str, Any]) -> None:
                 for kind in ("refusals", "all")
             )
         )
+    for phase in report["phases"]:
+        if "stall" not in phase:
+            continue
+        stall = phase["stall"]
+        by_second = ", ".join(
+            "stopped" if answered is None else f"{answered:,.0f}"
+            for answered in stall["ok_by_second"]
+        )
+        print(
+            f"\n{phase['phase']}: OK answers second by second (stopped from "
+            f"{stall['at_seconds']} s to {stall['at_seconds'] + stall['seconds']} s): {by_second}"
+        )
     targets = report["targets"]
     print("\nAgainst the issue's targets:")
     for line in targets["lines"]:
@@ -296,6 +350,19 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
             f"topic-minilm's capacity), {phase['fallback_answers'] / max(phase['ok'], 1):.0%} "
             f"of them from the fallback; {phase['late_share'] * 100:.2f}% > 50 ms late "
             "(informational: the targets are about shedding without a fallback)"
+        )
+    if STALLED in phases:
+        stall = phases[STALLED]["stall"]
+        recovered = stall["recovered_after_seconds"]
+        after = (
+            f"not within {STALL_PHASE_SECONDS - STALL_AT_SECONDS - STALL_SECONDS} s"
+            if recovered is None
+            else f"{recovered} s after"
+        )
+        lines.append(
+            f"the front door stopped {STALL_SECONDS} s under {OVERLOAD_CALLERS[-1]} callers "
+            f"(with the fallback): back to {RECOVERED_SHARE:.0%} of its "
+            f"{stall['ok_per_second_before']:,.0f} OK/s of before {after} (informational)"
         )
     served = phases["capacity"]["cpu_us_per_call"]
     refused = phases["refusal cost"]["cpu_us_per_call"]
@@ -344,7 +411,7 @@ def main() -> None:
             False,
         ),
     ]
-    progress = Progress(3 + len(phases_planned))
+    progress = Progress(4 + len(phases_planned))
     key, environment = write_credentials()
     metadata = (("authorization", f"Bearer {key}"),)
     progress.step("starting orchestrator + capability (loading the models)")
@@ -383,6 +450,82 @@ def main() -> None:
             summary.update(time_before_handlers(log_path, log_offset, window, deadline))
         phases.append(summary)
 
+    def measure_stall(servers: dict[str, ServerProcess]) -> None:
+        """The stall phase: OK answers counted by the orchestrator every second, around
+        a stop of the whole process (its metrics cannot be read while it is stopped)."""
+        from bench.harness import metric_total, scrape
+        from classify_common.metrics import RPC_DURATION_SECONDS
+
+        callers = OVERLOAD_CALLERS[-1]
+        progress.step(f"{STALLED}: {callers} callers for {STALL_PHASE_SECONDS} s")
+        orchestrator = servers["orchestrator"]
+        metrics_url = orchestrator.metrics_url
+        assert metrics_url is not None
+
+        def answered_ok() -> float:
+            return metric_total(scrape(metrics_url), f"{RPC_DURATION_SECONDS}_count", code="OK")
+
+        phase = RunningPhase(
+            orchestrator.target,
+            metadata,
+            SHORT_TEXTS,
+            callers,
+            STALL_PHASE_SECONDS,
+            DEADLINE_SECONDS,
+            ramp_seconds=RAMP_SECONDS,
+        )
+        phase.wait_for_start()
+        started = time.monotonic()
+        counts: list[float | None] = [answered_ok()]
+        with Observation(servers) as observed:
+            for second in range(1, STALL_PHASE_SECONDS + 1):
+                if second == STALL_AT_SECONDS + 1:
+                    stopped = process_tree(orchestrator.pid)
+                    for pid in stopped:
+                        os.kill(pid, signal.SIGSTOP)
+                    try:
+                        time.sleep(STALL_SECONDS)
+                    finally:
+                        for pid in stopped:
+                            os.kill(pid, signal.SIGCONT)
+                    counts += [None] * (STALL_SECONDS - 1)
+                    counts.append(answered_ok())
+                    continue
+                if STALL_AT_SECONDS + 1 < second <= STALL_AT_SECONDS + STALL_SECONDS:
+                    continue
+                time.sleep(max(started + second - time.monotonic(), 0.0))
+                counts.append(answered_ok())
+        record = phase.result()
+        ok_by_second = [
+            None if first is None or last is None else last - first
+            for first, last in itertools.pairwise(counts)
+        ]
+        measured_from = math.ceil(RAMP_SECONDS) + 1
+        start_count, stop_count = counts[measured_from], counts[STALL_AT_SECONDS]
+        assert start_count is not None
+        assert stop_count is not None
+        before = (stop_count - start_count) / (STALL_AT_SECONDS - measured_from)
+        summary = summarise(
+            STALLED,
+            callers,
+            DEADLINE_SECONDS,
+            record,
+            STALL_PHASE_SECONDS,
+            observed,
+            servers,
+            RAMP_SECONDS,
+        )
+        summary["stall"] = {
+            "at_seconds": STALL_AT_SECONDS,
+            "seconds": STALL_SECONDS,
+            "ok_by_second": ok_by_second,
+            "ok_per_second_before": before,
+            "recovered_after_seconds": recovered_after(
+                ok_by_second, STALL_AT_SECONDS + STALL_SECONDS, before
+            ),
+        }
+        phases.append(summary)
+
     with (
         orchestrator_processes(args.orchestrator_processes) as processes_flags,
         start_server(
@@ -416,6 +559,7 @@ def main() -> None:
                 args.seconds,
                 RAMP_SECONDS,
             )
+            measure_stall({"orchestrator": with_fallback, "capability": capability})
     progress.clear()
     report: dict[str, Any] = {
         "phases": phases,

@@ -349,3 +349,17 @@ def test_time_before_handlers_reads_the_phase_lines_of_the_orchestrator_log(
     assert found["all_before_handler_ms"]["p50"] == pytest.approx(50.0)
     assert found["all_before_handler_ms"]["p99"] == pytest.approx(200.0)
     assert found["all_in_handler_ms"]["p50"] == pytest.approx(200.0)
+
+
+def test_the_stall_phase_counts_from_the_end_of_the_stop_to_the_first_second_served_again() -> None:
+    from bench.overload import RECOVERED_SHARE, recovered_after
+
+    # OK answers from i to i + 1 s into the phase; stopped from 5 to 8 s.
+    by_second: list[float | None] = [0, 100, 200, 200, 200, None, None, None, 0, 40, 150, 220]
+    assert RECOVERED_SHARE == 0.5
+    # Half of 200 a second: first reached from 10 to 11 s, 3 s after the stop ended.
+    assert recovered_after(by_second, 8, 200.0) == 3
+    # A second right after the stop counts as the first.
+    assert recovered_after([*by_second[:8], 120, 0], 8, 200.0) == 1
+    # Never back to half: None.
+    assert recovered_after([*by_second[:8], 0, 99, 10], 8, 200.0) is None
