@@ -188,7 +188,10 @@ def recovered_after(ok_by_second: list[float | None], stall_ends: int, before: f
     """Whole seconds from the end of a stall (`stall_ends` seconds into the phase) to
     the end of the first second with at least RECOVERED_SHARE of `before` OK answers;
     None if no second had. `ok_by_second[i]` holds the OK answers from i to i + 1
-    seconds into the phase (None: not measured, the server was stopped)."""
+    seconds into the phase (None: not measured, the server was stopped). With no OK
+    answers before the stall there is nothing to recover to: None."""
+    if before <= 0:
+        return None
     for second in range(stall_ends, len(ok_by_second)):
         answered = ok_by_second[second]
         if answered is not None and answered >= RECOVERED_SHARE * before:

@@ -363,3 +363,5 @@ def test_the_stall_phase_counts_from_the_end_of_the_stop_to_the_first_second_ser
     assert recovered_after([*by_second[:8], 120, 0], 8, 200.0) == 1
     # Never back to half: None.
     assert recovered_after([*by_second[:8], 0, 99, 10], 8, 200.0) is None
+    # Nothing answered before the stall (the crowd's arrival swamped it): None.
+    assert recovered_after(by_second, 8, 0.0) is None
