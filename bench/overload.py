@@ -358,9 +358,11 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
         stall = phases[STALLED]["stall"]
         recovered = stall["recovered_after_seconds"]
         after = (
-            f"not within {STALL_PHASE_SECONDS - STALL_AT_SECONDS - STALL_SECONDS} s"
-            if recovered is None
-            else f"{recovered} s after"
+            f"{recovered} s after"
+            if recovered is not None
+            else "(none answered before it)"
+            if stall["ok_per_second_before"] <= 0
+            else f"not within {STALL_PHASE_SECONDS - STALL_AT_SECONDS - STALL_SECONDS} s"
         )
         lines.append(
             f"the front door stopped {STALL_SECONDS} s under {OVERLOAD_CALLERS[-1]} callers "
