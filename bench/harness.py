@@ -39,6 +39,7 @@ from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
 from capability.workers.threads import CpuLanes  # noqa: E402
+from classify_common.metrics import RPC_DURATION_SECONDS  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "build" / "bench"
 MODEL_ROOT = REPO_ROOT / "build" / "models"
@@ -630,6 +631,11 @@ def metric_total(samples: Sequence[Sample], name: str, **labels: str) -> float:
         for sample_name, sample_labels, value in samples
         if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items())
     )
+
+
+def answered_ok(metrics_url: str) -> float:
+    """Calls a server has answered OK so far, all methods, from its /metrics."""
+    return metric_total(scrape(metrics_url), f"{RPC_DURATION_SECONDS}_count", code="OK")
 
 
 # ---------------------------------------------------------------------------------------

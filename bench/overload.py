@@ -458,17 +458,13 @@ def main() -> None:
     def measure_stall(servers: dict[str, ServerProcess]) -> None:
         """The stall phase: OK answers counted by the orchestrator every second, around
         a stop of the whole process (its metrics cannot be read while it is stopped)."""
-        from bench.harness import metric_total, scrape
-        from classify_common.metrics import RPC_DURATION_SECONDS
+        from bench.harness import answered_ok
 
         callers = OVERLOAD_CALLERS[-1]
         progress.step(f"{STALLED}: {callers} callers for {STALL_PHASE_SECONDS} s")
         orchestrator = servers["orchestrator"]
         metrics_url = orchestrator.metrics_url
         assert metrics_url is not None
-
-        def answered_ok() -> float:
-            return metric_total(scrape(metrics_url), f"{RPC_DURATION_SECONDS}_count", code="OK")
 
         phase = RunningPhase(
             orchestrator.target,
@@ -481,7 +477,7 @@ def main() -> None:
         )
         phase.wait_for_start()
         started = time.monotonic()
-        counts: list[float | None] = [answered_ok()]
+        counts: list[float | None] = [answered_ok(metrics_url)]
         with Observation(servers) as observed:
             for second in range(1, STALL_PHASE_SECONDS + 1):
                 if second == STALL_AT_SECONDS + 1:
@@ -494,12 +490,12 @@ def main() -> None:
                         for pid in stopped:
                             os.kill(pid, signal.SIGCONT)
                     counts += [None] * (STALL_SECONDS - 1)
-                    counts.append(answered_ok())
+                    counts.append(answered_ok(metrics_url))
                     continue
                 if STALL_AT_SECONDS + 1 < second <= STALL_AT_SECONDS + STALL_SECONDS:
                     continue
                 time.sleep(max(started + second - time.monotonic(), 0.0))
-                counts.append(answered_ok())
+                counts.append(answered_ok(metrics_url))
         record = phase.result()
         ok_by_second = [
             None if first is None or last is None else last - first

@@ -19,16 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.harness import SHORT_TEXTS, metric_total, scrape
+from bench.front_door import shipped_routes
+from bench.harness import SHORT_TEXTS, answered_ok
 from bench.load_clients import PhaseRecord, RunningPhase, percentile, run_phase
-from classify_common.metrics import RPC_DURATION_SECONDS
 from tests.conftest import STACK_API_KEY, ServerProcess, Stack, closed_port, write_routes
 from tests.stall_hook import STALL_SECONDS_ENV, STALL_SIGNAL
 
-ROUTES_FILE = Path(__file__).parents[2] / "routes.yaml"
 CAPACITY_CALLERS = 16
 OVERLOAD_CALLERS = 256
 DEADLINE_SECONDS = 0.3
@@ -166,15 +164,6 @@ JUDGED_SECONDS = 3.0
 MIN_RECOVERED_SHARE = 0.25
 
 
-def shipped_routes(target: str) -> str:
-    """routes.yaml as it ships (topic-minilm, falling back to topic-static; retries,
-    retry budget, outlier ejection), every backend at `target`."""
-    routes = yaml.safe_load(ROUTES_FILE.read_text())
-    for backend in routes["backends"].values():
-        backend["targets"] = [target]
-    return str(yaml.safe_dump(routes, sort_keys=False))
-
-
 def test_a_front_door_that_stalls_under_overload_recovers(
     start_stack: Callable[..., Stack],
 ) -> None:
@@ -194,13 +183,10 @@ def test_a_front_door_that_stalls_under_overload_recovers(
     orchestrator = stack.orchestrator
     metrics_url = f"http://127.0.0.1:{orchestrator.ready['metrics_port']}/metrics"
 
-    def answered_ok() -> float:
-        return metric_total(scrape(metrics_url), f"{RPC_DURATION_SECONDS}_count", code="OK")
-
     def ok_per_second_over(seconds: float) -> float:
-        first = answered_ok()
+        first = answered_ok(metrics_url)
         time.sleep(seconds)
-        return (answered_ok() - first) / seconds
+        return (answered_ok(metrics_url) - first) / seconds
 
     phase = RunningPhase(
         f"127.0.0.1:{orchestrator.port}",
