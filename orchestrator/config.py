@@ -157,11 +157,13 @@ class OrchestratorSettings(ServerSettings):
         low=1,
         high=1024,
     )
-    # Requests that arrive while all calls are busy gather for the next call.
+    # Requests that arrive while a call is in flight gather for the next call; only a
+    # full one (upstream_batch_max_items) leaves beside it (orchestrator/upstream/coalescer.py).
     upstream_calls_in_flight: int = setting(
         DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
-        "calls in flight to one capability replica (per backend) before requests gather; "
-        "with --processes, for all of them (each gets its share)",
+        "calls in flight to one capability replica (per backend): the first takes what has "
+        "gathered, the others only full calls; with --processes, for all of them (each gets "
+        "its share)",
         int,
         low=1,
         high=64,

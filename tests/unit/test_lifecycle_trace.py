@@ -185,8 +185,11 @@ async def calls_never_gather(
     capability: CapabilityServer, tmp_path: Path
 ) -> AsyncIterator[OrchestratorServer]:
     """An orchestrator that sends each of a few concurrent calls upstream on its own
-    (enough calls in flight per replica), so they meet in the capability's queue."""
-    async with orchestrator_for(capability, tmp_path, upstream_calls_in_flight=8) as server:
+    (one item is a full call, and enough of them may be in flight per replica), so
+    they meet in the capability's queue."""
+    async with orchestrator_for(
+        capability, tmp_path, upstream_batch_max_items=1, upstream_calls_in_flight=8
+    ) as server:
         yield server
 
 

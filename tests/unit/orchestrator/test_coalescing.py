@@ -137,6 +137,42 @@ async def test_one_client_sends_each_call_alone(orchestrator: OrchestratorServer
     assert (calls - calls_before, items - items_before) == (len(TEXTS), len(TEXTS))
 
 
+async def test_beside_a_call_in_flight_only_a_full_call_leaves(
+    capability: CapabilityServer,
+) -> None:
+    """Two calls may be in flight, but while one is, what gathers waits for it unless
+    it fills a call: three items wait, the fourth (max_items) takes all four out."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_items=4, max_in_flight=2)
+        )
+
+        def classify(request_id: str) -> asyncio.Future[pb.ClassifyResponse]:
+            request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+            return asyncio.ensure_future(coalescer.classify(request, seconds=30, trace_metadata=()))
+
+        async def settled() -> tuple[int, int]:
+            for _ in range(5):  # a call is sent within a few loop turns, or not at all
+                await asyncio.sleep(0)
+            return coalescer.waiting, coalescer.in_flight
+
+        async with device_occupied(capability.pool.workers[0]):
+            calls = [classify("first")]
+            await wait_until(lambda: coalescer.in_flight == 1)
+            calls += [classify(f"gathered-{index}") for index in range(3)]
+            assert await settled() == (3, 1), "a partial call left beside the one in flight"
+            calls.append(classify("fourth"))
+            assert await settled() == (0, 2), "a full call waited for the one in flight"
+        answers = await asyncio.gather(*calls)
+    assert [answer.request_id for answer in answers] == [
+        "first",
+        "gathered-0",
+        "gathered-1",
+        "gathered-2",
+        "fourth",
+    ]
+
+
 async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
     capability: CapabilityServer,
 ) -> None:
