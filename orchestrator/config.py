@@ -162,8 +162,8 @@ class OrchestratorSettings(ServerSettings):
     upstream_calls_in_flight: int = setting(
         DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
         "calls in flight to one capability replica (per backend): the first takes what has "
-        "gathered, the others only full calls; with --processes, for all of them (each gets "
-        "its share)",
+        "gathered, the others only full calls (--upstream-batch-max-items); with --processes, for "
+        "all of them (each gets its share)",
         int,
         low=1,
         high=64,
