@@ -446,8 +446,7 @@ def start_stack(
     held to LIMITED_RATE. `routes`
     turns the capability server's address into the routes.yaml text (default: one
     route to topic-minilm); the flag lists go to each server after the shared ones,
-    the `_env` mappings into each server's environment. `orchestrator_command` is what
-    runs the orchestrator, `python -m` and then those words (a wrapper module, say).
+    the `_env` mappings into each server's environment.
     """
 
     def start(
@@ -459,7 +458,6 @@ def start_stack(
         orchestrator_flags: Sequence[str] = (),
         capability_env: Mapping[str, str] | None = None,
         orchestrator_env: Mapping[str, str] | None = None,
-        orchestrator_command: Sequence[str] = ("orchestrator",),
     ) -> Stack:
         secured: list[str] = []
         front_door = ["--auth", "disabled"]
@@ -490,7 +488,7 @@ def start_stack(
         routes_file = tmp_path / "routes.yaml"
         routes_file.write_text(routes(f"127.0.0.1:{capability.port}"))
         orchestrator = start_process(
-            *orchestrator_command,
+            "orchestrator",
             *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes_file)),
             *front_door,
             *secured,
