@@ -158,12 +158,12 @@ class OrchestratorSettings(ServerSettings):
         high=1024,
     )
     # Requests that arrive while a call is in flight gather for the next call; only a
-    # full one (upstream_batch_max_items) leaves beside it (orchestrator/upstream/coalescer.py).
+    # full one (a batch on the replica) leaves beside it (orchestrator/upstream/coalescer.py).
     upstream_calls_in_flight: int = setting(
         DEFAULT_UPSTREAM_CALLS_IN_FLIGHT,
         "calls in flight to one capability replica (per backend): the first takes what has "
-        "gathered, the others only full calls (--upstream-batch-max-items); with --processes, for "
-        "all of them (each gets its share)",
+        "gathered, the others only full ones (a batch on the replica, as it reports); with "
+        "--processes, for all of them (each gets its share)",
         int,
         low=1,
         high=64,

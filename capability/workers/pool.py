@@ -372,6 +372,7 @@ class WorkerPool:
             device_busy_share=sum(r.batcher.busy_share() for r in replicas) / len(replicas),
         )
         least_loaded = min(replicas, key=lambda replica: replica.load)
+        report.max_batch_size = least_loaded.settings.max_batch_size
         report.predicted_queue_wait.FromNanoseconds(
             int(least_loaded.predictor.queue_wait_seconds() * 1e9)
         )

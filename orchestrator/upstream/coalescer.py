@@ -8,16 +8,21 @@ the items that are waiting as one `ClassifyBatch` call instead of one
 
 It never waits on a timer. Items that arrive in the same turn of the event
 loop go together. While a call to the replica is in flight, the next items
-gather, and go the moment it returns; only a full call (`max_items`) leaves
-beside it, up to `max_in_flight` calls at once. At one client nothing is ever
-held back: the single item leaves in the same loop turn, as a plain `Classify`.
+gather, and go the moment it returns; only a full call leaves beside it, up
+to `max_in_flight` calls at once. Full is one batch on the replica: the
+`max_batch_size` of its last load report (or `max_items`, when it has not
+said; never more). At one client nothing is ever held back: the single item
+leaves in the same loop turn, as a plain `Classify`.
 
 Why a second call must be full: a partial call sent while one is in flight
 stops gathering early, and splits the callers in flight into three groups
 (computing, queued at the replica, gathering here) instead of two. At 32
 closed-loop callers on the 2-core machine the replica computed batches of 10.6
 texts that way, 15.9 this way, and the front door served 373-382 requests a
-second against 405-407 (docs/benchmark.md, 2026-12-02).
+second against 405-407 (docs/benchmark.md, 2026-12-02). A full batch may go
+beside the call in flight (the capability's own batcher queues one the same
+way), so the device does not wait out a round trip when the callers are
+many.
 
 Each item keeps its own deadline, trace and outcome:
 - the batch call's deadline is the latest of its items'; each item's own time
@@ -83,8 +88,8 @@ class CoalescingSettings:
     # Most items in one upstream call, 1..1024; 1 sends every call on its own.
     max_items: int = 128
     # Upstream calls in flight to one replica and model at once, 1..64. Items that
-    # arrive while a call is in flight gather for the next one; only a full call
-    # (max_items) leaves beside a call in flight.
+    # arrive while a call is in flight gather for the next one; only a full call (one
+    # batch on the replica) leaves beside a call in flight.
     max_in_flight: int = 2
 
     def __post_init__(self) -> None:
@@ -128,6 +133,7 @@ class ReplicaCoalescer:
         on_unavailable: Callable[[], None] = lambda: None,
         on_load: Callable[[bytes], None] = lambda report: None,
         predicted_wait: Callable[[], float] = lambda: 0.0,
+        replica_batch_size: Callable[[], int] = lambda: 0,
         retry_after: Callable[[], float] = lambda: 0.05,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
@@ -135,7 +141,8 @@ class ReplicaCoalescer:
         the replica answered, or one that found it UNAVAILABLE (for outlier ejection);
         `on_load(report)` gets the load report trailer of each answered call;
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
-        hint for an item refused because of it, both in seconds."""
+        hint for an item refused because of it, both in seconds; `replica_batch_size()`
+        the most texts the replica reported computing in one batch (0: not known)."""
         self._stub = stub
         self._backend = backend
         self._target = target
@@ -148,6 +155,7 @@ class ReplicaCoalescer:
         self._on_unavailable = on_unavailable
         self._on_load = on_load
         self._predicted_wait = predicted_wait
+        self._replica_batch_size = replica_batch_size
         self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
         self._in_flight = 0
@@ -202,15 +210,21 @@ class ReplicaCoalescer:
         gathered; beside calls in flight, only a full call, while a slot is free."""
         if self._in_flight == 0:
             return True
-        return self._in_flight < self._settings.max_in_flight and items >= self._settings.max_items
+        return self._in_flight < self._settings.max_in_flight and items >= self._full_call()
+
+    def _full_call(self) -> int:
+        """Items that make a call full: one batch on the replica, as it last reported
+        (at most max_items), or max_items."""
+        batch = self._replica_batch_size()
+        return min(batch, self._settings.max_items) if batch > 0 else self._settings.max_items
 
     def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
         """DeadlineUnreachable now, rather than when its turn to be sent comes, for an
         item that gathers behind busy calls and cannot make its deadline even if a
         call comes back when expected and the call it then leaves in (with the items
         gathered before it) takes as long as calls of that size have been taking."""
-        # It leaves once the calls in flight are back, or beside them once max_items
-        # have gathered: counting from the first one back errs towards sending it, as
+        # It leaves once the calls in flight are back, or beside them once a full call
+        # has gathered: counting from the first one back errs towards sending it, as
         # does counting it in the next call when more than max_items gathered first.
         sent_at = max(now, min(self._expected_back, default=now))
         items = min(len(self._waiting) + 1, self._settings.max_items)

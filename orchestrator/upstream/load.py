@@ -30,6 +30,8 @@ class ReplicaLoad:
     queue_wait: float
     service: float
     busy_share: float
+    # Most texts in one batch on the replica; 0 when it did not say.
+    max_batch_size: int
     received_at: float  # event-loop time
 
     def wait_at(self, now: float) -> float:
@@ -50,5 +52,6 @@ def read_load_report(raw: bytes, received_at: float) -> ReplicaLoad | None:
         queue_wait=report.predicted_queue_wait.ToNanoseconds() / 1e9,
         service=report.predicted_service.ToNanoseconds() / 1e9,
         busy_share=report.device_busy_share,
+        max_batch_size=report.max_batch_size,
         received_at=received_at,
     )

@@ -228,6 +228,7 @@ class BackendPool:
             on_unavailable=partial(self.outliers.record_failure, target),
             on_load=partial(self._record_load, target),
             predicted_wait=partial(self.predicted_wait, target),
+            replica_batch_size=partial(self.replica_batch_size, target),
             retry_after=self.retry_after_seconds,
         )
 
@@ -269,6 +270,12 @@ class BackendPool:
         load report (0 before any)."""
         load = self.loads.get(target)
         return 0.0 if load is None else load.wait_at(asyncio.get_running_loop().time())
+
+    def replica_batch_size(self, target: str) -> int:
+        """Most texts `target` computes in one batch, from its last load report (0
+        before any, or when it does not say)."""
+        load = self.loads.get(target)
+        return 0 if load is None else load.max_batch_size
 
     def _refuse_unreachable(self, target: str, timeout: float) -> None:
         """DeadlineUnreachable when the replica's reported wait is longer than the time

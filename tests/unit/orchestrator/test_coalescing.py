@@ -56,6 +56,7 @@ def coalescer_on(
     settings: CoalescingSettings | None = None,
     on_expired: Callable[[], None] = lambda: None,
     predicted_wait: Callable[[], float] = lambda: 0.0,
+    replica_batch_size: Callable[[], int] = lambda: 0,
 ) -> ReplicaCoalescer:
     """A coalescer in front of the real capability server, as a backend pool makes one."""
     return ReplicaCoalescer(
@@ -66,6 +67,7 @@ def coalescer_on(
         settings=settings or CoalescingSettings(),
         on_expired=on_expired,
         predicted_wait=predicted_wait,
+        replica_batch_size=replica_batch_size,
     )
 
 
@@ -137,14 +139,23 @@ async def test_one_client_sends_each_call_alone(orchestrator: OrchestratorServer
     assert (calls - calls_before, items - items_before) == (len(TEXTS), len(TEXTS))
 
 
+@pytest.mark.parametrize(
+    ("max_items", "replica_batch_size"),
+    [(4, 0), (128, 4), (4, 64)],
+    ids=["max-items-when-the-replica-has-not-said", "the-replica-batch", "at-most-max-items"],
+)
 async def test_beside_a_call_in_flight_only_a_full_call_leaves(
-    capability: CapabilityServer,
+    capability: CapabilityServer, max_items: int, replica_batch_size: int
 ) -> None:
     """Two calls may be in flight, but while one is, what gathers waits for it unless
-    it fills a call: three items wait, the fourth (max_items) takes all four out."""
+    it fills a call (here 4 items: one batch on the replica as reported, at most
+    max_items): three items wait, the fourth takes all four out."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
-            channel, capability, CoalescingSettings(max_items=4, max_in_flight=2)
+            channel,
+            capability,
+            CoalescingSettings(max_items=max_items, max_in_flight=2),
+            replica_batch_size=lambda: replica_batch_size,
         )
 
         def classify(request_id: str) -> asyncio.Future[pb.ClassifyResponse]:

@@ -75,6 +75,7 @@ async def orchestrator_with(routes: Path) -> OrchestratorServer:
 
 
 async def test_capability_answers_carry_its_load_report(
+    capability: CapabilityServer,
     capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
     call = capability_stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
@@ -88,6 +89,8 @@ async def test_capability_answers_carry_its_load_report(
     assert report.predicted_queue_wait.ToNanoseconds() == 0
     assert report.predicted_service.ToNanoseconds() > 0
     assert 0.0 <= report.device_busy_share <= 1.0
+    (replica,) = (worker.replicas["topic-minilm"] for worker in capability.pool.workers)
+    assert report.max_batch_size == replica.settings.max_batch_size > 0
 
 
 async def test_backend_reporting_a_long_queue_is_skipped_for_the_fallback_while_it_lasts(
