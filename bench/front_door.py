@@ -154,25 +154,20 @@ def write_credentials(directory: Path | None = None) -> tuple[str, dict[str, str
     }
 
 
-def shipped_routes(capability_target: str, first_routes: Sequence[Mapping[str, Any]] = ()) -> str:
-    """routes.yaml as it stands, with every backend pointed at `capability_target` (the
-    repository's file names the `make run` port), and `first_routes` put before its own."""
-    routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
-    for backend in routes["backends"].values():
-        backend["targets"] = [capability_target]
-    routes["routes"] = [*first_routes, *routes["routes"]]
-    return str(yaml.safe_dump(routes, sort_keys=False))
-
-
 def write_routes(
     capability_target: str,
     directory: Path | None = None,
     first_routes: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
-    """`shipped_routes` for the bench's capability server, written under `directory`
-    (default STACK_DIR)."""
+    """routes.yaml as it stands, with every backend pointed at the bench's capability
+    server (the repository's file names the `make run` port), and `first_routes` put
+    before its own; written under `directory` (default STACK_DIR)."""
+    routes = yaml.safe_load(ROUTES_TEMPLATE.read_text())
+    for backend in routes["backends"].values():
+        backend["targets"] = [capability_target]
+    routes["routes"] = [*first_routes, *routes["routes"]]
     path = (directory or STACK_DIR) / "routes.yaml"
-    path.write_text(shipped_routes(capability_target, first_routes))
+    path.write_text(yaml.safe_dump(routes, sort_keys=False))
     return path
 
 

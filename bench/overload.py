@@ -387,6 +387,7 @@ def main() -> None:
         SHORT_TEXTS,
         Observation,
         Progress,
+        answered_ok,
         capability_command,
         orchestrator_command,
         orchestrator_processes,
@@ -458,8 +459,6 @@ def main() -> None:
     def measure_stall(servers: dict[str, ServerProcess]) -> None:
         """The stall phase: OK answers counted by the orchestrator every second, around
         a stop of the whole process (its metrics cannot be read while it is stopped)."""
-        from bench.harness import answered_ok
-
         callers = OVERLOAD_CALLERS[-1]
         progress.step(f"{STALLED}: {callers} callers for {STALL_PHASE_SECONDS} s")
         orchestrator = servers["orchestrator"]
