@@ -29,10 +29,13 @@ Each item keeps its own deadline, trace and outcome:
   travels in its `ItemContext.timeout`, so the capability server answers an
   item whose time ran out DEADLINE_EXCEEDED without computing it; an item
   whose time ran out before the call left is answered here at once and never
-  sent; an item that would gather behind busy calls and cannot make its
-  deadline even if they come back when expected and its own call is as quick
-  as calls of that many items have been (orchestrator.upstream.call_time) is
-  refused DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
+  sent; one whose time runs out while the call is in flight is answered here
+  then, not when the call returns (which may be past its caller's deadline,
+  where the caller would get a bare DEADLINE_EXCEEDED without its IDs); an
+  item that would gather behind busy calls and cannot make its deadline even
+  if they come back when expected and its own call is as quick as calls of
+  that many items have been (orchestrator.upstream.call_time) is refused
+  DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
 - each item's `ItemContext.traceparent` is its own client span (the child of
   its `upstream_call` node, renamed after ClassifyBatch when merged), so the
   capability's spans for that item join the item's trace; the shared call gets
@@ -79,6 +82,10 @@ log = logging.getLogger(__name__)
 # after its method, as OpenTelemetry's RPC conventions name client spans.
 UPSTREAM_BATCH_SPAN_NAME = CLASSIFY_BATCH_METHOD_NAME
 TRACEPARENT = "traceparent"
+# An item of a batch call due this close to the call's own deadline is answered when
+# the call ends, without a timer of its own: items keep a margin before their
+# callers' deadlines (DEADLINE_SAFETY_MARGIN_SECONDS in pool.py) far larger than this.
+OWN_DEADLINE_SLACK_SECONDS = 0.002
 
 
 @dataclass(frozen=True)
@@ -324,7 +331,18 @@ class ReplicaCoalescer:
             context = request.item_contexts.add()
             context.timeout.CopyFrom(_duration(item.expires_at - sent_at))
             context.traceparent = dict(item.trace_metadata).get(TRACEPARENT, "")
-        timeout = max(item.expires_at for item in items) - sent_at
+        latest = max(item.expires_at for item in items)
+        timeout = latest - sent_at
+        # The call lasts until its latest item's deadline; each earlier one is answered
+        # at its own, not held to the call's end past its caller's deadline. Items due
+        # within OWN_DEADLINE_SLACK of the call's end (the items of one ClassifyBatch)
+        # end with the call.
+        loop = asyncio.get_running_loop()
+        timers = [
+            loop.call_at(item.expires_at, self._time_out, item)
+            for item in items
+            if item.expires_at < latest - OWN_DEADLINE_SLACK_SECONDS
+        ]
         span = self._start_shared_span(items)
         try:
             with trace.use_span(span, end_on_exit=False):
@@ -344,6 +362,8 @@ class ReplicaCoalescer:
             return
         finally:
             span.end()
+            for timer in timers:
+                timer.cancel()
         self._answered(len(items), sent_at)
         await self._read_load(call)
         if len(response.results) != len(items):
@@ -366,6 +386,17 @@ class ReplicaCoalescer:
                 item.future.set_exception(
                     translate_item_status(result.error, self._backend, self._target)
                 )
+
+    def _time_out(self, item: UpstreamItem) -> None:
+        """An item's time ran out while the batch call carrying it is still in flight:
+        its caller is answered now (the capability drops it unseen, or its answer is
+        ignored when the call returns)."""
+        if not item.future.done():
+            item.future.set_exception(
+                DeadlineExpired(
+                    f"backend {self._backend} did not answer in time", backend=self._backend
+                )
+            )
 
     def _answered(self, items: int, sent_at: float) -> None:
         self._call_time.record(items, asyncio.get_running_loop().time() - sent_at)

@@ -216,6 +216,36 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
     assert texts_computed(capability) - computed_before == 1
 
 
+async def test_an_item_whose_time_runs_out_in_flight_is_answered_then_not_when_its_call_returns(
+    capability: CapabilityServer,
+) -> None:
+    """Two items leave in one call, one with 0.3 s, one with 30 s, while the device is
+    held. The short one is answered DEADLINE_EXCEEDED at its own deadline, while the
+    call is still in flight; held to the call's end, it would wait for the device (and
+    in service, past its caller's deadline). The capability drops it uncomputed."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(channel, capability)
+        computed_before = texts_computed(capability)
+
+        def classify(request_id: str, seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
+            request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+            return asyncio.ensure_future(
+                coalescer.classify(request, seconds=seconds, trace_metadata=())
+            )
+
+        async with device_occupied(capability.pool.workers[0]):
+            short, patient = classify("short", 0.3), classify("patient", 30)
+            await wait_until(lambda: coalescer.in_flight == 1)
+            assert coalescer.waiting == 0, "the two items did not leave in one call"
+            with pytest.raises(DeadlineExpired) as expired:
+                await asyncio.wait_for(short, timeout=5)
+            assert not patient.done()
+        assert (await patient).request_id == "patient"
+    assert type(expired.value) is DeadlineExpired
+    assert str(expired.value) == "backend minilm did not answer in time"
+    assert texts_computed(capability) - computed_before == 1
+
+
 async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_arrives(
     capability: CapabilityServer,
 ) -> None:
