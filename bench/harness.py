@@ -532,6 +532,10 @@ def start_server(
     """
     log_path = RESULTS_DIR / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # A new file, not the old one truncated: a server left running by an interrupted
+    # run keeps writing into the file it opened, and in a truncated one its lines
+    # would land among this server's (the overload bench reads them).
+    log_path.unlink(missing_ok=True)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             list(command),

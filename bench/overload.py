@@ -201,14 +201,16 @@ def recovered_after(ok_by_second: list[float | None], stall_ends: int, before: f
 
 def time_before_handlers(
     log_path: Path, log_offset: int, window: tuple[float, float], deadline: float
-) -> dict[str, dict[str, float]]:
+) -> dict[str, Any]:
     """Where the phase's calls spent their time inside the orchestrator, from its
     per-call log lines (written from `log_offset` on, ending within `window`, wall
     clock): before the handler began (the callers' deadline minus what it left on
     arrival: the wait in gRPC's queue, and the network) and in the handler, p50 and
     p99 in milliseconds, for refusals (as the callers count them) and for all calls.
     A refusal the callers saw late but the handler answered at once was late
-    before any of the orchestrator's code ran."""
+    before any of the orchestrator's code ran. `calls_taken_in`: how many calls
+    reached the handler at all; a call whose caller left while it waited in gRPC's
+    queue never does (when that is most of them, the front door has collapsed)."""
     since, until = window
     before: dict[str, list[float]] = {"refusals": [], "all": []}
     handler: dict[str, list[float]] = {"refusals": [], "all": []}
@@ -231,7 +233,7 @@ def time_before_handlers(
             for kind in kinds:
                 before[kind].append(deadline - left)
                 handler[kind].append(line["duration_ms"] / 1000)
-    return {
+    found: dict[str, Any] = {
         f"{kind}_{where}_ms": {
             "p50": percentile(seconds, 0.5) * 1000,
             "p99": percentile(seconds, 0.99) * 1000,
@@ -239,6 +241,8 @@ def time_before_handlers(
         for kind in ("refusals", "all")
         for where, seconds in (("before_handler", before[kind]), ("in_handler", handler[kind]))
     }
+    found["calls_taken_in"] = len(before["all"])
+    return found
 
 
 def write_routes_without_fallback(capability_target: str) -> Path:
@@ -288,7 +292,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         "\nWhere the time went in the orchestrator (its per-call log lines): before the "
         "handler (the deadline minus what it left on arrival: gRPC's queue, the network) "
-        "and in the handler, p50 / p99 ms:"
+        "and in the handler, p50 / p99 ms, and how many calls reached the handler at all:"
     )
     for phase in report["phases"]:
         if "all_before_handler_ms" not in phase:
@@ -302,6 +306,8 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{phase[f'{kind}_in_handler_ms']['p99']:.1f} in"
                 for kind in ("refusals", "all")
             )
+            + f"; {phase['calls_taken_in']:,} of the callers' {phase['calls']:,} calls "
+            f"reached the handler ({phase['calls_taken_in'] / max(phase['calls'], 1):.0%})"
         )
     for phase in report["phases"]:
         if "stall" not in phase:

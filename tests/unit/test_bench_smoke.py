@@ -349,6 +349,7 @@ def test_time_before_handlers_reads_the_phase_lines_of_the_orchestrator_log(
     assert found["all_before_handler_ms"]["p50"] == pytest.approx(50.0)
     assert found["all_before_handler_ms"]["p99"] == pytest.approx(200.0)
     assert found["all_in_handler_ms"]["p50"] == pytest.approx(200.0)
+    assert found["calls_taken_in"] == 4
 
 
 def test_the_stall_phase_counts_from_the_end_of_the_stop_to_the_first_second_served_again() -> None:
