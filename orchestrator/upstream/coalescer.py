@@ -335,7 +335,7 @@ class ReplicaCoalescer:
         timeout = latest - sent_at
         # The call lasts until its latest item's deadline; each earlier one is answered
         # at its own, not held to the call's end past its caller's deadline. Items due
-        # within OWN_DEADLINE_SLACK of the call's end (the items of one ClassifyBatch)
+        # within OWN_DEADLINE_SLACK_SECONDS of its end (the items of one ClassifyBatch)
         # end with the call.
         loop = asyncio.get_running_loop()
         timers = [
