@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 import grpc
@@ -69,8 +69,20 @@ def violations_of(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
     return found
 
 
+def metadata_dict(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str | bytes]:
+    """Metadata (grpc.aio's `Metadata`, or pairs) as a dict, the first value of each key.
+
+    Not `dict(metadata)`: grpcio before 1.80 gives `aio.Metadata` a `keys()` that yields
+    (key, value) pairs, so `dict()` looks each pair up as a key and fails.
+    """
+    found: dict[str, str | bytes] = {}
+    for key, value in metadata or ():
+        found.setdefault(key, value)
+    return found
+
+
 def trailers_of(error: grpc.aio.AioRpcError) -> dict[str, str]:
-    return {key: str(value) for key, value in error.trailing_metadata() or ()}
+    return {key: str(value) for key, value in metadata_dict(error.trailing_metadata()).items()}
 
 
 def retry_delay_seconds(error: grpc.aio.AioRpcError) -> float:

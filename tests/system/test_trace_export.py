@@ -18,7 +18,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from classify_common.span_export import SPANS_DROPPED_TOTAL
 from tests.conftest import STRIKER, ServerProcess, Stack, closed_port, wait_until
-from tests.status_details import refusal
+from tests.status_details import refusal, trailers_of
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
@@ -112,7 +112,7 @@ async def failed_call_trace_id(
     orchestrator: ServerProcess, text: str = STRIKER, model: str = ""
 ) -> str:
     error = await refusal(classify(orchestrator, text, model))
-    return str(dict(error.trailing_metadata() or ())["x-trace-id"])
+    return trailers_of(error)["x-trace-id"]
 
 
 def spans_of(

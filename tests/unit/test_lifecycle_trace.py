@@ -35,7 +35,7 @@ from tests.conftest import (
     static_routes,
     wait_until,
 )
-from tests.status_details import refusal
+from tests.status_details import refusal, trailers_of
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_policy import (
     dead_primary_with_fallback,
@@ -290,7 +290,7 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
 ) -> None:
     error = await refusal(classify(orchestrator.port, text=text))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    trace_id = dict(error.trailing_metadata() or ())["x-trace-id"]
+    trace_id = trailers_of(error)["x-trace-id"]
     spans = await settled_trace(span_exporter, trace_id, 6)
     assert [s.name for s in spans if s.name in NODE_NAMES] == [
         "grpc_receive",

@@ -25,6 +25,7 @@ from classify_common import nodes
 from classify_common.nodes import NODES, peer_attributes, server_attributes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, routes_text, wait_until
+from tests.status_details import trailers_of
 
 CLASSIFY = "ai.classify.v1.ClassifyService/Classify"
 
@@ -198,7 +199,7 @@ async def call(port: int, text: str) -> str:
         try:
             response = await stub.Classify(pb.ClassifyRequest(text=text), timeout=30)
         except grpc.aio.AioRpcError as error:
-            return str(dict(error.trailing_metadata() or ())["x-trace-id"])
+            return trailers_of(error)["x-trace-id"]
         return response.trace_id
 
 

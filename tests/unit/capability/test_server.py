@@ -23,7 +23,7 @@ from capability.bundle import write_manifest
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from tests.conftest import STRIKER, StartCapability, capability_settings, metric_sum, wait_until
-from tests.status_details import error_reason, refusal, violations_of
+from tests.status_details import error_reason, refusal, trailers_of, violations_of
 
 
 async def health_status(channel: grpc.aio.Channel, service: str) -> int:
@@ -58,7 +58,7 @@ async def test_health_is_not_serving_until_warm_up_finishes(model_root: Path) ->
             error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert error_reason(error) == "MODEL_NOT_READY"
-            assert dict(error.trailing_metadata() or ())["x-request-id"]
+            assert trailers_of(error)["x-request-id"]
 
             await server.warm_up()
             for service in ("", "ai.classify.v1.ClassifyService", "ai.classify.v1.ModelService"):

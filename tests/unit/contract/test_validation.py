@@ -12,7 +12,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from tests.conftest import STRIKER, metric_sum
-from tests.status_details import refusal, trailers_of, violations_of
+from tests.status_details import metadata_dict, refusal, trailers_of, violations_of
 
 
 def texts_computed(server: CapabilityServer) -> float:
@@ -139,7 +139,7 @@ async def test_client_request_id_is_kept_and_reported_in_trailers(
 ) -> None:
     call = orchestrator_stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="client:42"))
     response = await call
-    trailers = dict(await call.trailing_metadata() or ())
+    trailers = metadata_dict(await call.trailing_metadata())
     assert response.request_id == "client:42"
     assert trailers["x-request-id"] == "client:42"
     assert trailers["x-trace-id"] == response.trace_id

@@ -31,7 +31,7 @@ from orchestrator.metrics import (
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
-from tests.status_details import error_info, retry_delay_seconds
+from tests.status_details import error_info, metadata_dict, retry_delay_seconds
 
 # What the busy pod says: 800 ms of queue ahead of a new text, then 5 ms of its own.
 LONG_QUEUE = pb.LoadReport(queue_depth=400, device_busy_share=1.0)
@@ -80,7 +80,7 @@ async def test_capability_answers_carry_its_load_report(
 ) -> None:
     call = capability_stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
     await call
-    trailers = dict(await call.trailing_metadata() or ())
+    trailers = metadata_dict(await call.trailing_metadata())
     raw = trailers[LOAD_REPORT_TRAILER]
     assert isinstance(raw, bytes)
     report = pb.LoadReport.FromString(raw)

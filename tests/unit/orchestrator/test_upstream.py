@@ -26,7 +26,7 @@ from tests.conftest import (
     metric_sum,
     routes_text,
 )
-from tests.status_details import error_info, error_reason, refusal
+from tests.status_details import error_info, error_reason, refusal, trailers_of
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
 
@@ -67,7 +67,7 @@ async def test_unreachable_capability_is_a_model_error_with_ids(
     # No internal address or upstream text reaches the client, in the message or details.
     assert error.details() == "backend topic-minilm is unavailable"
     assert "127.0.0.1" not in str(error_info(error))
-    trailers = dict(error.trailing_metadata() or ())
+    trailers = trailers_of(error)
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
     counted = server.registry.get_sample_value(
@@ -89,7 +89,7 @@ async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
     # Out of time on the way, or refused up front by the capability, which predicts
     # it cannot answer in 1 ms (kept as such, so a fallback could still answer).
     assert error_reason(error) in ("DEADLINE_EXPIRED", "DEADLINE_UNREACHABLE")
-    assert dict(error.trailing_metadata() or ())["x-request-id"]
+    assert trailers_of(error)["x-request-id"]
 
 
 async def test_get_result_answers_not_found_for_unknown_request(
