@@ -69,8 +69,7 @@ def test_the_lower_bounds_are_the_versions_the_stubs_were_generated_for() -> Non
     protobuf, grpcio = protobuf_version.group(1), grpc_version.group(1)
     major = int(protobuf.split(".")[0])
     requirements = declared()
-    # protobuf supports code generated for major version V on runtimes V and V + 1.
-    assert requirements["protobuf"] == f">={protobuf},<{major + 2}"
+    assert requirements["protobuf"] == f">={protobuf},<{major + 1}"
     assert requirements["grpcio"] == f">={grpcio}"
     # The generator an isolated build installs is the one that made these stubs.
     assert declared("build-system", "requires")["grpcio-tools"] == f"=={grpcio}"
