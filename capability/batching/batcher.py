@@ -94,6 +94,12 @@ class SubmittedBatch:
 
     requests: list[PendingRequest[TextResult]]
     computing: asyncio.Future[BatchOutcome]
+    # The longest text's tokens: with len(requests), the shape its time is predicted by.
+    padded_tokens: int
+    # Loop time it began computing, as near as the loop knows: when it was handed to a
+    # free device thread, or when the batch ahead of it was answered. None while it
+    # waits behind `running`.
+    started_at: float | None = None
 
 
 class Batcher:
@@ -201,7 +207,10 @@ class Batcher:
     async def _serve_turn(self) -> None:
         """Run batches until the queue holds no full one (or another model waits)."""
         self.running = self._submit(await self.queue.next_batch())
+        loop = asyncio.get_running_loop()
         while self.running is not None:
+            if self.running.started_at is None:
+                self.running.started_at = loop.time()
             self.following = self._submit_if_full()
             await self._finish(self.running)
             self.running, self.following = self.following, None
@@ -237,7 +246,12 @@ class Batcher:
                 self._compute, [r.encoded for r in live], [r.deadline for r in live]
             )
         )
-        return SubmittedBatch(live, computing)
+        return SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
+
+    def handed_over(self) -> tuple[SubmittedBatch | None, SubmittedBatch | None]:
+        """The batches on the device thread, `running` then `following`: nothing queued
+        now can start before they end, whatever order the queue serves it in."""
+        return self.running, self.following
 
     async def _finish(self, submitted: SubmittedBatch) -> None:
         """Answer a submitted batch: every waiter in it gets exactly one outcome, whatever

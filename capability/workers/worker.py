@@ -165,8 +165,10 @@ class ModelReplica:
         self.shards: list[tuple[torch.device, range]] = []
         self.batcher: Batcher
         # Built before the Batcher, which takes its drain estimate for retry hints; it
-        # reads the Batcher's queue when asked.
-        self.predictor = WaitPredictor(settings, lambda: self.batcher.queue)
+        # reads the Batcher's queue and device slots when asked.
+        self.predictor = WaitPredictor(
+            settings, lambda: self.batcher.queue, lambda: self.batcher.handed_over()
+        )
         self.batcher = Batcher(
             bundle,
             settings,
@@ -290,7 +292,10 @@ class ModelReplica:
         single = isinstance(admissions, Admission)
         batch = (admissions,) if isinstance(admissions, Admission) else admissions
         now = asyncio.get_running_loop().time()
-        refusals = [self.predictor.deadline_refusal(len(a.encoded), a.deadline, now) for a in batch]
+        busy = self.predictor.device_busy_seconds()
+        refusals = [
+            self.predictor.deadline_refusal(len(a.encoded), a.deadline, now, busy) for a in batch
+        ]
         accepted = [a for a, refusal in zip(batch, refusals, strict=True) if refusal is None]
         queued = iter(self.queue.admit_many(accepted))
         outcomes: list[asyncio.Future[TextResult] | ServiceError] = [
@@ -357,27 +362,22 @@ class ModelReplica:
         which is time.monotonic) has passed (`expired`), or would pass before the
         forward is predicted to end (`unreachable`): an answer after the deadline
         reaches no one, and its share of the forward is taken from texts that can
-        still be answered in time. Under overload about one text in twenty reached
-        the device that late (scratch probe, `make bench-overload`'s 256 callers).
+        still be answered in time. When the whole batch would end too late for some,
+        the forward holds the most texts it can end in time for
+        (WaitPredictor.texts_that_fit). Under overload about one text in twenty
+        reached the device that late (scratch probe, `make bench-overload`'s 256
+        callers).
         """
         now = time.monotonic()
         deadlines = deadlines or [None] * len(encoded)
         expired = tuple(d is not None and d <= now for d in deadlines)
-        live = [text for text, gone in zip(encoded, expired, strict=True) if not gone]
-        predicted = (
-            self.predictor.service_time.predict(len(live), max(len(text) for text in live))
-            if live
-            else 0.0
+        live = [i for i, gone in enumerate(expired) if not gone]
+        fits, predicted = self.predictor.texts_that_fit(
+            [len(encoded[i]) for i in live], [deadlines[i] for i in live], now
         )
-        unreachable = tuple(
-            not gone and d is not None and d < now + predicted
-            for d, gone in zip(deadlines, expired, strict=True)
-        )
-        encoded = [
-            text
-            for text, gone, late in zip(encoded, expired, unreachable, strict=True)
-            if not (gone or late)
-        ]
+        taken = {index for index, fit in zip(live, fits, strict=True) if fit}
+        unreachable = tuple(not gone and i not in taken for i, gone in enumerate(expired))
+        encoded = [text for i, text in enumerate(encoded) if i in taken]
         if not encoded:
             return BatchOutcome(
                 [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now

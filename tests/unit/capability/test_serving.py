@@ -21,7 +21,7 @@ import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.batching import PRIORITY_INTERACTIVE, Admission, TextResult
+from capability.batching import PRIORITY_INTERACTIVE, Admission, ServiceTimeModel, TextResult
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
     BATCH_FAILURES_TOTAL,
@@ -200,6 +200,39 @@ async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
     )
     await replica.wait_idle()
     assert replica.in_flight == 0
+
+
+async def test_a_batch_too_slow_for_all_its_texts_computes_the_most_that_fit(
+    start_capability: StartCapability,
+) -> None:
+    """Two texts of one call (the same deadline, about 45 s away) reach the device in one
+    batch, which the service-time fit now says takes 60 s, while one text alone takes
+    30 s: one text is computed, the other answered DEADLINE_UNREACHABLE, instead of
+    both being left out and the device computing nothing."""
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    deadline = asyncio.get_running_loop().time() + 45.0
+    async with device_occupied(worker, take_turn=False):
+        outcomes = replica.admit(
+            [Admission(encoded, PRIORITY_INTERACTIVE, f"r{i}", deadline) for i in range(2)]
+        )
+        await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 2)
+        # A fit of this slow device alone: the warm-up's fast batches, mixed in, would
+        # bend a fit of two shapes out of true.
+        replica.predictor.service_time = ServiceTimeModel()
+        for texts in (1, 2) * 20:
+            replica.predictor.service_time.record(texts, len(encoded), 30.0 * texts)
+    assert isinstance(outcomes, list)
+    results = await asyncio.gather(*outcomes, return_exceptions=True)  # type: ignore[arg-type]
+    assert sorted(type(result).__name__ for result in results) == [
+        "DeadlineUnreachable",
+        "TextResult",
+    ]
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 1
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="device")
+        == 1
+    )
 
 
 async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(

@@ -1,5 +1,7 @@
-"""Wait predictions: the queue ahead drains in full batches, then the text's own batch;
-a deadline shorter than that batch is refused before the text is queued."""
+"""Wait predictions: the device finishes the batches handed to it, the queue ahead
+drains in full batches, then the text's own batch runs; a deadline shorter than the
+handed-over work and that batch is refused before the text is queued; a batch too
+slow for some of its texts' deadlines computes the most texts that fit."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import pytest
 
 from capability.batching import BatchingSettings, RequestQueue, WaitPredictor
+from capability.batching.batcher import SubmittedBatch
 from capability.model import EncodedText
 
 
@@ -50,3 +53,60 @@ async def test_a_deadline_shorter_than_the_own_batch_is_refused() -> None:
     passed = predictor.deadline_refusal(10, now - 0.001, now)
     assert passed is not None
     assert "passed before the text reached the queue" in passed.message
+
+
+def handed_over_batch(texts: int, started_at: float | None) -> SubmittedBatch:
+    """A batch of `texts` short texts on the device thread (computing since `started_at`,
+    or waiting behind another when None); only its shape and start are read."""
+    return SubmittedBatch(
+        requests=[None] * texts,  # type: ignore[list-item]
+        computing=asyncio.get_running_loop().create_future(),
+        padded_tokens=16,
+        started_at=started_at,
+    )
+
+
+async def test_the_batches_on_the_device_count_before_any_queued_text() -> None:
+    """The queue is empty, but the device computes one batch of four (started 4 ms ago)
+    and has another full one behind it: a new text waits for both, and its deadline
+    must leave room for them as well as for its own batch."""
+    settings = BatchingSettings(max_batch_size=4)
+    queue: RequestQueue[object] = RequestQueue(settings, retry_after=lambda depth: 0.01)
+    now = asyncio.get_running_loop().time()
+    slots = (handed_over_batch(4, now - 0.004), handed_over_batch(4, None))
+    predictor = WaitPredictor(settings, lambda: queue, lambda: slots)
+    for size in (1, 2, 4, 8):
+        predictor.service_time.record(size, 16, 0.010 + 0.001 * size)
+    # 14 ms a batch of four: 10 left of the running one, then 14.
+    assert predictor.device_busy_seconds() == pytest.approx(0.024, abs=0.002)
+    assert predictor.queue_wait_seconds() == pytest.approx(0.024, abs=0.002)
+    own = predictor.service_seconds(10)
+    assert predictor.deadline_refusal(10, now + 0.024 + own + 0.005, now) is None
+    refusal = predictor.deadline_refusal(10, now + 0.020, now)
+    assert refusal is not None
+    assert "but the device is busy for about" in refusal.message
+    # Without a device thread's worth of work, the same deadline is met.
+    idle = WaitPredictor(settings, lambda: queue)
+    idle.service_time.record(1, 16, 0.011)
+    assert idle.deadline_refusal(10, now + 0.020, now) is None
+
+
+async def test_a_batch_too_slow_for_some_deadlines_takes_the_most_texts_that_fit() -> None:
+    settings = BatchingSettings()
+    queue: RequestQueue[object] = RequestQueue(settings, retry_after=lambda depth: 0.01)
+    predictor = WaitPredictor(settings, lambda: queue)
+    # 10 ms a text: four texts take 40 ms.
+    for size in (1, 2, 4, 8) * 20:
+        predictor.service_time.record(size, 16, 0.010 * size)
+    now = 100.0
+    tokens = [16, 16, 16, 16]
+    fits, whole = predictor.texts_that_fit(tokens, [None, now + 0.1, now + 0.035, now + 0.015], now)
+    assert whole == pytest.approx(0.040, abs=0.001)
+    # Latest first: no deadline, 100 ms, 35 ms (three texts: 30 ms, in time), then 15 ms
+    # (four: 40 ms, too late for it).
+    assert fits == (True, True, True, False)
+    # Texts of one call share a deadline: three of four fit in 35 ms, not none.
+    assert sum(predictor.texts_that_fit(tokens, [now + 0.035] * 4, now)[0]) == 3
+    # When the whole batch ends in time, all go.
+    assert predictor.texts_that_fit(tokens, [now + 0.05] * 4, now)[0] == (True,) * 4
+    assert predictor.texts_that_fit([], [], now) == ((), 0.0)
