@@ -69,6 +69,10 @@ class CallReceipt:
         loop_now = asyncio.get_running_loop().time()
         return cls(end_ns - round(seconds * 1e9), end_ns, loop_now - seconds)
 
+    def seconds_since(self) -> float:
+        """Seconds from the call's arrival to now: what the load report says it took."""
+        return asyncio.get_running_loop().time() - self.loop_time
+
 
 def start_item_trace(
     call_trace: RequestTrace | None,

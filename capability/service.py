@@ -51,6 +51,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
         ids = current_request()
         assert ids is not None, "the lifecycle interceptor binds every contract call"
+        receipt = CallReceipt.of(current_trace())
         remaining = context.time_remaining()
         model = request.model or self._default_model
         result = await self._pool.classify(
@@ -62,7 +63,8 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
             cache=_cache_policy(request),
         )
-        context.set_trailing_metadata(((LOAD_REPORT_TRAILER, self._pool.load_report(model)),))
+        load = self._pool.load_report(model, receipt.seconds_since())
+        context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
         return classify_response(request, result, ids.request_id, ids.trace_id)
 
     async def ClassifyBatch(
@@ -88,7 +90,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             raise
         # One report, for the first item's model: the orchestrator's coalesced calls
         # carry one model each.
-        load = self._pool.load_report(texts[0].model)
+        load = self._pool.load_report(texts[0].model, receipt.seconds_since())
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
         return pb.ClassifyBatchResponse(
             results=[

@@ -361,9 +361,10 @@ class WorkerPool:
             raise ModelNotReady(f"model {model!r} is not loaded yet", model=model)
         return min(replicas, key=lambda replica: replica.load)
 
-    def load_report(self, model: str) -> bytes:
+    def load_report(self, model: str, handled: float = 0.0) -> bytes:
         """How busy this server is for `model` (the serialized LoadReport the capability
-        sends with each answer); empty when the model is not served here."""
+        sends with each answer), with the `handled` seconds the call carrying it took
+        here; empty when the model is not served here."""
         replicas = [w.replicas[model] for w in self.workers if model in w.replicas]
         if not replicas:
             return b""
@@ -379,6 +380,7 @@ class WorkerPool:
         report.predicted_service.FromNanoseconds(
             int(least_loaded.predictor.service_seconds(LOAD_REPORT_TOKENS) * 1e9)
         )
+        report.handled.FromNanoseconds(int(handled * 1e9))
         return report.SerializeToString()
 
     async def classify(

@@ -1,4 +1,5 @@
-"""How long an upstream call of n items takes, learned from the calls a coalescer sends.
+"""How long an upstream call of n items takes, and how long its answer spends between
+the two servers, learned from the calls a coalescer sends.
 
 A replica's load report predicts the wait of one short text. A coalesced call
 carries tens of items, and under load its answer takes the time of all of
@@ -9,6 +10,16 @@ the items it carried and how long the answer took. Call time is modelled as
 replica's other work included), fitted by least squares with exponential
 forgetting, so that it follows the replica's load from second to second.
 
+The trip (TripTime) is the part of a call's round trip that the replica did
+not spend on it: the request's way there, the answer's way back, and the
+event loops' delays at both ends. The replica's load report says how long it
+spent; the rest is the trip. The coalescer gives the replica each item's time
+less the trip, so that the replica does not compute an item whose answer could
+only arrive after the item's own time ran out here. Without it, at 256
+callers on the 2-core machine, about one computed text in ten reached the
+orchestrator 0-50 ms after its item had been answered DEADLINE_EXPIRED
+(docs/benchmark.md, 2026-12-02).
+
 All methods run on the event loop thread.
 """
 
@@ -16,6 +27,12 @@ from __future__ import annotations
 
 # Weight kept by past calls at each new one: about the last 20 calls count.
 FORGETTING = 0.95
+# The trip's smoothing, as TCP smooths round trips (RFC 6298): the weight of a new
+# sample in the mean and in the mean deviation, and how many deviations above the
+# mean the allowance sits.
+TRIP_GAIN = 1 / 8
+TRIP_DEVIATION_GAIN = 1 / 4
+TRIP_DEVIATIONS = 2
 # Below this variance of the item counts (weighted), the calls do not tell the fixed
 # cost from the per-item cost apart.
 MIN_COUNT_VARIANCE = 0.25
@@ -55,3 +72,29 @@ class CallTimeModel:
     def predict(self, items: int) -> float:
         """Seconds a call of `items` items is expected to take (0 before any answer)."""
         return self._fixed + self._per_item * items
+
+
+class TripTime:
+    """Seconds an upstream call spends outside the replica, from past calls."""
+
+    def __init__(self) -> None:
+        self._mean: float | None = None
+        self._deviation = 0.0
+
+    def record(self, round_trip: float, handled: float, longest: float) -> None:
+        """A call answered after `round_trip` seconds, `handled` of them in the replica;
+        no sample counts for more than `longest` (the call's own timeout): a stall of
+        either process must not hold every later item's time down for long."""
+        trip = min(max(round_trip - handled, 0.0), longest)
+        if self._mean is None:
+            self._mean, self._deviation = trip, trip / 2
+            return
+        self._deviation += TRIP_DEVIATION_GAIN * (abs(trip - self._mean) - self._deviation)
+        self._mean += TRIP_GAIN * (trip - self._mean)
+
+    def allowance(self) -> float:
+        """Seconds to keep back from an item's time for its answer's way back (0 before
+        any call reported how long it was handled)."""
+        if self._mean is None:
+            return 0.0
+        return self._mean + TRIP_DEVIATIONS * self._deviation

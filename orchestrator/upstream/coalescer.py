@@ -26,8 +26,11 @@ many: at 128 callers its batches held 31.2 texts, against 24.7-29.
 
 Each item keeps its own deadline, trace and outcome:
 - the batch call's deadline is the latest of its items'; each item's own time
-  travels in its `ItemContext.timeout`, so the capability server answers an
-  item whose time ran out DEADLINE_EXCEEDED without computing it; an item
+  travels in its `ItemContext.timeout`, less the time answers have been taking
+  to come back (orchestrator.upstream.call_time.TripTime), so the capability
+  server answers an item whose time ran out DEADLINE_EXCEEDED without
+  computing it, and does not compute one whose answer would arrive here after
+  its time ran out; an item
   whose time ran out before the call left is answered here at once and never
   sent; one whose time runs out while the call is in flight is answered here
   then, not when the call returns (which may be past its caller's deadline,
@@ -73,8 +76,9 @@ from classify_common.nodes import (
     server_attributes,
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
-from orchestrator.upstream.call_time import CallTimeModel
+from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
+from orchestrator.upstream.load import ReplicaLoad
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ class ReplicaCoalescer:
         on_expired: Callable[[], None] = lambda: None,
         on_answered: Callable[[], None] = lambda: None,
         on_unavailable: Callable[[], None] = lambda: None,
-        on_load: Callable[[bytes], None] = lambda report: None,
+        on_load: Callable[[bytes], ReplicaLoad | None] = lambda report: None,
         predicted_wait: Callable[[], float] = lambda: 0.0,
         replica_batch_size: Callable[[], int] = lambda: 0,
         retry_after: Callable[[], float] = lambda: 0.05,
@@ -146,7 +150,8 @@ class ReplicaCoalescer:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
         out before it could be sent; `on_answered()` and `on_unavailable()` report a call
         the replica answered, or one that found it UNAVAILABLE (for outlier ejection);
-        `on_load(report)` gets the load report trailer of each answered call;
+        `on_load(report)` gets the load report trailer of each answered call, and gives
+        back what it read (None: nothing);
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
         hint for an item refused because of it, both in seconds; `replica_batch_size()`
         the most texts the replica reported computing in one batch (0: not known)."""
@@ -171,6 +176,8 @@ class ReplicaCoalescer:
         # reported then if that is longer.
         self._expected_back: list[float] = []
         self._call_time = CallTimeModel()
+        # How long answers take to come back from the replica, outside its handler.
+        self.trip = TripTime()
         self._send_scheduled = False
         self._calls: set[asyncio.Task[None]] = set()
 
@@ -320,16 +327,18 @@ class ReplicaCoalescer:
         except grpc.aio.AioRpcError as exc:
             self._fail_all([item], exc)
             return
-        self._answered(1, sent_at)
-        await self._read_load(call)
+        round_trip = self._answered(1, sent_at)
+        await self._read_load(call, round_trip, remaining)
         if not item.future.done():
             item.future.set_result(response)
 
     async def _call_many(self, items: list[UpstreamItem], sent_at: float) -> None:
         request = pb.ClassifyBatchRequest(items=[item.request for item in items])
+        # The replica decides by the time it has: an item's answer must also come back.
+        trip = self.trip.allowance()
         for item in items:
             context = request.item_contexts.add()
-            context.timeout.CopyFrom(_duration(item.expires_at - sent_at))
+            context.timeout.CopyFrom(_duration(item.expires_at - sent_at - trip))
             context.traceparent = dict(item.trace_metadata).get(TRACEPARENT, "")
         latest = max(item.expires_at for item in items)
         timeout = latest - sent_at
@@ -364,8 +373,8 @@ class ReplicaCoalescer:
             span.end()
             for timer in timers:
                 timer.cancel()
-        self._answered(len(items), sent_at)
-        await self._read_load(call)
+        round_trip = self._answered(len(items), sent_at)
+        await self._read_load(call, round_trip, timeout)
         if len(response.results) != len(items):
             log.error(
                 "capability answered a batch with the wrong number of results",
@@ -398,15 +407,23 @@ class ReplicaCoalescer:
                 )
             )
 
-    def _answered(self, items: int, sent_at: float) -> None:
-        self._call_time.record(items, asyncio.get_running_loop().time() - sent_at)
+    def _answered(self, items: int, sent_at: float) -> float:
+        """Record a call answered; its round trip in seconds."""
+        round_trip = asyncio.get_running_loop().time() - sent_at
+        self._call_time.record(items, round_trip)
         self._on_answered()
+        return round_trip
 
-    async def _read_load(self, call: grpc.aio.UnaryUnaryCall[Any, Any]) -> None:
-        """Hand on the call's load report trailer, if the replica sent one."""
+    async def _read_load(
+        self, call: grpc.aio.UnaryUnaryCall[Any, Any], round_trip: float, longest: float
+    ) -> None:
+        """Hand on the call's load report trailer, if the replica sent one, and learn the
+        call's trip from the time it says it spent on the call."""
         for key, value in await call.trailing_metadata() or ():
             if key == LOAD_REPORT_TRAILER and isinstance(value, bytes):
-                self._on_load(value)
+                load = self._on_load(value)
+                if load is not None and load.handled > 0:
+                    self.trip.record(round_trip, load.handled, longest)
                 return
 
     def _start_shared_span(self, items: list[UpstreamItem]) -> trace.Span:

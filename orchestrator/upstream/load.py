@@ -33,6 +33,9 @@ class ReplicaLoad:
     # Most texts in one batch on the replica; 0 when it did not say.
     max_batch_size: int
     received_at: float  # event-loop time
+    # Seconds the replica spent on the call that carried the report; 0 when it did
+    # not say.
+    handled: float = 0.0
 
     def wait_at(self, now: float) -> float:
         """Predicted seconds from sending a short text now to its answer."""
@@ -54,4 +57,5 @@ def read_load_report(raw: bytes, received_at: float) -> ReplicaLoad | None:
         busy_share=report.device_busy_share,
         max_batch_size=report.max_batch_size,
         received_at=received_at,
+        handled=report.handled.ToNanoseconds() / 1e9,
     )

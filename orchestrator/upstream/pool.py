@@ -260,10 +260,11 @@ class BackendPool:
             fallback = fallback or target
         return fallback or next(self._turns)
 
-    def _record_load(self, target: str, raw: bytes) -> None:
+    def _record_load(self, target: str, raw: bytes) -> ReplicaLoad | None:
         load = read_load_report(raw, asyncio.get_running_loop().time())
         if load is not None:
             self.loads[target] = load
+        return load
 
     def predicted_wait(self, target: str) -> float:
         """Seconds a short text sent to `target` now is predicted to take, from its last

@@ -23,12 +23,13 @@ from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import UPSTREAM_CALL_ITEMS
 from orchestrator.server import OrchestratorServer
-from orchestrator.upstream.call_time import CallTimeModel
+from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.coalescer import (
     UPSTREAM_BATCH_SPAN_NAME,
     CoalescingSettings,
     ReplicaCoalescer,
 )
+from orchestrator.upstream.load import read_load_report
 from tests.conftest import STRIKER, metric_sum, orchestrator_for, wait_until
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
@@ -66,6 +67,8 @@ def coalescer_on(
         credentials=(),
         settings=settings or CoalescingSettings(),
         on_expired=on_expired,
+        # Read as a backend pool reads it; the coalescer learns its calls' trips from it.
+        on_load=lambda raw: read_load_report(raw, asyncio.get_running_loop().time()),
         predicted_wait=predicted_wait,
         replica_batch_size=replica_batch_size,
     )
@@ -330,6 +333,60 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
         assert (await patient).request_id == "c"
     assert "for a call of 1 items" in str(refused.value)
     assert expired == [1]
+
+
+async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
+    capability: CapabilityServer,
+) -> None:
+    """A coalescer that has learned that answers spend 10 s between the two servers (a
+    stalled network, say) gives the replica no time for two items of 5 s: the replica
+    answers both DEADLINE_EXCEEDED at once, uncomputed, rather than compute answers that
+    could only arrive after their items ran out here. With nothing learned, the same
+    two items are computed."""
+
+    def classify(
+        coalescer: ReplicaCoalescer, request_id: str
+    ) -> asyncio.Future[pb.ClassifyResponse]:
+        request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+        return asyncio.ensure_future(coalescer.classify(request, seconds=5.0, trace_metadata=()))
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        computed_before = texts_computed(capability)
+        stalled = coalescer_on(channel, capability)
+        stalled.trip.record(round_trip=10.5, handled=0.5, longest=30.0)
+        outcomes = await asyncio.gather(
+            classify(stalled, "a"), classify(stalled, "b"), return_exceptions=True
+        )
+        assert [type(outcome).__name__ for outcome in outcomes] == ["DeadlineUnreachable"] * 2
+        assert texts_computed(capability) == computed_before
+        fresh = coalescer_on(channel, capability)
+        answers = await asyncio.gather(classify(fresh, "c"), classify(fresh, "d"))
+        assert [answer.request_id for answer in answers] == ["c", "d"]
+        assert texts_computed(capability) == computed_before + 2
+        # A real call taught it a trip: short on loopback, far under the items' time.
+        assert 0 < fresh.trip.allowance() < 1.0
+
+
+def test_the_way_back_is_the_round_trip_less_the_time_in_the_replica() -> None:
+    trip = TripTime()
+    assert trip.allowance() == 0.0  # nothing answered yet
+    for _ in range(50):
+        trip.record(round_trip=0.120, handled=0.100, longest=0.3)
+    # Steady 20 ms trips: the allowance settles on them, the deviation gone.
+    assert trip.allowance() == pytest.approx(0.020, abs=0.001)
+    for _ in range(50):
+        trip.record(round_trip=0.120, handled=0.100, longest=0.3)
+        trip.record(round_trip=0.140, handled=0.100, longest=0.3)
+    # Trips of 20 and 40 ms: about their mean plus twice their spread.
+    assert 0.045 < trip.allowance() < 0.060
+    # A stall of the whole process counts for no more than the call's own time.
+    stalled = TripTime()
+    stalled.record(round_trip=3.0, handled=0.01, longest=0.3)
+    assert stalled.allowance() == pytest.approx(0.3 + 2 * 0.15)
+    # An answer the replica says took longer than the round trip: no negative trip.
+    odd = TripTime()
+    odd.record(round_trip=0.1, handled=0.2, longest=0.3)
+    assert odd.allowance() == 0.0
 
 
 def test_call_time_is_fitted_as_a_fixed_cost_plus_a_cost_per_item() -> None:

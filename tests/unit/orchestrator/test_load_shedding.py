@@ -89,6 +89,8 @@ async def test_capability_answers_carry_its_load_report(
     assert report.predicted_queue_wait.ToNanoseconds() == 0
     assert report.predicted_service.ToNanoseconds() > 0
     assert 0.0 <= report.device_busy_share <= 1.0
+    # What the call took in the server, which the orchestrator takes from its round trip.
+    assert 0 < report.handled.ToNanoseconds() < 10 * 10**9
     (replica,) = (worker.replicas["topic-minilm"] for worker in capability.pool.workers)
     assert report.max_batch_size == replica.settings.max_batch_size > 0
 
