@@ -30,11 +30,11 @@ Each item keeps its own deadline, trace and outcome:
   to come back (orchestrator.upstream.call_time.TripTime), so the capability
   server answers an item whose time ran out DEADLINE_EXCEEDED without
   computing it, and does not compute one whose answer would arrive here after
-  its time ran out; an item
-  whose time ran out before the call left is answered here at once and never
-  sent; one whose time runs out while the call is in flight is answered here
-  then, not when the call returns (which may be past its caller's deadline,
-  where the caller would get a bare DEADLINE_EXCEEDED without its IDs); an
+  its time ran out; an item whose time ran out before the call left is
+  answered here at once and never sent; one whose time runs out while the
+  call is in flight is answered here then, not when the call returns (which
+  may be past its caller's deadline, where the caller would get a bare
+  DEADLINE_EXCEEDED without its IDs); an
   item that would gather behind busy calls and cannot make its deadline even
   if they come back when expected and its own call is as quick as calls of
   that many items have been (orchestrator.upstream.call_time) is refused
