@@ -4,10 +4,21 @@ Batch latency is modelled as `a + b·B + c·B·T` (B texts padded to T tokens):
 a fixed launch cost, a per-text cost, and a per-token cost. The fit is
 least squares over past batches with exponential forgetting, so it follows a
 device that warms up, throttles or shares its cores.
+
+Costs cannot be negative, and the fit keeps them so by least squares over the
+terms that stay non-negative (every subset of the three is tried when the
+free fit has a negative one). Setting a negative term to zero instead, as this
+did before, bends the others out of true: short headlines pad to about the
+same length, the per-text and per-token terms then trade off, and the free fit
+of a served topic-minilm had a per-text cost of -1 ms; zeroed, it predicted a
+batch of 31 texts 17% slower than the same data said (scratch log of the fit
+under `make bench-overload`'s 256 callers, 2026-12-02), which made admission
+and the batch's deadline check refuse texts that would have made it.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -22,12 +33,47 @@ def _features(batch_size: int, padded_tokens: int) -> np.ndarray:
     return np.array([1.0, float(batch_size), float(batch_size * padded_tokens)])
 
 
+# Every non-empty subset of the three terms, for the non-negative fit.
+_TERM_SUBSETS = [
+    list(subset) for size in (1, 2, 3) for subset in itertools.combinations(range(3), size)
+]
+
+
+def non_negative_fit(gram: np.ndarray, moment: np.ndarray, squares: float) -> np.ndarray:
+    """Least-squares coefficients, none negative, from the (weighted) normal equations
+    `gram`, `moment` and the sum of squared observations `squares`.
+
+    The free solution when it has no negative term; else the best of the fits over
+    each subset of the terms (the others held at zero) whose coefficients are all
+    non-negative: with three terms that is seven small solves, and it is the exact
+    non-negative least-squares solution.
+    """
+    ridge = RIDGE * np.eye(len(moment))
+    solution = np.linalg.solve(gram + ridge, moment)
+    if (solution >= 0).all():
+        return solution
+    best, best_residual = np.zeros(len(moment)), squares
+    for subset in _TERM_SUBSETS:
+        index = np.ix_(subset, subset)
+        part = np.linalg.solve(gram[index] + ridge[index], moment[subset])
+        if (part < 0).any():
+            continue
+        candidate = np.zeros(len(moment))
+        candidate[subset] = part
+        # Weighted sum of squared residuals: y·y - 2·β·(Xᵀy) + β·(XᵀX)·β.
+        residual = squares - 2 * candidate @ moment + candidate @ gram @ candidate
+        if residual < best_residual:
+            best, best_residual = candidate, residual
+    return best
+
+
 class ServiceTimeModel:
     """Thread-safe: the device thread records, the event loop predicts."""
 
     def __init__(self) -> None:
         self._gram = np.zeros((3, 3))
         self._moment = np.zeros(3)
+        self._squares = 0.0
         self._coefficients = np.zeros(3)
         self._observations = 0
         self._lock = threading.Lock()
@@ -41,10 +87,9 @@ class ServiceTimeModel:
         with self._lock:
             self._gram = FORGETTING * self._gram + np.outer(x, x)
             self._moment = FORGETTING * self._moment + x * seconds
+            self._squares = FORGETTING * self._squares + seconds * seconds
             self._observations += 1
-            solution = np.linalg.solve(self._gram + RIDGE * np.eye(3), self._moment)
-            # Costs cannot be negative; a negative term is noise in a short history.
-            self._coefficients = np.maximum(solution, 0.0)
+            self._coefficients = non_negative_fit(self._gram, self._moment, self._squares)
 
     def predict(self, batch_size: int, padded_tokens: int) -> float:
         """Seconds a batch of this shape is expected to take (0 before any observation)."""
