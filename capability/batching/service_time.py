@@ -33,10 +33,25 @@ def _features(batch_size: int, padded_tokens: int) -> np.ndarray:
     return np.array([1.0, float(batch_size), float(batch_size * padded_tokens)])
 
 
-# Every non-empty subset of the three terms, for the non-negative fit.
-_TERM_SUBSETS = [
-    list(subset) for size in (1, 2, 3) for subset in itertools.combinations(range(3), size)
-]
+# Every proper non-empty subset of the three terms, for the non-negative fit.
+_TERM_SUBSETS = [subset for size in (1, 2) for subset in itertools.combinations(range(3), size)]
+
+
+def _solve_subset(
+    gram: list[list[float]], moment: list[float], subset: tuple[int, ...]
+) -> list[float]:
+    """The least-squares coefficients of the terms in `subset` (one or two), the others
+    held at zero, in plain floats: numpy's call overhead is most of a 2x2 solve."""
+    if len(subset) == 1:
+        (i,) = subset
+        return [moment[i] / (gram[i][i] + RIDGE)]
+    i, j = subset
+    a, b, d = gram[i][i] + RIDGE, gram[i][j], gram[j][j] + RIDGE
+    determinant = a * d - b * b
+    return [
+        (d * moment[i] - b * moment[j]) / determinant,
+        (a * moment[j] - b * moment[i]) / determinant,
+    ]
 
 
 def non_negative_fit(gram: np.ndarray, moment: np.ndarray, squares: float) -> np.ndarray:
@@ -44,27 +59,30 @@ def non_negative_fit(gram: np.ndarray, moment: np.ndarray, squares: float) -> np
     `gram`, `moment` and the sum of squared observations `squares`.
 
     The free solution when it has no negative term; else the best of the fits over
-    each subset of the terms (the others held at zero) whose coefficients are all
-    non-negative: with three terms that is seven small solves, and it is the exact
+    each smaller subset of the terms (the others held at zero) whose coefficients are
+    all non-negative: with three terms that is six small solves, and it is the exact
     non-negative least-squares solution.
     """
-    ridge = RIDGE * np.eye(len(moment))
-    solution = np.linalg.solve(gram + ridge, moment)
+    solution = np.linalg.solve(gram + RIDGE * np.eye(3), moment)
     if (solution >= 0).all():
         return solution
-    best, best_residual = np.zeros(len(moment)), squares
+    rows, sums = gram.tolist(), moment.tolist()
+    best, best_residual = [0.0, 0.0, 0.0], squares
     for subset in _TERM_SUBSETS:
-        index = np.ix_(subset, subset)
-        part = np.linalg.solve(gram[index] + ridge[index], moment[subset])
-        if (part < 0).any():
+        part = _solve_subset(rows, sums, subset)
+        if min(part) < 0:
             continue
-        candidate = np.zeros(len(moment))
-        candidate[subset] = part
+        candidate = [0.0, 0.0, 0.0]
+        for index, value in zip(subset, part, strict=True):
+            candidate[index] = value
         # Weighted sum of squared residuals: y·y - 2·β·(Xᵀy) + β·(XᵀX)·β.
-        residual = squares - 2 * candidate @ moment + candidate @ gram @ candidate
+        residual = squares - 2 * sum(c * m for c, m in zip(candidate, sums, strict=True))
+        residual += sum(
+            candidate[i] * rows[i][j] * candidate[j] for i in range(3) for j in range(3)
+        )
         if residual < best_residual:
             best, best_residual = candidate, residual
-    return best
+    return np.array(best)
 
 
 class ServiceTimeModel:
