@@ -12,8 +12,8 @@ did before, bends the others out of true: short headlines pad to about the
 same length, the per-text and per-token terms then trade off, and the free fit
 of a served topic-minilm had a per-text cost of -1 ms; zeroed, it predicted a
 batch of 31 texts 17% slower than the same data said (scratch log of the fit
-under `make bench-overload`'s 256 callers, 2026-12-02), which made admission
-and the batch's deadline check refuse texts that would have made it.
+under `make bench-overload`'s 256 callers, 2026-12-02), so that admission
+and the batch's deadline check, which read this fit, refused texts early.
 """
 
 from __future__ import annotations
