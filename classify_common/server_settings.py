@@ -17,6 +17,7 @@ from classify_common.tls import ServerTls, server_tls
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_CORE_WAIT_LIMIT_SECONDS = 1
 
 
 def port_setting(default: int) -> Any:
@@ -78,6 +79,19 @@ class ServerSettings(Settings):
         DEFAULT_GRACE_SECONDS, "drain time on SIGTERM", float, low=0, high=300, unit="s"
     )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "log level")
+    # Calls that arrive faster than the event loop takes them in wait in gRPC core,
+    # in arrival order; one that has waited longer than this when the loop asks for
+    # it is dropped (its caller sees CANCELLED), so that a loop that fell behind
+    # serves calls whose callers are still there (classify_common.serving). Whole
+    # seconds: core takes no less.
+    core_wait_limit_seconds: int = setting(
+        DEFAULT_CORE_WAIT_LIMIT_SECONDS,
+        "longest a call waits in gRPC core for the event loop before it is dropped",
+        int,
+        low=1,
+        high=3600,
+        unit="s",
+    )
 
     def check_together(self) -> None:
         super().check_together()

@@ -28,7 +28,7 @@ from classify_common.admission import Gate, admission_for
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
-from classify_common.server_settings import ServerSettings
+from classify_common.server_settings import DEFAULT_CORE_WAIT_LIMIT_SECONDS, ServerSettings
 from classify_common.settings import SettingsError
 from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
@@ -68,12 +68,18 @@ SERVER_OPTIONS: Sequence[tuple[str, int]] = (
     # call even when its caller has left. After the front door's loop stalled for 3 s
     # under overload, every call it then took had waited past its caller's deadline,
     # as many new ones arrived as it took, and it served nothing until the crowd left
-    # (docs/benchmark.md, 2026-12-02). So core drops a call that has waited over a
-    # second (the least it takes, in whole seconds) when the loop next asks for one:
-    # a caller still there sees a bare CANCELLED, and with this much of a backlog the
-    # loop is over a second behind.
-    ("grpc.server_max_unrequested_time_in_server", 1),
+    # (docs/benchmark.md, 2026-12-02). So core drops a call that has waited longer
+    # than ServerSettings.core_wait_limit_seconds (see server_options) when the loop
+    # next asks for one.
 )
+CORE_WAIT_LIMIT_OPTION = "grpc.server_max_unrequested_time_in_server"
+
+
+def server_options(core_wait_limit_seconds: int) -> tuple[tuple[str, int], ...]:
+    """SERVER_OPTIONS and the longest a call waits in core for the event loop."""
+    return (*SERVER_OPTIONS, (CORE_WAIT_LIMIT_OPTION, core_wait_limit_seconds))
+
+
 METRICS_DISABLED = -1
 
 
@@ -89,6 +95,7 @@ class GrpcServing:
         gate: Gate | None = None,
         edge: bool,
         tls: ServerTls | None = None,
+        core_wait_limit_seconds: int = DEFAULT_CORE_WAIT_LIMIT_SECONDS,
     ) -> None:
         """`edge`: the public front door (see classify_common.admission)."""
         self.service_names = tuple(service_names)
@@ -106,7 +113,7 @@ class GrpcServing:
                     self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
                 )
             ],
-            options=SERVER_OPTIONS,
+            options=server_options(core_wait_limit_seconds),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -135,6 +142,7 @@ class GrpcServing:
             gate=gate,
             edge=edge,
             tls=settings.server_tls(),
+            core_wait_limit_seconds=settings.core_wait_limit_seconds,
         )
 
     async def start(self) -> None:

@@ -269,17 +269,19 @@ async def test_a_tenant_limited_to_100_per_second_is_admitted_100_per_second_acr
     start_stack: Callable[..., Stack], redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """The one timing assertion the issue asks for, made robust: the tenant is asked
-    for far more than its rate (12 calls in flight on 6 connections, refusals cost a
+    for more than its rate (18 calls in flight on 6 connections, refusals cost a
     millisecond or two), so its bucket in Redis is empty whenever the window is
-    counted, and every token Redis's clock adds is taken at once. The OK calls sent
-    within a window of W seconds (client clock) are then RATE x W, give or take the
-    tokens of one call's latency at each edge (tens of milliseconds: a few tokens)
-    and the fraction of one token: well inside ±10% of 300. A machine too slow to
-    ask for 100 calls a second would show as too few OKs, and the assertion below
-    first checks that the demand was there."""
+    counted, and every token Redis's clock adds is taken within the few milliseconds
+    between calls. The OK calls sent within a window of W seconds (client clock) are
+    then RATE x W, give or take the tokens of one call's latency at each edge (tens
+    of milliseconds: a few tokens) and the fraction of one token: well inside ±10%
+    of 300. A machine too slow to ask for 100 calls a second would show as too few
+    OKs, so the assertion below first checks that the demand was there: half as much
+    again as the rate, which a CI machine under load (226 calls a second from 12 in
+    flight, 2026-12-02) still asks for."""
     stack = start_three_workers(start_stack, redis_server, tmp_path)
     await every_worker_logged(stack.orchestrator, PROCESSES)
-    load = Load(stack.orchestrator, HUNDRED_KEY, connections=6, in_flight=2, tag="hundred")
+    load = Load(stack.orchestrator, HUNDRED_KEY, connections=6, in_flight=3, tag="hundred")
     for channel in load.channels:
         await channel.channel_ready()
     started = time.monotonic()
@@ -289,7 +291,7 @@ async def test_a_tenant_limited_to_100_per_second_is_admitted_100_per_second_acr
     window_start = started + SPEND_BURST_SECONDS
     window = [o for o in outcomes if window_start <= o.sent < window_start + MEASURE_SECONDS]
     assert {o.code for o in outcomes} == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert len(window) > 3 * HUNDRED_RATE * MEASURE_SECONDS, "not driven well above the rate"
+    assert len(window) > 1.5 * HUNDRED_RATE * MEASURE_SECONDS, "not driven above the rate"
     admitted = sum(1 for o in window if o.code == grpc.StatusCode.OK)
     expected = HUNDRED_RATE * MEASURE_SECONDS
     assert abs(admitted - expected) <= 0.1 * expected, (admitted, expected, len(window))

@@ -1,5 +1,6 @@
 """Calls that wait in gRPC core's intake queue: the servers' options have core drop a
-call that waited there over a second, before any of our code sees it.
+call that waited there longer than --core-wait-limit-seconds (1 s unless set), before
+any of our code sees it.
 
 gRPC core takes calls in on its own threads and queues each until the server's event
 loop asks for it. When the loop falls behind (blocked, starved of a core), the queue
@@ -15,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from orchestrator.server import OrchestratorServer
+from tests.conftest import orchestrator_settings, write_routes
 
 BLOCK = "block the event loop"
 CALLS_DURING_THE_BLOCK = 8
@@ -57,6 +61,25 @@ def send_calls_while_blocked(port: int, outcomes: Counter[str]) -> None:
         outcomes[f"after: {outcome(after)}"] += 1
 
 
+async def outcomes_while_blocked(
+    orchestrator: OrchestratorServer, block_seconds: float, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Counter[str], list[str]]:
+    """The outcomes of send_calls_while_blocked, and the texts the handler saw."""
+    seen: list[str] = []
+
+    async def planted(request: pb.ClassifyRequest, *args: object) -> pb.ClassifyResponse:
+        if request.text == BLOCK:
+            time.sleep(block_seconds)  # noqa: ASYNC251 - the blocked loop is the point
+        else:
+            seen.append(request.text)
+        return pb.ClassifyResponse(status=pb.RESULT_STATUS_DONE)
+
+    monkeypatch.setattr(orchestrator.dispatcher, "classify", planted)
+    outcomes: Counter[str] = Counter()
+    await asyncio.to_thread(send_calls_while_blocked, orchestrator.port, outcomes)
+    return outcomes, seen
+
+
 @pytest.mark.parametrize(
     ("block_seconds", "served_at_least", "served_at_most"),
     [
@@ -74,19 +97,7 @@ async def test_calls_left_waiting_over_a_second_are_dropped_by_core_unseen(
     orchestrator: OrchestratorServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seen: list[str] = []
-
-    async def planted(request: pb.ClassifyRequest, *args: object) -> pb.ClassifyResponse:
-        if request.text == BLOCK:
-            time.sleep(block_seconds)  # noqa: ASYNC251 - the blocked loop is the point
-        else:
-            seen.append(request.text)
-        return pb.ClassifyResponse(status=pb.RESULT_STATUS_DONE)
-
-    monkeypatch.setattr(orchestrator.dispatcher, "classify", planted)
-    outcomes: Counter[str] = Counter()
-    await asyncio.to_thread(send_calls_while_blocked, orchestrator.port, outcomes)
-
+    outcomes, seen = await outcomes_while_blocked(orchestrator, block_seconds, monkeypatch)
     during = {key: count for key, count in outcomes.items() if ": " not in key}
     assert sum(during.values()) == CALLS_DURING_THE_BLOCK, outcomes
     assert set(during) <= {"OK", "CANCELLED"}, outcomes
@@ -96,3 +107,25 @@ async def test_calls_left_waiting_over_a_second_are_dropped_by_core_unseen(
     assert served_at_least <= during.get("OK", 0) <= served_at_most, outcomes
     # The blocking call itself, and a call once the loop runs again, are served.
     assert (outcomes["blocking: OK"], outcomes["after: OK"]) == (1, 1), outcomes
+
+
+async def test_a_longer_core_wait_limit_keeps_calls_that_waited_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same 2.5 s block, with the limit set to 5 s: every call is served."""
+    routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:1"])
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, core_wait_limit_seconds=5),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    try:
+        outcomes, seen = await outcomes_while_blocked(orchestrator, 2.5, monkeypatch)
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+    assert outcomes == {
+        "OK": CALLS_DURING_THE_BLOCK,
+        "blocking: OK": 1,
+        "after: OK": 1,
+    }, outcomes
+    assert len(seen) == CALLS_DURING_THE_BLOCK + 1, seen  # and "after"
