@@ -7,11 +7,12 @@ methods by classify_common.interceptor.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
+from google.rpc import status_pb2
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
@@ -30,6 +31,8 @@ from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
 from capability.workers.admission import CACHE_BYPASS, CACHE_USE
 from classify_common.context import (
+    EARLY_RESULTS_HEADER,
+    EARLY_RESULTS_REQUEST_HEADER,
     LOAD_REPORT_TRAILER,
     current_request,
     is_valid_request_id,
@@ -82,11 +85,15 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         ]
         if call_trace is not None:
             call_trace.log_fields.update(items=len(texts))
+        answered_early: set[int] = set()
         try:
-            outcomes = await self._pool.classify_many(texts)
+            outcomes = await self._pool.classify_many(
+                texts, _early_answer(context, request, texts, ids.trace_id, answered_early)
+            )
         except BaseException:
-            for text in texts:
-                abandon_item_trace(text.trace)
+            for index, text in enumerate(texts):
+                if index not in answered_early:
+                    abandon_item_trace(text.trace)
             raise
         # One report, for the first item's model: the orchestrator's coalesced calls
         # carry one model each.
@@ -94,8 +101,12 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
         return pb.ClassifyBatchResponse(
             results=[
-                _batch_result(item, text, outcome, ids.trace_id)
-                for item, text, outcome in zip(request.items, texts, outcomes, strict=True)
+                _batch_result(
+                    item, text, outcome, ids.trace_id, end_trace=index not in answered_early
+                )
+                for index, (item, text, outcome) in enumerate(
+                    zip(request.items, texts, outcomes, strict=True)
+                )
             ]
         )
 
@@ -180,18 +191,72 @@ def classify_response(
     )
 
 
+def _early_answer(
+    context: Context,
+    request: pb.ClassifyBatchRequest,
+    texts: Sequence[TextRequest],
+    call_trace_id: str,
+    answered: set[int],
+) -> Callable[[dict[int, ServiceError]], Awaitable[None]] | None:
+    """What answers a batch's refused items before the others are computed, when the
+    caller asked for early results (EARLY_RESULTS_REQUEST_HEADER): they go at once in
+    the answer's initial metadata, as many as fit in the bytes it takes, in order; the
+    indexes sent are added to `answered`, whose traces end then. Without the ask, None.
+
+    A refused item's caller (the orchestrator) can then answer it, or fall back, in
+    milliseconds instead of when the call's last batch is computed: under overload,
+    refusals the capability decides at admission came back after 250 ms at p50."""
+    max_bytes = 0
+    for key, value in context.invocation_metadata() or ():
+        if key == EARLY_RESULTS_REQUEST_HEADER and isinstance(value, str) and value.isdigit():
+            max_bytes = int(value)
+    if max_bytes == 0:
+        return None
+
+    async def answer(refused: dict[int, ServiceError]) -> None:
+        early = pb.ClassifyBatchResponse(results=[pb.ClassifyBatchResult() for _ in texts])
+        size = early.ByteSize()
+        sent = []
+        for index, error in sorted(refused.items()):
+            status = _item_error(texts[index], error, call_trace_id)
+            # The result's bytes and its length prefix, which grows with it.
+            size += status.ByteSize() + 4
+            if size > max_bytes:
+                break
+            early.results[index].error.CopyFrom(status)
+            sent.append(index)
+        if not sent:
+            return
+        await context.send_initial_metadata(((EARLY_RESULTS_HEADER, early.SerializeToString()),))
+        for index in sent:
+            end_item_trace(texts[index].trace, refused[index])
+            answered.add(index)
+
+    return answer
+
+
+def _item_error(text: TextRequest, error: ServiceError, call_trace_id: str) -> status_pb2.Status:
+    """The google.rpc.Status of a refused item, under its own request and trace IDs."""
+    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
+    return item_status(error, text.request_id, trace_id)
+
+
 def _batch_result(
     item: pb.ClassifyRequest,
     text: TextRequest,
     outcome: TextResult | ServiceError,
     call_trace_id: str,
+    *,
+    end_trace: bool,
 ) -> pb.ClassifyBatchResult:
-    """One item's result, under its own request and trace IDs; its trace ends here."""
-    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
+    """One item's result, under its own request and trace IDs; with `end_trace`, its
+    trace ends here."""
     if isinstance(outcome, ServiceError):
-        end_item_trace(text.trace, outcome)
-        return pb.ClassifyBatchResult(error=item_status(outcome, text.request_id, trace_id))
+        if end_trace:
+            end_item_trace(text.trace, outcome)
+        return pb.ClassifyBatchResult(error=_item_error(text, outcome, call_trace_id))
     end_item_trace(text.trace, None)
+    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
     return pb.ClassifyBatchResult(
         response=classify_response(item, outcome, text.request_id, trace_id)
     )

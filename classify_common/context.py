@@ -19,6 +19,13 @@ TRACE_ID_HEADER = "x-trace-id"
 INTERNAL_TOKEN_HEADER = "x-internal-token"
 # Binary trailer on a capability server's answers: a serialized ai.classify.v1.LoadReport.
 LOAD_REPORT_TRAILER = "classify-load-bin"
+# Sent by the orchestrator on a ClassifyBatch call: the most bytes of early results it
+# takes in the answer's initial metadata. The capability then sends the items it
+# decides before computing any (refused at intake or admission) at once, under
+# EARLY_RESULTS_HEADER, as a serialized ai.classify.v1.ClassifyBatchResponse whose
+# other results are empty; the answer still carries every item's result.
+EARLY_RESULTS_REQUEST_HEADER = "classify-early-results-max-bytes"
+EARLY_RESULTS_HEADER = "classify-early-results-bin"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from functools import partial
@@ -333,7 +333,7 @@ class WorkerPool:
             )
             for warm in texts
         ]
-        outcomes = await self._classify_many(requests)
+        outcomes = await self._classify_many(requests, None)
         computed = sum(isinstance(outcome, TextResult) for outcome in outcomes)
         self._metrics.result_cache_warmed.labels(model).inc(computed)
         log.info(
@@ -444,16 +444,27 @@ class WorkerPool:
             replica.end_arrival()
         return await future
 
-    async def classify_many(self, texts: Sequence[TextRequest]) -> list[TextResult | ServiceError]:
+    async def classify_many(
+        self,
+        texts: Sequence[TextRequest],
+        on_refused: Callable[[dict[int, ServiceError]], Awaitable[None]] | None = None,
+    ) -> list[TextResult | ServiceError]:
         """Classify many texts at once (one ClassifyBatch call): each is answered on its
         own, in order, with its result or the ServiceError a single call for it would
         have ended with. Texts are grouped by model; each group goes to one replica,
         is tokenized in one call per `max_length` and admitted in one step. A text
-        refused at intake (`refusal`) is answered with it and never served."""
-        self._batch_items.observe(len(texts))
-        return await self._classify_many(texts)
+        refused at intake (`refusal`) is answered with it and never served.
 
-    async def _classify_many(self, texts: Sequence[TextRequest]) -> list[TextResult | ServiceError]:
+        `on_refused(refusals)`, by index, is awaited once every text is admitted or
+        refused, when some were refused and others are still to be computed."""
+        self._batch_items.observe(len(texts))
+        return await self._classify_many(texts, on_refused)
+
+    async def _classify_many(
+        self,
+        texts: Sequence[TextRequest],
+        on_refused: Callable[[dict[int, ServiceError]], Awaitable[None]] | None,
+    ) -> list[TextResult | ServiceError]:
         outcomes: list[TextResult | ServiceError | None] = [text.refusal for text in texts]
         by_model: dict[str, list[int]] = {}
         for index, text in enumerate(texts):
@@ -481,6 +492,18 @@ class WorkerPool:
                     outcomes[index] = admission
                 else:
                     waiting.append((index, admission))
+        refusals = {
+            index: outcome
+            for index, outcome in enumerate(outcomes)
+            if isinstance(outcome, ServiceError)
+        }
+        if on_refused is not None and refusals and waiting:
+            try:
+                await on_refused(refusals)
+            except BaseException:
+                for _, future in waiting:  # as gather would on its way out
+                    future.cancel()
+                raise
         answers = await asyncio.gather(*(future for _, future in waiting), return_exceptions=True)
         for (index, _), answer in zip(waiting, answers, strict=True):
             outcomes[index] = _as_outcome(answer, self._on_internal_error)

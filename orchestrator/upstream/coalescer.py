@@ -44,7 +44,11 @@ Each item keeps its own deadline, trace and outcome:
   capability's spans for that item join the item's trace; the shared call gets
   its own client span, linked both ways with the items' client spans,
 - each item gets its own answer or error, so retry and fallback decisions
-  (orchestrator.dispatch) stay per request.
+  (orchestrator.dispatch) stay per request; an item the capability refuses
+  before computing any (at intake or admission) is answered when it is
+  refused, not when the call's last batch is computed: the call asks for
+  early results (classify_common.context.EARLY_RESULTS_REQUEST_HEADER), and
+  reads the answer's initial metadata before its message.
 """
 
 from __future__ import annotations
@@ -62,7 +66,13 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_common.context import LOAD_REPORT_TRAILER, REQUEST_ID_HEADER, new_request_id
+from classify_common.context import (
+    EARLY_RESULTS_HEADER,
+    EARLY_RESULTS_REQUEST_HEADER,
+    LOAD_REPORT_TRAILER,
+    REQUEST_ID_HEADER,
+    new_request_id,
+)
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
 from classify_common.nodes import (
     CLASSIFY_BACKEND,
@@ -90,6 +100,13 @@ TRACEPARENT = "traceparent"
 # the call ends, without a timer of its own: items keep a margin before their
 # callers' deadlines (DEADLINE_SAFETY_MARGIN_SECONDS in pool.py) far larger than this.
 OWN_DEADLINE_SLACK_SECONDS = 0.002
+# The most bytes of early results a batch call takes in its answer's initial
+# metadata (a hundred refusals or so; the rest come with the answer). gRPC encodes
+# binary metadata in base64, a third larger, within the channels' metadata limit
+# (orchestrator.upstream.pool.CHANNEL_OPTIONS).
+EARLY_RESULTS_MAX_BYTES = 24 * 1024
+_EARLY_RESULTS_ASK = (EARLY_RESULTS_REQUEST_HEADER, str(EARLY_RESULTS_MAX_BYTES))
+_CLASSIFY_BATCH_PATH = f"/{CLASSIFY_BATCH_METHOD_NAME}"
 
 
 @dataclass(frozen=True)
@@ -132,7 +149,7 @@ class ReplicaCoalescer:
 
     def __init__(
         self,
-        stub: pb_grpc.ClassifyServiceAsyncStub,
+        channel: grpc.aio.Channel,
         *,
         backend: str,
         target: str,
@@ -155,7 +172,15 @@ class ReplicaCoalescer:
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
         hint for an item refused because of it, both in seconds; `replica_batch_size()`
         the most texts the replica reported computing in one batch (0: not known)."""
-        self._stub = stub
+        self._stub: pb_grpc.ClassifyServiceAsyncStub = pb_grpc.ClassifyServiceStub(channel)
+        # ClassifyBatch called as a server stream (the wire is the same for a unary
+        # answer): grpc.aio gives a unary call's initial metadata only with its answer,
+        # and a stream's as soon as it arrives, which the early results need.
+        self._classify_batch = channel.unary_stream(
+            _CLASSIFY_BATCH_PATH,
+            request_serializer=pb.ClassifyBatchRequest.SerializeToString,
+            response_deserializer=pb.ClassifyBatchResponse.FromString,
+        )
         self._backend = backend
         self._target = target
         self._server_attributes = server_attributes(target)
@@ -358,10 +383,14 @@ class ReplicaCoalescer:
                 metadata = (
                     *inject_context(),
                     (REQUEST_ID_HEADER, new_request_id()),
+                    _EARLY_RESULTS_ASK,
                     *self._credentials,
                 )
-            call = self._stub.ClassifyBatch(request, timeout=timeout, metadata=metadata)
-            response: pb.ClassifyBatchResponse = await call
+            call = self._classify_batch(request, timeout=timeout, metadata=metadata)
+            self._answer_early(items, await call.initial_metadata())
+            response = await call.read()
+            if not isinstance(response, pb.ClassifyBatchResponse):  # no message, status OK
+                response = pb.ClassifyBatchResponse()
             span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
         except grpc.aio.AioRpcError as exc:
             span.set_status(Status(StatusCode.ERROR, exc.code().name))
@@ -396,6 +425,20 @@ class ReplicaCoalescer:
                     translate_item_status(result.error, self._backend, self._target)
                 )
 
+    def _answer_early(self, items: list[UpstreamItem], metadata: Any) -> None:
+        """Answer the items the replica refused before computing any, as it sent them
+        in the call's initial metadata (the call's answer repeats them)."""
+        for key, value in metadata or ():
+            if key != EARLY_RESULTS_HEADER or not isinstance(value, bytes):
+                continue
+            early = pb.ClassifyBatchResponse.FromString(value)
+            for item, result in zip(items, early.results, strict=False):
+                if result.HasField("error") and not item.future.done():
+                    item.future.set_exception(
+                        translate_item_status(result.error, self._backend, self._target)
+                    )
+            return
+
     def _time_out(self, item: UpstreamItem) -> None:
         """An item's time ran out while the batch call carrying it is still in flight:
         its caller is answered now (the capability drops it unseen, or its answer is
@@ -415,7 +458,10 @@ class ReplicaCoalescer:
         return round_trip
 
     async def _read_load(
-        self, call: grpc.aio.UnaryUnaryCall[Any, Any], round_trip: float, longest: float
+        self,
+        call: grpc.aio.UnaryUnaryCall[Any, Any] | grpc.aio.UnaryStreamCall[Any, Any],
+        round_trip: float,
+        longest: float,
     ) -> None:
         """Hand on the call's load report trailer, if the replica sent one, and learn the
         call's trip from the time it says it spent on the call."""

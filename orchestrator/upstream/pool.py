@@ -17,7 +17,6 @@ from functools import partial
 import grpc
 
 from ai.classify.v1 import classify_service_pb2 as pb
-from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER
 from classify_common.errors import (
@@ -59,6 +58,11 @@ CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    # Room for a batch call's early results in its initial metadata
+    # (orchestrator.upstream.coalescer.EARLY_RESULTS_MAX_BYTES); gRPC's default soft
+    # limit is 8 KiB, past which it fails calls at random.
+    ("grpc.max_metadata_size", 64 * 1024),
+    ("grpc.absolute_max_metadata_size", 96 * 1024),
 )
 
 
@@ -217,7 +221,7 @@ class BackendPool:
     ) -> ReplicaCoalescer:
         name = self.backend.name
         return ReplicaCoalescer(
-            pb_grpc.ClassifyServiceStub(channel),
+            channel,
             backend=name,
             target=target,
             credentials=self._credentials,

@@ -33,6 +33,7 @@ from capability.metrics import (
 )
 from capability.model import EncodedText
 from capability.server import CapabilityServer
+from classify_common.context import EARLY_RESULTS_HEADER, EARLY_RESULTS_REQUEST_HEADER
 from classify_common.errors import ExpiredInQueue, ModelFault, ServerDraining
 from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
@@ -340,6 +341,100 @@ async def test_items_beyond_the_queue_capacity_are_refused_alone(
         )
         == 2
     )
+
+
+async def early_results_while_the_device_is_held(
+    server: CapabilityServer, ask: str | None
+) -> tuple[pb.ClassifyBatchResponse | None, bool, pb.ClassifyBatchResponse]:
+    """Four items into a queue of two while the device is held: (the early results the
+    call's initial metadata carried, if any; whether they came while the device was
+    still held; the call's answer). `ask`: the early-results header's value, if sent."""
+    worker = server.pool.workers[0]
+    metadata = () if ask is None else ((EARLY_RESULTS_REQUEST_HEADER, ask),)
+    request = pb.ClassifyBatchRequest(
+        items=[
+            pb.ClassifyRequest(text=text, request_id=f"item-{n}")
+            for n, text in enumerate(TEXTS[:4])
+        ]
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        # As the orchestrator calls it: a stream's initial metadata comes when sent.
+        call = channel.unary_stream(
+            CLASSIFY_BATCH_METHOD,
+            request_serializer=pb.ClassifyBatchRequest.SerializeToString,
+            response_deserializer=pb.ClassifyBatchResponse.FromString,
+        )(request, timeout=30, metadata=metadata)
+        async with device_occupied(worker):
+            await wait_until(lambda: len(worker.replicas["topic-minilm"].queue) == 2)
+            try:
+                initial = await asyncio.wait_for(call.initial_metadata(), timeout=1.0)
+                while_held = True
+            except TimeoutError:
+                initial, while_held = None, False
+        if initial is None:
+            initial = await call.initial_metadata()
+        answer = await call.read()
+    assert isinstance(answer, pb.ClassifyBatchResponse)
+    early = dict(initial).get(EARLY_RESULTS_HEADER)
+    assert early is None or isinstance(early, bytes)
+    parsed = None if early is None else pb.ClassifyBatchResponse.FromString(early)
+    return parsed, while_held, answer
+
+
+async def test_items_refused_at_admission_are_answered_before_the_others_are_computed(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), queue_capacity=2)
+    early, while_held, answer = await early_results_while_the_device_is_held(server, "65536")
+    assert early is not None
+    assert while_held
+    assert [result.WhichOneof("outcome") for result in early.results] == [
+        None,
+        None,
+        "error",
+        "error",
+    ]
+    for index in (2, 3):
+        assert error_info(early.results[index].error).reason == "QUEUE_FULL"
+        assert error_info(early.results[index].error).metadata["x-request-id"] == f"item-{index}"
+        # The answer repeats them, beside the two computed once the device was free.
+        assert answer.results[index] == early.results[index]
+    assert [result.WhichOneof("outcome") for result in answer.results[:2]] == ["response"] * 2
+
+
+async def test_early_results_fit_the_bytes_asked_for_and_come_only_when_asked(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(models=("topic-minilm",), queue_capacity=2)
+    everything, _, _ = await early_results_while_the_device_is_held(server, "65536")
+    assert everything is not None
+    # Room for the first refusal's status (with a length prefix of at most 4 bytes)
+    # and half the second's: only the first goes early.
+    room = (
+        pb.ClassifyBatchResponse(results=[pb.ClassifyBatchResult()] * 4).ByteSize()
+        + everything.results[2].error.ByteSize()
+        + 4
+        + everything.results[3].error.ByteSize() // 2
+    )
+    early, _, answer = await early_results_while_the_device_is_held(server, str(room))
+    assert early is not None
+    assert [result.WhichOneof("outcome") for result in early.results] == [
+        None,
+        None,
+        "error",
+        None,
+    ]
+    assert answer.results[3].WhichOneof("outcome") == "error"
+    # Not asked: initial metadata comes with the answer, and no early results in it.
+    early, while_held, answer = await early_results_while_the_device_is_held(server, None)
+    assert early is None
+    assert not while_held
+    assert [result.WhichOneof("outcome") for result in answer.results] == [
+        "response",
+        "response",
+        "error",
+        "error",
+    ]
 
 
 async def test_each_item_is_traced_in_its_own_trace_with_every_capability_node(

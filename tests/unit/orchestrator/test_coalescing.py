@@ -61,7 +61,7 @@ def coalescer_on(
 ) -> ReplicaCoalescer:
     """A coalescer in front of the real capability server, as a backend pool makes one."""
     return ReplicaCoalescer(
-        classify_service_pb2_grpc.ClassifyServiceStub(channel),
+        channel,
         backend="minilm",
         target=f"127.0.0.1:{capability.port}",
         credentials=(),
@@ -365,6 +365,31 @@ async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
         assert texts_computed(capability) == computed_before + 2
         # A real call taught it a trip: short on loopback, far under the items' time.
         assert 0 < fresh.trip.allowance() < 1.0
+
+
+async def test_an_item_the_replica_refuses_is_answered_before_its_call_returns(
+    capability: CapabilityServer,
+) -> None:
+    """Two items in one call, the device held: the replica refuses the one whose time
+    cannot cover the learned way back (10 s of its 12) at admission, and the coalescer
+    answers it from the call's early results while the other waits for the device."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(channel, capability)
+        coalescer.trip.record(round_trip=10.5, handled=0.5, longest=30.0)
+
+        def classify(seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
+            request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm")
+            return asyncio.ensure_future(
+                coalescer.classify(request, seconds=seconds, trace_metadata=())
+            )
+
+        async with device_occupied(capability.pool.workers[0]):
+            refused, served = classify(5.0), classify(30.0)
+            await wait_until(refused.done, "the refused item answered")
+            assert not served.done()
+            assert coalescer.in_flight == 1  # its call has not returned
+        assert isinstance(refused.exception(), DeadlineUnreachable)
+        assert (await served).labels[0].name == "sports"
 
 
 def test_the_way_back_is_the_round_trip_less_the_time_in_the_replica() -> None:
