@@ -198,14 +198,15 @@ def _early_answer(
     call_trace_id: str,
     answered: set[int],
 ) -> Callable[[dict[int, ServiceError]], Awaitable[None]] | None:
-    """What answers a batch's refused items before the others are computed, when the
-    caller asked for early results (EARLY_RESULTS_REQUEST_HEADER): they go at once in
-    the answer's initial metadata, as many as fit in the bytes it takes, in order; the
-    indexes sent are added to `answered`, whose traces end then. Without the ask, None.
+    """What answers a batch's refused items while others are still to be computed
+    (WorkerPool.classify_many says which, and when), when the caller asked for early
+    results (EARLY_RESULTS_REQUEST_HEADER): they go at once in the answer's initial
+    metadata, as many as fit in the bytes it takes, in order; the indexes sent are
+    added to `answered`, whose traces end then. Without the ask, None.
 
-    A refused item's caller (the orchestrator) can then answer it, or fall back, in
-    milliseconds instead of when the call's last batch is computed: under overload,
-    refusals the capability decides at admission came back after 250 ms at p50."""
+    A refused item's caller (the orchestrator) can then answer it, or fall back, when
+    it is refused instead of when the call's last batch is computed: under overload,
+    the capability's DEADLINE_UNREACHABLE answers had come back after 250 ms at p50."""
     max_bytes = 0
     for key, value in context.invocation_metadata() or ():
         if key == EARLY_RESULTS_REQUEST_HEADER and isinstance(value, str) and value.isdigit():

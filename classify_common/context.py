@@ -21,9 +21,10 @@ INTERNAL_TOKEN_HEADER = "x-internal-token"
 LOAD_REPORT_TRAILER = "classify-load-bin"
 # Sent by the orchestrator on a ClassifyBatch call: the most bytes of early results it
 # takes in the answer's initial metadata. The capability then sends the items it
-# decides before computing any (refused at intake or admission) at once, under
-# EARLY_RESULTS_HEADER, as a serialized ai.classify.v1.ClassifyBatchResponse whose
-# other results are empty; the answer still carries every item's result.
+# refuses while others are still to be computed (at intake or admission, or else the
+# first left out at the device) when it refuses them, under EARLY_RESULTS_HEADER, as
+# a serialized ai.classify.v1.ClassifyBatchResponse whose other results are empty;
+# the answer still carries every item's result.
 EARLY_RESULTS_REQUEST_HEADER = "classify-early-results-max-bytes"
 EARLY_RESULTS_HEADER = "classify-early-results-bin"
 

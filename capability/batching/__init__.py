@@ -1,7 +1,7 @@
 """Admission, bounded deadline-aware queues, the batching loop and service-time prediction."""
 
 from capability.batching.batcher import Batcher
-from capability.batching.outcome import BatchOutcome, TextResult
+from capability.batching.outcome import BatchOutcome, LeftOut, TextResult
 from capability.batching.queue import (
     PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
@@ -20,6 +20,7 @@ __all__ = [
     "BatchOutcome",
     "Batcher",
     "BatchingSettings",
+    "LeftOut",
     "PendingRequest",
     "RequestQueue",
     "ServiceTimeModel",

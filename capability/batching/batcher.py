@@ -100,6 +100,9 @@ class SubmittedBatch:
     # free device thread, or when the batch ahead of it was answered. None while it
     # waits behind `running`.
     started_at: float | None = None
+    # Whether the texts the device thread left out of it have been answered (told
+    # before the forward, or with its outcome).
+    left_out_answered: bool = False
 
 
 class Batcher:
@@ -229,6 +232,7 @@ class Batcher:
         for submitted in (self.running, self.following):
             if submitted is not None:
                 submitted.computing.cancel()
+                submitted.left_out_answered = True  # a late word from the thread: no one left
                 self._fail(submitted.requests, ModelFault("the batching loop stopped"))
         self.running = self.following = None
 
@@ -241,12 +245,18 @@ class Batcher:
         if not live:
             return None
         self.in_flight += len(live)
+        loop = asyncio.get_running_loop()
+
+        def left_out(outcome: BatchOutcome) -> None:  # on the device thread
+            loop.call_soon_threadsafe(self._answer_left_out, submitted, outcome)
+
         computing = asyncio.ensure_future(
             self._device.execute(
-                self._compute, [r.encoded for r in live], [r.deadline for r in live]
+                self._compute, [r.encoded for r in live], [r.deadline for r in live], left_out
             )
         )
-        return SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
+        submitted = SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
+        return submitted
 
     def handed_over(self) -> tuple[SubmittedBatch | None, SubmittedBatch | None]:
         """The batches on the device thread, `running` then `following`: nothing queued
@@ -261,9 +271,7 @@ class Batcher:
             outcome = await submitted.computing
             computed = [r for i, r in enumerate(batch) if not outcome.left_out(i)]
             if len(computed) < len(batch):
-                for index, request in enumerate(batch):
-                    if outcome.left_out(index):
-                        self._leave_out(request, outcome, index)
+                self._answer_left_out(submitted, outcome)
             if computed:
                 self._record(computed, outcome)
                 trace_batch(computed, outcome, self.bundle, self._device.name)
@@ -303,6 +311,17 @@ class Batcher:
             if not request.future.done():
                 request.future.set_exception(error)
         self.in_flight -= len(batch)
+
+    def _answer_left_out(self, submitted: SubmittedBatch, outcome: BatchOutcome) -> None:
+        """Answer the texts the device thread left out of `submitted`, once: before its
+        forward when the thread tells of them then, so that their callers (a fallback,
+        or an orchestrator reading early results) need not wait for the forward."""
+        if submitted.left_out_answered:
+            return
+        submitted.left_out_answered = True
+        for index, request in enumerate(submitted.requests):
+            if outcome.left_out(index):
+                self._leave_out(request, outcome, index)
 
     def _leave_out(
         self, request: PendingRequest[TextResult], outcome: BatchOutcome, index: int

@@ -75,9 +75,14 @@ class BatchOutcome:
         )
 
 
+# Called on the device thread before a forward that leaves some of its texts out, with
+# an outcome that says which (nothing computed in it), so that their callers are
+# answered then, not when the forward ends.
+LeftOut = Callable[[BatchOutcome], None]
+
 # Runs on the device thread: the texts of a batch and their deadlines (event-loop
-# time) in, one forward's outcome out.
-Compute = Callable[[list[EncodedText], list[float | None]], BatchOutcome]
+# time) in, one forward's outcome out; LeftOut told first of the texts left out.
+Compute = Callable[[list[EncodedText], list[float | None], LeftOut | None], BatchOutcome]
 
 
 def padding_ratio(batch: Sequence[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:

@@ -92,6 +92,24 @@ log = logging.getLogger(__name__)
 LOAD_REPORT_TOKENS = 16
 
 
+async def _first_failures(
+    waiting: Sequence[tuple[int, asyncio.Future[TextResult]]],
+) -> dict[int, ServiceError]:
+    """Once one of `waiting` fails while others are still to be computed, those that
+    have failed, by index; none when all are done first."""
+    futures = [future for _, future in waiting]
+    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    if not pending:
+        return {}
+    return {
+        index: error
+        for index, future in waiting
+        if future in done
+        and not future.cancelled()
+        and isinstance(error := future.exception(), ServiceError)
+    }
+
+
 def _as_outcome(answer: object, on_bug: Callable[[], None]) -> TextResult | ServiceError:
     """A text's answer as classify_many returns it: anything that is neither a result
     nor a ServiceError is a bug, answered INTERNAL and counted by `on_bug()`."""
@@ -455,8 +473,10 @@ class WorkerPool:
         is tokenized in one call per `max_length` and admitted in one step. A text
         refused at intake (`refusal`) is answered with it and never served.
 
-        `on_refused(refusals)`, by index, is awaited once every text is admitted or
-        refused, when some were refused and others are still to be computed."""
+        `on_refused(refusals)`, by index, is awaited at most once, while texts are still
+        to be computed: with those refused at intake or admission, once every text is
+        admitted or refused; failing that, with those answered first (left out at the
+        device, evicted from the queue), as soon as one is."""
         self._batch_items.observe(len(texts))
         return await self._classify_many(texts, on_refused)
 
@@ -497,9 +517,12 @@ class WorkerPool:
             for index, outcome in enumerate(outcomes)
             if isinstance(outcome, ServiceError)
         }
-        if on_refused is not None and refusals and waiting:
+        if on_refused is not None and waiting:
             try:
-                await on_refused(refusals)
+                if not refusals:
+                    refusals = await _first_failures(waiting)
+                if refusals:
+                    await on_refused(refusals)
             except BaseException:
                 for _, future in waiting:  # as gather would on its way out
                     future.cancel()

@@ -39,6 +39,7 @@ from capability.batching import (
     Batcher,
     BatchingSettings,
     BatchOutcome,
+    LeftOut,
     RequestQueue,
     TextResult,
     WaitPredictor,
@@ -354,7 +355,10 @@ class ModelReplica:
         return outcome, read_memory(device), peak
 
     def _compute(
-        self, encoded: list[EncodedText], deadlines: list[float | None] | None = None
+        self,
+        encoded: list[EncodedText],
+        deadlines: list[float | None] | None = None,
+        on_left_out: LeftOut | None = None,
     ) -> BatchOutcome:
         """On the device thread: one forward pass, timed for the service-time fit.
 
@@ -366,7 +370,7 @@ class ModelReplica:
         the forward holds the most texts it can end in time for
         (WaitPredictor.texts_that_fit). Under overload about one text in twenty
         reached the device that late (scratch probe, `make bench-overload`'s 256
-        callers).
+        callers). `on_left_out` hears of them before the forward begins.
         """
         now = time.monotonic()
         deadlines = deadlines or [None] * len(encoded)
@@ -377,11 +381,14 @@ class ModelReplica:
         )
         taken = {index for index, fit in zip(live, fits, strict=True) if fit}
         unreachable = tuple(not gone and i not in taken for i, gone in enumerate(expired))
+        left_out = BatchOutcome(
+            [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now
+        )
+        if not taken:
+            return left_out
+        if on_left_out is not None and len(taken) < len(encoded):
+            on_left_out(left_out)
         encoded = [text for i, text in enumerate(encoded) if i in taken]
-        if not encoded:
-            return BatchOutcome(
-                [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now
-            )
         clock = StageClock(self.worker.device)
         padded = max(len(text) for text in encoded)
         lanes = self.worker.lanes

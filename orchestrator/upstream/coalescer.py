@@ -45,10 +45,11 @@ Each item keeps its own deadline, trace and outcome:
   its own client span, linked both ways with the items' client spans,
 - each item gets its own answer or error, so retry and fallback decisions
   (orchestrator.dispatch) stay per request; an item the capability refuses
-  before computing any (at intake or admission) is answered when it is
-  refused, not when the call's last batch is computed: the call asks for
-  early results (classify_common.context.EARLY_RESULTS_REQUEST_HEADER), and
-  reads the answer's initial metadata before its message.
+  while others are still to be computed (at intake or admission, or else
+  left out at the device) is answered when it is refused, not when the
+  call's last batch is computed: the call asks for early results
+  (classify_common.context.EARLY_RESULTS_REQUEST_HEADER), and reads the
+  answer's initial metadata before its message.
 """
 
 from __future__ import annotations
@@ -426,8 +427,9 @@ class ReplicaCoalescer:
                 )
 
     def _answer_early(self, items: list[UpstreamItem], metadata: Any) -> None:
-        """Answer the items the replica refused before computing any, as it sent them
-        in the call's initial metadata (the call's answer repeats them)."""
+        """Answer the items the replica refused while others were still to be computed,
+        as it sent them in the call's initial metadata (the call's answer repeats
+        them)."""
         for key, value in metadata or ():
             if key != EARLY_RESULTS_HEADER or not isinstance(value, bytes):
                 continue

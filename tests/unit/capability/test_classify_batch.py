@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -435,6 +436,59 @@ async def test_early_results_fit_the_bytes_asked_for_and_come_only_when_asked(
         "error",
         "error",
     ]
+
+
+async def test_an_item_left_out_at_the_device_is_answered_before_the_forward_ends(
+    start_capability: StartCapability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two items handed to the device thread behind a hold; the first's time runs out
+    there. When the hold ends, the thread leaves it out and the call's early results
+    carry it while the other's forward is still running (held here until the early
+    results have come)."""
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    forward_may_end = threading.Event()
+    run = replica.bundle.classifier.run
+
+    def held_run(*args: Any, **kwargs: Any) -> Any:
+        forward_may_end.wait(30)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(replica.bundle.classifier, "run", held_run)
+    request = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=TEXTS[1]), pb.ClassifyRequest(text=STRIKER)],
+        item_contexts=[pb.ItemContext(timeout=timeout_of(0.5)), pb.ItemContext()],
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_stream(
+            CLASSIFY_BATCH_METHOD,
+            request_serializer=pb.ClassifyBatchRequest.SerializeToString,
+            response_deserializer=pb.ClassifyBatchResponse.FromString,
+        )(request, timeout=30, metadata=((EARLY_RESULTS_REQUEST_HEADER, "65536"),))
+        try:
+            async with device_occupied(worker, take_turn=False):
+                # Both handed over (out of the queue, so no queue timer evicts the
+                # first), then past the first's deadline.
+                await wait_until(lambda: replica.in_flight == 2)
+                await asyncio.sleep(0.7)
+            initial = await asyncio.wait_for(call.initial_metadata(), timeout=10)
+            assert not call.done()
+        finally:
+            forward_may_end.set()
+        answer = await call.read()
+    early_bytes = dict(initial)[EARLY_RESULTS_HEADER]
+    assert isinstance(early_bytes, bytes)
+    early = pb.ClassifyBatchResponse.FromString(early_bytes)
+    assert [result.WhichOneof("outcome") for result in early.results] == ["error", None]
+    assert error_info(early.results[0].error).reason == "EXPIRED_IN_QUEUE"
+    assert isinstance(answer, pb.ClassifyBatchResponse)
+    assert answer.results[0] == early.results[0]
+    assert answer.results[1].response.labels[0].name == "sports"
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="device")
+        == 1
+    )
 
 
 async def test_each_item_is_traced_in_its_own_trace_with_every_capability_node(
