@@ -232,7 +232,8 @@ class Batcher:
         for submitted in (self.running, self.following):
             if submitted is not None:
                 submitted.computing.cancel()
-                submitted.left_out_answered = True  # a late word from the thread: no one left
+                # Answered below; a word from the thread about texts it left out is late.
+                submitted.left_out_answered = True
                 self._fail(submitted.requests, ModelFault("the batching loop stopped"))
         self.running = self.following = None
 

@@ -512,12 +512,12 @@ class WorkerPool:
                     outcomes[index] = admission
                 else:
                     waiting.append((index, admission))
-        refusals = {
-            index: outcome
-            for index, outcome in enumerate(outcomes)
-            if isinstance(outcome, ServiceError)
-        }
         if on_refused is not None and waiting:
+            refusals = {
+                index: outcome
+                for index, outcome in enumerate(outcomes)
+                if isinstance(outcome, ServiceError)
+            }
             try:
                 if not refusals:
                     refusals = await _first_failures(waiting)
