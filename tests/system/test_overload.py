@@ -29,8 +29,12 @@ OVERLOAD_CALLERS = 256
 DEADLINE_SECONDS = 0.3
 RAMP_SECONDS = 1.0
 # Goodput under overload, as a share of capacity; the first quarter of refusals at
-# the front door, as a share of the median served call in the same phase.
-MIN_GOODPUT_SHARE = 0.4
+# the front door, as a share of the median served call in the same phase. The share
+# is a floor against collapse (0.04 before the overload work), not the target (0.8,
+# `make bench-overload`): capacity and overload are measured seconds apart, and on
+# the shared 2-core machine 25 runs of this test put it at 0.39-1.18, median 0.81
+# (2026-12-02), so a floor of 0.4 failed one fresh clone's run.
+MIN_GOODPUT_SHARE = 0.3
 REFUSAL_SHARE_OF_OK_P50 = 0.5
 REFUSED_AT_THE_DOOR = "RESOURCE_EXHAUSTED: CONCURRENCY_LIMITED"
 # More calls than gRPC core's default backlog (past 1,000 waiting calls, core drops
