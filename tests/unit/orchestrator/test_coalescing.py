@@ -370,9 +370,9 @@ async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
 async def test_an_item_the_replica_refuses_is_answered_before_its_call_returns(
     capability: CapabilityServer,
 ) -> None:
-    """Two items in one call, the device held: the replica refuses the one whose time
-    cannot cover the learned way back (10 s of its 12) at admission, and the coalescer
-    answers it from the call's early results while the other waits for the device."""
+    """Two items in one call, the device held: the replica refuses at admission the one
+    whose 5 s cannot cover the learned 10 s way back, and the coalescer answers it from
+    the call's early results while the other (30 s) waits for the device."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(channel, capability)
         coalescer.trip.record(round_trip=10.5, handled=0.5, longest=30.0)
