@@ -381,13 +381,14 @@ class ModelReplica:
         )
         taken = {index for index, fit in zip(live, fits, strict=True) if fit}
         unreachable = tuple(not gone and i not in taken for i, gone in enumerate(expired))
-        left_out = BatchOutcome(
-            [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now
-        )
-        if not taken:
-            return left_out
-        if on_left_out is not None and len(taken) < len(encoded):
-            on_left_out(left_out)
+        if not taken or len(taken) < len(encoded):
+            left_out = BatchOutcome(
+                [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now
+            )
+            if not taken:
+                return left_out
+            if on_left_out is not None:
+                on_left_out(left_out)
         encoded = [text for i, text in enumerate(encoded) if i in taken]
         clock = StageClock(self.worker.device)
         padded = max(len(text) for text in encoded)

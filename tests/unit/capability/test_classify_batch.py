@@ -51,6 +51,11 @@ def error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo:
     return info
 
 
+def outcomes(response: pb.ClassifyBatchResponse) -> list[str | None]:
+    """Each result's outcome, in order: "response", "error", or None (not set)."""
+    return [result.WhichOneof("outcome") for result in response.results]
+
+
 def violations(status: status_pb2.Status) -> list[tuple[str, str]]:
     return [
         (v.field, v.reason)
@@ -330,8 +335,7 @@ async def test_items_beyond_the_queue_capacity_are_refused_alone(
             )
             await wait_until(lambda: len(worker.replicas["topic-minilm"].queue) == 2)
         response, _ = await call
-    outcomes = [result.WhichOneof("outcome") for result in response.results]
-    assert outcomes == ["response", "response", "error", "error"]
+    assert outcomes(response) == ["response", "response", "error", "error"]
     for result in response.results[2:]:
         assert result.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         assert error_info(result.error).reason == "QUEUE_FULL"
@@ -392,18 +396,13 @@ async def test_items_refused_at_admission_are_answered_before_the_others_are_com
     early, while_held, answer = await early_results_while_the_device_is_held(server, "65536")
     assert early is not None
     assert while_held
-    assert [result.WhichOneof("outcome") for result in early.results] == [
-        None,
-        None,
-        "error",
-        "error",
-    ]
+    assert outcomes(early) == [None, None, "error", "error"]
     for index in (2, 3):
         assert error_info(early.results[index].error).reason == "QUEUE_FULL"
         assert error_info(early.results[index].error).metadata["x-request-id"] == f"item-{index}"
         # The answer repeats them, beside the two computed once the device was free.
         assert answer.results[index] == early.results[index]
-    assert [result.WhichOneof("outcome") for result in answer.results[:2]] == ["response"] * 2
+    assert outcomes(answer)[:2] == ["response"] * 2
 
 
 async def test_early_results_fit_the_bytes_asked_for_and_come_only_when_asked(
@@ -422,23 +421,13 @@ async def test_early_results_fit_the_bytes_asked_for_and_come_only_when_asked(
     )
     early, _, answer = await early_results_while_the_device_is_held(server, str(room))
     assert early is not None
-    assert [result.WhichOneof("outcome") for result in early.results] == [
-        None,
-        None,
-        "error",
-        None,
-    ]
+    assert outcomes(early) == [None, None, "error", None]
     assert answer.results[3].WhichOneof("outcome") == "error"
     # Not asked: initial metadata comes with the answer, and no early results in it.
     early, while_held, answer = await early_results_while_the_device_is_held(server, None)
     assert early is None
     assert not while_held
-    assert [result.WhichOneof("outcome") for result in answer.results] == [
-        "response",
-        "response",
-        "error",
-        "error",
-    ]
+    assert outcomes(answer) == ["response", "response", "error", "error"]
 
 
 async def test_an_item_left_out_at_the_device_is_answered_before_the_forward_ends(
@@ -483,7 +472,7 @@ async def test_an_item_left_out_at_the_device_is_answered_before_the_forward_end
     early_bytes = dict(initial)[EARLY_RESULTS_HEADER]
     assert isinstance(early_bytes, bytes)
     early = pb.ClassifyBatchResponse.FromString(early_bytes)
-    assert [result.WhichOneof("outcome") for result in early.results] == ["error", None]
+    assert outcomes(early) == ["error", None]
     assert error_info(early.results[0].error).reason == "EXPIRED_IN_QUEUE"
     assert isinstance(answer, pb.ClassifyBatchResponse)
     assert answer.results[0] == early.results[0]
