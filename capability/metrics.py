@@ -47,9 +47,11 @@ RPC_ITEMS = "classify_capability_rpc_items"
 CACHE_HIT = "hit"
 CACHE_MISS = "miss"
 # Where a text's time ran out (the `stage` of DEADLINE_EXCEEDED_TOTAL): refused at
-# admission (no time left, or less than the predicted service time), evicted from
-# the queue by its timer, or left out by the device thread as its batch started
-# (the deadline had passed, or would pass before the forward could end).
+# admission (no time left, or less than the predicted service time), taken out of
+# the queue (by its timer, or because the batch being formed, or any batch after
+# the work handed over, could not end in time for it), or left out by the device
+# thread as its batch started (the deadline had passed, or would pass before the
+# forward could end).
 DEADLINE_STAGE_ADMISSION = "admission"
 DEADLINE_STAGE_QUEUE = "queue"
 DEADLINE_STAGE_DEVICE = "device"
@@ -170,7 +172,8 @@ class CapabilityMetrics:
         )
         self.evictions = Counter(
             EVICTIONS_TOTAL,
-            "Requests evicted from a queue because their deadline passed.",
+            "Requests taken out of a queue uncomputed because their deadline passed or "
+            "could no longer be met.",
             ["model"],
             registry=registry,
         )
@@ -183,7 +186,8 @@ class CapabilityMetrics:
         self.deadline_exceeded = Counter(
             DEADLINE_EXCEEDED_TOTAL,
             "Texts answered DEADLINE_EXCEEDED and never computed, by where their time ran "
-            "out: admission, queue (evicted by its timer) or device (left out of its batch).",
+            "out: admission, queue (evicted by its timer, or as batches were formed) or "
+            "device (left out of its batch).",
             ["model", "stage"],
             registry=registry,
         )

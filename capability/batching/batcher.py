@@ -13,6 +13,15 @@ Two named slots hold the batches handed to the device thread:
 early) and only while no other model waits for the device (it would starve).
 When `running` is answered, `following` moves up and the slot is free again.
 
+Batches are picked to end in time. As a batch is taken, it keeps the texts
+that can end before their deadlines if it starts when the device is predicted
+to be free (WaitPredictor.texts_that_fit); the others are answered
+DeadlineUnreachable then and there, and the batch is topped up from the queue.
+Once a batch is handed over, queued texts that cannot end in time even alone
+right after it are answered too. Both used to wait for the device thread to
+leave them out as their batch started, one forward later, in a batch with
+fewer texts to compute (docs/benchmark.md, 2026-12-02).
+
 Every waiter gets exactly one outcome: its result, ModelFault when its batch
 fails or the loop dies with its batch handed over, ExpiredInQueue when its
 deadline passes before its batch starts, or DeadlineUnreachable when it would
@@ -43,6 +52,7 @@ from capability.batching.outcome import (
 )
 from capability.batching.queue import PendingRequest, RequestQueue
 from capability.batching.settings import BatchingSettings
+from capability.batching.wait import WaitPredictor
 from capability.bundle import LoadedBundle
 from capability.metrics import (
     DEADLINE_STAGE_DEVICE,
@@ -118,11 +128,15 @@ class Batcher:
         *,
         retry_after: Callable[[int], float],
         on_settled: Callable[[], None],
+        predictor: WaitPredictor | None = None,
     ) -> None:
         """`retry_after(depth)`: seconds until a queue of `depth` drains (for QueueFull).
         `on_settled()`: called whenever the replica's work may have run out (a device
-        turn ended, a request was evicted)."""
+        turn ended, a request was evicted). `predictor`: the replica's wait predictions,
+        by which batches are picked to end in time (without one, they are not)."""
         self.bundle = bundle
+        self._predictor = predictor
+        self._select = self._keep_those_in_time if predictor is not None else None
         self.queue: RequestQueue[TextResult] = RequestQueue(
             settings, retry_after=retry_after, on_evicted=self._evicted
         )
@@ -209,12 +223,13 @@ class Batcher:
 
     async def _serve_turn(self) -> None:
         """Run batches until the queue holds no full one (or another model waits)."""
-        self.running = self._submit(await self.queue.next_batch())
+        self.running = self._submit(await self.queue.next_batch(self._select))
         loop = asyncio.get_running_loop()
         while self.running is not None:
             if self.running.started_at is None:
                 self.running.started_at = loop.time()
             self.following = self._submit_if_full()
+            self._answer_those_out_of_time()
             await self._finish(self.running)
             self.running, self.following = self.following, None
 
@@ -223,8 +238,68 @@ class Batcher:
         another model waits for the device."""
         if self._device.others_waiting:
             return None
-        ready = self.queue.take_full_batch()
+        ready = self.queue.take_full_batch(self._select)
         return self._submit(ready) if ready else None
+
+    def _keep_those_in_time(self, batch: list[PendingRequest[TextResult]]) -> list[bool]:
+        """The queue's selector: which texts of a batch being taken stay in it. Those
+        that cannot end in time in it, if it starts once the batches handed over are
+        done (WaitPredictor.texts_that_fit), are answered DeadlineUnreachable now; those
+        whose callers went away are dropped."""
+        assert self._predictor is not None
+        now = asyncio.get_running_loop().time()
+        starts_at = now + self._predictor.device_busy_seconds()
+        live = [index for index, request in enumerate(batch) if not request.future.done()]
+        fits, needed = self._predictor.texts_that_fit(
+            [len(batch[i].encoded) for i in live], [batch[i].deadline for i in live], starts_at
+        )
+        keep = [False] * len(batch)
+        for index, fit in zip(live, fits, strict=True):
+            if fit:
+                keep[index] = True
+            else:
+                self._answer_out_of_time(batch[index], now, starts_at, needed)
+        return keep
+
+    def _answer_those_out_of_time(self) -> None:
+        """Answer the queued texts that cannot end in time even alone in a batch right
+        after those handed over: nothing queued starts sooner, whatever order the queue
+        serves it in."""
+        if self._predictor is None or not len(self.queue):
+            return
+        now = asyncio.get_running_loop().time()
+        starts_at = now + self._predictor.device_busy_seconds()
+        shortest = self._predictor.service_time.predict(1, self.queue.settings.length_buckets[0])
+        for request in self.queue.take_due_before(starts_at + shortest):
+            self._answer_out_of_time(request, now, starts_at, shortest)
+        self.show_queue_depth()
+
+    def _answer_out_of_time(
+        self, request: PendingRequest[TextResult], now: float, starts_at: float, needed: float
+    ) -> None:
+        """A text taken out of the queue because it cannot end in time in a batch that
+        starts at `starts_at` (loop time) and needs `needed` seconds; never computed."""
+        self._evictions.inc()
+        self._expired[DEADLINE_STAGE_QUEUE].inc()
+        assert request.deadline is not None  # only a deadline puts a text out of time
+        remaining = request.deadline - now
+        error: ServiceError
+        if remaining <= 0:
+            error = ExpiredInQueue(
+                "the deadline passed while the request was queued; it was not computed",
+                waited_ms=round((now - request.enqueued_at) * 1000),
+            )
+        else:
+            error = DeadlineUnreachable(
+                f"{remaining * 1000:.0f} ms were left, but the device is busy for about "
+                f"{(starts_at - now) * 1000:.0f} ms and its batch then needs about "
+                f"{needed * 1000:.0f} ms; it was not computed",
+                remaining_ms=round(remaining * 1000),
+                predicted_ms=round((starts_at - now + needed) * 1000),
+            )
+        self._trace_expiry(request, error)
+        if not request.future.done():
+            request.future.set_exception(error)
 
     def _abandon_submitted(self) -> None:
         """The loop stopped (cancelled or crashed) with batches handed over: their

@@ -22,6 +22,10 @@ Three properties are the point of this module:
   ones leave at their deadlines as ever. An oldest request without a deadline
   goes first even then, as it would never leave. Once the queue drains to a
   short wait, order is first-come first-served again.
+- Picked to fit: the batcher may pass a `select` that says which requests of
+  a batch being taken can end in time in it (it answers the others). They
+  leave, and the batch is topped up from the same lanes, so the device gets
+  a batch of requests that can still make their deadlines.
 
 All methods run on the event loop thread; none blocks.
 """
@@ -49,6 +53,9 @@ STANDING_QUEUE_SECONDS = 0.1
 PRIORITY_INTERACTIVE = 0
 PRIORITY_BATCH = 1
 PRIORITIES = (PRIORITY_INTERACTIVE, PRIORITY_BATCH)
+# Times a batch being taken is picked and topped up again when some of its
+# requests cannot end in time in it (each round answers at least one of them).
+SELECT_ROUNDS = 3
 
 ResultT = TypeVar("ResultT")
 
@@ -82,6 +89,10 @@ class PendingRequest(Generic[ResultT]):
     # (epoch ns, the clock spans use).
     trace: RequestTrace | None = field(default=None, repr=False)
     admitted_ns: int = 0
+
+
+# Which requests of a batch being taken stay in it (the selector answers the others).
+Select = Callable[[list[PendingRequest[ResultT]]], Sequence[bool]]
 
 
 class RequestQueue(Generic[ResultT]):
@@ -234,9 +245,25 @@ class RequestQueue(Generic[ResultT]):
     def depth_in_bucket(self, bucket: int) -> int:
         return sum(len(self._lanes[(priority, bucket)]) for priority in PRIORITIES)
 
-    def _take(self, head: PendingRequest[ResultT]) -> list[PendingRequest[ResultT]]:
+    def _take(
+        self, head: PendingRequest[ResultT], select: Select[ResultT] | None
+    ) -> list[PendingRequest[ResultT]]:
+        """The batch that starts from `head`; `select` (if any) picks the requests that
+        stay in it, and the batch is topped up from the same lanes after each pick."""
         batch: list[PendingRequest[ResultT]] = []
         self.newest_first_batches += self.newest_first
+        for _ in range(SELECT_ROUNDS):
+            if not self._top_up(head, batch) or select is None:
+                break
+            keep = select(batch)
+            if all(keep):
+                break
+            batch = [request for request, kept in zip(batch, keep, strict=True) if kept]
+        return batch
+
+    def _top_up(self, head: PendingRequest[ResultT], batch: list[PendingRequest[ResultT]]) -> int:
+        """Fill `batch` from `head`'s bucket, its priority first; how many were added."""
+        added = 0
         for priority in PRIORITIES[PRIORITIES.index(head.priority) :]:
             lane = self._lanes[(priority, head.bucket)]
             while lane and len(batch) < self.settings.max_batch_size:
@@ -244,23 +271,52 @@ class RequestQueue(Generic[ResultT]):
                 if request.timer is not None:
                     request.timer.cancel()
                 batch.append(request)
-        self._size -= len(batch)
-        return batch
+                added += 1
+        self._size -= added
+        return added
+
+    def take_due_before(self, cutoff: float) -> list[PendingRequest[ResultT]]:
+        """Take every queued request whose deadline is before `cutoff` (loop time) out of
+        the queue, for the caller to answer: none of them can start before then."""
+        taken: list[PendingRequest[ResultT]] = []
+        for key, lane in self._lanes.items():
+            if not any(r.deadline is not None and r.deadline < cutoff for r in lane):
+                continue
+            kept: collections.deque[PendingRequest[ResultT]] = collections.deque()
+            for request in lane:
+                if request.deadline is not None and request.deadline < cutoff:
+                    if request.timer is not None:
+                        request.timer.cancel()
+                    taken.append(request)
+                else:
+                    kept.append(request)
+            self._lanes[key] = kept
+        self._size -= len(taken)
+        if taken:
+            self._changed.set()
+        return taken
 
     async def wait_not_empty(self) -> None:
         while not self._size:
             self._changed.clear()
             await self._changed.wait()
 
-    def take_full_batch(self) -> list[PendingRequest[ResultT]] | None:
-        """The next batch if it is already full, else None (nothing is taken)."""
+    def take_full_batch(
+        self, select: Select[ResultT] | None = None
+    ) -> list[PendingRequest[ResultT]] | None:
+        """The next batch if it is already full, else None (nothing is taken); `select`
+        picks its requests as in `next_batch`, so it may come out less than full."""
         head = self._head()
         if head is None or self.depth_in_bucket(head.bucket) < self.settings.max_batch_size:
             return None
-        return self._take(head)
+        return self._take(head, select)
 
-    async def next_batch(self) -> list[PendingRequest[ResultT]]:
+    async def next_batch(
+        self, select: Select[ResultT] | None = None
+    ) -> list[PendingRequest[ResultT]]:
         """Wait for the next batch: full, or its oldest request has waited `max_wait`.
+        `select(batch)`, when given, says which of the requests taken stay in the batch
+        and answers the others; the batch is then topped up (SELECT_ROUNDS times).
 
         An empty batch when the queue is empty, or empties meanwhile (its requests were
         evicted): the caller holds the device, and must not keep it waiting for more.
@@ -275,7 +331,7 @@ class RequestQueue(Generic[ResultT]):
                 self.depth_in_bucket(head.bucket) >= self.settings.max_batch_size
                 or loop.time() >= closes_at
             ):
-                return self._take(head)
+                return self._take(head, select)
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=closes_at - loop.time())

@@ -178,6 +178,7 @@ class ModelReplica:
             metrics,
             retry_after=self.predictor.drain_seconds,
             on_settled=self._set_idle_if_nothing_left,
+            predictor=self.predictor,
         )
         # What this version costs on the device; set by DeviceWorker.prepare.
         self.ledger: MemoryLedger | None = None
@@ -368,9 +369,10 @@ class ModelReplica:
         reaches no one, and its share of the forward is taken from texts that can
         still be answered in time. When the whole batch would end too late for some,
         the forward holds the most texts it can end in time for
-        (WaitPredictor.texts_that_fit). Under overload about one text in twenty
-        reached the device that late (scratch probe, `make bench-overload`'s 256
-        callers). `on_left_out` hears of them before the forward begins.
+        (WaitPredictor.texts_that_fit). The batcher picks batches that way as it
+        forms them, by the predicted start (batcher.py); this is the last check,
+        for when the device frees later than predicted. `on_left_out` hears of
+        them before the forward begins.
         """
         now = time.monotonic()
         deadlines = deadlines or [None] * len(encoded)

@@ -13,6 +13,7 @@ from capability.batching import (
     RequestQueue,
     ServiceTimeModel,
 )
+from capability.batching.queue import SELECT_ROUNDS, PendingRequest
 from capability.model import EncodedText
 from classify_common.errors import ExpiredInQueue, QueueFull
 
@@ -171,3 +172,46 @@ def test_a_negative_cost_in_the_free_fit_is_fitted_without_not_zeroed() -> None:
         )
     # Nothing predicts a negative time, however small the batch.
     assert model.predict(1, 1) > 0
+
+
+async def test_a_selector_drops_requests_from_the_batch_being_taken_and_it_is_topped_up() -> None:
+    """The selector turns down every request named "slow-*" (and would answer it): it
+    leaves the queue, and the batch is filled again from the lane behind it."""
+    queue = make_queue(max_batch_size=2)
+    for name in ["slow-0", "a", "slow-1", "b", "c"]:
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None)
+    picks: list[list[str]] = []
+
+    def select(batch: list[PendingRequest[str]]) -> list[bool]:
+        picks.append([r.request_id for r in batch])
+        return [not r.request_id.startswith("slow") for r in batch]
+
+    batch = await queue.next_batch(select)
+    assert [r.request_id for r in batch] == ["a", "b"]
+    assert picks == [["slow-0", "a"], ["a", "slow-1"], ["a", "b"]]
+    assert len(queue) == 1
+    # Each pick turns down at least one request, so the rounds are bounded.
+    for name in [f"slow-{n}" for n in range(2, 2 + 2 * SELECT_ROUNDS)]:
+        queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id=name, deadline=None)
+    picks.clear()
+    assert [r.request_id for r in await queue.next_batch(select)] == ["c"]
+    assert len(picks) == SELECT_ROUNDS
+
+
+async def test_requests_due_before_a_time_are_taken_out_of_every_lane() -> None:
+    queue = make_queue(length_buckets=(16, 64))
+    loop = asyncio.get_running_loop()
+    soon, later = loop.time() + 5, loop.time() + 60
+    for name, tokens, deadline in [
+        ("short-soon", 8, soon),
+        ("short-later", 8, later),
+        ("long-soon", 40, soon),
+        ("patient", 40, None),
+    ]:
+        queue.admit(text(tokens), priority=PRIORITY_INTERACTIVE, request_id=name, deadline=deadline)
+    taken = queue.take_due_before(loop.time() + 10)
+    assert sorted(r.request_id for r in taken) == ["long-soon", "short-soon"]
+    assert all(r.timer is not None and r.timer.cancelled() for r in taken)
+    assert len(queue) == 2
+    batch = await queue.next_batch()
+    assert [r.request_id for r in batch] == ["short-later"]

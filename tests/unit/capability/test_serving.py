@@ -36,7 +36,7 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
-from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
+from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault, ServiceError
 from tests.conftest import StartCapability, metric_sum, wait_until
 from tests.status_details import error_reason, refusal
 
@@ -200,6 +200,100 @@ async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
     )
     await replica.wait_idle()
     assert replica.in_flight == 0
+
+
+def admitted_all(
+    admissions: list[asyncio.Future[TextResult] | ServiceError],
+) -> list[asyncio.Future[TextResult]]:
+    """The futures of texts admitted in one step, none of them refused."""
+    futures = [a for a in admissions if isinstance(a, asyncio.Future)]
+    assert len(futures) == len(admissions), admissions
+    return futures
+
+
+def device_takes_ten_seconds_a_batch(replica: ModelReplica, encoded: EncodedText) -> None:
+    """Make the replica's service-time fit predict 10 s for a batch of one or two."""
+    replica.predictor.service_time = ServiceTimeModel()
+    for texts in (1, 2) * 20:
+        replica.predictor.service_time.record(texts, len(encoded), 10.0)
+
+
+async def test_a_batch_keeps_the_texts_that_end_in_time_and_is_topped_up_as_it_is_taken(
+    start_capability: StartCapability,
+) -> None:
+    """Batches of two that the fit says take 10 s, and five texts queued at once: the
+    first two form the running batch. The next batch would start in about 10 s and end
+    in about 20, past the 15 s deadline of the first text it takes. That text is
+    answered DEADLINE_UNREACHABLE as the batch is formed, while the device is still
+    held (not a batch later, by the device thread), and the batch is topped up with
+    the text behind it, so the device computes two texts in it, not one."""
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
+    device_takes_ten_seconds_a_batch(replica, encoded)
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    deadline = asyncio.get_running_loop().time() + 15.0
+    async with device_occupied(worker, take_turn=False):
+        waiters = admitted_all(
+            replica.admit(
+                [
+                    Admission(
+                        encoded, PRIORITY_INTERACTIVE, name, deadline if name == "hurried" else None
+                    )
+                    for name in ("first", "second", "hurried", "third", "fourth")
+                ]
+            )
+        )
+        hurried = waiters[2]
+        await wait_until(hurried.done, "the hurried text answered", limit_seconds=10)
+        assert len(replica.queue) == 0
+        assert replica.in_flight == 4
+    assert isinstance(hurried.exception(), DeadlineUnreachable), hurried.exception()
+    assert "the device is busy for about" in str(hurried.exception())
+    others = await asyncio.gather(*(waiters[i] for i in (0, 1, 3, 4)))
+    assert all(isinstance(result, TextResult) for result in others)
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 4
+    assert metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm") >= 2
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="queue")
+        == 1
+    )
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="device")
+        == 0
+    )
+
+
+async def test_a_queued_text_that_cannot_end_in_time_after_the_batches_handed_over_is_answered(
+    start_capability: StartCapability,
+) -> None:
+    """Two batches of two handed over (about 20 s of work by the fit) and a fifth text
+    queued behind them with 15 s left: it cannot end in time even alone, so it is
+    answered DEADLINE_UNREACHABLE as the second batch is handed over, not by its queue
+    timer 15 s later."""
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
+    device_takes_ten_seconds_a_batch(replica, encoded)
+    deadline = asyncio.get_running_loop().time() + 15.0
+    async with device_occupied(worker, take_turn=False):
+        waiters = admitted_all(
+            replica.admit(
+                [
+                    Admission(
+                        encoded, PRIORITY_INTERACTIVE, name, deadline if name == "late" else None
+                    )
+                    for name in ("first", "second", "third", "fourth", "late")
+                ]
+            )
+        )
+        late = waiters[4]
+        await wait_until(late.done, "the late text answered", limit_seconds=10)
+        assert len(replica.queue) == 0
+        assert replica.in_flight == 4
+    assert isinstance(late.exception(), DeadlineUnreachable), late.exception()
+    await asyncio.gather(*waiters[:4])
+    assert (
+        metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="queue")
+        == 1
+    )
+    assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 1
 
 
 async def test_a_batch_too_slow_for_all_its_texts_computes_the_most_that_fit(
@@ -446,13 +540,13 @@ async def test_crashed_batching_loop_restarts_and_serves_what_was_queued(
     forming = replica.queue.next_batch
     crashes = 0
 
-    async def crash_once() -> Any:
+    async def crash_once(*args: Any) -> Any:
         # Fault injection: a bug in the loop itself, not in the model (see _supervise).
         nonlocal crashes
         if crashes == 0:
             crashes += 1
             raise RuntimeError("injected fault in batch forming")
-        return await forming()
+        return await forming(*args)
 
     restarts = metric_sum(server.registry, WORKER_RESTARTS_TOTAL, worker=worker.name)
     async with classify_stub(server) as stub:
