@@ -14,6 +14,12 @@ of a served topic-minilm had a per-text cost of -1 ms; zeroed, it predicted a
 batch of 31 texts 17% slower than the same data said (scratch log of the fit
 under `make bench-overload`'s 256 callers, 2026-12-02), so that admission
 and the batch's deadline check, which read this fit, refused texts early.
+
+It is plain Python floats, not numpy: the system is 3x3, and numpy's call
+overhead was most of the cost. A prediction took 4.6 µs and a refit 61 µs on
+the 2-core machine; the serving loop predicts several times per request
+(admission, the load report, forming batches) and the device thread refits,
+holding the GIL, after every batch.
 """
 
 from __future__ import annotations
@@ -21,27 +27,39 @@ from __future__ import annotations
 import itertools
 import threading
 
-import numpy as np
-
 # Weight kept by past observations at each new one: ~200 batches of memory.
 FORGETTING = 0.995
 # Ridge term keeping the 3x3 system solvable before varied shapes are seen.
 RIDGE = 1e-6
 
-
-def _features(batch_size: int, padded_tokens: int) -> np.ndarray:
-    return np.array([1.0, float(batch_size), float(batch_size * padded_tokens)])
-
+Vector = tuple[float, float, float]
+# A symmetric 3x3 matrix, row by row.
+Matrix = list[list[float]]
 
 # Every proper non-empty subset of the three terms, for the non-negative fit.
 _TERM_SUBSETS = [subset for size in (1, 2) for subset in itertools.combinations(range(3), size)]
 
 
-def _solve_subset(
-    gram: list[list[float]], moment: list[float], subset: tuple[int, ...]
-) -> list[float]:
+def _solve_all(gram: Matrix, moment: list[float]) -> list[float]:
+    """The free least-squares coefficients of all three terms (Cramer's rule on the
+    ridged normal equations)."""
+    (a, b, c), (_, e, f), (_, _, i) = gram
+    a, e, i = a + RIDGE, e + RIDGE, i + RIDGE
+    # Cofactors of the symmetric matrix [[a, b, c], [b, e, f], [c, f, i]].
+    c00, c01, c02 = e * i - f * f, c * f - b * i, b * f - c * e
+    c11, c12, c22 = a * i - c * c, b * c - a * f, a * e - b * b
+    determinant = a * c00 + b * c01 + c * c02
+    m0, m1, m2 = moment
+    return [
+        (c00 * m0 + c01 * m1 + c02 * m2) / determinant,
+        (c01 * m0 + c11 * m1 + c12 * m2) / determinant,
+        (c02 * m0 + c12 * m1 + c22 * m2) / determinant,
+    ]
+
+
+def _solve_subset(gram: Matrix, moment: list[float], subset: tuple[int, ...]) -> list[float]:
     """The least-squares coefficients of the terms in `subset` (one or two), the others
-    held at zero, in plain floats: numpy's call overhead is most of a 2x2 solve."""
+    held at zero."""
     if len(subset) == 1:
         (i,) = subset
         return [moment[i] / (gram[i][i] + RIDGE)]
@@ -54,7 +72,7 @@ def _solve_subset(
     ]
 
 
-def non_negative_fit(gram: np.ndarray, moment: np.ndarray, squares: float) -> np.ndarray:
+def non_negative_fit(gram: Matrix, moment: list[float], squares: float) -> Vector:
     """Least-squares coefficients, none negative, from the (weighted) normal equations
     `gram`, `moment` and the sum of squared observations `squares`.
 
@@ -63,36 +81,40 @@ def non_negative_fit(gram: np.ndarray, moment: np.ndarray, squares: float) -> np
     all non-negative: with three terms that is six small solves, and it is the exact
     non-negative least-squares solution.
     """
-    solution = np.linalg.solve(gram + RIDGE * np.eye(3), moment)
-    if (solution >= 0).all():
-        return solution
-    rows, sums = gram.tolist(), moment.tolist()
+    free = _solve_all(gram, moment)
+    if min(free) >= 0:
+        return free[0], free[1], free[2]
     best, best_residual = [0.0, 0.0, 0.0], squares
     for subset in _TERM_SUBSETS:
-        part = _solve_subset(rows, sums, subset)
+        part = _solve_subset(gram, moment, subset)
         if min(part) < 0:
             continue
-        candidate = [0.0, 0.0, 0.0]
-        for index, value in zip(subset, part, strict=True):
-            candidate[index] = value
-        # Weighted sum of squared residuals: y·y - 2·β·(Xᵀy) + β·(XᵀX)·β.
-        residual = squares - 2 * sum(c * m for c, m in zip(candidate, sums, strict=True))
-        residual += sum(
-            candidate[i] * rows[i][j] * candidate[j] for i in range(3) for j in range(3)
-        )
+        # Weighted sum of squared residuals: y·y - 2·β·(Xᵀy) + β·(XᵀX)·β, over the
+        # subset's terms (the others are zero).
+        terms = list(zip(subset, part, strict=True))
+        residual = squares
+        for i, beta_i in terms:
+            residual -= 2 * beta_i * moment[i]
+            for j, beta_j in terms:
+                residual += beta_i * gram[i][j] * beta_j
         if residual < best_residual:
-            best, best_residual = candidate, residual
-    return np.array(best)
+            best = [0.0, 0.0, 0.0]
+            for index, value in terms:
+                best[index] = value
+            best_residual = residual
+    return best[0], best[1], best[2]
 
 
 class ServiceTimeModel:
     """Thread-safe: the device thread records, the event loop predicts."""
 
     def __init__(self) -> None:
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
+        self._gram: Matrix = [[0.0] * 3 for _ in range(3)]
+        self._moment = [0.0, 0.0, 0.0]
         self._squares = 0.0
-        self._coefficients = np.zeros(3)
+        # Replaced whole by each refit, so a prediction reads one consistent fit
+        # without taking the lock.
+        self._coefficients: Vector = (0.0, 0.0, 0.0)
         self._observations = 0
         self._lock = threading.Lock()
 
@@ -101,16 +123,18 @@ class ServiceTimeModel:
         return self._observations
 
     def record(self, batch_size: int, padded_tokens: int, seconds: float) -> None:
-        x = _features(batch_size, padded_tokens)
+        x = (1.0, float(batch_size), float(batch_size * padded_tokens))
         with self._lock:
-            self._gram = FORGETTING * self._gram + np.outer(x, x)
-            self._moment = FORGETTING * self._moment + x * seconds
+            gram, moment = self._gram, self._moment
+            for row in range(3):
+                for column in range(3):
+                    gram[row][column] = FORGETTING * gram[row][column] + x[row] * x[column]
+                moment[row] = FORGETTING * moment[row] + x[row] * seconds
             self._squares = FORGETTING * self._squares + seconds * seconds
             self._observations += 1
-            self._coefficients = non_negative_fit(self._gram, self._moment, self._squares)
+            self._coefficients = non_negative_fit(gram, moment, self._squares)
 
     def predict(self, batch_size: int, padded_tokens: int) -> float:
         """Seconds a batch of this shape is expected to take (0 before any observation)."""
-        with self._lock:
-            coefficients = self._coefficients
-        return float(coefficients @ _features(batch_size, padded_tokens))
+        launch, per_text, per_token = self._coefficients
+        return launch + batch_size * (per_text + per_token * padded_tokens)
