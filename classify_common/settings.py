@@ -167,7 +167,10 @@ class Settings:
                 dest=each.name,
                 type=each.spec.parse,
                 default=_from_environment(each, environ),
-                help=f"{each.spec.help} [env {each.env}; default {each.default}]",
+                # argparse formats help with %: a literal one (say "80%") must be doubled.
+                help=f"{each.spec.help} [env {each.env}; default {each.default}]".replace(
+                    "%", "%%"
+                ),
             )
         return cls(**vars(parser.parse_args(argv)))
 

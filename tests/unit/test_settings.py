@@ -22,6 +22,23 @@ def test_defaults_are_the_documented_ports() -> None:
     assert orchestrator.auth == "required"
 
 
+@pytest.mark.parametrize("settings", [CapabilitySettings, OrchestratorSettings])
+def test_help_lists_every_flag_with_its_text_as_written(
+    settings: type[CapabilitySettings] | type[OrchestratorSettings],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--help` prints and exits 0 (a "%" in a help text once crashed argparse's
+    formatting of the capability's help), naming every flag and keeping a "%"."""
+    with pytest.raises(SystemExit) as exited:
+        settings.from_args(["--help"], environ={})
+    assert exited.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    for each in settings.declared():
+        assert each.flag in printed
+    if settings is CapabilitySettings:
+        assert "0: 80% of the device" in printed
+
+
 def test_auth_is_required_unless_switched_off_explicitly() -> None:
     with pytest.raises(
         SettingsError, match="--api-keys-file / ORCHESTRATOR_API_KEYS_FILE is needed"
