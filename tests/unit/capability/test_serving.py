@@ -36,7 +36,7 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
-from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault, ServiceError
+from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
 from tests.conftest import StartCapability, metric_sum, wait_until
 from tests.status_details import error_reason, refusal
 
@@ -202,13 +202,30 @@ async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
     assert replica.in_flight == 0
 
 
-def admitted_all(
-    admissions: list[asyncio.Future[TextResult] | ServiceError],
+async def five_texts_one_answered_while_held(
+    worker: DeviceWorker, replica: ModelReplica, encoded: EncodedText, hurried: int
 ) -> list[asyncio.Future[TextResult]]:
-    """The futures of texts admitted in one step, none of them refused."""
-    futures = [a for a in admissions if isinstance(a, asyncio.Future)]
-    assert len(futures) == len(admissions), admissions
-    return futures
+    """Five texts admitted in one step while the device thread is held, the one at
+    index `hurried` with 15 s left and the others with no deadline. Returns their
+    futures once that one is answered, with four texts handed over and none queued,
+    after letting the device go; fails if it is not answered within 10 s (its queue
+    timer would answer it at 15 s)."""
+    deadline = asyncio.get_running_loop().time() + 15.0
+    async with device_occupied(worker, take_turn=False):
+        admissions = replica.admit(
+            [
+                Admission(
+                    encoded, PRIORITY_INTERACTIVE, f"r{i}", deadline if i == hurried else None
+                )
+                for i in range(5)
+            ]
+        )
+        waiters = [a for a in admissions if isinstance(a, asyncio.Future)]
+        assert len(waiters) == 5, admissions
+        await wait_until(waiters[hurried].done, "the hurried text answered", limit_seconds=10)
+        assert len(replica.queue) == 0
+        assert replica.in_flight == 4
+    return waiters
 
 
 def device_takes_ten_seconds_a_batch(replica: ModelReplica, encoded: EncodedText) -> None:
@@ -230,28 +247,19 @@ async def test_a_batch_keeps_the_texts_that_end_in_time_and_is_topped_up_as_it_i
     server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
     device_takes_ten_seconds_a_batch(replica, encoded)
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
-    deadline = asyncio.get_running_loop().time() + 15.0
-    async with device_occupied(worker, take_turn=False):
-        waiters = admitted_all(
-            replica.admit(
-                [
-                    Admission(
-                        encoded, PRIORITY_INTERACTIVE, name, deadline if name == "hurried" else None
-                    )
-                    for name in ("first", "second", "hurried", "third", "fourth")
-                ]
-            )
-        )
-        hurried = waiters[2]
-        await wait_until(hurried.done, "the hurried text answered", limit_seconds=10)
-        assert len(replica.queue) == 0
-        assert replica.in_flight == 4
+    forwards_before = metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm")
+    waiters = await five_texts_one_answered_while_held(worker, replica, encoded, hurried=2)
+    hurried = waiters[2]
     assert isinstance(hurried.exception(), DeadlineUnreachable), hurried.exception()
     assert "the device is busy for about" in str(hurried.exception())
     others = await asyncio.gather(*(waiters[i] for i in (0, 1, 3, 4)))
     assert all(isinstance(result, TextResult) for result in others)
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 4
-    assert metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm") >= 2
+    # Two full batches: without the top-up the last two texts would take one each.
+    assert (
+        metric_sum(server.registry, MODEL_FORWARD_TOTAL, model="topic-minilm")
+        == forwards_before + 2
+    )
     assert (
         metric_sum(server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-minilm", stage="queue")
         == 1
@@ -271,22 +279,8 @@ async def test_a_queued_text_that_cannot_end_in_time_after_the_batches_handed_ov
     timer 15 s later."""
     server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
     device_takes_ten_seconds_a_batch(replica, encoded)
-    deadline = asyncio.get_running_loop().time() + 15.0
-    async with device_occupied(worker, take_turn=False):
-        waiters = admitted_all(
-            replica.admit(
-                [
-                    Admission(
-                        encoded, PRIORITY_INTERACTIVE, name, deadline if name == "late" else None
-                    )
-                    for name in ("first", "second", "third", "fourth", "late")
-                ]
-            )
-        )
-        late = waiters[4]
-        await wait_until(late.done, "the late text answered", limit_seconds=10)
-        assert len(replica.queue) == 0
-        assert replica.in_flight == 4
+    waiters = await five_texts_one_answered_while_held(worker, replica, encoded, hurried=4)
+    late = waiters[4]
     assert isinstance(late.exception(), DeadlineUnreachable), late.exception()
     await asyncio.gather(*waiters[:4])
     assert (
