@@ -270,9 +270,11 @@ class Batcher:
         now = asyncio.get_running_loop().time()
         starts_at = now + self._predictor.device_busy_seconds()
         shortest = self._predictor.service_time.predict(1, self.queue.settings.length_buckets[0])
-        for request in self.queue.take_due_before(starts_at + shortest):
+        taken = self.queue.take_due_before(starts_at + shortest)
+        for request in taken:
             self._answer_out_of_time(request, now, starts_at, shortest)
-        self.show_queue_depth()
+        if taken:
+            self.show_queue_depth()
 
     def _answer_out_of_time(
         self, request: PendingRequest[TextResult], now: float, starts_at: float, needed: float
@@ -290,12 +292,17 @@ class Batcher:
                 waited_ms=round((now - request.enqueued_at) * 1000),
             )
         else:
+            busy = starts_at - now
+            waits = (
+                f"the device is busy for about {busy * 1000:.0f} ms and its batch then needs"
+                if busy > 0
+                else "its batch needs"
+            )
             error = DeadlineUnreachable(
-                f"{remaining * 1000:.0f} ms were left, but the device is busy for about "
-                f"{(starts_at - now) * 1000:.0f} ms and its batch then needs about "
+                f"{remaining * 1000:.0f} ms were left, but {waits} about "
                 f"{needed * 1000:.0f} ms; it was not computed",
                 remaining_ms=round(remaining * 1000),
-                predicted_ms=round((starts_at - now + needed) * 1000),
+                predicted_ms=round((busy + needed) * 1000),
             )
         self._trace_expiry(request, error)
         if not request.future.done():

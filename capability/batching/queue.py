@@ -1,7 +1,7 @@
 """A bounded, deadline-aware queue of tokenized requests, grouped for batching.
 
 Requests wait in lanes keyed by (priority, length bucket), FIFO within a lane.
-Three properties are the point of this module:
+What this module is for:
 
 - Bounded: `admit` checks capacity before it allocates anything, and a full
   queue raises QueueFull at once; nothing ever waits for room.
