@@ -80,6 +80,9 @@ INSTALLED_SETS = (
         requirements="requirements/capability.in",
         sources=("capability", "classify_common", "tools/grpc_health_check.py"),
         every_declaration_imported=True,
+        used_without_import={
+            "numpy": "torch sets up its NumPy bridge at import, and warns on every start without it"
+        },
     ),
     # The throwaway virtualenv in which both Dockerfiles generate the stubs.
     InstalledSet(
