@@ -236,10 +236,14 @@ def _early_answer(
     return answer
 
 
+def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:
+    """The item's own trace ID; the call's when the item has no trace."""
+    return format_trace_id(text.trace.server_span) if text.trace else call_trace_id
+
+
 def _item_error(text: TextRequest, error: ServiceError, call_trace_id: str) -> status_pb2.Status:
     """The google.rpc.Status of a refused item, under its own request and trace IDs."""
-    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
-    return item_status(error, text.request_id, trace_id)
+    return item_status(error, text.request_id, _item_trace_id(text, call_trace_id))
 
 
 def _batch_result(
@@ -257,9 +261,10 @@ def _batch_result(
             end_item_trace(text.trace, outcome)
         return pb.ClassifyBatchResult(error=_item_error(text, outcome, call_trace_id))
     end_item_trace(text.trace, None)
-    trace_id = format_trace_id(text.trace.server_span) if text.trace else call_trace_id
     return pb.ClassifyBatchResult(
-        response=classify_response(item, outcome, text.request_id, trace_id)
+        response=classify_response(
+            item, outcome, text.request_id, _item_trace_id(text, call_trace_id)
+        )
     )
 
 
