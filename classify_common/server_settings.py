@@ -1,4 +1,4 @@
-"""The settings both servers take: where to listen, TLS, telemetry, shutdown, logs.
+"""The settings both servers take: where to listen, TLS, telemetry, shutdown, logs, loop.
 
 Each layer subclasses ServerSettings, giving its ENV_PREFIX and its own default
 ports (with `port_setting` and `metrics_port_setting`, so the help and bounds
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from classify_common.event_loop import EVENT_LOOPS, UVLOOP
 from classify_common.settings import Settings, setting
 from classify_common.tls import ServerTls, server_tls
 
@@ -79,6 +80,9 @@ class ServerSettings(Settings):
         DEFAULT_GRACE_SECONDS, "drain time on SIGTERM", float, low=0, high=300, unit="s"
     )
     log_level: str = setting(DEFAULT_LOG_LEVEL, "log level")
+    # uvloop: the loop's own work in C (classify_common/event_loop.py); asyncio: the
+    # standard library's loop, for comparing or ruling uvloop out.
+    event_loop: str = setting(UVLOOP, "event loop the server runs on", choices=EVENT_LOOPS)
     # Calls that arrive faster than the event loop takes them in wait in gRPC core,
     # in arrival order; one that has waited longer than this when the loop asks for
     # it is dropped (its caller sees CANCELLED), so that a loop that fell behind

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from classify_common.admission import Gate, admission_for
+from classify_common.event_loop import loop_factory, running_loop_kind
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
@@ -212,7 +213,8 @@ def run_server(
     log_fields: Mapping[str, object] | None = None,
 ) -> None:
     """A server process's main: JSON logs (each line with `log_fields`) and tracing for
-    `service`, then `serve()` on a new event loop. A start-up failure of one of
+    `service`, then `serve()` on a new event loop of the kind `settings` name (uvloop
+    by default, classify_common.event_loop). A start-up failure of one of
     `start_errors` (a bad file, a port in use) is one clear log line and exit status 2,
     not a traceback."""
     configure_logging(service, settings.log_level, log_fields)
@@ -222,7 +224,8 @@ def run_server(
         log.error("cannot start", extra={"error": str(exc)})
         sys.exit(2)
     try:
-        asyncio.run(serve())
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            runner.run(serve())
     except start_errors as exc:
         log.error("cannot start", extra={"error": str(exc)})
         sys.exit(2)
@@ -245,7 +248,7 @@ async def serve_until_signal(
     gracefully, even after a failed start."""
     try:
         fields = await start()
-        log.info(event, extra=dict(fields))
+        log.info(event, extra={**fields, "event_loop": running_loop_kind()})
         await (wait or wait_for_shutdown_signal)()
     finally:
         await server.stop()

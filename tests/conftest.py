@@ -40,6 +40,7 @@ from capability.bundle import build_bundle
 from capability.config import CapabilitySettings
 from capability.server import CapabilityServer
 from classify_common import interceptor
+from classify_common.event_loop import UVLOOP, loop_factory
 from classify_common.logs import JsonFormatter
 from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
@@ -60,6 +61,12 @@ STACK_API_KEY = new_key()
 # one more every half second (a second call at once is refused with a RetryInfo).
 LIMITED_TENANT = "limited"
 LIMITED_RATE = "{rate_per_second: 2, burst: 1}"
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Tests run on the loop the servers run on by default (uvloop), so that the
+    in-process servers they start are the servers users run."""
+    return {UVLOOP: loop_factory(UVLOOP)}
 
 
 async def wait_until(

@@ -58,6 +58,8 @@ def test_request_crosses_both_processes_with_one_request_id_and_one_trace(
 
     assert response.labels[0].name == "sports"
     assert response.status == pb.RESULT_STATUS_DONE
+    # Both processes run on the default loop (classify_common/event_loop.py).
+    assert orchestrator.ready["event_loop"] == capability.ready["event_loop"] == "uvloop"
     assert response.route == "default"
     assert response.fallback is False
     assert response.model.name == "topic-minilm"
