@@ -3,16 +3,17 @@
 Why uvloop: each request goes around the loop a dozen times or more in each
 process (gRPC's completions, our tasks, the device thread's answers), and
 asyncio's loop does its bookkeeping in Python. uvloop does it in C. Through the
-front door at 64 clients on topic-static (the serving path's own cost), both
-servers spent about 14% less CPU a request on it and served 15% more
-(docs/benchmark.md, "the servers on uvloop"). grpc.aio runs on any asyncio loop.
+front door at 64 clients on topic-static (the serving path's own cost), the
+orchestrator spent 7% and the capability 9% less CPU a request on it, and the
+two served 7% more (docs/benchmark.md, "the servers on uvloop"). grpc.aio runs
+on any asyncio loop.
 
 Why a subclass: uvloop's `loop.time()` is libuv's clock in whole milliseconds.
 The servers measure with `loop.time()` (queue waits of a fraction of a
 millisecond, the round trips the coalescer learns from, trace node durations),
 so here it reads the same monotonic clock at full resolution, as asyncio's loop
-does. Timers (`call_at`, `asyncio.timeout`) still fire to uvloop's millisecond:
-one due in under half a millisecond may run up to that much early.
+does. Timers (`call_at`, `asyncio.timeout`) still fire to uvloop's millisecond
+(their delay is rounded to one): up to half a millisecond early or late.
 """
 
 from __future__ import annotations
