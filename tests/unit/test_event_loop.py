@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,22 +33,28 @@ def distinct_readings(clock: Callable[[], float], seconds: float) -> list[float]
     return sorted(readings)
 
 
+def steps(readings: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(readings)]
+
+
 async def test_the_tests_run_on_the_loop_the_servers_run_on() -> None:
     # The in-process servers of the other tests are then the servers users run.
     assert type(asyncio.get_running_loop()) is FineClockLoop
 
 
 async def test_the_loop_clock_reads_well_under_a_millisecond() -> None:
+    # Medians and minimums: the spinning thread may be descheduled for a while on a
+    # busy machine, which makes a few steps long but none short.
     loop = asyncio.get_running_loop()
-    fine = distinct_readings(loop.time, 0.005)
-    assert len(fine) > 50
-    assert max(b - a for a, b in itertools.pairwise(fine)) < 0.0005
+    fine = steps(distinct_readings(loop.time, 0.005))
+    assert len(fine) >= 10
+    assert statistics.median(fine) < 0.0001
     # uvloop's own clock steps in whole milliseconds: the reason for the subclass.
     plain = uvloop.new_event_loop()
     try:
-        steps = distinct_readings(plain.time, 0.005)
-        assert len(steps) <= 7
-        assert min(b - a for a, b in itertools.pairwise(steps)) >= 0.0009
+        coarse = steps(distinct_readings(plain.time, 0.005))
+        assert coarse
+        assert min(coarse) >= 0.0009
     finally:
         plain.close()
 
