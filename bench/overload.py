@@ -11,17 +11,23 @@ figures measure load shedding, not the cheap model. Phases, one after another:
    callers arrive over the phase's first second (RAMP_SECONDS), as a crowd
    does, not all in one millisecond;
 3. healthy: 32 callers without a deadline right after, against capacity;
-4. refusal cost: 32 callers whose 5 ms deadlines nothing can meet, so the
+4. scaled deadline: 256 callers again, each call's deadline three times the
+   capacity phase's time per call (32 callers / its OK answers a second).
+   The issue's 300 ms was that on the machine it was written on (320 OK/s:
+   100 ms a call); on a slower machine 300 ms leaves room for less than one
+   batch of waiting, so the phases above measure the machine as much as the
+   shedding. Informational: judged against the same targets, not counted;
+5. refusal cost: 32 callers whose 5 ms deadlines nothing can meet, so the
    orchestrator refuses every call, for the CPU one refusal costs; these
    callers call again at once even after a RetryInfo (their calls arrive
    with under 10 ms left, so the front door soon refuses them as behind,
    FRONT_DOOR_BUSY, with hints that would leave it idle);
-5. with fallback: 1,024 callers again, through a second orchestrator that
+6. with fallback: 1,024 callers again, through a second orchestrator that
    reads routes.yaml as it is (the default route falls back to topic-static),
    for what a user's own stack does under the same overload: how many calls
    are answered in time, and how many of those by the fallback. Not judged
    against the targets, which are about load shedding;
-6. stopped: the same again, with that orchestrator (all its processes)
+7. stopped: the same again, with that orchestrator (all its processes)
    stopped (SIGSTOP) for STALL_SECONDS, STALL_AT_SECONDS into the phase, as a
    paused container or a node's hiccup stops it: its OK answers second by
    second, and how long after it runs again until a second has half the OK
@@ -58,7 +64,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,6 +98,9 @@ DEADLINE_SECONDS = 0.3
 # a measure of the burst, not of load shedding. The first second is reported on
 # its own as well.
 RAMP_SECONDS = 1.0
+# The scaled-deadline phase: its deadline in capacity times per call (see above).
+SCALED_DEADLINE_CALL_TIMES = 3.0
+SCALED = f"overload {OVERLOAD_CALLERS[0]}, deadline scaled"
 # A deadline nothing can meet: the refusal-cost phase.
 HOPELESS_DEADLINE_SECONDS = 0.005
 # Targets of issue 12.
@@ -108,6 +117,15 @@ STALL_SECONDS = 3
 STALL_PHASE_SECONDS = 15
 RECOVERED_SHARE = 0.5
 STALLED = f"{WITH_FALLBACK}, stopped {STALL_SECONDS} s"
+
+
+# A phase's deadline: seconds, none, or worked out from the capacity phase's OK/s.
+PlannedDeadline = float | Callable[[float], float] | None
+
+
+def scaled_deadline(capacity_ok_per_second: float) -> float:
+    """SCALED_DEADLINE_CALL_TIMES times a call's time at capacity: 0.3 s at 320 OK/s."""
+    return SCALED_DEADLINE_CALL_TIMES * CAPACITY_CALLERS / max(capacity_ok_per_second, 1.0)
 
 
 def summarise(
@@ -346,6 +364,21 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
             f"{LATE_SHARE_TARGET * 100:.1f}%), refusal p99 {phase['refusal_p99_ms']:.1f} ms "
             f"(target {REFUSAL_P99_TARGET_MS:.0f}): {'met' if ok else 'NOT met'}"
         )
+    if SCALED in phases:
+        phase = phases[SCALED]
+        goodput = phase["ok_per_second"] / capacity
+        ok = (
+            goodput >= GOODPUT_TARGET
+            and phase["late_share"] <= LATE_SHARE_TARGET
+            and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
+        )
+        lines.append(
+            f"{OVERLOAD_CALLERS[0]} callers, deadline {phase['deadline_ms']:.0f} ms "
+            f"({SCALED_DEADLINE_CALL_TIMES:.0f}x a call's time at capacity): goodput "
+            f"{goodput:.2f}, {phase['late_share'] * 100:.2f}% > 50 ms late, refusal p99 "
+            f"{phase['refusal_p99_ms']:.1f} ms: the targets {'met' if ok else 'NOT met'} "
+            "(informational: the 300 ms of the issue, scaled to this machine)"
+        )
     healthy = phases["healthy"]
     recovered = healthy["ok_per_second"] / capacity
     errors = healthy["calls"] - healthy["ok"]
@@ -414,6 +447,7 @@ def main() -> None:
             for callers in OVERLOAD_CALLERS
         ),
         ("healthy", CAPACITY_CALLERS, None, args.capacity_seconds, 0.0, True),
+        (SCALED, OVERLOAD_CALLERS[0], scaled_deadline, args.seconds, RAMP_SECONDS, True),
         (
             "refusal cost",
             CAPACITY_CALLERS,
@@ -433,11 +467,16 @@ def main() -> None:
         servers: dict[str, ServerProcess],
         name: str,
         callers: int,
-        deadline: float | None,
+        planned_deadline: PlannedDeadline,
         seconds: float,
         ramp: float,
         honour_hints: bool = True,
     ) -> None:
+        deadline = (
+            planned_deadline(phases[0]["ok_per_second"])
+            if callable(planned_deadline)
+            else planned_deadline
+        )
         progress.step(f"{name}: {callers} callers for {seconds:.0f} s")
         phase = RunningPhase(
             servers["orchestrator"].target,

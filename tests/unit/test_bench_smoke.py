@@ -366,3 +366,14 @@ def test_the_stall_phase_counts_from_the_end_of_the_stop_to_the_first_second_ser
     assert recovered_after([*by_second[:8], 0, 99, 10], 8, 200.0) is None
     # Nothing answered before the stall (the crowd's arrival swamped it): None.
     assert recovered_after(by_second, 8, 0.0) is None
+
+
+def test_the_scaled_deadline_is_the_issues_300_ms_on_the_machine_it_was_written_on() -> None:
+    from bench.overload import CAPACITY_CALLERS, scaled_deadline
+
+    # 32 callers at 320 OK/s: 100 ms a call, three times that.
+    assert CAPACITY_CALLERS == 32
+    assert scaled_deadline(320.0) == pytest.approx(0.3)
+    # Half the capacity: twice the deadline. No capacity at all: bounded, not infinite.
+    assert scaled_deadline(160.0) == pytest.approx(0.6)
+    assert scaled_deadline(0.0) == pytest.approx(96.0)
