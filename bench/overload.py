@@ -40,7 +40,8 @@ capacity, the share of calls that ended more than 50 ms past their deadline
 (seen by the client), the p99 latency of refusals (calls answered RESOURCE_EXHAUSTED, or
 DEADLINE_EXCEEDED with reason DEADLINE_UNREACHABLE) over the whole phase and
 over its first second alone, the outcome of
-every call by code and reason, each server's CPU per call, and, from the
+every call by code and reason, each server's CPU per call, the capability's
+forwards (how many newest first) and texts out of time by stage, and, from the
 orchestrator's per-call log lines, how long calls waited before its handler
 began (the deadline minus what it left on arrival) against the time in the
 handler: a refusal the handler answers in a millisecond but the caller sees
@@ -138,6 +139,14 @@ def summarise(
     servers: Mapping[str, ServerProcess],
     ramp_seconds: float,
 ) -> dict[str, Any]:
+    from capability.metrics import (
+        DEADLINE_EXCEEDED_TOTAL,
+        DEADLINE_STAGE_ADMISSION,
+        DEADLINE_STAGE_DEVICE,
+        DEADLINE_STAGE_QUEUE,
+        MODEL_FORWARD_TOTAL,
+        NEWEST_FIRST_BATCHES_TOTAL,
+    )
     from orchestrator.metrics import MODEL_FALLBACK_TOTAL
 
     ok = record.outcomes.get("OK", 0)
@@ -155,6 +164,17 @@ def summarise(
         "ok_per_second": ok / elapsed,
         # OK answers that came from a route's fallback (0 without one).
         "fallback_answers": observed.delta("orchestrator", MODEL_FALLBACK_TOTAL),
+        # What the capability did with the texts it took in: its batches, how many of
+        # them went newest first (the queue stood), and the texts it answered
+        # DEADLINE_EXCEEDED uncomputed, by where their time ran out.
+        "capability_batches": {
+            "forwards": observed.delta("capability", MODEL_FORWARD_TOTAL),
+            "newest_first": observed.delta("capability", NEWEST_FIRST_BATCHES_TOTAL),
+        },
+        "capability_out_of_time": {
+            stage: observed.delta("capability", DEADLINE_EXCEEDED_TOTAL, stage=stage)
+            for stage in (DEADLINE_STAGE_ADMISSION, DEADLINE_STAGE_QUEUE, DEADLINE_STAGE_DEVICE)
+        },
         "calls_per_second": record.calls / elapsed,
         "ok_p50_ms": percentile(record.ok_latencies, 0.5) * 1000,
         "ok_p99_ms": percentile(record.ok_latencies, 0.99) * 1000,
@@ -307,6 +327,14 @@ def print_report(report: dict[str, Any]) -> None:
             for name, count in phase["outcomes"].items()
         )
         print(f"- {phase['phase']}: {counts}")
+    print("\nThe capability's batches, and its texts answered out of time by stage:")
+    for phase in report["phases"]:
+        batches, out = phase["capability_batches"], phase["capability_out_of_time"]
+        print(
+            f"- {phase['phase']}: {batches['forwards']:,.0f} forwards, "
+            f"{batches['newest_first']:,.0f} of them newest first; out of time at "
+            + ", ".join(f"{stage} {count:,.0f}" for stage, count in out.items())
+        )
     print(
         "\nWhere the time went in the orchestrator (its per-call log lines): before the "
         "handler (the deadline minus what it left on arrival: gRPC's queue, the network) "
