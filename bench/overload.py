@@ -373,6 +373,15 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"- {line}")
 
 
+def meets_targets(phase: Mapping[str, Any], capacity: float) -> bool:
+    """Whether an overload phase meets issue 12's goodput, lateness and refusal targets."""
+    return (
+        phase["ok_per_second"] / capacity >= GOODPUT_TARGET
+        and phase["late_share"] <= LATE_SHARE_TARGET
+        and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
+    )
+
+
 def judge(report: dict[str, Any]) -> dict[str, Any]:
     phases = {phase["phase"]: phase for phase in report["phases"]}
     capacity = report["capacity_ok_per_second"]
@@ -380,11 +389,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     for callers in OVERLOAD_CALLERS:
         phase = phases[f"overload {callers}"]
         goodput = phase["ok_per_second"] / capacity
-        ok = (
-            goodput >= GOODPUT_TARGET
-            and phase["late_share"] <= LATE_SHARE_TARGET
-            and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
-        )
+        ok = meets_targets(phase, capacity)
         met &= ok
         lines.append(
             f"{callers} callers: goodput {goodput:.2f} of capacity (target {GOODPUT_TARGET}), "
@@ -395,11 +400,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     if SCALED in phases:
         phase = phases[SCALED]
         goodput = phase["ok_per_second"] / capacity
-        ok = (
-            goodput >= GOODPUT_TARGET
-            and phase["late_share"] <= LATE_SHARE_TARGET
-            and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
-        )
+        ok = meets_targets(phase, capacity)
         lines.append(
             f"{OVERLOAD_CALLERS[0]} callers, deadline {phase['deadline_ms']:.0f} ms "
             f"({SCALED_DEADLINE_CALL_TIMES:.0f}x a call's time at capacity): goodput "

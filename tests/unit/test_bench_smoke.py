@@ -377,3 +377,15 @@ def test_the_scaled_deadline_is_the_issues_300_ms_on_the_machine_it_was_written_
     # Half the capacity: twice the deadline. No capacity at all: bounded, not infinite.
     assert scaled_deadline(160.0) == pytest.approx(0.6)
     assert scaled_deadline(0.0) == pytest.approx(96.0)
+
+
+def test_an_overload_phase_meets_the_targets_only_with_all_three() -> None:
+    from bench.overload import meets_targets
+
+    good = {"ok_per_second": 80.0, "late_share": 0.001, "refusal_p99_ms": 10.0}
+    assert meets_targets(good, capacity=100.0)
+    assert not meets_targets({**good, "ok_per_second": 79.0}, capacity=100.0)
+    assert not meets_targets({**good, "late_share": 0.002}, capacity=100.0)
+    assert not meets_targets({**good, "refusal_p99_ms": 10.5}, capacity=100.0)
+    # No refusal at all (p99 of nothing is NaN) is no refusal too slow.
+    assert meets_targets({**good, "refusal_p99_ms": float("nan")}, capacity=100.0)
