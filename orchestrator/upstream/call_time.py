@@ -1,6 +1,9 @@
 """How long an upstream call of n items takes, and how long its answer spends between
 the two servers, learned from the calls a coalescer sends.
 
+It also follows how many items the calls it sends carry: an item that
+gathers behind a busy call leaves with the items that gather after it too.
+
 A replica's load report predicts the wait of one short text. A coalesced call
 carries tens of items, and under load its answer takes the time of all of
 them, so the report alone makes a busy replica look sooner free than it is.
@@ -36,6 +39,11 @@ TRIP_DEVIATIONS = 2
 # Below this variance of the item counts (weighted), the calls do not tell the fixed
 # cost from the per-item cost apart.
 MIN_COUNT_VARIANCE = 0.25
+# The weight of each call sent in the smoothed count of items per call: it follows
+# the calls of the last second or so under load, as the gathering does (a slower
+# mean, over the fit's ~20 calls, did no better in the A/B of docs/benchmark.md,
+# 2026-12-03).
+ITEMS_PER_CALL_GAIN = 0.2
 
 
 class CallTimeModel:
@@ -46,6 +54,7 @@ class CallTimeModel:
         self._weight = self._items = self._items_squared = 0.0
         self._seconds = self._items_seconds = 0.0
         self._fixed = self._per_item = 0.0
+        self._items_per_call = 1.0
 
     def record(self, items: int, seconds: float) -> None:
         n = float(items)
@@ -72,6 +81,14 @@ class CallTimeModel:
     def predict(self, items: int) -> float:
         """Seconds a call of `items` items is expected to take (0 before any answer)."""
         return self._fixed + self._per_item * items
+
+    def sent(self, items: int) -> None:
+        """A call of `items` items left."""
+        self._items_per_call += ITEMS_PER_CALL_GAIN * (items - self._items_per_call)
+
+    def items_per_call(self) -> float:
+        """Items the latest calls sent carried, smoothed over about the last five."""
+        return self._items_per_call
 
 
 class TripTime:

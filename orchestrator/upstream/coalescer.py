@@ -37,7 +37,7 @@ Each item keeps its own deadline, trace and outcome:
   DEADLINE_EXCEEDED without its IDs); an
   item that would gather behind busy calls and cannot make its deadline even
   if they come back when expected and its own call is as quick as calls of
-  that many items have been (orchestrator.upstream.call_time) is refused
+  its size have been (orchestrator.upstream.call_time) is refused
   DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
 - each item's `ItemContext.traceparent` is its own client span (the child of
   its `upstream_call` node, renamed after ClassifyBatch when merged), so the
@@ -201,7 +201,9 @@ class ReplicaCoalescer:
         # the time calls of its size have been taking, or the wait the replica
         # reported then if that is longer.
         self._expected_back: list[float] = []
-        self._call_time = CallTimeModel()
+        # How long calls of n items take, from the calls answered, and how many items
+        # calls carry.
+        self.call_time = CallTimeModel()
         # How long answers take to come back from the replica, outside its handler.
         self.trip = TripTime()
         self._send_scheduled = False
@@ -261,14 +263,23 @@ class ReplicaCoalescer:
     def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
         """DeadlineUnreachable now, rather than when its turn to be sent comes, for an
         item that gathers behind busy calls and cannot make its deadline even if a
-        call comes back when expected and the call it then leaves in (with the items
-        gathered before it) takes as long as calls of that size have been taking."""
+        call comes back when expected and the call it then leaves in takes as long as
+        calls of that size have been taking."""
         # It leaves once the calls in flight are back, or beside them once a full call
         # has gathered: counting from the first one back errs towards sending it, as
         # does counting it in the next call when more than max_items gathered first.
         sent_at = max(now, min(self._expected_back, default=now))
-        items = min(len(self._waiting) + 1, self._settings.max_items)
-        needed = max(self._predicted_wait(), self._call_time.predict(items))
+        # It leaves with the items gathered before it and with those that gather after
+        # it, so its call is as large as calls have lately been, or larger. Counting
+        # only the items before it judged the first items of each call by a call of a
+        # few items, let through texts that the replica then left out or computed too
+        # late, and refused them ~180 ms later instead of at once (docs/benchmark.md,
+        # 2026-12-03).
+        items = min(
+            max(len(self._waiting) + 1, round(self.call_time.items_per_call())),
+            self._settings.max_items,
+        )
+        needed = max(self._predicted_wait(), self.call_time.predict(items))
         if item.expires_at - sent_at >= needed:
             return
         self._on_expired()
@@ -314,8 +325,9 @@ class ReplicaCoalescer:
             live = [item for item in live if not item.future.done()]
             if not live:
                 continue
+            self.call_time.sent(len(live))
             self._in_flight += 1
-            expected_back = now + max(wait, self._call_time.predict(len(live)))
+            expected_back = now + max(wait, self.call_time.predict(len(live)))
             self._expected_back.append(expected_back)
             task = asyncio.create_task(self._call(live, now, expected_back))
             self._calls.add(task)
@@ -455,7 +467,7 @@ class ReplicaCoalescer:
     def _answered(self, items: int, sent_at: float) -> float:
         """Record a call answered; its round trip in seconds."""
         round_trip = asyncio.get_running_loop().time() - sent_at
-        self._call_time.record(items, round_trip)
+        self.call_time.record(items, round_trip)
         self._on_answered()
         return round_trip
 

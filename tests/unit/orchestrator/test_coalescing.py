@@ -335,6 +335,47 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
     assert expired == [1]
 
 
+async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in(
+    capability: CapabilityServer,
+) -> None:
+    """Calls have lately carried about 20 items, and a call takes 0.1 s plus 0.02 s an
+    item. The first item to gather behind a busy call leaves with the 19 or so that
+    gather after it: it needs about 0.5 s, not the 0.12 s of a call of one, and with 0.45 s
+    left it is refused at once. One with 5 s left gathers and is answered."""
+    expired: list[int] = []
+
+    def request(request_id: str) -> pb.ClassifyRequest:
+        return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+        )
+        # What the coalescer would have learned from calls of 10 and 30 items, and
+        # from sending calls of 25 (the lone call below brings the count to 20).
+        for items in (10, 30) * 10:
+            coalescer.call_time.record(items, 0.1 + 0.02 * items)
+        for _ in range(30):
+            coalescer.call_time.sent(25)
+        async with device_occupied(capability.pool.workers[0]):
+            first = asyncio.ensure_future(
+                coalescer.classify(request("a"), seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            assert round(coalescer.call_time.items_per_call()) == 20
+            with pytest.raises(DeadlineUnreachable) as refused:
+                await coalescer.classify(request("b"), seconds=0.45, trace_metadata=())
+            assert not first.done()
+            patient = asyncio.ensure_future(
+                coalescer.classify(request("c"), seconds=5.0, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.waiting == 1)
+        assert (await first).request_id == "a"
+        assert (await patient).request_id == "c"
+    assert "for a call of 20 items" in str(refused.value)
+    assert expired == [1]
+
+
 async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
     capability: CapabilityServer,
 ) -> None:
@@ -435,6 +476,21 @@ def test_calls_of_one_size_say_nothing_of_other_sizes() -> None:
     for items in (10, 30, 20):
         model.record(items, 0.01 + 0.002 * items)
     assert model.predict(30) > 0.04
+
+
+def test_the_items_per_call_follow_the_latest_calls_sent() -> None:
+    """One item a call until calls are sent; then the count moves a fifth of the way
+    to each new call's, so twenty calls of a new size all but replace the old."""
+    model = CallTimeModel()
+    assert model.items_per_call() == 1.0
+    model.sent(21)
+    assert model.items_per_call() == pytest.approx(5.0)
+    for _ in range(20):
+        model.sent(30)
+    assert model.items_per_call() == pytest.approx(30, abs=1.0)
+    for _ in range(20):
+        model.sent(4)
+    assert model.items_per_call() == pytest.approx(4, abs=1.0)
 
 
 def test_a_negative_cost_from_noise_is_taken_as_none() -> None:
