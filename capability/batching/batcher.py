@@ -15,8 +15,7 @@ When `running` is answered, `following` moves up and the slot is free again.
 
 Batches are picked to end in time. As a batch is taken, it keeps the texts
 that can end before their deadlines if it starts when the device is predicted
-to be free and runs as long as forwards have lately overrun their predictions
-(WaitPredictor.texts_that_fit); the others are answered
+to be free (WaitPredictor.texts_that_fit); the others are answered
 DeadlineUnreachable then and there, and the batch is topped up from the queue.
 Once a batch is handed over, queued texts that cannot end in time even alone
 right after it are answered too. Both used to wait for the device thread to
@@ -114,8 +113,6 @@ class SubmittedBatch:
     # Whether the texts the device thread left out of it have been answered (told
     # before the forward, or with its outcome).
     left_out_answered: bool = False
-    # Seconds its forward was predicted to take when it was handed over.
-    predicted: float = 0.0
 
 
 class Batcher:
@@ -341,13 +338,7 @@ class Batcher:
                 self._compute, [r.encoded for r in live], [r.deadline for r in live], left_out
             )
         )
-        padded = max(len(r.encoded) for r in live)
-        predicted = (
-            0.0
-            if self._predictor is None
-            else self._predictor.service_time.predict(len(live), padded)
-        )
-        submitted = SubmittedBatch(live, computing, padded, predicted=predicted)
+        submitted = SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
         return submitted
 
     def handed_over(self) -> tuple[SubmittedBatch | None, SubmittedBatch | None]:
@@ -361,9 +352,6 @@ class Batcher:
         batch = submitted.requests
         try:
             outcome = await submitted.computing
-            if self._predictor is not None and submitted.started_at is not None:
-                took = asyncio.get_running_loop().time() - submitted.started_at
-                self._predictor.overrun.record(submitted.predicted, took)
             computed = [r for i, r in enumerate(batch) if not outcome.left_out(i)]
             if len(computed) < len(batch):
                 self._answer_left_out(submitted, outcome)

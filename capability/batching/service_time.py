@@ -31,16 +31,6 @@ import threading
 FORGETTING = 0.995
 # Ridge term keeping the 3x3 system solvable before varied shapes are seen.
 RIDGE = 1e-6
-# The smoothing of forwards' overruns, as TCP smooths round trips (RFC 6298): the
-# weight of a new forward in the mean and in the mean deviation of took/predicted, and
-# how many deviations above the mean a forward is counted to take.
-OVERRUN_GAIN = 1 / 8
-OVERRUN_DEVIATION_GAIN = 1 / 4
-OVERRUN_DEVIATIONS = 2
-# The most one forward counts for, as a multiple of its prediction: a stall (a held
-# device, a long garbage collection) must not count every batch of the next twenty
-# forwards many times too long.
-MAX_OVERRUN_SAMPLE = 3.0
 
 Vector = tuple[float, float, float]
 # A symmetric 3x3 matrix, row by row.
@@ -148,29 +138,3 @@ class ServiceTimeModel:
         """Seconds a batch of this shape is expected to take (0 before any observation)."""
         launch, per_text, per_token = self._coefficients
         return launch + batch_size * (per_text + per_token * padded_tokens)
-
-
-class Overrun:
-    """How much longer than predicted forwards take, from handing a batch over to its
-    outcome on the serving loop: the fit's mean error, and what the fit cannot see,
-    such as the cores shared with other processes or the loop busy when the forward
-    ends. On the 2-core machine under overload, forwards took 0.93x their prediction
-    at the 10th percentile, 1.09x at the median and 1.42x at the 90th. Event-loop
-    thread only."""
-
-    def __init__(self) -> None:
-        self._mean = 1.0
-        self._deviation = 0.0
-
-    def record(self, predicted: float, took: float) -> None:
-        """A forward predicted to take `predicted` seconds took `took`."""
-        if predicted <= 0:  # nothing learned yet: no ratio
-            return
-        ratio = min(took / predicted, MAX_OVERRUN_SAMPLE)
-        self._deviation += OVERRUN_DEVIATION_GAIN * (abs(ratio - self._mean) - self._deviation)
-        self._mean += OVERRUN_GAIN * (ratio - self._mean)
-
-    def factor(self) -> float:
-        """What to multiply a predicted forward by to count it as long as forwards
-        lately took at most, bar a few; never less than 1."""
-        return max(1.0, self._mean + OVERRUN_DEVIATIONS * self._deviation)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from capability.batching.queue import RequestQueue
-from capability.batching.service_time import Overrun, ServiceTimeModel
+from capability.batching.service_time import ServiceTimeModel
 from capability.batching.settings import BatchingSettings
 from classify_common.errors import DeadlineUnreachable
 
@@ -49,8 +49,6 @@ class WaitPredictor:
         self.service_time = ServiceTimeModel()
         self._queue = queue
         self._handed_over = handed_over
-        # How much longer than predicted forwards take, as the batcher sees them.
-        self.overrun = Overrun()
 
     def device_busy_seconds(self) -> float:
         """Time the device needs to finish the batches already handed to it: what is
@@ -140,23 +138,16 @@ class WaitPredictor:
         All go when the whole batch is predicted to end before every deadline. Else the
         forward takes the most texts it can end in time for: the k texts with the
         latest deadlines, for the largest k whose forward ends before the earliest of
-        their deadlines. A forward's predicted time counts as long as forwards have
-        lately overrun their predictions (Overrun): a batch packed to end just in time
-        by the mean ends late half the time, its texts computed for callers that were
-        answered DEADLINE_EXCEEDED already (docs/benchmark.md, 2026-12-03: 313 of
-        1,167 texts computed at 256 callers with 300 ms deadlines).
-
-        A batch ends later the more texts it holds, so the texts of one coalesced
-        call, which share a deadline, would otherwise be left out all together when
-        their batch is a little too slow for them, and the device would compute
-        nothing (docs/benchmark.md, 2026-12-02: whole batches of 32 left out at 256
-        callers). The texts not taken cannot end in time in any later batch either.
+        their deadlines. A batch ends later the more texts it holds, so the texts of
+        one coalesced call, which share a deadline, would otherwise be left out all
+        together when their batch is a little too slow for them, and the device would
+        compute nothing (docs/benchmark.md, 2026-12-02: whole batches of 32 left out at
+        256 callers). The texts not taken cannot end in time in any later batch either.
         """
         if not tokens:
             return (), 0.0
         whole = self.service_time.predict(len(tokens), max(tokens))
-        late = self.overrun.factor()
-        if all(deadline is None or deadline >= now + whole * late for deadline in deadlines):
+        if all(deadline is None or deadline >= now + whole for deadline in deadlines):
             return (True,) * len(tokens), whole
         # Latest deadline first; no deadline is the latest of all.
         order = sorted(
@@ -168,8 +159,7 @@ class WaitPredictor:
         for count, index in enumerate(order, start=1):
             padded = max(padded, tokens[index])
             deadline = deadlines[index]
-            ends_at = now + self.service_time.predict(count, padded) * late
-            if deadline is None or deadline >= ends_at:
+            if deadline is None or deadline >= now + self.service_time.predict(count, padded):
                 taken = count
         chosen = set(order[:taken])
         return tuple(i in chosen for i in range(len(tokens))), whole

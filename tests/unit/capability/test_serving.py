@@ -202,26 +202,6 @@ async def test_a_text_whose_batch_would_end_past_its_deadline_is_left_out(
     assert replica.in_flight == 0
 
 
-async def test_a_forward_that_overruns_its_prediction_makes_later_batches_count_longer(
-    start_capability: StartCapability,
-) -> None:
-    """The fit predicts 10 ms a batch; the device is held 0.3 s with a batch handed over,
-    so that forward takes some 30 times its prediction as the loop sees it. It counts
-    as 3 times (a stall counts no more): batches picked after it count their forwards
-    2.25 times as long, the mean ratio 1.25 plus twice its deviation of 0.5
-    (WaitPredictor.texts_that_fit reads the factor)."""
-    _, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
-    for texts in (1, 2) * 50:
-        replica.predictor.service_time.record(texts, len(encoded), 0.010)
-    assert replica.predictor.overrun.factor() == 1.0
-    async with device_occupied(worker, take_turn=False):
-        admitted = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, "held", None))
-        await wait_until(lambda: replica.in_flight == 1)
-        await asyncio.sleep(0.3)
-    assert isinstance(await admitted, TextResult)
-    assert replica.predictor.overrun.factor() == pytest.approx(2.25)
-
-
 async def five_texts_one_answered_while_held(
     worker: DeviceWorker, replica: ModelReplica, encoded: EncodedText, hurried: int
 ) -> list[asyncio.Future[TextResult]]:

@@ -1,8 +1,7 @@
 """Wait predictions: the device finishes the batches handed to it, the queue ahead
 drains in full batches, then the text's own batch runs; a deadline shorter than the
 handed-over work and that batch is refused before the text is queued; a batch too
-slow for some of its texts' deadlines computes the most texts that fit, counting a
-forward as long as forwards have lately overrun their predictions."""
+slow for some of its texts' deadlines computes the most texts that fit."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import pytest
 
 from capability.batching import BatchingSettings, RequestQueue, WaitPredictor
 from capability.batching.batcher import SubmittedBatch
-from capability.batching.service_time import Overrun
 from capability.model import EncodedText
 
 
@@ -116,46 +114,3 @@ async def test_a_batch_too_slow_for_some_deadlines_takes_the_most_texts_that_fit
     # When the whole batch ends in time, all go.
     assert predictor.texts_that_fit(tokens, [now + 0.05] * 4, now)[0] == (True,) * 4
     assert predictor.texts_that_fit([], [], now) == ((), 0.0)
-
-
-def test_the_overrun_is_the_mean_ratio_plus_two_deviations_and_never_under_one() -> None:
-    overrun = Overrun()
-    assert overrun.factor() == 1.0  # nothing seen yet
-    overrun.record(predicted=0.0, took=0.5)  # no prediction yet: nothing to learn
-    assert overrun.factor() == 1.0
-    for _ in range(100):
-        overrun.record(predicted=0.1, took=0.15)
-    assert overrun.factor() == pytest.approx(1.5, abs=0.01)
-    # Forwards alternately 1.2x and 1.6x: mean 1.4, mean deviation 0.2.
-    for _ in range(100):
-        overrun.record(predicted=0.1, took=0.12)
-        overrun.record(predicted=0.1, took=0.16)
-    assert overrun.factor() == pytest.approx(1.4 + 2 * 0.2, abs=0.05)
-    # A stall counts as three times its prediction, no more.
-    stalled = Overrun()
-    stalled.record(predicted=0.01, took=10.0)
-    assert stalled.factor() == pytest.approx(1 + 2 / 8 + 2 * (2 / 4))
-    # Forwards quicker than predicted do not make a batch count as shorter.
-    for _ in range(100):
-        overrun.record(predicted=0.1, took=0.05)
-    assert overrun.factor() == 1.0
-
-
-async def test_a_batch_counts_as_long_as_forwards_have_lately_overrun() -> None:
-    """Four texts are predicted to take 40 ms and have 50 ms left: all go while forwards
-    take what they are predicted to. Once forwards take 1.5x, four would end at 60 ms:
-    only three (45 ms) are taken."""
-    settings = BatchingSettings()
-    queue: RequestQueue[object] = RequestQueue(settings, retry_after=lambda depth: 0.01)
-    predictor = WaitPredictor(settings, lambda: queue)
-    for size in (1, 2, 4, 8) * 20:
-        predictor.service_time.record(size, 16, 0.010 * size)
-    now = 100.0
-    tokens = [16, 16, 16, 16]
-    assert predictor.texts_that_fit(tokens, [now + 0.05] * 4, now)[0] == (True,) * 4
-    for _ in range(100):
-        predictor.overrun.record(predicted=0.04, took=0.06)
-    fits, whole = predictor.texts_that_fit(tokens, [now + 0.05] * 4, now)
-    assert sum(fits) == 3
-    # The forward's own prediction is reported as it is.
-    assert whole == pytest.approx(0.040, abs=0.001)
