@@ -19,6 +19,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
+from capability.workers import DeviceWorker
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import UPSTREAM_CALL_ITEMS
@@ -249,6 +250,34 @@ async def test_an_item_whose_time_runs_out_in_flight_is_answered_then_not_when_i
     assert texts_computed(capability) - computed_before == 1
 
 
+def minilm_request(request_id: str) -> pb.ClassifyRequest:
+    return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
+
+
+async def refused_behind_a_busy_call(
+    coalescer: ReplicaCoalescer, worker: DeviceWorker, hurried: float, patient: float
+) -> DeadlineUnreachable:
+    """With the device held and call "a" in flight, item "b" with `hurried` seconds
+    left is refused as it arrives (the call ahead still held), and item "c" with
+    `patient` seconds gathers; "a" and "c" are answered once the device is let go.
+    Returns b's refusal."""
+    async with device_occupied(worker):
+        first = asyncio.ensure_future(
+            coalescer.classify(minilm_request("a"), seconds=30, trace_metadata=())
+        )
+        await wait_until(lambda: coalescer.in_flight == 1)
+        with pytest.raises(DeadlineUnreachable) as refused:
+            await coalescer.classify(minilm_request("b"), seconds=hurried, trace_metadata=())
+        assert not first.done()
+        gathering = asyncio.ensure_future(
+            coalescer.classify(minilm_request("c"), seconds=patient, trace_metadata=())
+        )
+        await wait_until(lambda: coalescer.waiting == 1)
+    assert (await first).request_id == "a"
+    assert (await gathering).request_id == "c"
+    return refused.value
+
+
 async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_arrives(
     capability: CapabilityServer,
 ) -> None:
@@ -265,31 +294,10 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
             predicted_wait=lambda: 1.0,
         )
         computed_before = texts_computed(capability)
-        first_request = pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="a")
-        async with device_occupied(capability.pool.workers[0]):
-            first = asyncio.ensure_future(
-                coalescer.classify(first_request, seconds=30, trace_metadata=())
-            )
-            await wait_until(lambda: coalescer.in_flight == 1)
-            with pytest.raises(DeadlineUnreachable) as refused:
-                await coalescer.classify(
-                    pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="b"),
-                    seconds=1.5,
-                    trace_metadata=(),
-                )
-            # Refused while the call ahead of it is still held on the device.
-            assert not first.done()
-            patient = asyncio.ensure_future(
-                coalescer.classify(
-                    pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id="c"),
-                    seconds=3.0,
-                    trace_metadata=(),
-                )
-            )
-            await wait_until(lambda: coalescer.waiting == 1)
-        assert (await first).request_id == "a"
-        assert (await patient).request_id == "c"
-    assert "busy for about" in str(refused.value)
+        refused = await refused_behind_a_busy_call(
+            coalescer, capability.pool.workers[0], hurried=1.5, patient=3.0
+        )
+    assert "busy for about" in str(refused)
     assert expired == [1]
     assert texts_computed(capability) - computed_before == 2
 
@@ -302,36 +310,19 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
     1 s: it is refused as it arrives. Trusting the report alone, it would be sent."""
     expired: list[int] = []
     worker = capability.pool.workers[0]
-
-    def request(request_id: str) -> pb.ClassifyRequest:
-        return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
-
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
         )
         async with device_occupied(worker):
             slow = asyncio.ensure_future(
-                coalescer.classify(request("slow"), seconds=30, trace_metadata=())
+                coalescer.classify(minilm_request("slow"), seconds=30, trace_metadata=())
             )
             await wait_until(lambda: coalescer.in_flight == 1)
             await asyncio.sleep(0.5)
         assert (await slow).request_id == "slow"
-        async with device_occupied(worker):
-            first = asyncio.ensure_future(
-                coalescer.classify(request("a"), seconds=30, trace_metadata=())
-            )
-            await wait_until(lambda: coalescer.in_flight == 1)
-            with pytest.raises(DeadlineUnreachable) as refused:
-                await coalescer.classify(request("b"), seconds=0.8, trace_metadata=())
-            assert not first.done()
-            patient = asyncio.ensure_future(
-                coalescer.classify(request("c"), seconds=10.0, trace_metadata=())
-            )
-            await wait_until(lambda: coalescer.waiting == 1)
-        assert (await first).request_id == "a"
-        assert (await patient).request_id == "c"
-    assert "for a call of 1 items" in str(refused.value)
+        refused = await refused_behind_a_busy_call(coalescer, worker, hurried=0.8, patient=10.0)
+    assert "for a call of 1 items" in str(refused)
     assert expired == [1]
 
 
@@ -340,39 +331,23 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
 ) -> None:
     """Calls have lately carried about 20 items, and a call takes 0.1 s plus 0.02 s an
     item. The first item to gather behind a busy call leaves with the 19 or so that
-    gather after it: it needs about 0.5 s, not the 0.12 s of a call of one, and with 0.45 s
-    left it is refused at once. One with 5 s left gathers and is answered."""
+    gather after it: it needs about 0.5 s, not the 0.12 s of a call of one, and with
+    0.45 s left it is refused at once. One with 5 s left gathers and is answered."""
     expired: list[int] = []
-
-    def request(request_id: str) -> pb.ClassifyRequest:
-        return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
-
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
         )
         # What the coalescer would have learned from calls of 10 and 30 items, and
-        # from sending calls of 25 (the lone call below brings the count to 20).
+        # from sending calls of 25 (the lone call "a" brings the count to 20).
         for items in (10, 30) * 10:
             coalescer.call_time.record(items, 0.1 + 0.02 * items)
         for _ in range(30):
             coalescer.call_time.sent(25)
-        async with device_occupied(capability.pool.workers[0]):
-            first = asyncio.ensure_future(
-                coalescer.classify(request("a"), seconds=30, trace_metadata=())
-            )
-            await wait_until(lambda: coalescer.in_flight == 1)
-            assert round(coalescer.call_time.items_per_call()) == 20
-            with pytest.raises(DeadlineUnreachable) as refused:
-                await coalescer.classify(request("b"), seconds=0.45, trace_metadata=())
-            assert not first.done()
-            patient = asyncio.ensure_future(
-                coalescer.classify(request("c"), seconds=5.0, trace_metadata=())
-            )
-            await wait_until(lambda: coalescer.waiting == 1)
-        assert (await first).request_id == "a"
-        assert (await patient).request_id == "c"
-    assert "for a call of 20 items" in str(refused.value)
+        refused = await refused_behind_a_busy_call(
+            coalescer, capability.pool.workers[0], hurried=0.45, patient=5.0
+        )
+    assert "for a call of 20 items" in str(refused)
     assert expired == [1]
 
 
