@@ -13,8 +13,12 @@ with like in time on this shared host:
 3. serving overhead: the same against `topic-static`, whose forward costs almost
    nothing (routes.yaml sends the `model: topic-static` hint there), so what
    remains is the serving path's own CPU per request; 64 clients as well;
-4. the capability server alone (`python -m capability`, no orchestrator);
-5. the naive one-request-one-forward server (bench/naive_server.py).
+4. the serving path's floor: two gRPC hops that do nothing else
+   (bench/echo_server.py, one passing each call on to the other) at 1 and 64
+   clients, right after the stack, so that the one-client latency and the
+   serving overhead also read against what bare hops cost in the same minute;
+5. the capability server alone (`python -m capability`, no orchestrator);
+6. the naive one-request-one-forward server (bench/naive_server.py).
 
 Every level reports requests/s and texts/s, p50 and p99 per call, errors, the
 ratio to its adjacent ceiling, and the CPU microseconds per text (per request, for
@@ -65,6 +69,7 @@ from bench.harness import (  # noqa: E402
     ServerProcess,
     batch_call,
     capability_command,
+    echo_command,
     forward_latency,
     measure_ceiling,
     measure_level,
@@ -95,6 +100,8 @@ STATIC_CONCURRENCY = (1, 8, 32, 64, 128)
 BATCH_ITEMS = 64
 BATCH_CLIENTS = (1, 4)
 STATIC_BATCH_CLIENTS = (4,)
+# The echo hops: one client (the latency floor) and the serving overhead's 64.
+ECHO_CONCURRENCY = (1, 64)
 # Seconds of each ceiling probe right before and after a level (the probe after one
 # level is the probe before the next while the same servers run): all cores, and
 # the capability's own threads.
@@ -116,6 +123,8 @@ STEPS = (
     + len(BATCH_CLIENTS)
     + len(STATIC_CONCURRENCY)
     + len(STATIC_BATCH_CLIENTS)
+    + 1  # start the echo hops
+    + len(ECHO_CONCURRENCY)
     + 1  # start the capability alone
     + len(CONCURRENCY)
     + 1  # start the naive server
@@ -129,6 +138,12 @@ FRONT_DOOR = "front door"
 FRONT_DOOR_BATCH = f"front door, ClassifyBatch x{BATCH_ITEMS}"
 CAPABILITY_ALONE = "capability alone"
 NAIVE = "naive"
+ECHO = "two echo hops"
+# The echo rows' model column: they run none.
+NO_MODEL = "none"
+# The echo hops' processes, reported in the orchestrator's and the capability's columns.
+ECHO_FRONT = "echo front"
+ECHO_BACK = "echo back"
 
 
 def write_credentials(directory: Path | None = None) -> tuple[str, dict[str, str]]:
@@ -278,10 +293,13 @@ class FrontDoorBench:
         send: SendCall,
         servers: Mapping[str, ServerProcess],
         target: ServerProcess,
+        ceiling_model: str | None = None,
         items_per_call: int = 1,
     ) -> None:
-        """One level per concurrency. A call the server does not offer (UNIMPLEMENTED)
-        ends the sweep with one level marked not available."""
+        """One level per concurrency, between probes of `ceiling_model`'s ceiling
+        (`model`'s by default). A call the server does not offer (UNIMPLEMENTED) ends
+        the sweep with one level marked not available."""
+        probed = ceiling_model or model
         for done, clients in enumerate(concurrency):
             self.progress.step(f"{system}, {model}: {clients} clients")
             level: dict[str, Any] = {"system": system, "model": model, "concurrency": clients}
@@ -292,8 +310,8 @@ class FrontDoorBench:
                     self.seconds,
                     send,
                     runner=self.runner,
-                    ceiling=self.probes[model],
-                    served_ceiling=self.served_probes.get(model),
+                    ceiling=self.probes[probed],
+                    served_ceiling=self.served_probes.get(probed),
                     servers=servers,
                     items_per_call=items_per_call,
                     progress=self.progress,
@@ -357,8 +375,22 @@ class FrontDoorBench:
                         batch,
                         stack,
                         orchestrator,
-                        BATCH_ITEMS,
+                        items_per_call=BATCH_ITEMS,
                     )
+
+    def measure_echo(self) -> None:
+        """Two echo hops, the front one passing each call on to the back one: what gRPC
+        alone costs per request on this machine now (the ceiling probed beside them is
+        topic-static's, which costs next to nothing)."""
+        self.forget_probes()
+        self.progress.step("starting the two echo hops")
+        with (
+            start_server("front_door-echo-back", echo_command()) as back,
+            start_server("front_door-echo-front", echo_command(back.target)) as front,
+        ):
+            hops = {ECHO_FRONT: front, ECHO_BACK: back}
+            send = unary_call()
+            self.run(ECHO, NO_MODEL, ECHO_CONCURRENCY, send, hops, front, STATIC_MODEL)
 
     def measure_alone(self, system: str, name: str, command: Sequence[str]) -> None:
         """A single server (the capability alone, or the naive one) under unary load."""
@@ -378,7 +410,7 @@ def main() -> None:
     parser.add_argument(
         "--front-door-only",
         action="store_true",
-        help="skip the capability server alone and the naive server",
+        help="skip the capability server alone and the naive server (not the echo hops)",
     )
     args = parser.parse_args()
     started = time.perf_counter()
@@ -387,6 +419,7 @@ def main() -> None:
         bench.orchestrator_processes = args.orchestrator_processes
         bench.measure_ceilings()
         bench.measure_front_door()
+        bench.measure_echo()
         if not args.front_door_only:
             bench.measure_alone(
                 CAPABILITY_ALONE, "capability", capability_command("--device", args.device)
@@ -449,6 +482,8 @@ def targets(
     one = find(levels, FRONT_DOOR, MODEL, 1)
     forward = sum(forward_ms[MODEL]) / len(forward_ms[MODEL])
     static_64 = find(levels, FRONT_DOOR, STATIC_MODEL, 64)
+    echo_1 = find(levels, ECHO, NO_MODEL, 1)
+    echo_64 = find(levels, ECHO, NO_MODEL, 64)
     batch = find(levels, FRONT_DOOR_BATCH, MODEL, max(BATCH_CLIENTS))
     unary_32 = find(levels, FRONT_DOOR, MODEL, 32)
     unary_128 = find(levels, FRONT_DOOR, MODEL, 128)
@@ -456,6 +491,11 @@ def targets(
     serving_us = (
         static_64["cpu_us_per_text"]["orchestrator"] + static_64["cpu_us_per_text"]["capability"]
         if static_64.get("available")
+        else nan
+    )
+    echo_us = (
+        echo_64["cpu_us_per_text"][ECHO_FRONT] + echo_64["cpu_us_per_text"][ECHO_BACK]
+        if echo_64.get("available")
         else nan
     )
     return {
@@ -476,6 +516,11 @@ def targets(
         "static_64_servers_cpu_us_per_request": serving_us,
         "static_64_servers_cpu_us_target": 750.0,
         "static_64_requests_per_second": static_64.get("requests_per_second", nan),
+        # For scale, not targets: the two echo hops in the same run.
+        "echo_1_p50_ms": echo_1.get("p50_ms", nan),
+        "echo_64_servers_cpu_us_per_request": echo_us,
+        "echo_64_requests_per_second": echo_64.get("requests_per_second", nan),
+        "static_64_cpu_over_echo": serving_us / echo_us,
     }
 
 
@@ -552,7 +597,8 @@ def print_report(report: Mapping[str, Any]) -> None:
         "over the level; others: cores that other processes used meanwhile\n"
     )
     print(
-        "| system | model | clients | orchestrator µs | capability µs | servers µs | client µs "
+        "| system | model | clients | orchestrator (echo: front hop) µs "
+        "| capability (echo: back hop) µs | servers µs | client µs "
         "| others cores | mean batch | texts per upstream call |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -563,8 +609,8 @@ def print_report(report: Mapping[str, Any]) -> None:
         server_names = [name for name in cpu if name not in ("client", "others")]
         print(
             f"| {level['system']} | {level['model']} | {level['concurrency']} "
-            f"| {cell(cpu.get('orchestrator', math.nan))} "
-            f"| {cell(cpu.get('capability', cpu.get('naive', math.nan)))} "
+            f"| {cell(cpu.get('orchestrator', cpu.get(ECHO_FRONT, math.nan)))} "
+            f"| {cell(cpu.get('capability', cpu.get('naive', cpu.get(ECHO_BACK, math.nan))))} "
             f"| {cell(sum(cpu[name] for name in server_names))} | {cell(cpu['client'])} "
             f"| {cell(level['other_processes_cores'], 2)} "
             f"| {cell(level.get('mean_batch', math.nan), 1)} "
@@ -587,7 +633,8 @@ def print_report(report: Mapping[str, Any]) -> None:
         f"- one client: p50 {cell(goal['one_client_p50_ms'], 1)} ms; one forward of one text "
         f"(all cores) {forward['all_cores_mean']:.1f} ms + {ONE_CLIENT_MARGIN_MS} ms = "
         f"{goal['one_client_p50_limit_ms']:.1f} ms (with the capability's {served} "
-        f"thread(s): {forward['served_threads_mean']:.1f} ms)"
+        f"thread(s): {forward['served_threads_mean']:.1f} ms); two echo hops alone: p50 "
+        f"{cell(goal['echo_1_p50_ms'], 2)} ms"
     )
     print(
         f"- unary / adjacent ceiling: {cell(goal['unary_32_ratio'], 2)} at 32 clients "
@@ -604,7 +651,10 @@ def print_report(report: Mapping[str, Any]) -> None:
     print(
         f"- serving overhead ({STATIC_MODEL}, 64 clients): orchestrator + capability "
         f"{cell(goal['static_64_servers_cpu_us_per_request'])} µs of CPU per request "
-        f"(target 750), {cell(goal['static_64_requests_per_second'])} req/s"
+        f"(target 750), {cell(goal['static_64_requests_per_second'])} req/s; two echo "
+        f"hops at 64 clients {cell(goal['echo_64_servers_cpu_us_per_request'])} µs at "
+        f"{cell(goal['echo_64_requests_per_second'])} req/s, so the stack spends "
+        f"{cell(goal['static_64_cpu_over_echo'], 2)}x what bare gRPC hops do"
     )
 
 
@@ -638,16 +688,19 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
 
     levels: list[dict[str, Any]] = report["levels"]
     figure, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    panels = (
-        (axes[0], MODEL, (FRONT_DOOR, FRONT_DOOR_BATCH, CAPABILITY_ALONE, NAIVE)),
-        (axes[1], STATIC_MODEL, (FRONT_DOOR, FRONT_DOOR_BATCH)),
-    )
+    systems_of_minilm = [(system, MODEL) for system in (FRONT_DOOR, FRONT_DOOR_BATCH)]
+    systems_of_minilm += [(CAPABILITY_ALONE, MODEL), (NAIVE, MODEL)]
+    # The echo hops beside the serving overhead: the floor under it.
+    systems_of_static = [(FRONT_DOOR, STATIC_MODEL), (FRONT_DOOR_BATCH, STATIC_MODEL)]
+    systems_of_static.append((ECHO, NO_MODEL))
+    panels = ((axes[0], MODEL, systems_of_minilm), (axes[1], STATIC_MODEL, systems_of_static))
     for axis, model, systems in panels:
-        for system in systems:
+        for system, level_model in systems:
             points = [
                 level
                 for level in levels
-                if level["system"] == system and level["model"] == model and level.get("available")
+                if (level["system"], level["model"]) == (system, level_model)
+                and level.get("available")
             ]
             if not points:
                 continue

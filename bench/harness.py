@@ -522,6 +522,16 @@ def naive_command(device: str) -> list[str]:
     return [sys.executable, str(script), "--port", "0", "--device", device]
 
 
+def echo_command(upstream: str | None = None) -> list[str]:
+    """An echo hop (bench/echo_server.py) on a free port, passing calls on to `upstream`
+    when given."""
+    script = Path(__file__).resolve().parent / "echo_server.py"
+    return [
+        *(sys.executable, str(script), "--port", "0"),
+        *(("--upstream", upstream) if upstream else ()),
+    ]
+
+
 def start_server(
     name: str, command: Sequence[str], env: Mapping[str, str] | None = None
 ) -> ServerProcess:

@@ -18,8 +18,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from bench import front_door, gate
+from bench import echo_server, front_door, gate
 from bench.harness import (
     LATENCY_BUCKETS_MS,
     CpuWindow,
@@ -65,6 +66,30 @@ async def test_unimplemented_batch_call_is_raised_not_counted(naive_target: str)
         await drive(naive_target, 1, 0.2, batch_call(4), items_per_call=4)
 
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_echo_hops_pass_each_call_on_to_the_back_hop_and_do_nothing_else() -> None:
+    back, back_port = await echo_server.start_echo(0, None)
+    front, front_port = await echo_server.start_echo(0, f"127.0.0.1:{back_port}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{front_port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answer = await stub.Classify(pb.ClassifyRequest(text="anything"), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as unoffered:
+                await stub.ClassifyBatch(pb.ClassifyBatchRequest(), timeout=10)
+        await back.stop(grace=0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{front_port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as passed_on:
+                await stub.Classify(pb.ClassifyRequest(text="anything"), timeout=10)
+    finally:
+        await front.stop(grace=0)
+        await back.stop(grace=0)
+    assert answer == echo_server.FIXED_ANSWER
+    assert unoffered.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # With the back hop gone the front one has nothing to answer from, and says why.
+    assert passed_on.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "failed to connect" in (passed_on.value.details() or "")
 
 
 async def test_batch_call_accounts_for_every_item(orchestrator: OrchestratorServer) -> None:
@@ -163,6 +188,12 @@ def test_report_table_json_and_plot_are_written(
     levels = [
         synthetic_level(front_door.FRONT_DOOR, front_door.MODEL, 1),
         synthetic_level(front_door.FRONT_DOOR, front_door.STATIC_MODEL, 64),
+        synthetic_level(
+            front_door.ECHO,
+            front_door.NO_MODEL,
+            64,
+            cpu_us_per_text={front_door.ECHO_FRONT: 600, front_door.ECHO_BACK: 450, "client": 1},
+        ),
         {
             "system": front_door.FRONT_DOOR_BATCH,
             "model": front_door.MODEL,
@@ -198,6 +229,9 @@ def test_report_table_json_and_plot_are_written(
     assert row in table
     assert "not available: UNIMPLEMENTED: not yet" in table
     assert "orchestrator + capability 2,100 µs" in table
+    assert "| two echo hops | none | 64 | 600 | 450 | 1,050 | 1 |" in table
+    assert "two echo hops at 64 clients 1,050 µs at 100 req/s" in table
+    assert "the stack spends 2.00x what bare gRPC hops do" in table
     assert json.loads(front_door.json_text(report))["levels"][0]["mean_batch"] is None
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
 
