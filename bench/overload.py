@@ -108,6 +108,9 @@ HOPELESS_DEADLINE_SECONDS = 0.005
 GOODPUT_TARGET = 0.8
 LATE_SHARE_TARGET = 0.001
 REFUSAL_P99_TARGET_MS = 10.0
+# Callers' processes taking more than this share of the machine's cores leave the
+# servers too little of it for the phase to judge them (said beside its figures).
+CALLERS_HEAVY_SHARE = 0.5
 WITH_FALLBACK = f"overload {OVERLOAD_CALLERS[-1]}, with fallback"
 # The stall phase: the orchestrator with the fallback stopped for STALL_SECONDS,
 # STALL_AT_SECONDS into a phase of STALL_PHASE_SECONDS under the same crowd. Served
@@ -382,6 +385,19 @@ def meets_targets(phase: Mapping[str, Any], capacity: float) -> bool:
     )
 
 
+def callers_caveat(phase: Mapping[str, Any], cpus: int) -> str:
+    """What to say beside a phase whose callers' own processes took more than
+    CALLERS_HEAVY_SHARE of the machine (they run on it, beside the servers); "" if
+    they did not."""
+    taken = phase["cores_used"]["client"]
+    if not taken > CALLERS_HEAVY_SHARE * cpus:
+        return ""
+    return (
+        f" (the callers' own processes took {taken:.2f} of the {cpus} cores: this measures "
+        "the load generator beside the servers as much as the servers)"
+    )
+
+
 def judge(report: dict[str, Any]) -> dict[str, Any]:
     phases = {phase["phase"]: phase for phase in report["phases"]}
     capacity = report["capacity_ok_per_second"]
@@ -396,6 +412,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
             f"{phase['late_share'] * 100:.2f}% of calls > 50 ms late (target "
             f"{LATE_SHARE_TARGET * 100:.1f}%), refusal p99 {phase['refusal_p99_ms']:.1f} ms "
             f"(target {REFUSAL_P99_TARGET_MS:.0f}): {'met' if ok else 'NOT met'}"
+            + callers_caveat(phase, os.cpu_count() or 1)
         )
     if SCALED in phases:
         phase = phases[SCALED]

@@ -423,3 +423,12 @@ def test_an_overload_phase_meets_the_targets_only_with_all_three() -> None:
     assert not meets_targets({**good, "refusal_p99_ms": 10.5}, capacity=100.0)
     # No refusal at all (p99 of nothing is NaN) is no refusal too slow.
     assert meets_targets({**good, "refusal_p99_ms": float("nan")}, capacity=100.0)
+
+
+def test_a_phase_whose_callers_took_the_machine_says_so() -> None:
+    from bench.overload import callers_caveat
+
+    assert callers_caveat({"cores_used": {"client": 0.9}}, cpus=2) == ""
+    caveat = callers_caveat({"cores_used": {"client": 1.35}}, cpus=2)
+    assert "took 1.35 of the 2 cores" in caveat
+    assert callers_caveat({"cores_used": {"client": 1.35}}, cpus=8) == ""
