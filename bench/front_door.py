@@ -520,7 +520,7 @@ def targets(
         "echo_1_p50_ms": echo_1.get("p50_ms", nan),
         "echo_64_servers_cpu_us_per_request": echo_us,
         "echo_64_requests_per_second": echo_64.get("requests_per_second", nan),
-        "static_64_cpu_over_echo": serving_us / echo_us,
+        "static_64_cpu_over_echo": serving_us / echo_us if echo_us > 0 else nan,
     }
 
 
