@@ -586,6 +586,25 @@ async def test_stopping_the_loop_answers_the_running_and_the_following_batch(
     assert replica.batcher.following is None
 
 
+async def test_a_batch_handed_to_a_closed_device_thread_is_answered_not_lost(
+    start_capability: StartCapability,
+) -> None:
+    # The batching loop queues a batch on the device thread itself, as it takes it off
+    # the queue: a thread already closed must still give its texts an answer.
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+    worker._device_thread.close()
+
+    waiter = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, "late", None))
+
+    with pytest.raises(ModelFault, match="the batch failed"):
+        await asyncio.wait_for(waiter, 10)
+    assert replica.in_flight == 0
+    assert replica.batcher.running is None
+
+
 async def test_requests_evicted_while_waiting_for_the_device_do_not_keep_it_from_others(
     start_capability: StartCapability,
 ) -> None:
