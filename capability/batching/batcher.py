@@ -93,9 +93,8 @@ class Device(Protocol):
         """Hold the device for the block (FIFO among everyone who wants it)."""
         ...
 
-    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        """Queue `fn(*args)` on the device thread now; the future settles when it has
-        run. The caller holds the turn."""
+    async def execute(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on the device thread; the caller holds the turn."""
         ...
 
 
@@ -334,10 +333,10 @@ class Batcher:
         def left_out(outcome: BatchOutcome) -> None:  # on the device thread
             loop.call_soon_threadsafe(self._answer_left_out, submitted, outcome)
 
-        # Queued on the device thread here and now, not from a task of its own: that
-        # task would first wait for its turn on the event loop, and a free device with it.
-        computing = self._device.submit(
-            self._compute, [r.encoded for r in live], [r.deadline for r in live], left_out
+        computing = asyncio.ensure_future(
+            self._device.execute(
+                self._compute, [r.encoded for r in live], [r.deadline for r in live], left_out
+            )
         )
         submitted = SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
         return submitted

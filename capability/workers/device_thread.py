@@ -70,14 +70,11 @@ class DeviceThread:
         self._answerer.start()
 
     def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        """Queue `fn(*args)`; the future (of the running loop) settles when it has run.
-        Once the thread is closed it fails at once (RuntimeError): a caller that has
-        taken work off a queue answers it through the future, whatever happened."""
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        """Queue `fn(*args)`; the future (of the running loop) settles when it has run."""
         if self._closed:
-            future.set_exception(RuntimeError("the device thread is closed"))
-        else:
-            self._jobs.put(_Job(future, fn, args))
+            raise RuntimeError("the device thread is closed")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._jobs.put(_Job(future, fn, args))
         return future
 
     def close(self) -> None:

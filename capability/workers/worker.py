@@ -507,10 +507,6 @@ class DeviceWorker:
         """Run `fn(*args)` on the device thread; the caller holds the turn."""
         return await self._device_thread.submit(fn, *args)
 
-    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        """Queue `fn(*args)` on the device thread; the caller holds the turn."""
-        return self._device_thread.submit(fn, *args)
-
     def memory_in_use(self) -> float | None:
         """Share of device memory in use (CUDA), or None where it is not measured."""
         if self.device.type != "cuda":

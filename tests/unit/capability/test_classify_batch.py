@@ -589,8 +589,8 @@ async def test_stopping_the_loop_answers_the_running_and_the_following_batch(
 async def test_a_batch_handed_to_a_closed_device_thread_is_answered_not_lost(
     start_capability: StartCapability,
 ) -> None:
-    # The batching loop queues a batch on the device thread itself, as it takes it off
-    # the queue: a thread already closed must still give its texts an answer.
+    # A batch taken off the queue has left it: when the device thread cannot take it
+    # (closed, here), its texts must still get an answer.
     server = await start_capability(models=("topic-minilm",))
     worker = server.pool.workers[0]
     replica = worker.replicas["topic-minilm"]

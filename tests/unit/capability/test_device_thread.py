@@ -79,7 +79,5 @@ async def test_close_waits_for_the_running_job_and_cancels_the_queued_ones() -> 
     assert finished == ["running"]
     assert queued.cancelled()
     assert await first == "done"
-    too_late = thread.submit(finished.append, "too late")
     with pytest.raises(RuntimeError, match="closed"):
-        await too_late
-    assert finished == ["running"]
+        thread.submit(finished.append, "too late")
