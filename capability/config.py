@@ -4,7 +4,7 @@ Per-model serving settings (batching, precision, graph) come from an optional YA
 file (`--model-config`), one mapping per model name:
 
     topic-minilm:
-      max_batch_size: 32      # texts per forward pass, 1..1024
+      max_batch_size: 64      # texts per forward pass, 1..1024
       max_wait_ms: 0          # oldest request's wait for a fuller batch, 0..1000
       queue_capacity: 256     # queued requests per worker, 1..100000
       length_buckets: [16, 32, 64, 128, 256, 512]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from capability.batching.settings import DEFAULT_MAX_BATCH_SIZE
 from capability.config import CapabilitySettings
 from classify_common.settings import SettingsError
 from orchestrator.config import OrchestratorSettings
@@ -108,11 +109,12 @@ def test_models_flag_is_a_comma_separated_list() -> None:
 def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path: Path) -> None:
     config = tmp_path / "models.yaml"
     config.write_text(
-        "topic-static:\n  max_batch_size: 64\n  max_wait_ms: 2\n  precision: bf16\n  graph: eager\n"
+        "topic-static:\n  max_batch_size: 16\n  max_wait_ms: 2\n  precision: bf16\n  graph: eager\n"
     )
     settings = CapabilitySettings(model_config=config).with_model_config()
     static = settings.per_model["topic-static"]
-    assert static.batching.max_batch_size == 64
+    assert static.batching.max_batch_size == 16
+    assert settings.default_serving().batching.max_batch_size == DEFAULT_MAX_BATCH_SIZE != 16
     assert static.batching.max_wait_seconds == 0.002
     assert static.precision == "bf16"
     assert static.graph == "eager"
