@@ -11,13 +11,14 @@ from classify_common.settings import SettingsError
 # Batches of 64: in-process, a forward of 64 short texts makes about 2% more
 # texts/s than one of 32, and through the front door fewer, fuller batches and
 # upstream calls left more of the cores to the forwards: ClassifyBatch x64 made
-# 4% more texts/s and 128 unary clients 5% more, with a lower p99; overload
-# goodput was no lower (2026-12-03).
+# 4.6% more texts/s and 128 unary clients 4.9% more, with a lower p99; overload
+# goodput was no lower (2026-12-03, alternated A/B).
 #
 # No window: a batch is formed only when the device is free, so under load
 # requests pile up during the running forward and batches fill anyway (128
-# clients: 31 texts per batch with 0 or 5 ms), while a 5 ms window only added
-# 5 ms when idle (1 client: p50 24 ms with 5 ms, 17 ms with 0).
+# clients, batches of up to 32: 31 texts per batch with 0 or 5 ms), while a
+# 5 ms window only added 5 ms when idle (1 client: p50 24 ms with 5 ms, 17 ms
+# with 0).
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_MAX_WAIT_SECONDS = 0.0
 DEFAULT_QUEUE_CAPACITY = 256
