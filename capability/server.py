@@ -78,11 +78,13 @@ class CapabilityServer:
         self.serving = GrpcServing.contract_server(
             settings, self.registry, gate=internal_gate(settings), edge=False
         )
-        classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(self.pool, settings.default_model), self.serving.server
+        self.serving.add_service(
+            classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server,
+            ClassifyServicer(self.pool, settings.default_model),
         )
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.pool, self.lifecycle), self.serving.server
+        self.serving.add_service(
+            model_service_pb2_grpc.add_ModelServiceServicer_to_server,
+            ModelServicer(self.pool, self.lifecycle),
         )
         self._watcher: asyncio.Task[None] | None = None
         self._stopped = False

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
@@ -83,6 +83,35 @@ def server_options(core_wait_limit_seconds: int) -> tuple[tuple[str, int], ...]:
 
 METRICS_DISABLED = -1
 
+# The methods gRPC takes calls in for through a pending request of their own: the
+# calls that carry load. grpc.aio's server (grpcio 1.85) takes in each call with an
+# `asyncio.wait` over one pending request per registered method plus one for every
+# other method, so each method registered costs every call a little, however rarely
+# it is called itself: two echo hops with 10 more methods registered spent 30-60 µs
+# more CPU a call between them (docs/benchmark.md, 2026-12-03). The other methods
+# (GetResult, ModelService, health, reflection) are served through their services'
+# generic handlers, as gRPC serves any method it was not told of in advance.
+HOT_METHODS = frozenset({"Classify", "ClassifyBatch"})
+
+
+class _HotMethodsRegistered:
+    """The server as a generated `add_*_to_server` helper sees it: every method it adds
+    is served through its service's generic handler, and only the hot ones are also
+    registered (a registered handler takes precedence over a generic one)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        hot = {name: handler for name, handler in handlers.items() if name in HOT_METHODS}
+        if hot:
+            self._server.add_registered_method_handlers(service, hot)
+
 
 class GrpcServing:
     def __init__(
@@ -117,9 +146,12 @@ class GrpcServing:
             options=server_options(core_wait_limit_seconds),
         )
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        self.add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health)
+        self.add_service(
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+            reflection.aio.ReflectionServicer(
+                (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
         )
         self.port = 0
         self.metrics_port = 0
@@ -145,6 +177,11 @@ class GrpcServing:
             tls=settings.server_tls(),
             core_wait_limit_seconds=settings.core_wait_limit_seconds,
         )
+
+    def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:
+        """Serve `servicer` through its generated `add_*_to_server` helper, registering
+        only its HOT_METHODS."""
+        add_to_server(servicer, _HotMethodsRegistered(self.server))
 
     async def start(self) -> None:
         await self.set_serving(False)

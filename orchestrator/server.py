@@ -70,11 +70,13 @@ class OrchestratorServer:
             gate=CallerGate(keys, self.metrics, self.state.limits, self.backlog),
             edge=True,
         )
-        classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(
-            ClassifyServicer(self.dispatcher), self.serving.server
+        self.serving.add_service(
+            classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server,
+            ClassifyServicer(self.dispatcher),
         )
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(FleetModels(self.dispatcher)), self.serving.server
+        self.serving.add_service(
+            model_service_pb2_grpc.add_ModelServiceServicer_to_server,
+            ModelServicer(FleetModels(self.dispatcher)),
         )
         self._watcher: asyncio.Task[None] | None = None
 

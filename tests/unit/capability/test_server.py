@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from safetensors.torch import load_file, save_file
 
@@ -69,6 +70,47 @@ async def test_health_is_not_serving_until_warm_up_finishes(model_root: Path) ->
             assert response.labels[0].name == "sports"
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_every_method_is_served_whether_registered_with_grpc_or_not(
+    capability_channel: grpc.aio.Channel,
+) -> None:
+    """Only Classify and ClassifyBatch are registered with gRPC in advance
+    (classify_common.serving.HOT_METHODS); the other methods, reflection's and
+    health's included, are served through their services' generic handlers."""
+    stub = classify_service_pb2_grpc.ClassifyServiceStub(capability_channel)
+    single = await stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    batch = await stub.ClassifyBatch(
+        pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2)
+    )
+    assert single.labels[0].name == "sports"
+    assert [result.response.labels[0].name for result in batch.results] == ["sports"] * 2
+
+    error = await refusal(stub.GetResult(pb.GetResultRequest(request_id="any")))
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert error_reason(error) == "METHOD_NOT_SERVED"
+    models = model_service_pb2_grpc.ModelServiceStub(capability_channel)
+    listed = await models.ListModels(model_pb.ListModelsRequest())
+    assert "topic-minilm" in {model.name for model in listed.models}
+    assert await health_status(capability_channel, "") == health_pb2.HealthCheckResponse.SERVING
+
+    # typeshed types the stub for a sync channel; it is built the same on an aio one.
+    channel: Any = capability_channel
+    reflection: Any = reflection_pb2_grpc.ServerReflectionStub(channel)
+    asked = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="ai.classify.v1.ClassifyService"
+        ),
+    ]
+    answers = [answer async for answer in reflection.ServerReflectionInfo(iter(asked))]
+    assert {service.name for service in answers[0].list_services_response.service} == {
+        "ai.classify.v1.ClassifyService",
+        "ai.classify.v1.ModelService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    assert answers[1].file_descriptor_response.file_descriptor_proto
 
 
 async def test_capability_answers_with_model_version_and_sorted_labels(
