@@ -99,16 +99,19 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         # carry one model each.
         load = self._pool.load_report(texts[0].model, receipt.seconds_since())
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
-        return pb.ClassifyBatchResponse(
-            results=[
-                _batch_result(
-                    item, text, outcome, ids.trace_id, end_trace=index not in answered_early
-                )
-                for index, (item, text, outcome) in enumerate(
-                    zip(request.items, texts, outcomes, strict=True)
-                )
-            ]
-        )
+        answer = pb.ClassifyBatchResponse()
+        for index, (item, text, outcome) in enumerate(
+            zip(request.items, texts, outcomes, strict=True)
+        ):
+            _fill_batch_result(
+                answer.results.add(),
+                item,
+                text,
+                outcome,
+                ids.trace_id,
+                end_trace=index not in answered_early,
+            )
+        return answer
 
     def _text_of(
         self,
@@ -176,19 +179,39 @@ def classify_response(
     request: pb.ClassifyRequest, result: TextResult, request_id: str, trace_id: str
 ) -> pb.ClassifyResponse:
     """The answer to one text: its labels best first (top_k of them), and its IDs."""
+    response = pb.ClassifyResponse()
+    _fill_response(response, request, result, request_id, trace_id)
+    return response
+
+
+def _fill_response(
+    response: pb.ClassifyResponse,
+    request: pb.ClassifyRequest,
+    result: TextResult,
+    request_id: str,
+    trace_id: str,
+) -> None:
+    """Write classify_response's answer into `response`, an empty message.
+
+    NOTE: filled in place, field by field. A message passed to a constructor (a
+    Label in `labels=[...]`, a response in a ClassifyBatchResult) is copied into
+    it: building a batch's answer that way took 24 µs an item against 13.5 in
+    place (64 items of four labels, scratch timing, 2026-12-03).
+    """
     names = (label.name for label in result.bundle.classifier.labels)
     ranked = sorted(zip(names, result.probabilities, strict=True), key=lambda p: p[1], reverse=True)
     if request.HasField("top_k"):
         ranked = ranked[: request.top_k]
-    return pb.ClassifyResponse(
-        labels=[pb.Label(name=name, score=score) for name, score in ranked],
-        confidence=ranked[0][1],
-        model=pb.ModelRef(name=result.bundle.name, version=result.bundle.version),
-        request_id=request_id,
-        trace_id=trace_id,
-        status=pb.RESULT_STATUS_DONE,
-        cached=result.cached,
-    )
+    labels = response.labels
+    for name, score in ranked:
+        labels.add(name=name, score=score)
+    response.confidence = ranked[0][1]
+    response.model.name = result.bundle.name
+    response.model.version = result.bundle.version
+    response.request_id = request_id
+    response.trace_id = trace_id
+    response.status = pb.RESULT_STATUS_DONE
+    response.cached = result.cached
 
 
 def _early_answer(
@@ -246,25 +269,25 @@ def _item_error(text: TextRequest, error: ServiceError, call_trace_id: str) -> s
     return item_status(error, text.request_id, _item_trace_id(text, call_trace_id))
 
 
-def _batch_result(
+def _fill_batch_result(
+    result: pb.ClassifyBatchResult,
     item: pb.ClassifyRequest,
     text: TextRequest,
     outcome: TextResult | ServiceError,
     call_trace_id: str,
     *,
     end_trace: bool,
-) -> pb.ClassifyBatchResult:
-    """One item's result, under its own request and trace IDs; with `end_trace`, its
-    trace ends here."""
+) -> None:
+    """Write one item's result into `result`, under the item's own request and trace
+    IDs; with `end_trace`, its trace ends here."""
     if isinstance(outcome, ServiceError):
         if end_trace:
             end_item_trace(text.trace, outcome)
-        return pb.ClassifyBatchResult(error=_item_error(text, outcome, call_trace_id))
+        result.error.CopyFrom(_item_error(text, outcome, call_trace_id))
+        return
     end_item_trace(text.trace, None)
-    return pb.ClassifyBatchResult(
-        response=classify_response(
-            item, outcome, text.request_id, _item_trace_id(text, call_trace_id)
-        )
+    _fill_response(
+        result.response, item, outcome, text.request_id, _item_trace_id(text, call_trace_id)
     )
 
 

@@ -64,6 +64,7 @@ def item_time_left(
 
 
 async def classify_item(
+    result: pb.ClassifyBatchResult,
     classify: ClassifyOne,
     on_internal_error: Callable[[], None],
     item: pb.ClassifyRequest,
@@ -73,9 +74,11 @@ async def classify_item(
     call_remaining: float | None,
     headers: Mapping[str, str],
     call_trace: RequestTrace | None,
-) -> pb.ClassifyBatchResult:
+) -> None:
     """One item of a batch call, in a task of its own: its own request ID, nodes and
-    outcome (an error becomes the item's Status, never the call's)."""
+    outcome, written into `result`, its slot of the call's answer (an error becomes
+    the item's Status, never the call's). Written in place: a message passed to a
+    constructor is copied into it."""
     remaining = item_time_left(item_context, call_remaining)
     trace = item_trace(call_trace, item_context.traceparent if item_context else "")
     trace_id = (
@@ -88,18 +91,18 @@ async def classify_item(
         bind_trace(trace)
     try:
         if refusal is not None:
-            return pb.ClassifyBatchResult(error=item_status(refusal, ids.request_id, trace_id))
-        response = await classify(item, ids, remaining, headers)
-        return pb.ClassifyBatchResult(response=response)
+            result.error.CopyFrom(item_status(refusal, ids.request_id, trace_id))
+            return
+        result.response.CopyFrom(await classify(item, ids, remaining, headers))
     except ServiceError as error:
-        return pb.ClassifyBatchResult(error=item_status(error, ids.request_id, trace_id))
+        result.error.CopyFrom(item_status(error, ids.request_id, trace_id))
     except Exception:
         # As the request lifecycle answers a bug in a single call: the IDs for the
         # caller, the traceback for the log, one count.
         log.exception("unhandled error", extra={"request_id": ids.request_id})
         on_internal_error()
         internal = internal_error(ids.request_id, trace_id)
-        return pb.ClassifyBatchResult(error=item_status(internal, ids.request_id, trace_id))
+        result.error.CopyFrom(item_status(internal, ids.request_id, trace_id))
     finally:
         # Only an item span of its own is ended here; the call's ends with the call.
         if trace is not None and trace.server_span is not call_trace_span:

@@ -167,9 +167,12 @@ class Dispatcher:
         refused = current_batch_intake().refused
         contexts = request.item_contexts
         call_trace = current_trace()
-        results = await asyncio.gather(
+        answer = pb.ClassifyBatchResponse()
+        results = [answer.results.add() for _ in request.items]
+        await asyncio.gather(
             *(
                 classify_item(
+                    results[index],
                     self.classify,
                     self._on_internal_error,
                     item,
@@ -187,7 +190,7 @@ class Dispatcher:
         if request_trace is not None:
             failed = sum(1 for result in results if result.HasField("error"))
             request_trace.log_fields.update(items=len(results), items_failed=failed)
-        return pb.ClassifyBatchResponse(results=results)
+        return answer
 
     async def _run(self, call: UpstreamCall) -> pb.ClassifyResponse:
         call.state.enter()
