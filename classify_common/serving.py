@@ -87,10 +87,11 @@ METRICS_DISABLED = -1
 # calls that carry load. grpc.aio's server (grpcio 1.85) takes in each call with an
 # `asyncio.wait` over one pending request per registered method plus one for every
 # other method, so each method registered costs every call a little, however rarely
-# it is called itself: two echo hops with 10 more methods registered spent 30-60 µs
-# more CPU a call between them (docs/benchmark.md, 2026-12-03). The other methods
-# (GetResult, ModelService, health, reflection) are served through their services'
-# generic handlers, as gRPC serves any method it was not told of in advance.
+# it is called itself: two echo hops with 10 more methods registered each spent about
+# 50 µs more CPU a call between them, in 5 of 6 alternated pairs (docs/benchmark.md,
+# 2026-12-03). The other methods (GetResult, ModelService, health, reflection) are
+# served through their services' generic handlers, as gRPC serves any method it was
+# not told of in advance.
 HOT_METHODS = frozenset({"Classify", "ClassifyBatch"})
 
 
