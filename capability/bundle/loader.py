@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
+from torch.nn import functional as F  # noqa: N812 - the conventional alias
+from torch.overrides import TorchFunctionMode
 
 from capability.bundle.errors import (
     BundleConfigInvalid,
@@ -277,9 +280,9 @@ def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> 
 
 
 def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncoder, ClassifierHead]:
-    # On the meta device construction allocates nothing and skips random initialisation;
-    # every tensor is replaced by a loaded one in `load_weights`.
-    with torch.device("meta"):
+    # On the meta device construction allocates nothing; every tensor is replaced by a
+    # loaded one in `load_weights`.
+    with torch.device("meta"), _ValuesLeftUnset():
         encoder: TextEncoder
         if isinstance(config.encoder, EncoderConfig):
             encoder = SentenceEncoder(config.encoder)
@@ -296,6 +299,26 @@ def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncode
     # The encoder computes in the chosen precision; heads always in float32 (see
     # PRECISION_DTYPES), so their weights are loaded as float32.
     return encoder.to(dtype=dtype), head.float()
+
+
+class _ValuesLeftUnset(TorchFunctionMode):
+    """Constructors' calls that only set or rescale values return their tensor as it
+    came: torch.nn.init's initialisers, and F.normalize (the zero-shot head normalises
+    its prototypes). A meta tensor has no values to set, and torch runs some of these
+    on the meta device through Python fallbacks whose first call imports torch._dynamo:
+    about 2 s and 70 MB of every capability process's first load."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.normalize or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor" if "tensor" in kwargs else "input"]
+        return func(*args, **kwargs)
 
 
 def _read_weights(path: Path, device: torch.device) -> dict[str, Tensor]:

@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from capability.bundle import (
 from capability.bundle.__main__ import main as bundle_cli
 from capability.bundle.errors import ModelLoadError
 from classify_common.documents import MAX_DOCUMENT_BYTES
+from tests.conftest import REPO_ROOT
 from tests.hostile_files import TOO_DEEP_JSON
 
 MINILM_FILES = {
@@ -190,6 +193,32 @@ def test_static_bundle_loads_and_classifies(static_bundle: Path) -> None:
     assert result.probabilities.shape == (3, 4)
     top = [loaded.classifier.labels[int(i)].name for i in result.probabilities[:2].argmax(dim=1)]
     assert top == ["business", "sports"]
+
+
+def test_loading_bundles_computes_nothing_on_the_meta_device(
+    minilm_bundle: Path, static_bundle: Path
+) -> None:
+    """Computing on the meta device (an embedding's random initialisation, a zero-shot
+    head normalising its prototypes) goes through Python fallbacks that import
+    torch._dynamo: seconds and tens of MB of every capability process's first load. A
+    fresh interpreter loads both bundles and must not have imported it."""
+    script = (
+        "import sys\n"
+        "from capability.bundle import load_bundle\n"
+        "for path in sys.argv[1:]:\n"
+        "    load_bundle(path)\n"
+        "print(sorted(name for name in sys.modules if name.startswith('torch._dynamo')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(minilm_bundle), str(static_bundle)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_existing_version_directory_is_never_overwritten(minilm_bundle: Path) -> None:
