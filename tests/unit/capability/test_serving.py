@@ -150,18 +150,20 @@ async def test_full_batch_handed_to_the_busy_device_is_not_computed_once_expired
     server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
     loop = asyncio.get_running_loop()
+    # Long enough for both batches to be handed over first on a loaded machine (a
+    # 0.3 s deadline once passed while they were still being handed over).
+    deadline = loop.time() + 1.5
     # The loop takes the first batch and hands it over, then the next full one behind it.
     async with device_occupied(worker, take_turn=False):
         waiters = [
             replica.admit(
-                Admission(
-                    encoded, PRIORITY_INTERACTIVE, f"r{i}", None if i < 2 else loop.time() + 0.3
-                )
+                Admission(encoded, PRIORITY_INTERACTIVE, f"r{i}", None if i < 2 else deadline)
             )
             for i in range(4)
         ]
         await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
-        await asyncio.sleep(0.4)  # the second batch's deadline passes on the device thread
+        # The second batch's deadline passes on the device thread.
+        await asyncio.sleep(deadline - loop.time() + 0.1)
     outcomes = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(outcome, TextResult) for outcome in outcomes[:2])
     assert all(isinstance(outcome, ExpiredInQueue) for outcome in outcomes[2:])
