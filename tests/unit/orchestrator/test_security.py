@@ -168,6 +168,12 @@ async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: St
             "tenants.t: rate_per_second 0",
         ),
         ("users: []\n", "expected a mapping with `keys`"),
+        (
+            f"keys:\n  - {{id: a, sha256: {'b' * 64}, tenant: t, role: user}}\n"
+            f"  - {{id: c, sha256: {'c' * 64}, tenant: t, role: user}}\n"
+            f"  - {{id: d, sha256: {'b' * 64}, tenant: u, role: admin}}\n",
+            "keys[2].sha256: the same key as keys[0]",
+        ),
     ],
 )
 def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, message: str) -> None:
@@ -175,6 +181,26 @@ def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, me
     path.write_text(text)
     with pytest.raises(KeysFileError, match=re.escape(message)):
         load_api_keys(path)
+
+
+def test_each_of_many_keys_is_told_apart_by_its_hash(tmp_path: Path) -> None:
+    keys = [new_key() for _ in range(500)]
+    path = tmp_path / "keys.yaml"
+    path.write_text(
+        "keys:\n"
+        + "".join(
+            f"  - {{id: k{i}, sha256: {hash_key(key)}, tenant: t{i % 7}, role: user}}\n"
+            for i, key in enumerate(keys)
+        )
+    )
+    loaded = load_api_keys(path)
+    for i in (0, 1, 250, 499):
+        caller = loaded.identify(keys[i])
+        assert caller is not None
+        assert (caller.key_id, caller.tenant) == (f"k{i}", f"t{i % 7}")
+    assert loaded.identify(new_key()) is None
+    assert loaded.identify(keys[3][:-1]) is None
+    assert loaded.identify("") is None
 
 
 @pytest.mark.parametrize(
