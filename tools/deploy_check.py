@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,12 +178,19 @@ def check_prometheus(deploy_dir: Path, args: argparse.Namespace) -> Outcome:
     steps: list[tuple[str, list[str | Path]]] = [
         ("check config", [prometheus_dir / "prometheus.yml"]),
         ("check rules", [*rules]),
-        ("test rules", [*tests]),
     ]
     for step, arguments in steps:
         ok, output = run_tool([promtool, *step.split(), *arguments])
         if not ok:
             return Outcome(False, f"promtool {step} failed", output)
+    # One promtool a test file, side by side: promtool tests files one after another
+    # on one core (11.5 s for the five files here, 6.7 s side by side on two cores),
+    # and `make test` runs this check four times.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda test: run_tool([promtool, "test", "rules", test]), tests))
+    failed = [output for ok, output in results if not ok]
+    if failed:
+        return Outcome(False, "promtool test rules failed", "\n".join(failed))
     return Outcome(True, f"config, {count(rules, 'rule file')}, {count(tests, 'rule test file')}")
 
 
