@@ -97,11 +97,15 @@ def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = DIST_DIR.glob("classify_client-*.whl")
     venv = tmp_path_factory.mktemp("client-venv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # Without pip of its own (installing it takes about 6 s): this interpreter's pip
+    # installs into the new one (`--python`), about 3 s faster than its own would.
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     pins = [f"{name}=={metadata.version(name)}" for name in DEPENDENCIES]
     installed = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(wheel), *pins],
+        [*(sys.executable, "-m", "pip", "--python", python), "install", "--quiet", wheel, *pins],
         capture_output=True,
         text=True,
         timeout=300,
