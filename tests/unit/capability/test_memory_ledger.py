@@ -43,7 +43,7 @@ async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
     start_capability: StartCapability,
 ) -> None:
     server = await start_capability(
-        memory_warm_up="largest", device_memory_budget=BUDGET, cpu_workers=2, max_batch_size=16
+        memory_warm_up="largest", device_memory_budget=BUDGET, cpu_workers=2, max_batch_size=8
     )
     info = await describe(server.port, "topic-minilm")
 
@@ -57,7 +57,7 @@ async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
             assert stage.before.allocated_bytes > 0
             assert stage.after.allocated_bytes > 0
         # The largest batch (--max-batch-size) at the longest bucket the model reads.
-        assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (16, 256)
+        assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (8, 256)
         assert entry.after_warm_up.allocated_bytes > 0
         assert entry.warm_up_peak_bytes >= entry.load_stages[0].before.allocated_bytes
         assert entry.footprint_bytes == max(
@@ -70,7 +70,10 @@ async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
 async def test_ledger_sees_memory_grow_through_load_and_warm_up(
     start_capability: StartCapability,
 ) -> None:
-    server = await start_capability(memory_warm_up="largest", models=("topic-minilm",))
+    # Batches of 8: the default 64 at 256 tokens is a forward of seconds on 2 cores.
+    server = await start_capability(
+        memory_warm_up="largest", models=("topic-minilm",), max_batch_size=8
+    )
     (entry,) = (await describe(server.port, "topic-minilm")).memory
     before = entry.load_stages[0].before.allocated_bytes
     # The weights' pages and the warm-up's activations are resident by the peak.
