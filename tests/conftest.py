@@ -397,14 +397,19 @@ class ServerProcess:
             self.process.wait(timeout=30)
 
 
-@pytest.fixture
-def start_process(tmp_path: Path) -> Iterator[Any]:
-    """Start `python -m MODULE ARGS...` (with `env` added to this process's environment);
-    returns once it logs "serving"; stopped after the test."""
-    started: list[ServerProcess] = []
+class ProcessStarter:
+    """Starts `python -m MODULE ARGS...` (with `env` added to this process's
+    environment), each logging into `work_dir`; a call returns once the server logs
+    "serving". `stop_all` stops every one it started."""
 
-    def start(module: str, *args: str, env: Mapping[str, str] | None = None) -> ServerProcess:
-        log_path = tmp_path / f"{module}-{len(started)}.log"
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir
+        self._started: list[ServerProcess] = []
+
+    def __call__(
+        self, module: str, *args: str, env: Mapping[str, str] | None = None
+    ) -> ServerProcess:
+        log_path = self.work_dir / f"{module}-{len(self._started)}.log"
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
@@ -414,7 +419,7 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
                 env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             )
         server = ServerProcess(process=process, log_path=log_path, ready={})
-        started.append(server)
+        self._started.append(server)
         deadline = time.monotonic() + PROCESS_READY_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
             serving = [line for line in server.log_lines() if line.get("event") == "serving"]
@@ -428,9 +433,17 @@ def start_process(tmp_path: Path) -> Iterator[Any]:
             time.sleep(0.1)
         raise AssertionError(f"{module} did not log 'serving' in {PROCESS_READY_TIMEOUT_SECONDS}s")
 
-    yield start
-    for server in started:
-        server.stop()
+    def stop_all(self) -> None:
+        for server in self._started:
+            server.stop()
+
+
+@pytest.fixture
+def start_process(tmp_path: Path) -> Iterator[ProcessStarter]:
+    """A ProcessStarter whose servers are stopped after the test."""
+    starter = ProcessStarter(tmp_path)
+    yield starter
+    starter.stop_all()
 
 
 @dataclass(frozen=True)
@@ -441,11 +454,11 @@ class Stack:
     capability: ServerProcess
 
 
-@pytest.fixture
-def start_stack(
-    tmp_path: Path, model_root: Path, start_process: Callable[..., ServerProcess]
+def stack_starter(
+    work_dir: Path, model_root: Path, start_process: ProcessStarter
 ) -> Callable[..., Stack]:
-    """Start a capability server, then an orchestrator routing to it, as processes.
+    """Start a capability server, then an orchestrator routing to it, as processes
+    (their files in `work_dir`).
 
     Both serve /metrics on a free port. With `api_key`, the orchestrator accepts
     that key and the two share an internal token; without, auth is off.
@@ -469,9 +482,9 @@ def start_stack(
         secured: list[str] = []
         front_door = ["--auth", "disabled"]
         if api_key is not None:
-            token_file = tmp_path / "internal-token"
+            token_file = work_dir / "internal-token"
             token_file.write_text(secrets.token_urlsafe(16))
-            keys_file = tmp_path / "api-keys.yaml"
+            keys_file = work_dir / "api-keys.yaml"
             keys = f"  - {{id: stack, sha256: {hash_key(api_key)}, tenant: stack, role: user}}\n"
             tenants = ""
             if rate_limited_key is not None:
@@ -492,7 +505,7 @@ def start_stack(
             *capability_flags,
             env=capability_env,
         )
-        routes_file = tmp_path / "routes.yaml"
+        routes_file = work_dir / "routes.yaml"
         routes_file.write_text(routes(f"127.0.0.1:{capability.port}"))
         orchestrator = start_process(
             "orchestrator",
@@ -505,6 +518,14 @@ def start_stack(
         return Stack(orchestrator=orchestrator, capability=capability)
 
     return start
+
+
+@pytest.fixture
+def start_stack(
+    tmp_path: Path, model_root: Path, start_process: ProcessStarter
+) -> Callable[..., Stack]:
+    """stack_starter's `start`, its servers stopped after the test."""
+    return stack_starter(tmp_path, model_root, start_process)
 
 
 @pytest.fixture

@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -21,11 +22,24 @@ from tests.conftest import (
     STACK_API_KEY,
     STATIC_ONLY_FLAGS,
     STRIKER,
+    ProcessStarter,
     Stack,
     processing_routes,
+    stack_starter,
 )
 
 CLASSIFY_METHOD = "/ai.classify.v1.ClassifyService/Classify"
+
+
+@pytest.fixture(scope="module")
+def cli_stack(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[Stack]:
+    """One default stack for the command-line client's tests: they only call it, so
+    they share it instead of starting one each (about 5 s a stack)."""
+    starter = ProcessStarter(tmp_path_factory.mktemp("cli-stack"))
+    try:
+        yield stack_starter(starter.work_dir, model_root, starter)(api_key=STACK_API_KEY)
+    finally:
+        starter.stop_all()
 
 
 def rpc_log_line(lines: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
@@ -114,9 +128,9 @@ def run_client(target_port: int, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_command_line_client_prints_sports_for_the_striker_sentence(
-    stack: Stack,
+    cli_stack: Stack,
 ) -> None:
-    orchestrator = stack.orchestrator
+    orchestrator = cli_stack.orchestrator
     result = run_client(orchestrator.port, STRIKER)
     assert result.returncode == 0, result.stderr
     first_line, *rest = result.stdout.splitlines()
@@ -126,9 +140,9 @@ def test_command_line_client_prints_sports_for_the_striker_sentence(
 
 
 def test_command_line_client_reports_violations_and_ids_on_a_reject(
-    stack: Stack,
+    cli_stack: Stack,
 ) -> None:
-    orchestrator = stack.orchestrator
+    orchestrator = cli_stack.orchestrator
     result = run_client(orchestrator.port, "--top-k", "0", "--request-id", "cli-reject", "   ")
     assert result.returncode == 1
     assert result.stderr.startswith("error: INVALID_ARGUMENT")
@@ -141,9 +155,9 @@ def test_command_line_client_reports_violations_and_ids_on_a_reject(
 
 
 def test_command_line_client_classifies_a_file_with_one_line_per_text(
-    stack: Stack, tmp_path: Path
+    cli_stack: Stack, tmp_path: Path
 ) -> None:
-    orchestrator = stack.orchestrator
+    orchestrator = cli_stack.orchestrator
     texts = tmp_path / "texts.txt"
     shares = "Shares fell sharply after the bank cut its profit forecast"
     texts.write_text(f"{STRIKER}\n   \n{shares}\n")
