@@ -1,11 +1,15 @@
 import os
 
 # How long torch's idle OpenMP threads spin before they sleep, read once when torch
-# loads. GNU OpenMP's default (300,000 spins) keeps them burning a core after every
-# op, which the serving loops need: measured on 2 cores through the front door, 1,000
-# served topic-static at 64 clients with 190-260 us of capability CPU per request
-# against 500-570 us, and topic-minilm as fast (alternated A/B). Set it to override.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# loads. GNU OpenMP's default (300,000 spins) keeps them burning a core for a while
+# after every forward, which the serving loops need. Too few spins, and they sleep
+# between the ops of one forward instead, and each op pays for waking them: with
+# 1,000, one text through the front door on 2 cores took 12.5-13.5 ms at p50 against
+# 8.6-9.2 ms with 10,000 (one forward alone: 8.0 against 3.7 ms); 3,000 is already
+# on that cliff's edge (9.8 ms). 10,000 costs the serving loops nothing measurable:
+# topic-static at 64 clients spent the same capability CPU a request as with 1,000
+# (alternated A/B, docs/benchmark.md). Set it to override.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from capability.server import main
 
