@@ -112,7 +112,9 @@ class TextTokenizer:
         prepared = [
             text[:max_chars].lower() if self._lowercase else text[:max_chars] for text in texts
         ]
-        encodings = self._tokenizer.encode_batch(prepared, add_special_tokens=True)
+        # The fast variant skips the character offsets of each token, which nothing
+        # here reads: about a sixth less time for a batch of short texts.
+        encodings = self._tokenizer.encode_batch_fast(prepared, add_special_tokens=True)
 
         encoded: list[EncodedText] = []
         for text, encoding in zip(texts, encodings, strict=True):

@@ -19,16 +19,16 @@ LONGEST_REQUEST_CHARS = 100_000  # the contract's ClassifyRequest.text max_len
 
 
 class RecordingTokenizer:
-    """The real Rust tokenizer, noting the length of every text `encode_batch` is given
-    (`tokenizers.Tokenizer` cannot be subclassed, so this wraps one)."""
+    """The real Rust tokenizer, noting the length of every text `encode_batch_fast` is
+    given (`tokenizers.Tokenizer` cannot be subclassed, so this wraps one)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.received_chars: list[int] = []
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool) -> list[Encoding]:
+    def encode_batch_fast(self, texts: Sequence[str], add_special_tokens: bool) -> list[Encoding]:
         self.received_chars.extend(len(text) for text in texts)
-        return self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return self._tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
