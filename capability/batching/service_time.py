@@ -15,6 +15,17 @@ batch of 31 texts 17% slower than the same data said (scratch log of the fit
 under `make bench-overload`'s 256 callers, 2026-12-02), so that admission
 and the batch's deadline check, which read this fit, refused texts early.
 
+The normal equations are solved with each term scaled to unit size first. Raw,
+their entries span eleven orders of magnitude (B·T reaches 16,384 and its square
+1.6e8, against a weight of about 200 for the launch term), and when the recent
+batches all have one shape, as a steady load of `ClassifyBatch` x64 of headlines
+gives, the system is singular but for the ridge: solved raw, the fit came out as
+1 ms + 3.5 ms a text + 0.41 ms a text-token, predicting 0.59 s for the very
+shape that every one of the last 400 batches had run in about 2.5 ms, and the
+batcher refused a burst of texts as unable to end in time (a scratch dump of
+the fit under `ab_env.py`, 2026-12-05). Scaled, the ridge is the same small
+share of every term, and a single shape is predicted at what it took.
+
 It is plain Python floats, not numpy: the system is 3x3, and numpy's call
 overhead was most of the cost. A prediction took 4.6 µs and a refit 61 µs on
 the 2-core machine; the serving loop predicts several times per request
@@ -25,11 +36,13 @@ holding the GIL, after every batch.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 # Weight kept by past observations at each new one: ~200 batches of memory.
 FORGETTING = 0.995
-# Ridge term keeping the 3x3 system solvable before varied shapes are seen.
+# Ridge keeping the 3x3 system solvable while the batches have too few shapes to
+# tell the terms apart, as a share of each term's (scaled, so unit) weight.
 RIDGE = 1e-6
 
 Vector = tuple[float, float, float]
@@ -75,6 +88,20 @@ def _solve_subset(gram: Matrix, moment: list[float], subset: tuple[int, ...]) ->
 def non_negative_fit(gram: Matrix, moment: list[float], squares: float) -> Vector:
     """Least-squares coefficients, none negative, from the (weighted) normal equations
     `gram`, `moment` and the sum of squared observations `squares`.
+
+    Each term is scaled to unit weight (the diagonal of `gram` to 1) and the result
+    scaled back; a positive scale keeps a coefficient's sign and the residuals, so
+    the non-negative fit is the same problem in either units.
+    """
+    scale = [math.sqrt(gram[i][i]) or 1.0 for i in range(3)]
+    unit_gram = [[gram[i][j] / (scale[i] * scale[j]) for j in range(3)] for i in range(3)]
+    unit_moment = [moment[i] / scale[i] for i in range(3)]
+    fit = _non_negative_unit_fit(unit_gram, unit_moment, squares)
+    return fit[0] / scale[0], fit[1] / scale[1], fit[2] / scale[2]
+
+
+def _non_negative_unit_fit(gram: Matrix, moment: list[float], squares: float) -> Vector:
+    """non_negative_fit on terms already scaled to unit weight.
 
     The free solution when it has no negative term; else the best of the fits over
     each smaller subset of the terms (the others held at zero) whose coefficients are
