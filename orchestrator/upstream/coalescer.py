@@ -30,12 +30,13 @@ Each item keeps its own deadline, trace and outcome:
   to come back (orchestrator.upstream.call_time.TripTime), so the capability
   server answers an item whose time ran out DEADLINE_EXCEEDED without
   computing it, and does not compute one whose answer would arrive here after
-  its time ran out; an item whose time ran out before the call left is
-  answered here at once and never sent; one whose time runs out while the
-  call is in flight is answered here then, not when the call returns (which
-  may be past its caller's deadline, where the caller would get a bare
-  DEADLINE_EXCEEDED without its IDs); an
-  item that would gather behind busy calls and cannot make its deadline even
+  its time ran out; an item whose time ran out before the call left, or whose
+  time left is shorter than the replica's reported wait or than calls of its
+  call's size have been taking, is answered here at once and never sent; one
+  whose time runs out while the call is in flight is answered here then, not
+  when the call returns (which may be past its caller's deadline, where the
+  caller would get a bare DEADLINE_EXCEEDED without its IDs); an item that
+  would gather behind busy calls and cannot make its deadline even
   if they come back when expected and its own call is as quick as calls of
   its size have been (orchestrator.upstream.call_time) is refused
   DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
@@ -300,8 +301,14 @@ class ReplicaCoalescer:
             del self._waiting[: self._settings.max_items]
             live = [item for item in batch if not item.future.done()]
             # Items that gathered while the replica was busy may no longer have the
-            # time its queue needs: they go to a fallback now, not to miss it there.
+            # time their call needs, by the replica's reported wait or by how long
+            # calls of this size have been taking: they go to a fallback now, not to
+            # miss it there. Checked against the report alone, they went, and at 256
+            # callers the replica then left 97-204 texts a phase out of time in its
+            # queue and 172-330 items ran out while their call was in flight, against
+            # 16-30 and 101-174 checked this way (docs/benchmark.md, 2026-12-05).
             wait = self._predicted_wait()
+            needed = max(wait, self.call_time.predict(len(live)))
             for item in live:
                 if item.expires_at <= now:
                     self._on_expired()
@@ -311,12 +318,16 @@ class ReplicaCoalescer:
                             backend=self._backend,
                         )
                     )
-                elif item.expires_at - now < wait:
+                elif item.expires_at - now < needed:
                     self._on_expired()
+                    judged_by = (
+                        f"reports a wait of about {wait * 1000:.0f} ms"
+                        if wait >= needed
+                        else f"takes about {needed * 1000:.0f} ms for a call of {len(live)} items"
+                    )
                     item.future.set_exception(
                         DeadlineUnreachable(
-                            f"backend {self._backend} reports a wait of about "
-                            f"{wait * 1000:.0f} ms, but only "
+                            f"backend {self._backend} {judged_by}, but only "
                             f"{(item.expires_at - now) * 1000:.0f} ms are left",
                             retry_after_seconds=self._retry_after(),
                             backend=self._backend,

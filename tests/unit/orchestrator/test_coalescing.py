@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -349,6 +350,49 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
         )
     assert "for a call of 20 items" in str(refused)
     assert expired == [1]
+
+
+async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
+    capability: CapabilityServer,
+) -> None:
+    """Calls have been taking 1 s, and the replica reports no wait. Item "b" arrives
+    with 2.5 s left behind call "a" (expected back in 1 s, then 1 s for its own call):
+    it gathers. The device is held 1.6 s, so "a" comes back late and "b" has about
+    0.9 s left as it would leave, less than the 1 s or more its call takes: it is
+    refused then, never sent. Judged by the report alone it would have been sent."""
+    expired: list[int] = []
+    worker = capability.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+        )
+        for items in (1, 5) * 10:
+            coalescer.call_time.record(items, 1.0)
+        computed_before = texts_computed(capability)
+        async with device_occupied(worker):
+            first = asyncio.ensure_future(
+                coalescer.classify(minilm_request("a"), seconds=30, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            gathered = asyncio.ensure_future(
+                coalescer.classify(minilm_request("b"), seconds=2.5, trace_metadata=())
+            )
+            await wait_until(lambda: coalescer.waiting == 1)
+            await asyncio.sleep(1.6)
+        assert (await first).request_id == "a"
+        with pytest.raises(DeadlineUnreachable) as refused:
+            await gathered
+    # The call "a" took about 1.6 s, and the fit learned from it too.
+    judged = re.fullmatch(
+        r"backend minilm takes about (\d+) ms for a call of 1 items, but only (\d+) ms are left",
+        str(refused.value),
+    )
+    assert judged is not None, str(refused.value)
+    needed_ms, left_ms = int(judged.group(1)), int(judged.group(2))
+    assert needed_ms >= 1000
+    assert 0 < left_ms < needed_ms
+    assert expired == [1]
+    assert texts_computed(capability) - computed_before == 1
 
 
 async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
