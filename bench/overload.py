@@ -33,10 +33,11 @@ figures measure load shedding, not the cheap model. Phases, one after another:
    second, and how long after it runs again until a second has half the OK
    answers a second of before. Informational too.
 
-Callers behave as a well-made client does: after RESOURCE_EXHAUSTED they wait
-the RetryInfo delay the status carries; after any other answer they call again
-at once. For each overload phase it reports goodput (OK answers a second) over
-capacity, the share of calls that ended more than 50 ms past their deadline
+Callers behave as a well-made client does: after an answer carrying a
+RetryInfo (RESOURCE_EXHAUSTED, or DEADLINE_UNREACHABLE caused by load) they
+wait its delay; after any other answer they call again at once. For each
+overload phase it reports goodput (OK answers a second) over capacity, the
+share of calls that ended more than 50 ms past their deadline
 (seen by the client), the p99 latency of refusals (calls answered RESOURCE_EXHAUSTED, or
 DEADLINE_EXCEEDED with reason DEADLINE_UNREACHABLE) over the whole phase and
 over its first second alone, the outcome of

@@ -3,21 +3,38 @@
 The adaptive concurrency limit and the front door's backlog both refuse callers
 who will come back, and told the same delay they would come back together. A
 pacer counts the calls that get through (over the last whole window, else the
-current one) and the refused callers still waiting out their hints, and tells
-the next refused caller to come back after about as many calls as wait ahead of
-it: waiting / rate seconds, within a floor and a cap, jittered.
+current one) and gives refused callers return times one after another at that
+rate: the k-th caller refused in a row comes back after about k calls got
+through, never sooner than a floor. Return times past the cap are full: a
+caller refused then comes back at a time drawn from the cap's second half,
+jittered like the rest, not all at the cap (a crowd refused in one second would
+return in one second).
+
+That spacing assumes a caller who comes back finds the slot an answer freed.
+Callers who were answered call again too, and often first: then a returning
+caller is refused again, and again, and the refusals (each one CPU on both
+sides, taken from the backend on a small machine) run at the rate of answers
+however well they are spread. With a retry budget (`max_refused_per_pass`, in
+the spirit of Finagle's and Envoy's retry budgets), a window in which more
+callers were refused than that share of the calls that got through doubles
+the spacing (up to the cap); a window within it lets it shrink by a fifth, back
+to the rate of calls; an idle one forgets the stretch.
 
 All methods run on the event loop thread.
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable
 
 # Seconds over which calls that got through are counted.
 WINDOW_SECONDS = 1.0
+# Over the retry budget, hints grow by this factor a window, at most to
+# MAX_STRETCH times the spacing; within it they shrink by STRETCH_DECAY a window.
+STRETCH_STEP = 2.0
+MAX_STRETCH = 64.0
+STRETCH_DECAY = 0.8
 
 
 class RetryPacer:
@@ -29,18 +46,27 @@ class RetryPacer:
         jitter: float,
         max_seconds: float,
         min_elapsed_seconds: float,
+        max_refused_per_pass: float | None = None,
     ) -> None:
         """`jitter`: hints are drawn from ±this share around their value;
-        `min_elapsed_seconds`: the shortest span a first window's rate is taken over."""
+        `min_elapsed_seconds`: the shortest span a first window's rate is taken over;
+        `max_refused_per_pass`: the retry budget, refusals per call that got through
+        (None: no budget, the spacing alone)."""
+        if max_refused_per_pass is not None and not max_refused_per_pass > 0:
+            raise ValueError(f"max_refused_per_pass {max_refused_per_pass} is not positive")
         self._clock = clock
         self._rng = rng
         self._jitter = jitter
         self._max_seconds = max_seconds
         self._min_elapsed = min_elapsed_seconds
-        # When each refused caller's hint runs out (a heap).
-        self._waiting_out: list[float] = []
+        # The return time the next refused caller gets, unless it is past.
+        self._next_return = 0.0
         self._window_ends = clock() + WINDOW_SECONDS
         self._counted_now = self._counted_last = 0
+        self._budget = max_refused_per_pass
+        # Refusals this window, and how far the hints are stretched past the spacing.
+        self._refused_now = 0
+        self.stretch = 1.0
 
     def count(self) -> None:
         """One call got through."""
@@ -52,25 +78,32 @@ class RetryPacer:
         (default `floor`) while no call has got through lately."""
         now = self._clock()
         self._roll(now)
-        waiting = self._waiting_out
-        while waiting and waiting[0] <= now:
-            heapq.heappop(waiting)
+        self._refused_now += 1
         rate = self._rate(now)
-        if rate > 0:
-            spread = len(waiting) / rate
-        else:
-            spread = floor if without_rate is None else without_rate
-        hint = min(max(spread, floor), self._max_seconds)
-        hint *= self._rng.uniform(1 - self._jitter, 1 + self._jitter)
-        heapq.heappush(waiting, now + hint)
-        return hint
+        jitter = self._rng.uniform(1 - self._jitter, 1 + self._jitter)
+        if rate <= 0:
+            wait = floor if without_rate is None else without_rate
+            return min(max(wait, floor), self._max_seconds) * jitter
+        back = max(self._next_return, now + floor)
+        if back - now > self._max_seconds:
+            # Every return time up to the cap is taken.
+            return self._max_seconds * self._rng.uniform(0.5, 1.0) * jitter
+        self._next_return = back + self.stretch / rate
+        return (back - now) * jitter
 
     def _roll(self, now: float) -> None:
         if now < self._window_ends:
             return
         stale = now - self._window_ends >= WINDOW_SECONDS
+        if self._budget is not None:
+            if stale:
+                self.stretch = 1.0
+            elif self._refused_now > self._budget * self._counted_now:
+                self.stretch = min(self.stretch * STRETCH_STEP, MAX_STRETCH)
+            else:
+                self.stretch = max(self.stretch * STRETCH_DECAY, 1.0)
         self._counted_last = 0 if stale else self._counted_now
-        self._counted_now = 0
+        self._counted_now = self._refused_now = 0
         self._window_ends = now + WINDOW_SECONDS
 
     def _rate(self, now: float) -> float:
