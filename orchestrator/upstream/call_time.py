@@ -13,6 +13,14 @@ the items it carried and how long the answer took. Call time is modelled as
 replica's other work included), fitted by least squares with exponential
 forgetting, so that it follows the replica's load from second to second.
 
+A fit ages as a load report does: the queueing it learned drains while none of
+our calls is at the replica, so its prediction counts down from when the last
+one came back. Without that, a fit learned under load refused every later item
+on its own strength, no call went, and nothing corrected it: a fallback replica
+whose forward takes a millisecond stayed predicted at 188 ms for one item, and
+every call routed to it was refused for the rest of an overload phase
+(docs/benchmark.md, 2026-12-05).
+
 The trip (TripTime) is the part of a call's round trip that the replica did
 not spend on it: the request's way there, the answer's way back, and the
 event loops' delays at both ends. The replica's load report says how long it
@@ -78,9 +86,10 @@ class CallTimeModel:
         self._per_item = max(per_item, 0.0)
         self._fixed = max((self._seconds - self._per_item * self._items) / self._weight, 0.0)
 
-    def predict(self, items: int) -> float:
-        """Seconds a call of `items` items is expected to take (0 before any answer)."""
-        return self._fixed + self._per_item * items
+    def predict(self, items: int, idle_seconds: float = 0.0) -> float:
+        """Seconds a call of `items` items is expected to take (0 before any answer);
+        `idle_seconds`: how long no call of ours has been at the replica, counted off."""
+        return max(self._fixed + self._per_item * items - idle_seconds, 0.0)
 
     def sent(self, items: int) -> None:
         """A call of `items` items left."""

@@ -32,7 +32,8 @@ Each item keeps its own deadline, trace and outcome:
   computing it, and does not compute one whose answer would arrive here after
   its time ran out; an item whose time ran out before the call left, or whose
   time left is shorter than the replica's reported wait or than calls of its
-  call's size have been taking, is answered here at once and never sent; one
+  call's size have been taking (counted down while the replica has had no
+  call of ours), is answered here at once and never sent; one
   whose time runs out while the call is in flight is answered here then, not
   when the call returns (which may be past its caller's deadline, where the
   caller would get a bare DEADLINE_EXCEEDED without its IDs); an item that
@@ -202,6 +203,9 @@ class ReplicaCoalescer:
         # the time calls of its size have been taking, or the wait the replica
         # reported then if that is longer.
         self._expected_back: list[float] = []
+        # When the last call came back (loop time): with none in flight since, the
+        # replica has been idle for us that long.
+        self._last_back = 0.0
         # How long calls of n items take, from the calls answered, and how many items
         # calls carry.
         self.call_time = CallTimeModel()
@@ -308,7 +312,8 @@ class ReplicaCoalescer:
             # queue and 172-330 items ran out while their call was in flight, against
             # 16-30 and 101-174 checked this way (docs/benchmark.md, 2026-12-05).
             wait = self._predicted_wait()
-            needed = max(wait, self.call_time.predict(len(live)))
+            idle = now - self._last_back if self._in_flight == 0 else 0.0
+            needed = max(wait, self.call_time.predict(len(live), idle))
             for item in live:
                 if item.expires_at <= now:
                     self._on_expired()
@@ -338,7 +343,7 @@ class ReplicaCoalescer:
                 continue
             self.call_time.sent(len(live))
             self._in_flight += 1
-            expected_back = now + max(wait, self.call_time.predict(len(live)))
+            expected_back = now + max(wait, self.call_time.predict(len(live), idle))
             self._expected_back.append(expected_back)
             task = asyncio.create_task(self._call(live, now, expected_back))
             self._calls.add(task)
@@ -359,6 +364,7 @@ class ReplicaCoalescer:
         finally:
             self._in_flight -= 1
             self._expected_back.remove(expected_back)
+            self._last_back = asyncio.get_running_loop().time()
             if self._waiting and not self._send_scheduled:
                 self._send_waiting()
 

@@ -395,6 +395,36 @@ async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
     assert texts_computed(capability) - computed_before == 1
 
 
+async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
+    capability: CapabilityServer,
+) -> None:
+    """Calls have been taking 2 s (learned under load), and the last one just came
+    back. An item with 1 s left is refused at once. Nothing is sent for 1.3 s, so the
+    queueing the fit learned has drained: the next item with 1 s left is sent and
+    answered. A fit that did not count down would refuse every such item, send
+    nothing, and never learn otherwise."""
+    expired: list[int] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+        )
+        first = await coalescer.classify(minilm_request("a"), seconds=30, trace_metadata=())
+        assert first.request_id == "a"
+        for items in (1, 5) * 10:
+            coalescer.call_time.record(items, 2.0)
+        computed_before = texts_computed(capability)
+        with pytest.raises(DeadlineUnreachable) as refused:
+            await coalescer.classify(minilm_request("early"), seconds=1.0, trace_metadata=())
+        judged = re.search(r"takes about (\d+) ms for a call of 1 items", str(refused.value))
+        assert judged is not None, str(refused.value)
+        assert 1500 < int(judged.group(1)) <= 2000  # the fit, "a" among its calls
+        await asyncio.sleep(1.3)
+        later = await coalescer.classify(minilm_request("later"), seconds=1.0, trace_metadata=())
+    assert later.request_id == "later"
+    assert expired == [1]
+    assert texts_computed(capability) - computed_before == 1
+
+
 async def test_items_leave_with_their_time_less_the_way_back_of_their_answers(
     capability: CapabilityServer,
 ) -> None:
