@@ -60,7 +60,13 @@ from dataclasses import dataclass
 
 from orchestrator.policy.pacing import RetryPacer
 
-MAX_RETRY_AFTER_SECONDS = 5.0
+# The longest hint. Hints this long are given only while the refused callers cannot
+# all come back before it, and those who come back sooner are refused again: at
+# 1,024 callers on the 2-core machine, about 960 waited; drawn from 2.5-5 s they came
+# back 270 times a second, from 5-10 s 155 times, and goodput rose from 0.76-0.79 to
+# 0.88-0.89 of capacity (docs/benchmark.md, 2026-12-05). A client with a deadline
+# shorter than its hint is told so at once (the Python client does not wait past it).
+MAX_RETRY_AFTER_SECONDS = 10.0
 # The hint before any latency has been measured.
 DEFAULT_RETRY_AFTER_SECONDS = 0.05
 # A window's median needs this many answers; fewer, and the window runs on.
