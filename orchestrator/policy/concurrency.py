@@ -36,13 +36,13 @@ the minimum is measured at `min_limit` calls in flight (32 by default, enough
 to fill batches), and the default tolerance is 2 (Envoy's default allows 25%).
 
 A refused call gets a retry-after hint that spreads the refused callers over
-the rate the backend answers: the number of refused callers still waiting out
-their hints, divided by the calls answered a second, so the k-th waiting caller
-comes back after about k answers; at least one median latency, at most
-`MAX_RETRY_AFTER_SECONDS`, and jittered so refused callers do not return together.
+the rate the backend answers: return times one after another, so the k-th
+caller refused in a row comes back after about k answers; at least one median
+latency, at most `MAX_RETRY_AFTER_SECONDS` (past it, drawn from its second
+half), and jittered so refused callers do not return together.
 The callers who were answered call again too, and usually take the freed slot
 first; so while refusals outnumber `retry_budget` (a fifth) of the answers, the
-hints stretch (orchestrator/policy/pacing.py): on the 2-core machine each
+spacing stretches (orchestrator/policy/pacing.py): on the 2-core machine each
 refusal spent about a quarter of a millisecond of the orchestrator's CPU and
 more of its caller's, taken from the backend's forwards.
 
@@ -273,7 +273,7 @@ class AdaptiveConcurrencyLimit:
         self._next_probe = now + self._jittered(self.settings.probe_interval_seconds)
 
     def retry_after_seconds(self) -> float:
-        """The hint for a call refused now: the refused callers still waiting out their
-        hints, over the rate calls are answered, so that they come back about as fast
-        as slots free up (the k-th waiting caller after about k answers)."""
+        """The hint for a call refused now: the next return time, spaced from the last
+        one given by the time between answers (stretched under the retry budget), so
+        that refused callers come back about as fast as slots free up."""
         return self._pacer.hint(floor=self.median_latency or DEFAULT_RETRY_AFTER_SECONDS)

@@ -88,7 +88,9 @@ class RetryPacer:
         if back - now > self._max_seconds:
             # Every return time up to the cap is taken.
             return self._max_seconds * self._rng.uniform(0.5, 1.0) * jitter
-        self._next_return = back + self.stretch / rate
+        # One caller's spacing is at most the cap, so a slow spell (a few calls a
+        # second, stretched) books return times at most one cap past the cap.
+        self._next_return = back + min(self.stretch / rate, self._max_seconds)
         return (back - now) * jitter
 
     def _roll(self, now: float) -> None:

@@ -94,6 +94,25 @@ def test_past_the_cap_return_times_are_drawn_from_its_second_half() -> None:
     assert max(full) > 0.9 * MAX_SECONDS
 
 
+def test_a_slow_spell_books_no_return_times_far_past_the_cap() -> None:
+    """One call a second gets through while callers are refused: stretched 64 times,
+    each refused caller would book 64 s of return times. Booked that far ahead,
+    refused callers would be sent to the cap's second half for a minute after calls
+    came back; a caller's spacing is at most the cap, so 11 s after the slow spell a
+    refused caller waits the floor again."""
+    clock = Clock()
+    budgeted = pacer(clock, 0.2)
+    for _ in range(8):
+        window([budgeted], clock, 1, 50)
+    assert budgeted.stretch == MAX_STRETCH
+    for _ in range(12):  # a refusal a second, until one books a time past the cap
+        window([budgeted], clock, 1, 1)
+    for _ in range(11):
+        window([budgeted], clock, 100, 0)
+    [[hint]] = window([budgeted], clock, 100, 1)
+    assert hint == pytest.approx(FLOOR)
+
+
 def test_within_the_budget_the_stretch_shrinks_back_to_the_spacing() -> None:
     clock = Clock()
     budgeted, plain = pacer(clock, 0.2), pacer(clock, None)
