@@ -417,7 +417,8 @@ async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
             await coalescer.classify(minilm_request("early"), seconds=1.0, trace_metadata=())
         judged = re.search(r"takes about (\d+) ms for a call of 1 items", str(refused.value))
         assert judged is not None, str(refused.value)
-        assert 1500 < int(judged.group(1)) <= 2000  # the fit, "a" among its calls
+        # The fit ("a" among its calls), less the moments since "a" came back.
+        assert 1000 < int(judged.group(1)) <= 2000
         await asyncio.sleep(1.3)
         later = await coalescer.classify(minilm_request("later"), seconds=1.0, trace_metadata=())
     assert later.request_id == "later"
