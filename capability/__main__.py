@@ -6,9 +6,11 @@ import os
 # between the ops of one forward instead, and each op pays for waking them: with
 # 1,000, one text through the front door on 2 cores took 12.5-13.5 ms at p50 against
 # 8.6-9.2 ms with 10,000 (one forward alone: 8.0 against 3.7 ms); 3,000 is already
-# on that cliff's edge (9.8 ms). 10,000 costs the serving loops nothing measurable:
-# topic-static at 64 clients spent the same capability CPU a request as with 1,000
-# (alternated A/B, docs/benchmark.md). Set it to override.
+# on that cliff's edge (9.8 ms). The spinning is paid for in CPU, not throughput:
+# topic-static at 64 clients spent the same capability CPU a request as with 1,000,
+# topic-minilm at 32 clients the same requests a second for about 3% more CPU in
+# the capability and 5% more in the orchestrator beside it (alternated A/B,
+# docs/benchmark.md). Set it to override.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # The tokenizers library spreads a batch's texts over a thread pool of its own unless
