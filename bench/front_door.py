@@ -599,9 +599,9 @@ def print_report(report: Mapping[str, Any]) -> None:
     print(
         "| system | model | clients | orchestrator (echo: front hop) µs "
         "| capability (echo: back hop) µs | servers µs | client µs "
-        "| others cores | mean batch | texts per upstream call |"
+        "| others cores | mean batch | device busy | texts per upstream call |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for level in levels:
         if not level.get("available"):
             continue
@@ -614,6 +614,7 @@ def print_report(report: Mapping[str, Any]) -> None:
             f"| {cell(sum(cpu[name] for name in server_names))} | {cell(cpu['client'])} "
             f"| {cell(level['other_processes_cores'], 2)} "
             f"| {cell(level.get('mean_batch', math.nan), 1)} "
+            f"| {cell(level.get('device_busy', math.nan), 2)} "
             f"| {cell(level.get('texts_per_upstream_call', math.nan), 1)} |"
         )
     fallbacks = sum(level.get("fallbacks", 0) for level in levels)
