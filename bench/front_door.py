@@ -190,8 +190,9 @@ def add_server_figures(
     result: dict[str, Any], observed: Observation, servers: Mapping[str, ServerProcess]
 ) -> None:
     """What the servers counted over the level: the capability's mean batch and the
-    share of time its device computed; the orchestrator's texts per upstream call
-    and answers that came from a fallback."""
+    seconds its workers computed per second (`device_busy`: summed over the workers,
+    so up to one per device); the orchestrator's texts per upstream call and answers
+    that came from a fallback."""
     if "capability" in servers:
         batches = observed.delta("capability", f"{BATCH_SIZE}_count")
         texts = observed.delta("capability", f"{BATCH_SIZE}_sum")
@@ -599,7 +600,7 @@ def print_report(report: Mapping[str, Any]) -> None:
     print(
         "| system | model | clients | orchestrator (echo: front hop) µs "
         "| capability (echo: back hop) µs | servers µs | client µs "
-        "| others cores | mean batch | device busy | texts per upstream call |"
+        "| others cores | mean batch | devices busy | texts per upstream call |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for level in levels:
