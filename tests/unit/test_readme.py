@@ -19,7 +19,9 @@ from tests.conftest import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 MAKEFILE = REPO_ROOT / "Makefile"
-FRONT_PAGE_MAX_BYTES = 12 * 1024
+# A front page, not the manual: docs/ holds the rest. 14 KB since the benchmark section
+# carries what issues 11 and 12 asked of it (the figures, and what each change bought).
+FRONT_PAGE_MAX_BYTES = 14 * 1024
 SHELL_FENCES = {"sh", "bash", "shell"}
 # What the README's Python commands start with; the test runs them with its own interpreter.
 VENV_PYTHON = ".venv/bin/python"
@@ -50,7 +52,7 @@ def make_prerequisites(target: str) -> list[str]:
     return match.group(1).split()
 
 
-def test_readme_is_a_front_page_under_12_kb_that_opens_with_the_two_commands() -> None:
+def test_readme_is_a_front_page_under_14_kb_that_opens_with_the_two_commands() -> None:
     text = README.read_text()
     assert len(text.encode()) < FRONT_PAGE_MAX_BYTES
     info, body = next(fenced_blocks(text))
