@@ -44,7 +44,7 @@ REDIS_SERVER := build/tools/redis/redis-server
 
 .PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
 	check-deps \
-	lint-deploy bench bench-capability bench-models bench-front-door bench-overload gpu-check
+	lint-deploy bench bench-capability bench-models bench-front-door bench-overload bench-gate gpu-check
 
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
