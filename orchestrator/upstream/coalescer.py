@@ -30,11 +30,12 @@ Each item keeps its own deadline, trace and outcome:
   to come back (orchestrator.upstream.call_time.TripTime), so the capability
   server answers an item whose time ran out DEADLINE_EXCEEDED without
   computing it, and does not compute one whose answer would arrive here after
-  its time ran out; an item whose time ran out before the call left, or whose
-  time left is shorter than the replica's reported wait or than calls of its
-  call's size have been taking (counted down while the replica has had no
-  call of ours), is answered here at once and never sent; one
-  whose time runs out while the call is in flight is answered here then, not
+  its time ran out; an item whose time runs out while it gathers is answered
+  here then (not when the call in flight comes back) and never sent; one
+  whose time left as its call leaves is shorter than the replica's reported
+  wait or than calls of its call's size have been taking (counted down while
+  the replica has had no call of ours) is answered here at once and never
+  sent; one whose time runs out while the call is in flight is answered here then, not
   when the call returns (which may be past its caller's deadline, where the
   caller would get a bare DEADLINE_EXCEEDED without its IDs); an item that
   would gather behind busy calls and cannot make its deadline even
@@ -77,6 +78,7 @@ from classify_common.context import (
     new_request_id,
 )
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
+from classify_common.intake import MAX_BATCH_TOTAL_CHARS
 from classify_common.nodes import (
     CLASSIFY_BACKEND,
     CLASSIFY_BATCH_METHOD_NAME,
@@ -145,6 +147,8 @@ class UpstreamItem:
     # The item's `upstream_call` span, linked to the shared call's span.
     span: trace.Span
     future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
+    # While it waits to be sent: the timer that answers it at expires_at.
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class ReplicaCoalescer:
@@ -244,6 +248,9 @@ class ReplicaCoalescer:
         )
         if not self._may_leave(len(self._waiting) + 1):
             self._refuse_if_it_cannot_make_it(item, loop.time())
+        # Until it leaves: it may gather behind a call in flight, or behind the calls
+        # a large ClassifyBatch fills, until after its deadline.
+        item.expiry = loop.call_at(item.expires_at, self._expire_gathered, item)
         self._waiting.append(item)
         if not self._send_scheduled and self._may_leave(len(self._waiting)):
             # Not sent right here: items that arrive in this same loop turn (the other
@@ -264,6 +271,19 @@ class ReplicaCoalescer:
         (at most max_items), or max_items."""
         batch = self._replica_batch_size()
         return min(batch, self._settings.max_items) if batch > 0 else self._settings.max_items
+
+    def _items_for_one_call(self) -> int:
+        """How many of the waiting items, from the first, one call carries: at most
+        max_items, and no more text than one ClassifyBatch may hold. Callers' texts of
+        up to 100,000 characters each are valid alone; merged past the batch's limit,
+        the capability would refuse every item of the call for a rule none of them
+        broke (and past 8 MiB, gRPC would refuse the message)."""
+        chars = 0
+        for count, item in enumerate(self._waiting[: self._settings.max_items]):
+            chars += len(item.request.text)
+            if chars > MAX_BATCH_TOTAL_CHARS:
+                return max(count, 1)
+        return min(len(self._waiting), self._settings.max_items)
 
     def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
         """DeadlineUnreachable now, rather than when its turn to be sent comes, for an
@@ -301,8 +321,12 @@ class ReplicaCoalescer:
         self._send_scheduled = False
         now = asyncio.get_running_loop().time()
         while self._waiting and self._may_leave(len(self._waiting)):
-            batch = self._waiting[: self._settings.max_items]
-            del self._waiting[: self._settings.max_items]
+            leaving = self._items_for_one_call()
+            batch = self._waiting[:leaving]
+            del self._waiting[:leaving]
+            for item in batch:
+                if item.expiry is not None:
+                    item.expiry.cancel()
             live = [item for item in batch if not item.future.done()]
             # Items that gathered while the replica was busy may no longer have the
             # time their call needs, by the replica's reported wait or by how long
@@ -469,6 +493,18 @@ class ReplicaCoalescer:
                         translate_item_status(result.error, self._backend, self._target)
                     )
             return
+
+    def _expire_gathered(self, item: UpstreamItem) -> None:
+        """An item's time ran out while it gathered: answered now and never sent."""
+        self._waiting.remove(item)
+        if not item.future.done():  # else its caller has gone
+            self._on_expired()
+            item.future.set_exception(
+                DeadlineExpired(
+                    "the deadline passed before the backend could be called",
+                    backend=self._backend,
+                )
+            )
 
     def _time_out(self, item: UpstreamItem) -> None:
         """An item's time ran out while the batch call carrying it is still in flight:

@@ -23,7 +23,7 @@ from capability.server import CapabilityServer
 from capability.workers import DeviceWorker
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
-from orchestrator.metrics import UPSTREAM_CALL_ITEMS
+from orchestrator.metrics import UPSTREAM_CALL_ITEMS, UPSTREAM_ITEMS_EXPIRED_TOTAL
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.coalescer import (
@@ -193,7 +193,8 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
     capability: CapabilityServer,
 ) -> None:
     """One call in flight at a time: the second item waits behind the first, runs out of
-    time there, and is answered DEADLINE_EXCEEDED without reaching the model."""
+    time there, and is answered DEADLINE_EXCEEDED then, while the first is still held,
+    without reaching the model."""
     expired: list[int] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
@@ -212,13 +213,90 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
                 coalescer.classify(late_request, seconds=0.05, trace_metadata=())
             )
             # The point: the late item's 50 ms pass while the device is held.
-            await asyncio.sleep(0.1)
-            assert (coalescer.waiting, coalescer.in_flight) == (1, 1)
+            with pytest.raises(DeadlineExpired) as expired_late:
+                await late
+            assert str(expired_late.value) == (
+                "the deadline passed before the backend could be called"
+            )
+            assert (coalescer.waiting, coalescer.in_flight) == (0, 1)
         assert (await first).request_id == "a"
-        with pytest.raises(DeadlineExpired):
-            await late
     assert expired == [1]
     assert texts_computed(capability) - computed_before == 1
+
+
+async def test_a_call_that_runs_out_of_time_while_gathering_is_counted_and_never_computed(
+    one_call_at_a_time: OrchestratorServer, capability: CapabilityServer
+) -> None:
+    """The same through a real orchestrator: its caller gets DEADLINE_EXCEEDED, the
+    backend's expired-unsent counter goes up by one, and the model never sees it."""
+    server = one_call_at_a_time
+    expired_before = metric_sum(
+        server.registry, UPSTREAM_ITEMS_EXPIRED_TOTAL, backend="topic-minilm"
+    )
+    calls_before, items_before = upstream_calls(server)
+    computed_before = texts_computed(capability)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            first = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+            )
+            await wait_until(lambda: upstream_calls(server)[1] - items_before == 1)
+            late = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=TEXTS[1]), timeout=0.5)
+            )
+            # It gathers behind the held call (not refused as it arrives) ...
+            (pool,) = server.dispatcher.state.upstream.pools()
+            (coalescer,) = pool.coalescers.values()
+            await wait_until(lambda: coalescer.waiting == 1, "the second call gathering")
+            # ... and its time runs out there while the device is still held.
+            await wait_until(
+                lambda: (
+                    metric_sum(
+                        server.registry, UPSTREAM_ITEMS_EXPIRED_TOTAL, backend="topic-minilm"
+                    )
+                    - expired_before
+                    == 1
+                ),
+                "the gathering call counted as expired",
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await late
+            assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (await first).labels
+    assert upstream_calls(server) == (calls_before + 1, items_before + 1)
+    assert texts_computed(capability) - computed_before == 1
+
+
+async def test_long_texts_that_gather_leave_in_calls_a_batch_may_hold(
+    one_call_at_a_time: OrchestratorServer, capability: CapabilityServer
+) -> None:
+    """Twelve callers' 100,000-character texts, each valid alone, gather behind a held
+    call: merged into one call they would break the batch's 1,000,000-character rule
+    (and fail every item for it); they leave in calls of at most ten texts."""
+    server = one_call_at_a_time
+    calls_before, items_before = upstream_calls(server)
+    long_texts = [f"{index} " + TEXTS[index % len(TEXTS)] * 2_000 for index in range(12)]
+    long_texts = [text[:100_000] for text in long_texts]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            first = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=long_texts[0]), timeout=60)
+            )
+            await wait_until(lambda: upstream_calls(server)[1] - items_before == 1)
+            (pool,) = server.dispatcher.state.upstream.pools()
+            (coalescer,) = pool.coalescers.values()
+            rest = [
+                asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=text), timeout=60))
+                for text in long_texts[1:]
+            ]
+            await wait_until(lambda: coalescer.waiting == 11, "the other eleven gathering")
+        answers = await asyncio.gather(first, *rest)
+    assert all(answer.labels for answer in answers)
+    calls, items = upstream_calls(server)
+    assert items - items_before == 12
+    assert calls - calls_before == 3  # the held one, then ten texts and one
 
 
 async def test_an_item_whose_time_runs_out_in_flight_is_answered_then_not_when_its_call_returns(
