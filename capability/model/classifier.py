@@ -125,10 +125,14 @@ class TextClassifier:
         self.graph = graph
 
     def token_budget(self, max_length: int | None) -> int:
-        """Tokens per text a call may use: the caller's limit, capped by the model's own."""
+        """Tokens per text a call may use: the caller's limit, capped by the model's own,
+        and never less than the special tokens plus one token of text. The contract
+        allows budgets from 1 and promises truncation, not refusal; a budget below
+        [CLS] + [SEP] would leave the tokenizer nothing to keep."""
         if max_length is None:
             return self.max_seq_length
-        return min(max_length, self.max_seq_length)
+        least = self.tokenizer.special_tokens_per_text + 1
+        return max(min(max_length, self.max_seq_length), least)
 
     def classify(self, texts: Sequence[str], max_length: int | None = None) -> ClassifyBatchResult:
         """Label probabilities for each text, truncated to `token_budget(max_length)` tokens."""

@@ -147,3 +147,20 @@ async def test_latency_histograms_carry_route_model_and_a_trace_exemplar(
     assert bucket_lines
     # OpenMetrics exemplars: `... # {trace_id="..."} value timestamp` on the bucket hit.
     assert any(f'# {{trace_id="{response.trace_id}"}}' in line for line in bucket_lines)
+
+
+async def test_a_token_budget_of_one_is_raised_to_what_the_model_needs_not_refused(
+    orchestrator: OrchestratorServer,
+) -> None:
+    """The contract allows max_length 1 and promises truncation; [CLS] and [SEP] take
+    two tokens, so the budget becomes three: one token of text, as with max_length 3."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answers = [
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, max_length=budget), timeout=30)
+            for budget in (1, 2, 3)
+        ]
+        whole = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+    scores = [[(label.name, label.score) for label in answer.labels] for answer in answers]
+    assert scores[0] == scores[1] == scores[2]
+    assert scores[0] != [(label.name, label.score) for label in whole.labels]
