@@ -29,7 +29,10 @@ quarters of the calls then in flight, and from then on:
   time: the limit is held at `min_limit` until `probe_samples` calls sent
   during the probe have been answered, so a minimum measured under load does
   not stay the reference;
-- after `CALM_SECONDS` without a refusal or a call out of time, it disengages.
+- after `CALM_SECONDS` without a refusal or a call out of time, it disengages:
+  at the next window's update, or at the next call it would refuse, whichever
+  comes first (after an idle spell no answers come back to update it, and the
+  first burst must not meet the limit of the last overload).
 
 A batching server's latency grows with its batch even when nothing queues, so
 the minimum is measured at `min_limit` calls in flight (32 by default, enough
@@ -151,7 +154,8 @@ class AdaptiveConcurrencyLimit:
         self._peak_in_flight = 0
         now = clock()
         self._window_ends = now + settings.window_seconds
-        # The first overload starts a probe at once; the last sign of overload.
+        # The first overload starts a probe at once; the last sign of overload (a call
+        # refused, or one out of time).
         self._next_probe = now
         self._last_overload = now
         # A call refused, or one that missed its deadline, since the last update.
@@ -180,8 +184,12 @@ class AdaptiveConcurrencyLimit:
     def try_acquire(self) -> bool:
         """Take a slot for one call, or False when the limit is reached."""
         if self.in_flight >= int(self.limit):
-            self._overload_seen = True
-            return False
+            now = self._clock()
+            if not (self.engaged and now - self._last_overload >= CALM_SECONDS):
+                self._overload_seen = True
+                self._last_overload = now
+                return False
+            self._disengage(now)
         self.in_flight += 1
         if self.in_flight > self._peak_in_flight:
             self._peak_in_flight = self.in_flight
@@ -197,6 +205,7 @@ class AdaptiveConcurrencyLimit:
         now = self._clock()
         if overloaded:
             self._overload_seen = True
+            self._last_overload = now
             self._window_misses += 1
         if latency is not None:
             self._pacer.count()
@@ -225,15 +234,13 @@ class AdaptiveConcurrencyLimit:
                 # Until a probe measures it, the lowest median seen is the reference.
                 self.min_latency = median
         overloaded, self._overload_seen = self._overload_seen, False
-        if overloaded:
-            self._last_overload = now
         if not self.engaged:
             if missing_deadlines:
                 self.engaged = True
                 self.limit = self._bounded(self._peak_in_flight * MISSED_DEADLINE_BACKOFF)
         elif now - self._last_overload >= CALM_SECONDS:
-            self.engaged = False
-            self.limit = float(self.settings.max_limit)
+            self._disengage(now)
+            return
         else:
             self.limit = self._bounded(self._next_limit(median, missing_deadlines))
         samples.clear()
@@ -256,6 +263,18 @@ class AdaptiveConcurrencyLimit:
         if missing_deadlines:
             limit = min(limit, self.limit * MISSED_DEADLINE_BACKOFF)
         return limit
+
+    def _disengage(self, now: float) -> None:
+        """Calm again: no limit but `max_limit`, no probe, a fresh window."""
+        self.engaged = False
+        self.limit = float(self.settings.max_limit)
+        self._probing_from = None
+        self._probe.clear()
+        self._window.clear()
+        self._window_misses = 0
+        self._overload_seen = False
+        self._peak_in_flight = self.in_flight
+        self._window_ends = now + self.settings.window_seconds
 
     def _bounded(self, limit: float) -> float:
         return min(max(limit, self.settings.min_limit), self.settings.max_limit)

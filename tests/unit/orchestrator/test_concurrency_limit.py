@@ -185,6 +185,26 @@ def test_calm_disengages_it() -> None:
     assert limit.limit == 500
 
 
+def test_a_burst_after_a_calm_idle_spell_meets_no_limit() -> None:
+    """No answers come back while nobody calls, so no window updates it: the first
+    call it would refuse after CALM_SECONDS finds it calm and disengages it."""
+    clock = Clock()
+    limit = limiter(clock, min_limit=8, max_limit=500)
+    engage_and_measure(limit, clock, 40, 0.010)
+    engaged_limit = int(limit.limit)
+    assert engaged_limit < 200
+    clock.now += CALM_SECONDS / 2
+    # Still within the calm period: the limit holds, and the refusal is a new sign.
+    assert hold(limit, 200) == engaged_limit
+    for _ in range(engaged_limit):
+        limit.release(0.010)
+    assert engaged(limit)
+    clock.now += CALM_SECONDS
+    assert hold(limit, 200) == 200
+    assert not engaged(limit)
+    assert limit.limit == 500
+
+
 def test_failures_do_not_move_it() -> None:
     clock = Clock()
     limit = limiter(clock, min_limit=8)
