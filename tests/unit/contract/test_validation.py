@@ -22,6 +22,19 @@ def texts_computed(server: CapabilityServer) -> float:
 INVALID_REQUESTS = [
     pytest.param(pb.ClassifyRequest(text=""), [("text", "required")], id="empty-text"),
     pytest.param(pb.ClassifyRequest(text=" \t\n "), [("text", "text.not_blank")], id="blank-text"),
+    *(
+        pytest.param(pb.ClassifyRequest(text=blank), [("text", "text.not_blank")], id=name)
+        for name, blank in (
+            ("vertical-tab", "\v\v"),
+            ("no-break-space", "\u00a0"),
+            ("em-space", " \u2003 "),
+            ("ideographic-space", "\u3000"),
+            ("line-separator", "\u2028"),
+            ("next-line", "\u0085"),
+            ("zero-width-space", "\u200b\ufeff"),
+            ("nul", "\x00"),
+        )
+    ),
     pytest.param(
         pb.ClassifyRequest(text="a" * 100_001), [("text", "string.max_len")], id="text-too-long"
     ),
@@ -159,3 +172,13 @@ async def test_model_service_rejects_malformed_model_name(
     error = await refusal(model_stub.GetModel(model_pb.GetModelRequest(name="Not A Name")))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violations_of(error) == [("name", "string.pattern")]
+
+
+@pytest.mark.parametrize(
+    "text", ["🙂", "\u200d🙂", "\u0627\u0644\u0633\u0644\u0627\u0645", "\u00a0x\u3000"]
+)
+async def test_a_text_with_one_visible_character_is_not_blank(
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub, text: str
+) -> None:
+    answer = await orchestrator_stub.Classify(pb.ClassifyRequest(text=text))
+    assert answer.labels
