@@ -38,7 +38,7 @@ from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
 from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
 from tests.conftest import StartCapability, metric_sum, wait_until
-from tests.status_details import error_reason, refusal
+from tests.status_details import error_reason, refusal, retry_delay_seconds
 
 TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
@@ -99,11 +99,16 @@ async def test_queue_overflow_is_refused_at_once_and_the_queue_never_grows(
             # While the device is still busy, everything beyond capacity is already answered.
             await wait_until(lambda: sum(call.done() for call in calls) == len(calls) - 4)
             refused = [call for call in calls if call.done()]
+            # The hint is the time the full queue takes to drain (nothing has been
+            # computed since: the device is held).
+            drain = replica.predictor.drain_seconds(4)
+            assert drain > 0.001
             for call in refused:
                 error = call.exception()
                 assert isinstance(error, grpc.aio.AioRpcError)
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert error_reason(error) == "QUEUE_FULL"
+                assert retry_delay_seconds(error) == pytest.approx(drain, abs=1e-6)
             assert len(replica.queue) == 4
         answered = await asyncio.gather(*(c for c in calls if c not in refused))
     assert all(response.labels for response in answered)
@@ -349,6 +354,44 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
     # The third batch waited for its turn behind the other model.
     assert answered.index("static") < answered.index("minilm-4")
     assert answered.index("static") > answered.index("minilm-3")
+
+
+async def test_admission_counts_the_work_already_handed_to_the_device(
+    start_capability: StartCapability,
+) -> None:
+    """The fit predicts 10 s a batch and two batches are on the device's hands: a call
+    with 15 s left would make it on its own batch's time, not after theirs, so it is
+    refused DEADLINE_UNREACHABLE at admission and never computed."""
+    server, worker, replica, encoded = await minilm_in_batches_of_two(start_capability)
+    device_takes_ten_seconds_a_batch(replica, encoded)
+    assert replica.predictor.service_seconds(len(encoded.ids)) < 15.0
+    refused_before = metric_sum(
+        server.registry,
+        ADMISSIONS_REFUSED_TOTAL,
+        model="topic-minilm",
+        reason="DEADLINE_UNREACHABLE",
+    )
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    async with classify_stub(server) as stub, device_occupied(worker, take_turn=False):
+        patient = replica.admit(
+            [Admission(encoded, PRIORITY_INTERACTIVE, f"patient-{i}", None) for i in range(4)]
+        )
+        await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
+        assert replica.predictor.device_busy_seconds() > 15.0
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text=TEXTS[0]), timeout=15))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert error_reason(error) == "DEADLINE_UNREACHABLE"
+    await asyncio.gather(*patient)
+    assert (
+        metric_sum(
+            server.registry,
+            ADMISSIONS_REFUSED_TOTAL,
+            model="topic-minilm",
+            reason="DEADLINE_UNREACHABLE",
+        )
+        == refused_before + 1
+    )
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before + 4
 
 
 async def test_request_that_cannot_finish_in_time_is_refused_at_admission(
