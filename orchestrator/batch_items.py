@@ -3,18 +3,24 @@
 Every item gets its own request ID, trace and outcome: an error becomes the
 item's Status, never the call's; a bug is answered as a single call's is (only
 the IDs) and counted.
+
+An item's request_id must not repeat an earlier item's in the same call: a
+request ID names one result for GetResult (per tenant), so a repeat would share
+its slot and one of the two results would be lost. The repeat is refused on its
+own (INVALID_ARGUMENT, `items[i].request_id`, rule `request_id.unique`) and the
+first item is served.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from opentelemetry.trace import Link
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext, bind_request, new_request_id
-from classify_common.errors import ServiceError, internal_error
+from classify_common.errors import FieldViolation, InvalidRequest, ServiceError, internal_error
 from classify_common.intake import item_status
 from classify_common.nodes import RequestTrace, bind_trace
 from classify_common.tracing import extract_context, format_trace_id, get_tracer
@@ -25,11 +31,41 @@ log = logging.getLogger(__name__)
 # (route_match, backend_select, upstream_call, and the capability's) hang under it.
 BATCH_ITEM_SPAN_NAME = "batch_item"
 
+# The rule an item breaks by repeating an earlier item's request_id.
+UNIQUE_REQUEST_ID_RULE = "request_id.unique"
+
 # How an item is classified: request, IDs, seconds left (None: no deadline), headers.
 ClassifyOne = Callable[
     [pb.ClassifyRequest, RequestContext, float | None, Mapping[str, str]],
     Awaitable[pb.ClassifyResponse],
 ]
+
+
+def refuse_repeated_request_ids(
+    items: Sequence[pb.ClassifyRequest], refused: Mapping[int, ServiceError]
+) -> Mapping[int, ServiceError]:
+    """The intake's refusals (`refused`, by item index) with each item that repeats an
+    earlier item's request_id refused too. A repeat that broke other rules keeps their
+    violations beside this one; a rate-limit refusal gives way to it, as to any other
+    broken rule (a client error is the one to fix first). `refused` itself when no
+    request_id repeats."""
+    first_use: dict[str, int] = {}
+    repeats: dict[int, ServiceError] = {}
+    for index, item in enumerate(items):
+        if not item.request_id:  # the server generates a fresh one
+            continue
+        first = first_use.setdefault(item.request_id, index)
+        if first == index:
+            continue
+        repeated = FieldViolation(
+            field=f"items[{index}].request_id",
+            rule=UNIQUE_REQUEST_ID_RULE,
+            message=f"must be unique within the batch; items[{first}] has the same",
+        )
+        earlier = refused.get(index)
+        broken = earlier.violations if isinstance(earlier, InvalidRequest) else ()
+        repeats[index] = InvalidRequest([*broken, repeated])
+    return {**refused, **repeats} if repeats else refused
 
 
 def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:

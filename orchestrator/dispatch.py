@@ -43,7 +43,7 @@ from classify_common.nodes import (
     current_trace,
     node,
 )
-from orchestrator.batch_items import classify_item
+from orchestrator.batch_items import classify_item, refuse_repeated_request_ids
 from orchestrator.calls import RouteCaller, RoutingState, UpstreamCall
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore
@@ -164,7 +164,7 @@ class Dispatcher:
     ) -> pb.ClassifyBatchResponse:
         """Every item as its own call, all at once; one result per item, in order."""
         self._metrics.batch_items.observe(len(request.items))
-        refused = current_batch_intake().refused
+        refused = refuse_repeated_request_ids(request.items, current_batch_intake().refused)
         contexts = request.item_contexts
         call_trace = current_trace()
         answer = pb.ClassifyBatchResponse()

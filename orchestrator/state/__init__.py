@@ -15,12 +15,14 @@ that names the same Redis shares them.
 
 Keys, all under `classify:v1:` (v1 changes whenever a value's format does):
 
-    classify:v1:result:<request id>  string: one kind byte, then the payload: P (pending)
+    classify:v1:result:<tenant>/<request id>
+                                     string: one kind byte, then the payload: P (pending)
                                      or D (done) and a serialized ClassifyResponse, or E
                                      and the error as JSON; expires --results-ttl-seconds
                                      after it was held
-    classify:v1:results              sorted set of the held request IDs by when they were
-                                     held (ms): --results-capacity, oldest dropped first
+    classify:v1:results              sorted set of the held results' `<tenant>/<request
+                                     id>` by when they were held (ms): --results-capacity,
+                                     oldest dropped first
     classify:v1:bucket:<tenant>      hash {tokens, updated}: the tenant's token bucket;
                                      expires once it would have refilled completely
 

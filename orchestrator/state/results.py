@@ -4,7 +4,8 @@ The same contract as orchestrator.results.LocalResultStore, with the capacity
 and TTL across all processes: holding a result is one script (set the value
 with its TTL, index it, drop the oldest past the capacity), finishing one is a
 SET that keeps the TTL and only replaces a value still there, and a poll is one
-GET.
+GET. A result is keyed by its tenant and request ID (see result_key), as the
+local store keeps it.
 
 When Redis does not answer:
 - hold: False, and the dispatcher answers the call when it is done, within the
@@ -27,7 +28,7 @@ from classify_common.errors import (
     ServiceError,
     StateUnavailable,
 )
-from orchestrator.results import result_not_found
+from orchestrator.results import result_not_found, result_owner
 from orchestrator.state.connection import KEY_PREFIX, RedisState
 
 RESULT_PREFIX = KEY_PREFIX + "result:"
@@ -37,8 +38,8 @@ PENDING, DONE, ERROR = b"P", b"D", b"E"
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] the result, KEYS[2] the index. ARGV: request ID, value, TTL (ms), capacity,
-# result key prefix. Server time, so orchestrators' clocks need not agree.
+# KEYS[1] the result, KEYS[2] the index. ARGV: index member (result_key), value, TTL
+# (ms), capacity, result key prefix. Server time, so orchestrators' clocks need not agree.
 # NOTE: the keys of dropped results are built here, not passed in KEYS: fine on one
 # Redis server (or a primary with replicas), not on Redis Cluster.
 _HOLD = """
@@ -72,9 +73,10 @@ class RedisResultStore:
         self._hold_script = state.client.register_script(_HOLD)
 
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
-        keys = [RESULT_PREFIX + request_id, RESULTS_INDEX]
+        member = result_key(result_owner(), request_id)
+        keys = [RESULT_PREFIX + member, RESULTS_INDEX]
         value = PENDING + pending.SerializeToString()
-        args: list[bytes | str | int] = [request_id, value, self._ttl_ms, self._capacity]
+        args: list[bytes | str | int] = [member, value, self._ttl_ms, self._capacity]
         args.append(RESULT_PREFIX)
         try:
             await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
@@ -93,7 +95,7 @@ class RedisResultStore:
         else:
             assert response is not None, "finish needs a response or an error"
             value = DONE + response.SerializeToString()
-        key = RESULT_PREFIX + request_id
+        key = RESULT_PREFIX + result_key(result_owner(), request_id)
         client = self._state.client
         try:
             await self._state.run(
@@ -106,7 +108,7 @@ class RedisResultStore:
             )
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
-        key = RESULT_PREFIX + request_id
+        key = RESULT_PREFIX + result_key(result_owner(), request_id)
         client = self._state.client
         value = await self._state.run("result_get", lambda: client.get(key))
         if not isinstance(value, bytes):  # None: not there (the client never decodes)
@@ -115,6 +117,13 @@ class RedisResultStore:
         if kind == ERROR:
             raise decode_error(payload)
         return pb.ClassifyResponse.FromString(payload)
+
+
+def result_key(tenant: str, request_id: str) -> str:
+    """`<tenant>/<request id>`: a result's name in Redis (after RESULT_PREFIX) and in the
+    index. One name per pair, whatever the tenant's name holds: a request ID has no '/'
+    (the contract's pattern), so the last '/' ends the tenant."""
+    return f"{tenant}/{request_id}"
 
 
 def encode_error(error: ServiceError) -> bytes:

@@ -244,7 +244,9 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
             await store.get("g")
         assert status_for(stored.value) == status_for(refused)
         await store.finish("e", response=pending)  # dropped: not written back
-        assert redis_server.command("EXISTS", "classify:v1:result:e") == ":0"
+        # Outside a call the tenant is the anonymous one; keys name tenant and request.
+        assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
+        assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
         assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
         redis_server.stop()
         assert not await store.hold("h", pending)
