@@ -13,6 +13,7 @@ first item is served.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -20,7 +21,13 @@ from opentelemetry.trace import Link
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext, bind_request, new_request_id
-from classify_common.errors import FieldViolation, InvalidRequest, ServiceError, internal_error
+from classify_common.errors import (
+    DeadlineExpired,
+    FieldViolation,
+    InvalidRequest,
+    ServiceError,
+    internal_error,
+)
 from classify_common.intake import item_status
 from classify_common.nodes import RequestTrace, bind_trace
 from classify_common.tracing import extract_context, format_trace_id, get_tracer
@@ -132,6 +139,12 @@ async def classify_item(
         result.response.CopyFrom(await classify(item, ids, remaining, headers))
     except ServiceError as error:
         result.error.CopyFrom(item_status(error, ids.request_id, trace_id))
+    except asyncio.CancelledError:
+        # The call's answer is due (its deadline, less the time its items take to be
+        # answered), or its caller has gone: this item says so with its own IDs.
+        expired = DeadlineExpired("the call's deadline came before this item was answered")
+        result.error.CopyFrom(item_status(expired, ids.request_id, trace_id))
+        raise
     except Exception:
         # As the request lifecycle answers a bug in a single call: the IDs for the
         # caller, the traceback for the log, one count.

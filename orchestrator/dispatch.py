@@ -51,6 +51,17 @@ from orchestrator.routing import RequestFacts, Route
 from orchestrator.shadow import ShadowTraffic
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
+# A batch call's answer is due this long before its deadline, per item, besides
+# the safety margin: an item not answered by then is answered DEADLINE_EXCEEDED
+# with its IDs, which takes time of its own for each (its nodes and spans end).
+# Without it, a ClassifyBatch of 1,024 items with 0.2-1 s left spent the rest
+# failing its items one by one, answered after its caller had gone, and the
+# caller saw a bare DEADLINE_EXCEEDED with no result, not even for the items that
+# were computed. On the 2-core machine, answering the late items took 44 µs each
+# (1,003 of 1,024) against a capability in another process, and 130 µs each with
+# both servers in one process and every span exported (the tests).
+BATCH_ANSWER_SECONDS_PER_ITEM = 0.0002
+
 log = logging.getLogger(__name__)
 
 
@@ -169,8 +180,8 @@ class Dispatcher:
         call_trace = current_trace()
         answer = pb.ClassifyBatchResponse()
         results = [answer.results.add() for _ in request.items]
-        await asyncio.gather(
-            *(
+        items = [
+            asyncio.ensure_future(
                 classify_item(
                     results[index],
                     self.classify,
@@ -183,9 +194,25 @@ class Dispatcher:
                     headers,
                     call_trace,
                 )
-                for index, item in enumerate(request.items)
             )
-        )
+            for index, item in enumerate(request.items)
+        ]
+        if client_remaining is None:
+            await asyncio.gather(*items)
+        else:
+            due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
+            due -= BATCH_ANSWER_SECONDS_PER_ITEM * len(items)
+            try:
+                _, late = await asyncio.wait(items, timeout=max(due, 0.0))
+            except asyncio.CancelledError:  # the caller went: so does every item
+                for item_task in items:
+                    item_task.cancel()
+                raise
+            # Each late item answers DEADLINE_EXCEEDED as it is cancelled
+            # (batch_items.classify_item), so the call's answer carries every item.
+            for item_task in late:
+                item_task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         request_trace = current_trace()
         if request_trace is not None:
             failed = sum(1 for result in results if result.HasField("error"))

@@ -3,6 +3,7 @@ answered on its own, in order, with its own route, fallback and error."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,7 @@ from tests.conftest import (
     write_routes,
 )
 from tests.status_details import unpack, violations_of
+from tests.unit.capability.test_serving import device_occupied
 
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
 
@@ -234,3 +236,34 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_a_batch_whose_deadline_comes_first_answers_every_item_in_time(
+    orchestrator: OrchestratorServer, capability: CapabilityServer
+) -> None:
+    """200 items, the device held for longer than the call's 3 s: the call still answers
+    OK before its deadline, each item with its own outcome and IDs (those not answered
+    when the call's answer is due are DEADLINE_EXCEEDED), not a bare DEADLINE_EXCEEDED
+    for the whole call."""
+    items = [
+        pb.ClassifyRequest(text=f"{STRIKER} {index}", request_id=f"i-{index}")
+        for index in range(200)
+    ]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            response = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=3)
+    codes = collections.Counter(
+        grpc.StatusCode.DEADLINE_EXCEEDED if result.error.code == 4 else result.error.code
+        for result in response.results
+    )
+    assert len(response.results) == 200
+    assert codes[grpc.StatusCode.DEADLINE_EXCEEDED] >= 1
+    assert set(codes) <= {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+    }
+    for index, result in enumerate(response.results):
+        info = item_error_info(result.error)
+        assert info.metadata["x-request-id"] == f"i-{index}"
+        assert len(info.metadata["x-trace-id"]) == 32
