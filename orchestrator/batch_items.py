@@ -20,7 +20,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from opentelemetry.trace import Link
 
 from ai.classify.v1 import classify_service_pb2 as pb
-from classify_common.context import RequestContext, bind_request, new_request_id
+from classify_common.context import (
+    RequestContext,
+    bind_request,
+    is_valid_request_id,
+    new_request_id,
+)
 from classify_common.errors import (
     DeadlineExpired,
     FieldViolation,
@@ -128,7 +133,10 @@ async def classify_item(
         format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
     ) or call_ids.trace_id
     call_trace_span = call_trace.server_span if call_trace is not None else None
-    ids = RequestContext(item.request_id or new_request_id(), trace_id)
+    # As a single call's: its own request_id when valid, else a fresh one (an invalid
+    # one is reported in its violations, not echoed back as its ID).
+    own = item.request_id if is_valid_request_id(item.request_id) else ""
+    ids = RequestContext(own or new_request_id(), trace_id)
     bind_request(ids)
     if trace is not None:
         bind_trace(trace)

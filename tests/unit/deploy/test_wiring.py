@@ -27,6 +27,7 @@ import orchestrator.metrics as orchestrator_metrics
 import orchestrator.state.connection as state_metrics
 import orchestrator.workers as worker_metrics
 from capability.config import CapabilitySettings
+from classify_common.nodes import NODES
 from orchestrator.config import OrchestratorSettings
 from orchestrator.routing import load_routes
 from tests.unit.deploy.manifests import (
@@ -568,8 +569,7 @@ def test_node_labels_in_rules_and_dashboard_are_lifecycle_nodes() -> None:
 
 
 def test_lifecycle_nodes_match_the_codes_table() -> None:
-    nodes = pytest.importorskip("classify_common.nodes")
-    assert {node.name for node in nodes.NODES} == LIFECYCLE_NODES
+    assert {node.name for node in NODES} == LIFECYCLE_NODES
 
 
 def test_dashboard_has_slo_root_cause_and_capacity_views() -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
+from classify_common.context import is_valid_request_id
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security.keys import hash_key
 from orchestrator.server import OrchestratorServer
@@ -267,3 +268,22 @@ async def test_a_batch_whose_deadline_comes_first_answers_every_item_in_time(
         info = item_error_info(result.error)
         assert info.metadata["x-request-id"] == f"i-{index}"
         assert len(info.metadata["x-trace-id"]) == 32
+
+
+async def test_an_item_with_an_invalid_request_id_is_answered_under_a_fresh_one(
+    orchestrator: OrchestratorServer,
+) -> None:
+    """As a single call is: the bad ID is named in the violation, not echoed as the ID."""
+    response = await classify_batch(
+        orchestrator.port,
+        [
+            pb.ClassifyRequest(text=STRIKER, request_id="mine-1"),
+            pb.ClassifyRequest(text=SHARES, request_id="-not an id"),
+        ],
+    )
+    good, bad = response.results
+    assert good.response.request_id == "mine-1"
+    assert item_violations(bad.error) == [("items[1].request_id", "string.pattern")]
+    fresh = item_error_info(bad.error).metadata["x-request-id"]
+    assert fresh != "-not an id"
+    assert is_valid_request_id(fresh)
