@@ -23,6 +23,7 @@ from classify_common.errors import (
     FieldViolation,
     InternalError,
     InvalidRequest,
+    ModelFault,
     ModelNotFound,
     ModelUnavailable,
     Overloaded,
@@ -121,6 +122,15 @@ def _translate(
         return DeadlineExpired(f"backend {backend} did not answer in time", **where)
     if code == grpc.StatusCode.NOT_FOUND:
         return ModelNotFound(f"backend {backend} does not serve the requested model", **where)
+    if code == grpc.StatusCode.UNAVAILABLE and _reason(details) == ModelFault.reason:
+        # The replica was reached and its model failed (a non-finite output, a failed
+        # batch): the caller is told that, not that the backend could not be reached.
+        return ModelFault(f"backend {backend} failed to compute the text", **where)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return ModelUnavailable(f"backend {backend} is unavailable", **where)
     return InternalError(f"backend {backend} failed with {code.name}", **where)
+
+
+def _reason(details: list[object]) -> str:
+    """The ErrorInfo reason among an upstream status's details, or ""."""
+    return next((d.reason for d in details if isinstance(d, error_details_pb2.ErrorInfo)), "")

@@ -373,9 +373,14 @@ async def test_admission_counts_the_work_already_handed_to_the_device(
     )
     texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
     async with classify_stub(server) as stub, device_occupied(worker, take_turn=False):
-        patient = replica.admit(
-            [Admission(encoded, PRIORITY_INTERACTIVE, f"patient-{i}", None) for i in range(4)]
-        )
+        patient = [
+            future
+            for future in replica.admit(
+                [Admission(encoded, PRIORITY_INTERACTIVE, f"patient-{i}", None) for i in range(4)]
+            )
+            if isinstance(future, asyncio.Future)
+        ]
+        assert len(patient) == 4
         await wait_until(lambda: len(replica.queue) == 0 and replica.in_flight == 4)
         assert replica.predictor.device_busy_seconds() > 15.0
         error = await refusal(stub.Classify(pb.ClassifyRequest(text=TEXTS[0]), timeout=15))

@@ -20,6 +20,7 @@ from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import (
     STRIKER,
+    StartCapability,
     StartOrchestrator,
     capability_settings,
     closed_port,
@@ -164,3 +165,22 @@ async def test_a_token_budget_of_one_is_raised_to_what_the_model_needs_not_refus
     scores = [[(label.name, label.score) for label in answer.labels] for answer in answers]
     assert scores[0] == scores[1] == scores[2]
     assert scores[0] != [(label.name, label.score) for label in whole.labels]
+
+
+async def test_a_replica_whose_model_fails_is_reported_as_a_model_fault_with_ids(
+    orchestrator_to: StartOrchestratorTo, start_capability: StartCapability
+) -> None:
+    """Reached, but its batches fail (its device thread is closed): the caller is told
+    MODEL_FAULT, not that the backend could not be reached."""
+    faulty = await start_capability(models=("topic-minilm",))
+    faulty.pool.workers[0]._device_thread.close()
+    server = await orchestrator_to([f"127.0.0.1:{faulty.port}"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(error) == "MODEL_FAULT"
+    assert error.details() == "backend topic-minilm failed to compute the text"
+    trailers = trailers_of(error)
+    assert trailers["x-request-id"]
+    assert len(trailers["x-trace-id"]) == 32
