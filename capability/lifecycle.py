@@ -1,16 +1,29 @@
 """Which model versions exist, which serve, and how a new one takes over.
 
 The model root holds one folder per model and one bundle folder per version:
-`<root>/topic-minilm/1/`, `<root>/topic-minilm/2/`, ... The newest version
-(numeric names by value, others after them by name) is loaded at start. A
-reload loads a named or the newest version; the watcher reloads whenever a
-newer version folder appears, so a deploy is "copy the bundle in". Every path
-is built from validated names and checked to stay inside the root.
+`<root>/topic-minilm/1/`, `<root>/topic-minilm/2/`, ... A version's name is
+letters, digits, '.', '_' and '-', starting with a letter or digit (so no
+hidden folder, `.3.partial`, is ever one). Only numbered versions (`1`, `2`,
+`10`: ASCII digits alone) are in the sequence the server follows by itself:
+the highest is loaded at start, and the watcher reloads whenever a higher one
+appears, so a deploy is "copy the bundle in". Any other name (`3.tmp`,
+`3-copying`, `canary`) is never chosen by itself, so a folder copied in under a
+temporary name and then renamed is loaded only once it has its number; such a
+version loads only when ReloadModel names it. Every path is built from
+validated names and checked to stay inside the root.
+
+ReloadModel with a version pins the model to it: the watcher leaves a pinned
+model alone, however new the folders that appear, so a rollback stays rolled
+back. ReloadModel without a version (the newest) lets the watcher follow again.
 
 A version the watcher saw refused (say, caught half-copied) is not tried again
 every poll, nor refused for good: it is remembered with a fingerprint of its
 files, and tried once more when the fingerprint has changed and then held
 still for a poll (the copy has finished).
+
+The watcher outlives any error (a bug, a filesystem surprise): it is logged with
+its traceback and counted as a refused reload, the serving version stays, and the
+next poll looks again.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
+from capability.bundle import LoadedBundle, ModelLoadError
 from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
@@ -34,16 +47,26 @@ from classify_common.model_names import is_model_name
 
 log = logging.getLogger(__name__)
 
+# A version folder's name, as ModelService.ReloadModel's contract spells it.
 VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A version the server picks by itself: ASCII digits alone. (str.isdigit would also
+# take '²', which int() refuses.)
+NUMBERED_VERSION = re.compile(r"^[0-9]+$")
 MANIFEST = "manifest.json"
 
 # (path relative to the version folder, size in bytes, mtime in ns) of each file, sorted.
 Fingerprint = tuple[tuple[str, int, int], ...]
 
 
-def version_order(version: str) -> tuple[int, int, str]:
-    """Numeric versions sort by value (2 < 10), before any named ones."""
-    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+def is_numbered(version: str) -> bool:
+    return NUMBERED_VERSION.fullmatch(version) is not None
+
+
+def is_newer(candidate: str, serving: str) -> bool:
+    """Whether the watcher moves from `serving` to the numbered `candidate`: when it is
+    higher by value (2 < 10), or when a named version serves (one ReloadModel named,
+    since released by a ReloadModel of the newest)."""
+    return not is_numbered(serving) or int(candidate) > int(serving)
 
 
 class ModelRoot:
@@ -60,18 +83,17 @@ class ModelRoot:
         )
 
     def versions(self, name: str) -> list[str]:
-        """Version folders of `name` that hold a manifest, oldest first."""
+        """Numbered version folders of `name` that hold a manifest, oldest first; named
+        ones (`3.tmp`, `canary`) are left out: they load only when asked for by name."""
         folder = self._model_folder(name)
         if not folder.is_dir():
             return []
         found = [
             path.name
             for path in folder.iterdir()
-            if path.is_dir()
-            and VERSION_PATTERN.fullmatch(path.name)
-            and (path / MANIFEST).is_file()
+            if is_numbered(path.name) and path.is_dir() and (path / MANIFEST).is_file()
         ]
-        return sorted(found, key=version_order)
+        return sorted(found, key=int)
 
     def newest(self, name: str) -> str | None:
         versions = self.versions(name)
@@ -141,9 +163,19 @@ class ModelLifecycle:
         # retry a broken bundle every poll; it tries one again once its files change
         # (see _worth_retrying). A new version folder is tried afresh.
         self._refused: dict[tuple[str, str], RefusedVersion] = {}
+        # Models a ReloadModel of a named version put on it, by name: the watcher
+        # leaves them there until a ReloadModel of the newest.
+        self._pinned: dict[str, str] = {}
+        # (model, version) the watcher found newer than a pinned model's and logged,
+        # so that each is logged once, not every poll.
+        self._held_back: set[tuple[str, str]] = set()
 
     def settings_for(self, name: str) -> ModelServingSettings:
         return self._settings.get(name, self._default_settings)
+
+    def pinned(self, name: str) -> str | None:
+        """The version a ReloadModel pinned `name` to; None: the watcher follows the newest."""
+        return self._pinned.get(name)
 
     async def load_initial(self, names: tuple[str, ...]) -> None:
         """Load the newest version of each model (all under the root when `names` is empty)."""
@@ -154,43 +186,79 @@ class ModelLifecycle:
             version = self.root.newest(name)
             if version is None:
                 raise ModelNotFound(
-                    f"model {name!r} has no bundle under {self.root.root}", model=name
+                    f"model {name!r} has no numbered version folder under {self.root.root}",
+                    model=name,
                 )
             await self._load(name, version)
 
     async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
-        """Load `version` (default: newest) of a served model; returns (new, previous version)."""
-        previous = self.pool.serving(name)
-        target = version or self.root.newest(name)
-        if target is None:
-            raise ModelNotFound(f"model {name!r} has no bundle under {self.root.root}", model=name)
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            # Taken before the load: files that change during it make a new fingerprint.
-            files = await self._read_fingerprint(name, target)
-            try:
-                bundle = await self._load(name, target)
-            except (BundleError, MemoryBudgetExceeded, OSError) as exc:
-                self._refused[(name, target)] = RefusedVersion(files, files)
-                self._metrics.reloads.labels(name, "refused").inc()
-                log.warning(
-                    "reload refused",
-                    extra={
-                        "model": name,
-                        "version": target,
-                        "error": str(exc),
-                        "serving": previous.version,
-                    },
-                )
-                raise ReloadRefused(
-                    f"version {target} of {name!r} refused, version {previous.version} keeps "
-                    f"serving: {exc}",
+        """ModelService.ReloadModel: load `version` of a served model and pin the model to
+        it, or (None) load the newest and unpin it. Returns (new, previous version)."""
+        async with self._lock(name):
+            previous = self.pool.serving(name)
+            if version is None:
+                self._unpin(name)
+            target = version or self.root.newest(name)
+            if target is None:
+                raise ModelNotFound(
+                    f"model {name!r} has no numbered version folder under {self.root.root}",
                     model=name,
-                    version=target,
-                ) from exc
-            self._refused.pop((name, target), None)
-        self._metrics.reloads.labels(name, "ok").inc()
+                )
+            bundle = await self._reload_locked(name, target, previous.version)
+            if version is not None:
+                self._pin(name, version)
         return bundle, previous.version
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _pin(self, name: str, version: str) -> None:
+        self._pinned[name] = version
+        log.info(
+            "model pinned to the version asked for; the watcher loads no newer one until a "
+            "ReloadModel without a version",
+            extra={"model": name, "version": version},
+        )
+
+    def _unpin(self, name: str) -> None:
+        version = self._pinned.pop(name, None)
+        if version is not None:
+            self._held_back = {held for held in self._held_back if held[0] != name}
+            log.info(
+                "model unpinned; the watcher follows the newest version again",
+                extra={"model": name, "was_pinned_to": version},
+            )
+
+    async def _reload_locked(self, name: str, target: str, previous: str) -> LoadedBundle:
+        """Load `target`, the model's lock held; a refusal is logged, counted and raised
+        as ReloadRefused, and `previous` keeps serving."""
+        # Taken before the load: files that change during it make a new fingerprint.
+        files = await self._read_fingerprint(name, target)
+        try:
+            bundle = await self._load(name, target)
+        except (ModelLoadError, OSError) as exc:
+            self._refused[(name, target)] = RefusedVersion(files, files)
+            self._metrics.reloads.labels(name, "refused").inc()
+            log.warning(
+                "reload refused",
+                extra={"model": name, "version": target, "error": str(exc), "serving": previous},
+            )
+            raise ReloadRefused(
+                f"version {target} of {name!r} refused, version {previous} keeps serving: {exc}",
+                model=name,
+                version=target,
+            ) from exc
+        except ModelNotFound:
+            raise  # gone since it was listed: nothing to remember
+        except Exception:
+            # Not a refusal but a bug, raised as it is (INTERNAL to a ReloadModel caller;
+            # logged and counted by the watcher). Remembered like a refusal all the same,
+            # so that the watcher does not try the version again every poll.
+            self._refused[(name, target)] = RefusedVersion(files, files)
+            raise
+        self._refused.pop((name, target), None)
+        self._metrics.reloads.labels(name, "ok").inc()
+        return bundle
 
     async def _load(self, name: str, version: str) -> LoadedBundle:
         directory = self.root.version_dir(name, version)
@@ -213,24 +281,49 @@ class ModelLifecycle:
         )
 
     async def watch(self, interval_seconds: float) -> None:
-        """Reload a model whenever a newer version folder than the serving one appears,
-        or a refused one has changed."""
+        """Reload a model whenever a newer numbered version folder than the serving one
+        appears, or a refused one has changed; pinned models are left alone."""
         while True:
             await asyncio.sleep(interval_seconds)
             for name, serving in self.pool.models().items():
-                newest = self.root.newest(name)
-                if newest is None or version_order(newest) <= version_order(serving.version):
-                    continue
-                if (name, newest) in self._refused:
-                    if not await self._worth_retrying(name, newest):
-                        continue
-                else:
-                    log.info("new version found", extra={"model": name, "version": newest})
-                # A refusal is logged and counted in reload; the old version serves on.
-                # ModelNotFound: the folder or its manifest went away since it was
-                # listed (a copy being redone); the next poll sees what is there then.
-                with contextlib.suppress(ReloadRefused, ModelNotFound):
-                    await self.reload(name, newest)
+                try:
+                    await self._follow_newest(name, serving.version)
+                except Exception as exc:  # any other: a bug; see the module docstring
+                    self._metrics.reloads.labels(name, "refused").inc()
+                    log.exception(
+                        "model watcher: unexpected error; the serving version stays, and "
+                        "the next poll looks again",
+                        extra={"model": name, "serving": serving.version, "error": repr(exc)},
+                    )
+
+    async def _follow_newest(self, name: str, serving: str) -> None:
+        newest = self.root.newest(name)
+        if newest is None or not is_newer(newest, serving):
+            return
+        if name in self._pinned:
+            if (name, newest) not in self._held_back:
+                self._held_back.add((name, newest))
+                log.info(
+                    "new version found, not loaded: the model is pinned by ReloadModel",
+                    extra={"model": name, "version": newest, "pinned": self._pinned[name]},
+                )
+            return
+        if (name, newest) in self._refused:
+            if not await self._worth_retrying(name, newest):
+                return
+        else:
+            log.info("new version found", extra={"model": name, "version": newest})
+        # A refusal is logged and counted in _reload_locked; the old version serves on.
+        # ModelNotFound: the folder or its manifest went away since it was listed (a
+        # copy being redone); the next poll sees what is there then.
+        with contextlib.suppress(ReloadRefused, ModelNotFound):
+            async with self._lock(name):
+                # A ReloadModel may have come first, while this waited for the lock: a
+                # pin it set wins over the watcher, and a version it loaded counts.
+                serving = self.pool.serving(name).version
+                if name in self._pinned or not is_newer(newest, serving):
+                    return
+                await self._reload_locked(name, newest, serving)
 
     async def _worth_retrying(self, name: str, version: str) -> bool:
         """Whether a refused version's files changed since the refusal and then held

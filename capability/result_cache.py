@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from capability.bundle.errors import ModelLoadError
 from capability.metrics import CACHE_HIT, CACHE_MISS, CapabilityMetrics
 from capability.model import EncodedText
 
@@ -167,16 +168,29 @@ class ResultCache:
         self._metrics.result_cache_bytes.set(self.size_bytes)
 
 
+class WarmTextsUnreadable(ModelLoadError):
+    """A model's warm_texts file is not UTF-8 text; the message starts with the file."""
+
+
 def read_warm_texts(path: Path) -> list[WarmText]:
     """The texts of a warm_texts file: one a line, blank lines skipped, at most
     WARM_TEXTS_LIMIT of them, each cut to WARM_TEXT_CHARS (the model truncates far
-    sooner)."""
+    sooner). A file that is not UTF-8 is refused as WarmTextsUnreadable, like a bad
+    bundle file: the load is refused and the serving version stays."""
     texts: list[WarmText] = []
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            text = line.strip()
-            if text:
-                texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
-            if len(texts) == WARM_TEXTS_LIMIT:
-                break
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                text = line.strip()
+                if text:
+                    texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
+                if len(texts) == WARM_TEXTS_LIMIT:
+                    break
+    except UnicodeDecodeError as exc:
+        # No line number: the file is decoded in blocks, so exc.start counts from the
+        # block's start, not from the line's.
+        raise WarmTextsUnreadable(
+            f"{path}: warm_texts file is not UTF-8 text (byte {exc.object[exc.start]:#04x}: "
+            f"{exc.reason})"
+        ) from exc
     return texts

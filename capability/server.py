@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
-from capability.bundle import BundleError, MemoryBudgetExceeded
+from capability.bundle import ModelLoadError
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelLifecycle, ModelRoot
 from capability.metrics import CapabilityMetrics
@@ -113,9 +112,7 @@ class CapabilityServer:
         self._stopped = True
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
         if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+            await stop_watcher(self._watcher)
         await self.serving.set_serving(False)
         try:
             await asyncio.wait_for(self.pool.drain(), timeout=grace)
@@ -127,6 +124,21 @@ class CapabilityServer:
         # Answers that are ready still need a moment to be written to the wire.
         await self.serving.stop(grace_seconds=min(grace, 1.0))
         await self.pool.close()
+
+
+async def stop_watcher(watcher: asyncio.Task[None]) -> None:
+    """Cancel the model-root watcher and wait for it to end.
+
+    NOTE: a watcher that had already died of an error must not stop the drain that
+    follows: awaiting it would raise that error again, and the calls admitted would
+    be cancelled rather than finished. The error is logged instead."""
+    watcher.cancel()
+    await asyncio.wait({watcher})
+    if not watcher.cancelled() and watcher.exception() is not None:
+        log.error(
+            "the model-root watcher had stopped on an error; draining anyway",
+            exc_info=watcher.exception(),
+        )
 
 
 async def serve(settings: CapabilitySettings) -> None:
@@ -153,6 +165,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The event loop computes nothing; torch's CPU threads are the device threads'.
     compute_inline()
     # A start-up failure: no bundles under the root, a refused bundle, a version over
-    # the device memory budget, a port in use.
-    start_errors = (ServiceError, BundleError, MemoryBudgetExceeded, OSError)
+    # the device memory budget, a warm_texts file that is not UTF-8, a port in use.
+    start_errors = (ServiceError, ModelLoadError, OSError)
     run_server("capability", settings, lambda: serve(settings), start_errors=start_errors, log=log)

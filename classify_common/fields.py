@@ -95,6 +95,11 @@ class Fields:
         """The keys, as strings, in document order."""
         return (str(key) for key in self._values)
 
+    def raw_keys(self) -> list[Any]:
+        """The keys as parsed, in document order: YAML reads `123:` as an int and `on:`
+        as a bool, which a reader of names refuses rather than looks up as strings."""
+        return list(self._values)
+
     def raw(self, key: str, default: Any = REQUIRED) -> Any:
         """The value as parsed, unchecked (for values with their own parser)."""
         self._asked.add(key)

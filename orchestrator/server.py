@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -120,7 +119,8 @@ class OrchestratorServer:
             },
         )
 
-    def _refuse_routes(self, error: RoutesFileError) -> None:
+    def _refuse_routes(self, error: Exception) -> None:
+        # The watcher has logged it (a refusal with the file, line and path).
         self.metrics.routes_reloads.labels("failed").inc()
 
     @property
@@ -152,13 +152,26 @@ class OrchestratorServer:
     async def stop(self, grace_seconds: float | None = None) -> None:
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
         if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+            await stop_watcher(self._watcher)
             self._watcher = None
         await self.serving.stop(grace)
         await self.dispatcher.close()
         await self.state.close()
+
+
+async def stop_watcher(watcher: asyncio.Task[None]) -> None:
+    """Cancel the routes watcher and wait for it to end.
+
+    NOTE: a watcher that had already died of an error must not stop the shutdown
+    that follows: awaiting it would raise that error again, and the calls in flight
+    would be cancelled rather than drained. The error is logged instead."""
+    watcher.cancel()
+    await asyncio.wait({watcher})
+    if not watcher.cancelled() and watcher.exception() is not None:
+        log.error(
+            "the routes watcher had stopped on an error; draining anyway",
+            exc_info=watcher.exception(),
+        )
 
 
 async def serve(settings: OrchestratorSettings) -> None:

@@ -25,7 +25,7 @@ from classify_common.documents import (
     parse_yaml,
     read_document,
 )
-from classify_common.fields import FieldRefused, Fields
+from classify_common.fields import FieldRefused, Fields, type_name
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 from orchestrator.routing.match import (
@@ -323,20 +323,30 @@ def _route_table(top: Fields) -> RouteTable:
     )
 
 
+def _backend_named(value: Any, where: str, backends: Mapping[str, Backend]) -> Backend:
+    """The backend a route names at `where`.
+
+    NOTE: the type is checked before the lookup: a list or a mapping in a name's place
+    (`backend: [topic-static]`) is unhashable, and the lookup would raise TypeError,
+    which no caller reports as a bad file."""
+    if not isinstance(value, str):
+        raise RoutesFileError(where, f"expected a backend name, got {type_name(value)}")
+    backend = backends.get(value)
+    if backend is None:
+        raise RoutesFileError(where, f"unknown backend {value!r}")
+    return backend
+
+
 def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
     name = _name(spec.raw("name"), spec.path("name"))
-    backend = backends.get(spec.raw("backend"))
-    if backend is None:
-        raise RoutesFileError(spec.path("backend"), f"unknown backend {spec.raw('backend')!r}")
+    backend = _backend_named(spec.raw("backend"), spec.path("backend"), backends)
     fallback_names = spec.raw("fallback", [])
     if not isinstance(fallback_names, list):
         raise RoutesFileError(spec.path("fallback"), "expected a list of backend names")
     fallback: list[Backend] = []
     for position, fallback_name in enumerate(fallback_names):
         at = f"{spec.path('fallback')}[{position}]"
-        candidate = backends.get(fallback_name)
-        if candidate is None:
-            raise RoutesFileError(at, f"unknown backend {fallback_name!r}")
+        candidate = _backend_named(fallback_name, at, backends)
         # A backend tried twice in one call would loop back to a failure.
         if candidate in (backend, *fallback):
             raise RoutesFileError(
@@ -363,13 +373,11 @@ def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
 
 
 def _shadow(spec: Fields, backends: Mapping[str, Backend], primary: Backend) -> Shadow:
-    name = spec.raw("backend")
-    backend = backends.get(name)
-    if backend is None:
-        raise RoutesFileError(spec.path("backend"), f"unknown backend {name!r}")
+    backend = _backend_named(spec.raw("backend"), spec.path("backend"), backends)
     if backend is primary:
         raise RoutesFileError(
-            spec.path("backend"), f"backend {name!r} is the route's own backend; nothing to compare"
+            spec.path("backend"),
+            f"backend {backend.name!r} is the route's own backend; nothing to compare",
         )
     return Shadow(backend=backend, percent=spec.integer("percent", low=1, high=100))
 

@@ -5,6 +5,9 @@ Kubernetes ConfigMap update, which swaps a symlink (`..data`) instead of
 writing the file, and needs no platform support. `os.stat` follows links, so
 the identity checked (inode, size, mtime) is that of the file really read.
 A file that fails to load is logged and counted, and the routes in force stay.
+So is any other error while a version is read or applied (a bug): the watcher
+logs it with its traceback and keeps polling, since a watcher that ended would
+leave every later edit unapplied, with nothing logged.
 Each version is read and parsed off the event loop.
 """
 
@@ -36,7 +39,7 @@ class RoutesWatcher:
         self,
         path: Path,
         on_change: Callable[[RouteTable], None],
-        on_failure: Callable[[RoutesFileError], None],
+        on_failure: Callable[[Exception], None],
         poll_seconds: float = DEFAULT_POLL_SECONDS,
     ) -> None:
         self._path = path
@@ -56,10 +59,15 @@ class RoutesWatcher:
                 # Read and parsed on a worker thread: even a file built to be slow costs
                 # the serving loop nothing (the parse itself is bounded, see load_routes).
                 table = await asyncio.to_thread(load_routes, self._path)
+                self._on_change(table)
             except RoutesFileError as error:
                 log.error(
                     "routes file refused; the routes in force stay", extra={"error": str(error)}
                 )
                 self._on_failure(error)
-                continue
-            self._on_change(table)
+            except Exception as error:  # any other: a bug; see the module docstring
+                log.exception(
+                    "routes file not applied: unexpected error; the routes in force stay",
+                    extra={"error": repr(error)},
+                )
+                self._on_failure(error)

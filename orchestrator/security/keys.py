@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from classify_common.documents import DocumentRefused
-from classify_common.fields import FieldRefused, Fields, read_yaml
+from classify_common.fields import FieldRefused, Fields, read_yaml, type_name
 from orchestrator.security.limits import TokenBucketSettings
 
 ROLES = ("user", "admin")
@@ -91,8 +91,33 @@ def _api_keys(document: Any) -> ApiKeys:
             )
         callers[digest], first_entry[digest] = caller, index
     tenants = top.mapping("tenants")
-    limits = {tenant: _tenant_limit(tenants, tenant) for tenant in tenants}
+    limits = {tenant: _tenant_limit(tenants, tenant) for tenant in _tenant_names(tenants)}
     return ApiKeys(callers, limits)
+
+
+def _tenant_names(tenants: Fields) -> list[str]:
+    """The tenant names under `tenants`, each refused unless YAML read it as a string.
+
+    NOTE: `123:` or `on:` is an int or a bool to YAML, and Fields hands keys out as
+    strings, so such a tenant was looked up as '123' or 'True' and reported missing.
+    Quoted, '123' matches a key's `tenant: 123`."""
+    names: list[str] = []
+    for name in tenants.raw_keys():
+        if isinstance(name, bool):
+            # Its path would be `tenants.True`, which names no line: the file says `on`.
+            raise FieldRefused(tenants.where, _not_a_tenant_name(name))
+        if not isinstance(name, str):
+            raise FieldRefused(tenants.path(name), _not_a_tenant_name(name))
+        names.append(name)
+    return names
+
+
+def _not_a_tenant_name(value: object) -> str:
+    spelt = " (yes, no, on, off, true or false, unquoted)" if isinstance(value, bool) else ""
+    return (
+        f"YAML reads a tenant name as the {type_name(value)} {value!r}{spelt}, not a string; "
+        "quote it"
+    )
 
 
 def _caller(entry: Fields) -> tuple[str, Caller]:
@@ -100,8 +125,15 @@ def _caller(entry: Fields) -> tuple[str, Caller]:
     digest = entry.string("sha256")
     if not _HEX64.fullmatch(digest):
         raise FieldRefused(entry.path("sha256"), "not 64 lower-case hex digits")
-    # Labels: any scalar, as written.
-    key_id, tenant = str(entry.raw("id")), str(entry.raw("tenant"))
+    # A label: any scalar, as YAML reads it.
+    key_id = str(entry.raw("id"))
+    # A name, matched against the names under `tenants`. A number stays as written
+    # (`new-key --tenant 123` prints it unquoted); a bare `on` or an empty value would
+    # become 'True' or 'None', which no one wrote, and match no limit.
+    tenant = entry.raw("tenant")
+    if tenant is None or isinstance(tenant, bool):
+        raise FieldRefused(entry.path("tenant"), _not_a_tenant_name(tenant))
+    tenant = str(tenant)
     role = entry.choice("role", ROLES)
     entry.refuse_unknown()
     return digest, Caller(key_id, tenant, role)

@@ -8,6 +8,7 @@ per tenant.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,16 +28,20 @@ class RateLimits(Protocol):
 
 @dataclass(frozen=True)
 class TokenBucketSettings:
-    # Sustained calls per second, > 0.
+    # Sustained calls per second: finite, > 0.
     rate_per_second: float
     # Calls allowed at once after a quiet spell, >= 1.
     burst: int
 
     def __post_init__(self) -> None:
-        if self.rate_per_second <= 0:
-            raise ValueError(f"rate_per_second {self.rate_per_second} must be above 0")
-        if self.burst < 1:
-            raise ValueError(f"burst {self.burst} must be at least 1")
+        # NOTE: not `rate <= 0` alone: NaN compares false with everything, so a bucket
+        # refilled at NaN a second would pass and never refuse a call.
+        if not (math.isfinite(self.rate_per_second) and self.rate_per_second > 0):
+            raise ValueError(
+                f"rate_per_second {self.rate_per_second} must be a finite number above 0"
+            )
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise ValueError(f"burst {self.burst!r} must be an integer, at least 1")
 
 
 def seconds_to_next_token(tokens: float, settings: TokenBucketSettings) -> float:

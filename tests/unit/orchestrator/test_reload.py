@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
-from orchestrator.server import OrchestratorServer
+from orchestrator.routing import RouteTable
+from orchestrator.routing.watcher import RoutesWatcher
+from orchestrator.server import OrchestratorServer, stop_watcher
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
 from tests.hostile_files import nested_aliases
@@ -300,3 +306,129 @@ async def test_a_call_outlives_two_edits_of_the_backend_it_is_on(
         await server.stop(grace_seconds=0)
         await pod.stop()
     assert response.model.name == "topic-minilm"
+
+
+async def test_an_edit_naming_a_backend_by_a_list_is_refused_and_later_edits_still_apply(
+    capability: CapabilityServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`backend: [static]` once raised TypeError in the loader, which ended the watcher
+    unseen: nothing logged or counted, and every later edit ignored."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    async with LoadedOrchestrator(routes) as loaded:
+        replace_file(routes, routes_to("[static]", capability.port))
+        await wait_until(lambda: loaded.reloads("failed") == 1)
+        [refused] = [r for r in caplog.records if r.getMessage().startswith("routes file refused")]
+        assert getattr(refused, "error", None) == (
+            f"{routes}:7: routes[0].backend: expected a backend name, got list"
+        )
+        served_before = len(loaded.models)
+        await wait_until(lambda: len(loaded.models) >= served_before + 8)
+        assert set(loaded.models[served_before:]) == {"topic-minilm"}
+
+        replace_file(routes, routes_to("static", capability.port))
+        await wait_until(lambda: loaded.models[-8:] == ["topic-static"] * 8)
+        assert (loaded.reloads("ok"), loaded.reloads("failed")) == (1, 1)
+    assert loaded.failures == []
+
+
+async def test_stop_after_a_refused_edit_drains_the_call_in_flight(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """SIGTERM after the wrongly typed edit above once re-raised the watcher's TypeError
+    from stop(), before the drain: the calls in flight were cancelled."""
+    pod = FlakyPod(capability.port, failing=False)
+    await pod.start()
+    pod.answering.clear()  # calls wait at the pod: in flight until it answers
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_on([pod.address]))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    stopping: asyncio.Future[None] | None = None
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            held = asyncio.ensure_future(
+                classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+                    pb.ClassifyRequest(text=STRIKER), timeout=30
+                )
+            )
+            await wait_until(lambda: pod.calls == 1, "the call reached the pod")
+            replace_file(
+                routes, routes_on([pod.address]).replace("backend: minilm", "backend: [minilm]")
+            )
+            await wait_until(
+                lambda: metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="failed") == 1
+            )
+
+            stopping = asyncio.ensure_future(server.stop(grace_seconds=30))
+            health: Any = health_pb2_grpc.HealthStub(channel)
+
+            async def draining() -> bool:
+                if stopping is not None and stopping.done():
+                    return True
+                try:
+                    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                except grpc.aio.AioRpcError:
+                    return True
+                return bool(reply.status != health_pb2.HealthCheckResponse.SERVING)
+
+            await wait_until(draining, "the server draining")
+            assert not stopping.done()  # waiting for the call in flight
+            pod.answering.set()
+            response = await held
+            await stopping
+    finally:
+        if stopping is None:
+            await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert response.model.name == "topic-minilm"
+
+
+async def test_the_watcher_outlives_an_unexpected_error_and_counts_it(tmp_path: Path) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", 50052))
+    applied: list[RouteTable] = []
+    failures: list[Exception] = []
+
+    def apply_after_the_first(table: RouteTable) -> None:
+        applied.append(table)
+        if len(applied) == 1:
+            raise RuntimeError("a bug while applying the first edit")
+
+    watcher = asyncio.ensure_future(
+        RoutesWatcher(routes, apply_after_the_first, failures.append, poll_seconds=0.05).run()
+    )
+    try:
+        replace_file(routes, routes_to("static", 50052))
+        await wait_until(lambda: len(failures) == 1)
+        assert isinstance(failures[0], RuntimeError)
+        replace_file(routes, routes_to("minilm", 50052))
+        await wait_until(lambda: len(applied) == 2)
+        assert applied[1].default_route.backend.name == "minilm"
+        assert not watcher.done()
+    finally:
+        await stop_watcher(watcher)
+
+
+async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OrchestratorServer.stop() goes on to drain after this returns; raising here, as
+    awaiting the dead task did, skipped the drain."""
+
+    async def fails_at_once() -> None:
+        raise TypeError("unhashable type: 'list'")
+
+    watcher = asyncio.ensure_future(fails_at_once())
+    await asyncio.wait({watcher})
+    with caplog.at_level(logging.ERROR):
+        await stop_watcher(watcher)
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert record.getMessage() == "the routes watcher had stopped on an error; draining anyway"
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], TypeError)

@@ -149,3 +149,51 @@ def test_check_command_refuses_nested_aliases_quickly(tmp_path: Path) -> None:
     assert checked.returncode == 1
     line = VALID.count("\n") + 1
     assert checked.stderr.startswith(f"{path}:{line}: anchor &l0: YAML anchors and aliases")
+
+
+WRONGLY_TYPED_BACKEND_NAMES = [
+    pytest.param(
+        "    backend: [topic-minilm]\n",
+        "9: routes[0].backend: expected a backend name, got list",
+        id="backend-list",
+    ),
+    pytest.param(
+        "    backend: topic-minilm\n    fallback: [{topic-minilm: 1}]\n",
+        "10: routes[0].fallback[0]: expected a backend name, got dict",
+        id="fallback-mapping",
+    ),
+    pytest.param(
+        "    backend: topic-minilm\n    shadow: {backend: [topic-minilm], percent: 5}\n",
+        "10: routes[0].shadow.backend: expected a backend name, got list",
+        id="shadow-backend-list",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route_lines", "message"), WRONGLY_TYPED_BACKEND_NAMES)
+def test_a_backend_name_of_the_wrong_type_is_refused_naming_file_line_and_path(
+    tmp_path: Path, route_lines: str, message: str
+) -> None:
+    # A list or a mapping in a name's place once reached a dict lookup as a key, and
+    # the TypeError escaped every caller: the check command, start-up, the watcher.
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID.replace("    backend: topic-minilm\n", route_lines))
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert str(caught.value) == f"{path}:{message}"
+
+
+def test_check_command_names_a_backend_name_of_the_wrong_type(tmp_path: Path) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID.replace("backend: topic-minilm", "backend: [topic-minilm]"))
+    checked = subprocess.run(
+        [sys.executable, "-m", "orchestrator.routing", "check", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (checked.returncode, checked.stderr) == (
+        1,
+        f"{path}:9: routes[0].backend: expected a backend name, got list\n",
+    )

@@ -27,6 +27,7 @@ from tests.conftest import (
     StartCapability,
     metric_sum,
     orchestrator_settings,
+    write_routes,
 )
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 from tests.status_details import error_info, error_reason, refusal
@@ -45,7 +46,9 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
     """A capability server requiring the internal token, behind an orchestrator with keys."""
     started: list[Any] = []
 
-    async def start(tenants: str = "") -> tuple[OrchestratorServer, CapabilityServer]:
+    async def start(
+        tenants: str = "", acme_tenant: str = "acme"
+    ) -> tuple[OrchestratorServer, CapabilityServer]:
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         capability = await start_capability(
@@ -54,7 +57,7 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
         keys = tmp_path / "keys.yaml"
         keys.write_text(
             "keys:\n"
-            f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
+            f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: {acme_tenant}, role: user}}\n"
             f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n"
             f"  - {{id: ops, sha256: {hash_key(ADMIN_KEY)}, tenant: ops, role: admin}}\n" + tenants
         )
@@ -169,6 +172,10 @@ async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: St
         ),
         ("users: []\n", "expected a mapping with `keys`"),
         (
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: on, role: user}}\n",
+            "keys[0].tenant: YAML reads a tenant name as the bool True",
+        ),
+        (
             f"keys:\n  - {{id: a, sha256: {'b' * 64}, tenant: t, role: user}}\n"
             f"  - {{id: c, sha256: {'c' * 64}, tenant: t, role: user}}\n"
             f"  - {{id: d, sha256: {'b' * 64}, tenant: u, role: admin}}\n",
@@ -233,3 +240,63 @@ async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Sta
         reloaded = await models.ReloadModel(reload, metadata=bearer(ADMIN_KEY))
     assert (reloaded.model.name, reloaded.previous_version) == ("topic-static", "1")
     assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1
+
+
+@pytest.mark.parametrize(
+    ("tenants", "message"),
+    [
+        pytest.param(
+            "tenants:\n  acme: {rate_per_second: .nan, burst: 3}\n",
+            "{path}:4: tenants.acme: rate_per_second nan must be a finite number above 0",
+            id="rate-nan",
+        ),
+        pytest.param(
+            "tenants:\n  acme: {rate_per_second: .inf, burst: 3}\n",
+            "{path}:4: tenants.acme: rate_per_second inf must be a finite number above 0",
+            id="rate-inf",
+        ),
+        pytest.param(
+            "tenants:\n  acme: {rate_per_second: 2, burst: 3}\n"
+            "  123: {rate_per_second: 1, burst: 1}\n",
+            "{path}:5: tenants.123: YAML reads a tenant name as the int 123, not a string; "
+            "quote it",
+            id="tenant-int",
+        ),
+        pytest.param(
+            "tenants:\n  on: {rate_per_second: 2, burst: 3}\n",
+            "{path}:3: tenants: YAML reads a tenant name as the bool True (yes, no, on, off, "
+            "true or false, unquoted), not a string; quote it",
+            id="tenant-bool",
+        ),
+    ],
+)
+def test_a_tenant_limit_that_would_not_limit_stops_start_up_naming_file_and_line(
+    tmp_path: Path, tenants: str, message: str
+) -> None:
+    """`.nan` passed the `<= 0` check and switched the tenant's limit off; `123:` was
+    refused as "missing required key '123'", naming a key that is there."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n" + tenants
+    )
+    routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:50052"])
+    with pytest.raises(KeysFileError) as caught:
+        OrchestratorServer(
+            orchestrator_settings(routes_file=routes, auth="required", api_keys_file=keys),
+            registry=CollectorRegistry(),
+        )
+    assert str(caught.value) == message.format(path=keys)
+
+
+async def test_a_quoted_numeric_tenant_name_limits_the_keys_of_that_tenant(
+    secured: Start,
+) -> None:
+    """The fix the refusal above asks for works: `tenant: 123`, as `new-key --tenant 123`
+    prints it, is the tenant '123' that a quoted name under `tenants` limits."""
+    orchestrator, _ = await secured(
+        tenants="tenants:\n  '123': {rate_per_second: 0.001, burst: 1}\n", acme_tenant="123"
+    )
+    await call(orchestrator, metadata=bearer(ACME_KEY))
+    error = await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="123") == 1

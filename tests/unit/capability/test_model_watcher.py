@@ -1,0 +1,187 @@
+"""The model-root watcher over a real capability server: which folder names it loads,
+a rollback by ReloadModel that it leaves alone, and errors it outlives."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.config import CapabilitySettings
+from capability.metrics import RELOADS_TOTAL
+from capability.server import CapabilityServer, stop_watcher
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+
+MODEL = "topic-static"
+LIFECYCLE_LOGGER = "capability.lifecycle"
+
+
+def deploy(model_root: Path, root: Path, version: str, *, staged_as: str | None = None) -> Path:
+    """Copy version 1 from the session root in as `version`; with `staged_as`, under that
+    name first, renamed when whole, as docs/models.md says to deploy."""
+    folder = root / MODEL / (staged_as or version)
+    shutil.copytree(model_root / MODEL / "1", folder)
+    if staged_as is None:
+        return folder
+    return folder.rename(root / MODEL / version)
+
+
+def truncate_weights(version: Path) -> None:
+    """A copy broken off halfway through the weights: refused (hash mismatch)."""
+    weights = version / "embeddings.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+
+
+def reloads(server: CapabilityServer, outcome: str) -> float:
+    return metric_sum(server.registry, RELOADS_TOTAL, model=MODEL, outcome=outcome)
+
+
+async def serving_version(server: CapabilityServer) -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        described = await models.GetModel(model_pb.GetModelRequest(name=MODEL))
+    return str(described.model.version)
+
+
+async def reload_model(server: CapabilityServer, version: str = "") -> model_pb.ReloadModelResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        reloaded: model_pb.ReloadModelResponse = await models.ReloadModel(
+            model_pb.ReloadModelRequest(name=MODEL, version=version)
+        )
+    return reloaded
+
+
+def logged(caplog: pytest.LogCaptureFixture, message: str, **fields: str) -> bool:
+    return any(
+        record.getMessage().startswith(message)
+        and all(getattr(record, key, None) == value for key, value in fields.items())
+        for record in caplog.records
+    )
+
+
+async def test_a_version_copied_in_under_a_temporary_name_loads_only_once_renamed(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+
+    # A finished copy still under its temporary name, then a numbered version the watcher
+    # refuses: the refusal shows that the watcher looked while `2.tmp` was there.
+    deploy(model_root, root, "2.tmp")
+    truncate_weights(deploy(model_root, root, "3"))
+    await wait_until(lambda: reloads(server, "refused") == 1, "version 3 refused")
+    assert await serving_version(server) == "1"
+
+    shutil.rmtree(root / MODEL / "3")
+    (root / MODEL / "2.tmp").rename(root / MODEL / "2")
+    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
+    assert await serving_version(server) == "2"
+
+    # A later version, staged under a hidden name as the bundle builder does.
+    deploy(model_root, root, "4", staged_as=".4.partial")
+    await wait_until(lambda: reloads(server, "ok") == 2, "version 4 loaded")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+    assert response.model.version == "4"
+    assert reloads(server, "refused") == 1
+
+
+async def test_a_rollback_by_reload_model_stays_until_a_reload_of_the_newest(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LIFECYCLE_LOGGER)
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    deploy(model_root, root, "2")
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    assert await serving_version(server) == "2"
+
+    rolled_back = await reload_model(server, "1")
+    assert (rolled_back.model.version, rolled_back.previous_version) == ("1", "2")
+    # A newer version appears: the watcher sees it and, the model pinned, leaves it.
+    deploy(model_root, root, "3", staged_as=".3.partial")
+    await wait_until(
+        lambda: logged(caplog, "new version found, not loaded", model=MODEL, version="3"),
+        "the watcher saw version 3",
+    )
+    assert await serving_version(server) == "1"
+    assert reloads(server, "ok") == 1
+
+    # A named version is loaded only when asked for, and pins the model too.
+    deploy(model_root, root, "canary", staged_as=".canary.partial")
+    assert (await reload_model(server, "canary")).model.version == "canary"
+
+    # ReloadModel of the newest lets the watcher follow the numbered versions again.
+    latest = await reload_model(server)
+    assert (latest.model.version, latest.previous_version) == ("3", "canary")
+    assert logged(caplog, "model unpinned", model=MODEL)
+    deploy(model_root, root, "4", staged_as=".4.partial")
+    await wait_until(lambda: reloads(server, "ok") == 4, "version 4 loaded by the watcher")
+    assert await serving_version(server) == "4"
+    assert reloads(server, "refused") == 0
+
+
+async def test_a_warm_texts_file_that_is_not_utf8_is_refused_and_the_watcher_goes_on(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    hot = tmp_path / "hot.txt"
+    hot.write_text(f"{STRIKER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await start_capability(
+        model_root=root, models=(MODEL,), watch_seconds=0.1, per_model=per_model
+    )
+
+    hot.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    deploy(model_root, root, "2", staged_as=".2.partial")
+    await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
+    [refusal] = [r for r in caplog.records if r.getMessage() == "reload refused"]
+    assert (getattr(refusal, "version", None), getattr(refusal, "serving", None)) == ("2", "1")
+    assert str(getattr(refusal, "error", "")).startswith(
+        f"{hot}: warm_texts file is not UTF-8 text (byte 0xe9"
+    )
+    assert await serving_version(server) == "1"
+
+    hot.write_text(f"{STRIKER}\n")
+    deploy(model_root, root, "3", staged_as=".3.partial")
+    await wait_until(lambda: reloads(server, "ok") == 1, "version 3 loaded")
+    assert await serving_version(server) == "3"
+    await server.stop(grace_seconds=5)
+
+
+async def fails_at_once() -> None:
+    raise TypeError("unhashable type: 'list'")
+
+
+async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CapabilityServer.stop() goes on to drain after this returns; raising here, as
+    awaiting the dead task did, skipped the drain."""
+    watcher = asyncio.ensure_future(fails_at_once())
+    await asyncio.wait({watcher})
+    await stop_watcher(watcher)
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert record.getMessage() == "the model-root watcher had stopped on an error; draining anyway"
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], TypeError)
