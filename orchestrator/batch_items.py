@@ -80,6 +80,24 @@ def refuse_repeated_request_ids(
     return {**refused, **repeats} if repeats else refused
 
 
+# What an item not answered when its call's answer is due is answered.
+_ANSWER_DUE = DeadlineExpired("the call's deadline came before this item was answered")
+
+
+def answer_unstarted(
+    results: Sequence[pb.ClassifyBatchResult],
+    items: Sequence[pb.ClassifyRequest],
+    call_ids: RequestContext,
+) -> None:
+    """Answer DEADLINE_EXCEEDED each item whose task was cancelled before it ever ran
+    (the call's answer was due at once), so that every item has an outcome."""
+    for result, item in zip(results, items, strict=True):
+        if result.WhichOneof("outcome") is None:
+            own = item.request_id if is_valid_request_id(item.request_id) else ""
+            status = item_status(_ANSWER_DUE, own or new_request_id(), call_ids.trace_id)
+            result.error.CopyFrom(status)
+
+
 def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:
     """The RequestTrace one batch item's nodes record into: timings and the node histogram
     always; an item span (under the item's own traceparent if it sent one, else under
@@ -150,8 +168,7 @@ async def classify_item(
     except asyncio.CancelledError:
         # The call's answer is due (its deadline, less the time its items take to be
         # answered), or its caller has gone: this item says so with its own IDs.
-        expired = DeadlineExpired("the call's deadline came before this item was answered")
-        result.error.CopyFrom(item_status(expired, ids.request_id, trace_id))
+        result.error.CopyFrom(item_status(_ANSWER_DUE, ids.request_id, trace_id))
         raise
     except Exception:
         # As the request lifecycle answers a bug in a single call: the IDs for the

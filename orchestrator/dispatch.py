@@ -43,7 +43,11 @@ from classify_common.nodes import (
     current_trace,
     node,
 )
-from orchestrator.batch_items import classify_item, refuse_repeated_request_ids
+from orchestrator.batch_items import (
+    answer_unstarted,
+    classify_item,
+    refuse_repeated_request_ids,
+)
 from orchestrator.calls import RouteCaller, RoutingState, UpstreamCall
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.results import ResultStore
@@ -180,8 +184,8 @@ class Dispatcher:
         call_trace = current_trace()
         answer = pb.ClassifyBatchResponse()
         results = [answer.results.add() for _ in request.items]
-        items = [
-            asyncio.ensure_future(
+        items = asyncio.gather(
+            *(
                 classify_item(
                     results[index],
                     self.classify,
@@ -194,25 +198,22 @@ class Dispatcher:
                     headers,
                     call_trace,
                 )
+                for index, item in enumerate(request.items)
             )
-            for index, item in enumerate(request.items)
-        ]
+        )
         if client_remaining is None:
-            await asyncio.gather(*items)
+            await items
         else:
             due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
-            due -= BATCH_ANSWER_SECONDS_PER_ITEM * len(items)
+            due -= BATCH_ANSWER_SECONDS_PER_ITEM * len(results)
+            # Past it, the items not yet answered are cancelled, and each answers
+            # DEADLINE_EXCEEDED as it is (batch_items.classify_item), so the call's
+            # answer carries every item.
             try:
-                _, late = await asyncio.wait(items, timeout=max(due, 0.0))
-            except asyncio.CancelledError:  # the caller went: so does every item
-                for item_task in items:
-                    item_task.cancel()
-                raise
-            # Each late item answers DEADLINE_EXCEEDED as it is cancelled
-            # (batch_items.classify_item), so the call's answer carries every item.
-            for item_task in late:
-                item_task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+                await asyncio.wait_for(items, timeout=max(due, 0.0))
+            except TimeoutError:
+                # An item cancelled before its task first ran has no answer yet.
+                answer_unstarted(results, request.items, ids)
         request_trace = current_trace()
         if request_trace is not None:
             failed = sum(1 for result in results if result.HasField("error"))

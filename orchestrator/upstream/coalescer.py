@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,8 @@ TRACEPARENT = "traceparent"
 # the call ends, without a timer of its own: items keep a margin before their
 # callers' deadlines (DEADLINE_SAFETY_MARGIN_SECONDS in pool.py) far larger than this.
 OWN_DEADLINE_SLACK_SECONDS = 0.002
+# The event loop's timers may fire up to about this much before their time.
+EXPIRY_RESOLUTION_SECONDS = 0.001
 # The most bytes of early results a batch call takes in its answer's initial
 # metadata (a hundred refusals or so; the rest come with the answer). gRPC encodes
 # binary metadata in base64, a third larger, within the channels' metadata limit
@@ -147,8 +150,6 @@ class UpstreamItem:
     # The item's `upstream_call` span, linked to the shared call's span.
     span: trace.Span
     future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
-    # While it waits to be sent: the timer that answers it at expires_at.
-    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class ReplicaCoalescer:
@@ -202,6 +203,10 @@ class ReplicaCoalescer:
         self._replica_batch_size = replica_batch_size
         self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
+        # One timer for the waiting items, at the earliest of their deadlines (a timer
+        # per item cost the orchestrator 2-3 µs an item to start and cancel).
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
         self._in_flight = 0
         # When each call in flight is expected back (loop time): its send time plus
         # the time calls of its size have been taking, or the wait the replica
@@ -248,10 +253,11 @@ class ReplicaCoalescer:
         )
         if not self._may_leave(len(self._waiting) + 1):
             self._refuse_if_it_cannot_make_it(item, loop.time())
-        # Until it leaves: it may gather behind a call in flight, or behind the calls
-        # a large ClassifyBatch fills, until after its deadline.
-        item.expiry = loop.call_at(item.expires_at, self._expire_gathered, item)
         self._waiting.append(item)
+        # Until it leaves it may gather behind a call in flight, or behind the calls a
+        # large ClassifyBatch fills, until after its deadline.
+        if item.expires_at < self._expiry_at:
+            self._expire_at(loop, item.expires_at)
         if not self._send_scheduled and self._may_leave(len(self._waiting)):
             # Not sent right here: items that arrive in this same loop turn (the other
             # items of a ClassifyBatch, a burst of calls) go in the same call.
@@ -324,9 +330,6 @@ class ReplicaCoalescer:
             leaving = self._items_for_one_call()
             batch = self._waiting[:leaving]
             del self._waiting[:leaving]
-            for item in batch:
-                if item.expiry is not None:
-                    item.expiry.cancel()
             live = [item for item in batch if not item.future.done()]
             # Items that gathered while the replica was busy may no longer have the
             # time their call needs, by the replica's reported wait or by how long
@@ -372,6 +375,9 @@ class ReplicaCoalescer:
             task = asyncio.create_task(self._call(live, now, expected_back))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
+        if not self._waiting and self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry, self._expiry_at = None, math.inf
 
     async def _call(self, items: list[UpstreamItem], sent_at: float, expected_back: float) -> None:
         try:
@@ -494,17 +500,35 @@ class ReplicaCoalescer:
                     )
             return
 
-    def _expire_gathered(self, item: UpstreamItem) -> None:
-        """An item's time ran out while it gathered: answered now and never sent."""
-        self._waiting.remove(item)
-        if not item.future.done():  # else its caller has gone
-            self._on_expired()
-            item.future.set_exception(
-                DeadlineExpired(
-                    "the deadline passed before the backend could be called",
-                    backend=self._backend,
+    def _expire_at(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = when
+        self._expiry = loop.call_at(when, self._expire_gathered)
+
+    def _expire_gathered(self) -> None:
+        """Answer the waiting items whose time has run out (never sent), and set the
+        timer for the earliest deadline of those still waiting. It may find none run
+        out: the item it was set for has left since."""
+        self._expiry, self._expiry_at = None, math.inf
+        loop = asyncio.get_running_loop()
+        # Within the timer's resolution of its deadline counts as run out.
+        now = loop.time() + EXPIRY_RESOLUTION_SECONDS
+        waiting: list[UpstreamItem] = []
+        for item in self._waiting:
+            if item.expires_at > now:
+                waiting.append(item)
+            elif not item.future.done():  # else its caller has gone
+                self._on_expired()
+                item.future.set_exception(
+                    DeadlineExpired(
+                        "the deadline passed before the backend could be called",
+                        backend=self._backend,
+                    )
                 )
-            )
+        self._waiting = waiting
+        if waiting:
+            self._expire_at(loop, min(item.expires_at for item in waiting))
 
     def _time_out(self, item: UpstreamItem) -> None:
         """An item's time ran out while the batch call carrying it is still in flight:

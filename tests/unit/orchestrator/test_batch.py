@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.context import is_valid_request_id
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
@@ -287,3 +288,24 @@ async def test_an_item_with_an_invalid_request_id_is_answered_under_a_fresh_one(
     fresh = item_error_info(bad.error).metadata["x-request-id"]
     assert fresh != "-not an id"
     assert is_valid_request_id(fresh)
+
+
+async def test_a_batch_due_at_once_answers_every_item_without_starting_them(
+    orchestrator: OrchestratorServer, capability: CapabilityServer
+) -> None:
+    """1,000 items with 0.2 s: answering them all takes longer than is left (0.2 ms an
+    item and the margin), so none is started and each is DEADLINE_EXCEEDED with IDs."""
+    texts_before = metric_sum(capability.registry, MODEL_TEXTS_TOTAL)
+    items = [pb.ClassifyRequest(text=f"{STRIKER} {index}") for index in range(999)]
+    items.append(pb.ClassifyRequest(text=STRIKER, request_id="last"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=0.2)
+    assert len(response.results) == 1000
+    assert {result.error.code for result in response.results} == {
+        grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    }
+    request_ids = [item_error_info(r.error).metadata["x-request-id"] for r in response.results]
+    assert request_ids[-1] == "last"
+    assert len(set(request_ids)) == 1000
+    assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == texts_before
