@@ -52,6 +52,10 @@ _TARGET = re.compile(
     r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$|^dns:///[^\s:/]+:\d{1,5}$"
     rf"|^ipv4:{_IPV4_PORT}(?:,{_IPV4_PORT})*$|^ipv6:{_IPV6_PORT}(?:,{_IPV6_PORT})*$"
 )
+# Every :port of a target (after a host, a bracketed IPv6 address or a list's comma),
+# and every dotted quad: checked for range, which the pattern above cannot say.
+_PORT = re.compile(r":(\d{1,5})(?:,|$)")
+_DOTTED_QUAD = re.compile(r"(?:^|[:/,])(\d{1,3}(?:\.\d{1,3}){3})(?=:)")
 MAX_CONCURRENCY_LIMIT = 100_000
 
 
@@ -257,11 +261,16 @@ def _backend(name: str, document: Any) -> Backend:
     if not isinstance(targets, list) or not targets:
         raise RoutesFileError(spec.path("targets"), "expected a non-empty list of host:port")
     for index, target in enumerate(targets):
+        where = f"{spec.path('targets')}[{index}]"
         if not isinstance(target, str) or not _TARGET.fullmatch(target):
             raise RoutesFileError(
-                f"{spec.path('targets')}[{index}]",
-                f"{target!r} is not host:port, dns:///name:port or ipv4:/ipv6: addresses",
+                where, f"{target!r} is not host:port, dns:///name:port or ipv4:/ipv6: addresses"
             )
+        if any(not 1 <= int(port) <= 65535 for port in _PORT.findall(target)):
+            raise RoutesFileError(where, f"{target!r} has a port outside 1..65535")
+        for quad in _DOTTED_QUAD.findall(target):
+            if any(int(octet) > 255 for octet in quad.split(".")):
+                raise RoutesFileError(where, f"{target!r}: {quad} is not an IPv4 address")
     return Backend(
         name=_name(name, spec.where),
         model=_model_name(model, spec.path("model")),
@@ -288,7 +297,8 @@ def parse_routes(document: Any) -> RouteTable:
 
 def _route_table(top: Fields) -> RouteTable:
     version = top.raw("version")
-    if version != SUPPORTED_VERSION:
+    # `true` is not a version, although Python's True == 1.
+    if type(version) is not int or version != SUPPORTED_VERSION:
         raise RoutesFileError("version", f"{version!r} is not supported (expected 1)")
     backend_specs = top.raw("backends")
     if not isinstance(backend_specs, dict) or not backend_specs:

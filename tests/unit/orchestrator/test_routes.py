@@ -73,6 +73,22 @@ def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> No
             "backends.topic-minilm.targets[1]: '10.0.0.7' is not host:port",
         ),
         ("version: 1", "version: 2", "version: 2 is not supported"),
+        ("version: 1", "version: true", "version: True is not supported"),
+        (
+            '"10.0.0.7:50052"',
+            '"10.0.0.7:99999"',
+            "backends.topic-minilm.targets[1]: '10.0.0.7:99999' has a port outside 1..65535",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"ipv4:10.0.0.7:50052,10.0.0.8:0"',
+            "targets[1]: 'ipv4:10.0.0.7:50052,10.0.0.8:0' has a port outside 1..65535",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"999.0.0.7:50052"',
+            "targets[1]: '999.0.0.7:50052': 999.0.0.7 is not an IPv4 address",
+        ),
         (
             "  - name: default\n",
             "  - name: Default Route\n",
