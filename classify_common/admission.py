@@ -30,7 +30,13 @@ from typing import Any, Protocol, cast
 from opentelemetry import trace
 
 from classify_common.errors import FieldViolation, InvalidRequest, ServiceError
-from classify_common.intake import BATCH_METHODS, NO_REFUSALS, BatchIntake, bind_batch_intake
+from classify_common.intake import (
+    BATCH_METHODS,
+    MAX_BATCH_ITEMS,
+    NO_REFUSALS,
+    BatchIntake,
+    bind_batch_intake,
+)
 from classify_common.nodes import (
     AUTH_VALIDATE,
     CAPABILITY_RECEIVE,
@@ -115,8 +121,12 @@ class _MethodChecks:
         self._validate: Validator = _validate_batch if self._is_batch else _validate_single
 
     def _calls_in(self, request: Any) -> int:
-        """How many calls a request counts as: one per item for a batch."""
-        return len(request.items) if self._is_batch else 1
+        """How many calls a request counts as: one per item for a batch, and one for a
+        batch with no items or more than it may hold (refused whole, nothing served)."""
+        if not self._is_batch:
+            return 1
+        items = len(request.items)
+        return items if 1 <= items <= MAX_BATCH_ITEMS else 1
 
 
 class FrontDoorAdmission(_MethodChecks):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from google.rpc import error_details_pb2, status_pb2
 
+from ai.classify.v1 import classify_service_pb2
+from buf.validate import validate_pb2
 from classify_common.context import REQUEST_ID_HEADER, TRACE_ID_HEADER
 from classify_common.errors import ServiceError, status_for
 
@@ -22,6 +24,13 @@ from classify_common.errors import ServiceError, status_for
 BATCH_METHODS = frozenset({"/ai.classify.v1.ClassifyService/ClassifyBatch"})
 # Most characters of text in one batch, over all items (rule `items.total_chars`).
 MAX_BATCH_TOTAL_CHARS = 1_000_000
+# Most items in one batch: the contract's rule, read from it.
+MAX_BATCH_ITEMS: int = (
+    classify_service_pb2.ClassifyBatchRequest.DESCRIPTOR.fields_by_name["items"]
+    .GetOptions()
+    .Extensions[validate_pb2.field]
+    .repeated.max_items
+)
 
 
 @dataclass(frozen=True)

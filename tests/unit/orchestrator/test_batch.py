@@ -240,6 +240,48 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
         await server.stop(grace_seconds=0)
 
 
+async def test_a_batch_refused_whole_for_its_size_is_charged_as_one_call(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """1,025 items break the batch rule and nothing is served: one token of the
+    tenant's three is spent, not all three, so a batch of two still goes through."""
+    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{id: limited, sha256: {hash_key('limited-secret')}, tenant: small, role: user}}\n"
+        "tenants:\n  small: {rate_per_second: 0.001, burst: 3}\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, auth="required", api_keys_file=keys),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    key = (("authorization", "Bearer limited-secret"),)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as too_many:
+                await stub.ClassifyBatch(
+                    pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 1025),
+                    metadata=key,
+                    timeout=30,
+                )
+            assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            response = await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
+                metadata=key,
+                timeout=30,
+            )
+        assert [result.WhichOneof("outcome") for result in response.results] == [
+            "response",
+            "response",
+        ]
+        assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 0
+    finally:
+        await server.stop(grace_seconds=0)
+
+
 async def test_a_batch_whose_deadline_comes_first_answers_every_item_in_time(
     orchestrator: OrchestratorServer, capability: CapabilityServer
 ) -> None:
