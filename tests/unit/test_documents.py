@@ -43,7 +43,9 @@ def test_nested_aliases_are_refused_at_the_first_anchor_without_expanding(
     started = time.perf_counter()
     with pytest.raises(YamlAliasRefused) as caught:
         load_yaml(path)
-    assert time.perf_counter() - started < 0.1
+    # Refused at the first anchor in about a millisecond; expanding takes seconds. The
+    # bound is loose so that a busy machine does not fail it.
+    assert time.perf_counter() - started < 1.0
     assert (caught.value.source, caught.value.line, caught.value.column) == (str(path), 2, 4)
     assert str(caught.value).startswith(f"{path}:2:4: anchor &a: YAML anchors and aliases")
 
@@ -99,7 +101,8 @@ def test_a_stray_quote_costs_one_pass_of_the_depth_scan() -> None:
     started = time.perf_counter()
     with pytest.raises(MalformedDocument, match="not valid JSON"):
         parse_json(text, "doc")
-    assert time.perf_counter() - started < 0.5
+    # One pass takes milliseconds; a scan restarting at each quote, hours.
+    assert time.perf_counter() - started < 2.0
 
 
 def test_duplicate_keys_are_refused() -> None:
