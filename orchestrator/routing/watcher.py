@@ -4,6 +4,10 @@ The file is polled rather than watched with inotify: polling sees a
 Kubernetes ConfigMap update, which swaps a symlink (`..data`) instead of
 writing the file, and needs no platform support. `os.stat` follows links, so
 the identity checked (inode, size, mtime) is that of the file really read.
+A changed file is read once it has held still for a poll: an editor that
+truncates the file and writes it in pieces would otherwise have its first
+piece applied (a routes file that parses, with a route's fallback missing,
+for a second), or refused and counted as a failed reload.
 A file that fails to load is logged and counted, and the routes in force stay.
 So is any other error while a version is read or applied (a bug): the watcher
 logs it with its traceback and keeps polling, since a watcher that ended would
@@ -47,27 +51,37 @@ class RoutesWatcher:
         self._on_failure = on_failure
         self._poll_seconds = poll_seconds
         self._seen = file_identity(path)
+        # A new identity seen at the last poll (in a 1-tuple: a deleted file's is None),
+        # applied when the next poll sees it again.
+        self._changing: tuple[tuple[int, int, int] | None] | None = None
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._poll_seconds)
-            identity = file_identity(self._path)
-            if identity == self._seen:
-                continue
-            self._seen = identity
-            try:
-                # Read and parsed on a worker thread: even a file built to be slow costs
-                # the serving loop nothing (the parse itself is bounded, see load_routes).
-                table = await asyncio.to_thread(load_routes, self._path)
-                self._on_change(table)
-            except RoutesFileError as error:
-                log.error(
-                    "routes file refused; the routes in force stay", extra={"error": str(error)}
-                )
-                self._on_failure(error)
-            except Exception as error:  # any other: a bug; see the module docstring
-                log.exception(
-                    "routes file not applied: unexpected error; the routes in force stay",
-                    extra={"error": repr(error)},
-                )
-                self._on_failure(error)
+            await self.poll()
+
+    async def poll(self) -> bool:
+        """Look at the file once; whether a new version was read (applied or refused)."""
+        identity = file_identity(self._path)
+        if identity == self._seen:
+            self._changing = None
+            return False
+        if (identity,) != self._changing:
+            self._changing = (identity,)
+            return False
+        self._seen, self._changing = identity, None
+        try:
+            # Read and parsed on a worker thread: even a file built to be slow costs
+            # the serving loop nothing (the parse itself is bounded, see load_routes).
+            table = await asyncio.to_thread(load_routes, self._path)
+            self._on_change(table)
+        except RoutesFileError as error:
+            log.error("routes file refused; the routes in force stay", extra={"error": str(error)})
+            self._on_failure(error)
+        except Exception as error:  # any other: a bug; see the module docstring
+            log.exception(
+                "routes file not applied: unexpected error; the routes in force stay",
+                extra={"error": repr(error)},
+            )
+            self._on_failure(error)
+        return True

@@ -432,3 +432,28 @@ async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raisi
     assert record.getMessage() == "the routes watcher had stopped on an error; draining anyway"
     assert record.exc_info is not None
     assert isinstance(record.exc_info[1], TypeError)
+
+
+async def test_a_file_written_in_pieces_is_read_once_it_holds_still(tmp_path: Path) -> None:
+    """Truncated and written in two pieces, as some editors save: the first piece
+    parses on its own (the default route without its fallback), and is not applied;
+    the whole file is, one poll after it stopped changing."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", 50052))
+    applied: list[RouteTable] = []
+    failures: list[Exception] = []
+    watcher = RoutesWatcher(routes, applied.append, failures.append)
+    whole = routes_to("minilm", 50052) + "    fallback: [static]\n"
+    with routes.open("w") as editor:
+        editor.write(routes_to("minilm", 50052))
+        editor.flush()
+        os.utime(routes, ns=(1, 1))  # a new identity even where mtime is coarse
+        assert not await watcher.poll()  # changed: looked at again next poll
+        editor.write("    fallback: [static]\n")
+    assert routes.read_text() == whole
+    assert not await watcher.poll()  # changed again since
+    assert await watcher.poll()  # held still: read
+    assert not await watcher.poll()  # and only once
+    assert failures == []
+    (table,) = applied
+    assert [backend.name for backend in table.default_route.fallback] == ["static"]
