@@ -165,6 +165,7 @@ class ReplicaCoalescer:
         settings: CoalescingSettings,
         on_sent: Callable[[int], None] = lambda items: None,
         on_expired: Callable[[], None] = lambda: None,
+        on_unreachable: Callable[[], None] = lambda: None,
         on_answered: Callable[[], None] = lambda: None,
         on_unavailable: Callable[[], None] = lambda: None,
         on_load: Callable[[bytes], ReplicaLoad | None] = lambda report: None,
@@ -173,8 +174,10 @@ class ReplicaCoalescer:
         retry_after: Callable[[], float] = lambda: 0.05,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
-        out before it could be sent; `on_answered()` and `on_unavailable()` report a call
-        the replica answered, or one that found it UNAVAILABLE (for outlier ejection);
+        out before it could be sent, and `on_unreachable()` each refused because it could
+        not make its deadline there (shed, never sent); `on_answered()` and
+        `on_unavailable()` report a call the replica answered, or one that found it
+        UNAVAILABLE (for outlier ejection);
         `on_load(report)` gets the load report trailer of each answered call, and gives
         back what it read (None: nothing);
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
@@ -196,6 +199,7 @@ class ReplicaCoalescer:
         self._settings = settings
         self._on_sent = on_sent
         self._on_expired = on_expired
+        self._on_unreachable = on_unreachable
         self._on_answered = on_answered
         self._on_unavailable = on_unavailable
         self._on_load = on_load
@@ -313,7 +317,7 @@ class ReplicaCoalescer:
         needed = max(self._predicted_wait(), self.call_time.predict(items))
         if item.expires_at - sent_at >= needed:
             return
-        self._on_expired()
+        self._on_unreachable()
         raise DeadlineUnreachable(
             f"backend {self._backend} is busy for about {(sent_at - now) * 1000:.0f} ms "
             f"and then needs about {needed * 1000:.0f} ms for a call of {items} items, but "
@@ -351,7 +355,7 @@ class ReplicaCoalescer:
                         )
                     )
                 elif item.expires_at - now < needed:
-                    self._on_expired()
+                    self._on_unreachable()
                     judged_by = (
                         f"reports a wait of about {wait * 1000:.0f} ms"
                         if wait >= needed

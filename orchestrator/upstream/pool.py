@@ -228,6 +228,7 @@ class BackendPool:
             settings=settings,
             on_sent=(lambda n: None) if metrics is None else metrics.items_per_call(name).observe,
             on_expired=(lambda: None) if metrics is None else metrics.expired_unsent(name).inc,
+            on_unreachable=self._unreachable,
             on_answered=partial(self.outliers.record_success, target),
             on_unavailable=partial(self.outliers.record_failure, target),
             on_load=partial(self._record_load, target),

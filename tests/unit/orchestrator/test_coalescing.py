@@ -23,7 +23,11 @@ from capability.server import CapabilityServer
 from capability.workers import DeviceWorker
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
-from orchestrator.metrics import UPSTREAM_CALL_ITEMS, UPSTREAM_ITEMS_EXPIRED_TOTAL
+from orchestrator.metrics import (
+    DEADLINE_UNREACHABLE_TOTAL,
+    UPSTREAM_CALL_ITEMS,
+    UPSTREAM_ITEMS_EXPIRED_TOTAL,
+)
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.coalescer import (
@@ -33,6 +37,7 @@ from orchestrator.upstream.coalescer import (
 )
 from orchestrator.upstream.load import read_load_report
 from tests.conftest import STRIKER, metric_sum, orchestrator_for, wait_until
+from tests.status_details import error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
 
@@ -58,6 +63,7 @@ def coalescer_on(
     capability: CapabilityServer,
     settings: CoalescingSettings | None = None,
     on_expired: Callable[[], None] = lambda: None,
+    on_unreachable: Callable[[], None] = lambda: None,
     predicted_wait: Callable[[], float] = lambda: 0.0,
     replica_batch_size: Callable[[], int] = lambda: 0,
 ) -> ReplicaCoalescer:
@@ -69,6 +75,7 @@ def coalescer_on(
         credentials=(),
         settings=settings or CoalescingSettings(),
         on_expired=on_expired,
+        on_unreachable=on_unreachable,
         # Read as a backend pool reads it; the coalescer learns its calls' trips from it.
         on_load=lambda raw: read_load_report(raw, asyncio.get_running_loop().time()),
         predicted_wait=predicted_wait,
@@ -268,6 +275,39 @@ async def test_a_call_that_runs_out_of_time_while_gathering_is_counted_and_never
     assert texts_computed(capability) - computed_before == 1
 
 
+async def test_a_call_refused_as_it_arrives_is_counted_as_shed_not_expired(
+    one_call_at_a_time: OrchestratorServer, capability: CapabilityServer
+) -> None:
+    """Calls of one item have been taking 10 s: a call with 2 s left, arriving behind
+    the one in flight, is refused DEADLINE_UNREACHABLE at once and counted with the
+    backend's shed calls (what the ClassifyLoadShedding alert reads), not as expired."""
+    server = one_call_at_a_time
+
+    def counted(name: str) -> float:
+        return metric_sum(server.registry, name, backend="topic-minilm")
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)  # the pool exists
+        (pool,) = server.dispatcher.state.upstream.pools()
+        (coalescer,) = pool.coalescers.values()
+        shed_before = counted(DEADLINE_UNREACHABLE_TOTAL)
+        expired_before = counted(UPSTREAM_ITEMS_EXPIRED_TOTAL)
+        async with device_occupied(capability.pool.workers[0]):
+            first = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=60)
+            )
+            await wait_until(lambda: coalescer.in_flight == 1)
+            for _ in range(40):
+                coalescer.call_time.record(1, 10.0)
+            error = await refusal(stub.Classify(pb.ClassifyRequest(text=TEXTS[1]), timeout=2))
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert error_reason(error) == "DEADLINE_UNREACHABLE"
+        assert (await first).labels
+    assert counted(DEADLINE_UNREACHABLE_TOTAL) == shed_before + 1
+    assert counted(UPSTREAM_ITEMS_EXPIRED_TOTAL) == expired_before
+
+
 async def test_long_texts_that_gather_leave_in_calls_a_batch_may_hold(
     one_call_at_a_time: OrchestratorServer, capability: CapabilityServer
 ) -> None:
@@ -363,13 +403,13 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
     """The replica reports a 1 s wait: the call in flight is expected back in 1 s, and
     an item with 1.5 s left would need 2 s. It is refused at once, not after waiting for
     its turn; one with 3 s left gathers and is answered."""
-    expired: list[int] = []
+    shed: list[int] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            lambda: expired.append(1),
+            on_unreachable=lambda: shed.append(1),
             predicted_wait=lambda: 1.0,
         )
         computed_before = texts_computed(capability)
@@ -377,7 +417,7 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
             coalescer, capability.pool.workers[0], hurried=1.5, patient=3.0
         )
     assert "busy for about" in str(refused)
-    assert expired == [1]
+    assert shed == [1]
     assert texts_computed(capability) - computed_before == 2
 
 
@@ -387,11 +427,14 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
     """The replica reports no wait, but its last call took at least 0.5 s (the device was
     held that long). Behind the next such call, an item with 0.8 s left would need about
     1 s: it is refused as it arrives. Trusting the report alone, it would be sent."""
-    expired: list[int] = []
+    shed: list[int] = []
     worker = capability.pool.workers[0]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
-            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+            channel,
+            capability,
+            CoalescingSettings(max_in_flight=1),
+            on_unreachable=lambda: shed.append(1),
         )
         async with device_occupied(worker):
             slow = asyncio.ensure_future(
@@ -402,7 +445,7 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
         assert (await slow).request_id == "slow"
         refused = await refused_behind_a_busy_call(coalescer, worker, hurried=0.8, patient=10.0)
     assert "for a call of 1 items" in str(refused)
-    assert expired == [1]
+    assert shed == [1]
 
 
 async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in(
@@ -412,10 +455,13 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
     item. The first item to gather behind a busy call leaves with the 19 or so that
     gather after it: it needs about 0.5 s, not the 0.12 s of a call of one, and with
     0.45 s left it is refused at once. One with 5 s left gathers and is answered."""
-    expired: list[int] = []
+    shed: list[int] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
-            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+            channel,
+            capability,
+            CoalescingSettings(max_in_flight=1),
+            on_unreachable=lambda: shed.append(1),
         )
         # What the coalescer would have learned from calls of 10 and 30 items, and
         # from sending calls of 25 (the lone call "a" brings the count to 20).
@@ -427,7 +473,7 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
             coalescer, capability.pool.workers[0], hurried=0.45, patient=5.0
         )
     assert "for a call of 20 items" in str(refused)
-    assert expired == [1]
+    assert shed == [1]
 
 
 async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
@@ -438,11 +484,14 @@ async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
     it gathers. The device is held 1.6 s, so "a" comes back late and "b" has about
     0.9 s left as it would leave, less than the 1 s or more its call takes: it is
     refused then, never sent. Judged by the report alone it would have been sent."""
-    expired: list[int] = []
+    shed: list[int] = []
     worker = capability.pool.workers[0]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
-            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+            channel,
+            capability,
+            CoalescingSettings(max_in_flight=1),
+            on_unreachable=lambda: shed.append(1),
         )
         for items in (1, 5) * 10:
             coalescer.call_time.record(items, 1.0)
@@ -469,7 +518,7 @@ async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
     needed_ms, left_ms = int(judged.group(1)), int(judged.group(2))
     assert needed_ms >= 1000
     assert 0 < left_ms < needed_ms
-    assert expired == [1]
+    assert shed == [1]
     assert texts_computed(capability) - computed_before == 1
 
 
@@ -481,10 +530,13 @@ async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
     queueing the fit learned has drained: the next item with 1 s left is sent and
     answered. A fit that did not count down would refuse every such item, send
     nothing, and never learn otherwise."""
-    expired: list[int] = []
+    shed: list[int] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
-            channel, capability, CoalescingSettings(max_in_flight=1), lambda: expired.append(1)
+            channel,
+            capability,
+            CoalescingSettings(max_in_flight=1),
+            on_unreachable=lambda: shed.append(1),
         )
         first = await coalescer.classify(minilm_request("a"), seconds=30, trace_metadata=())
         assert first.request_id == "a"
@@ -500,7 +552,7 @@ async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
         await asyncio.sleep(1.3)
         later = await coalescer.classify(minilm_request("later"), seconds=1.0, trace_metadata=())
     assert later.request_id == "later"
-    assert expired == [1]
+    assert shed == [1]
     assert texts_computed(capability) - computed_before == 1
 
 
