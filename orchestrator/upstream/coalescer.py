@@ -58,6 +58,7 @@ Each item keeps its own deadline, trace and outcome:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -66,6 +67,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
+from google.rpc import status_pb2
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
@@ -150,6 +152,9 @@ class UpstreamItem:
     # The item's `upstream_call` span, linked to the shared call's span.
     span: trace.Span
     future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
+    # The caller's context (its bound request and trace IDs): what a lone call runs in,
+    # and what a failed item's log line is written in.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context, repr=False)
 
 
 class ReplicaCoalescer:
@@ -376,7 +381,10 @@ class ReplicaCoalescer:
             self._in_flight += 1
             expected_back = now + max(wait, self.call_time.predict(len(live), idle))
             self._expected_back.append(expected_back)
-            task = asyncio.create_task(self._call(live, now, expected_back))
+            # A merged call runs in a context of its own: in whichever caller's context
+            # scheduled it, its log lines carried that caller's IDs for everyone's.
+            own = live[0].context.copy() if len(live) == 1 else contextvars.Context()
+            task = asyncio.create_task(self._call(live, now, expected_back), context=own)
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
         if not self._waiting and self._expiry is not None:
@@ -391,7 +399,13 @@ class ReplicaCoalescer:
             else:
                 await self._call_many(items, sent_at)
         except Exception as exc:  # a bug here must not leave a caller without an answer
-            log.exception("upstream call failed unexpectedly", extra={"backend": self._backend})
+            log.exception(
+                "upstream call failed unexpectedly",
+                extra={
+                    "backend": self._backend,
+                    "request_ids": [item.request.request_id for item in items],
+                },
+            )
             for item in items:
                 if not item.future.done():
                     item.future.set_exception(exc)
@@ -485,9 +499,7 @@ class ReplicaCoalescer:
             if result.HasField("response"):
                 item.future.set_result(result.response)
             else:
-                item.future.set_exception(
-                    translate_item_status(result.error, self._backend, self._target)
-                )
+                item.future.set_exception(self._item_error(item, result.error))
 
     def _answer_early(self, items: list[UpstreamItem], metadata: Any) -> None:
         """Answer the items the replica refused while others were still to be computed,
@@ -499,10 +511,12 @@ class ReplicaCoalescer:
             early = pb.ClassifyBatchResponse.FromString(value)
             for item, result in zip(items, early.results, strict=False):
                 if result.HasField("error") and not item.future.done():
-                    item.future.set_exception(
-                        translate_item_status(result.error, self._backend, self._target)
-                    )
+                    item.future.set_exception(self._item_error(item, result.error))
             return
+
+    def _item_error(self, item: UpstreamItem, status: status_pb2.Status) -> ServiceError:
+        """The error for one item the replica refused, logged under the item's IDs."""
+        return item.context.run(translate_item_status, status, self._backend, self._target)
 
     def _expire_at(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self._expiry is not None:
@@ -600,7 +614,10 @@ class ReplicaCoalescer:
             self._on_unavailable()
         for item in items:
             if not item.future.done():
-                error: ServiceError = translate_upstream_error(exc, self._backend, self._target)
+                # Logged (translate_upstream_error) under the item's own IDs.
+                error: ServiceError = item.context.run(
+                    translate_upstream_error, exc, self._backend, self._target
+                )
                 item.future.set_exception(error)
 
     async def close(self) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -17,16 +20,21 @@ from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.server import OrchestratorServer
+from orchestrator.upstream import errors as upstream_errors
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
 from tests.conftest import (
     STRIKER,
+    LineCollector,
     StartCapability,
     StartOrchestrator,
     capability_settings,
     closed_port,
     metric_sum,
+    orchestrator_settings,
     routes_text,
+    wait_until,
 )
+from tests.flaky_pod import FlakyPod
 from tests.status_details import error_info, error_reason, refusal, trailers_of
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
@@ -184,3 +192,59 @@ async def test_a_replica_whose_model_fails_is_reported_as_a_model_fault_with_ids
     trailers = trailers_of(error)
     assert trailers["x-request-id"]
     assert len(trailers["x-trace-id"]) == 32
+
+
+async def test_each_failed_upstream_item_is_logged_under_its_own_request_id(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Eight callers while the one call a replica may have in flight is held: seven
+    gather and leave in one merged call, which fails; each failure's log line names
+    its own request, not the caller's whose turn happened to send the call."""
+    pod = FlakyPod(capability.port, failing=True)
+    pod.answering.clear()
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        f"backends:\n  pod: {{model: topic-minilm, targets: ['{pod.address}']}}\n"
+        "routes:\n  - name: default\n    backend: pod\n    retry: {max_attempts: 1}\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, upstream_calls_in_flight=1),
+        registry=CollectorRegistry(),
+    )
+    collector = LineCollector()
+    upstream_log = logging.getLogger(upstream_errors.__name__)
+    upstream_log.addHandler(collector)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            calls = [
+                asyncio.ensure_future(
+                    refusal(
+                        stub.Classify(
+                            pb.ClassifyRequest(text=STRIKER, request_id=f"dead-{i}"), timeout=20
+                        )
+                    )
+                )
+                for i in range(8)
+            ]
+            await wait_until(lambda: pod.calls == 1, "the first call held at the pod")
+            (pool,) = server.dispatcher.state.upstream.pools()
+            (coalescer,) = pool.coalescers.values()
+            await wait_until(lambda: coalescer.waiting == 7, "the other seven gathering")
+            pod.answering.set()
+            errors = await asyncio.gather(*calls)
+    finally:
+        upstream_log.removeHandler(collector)
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert {error.code() for error in errors} == {grpc.StatusCode.UNAVAILABLE}
+    assert pod.calls == 2  # the first alone, the other seven merged
+    failed = [
+        entry["request_id"]
+        for entry in map(json.loads, collector.lines)
+        if entry["event"] == "capability call failed"
+    ]
+    assert sorted(failed) == [f"dead-{i}" for i in range(8)]
