@@ -10,12 +10,15 @@ which only the orchestrator holds.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
+from classify_common.context import REQUEST_ID_HEADER, current_request
 from classify_common.errors import ModelNotFound, PermissionDenied, ReloadRefused
+from classify_common.tracing import inject_context
 from orchestrator.dispatch import Dispatcher
 from orchestrator.security.gate import current_caller
 from orchestrator.upstream.errors import translate_upstream_error
@@ -53,7 +56,9 @@ class FleetModels:
         for pool, target, stub in self._replicas():
             try:
                 listed = await stub.ListModels(
-                    request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
+                    request,
+                    timeout=pool.backend.timeout_seconds,
+                    metadata=_call_metadata(pool.credentials),
                 )
             except grpc.aio.AioRpcError as error:
                 translate_upstream_error(error, pool.backend.name, target)  # logs it
@@ -69,7 +74,9 @@ class FleetModels:
         pool, target, stub = replicas[0]
         try:
             response: model_pb.GetModelResponse = await stub.GetModel(
-                request, timeout=pool.backend.timeout_seconds, metadata=pool.credentials
+                request,
+                timeout=pool.backend.timeout_seconds,
+                metadata=_call_metadata(pool.credentials),
             )
         except grpc.aio.AioRpcError as error:
             raise translate_upstream_error(error, pool.backend.name, target) from error
@@ -90,7 +97,9 @@ class FleetModels:
             try:
                 answers.append(
                     await stub.ReloadModel(
-                        request, timeout=OPERATOR_CALL_TIMEOUT_SECONDS, metadata=pool.credentials
+                        request,
+                        timeout=OPERATOR_CALL_TIMEOUT_SECONDS,
+                        metadata=_call_metadata(pool.credentials),
                     )
                 )
             except grpc.aio.AioRpcError as error:
@@ -107,3 +116,12 @@ class FleetModels:
                 model=request.name,
             )
         return answers[0]
+
+
+def _call_metadata(credentials: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """An operator call's metadata towards a replica: its credentials, and the caller's
+    trace context and request ID, so that the replica's half of the call joins the
+    caller's trace and logs under its request."""
+    ids = current_request()
+    request_id = ((REQUEST_ID_HEADER, ids.request_id),) if ids is not None else ()
+    return (*inject_context(), *request_id, *credentials)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -179,8 +180,13 @@ class Batcher:
         self._metrics.queue_depth.labels(self.name, self._device.name).set(len(self.queue))
 
     def start(self) -> None:
+        # In a context of its own: started by a ReloadModel call, it inherited that
+        # call's trace and request ID, and every batch span and log line of the
+        # replica's lifetime joined the reload's trace.
         self._task = asyncio.create_task(
-            self._supervise(), name=f"batcher-{self._device.name}-{self.name}"
+            self._supervise(),
+            name=f"batcher-{self._device.name}-{self.name}",
+            context=contextvars.Context(),
         )
 
     async def stop(self, error: Exception) -> None:

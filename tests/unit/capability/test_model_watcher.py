@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
@@ -17,6 +18,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
 from capability.metrics import RELOADS_TOTAL
 from capability.server import CapabilityServer, stop_watcher
+from classify_common.nodes import BATCH_SPAN_NAME
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 
 MODEL = "topic-static"
@@ -185,3 +187,30 @@ async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raisi
     assert record.getMessage() == "the model-root watcher had stopped on an error; draining anyway"
     assert record.exc_info is not None
     assert isinstance(record.exc_info[1], TypeError)
+
+
+async def test_batches_after_a_reload_are_not_part_of_the_reload_calls_trace(
+    start_capability: StartCapability, span_exporter: InMemorySpanExporter
+) -> None:
+    """The new version's batching loop is started by the ReloadModel call; its batch
+    spans (and log lines) must not join that call's trace for the replica's lifetime."""
+    server = await start_capability(models=(MODEL,))
+    await reload_model(server)
+    (reload_span,) = [
+        span
+        for span in span_exporter.get_finished_spans()
+        if span.name == "ai.classify.v1.ModelService/ReloadModel" and span.context is not None
+    ]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+    await wait_until(
+        lambda: any(span.name == BATCH_SPAN_NAME for span in span_exporter.get_finished_spans())
+    )
+    batches = [span for span in span_exporter.get_finished_spans() if span.name == BATCH_SPAN_NAME]
+    assert reload_span.context is not None
+    for batch in batches:
+        assert batch.context is not None
+        assert batch.context.trace_id != reload_span.context.trace_id
+        assert batch.parent is None
+    assert answer.trace_id != format(reload_span.context.trace_id, "032x")

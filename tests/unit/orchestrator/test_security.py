@@ -11,6 +11,8 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -240,6 +242,25 @@ async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Sta
         reloaded = await models.ReloadModel(reload, metadata=bearer(ADMIN_KEY))
     assert (reloaded.model.name, reloaded.previous_version) == ("topic-static", "1")
     assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1
+
+
+async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_processes(
+    secured: Start, span_exporter: InMemorySpanExporter
+) -> None:
+    orchestrator, _ = await secured()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        await models.GetModel(
+            model_pb.GetModelRequest(name="topic-static"), metadata=bearer(ACME_KEY)
+        )
+    servers = [
+        span
+        for span in span_exporter.get_finished_spans()
+        if span.name == "ai.classify.v1.ModelService/GetModel" and span.kind == SpanKind.SERVER
+    ]
+    # The orchestrator's and the capability's server spans, in one trace.
+    assert len(servers) == 2
+    assert len({span.context.trace_id for span in servers if span.context is not None}) == 1
 
 
 @pytest.mark.parametrize(
