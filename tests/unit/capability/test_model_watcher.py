@@ -195,6 +195,7 @@ async def test_batches_after_a_reload_are_not_part_of_the_reload_calls_trace(
     """The new version's batching loop is started by the ReloadModel call; its batch
     spans (and log lines) must not join that call's trace for the replica's lifetime."""
     server = await start_capability(models=(MODEL,))
+    span_exporter.clear()
     await reload_model(server)
     (reload_span,) = [
         span

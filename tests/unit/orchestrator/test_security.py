@@ -11,6 +11,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
@@ -29,6 +30,7 @@ from tests.conftest import (
     StartCapability,
     metric_sum,
     orchestrator_settings,
+    wait_until,
     write_routes,
 )
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
@@ -248,19 +250,24 @@ async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_pr
     secured: Start, span_exporter: InMemorySpanExporter
 ) -> None:
     orchestrator, _ = await secured()
+    span_exporter.clear()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         await models.GetModel(
             model_pb.GetModelRequest(name="topic-static"), metadata=bearer(ACME_KEY)
         )
-    servers = [
-        span
-        for span in span_exporter.get_finished_spans()
-        if span.name == "ai.classify.v1.ModelService/GetModel" and span.kind == SpanKind.SERVER
-    ]
-    # The orchestrator's and the capability's server spans, in one trace.
-    assert len(servers) == 2
-    assert len({span.context.trace_id for span in servers if span.context is not None}) == 1
+
+    def servers() -> list[ReadableSpan]:
+        return [
+            span
+            for span in span_exporter.get_finished_spans()
+            if span.name == "ai.classify.v1.ModelService/GetModel" and span.kind == SpanKind.SERVER
+        ]
+
+    # The orchestrator's and the capability's server spans (each ends as its answer
+    # has gone), in one trace.
+    await wait_until(lambda: len(servers()) == 2, "both server spans")
+    assert len({span.context.trace_id for span in servers() if span.context is not None}) == 1
 
 
 @pytest.mark.parametrize(
