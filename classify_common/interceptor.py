@@ -75,7 +75,7 @@ from classify_common.nodes import (
     node,
     peer_attributes,
 )
-from classify_common.tracing import format_trace_id, get_tracer, start_server_span
+from classify_common.tracing import exemplar_for, format_trace_id, get_tracer, start_server_span
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -224,7 +224,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 await self._answer_bug(method, context, server_span, ids, request_trace)
             finally:
                 elapsed = time.perf_counter() - started
-                self._metrics.observe(method, code.name, elapsed, ids.trace_id)
+                exemplar = exemplar_for(ids.trace_id, server_span, code.name)
+                self._metrics.observe(method, code.name, elapsed, exemplar)
                 self._log_request(method, code, elapsed, time_left, request_trace)
                 if times_output or request_trace.makes_spans:
                     self._end_when_done(context, server_span, code, request_trace, times_output)

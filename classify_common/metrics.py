@@ -76,15 +76,18 @@ class RpcMetrics:
         # One lifecycle node's duration, about ten times per request in each process.
         self.observe_node = self.node_duration.observe
 
-    def observe(self, method: str, code: str, seconds: float, trace_id: str = "") -> None:
-        """Count the call; its latency carries the trace ID as an OpenMetrics exemplar,
-        so a slow bucket on a dashboard links to a trace of a request in it."""
+    def observe(
+        self, method: str, code: str, seconds: float, exemplar: Mapping[str, str] | None = None
+    ) -> None:
+        """Count the call; its latency carries `exemplar` (a trace ID, where that trace is
+        exported: classify_common.tracing.exemplar_for) as an OpenMetrics exemplar, so a
+        slow bucket on a dashboard links to a trace of a request in it."""
         key = (method, code)
         requests = self._requests.get(key)
         if requests is None:
             requests = self._requests[key] = self.requests.labels(method, code)
         requests.inc()
-        self.duration.observe(key, seconds, {"trace_id": trace_id} if trace_id else None)
+        self.duration.observe(key, seconds, exemplar)
 
 
 class MetricsEndpoint:

@@ -37,7 +37,7 @@ HELD_TRACES = 2048
 HELD_SPANS_PER_TRACE = 64
 KEPT_TRACES = 4096
 SPANS_DROPPED_TOTAL = "classify_trace_spans_dropped_total"
-_SERVER_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
+SERVER_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
 
 
 class ExportDrops:
@@ -104,7 +104,7 @@ def _keeps_trace(span: ReadableSpan, status_code_key: str, timeout_key: str) -> 
         return False
     if span.kind is SpanKind.CLIENT:
         code = attributes.get(status_code_key)
-        return code is None or code in _SERVER_FAULT_NAMES
+        return code is None or code in SERVER_FAULT_NAMES
     return True
 
 

@@ -46,7 +46,7 @@ from opentelemetry.trace import (
 from opentelemetry.util.types import AttributeValue
 
 from classify_common import otel_environment
-from classify_common.span_export import KeepingBatchExport
+from classify_common.span_export import SERVER_FAULT_NAMES, KeepingBatchExport
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,19 @@ _follows_caller = True
 def spans_are_exported() -> bool:
     """Whether this process's spans go anywhere (see configure_tracing)."""
     return _exporting
+
+
+def exemplar_for(trace_id: str, span: trace.Span, code: str) -> dict[str, str] | None:
+    """The exemplar labels that link a latency to its trace, or None where the trace
+    will not be found: spans go nowhere, or its trace was not sampled and the call
+    (ended with `code`, a status code's name) was no server fault, whose held spans
+    are exported all the same (classify_common.span_export). A dashboard's exemplar
+    must open a trace."""
+    if not trace_id or not _exporting:
+        return None
+    if span.get_span_context().trace_flags.sampled or code in SERVER_FAULT_NAMES:
+        return {"trace_id": trace_id}
+    return None
 
 
 # A proxy until a provider is installed, then the provider's tracer; made once,

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+from opentelemetry import trace
 from prometheus_client import Histogram
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -43,6 +44,7 @@ from classify_common.nodes import (
     current_trace,
     node,
 )
+from classify_common.tracing import exemplar_for
 from orchestrator.batch_items import (
     answer_unstarted,
     classify_item,
@@ -167,7 +169,7 @@ class Dispatcher:
                 duration = self._durations[key] = self._metrics.request_duration.labels(*key)
             duration.observe(
                 time.perf_counter() - started,
-                exemplar={"trace_id": ids.trace_id} if ids.trace_id else None,
+                exemplar=exemplar_for(ids.trace_id, trace.get_current_span(), code),
             )
 
     async def classify_batch(

@@ -78,8 +78,8 @@ def test_rpc_histogram_exposes_what_a_prometheus_histogram_would(generate: Gener
         buckets=RPC_BUCKETS,
     )
     for code, seconds, trace_id in RPC_OBSERVATIONS:
-        metrics.observe(CLASSIFY, code, seconds, trace_id)
         exemplar = {"trace_id": trace_id} if trace_id else None
+        metrics.observe(CLASSIFY, code, seconds, exemplar)
         histogram.labels(CLASSIFY, code).observe(seconds, exemplar=exemplar)
 
     exposed = comparable(generate(ours), RPC_DURATION_SECONDS)

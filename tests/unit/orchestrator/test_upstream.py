@@ -158,6 +158,23 @@ async def test_latency_histograms_carry_route_model_and_a_trace_exemplar(
     assert any(f'# {{trace_id="{response.trace_id}"}}' in line for line in bucket_lines)
 
 
+async def test_an_unsampled_call_leaves_no_exemplar_that_would_lead_nowhere(
+    orchestrator: OrchestratorServer,
+    orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+) -> None:
+    """A caller's traceparent that says "not sampled": the call's spans are not exported
+    (it succeeds), so neither server offers its trace ID as an exemplar."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    unsampled = (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-00"),)
+    response = await orchestrator_stub.Classify(
+        pb.ClassifyRequest(text=STRIKER), metadata=unsampled
+    )
+    assert response.trace_id == trace_id
+    # prometheus_client's OpenMetrics writer has no type hints.
+    exposition = generate_openmetrics(orchestrator.registry).decode()  # type: ignore[no-untyped-call]
+    assert trace_id not in exposition
+
+
 async def test_a_token_budget_of_one_is_raised_to_what_the_model_needs_not_refused(
     orchestrator: OrchestratorServer,
 ) -> None:
