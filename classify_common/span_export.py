@@ -41,7 +41,8 @@ SERVER_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
 
 
 class ExportDrops:
-    """Spans lost on the way to the collector, by reason (queue_full, export_failed)."""
+    """Spans lost on the way to the collector, by reason (queue_full, export_failed,
+    held_overflow)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -55,7 +56,8 @@ class ExportDrops:
         """A prometheus_client collector: register it on a server's registry."""
         family = CounterMetricFamily(
             SPANS_DROPPED_TOTAL,
-            "Spans not exported: the export queue was full, or the collector refused them.",
+            "Spans not exported: the export queue was full, the collector refused them, or "
+            "a kept trace had more spans than were held for it.",
             labels=["reason"],
         )
         with self._lock:
@@ -131,6 +133,9 @@ class KeepingBatchExport(SpanProcessor):
         self._stopping = False
         # Unsampled traces, oldest first: trace ID -> its spans so far in this process.
         self._held: collections.OrderedDict[int, list[ReadableSpan]] = collections.OrderedDict()
+        # Held traces past HELD_SPANS_PER_TRACE: how many of their spans were not held,
+        # counted as dropped (held_overflow) if the trace is kept after all.
+        self._overflowed: dict[int, int] = {}
         self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._held_lock = threading.Lock()
         self._thread = threading.Thread(target=self._export_loop, name="span-export", daemon=True)
@@ -156,15 +161,22 @@ class KeepingBatchExport(SpanProcessor):
                 self._kept.move_to_end(trace_id)
                 while len(self._kept) > KEPT_TRACES:
                     self._kept.popitem(last=False)
+                overflowed = self._overflowed.pop(trace_id, 0)
+                if overflowed:
+                    self._drops.add("held_overflow", overflowed)
                 return [*self._held.pop(trace_id, []), span]
             held = self._held.setdefault(trace_id, [])
             if len(held) < HELD_SPANS_PER_TRACE:
                 held.append(span)
+            else:
+                self._overflowed[trace_id] = self._overflowed.get(trace_id, 0) + 1
             while len(self._held) > HELD_TRACES:
-                self._held.popitem(last=False)
+                evicted, _ = self._held.popitem(last=False)
+                self._overflowed.pop(evicted, None)
             # This process's part of the trace is over, and it went well: let it go.
             if span.parent is None or span.parent.is_remote:
                 self._held.pop(trace_id, None)
+                self._overflowed.pop(trace_id, None)
             return []
 
     def _enqueue(self, spans: list[ReadableSpan]) -> None:

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, AlwaysRecordSampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from classify_common.nodes import RPC_RESPONSE_STATUS_CODE, TIMEOUT_ATTRIBUTE
-from classify_common.span_export import ExportDrops, KeepingBatchExport
+from classify_common.span_export import HELD_SPANS_PER_TRACE, ExportDrops, KeepingBatchExport
 
 
 @pytest.mark.parametrize(
@@ -54,3 +54,27 @@ def test_an_unsampled_trace_is_kept_only_for_a_fault_or_a_timeout(
 
     names = sorted(span.name for span in exporter.get_finished_spans())
     assert names == (["node", "server"] if kept else [])
+
+
+def test_spans_held_past_a_traces_cap_are_counted_when_it_is_kept() -> None:
+    """80 spans of an unsampled trace, then a fault: the 64 held are exported with the
+    fault, and the 16 that were not held are counted as dropped (held_overflow)."""
+    exporter = InMemorySpanExporter()
+    drops = ExportDrops()
+    processor = KeepingBatchExport(exporter, drops=drops)
+    provider = TracerProvider(sampler=AlwaysRecordSampler(ALWAYS_OFF))
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+
+    with tracer.start_as_current_span("server", kind=SpanKind.SERVER):
+        for index in range(80):
+            with tracer.start_as_current_span(f"item-{index}"):
+                pass
+        with tracer.start_as_current_span("fault") as fault:
+            fault.set_status(Status(StatusCode.ERROR))
+    processor.force_flush()
+    provider.shutdown()
+
+    names = [span.name for span in exporter.get_finished_spans()]
+    assert len(names) == HELD_SPANS_PER_TRACE + 2  # the held, the fault, the server's
+    assert drops.by_reason == {"held_overflow": 80 - HELD_SPANS_PER_TRACE}
