@@ -217,9 +217,13 @@ class Batcher:
     async def _serve_turns(self) -> None:
         while True:
             await self.queue.wait_not_empty()
-            # The batch is formed only once the device is ours: until then requests
-            # keep joining the queue, so a later interactive request still goes
-            # first and a busy device yields fuller batches.
+            # The batching window is waited out before the device's turn is taken: held
+            # through it, the turn kept the device idle while other models' requests
+            # waited (a fallback model behind a primary's 800 ms window missed 300 ms
+            # deadlines). The batch is formed only once the device is ours: until then
+            # requests keep joining the queue, so a later interactive request still
+            # goes first and a busy device yields fuller batches.
+            await self.queue.wait_batch_ready()
             async with self._device.turn():
                 try:
                     await self._serve_turn()

@@ -311,30 +311,37 @@ class RequestQueue(Generic[ResultT]):
             return None
         return self._take(head, select)
 
-    async def next_batch(
-        self, select: Select[ResultT] | None = None
-    ) -> list[PendingRequest[ResultT]]:
-        """Wait for the next batch: full, or its oldest request has waited `max_wait`.
-        `select(batch)`, when given, says which of the requests taken stay in the batch
-        and answers the others; the batch is then topped up (SELECT_ROUNDS times).
-
-        An empty batch when the queue is empty, or empties meanwhile (its requests were
-        evicted): the caller holds the device, and must not keep it waiting for more.
-        """
+    async def wait_batch_ready(self) -> None:
+        """Wait until the next batch may be taken: it is full, or its oldest request has
+        waited `max_wait`; or the queue is empty (its requests were evicted)."""
         loop = asyncio.get_running_loop()
         while True:
             head = self._head()
             if head is None:
-                return []
+                return
             closes_at = head.enqueued_at + self.settings.max_wait_seconds
             if (
                 self.depth_in_bucket(head.bucket) >= self.settings.max_batch_size
                 or loop.time() >= closes_at
             ):
-                return self._take(head, select)
+                return
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=closes_at - loop.time())
+
+    async def next_batch(
+        self, select: Select[ResultT] | None = None
+    ) -> list[PendingRequest[ResultT]]:
+        """Wait for the next batch (wait_batch_ready) and take it. `select(batch)`, when
+        given, says which of the requests taken stay in the batch and answers the
+        others; the batch is then topped up (SELECT_ROUNDS times).
+
+        An empty batch when the queue is empty, or empties meanwhile (its requests were
+        evicted): the caller holds the device, and must not keep it waiting for more.
+        """
+        await self.wait_batch_ready()
+        head = self._head()
+        return [] if head is None else self._take(head, select)
 
     def fail_all(self, error: Exception) -> None:
         """Answer every queued request with `error` (used when the worker stops)."""

@@ -22,6 +22,7 @@ import pytest
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.batching import PRIORITY_INTERACTIVE, Admission, ServiceTimeModel, TextResult
+from capability.config import CapabilitySettings
 from capability.metrics import (
     ADMISSIONS_REFUSED_TOTAL,
     BATCH_FAILURES_TOTAL,
@@ -354,6 +355,31 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
     # The third batch waited for its turn behind the other model.
     assert answered.index("static") < answered.index("minilm-4")
     assert answered.index("static") > answered.index("minilm-3")
+
+
+async def test_one_models_batching_window_does_not_hold_the_device_from_another(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """topic-minilm waits up to 800 ms for a fuller batch; a topic-static text that
+    arrives during that window is computed in it, not after it."""
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-minilm:\n  max_wait_ms: 800\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await start_capability(models=("topic-minilm", "topic-static"), per_model=per_model)
+    worker = server.pool.workers[0]
+    minilm, static = worker.replicas["topic-minilm"], worker.replicas["topic-static"]
+    answered: list[str] = []
+
+    def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
+        encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+        future = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
+        future.add_done_callback(lambda _: answered.append(name))
+        return future
+
+    waiting = admit(minilm, "minilm")
+    await asyncio.sleep(0)  # its batching loop sees it, and waits out the window
+    await asyncio.gather(admit(static, "static"), waiting)
+    assert answered == ["static", "minilm"]
 
 
 async def test_admission_counts_the_work_already_handed_to_the_device(
