@@ -17,6 +17,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+import grpc
+from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.trace import Link
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -34,6 +36,7 @@ from classify_common.errors import (
     internal_error,
 )
 from classify_common.intake import item_status
+from classify_common.logs import log_event
 from classify_common.nodes import RequestTrace, bind_trace
 from classify_common.tracing import extract_context, format_trace_id, get_tracer
 
@@ -178,6 +181,31 @@ async def classify_item(
         internal = internal_error(ids.request_id, trace_id)
         result.error.CopyFrom(item_status(internal, ids.request_id, trace_id))
     finally:
+        if result.HasField("error"):
+            _log_failed_item(result.error, call_ids)
         # Only an item span of its own is ended here; the call's ends with the call.
         if trace is not None and trace.server_span is not call_trace_span:
             trace.server_span.end()
+
+
+def _log_failed_item(status: status_pb2.Status, call_ids: RequestContext) -> None:
+    """A line for an item that failed, under its own request and trace IDs (bound to
+    its task), naming the call it came in: the call's own `rpc` line names only the
+    call, and a caller holding an item's IDs must find it in the log. An item answered
+    is not logged on its own (a call of 1,024 items would write 1,024 lines)."""
+    reason = ""
+    for packed in status.details:
+        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            packed.Unpack(info)
+            reason = info.reason
+            break
+    fields = {
+        "code": _CODE_NAMES.get(status.code, str(status.code)),
+        "reason": reason,
+        "call_request_id": call_ids.request_id,
+    }
+    log_event(log, "batch item failed", fields)
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

@@ -4,6 +4,8 @@ answered on its own, in order, with its own route, fallback and error."""
 from __future__ import annotations
 
 import collections
+import json
+import logging
 from pathlib import Path
 
 import grpc
@@ -17,11 +19,13 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.context import is_valid_request_id
+from orchestrator import batch_items
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security.keys import hash_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import (
     STRIKER,
+    LineCollector,
     StartOrchestrator,
     closed_port,
     metric_sum,
@@ -351,3 +355,42 @@ async def test_a_batch_due_at_once_answers_every_item_without_starting_them(
     assert request_ids[-1] == "last"
     assert len(set(request_ids)) == 1000
     assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == texts_before
+
+
+async def test_a_failed_item_is_logged_under_its_own_ids_naming_its_call(
+    orchestrator: OrchestratorServer,
+) -> None:
+    collector = LineCollector()
+    items_log = logging.getLogger(batch_items.__name__)
+    items_log.addHandler(collector)
+    level = items_log.level
+    items_log.setLevel(logging.INFO)  # the line is INFO, as the servers' access lines
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            call = stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(
+                    items=[
+                        pb.ClassifyRequest(text=STRIKER, request_id="fine"),
+                        pb.ClassifyRequest(text=" ", request_id="blank"),
+                    ]
+                ),
+                metadata=(("x-request-id", "the-call"),),
+                timeout=30,
+            )
+            response = await call
+    finally:
+        items_log.removeHandler(collector)
+        items_log.setLevel(level)
+    blank = response.results[1].error
+    lines = [json.loads(line) for line in collector.lines]
+    assert [(line["event"], line["request_id"]) for line in lines] == [
+        ("batch item failed", "blank")
+    ]
+    (line,) = lines
+    assert line["trace_id"] == item_error_info(blank).metadata["x-trace-id"]
+    assert (line["code"], line["reason"], line["call_request_id"]) == (
+        "INVALID_ARGUMENT",
+        "INVALID_REQUEST",
+        "the-call",
+    )
