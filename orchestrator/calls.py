@@ -170,14 +170,17 @@ class RouteCaller:
             try:
                 return await self._attempt(call, pool, tried, forwarded)
             except ServiceError as error:
-                call.retry_reason, call.fallback_reason = error.reason, ""
                 decision = route.retry.decide(
                     error, attempt_on_backend, call.time_left(), call.state.retry_budget
                 )
                 if decision is GiveUp.BUDGET_EXHAUSTED:
                     self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()
                 if not isinstance(decision, RetryAfter):
+                    # The next attempt, if any, is a fallback: it has a fallback reason,
+                    # not this one as a retry reason.
+                    call.retry_reason = ""
                     raise
+                call.retry_reason, call.fallback_reason = error.reason, ""
                 self._metrics.retries.labels(route.name, backend.name, error.reason).inc()
                 await asyncio.sleep(decision.seconds)
                 attempt_on_backend += 1

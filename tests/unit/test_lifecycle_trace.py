@@ -256,6 +256,7 @@ async def test_retries_and_fallback_are_attempts_with_their_reasons(
     assert retry["classify.retry_reason"] == "MODEL_UNAVAILABLE"
     assert fallback["classify.backend"] == "static"
     assert fallback["classify.fallback_reason"] == "MODEL_UNAVAILABLE"
+    assert "classify.retry_reason" not in fallback  # a fallback, not a retry
     names = collections.Counter(s.name for s in spans)
     assert names["backend_select"] == 3
     assert all(names[name] == 1 for name in CAPABILITY_NODES)
