@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from capability.server import CapabilityServer
 from classify_client import (
     AsyncClassifyClient,
+    BatchItem,
     ClassifyClient,
     InvalidRequest,
     RateLimited,
@@ -52,14 +55,29 @@ METERED = "{rate_per_second: 5, burst: 1}"
 # A token every 100 s: the hint is far past any test's deadline.
 STARVED = "{rate_per_second: 0.01, burst: 1}"
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
+# What the client names a call that the caller named none for: 32 hex digits, the
+# form of the IDs the server makes.
+CLIENT_MADE_REQUEST_ID = re.compile(r"[0-9a-f]{32}")
+# A tenant whose 1,024 tokens are one full ClassifyBatch call; the next call finds none
+# and is refused whole, with a RetryInfo (about 100 s) past any test's deadline.
+ONE_FULL_BATCH = "{rate_per_second: 0.01, burst: 1024}"
+# The two clients, for the behaviours both implement.
+CLIENT_KINDS = ("sync", "asyncio")
+
+ClassifyBatch = Callable[..., Awaitable[list[BatchItem]]]
 
 
 @contextlib.asynccontextmanager
 async def front_door(
-    capability: CapabilityServer, directory: Path, *, limit: str = "", budget: str = ""
+    capability: CapabilityServer,
+    directory: Path,
+    *,
+    limit: str = "",
+    budget: str = "",
+    model: str = "topic-minilm",
 ) -> AsyncIterator[OrchestratorServer]:
     """An orchestrator before `capability` that accepts KEY (tenant TENANT, rate `limit`);
-    its route has the time `budget` when given."""
+    its one route goes to `model` and has the time `budget` when given."""
     keys = directory / "keys.yaml"
     keys.write_text(
         f"keys:\n  - {{id: test, sha256: {hash_key(KEY)}, tenant: {TENANT}, role: user}}\n"
@@ -68,7 +86,7 @@ async def front_door(
     routes = directory / "routes.yaml"
     routes.write_text(
         "version: 1\nbackends:\n"
-        f"  minilm: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}'],"
+        f"  minilm: {{model: {model}, targets: ['127.0.0.1:{capability.port}'],"
         " timeout: 30s}\n"
         "routes:\n  - name: default\n    backend: minilm\n"
         + (f"    budget: {budget}\n" if budget else "")
@@ -88,6 +106,22 @@ async def front_door(
 
 def target(server: OrchestratorServer) -> str:
     return f"127.0.0.1:{server.port}"
+
+
+@contextlib.asynccontextmanager
+async def batch_client(kind: str, address: str, **options: object) -> AsyncIterator[ClassifyBatch]:
+    """`classify_batch` of a client of `kind` (see CLIENT_KINDS), awaitable either way:
+    the sync client's runs in a worker thread, as the servers share this event loop."""
+    if kind == "asyncio":
+        async with AsyncClassifyClient(address, **options) as aio_client:  # type: ignore[arg-type]
+            yield aio_client.classify_batch
+        return
+    with ClassifyClient(address, **options) as client:  # type: ignore[arg-type]
+
+        async def classify_batch(*args: Any, **kwargs: Any) -> list[BatchItem]:
+            return await asyncio.to_thread(client.classify_batch, *args, **kwargs)
+
+        yield classify_batch
 
 
 async def test_a_reject_raises_invalid_request_with_each_violation_and_the_ids(
@@ -291,9 +325,101 @@ async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_tru
     finally:
         await server.stop(grace_seconds=0)
     assert response.labels[0].name == "sports"
-    # Refused in the handshake: no server answered, so no IDs and no reason.
-    assert (untrusted.value.code, untrusted.value.reason, untrusted.value.request_id) == (
+    # Refused in the handshake: no server answered, so no reason and no trace ID; the
+    # request ID is the one the client sent the call under.
+    assert (untrusted.value.code, untrusted.value.reason, untrusted.value.trace_id) == (
         grpc.StatusCode.UNAVAILABLE,
         "",
         "",
     )
+    assert CLIENT_MADE_REQUEST_ID.fullmatch(untrusted.value.request_id)
+
+
+async def test_a_call_without_a_request_id_is_sent_under_one_that_its_retry_reuses(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    retries: list[RetryEvent] = []
+    async with front_door(capability, tmp_path, limit=METERED) as server:
+        with ClassifyClient(target(server), api_key=KEY, on_retry=retries.append) as client:
+            await asyncio.to_thread(client.classify, STRIKER)
+            retried = await asyncio.to_thread(client.classify, STRIKER)
+    (retry,) = retries
+    # The refusal's trailers and the answer name the ID the client made for the call.
+    assert CLIENT_MADE_REQUEST_ID.fullmatch(retried.request_id)
+    assert retry.error.request_id == retried.request_id
+
+
+async def test_a_call_no_server_answered_names_the_request_id_it_was_sent_under() -> None:
+    retries: list[RetryEvent] = []
+    policy = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    async with AsyncClassifyClient(
+        f"127.0.0.1:{closed_port()}", retry=policy, on_retry=retries.append
+    ) as client:
+        with pytest.raises(Unavailable) as made_up:
+            await client.classify(STRIKER, timeout=10)
+        with pytest.raises(Unavailable) as named:
+            await client.classify(STRIKER, request_id="caller-named-1", timeout=10)
+    assert CLIENT_MADE_REQUEST_ID.fullmatch(made_up.value.request_id)
+    assert [r.error.request_id for r in retries] == [made_up.value.request_id] * 2 + [
+        "caller-named-1"
+    ] * 2
+    assert (named.value.request_id, named.value.trace_id) == ("caller-named-1", "")
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_wait_on_a_batch_polls_its_processing_items_together_so_all_reach_done(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    # One GetResult round at a time for all of them: followed one after another, each
+    # item's first poll alone would wait 50 ms, 7.5 s for 150, past the 5 s deadline.
+    texts = [f"{STRIKER} ({number})" for number in range(150)]
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            waiting = asyncio.ensure_future(classify_batch(texts, wait=True, timeout=5))
+            await wait_until(
+                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 150,
+                "every item answered PROCESSING",
+            )
+        items = await waiting
+    assert [item.error for item in items] == [None] * 150
+    assert {
+        (item.response.status, item.response.labels[0].name) for item in items if item.response
+    } == {(pb.RESULT_STATUS_DONE, "sports")}
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_later_batch_call_refused_whole_fails_its_items_and_the_unsent_ones_only(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    # Three calls: 1,024 items (the tenant's every token), 1,024 (refused whole), and 1.
+    texts = [f"{SHARES} ({number})" for number in range(2049)]
+    async with (
+        front_door(capability, tmp_path, limit=ONE_FULL_BATCH, model="topic-static") as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        items = await classify_batch(texts, request_id="chunked-1", timeout=30)
+    assert len(items) == 2049
+    assert all(item.response is not None for item in items[:1024])
+    failed = {item.error for item in items[1024:]}
+    (error,) = failed
+    assert isinstance(error, RateLimited)
+    assert (error.code, error.request_id, len(error.trace_id)) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "chunked-1",
+        32,
+    )
+    # The second call's items were refused; the third call was never sent.
+    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1024
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_classify_batch_refuses_one_str_rather_than_send_each_character(kind: str) -> None:
+    once = RetryPolicy(max_attempts=1)
+    async with batch_client(kind, f"127.0.0.1:{closed_port()}", retry=once) as classify_batch:
+        with pytest.raises(
+            TypeError, match=r"^classify_batch takes a sequence of texts, not one str"
+        ):
+            await classify_batch("abc")

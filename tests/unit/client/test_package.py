@@ -13,6 +13,7 @@ from tests.conftest import REPO_ROOT
 CLIENT_DIR = REPO_ROOT / "clients" / "python"
 PACKAGE_DIR = CLIENT_DIR / "src" / "classify_client"
 GENERATED_DIR = PACKAGE_DIR / "gen"
+REQUIREMENTS_DIR = REPO_ROOT / "requirements"
 # The distribution behind each third-party module the package's code imports.
 DISTRIBUTION_BY_MODULE = {
     "grpc": "grpcio",
@@ -73,3 +74,13 @@ def test_the_lower_bounds_are_the_versions_the_stubs_were_generated_for() -> Non
     assert requirements["grpcio"] == f">={grpcio}"
     # The generator an isolated build installs is the one that made these stubs.
     assert declared("build-system", "requires")["grpcio-tools"] == f"=={grpcio}"
+
+
+def test_the_common_protos_lower_bound_is_the_locked_release_that_allows_protobuf_7() -> None:
+    """googleapis-common-protos 1.70 to 1.73 require protobuf<7: a bound below the
+    locked release let pip pick one that cannot be installed beside the stubs' protobuf."""
+    (locked,) = re.findall(
+        r"^googleapis-common-protos==(\S+) ", (REQUIREMENTS_DIR / "dev.lock").read_text(), re.M
+    )
+    assert declared()["googleapis-common-protos"] == f">={locked}"
+    assert declared("build-system", "requires")["googleapis-common-protos"] == f">={locked}"

@@ -1,12 +1,22 @@
 """The client's pure policies: retry delays as A6 and the server's pushback say, the
-GetResult poll schedule, and batches cut at the contract's limits."""
+GetResult poll schedule, batches cut at the contract's limits, and timeouts checked
+when given."""
 
 from __future__ import annotations
+
+import re
 
 import grpc
 import pytest
 
-from classify_client import ClassifyError, PollPolicy, RetryPolicy, pb
+from classify_client import (
+    AsyncClassifyClient,
+    ClassifyClient,
+    ClassifyError,
+    PollPolicy,
+    RetryPolicy,
+    pb,
+)
 from classify_client._shared import BATCH_MAX_CHARS, BATCH_MAX_ITEMS, batch_chunks
 
 
@@ -68,3 +78,17 @@ def test_batches_are_cut_at_the_item_limit_and_at_the_character_limit() -> None:
     assert [len(chunk) for chunk in batch_chunks(short)] == [BATCH_MAX_ITEMS, 1]
     long = [pb.ClassifyRequest(text="x" * (BATCH_MAX_CHARS // 2))] * 3
     assert list(batch_chunks(long)) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, -5.0])
+async def test_a_timeout_that_is_not_finite_and_above_zero_is_refused_when_given(
+    seconds: float,
+) -> None:
+    """Async: an AsyncClassifyClient is made inside a running event loop."""
+    named = re.escape(f"timeout {seconds!r} must be a finite number of seconds above 0, or None")
+    with pytest.raises(ValueError, match=f"^{named}$"):
+        ClassifyClient(timeout=seconds)
+    with pytest.raises(ValueError, match=f"^{named}$"):
+        AsyncClassifyClient(timeout=seconds)
+    with ClassifyClient() as client, pytest.raises(ValueError, match=f"^{named}$"):
+        client.classify("text", timeout=seconds)

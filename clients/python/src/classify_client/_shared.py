@@ -1,18 +1,25 @@
-"""What the sync and asyncio clients share: channel credentials, requests, batch chunks
-and results. Neither does I/O here."""
+"""What the sync and asyncio clients share: channel credentials, request IDs, requests,
+batch chunks and results, and the rounds of GetResult polls. Nothing here does I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import grpc
 
-from classify_client.errors import ClassifyError, StillProcessing, error_from_status
+from classify_client.errors import (
+    REQUEST_ID_HEADER,
+    ClassifyError,
+    StillProcessing,
+    error_from_status,
+)
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
-from classify_client.retry import RetryEvent, RetryPolicy
+from classify_client.retry import Deadline, PollPolicy, RetryEvent, RetryPolicy
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # Seconds a call may take, retries and GetResult polls included, unless the call says.
@@ -20,6 +27,12 @@ DEFAULT_TIMEOUT_SECONDS = 10.0
 # The contract's limits on one ClassifyBatch call.
 BATCH_MAX_ITEMS = 1024
 BATCH_MAX_CHARS = 1_000_000
+
+# The contract's rule for ClassifyRequest.request_id (and the server's for x-request-id):
+# letters, digits and `._:-`, up to 128, starting with a letter or a digit.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+# The start of a StillProcessing message; the rest says how to fetch the result.
+STILL_PROCESSING = "the result was still PROCESSING when the deadline came"
 
 Priority = Literal["interactive", "batch"]
 PRIORITIES: dict[str, pb.Priority.ValueType] = {
@@ -52,6 +65,26 @@ def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
+def new_request_id() -> str:
+    """A request ID for a call the caller named none for: 32 random hex digits, the
+    form the server gives such calls, and as unguessable (a request ID fetches its
+    result from GetResult). Made by the client so that the call's retries and polls
+    share it, and an error the server never answered can still name it."""
+    return os.urandom(16).hex()
+
+
+def with_request_id(
+    metadata: tuple[tuple[str, str], ...], request_id: str
+) -> tuple[tuple[str, str], ...]:
+    """`metadata` plus `x-request-id`, which names the call in the server's logs (a
+    ClassifyBatch call has no request_id field of its own). An ID the server would not
+    accept is left out: the server refuses it in the request's field, by name, while
+    gRPC fails a metadata value outside printable ASCII before sending anything."""
+    if REQUEST_ID_PATTERN.fullmatch(request_id) is None:
+        return metadata
+    return (*metadata, (REQUEST_ID_HEADER, request_id))
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """What every text of a call is classified with (the ClassifyRequest fields)."""
@@ -80,8 +113,10 @@ class RequestOptions:
 
 @dataclass(frozen=True)
 class BatchItem:
-    """One text's outcome in a batch: its answer, or the error a Classify call for it
-    would have raised. Exactly one of the two is set."""
+    """One text's outcome in a batch: its answer, or its error: the one a Classify call
+    for it would have raised, or, when the ClassifyBatch call that carried it failed as
+    a whole (or one before it did, so it was never sent), that call's error. Exactly
+    one of the two is set."""
 
     response: pb.ClassifyResponse | None = None
     error: ClassifyError | None = None
@@ -121,6 +156,24 @@ def record_batch(
     return again, retry
 
 
+def record_failed_call(
+    items: list[BatchItem], indices: Iterable[int], error: ClassifyError
+) -> None:
+    """A ClassifyBatch call failed as a whole: it is the outcome of the items it carried,
+    and of those that were never sent because of it (`indices`). The other items keep
+    their answers."""
+    for index in indices:
+        items[index] = BatchItem(error=error)
+
+
+def refuse_single_text(texts: Sequence[str]) -> None:
+    """A str is a Sequence[str] of its characters; classifying each one is never meant."""
+    if isinstance(texts, str):
+        raise TypeError(
+            "classify_batch takes a sequence of texts, not one str; classify() takes one text"
+        )
+
+
 def batch_chunks(requests: Sequence[pb.ClassifyRequest]) -> Iterator[list[int]]:
     """Indices of `requests` in groups that each fit one ClassifyBatch call (items and
     characters); a single text over the character limit goes alone, for the server
@@ -140,8 +193,7 @@ def batch_chunks(requests: Sequence[pb.ClassifyRequest]) -> Iterator[list[int]]:
 
 def still_processing(response: pb.ClassifyResponse) -> StillProcessing:
     return StillProcessing(
-        f"the result was still PROCESSING when the deadline came; "
-        f"get_result({response.request_id!r}) fetches it later",
+        f"{STILL_PROCESSING}; get_result({response.request_id!r}) fetches it later",
         code=grpc.StatusCode.DEADLINE_EXCEEDED,
         request_id=response.request_id,
         trace_id=response.trace_id,
@@ -150,3 +202,63 @@ def still_processing(response: pb.ClassifyResponse) -> StillProcessing:
 
 def is_processing(response: pb.ClassifyResponse) -> bool:
     return response.status == pb.RESULT_STATUS_PROCESSING
+
+
+class ProcessingPolls:
+    """The PROCESSING answers among `items`, followed to DONE with GetResult in rounds:
+    each round waits once (the poll policy's interval, growing from round to round) and
+    then asks for every answer still PROCESSING. N answers thus cost one wait a round,
+    not one each, and all of them share the call's deadline.
+
+    The client does the waiting and the calls: `wait_before_next_round`, then
+    `record` the outcome of a GetResult for each of `due()`, until there is no next
+    round. What is still PROCESSING then (the deadline left no time for another round)
+    ends as StillProcessing, with the request ID to fetch it by later."""
+
+    def __init__(self, items: list[BatchItem], poll: PollPolicy) -> None:
+        self._items = items
+        self._poll = poll
+        self._round = 0
+        self._pending = [
+            index
+            for index, item in enumerate(items)
+            if item.response is not None and is_processing(item.response)
+        ]
+
+    def wait_before_next_round(self, deadline: Deadline) -> float | None:
+        """Seconds to wait before the next round; None when there is none: nothing is
+        PROCESSING any more, or the wait would leave no time to poll."""
+        self._pending = [index for index in self._pending if self._processing(index)]
+        if not self._pending:
+            return None
+        self._round += 1
+        interval = self._poll.interval(self._round)
+        if deadline.allows_wait(interval):
+            return interval
+        for index in self._pending:
+            self._items[index] = BatchItem(error=still_processing(self._response(index)))
+        self._pending = []
+        return None
+
+    def due(self) -> list[tuple[int, str]]:
+        """(index, request ID) of each answer this round polls."""
+        return [(index, self._response(index).request_id) for index in self._pending]
+
+    def record(self, index: int, outcome: pb.ClassifyResponse | ClassifyError) -> None:
+        """The answer of one GetResult poll, or its error. A deadline that passed during
+        the poll ends it as StillProcessing: the result is not lost, only late."""
+        if isinstance(outcome, pb.ClassifyResponse):
+            self._items[index] = BatchItem(response=outcome)
+        elif outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED and not outcome.reason:
+            self._items[index] = BatchItem(error=still_processing(self._response(index)))
+        else:
+            self._items[index] = BatchItem(error=outcome)
+
+    def _processing(self, index: int) -> bool:
+        response = self._items[index].response
+        return response is not None and is_processing(response)
+
+    def _response(self, index: int) -> pb.ClassifyResponse:
+        response = self._items[index].response
+        assert response is not None, "only answered items are polled"
+        return response

@@ -5,8 +5,10 @@
         print(response.labels[0].name)
 
 Each call has a deadline (the client's `timeout`, or the call's own) that
-covers its retries and, with `wait=True`, its GetResult polls. Failures raise
-the typed errors of classify_client.errors, with the request and trace IDs.
+covers its retries and, with `wait=True`, its GetResult polls. Each call has a
+request ID (the caller's, or one the client makes), which its retries and polls
+reuse. Failures raise the typed errors of classify_client.errors, with the
+request and trace IDs.
 """
 
 from __future__ import annotations
@@ -26,19 +28,22 @@ from classify_client._shared import (
     DEFAULT_TIMEOUT_SECONDS,
     BatchItem,
     Priority,
+    ProcessingPolls,
     RequestOptions,
     _UseClientTimeout,
     batch_chunks,
     call_metadata,
     channel_credentials,
-    is_processing,
+    new_request_id,
     record_batch,
-    still_processing,
+    record_failed_call,
+    refuse_single_text,
+    with_request_id,
 )
 from classify_client.errors import ClassifyError, error_from_rpc
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_client.retry import Deadline, PollPolicy, RetryEvent, RetryPolicy
+from classify_client.retry import Deadline, PollPolicy, RetryEvent, RetryPolicy, checked_timeout
 
 Response = TypeVar("Response", bound=Message)
 Request = TypeVar("Request", bound=Message)
@@ -64,6 +69,7 @@ class AsyncClassifyClient:
         """`target` is host:port. `tls` (gRPC's default roots) or `ca_file` (a PEM CA
         bundle) make the channel TLS. `timeout` is each call's deadline in seconds,
         retries and polls included (None: none). `on_retry` is told of every retry."""
+        self._timeout = checked_timeout(timeout)
         credentials = channel_credentials(tls, ca_file)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options=channel_options)
@@ -72,7 +78,6 @@ class AsyncClassifyClient:
         )
         self._stub = pb_grpc.ClassifyServiceStub(self._channel)
         self._metadata = call_metadata(api_key)
-        self._timeout = timeout
         self._retry = retry or RetryPolicy()
         self._poll = poll or PollPolicy()
         self._on_retry = on_retry
@@ -106,12 +111,11 @@ class AsyncClassifyClient:
         """Classify one text. The answer is DONE with labels, or PROCESSING when the
         route's time budget ran out first; with `wait=True` a PROCESSING answer is
         followed with GetResult until DONE (StillProcessing if the deadline comes
-        first)."""
+        first). Without a `request_id` the client makes one."""
         deadline = self._deadline(timeout)
-        options = RequestOptions(top_k, max_length, model, priority)
-        response = await self._call(
-            "Classify", self._stub.Classify, options.request(text, request_id), deadline
-        )
+        request_id = request_id or new_request_id()
+        request = RequestOptions(top_k, max_length, model, priority).request(text, request_id)
+        response = await self._call("Classify", self._stub.Classify, request, deadline, request_id)
         return await self._follow(response, deadline) if wait else response
 
     async def get_result(
@@ -125,7 +129,9 @@ class AsyncClassifyClient:
         (with `wait=True`, polled until DONE). ResultNotFound once it has expired."""
         deadline = self._deadline(timeout)
         request = pb.GetResultRequest(request_id=request_id)
-        response = await self._call("GetResult", self._stub.GetResult, request, deadline)
+        response = await self._call(
+            "GetResult", self._stub.GetResult, request, deadline, request_id
+        )
         return await self._follow(response, deadline) if wait else response
 
     async def classify_batch(
@@ -136,6 +142,7 @@ class AsyncClassifyClient:
         max_length: int | None = None,
         model: str = "",
         priority: Priority = "interactive",
+        request_id: str = "",
         timeout: float | _UseClientTimeout | None = CLIENT_TIMEOUT,
         wait: bool = False,
     ) -> list[BatchItem]:
@@ -143,18 +150,29 @@ class AsyncClassifyClient:
         limits need), one BatchItem per text, in order. Items refused with a
         retryable error (say RESOURCE_EXHAUSTED past the tenant's rate) are sent
         again under the retry policy; with `wait=True` PROCESSING items are followed
-        to DONE. A refused call (bad batch, bad key) raises."""
+        to DONE. When the first call is refused as a whole (bad batch, bad key) this
+        raises; a later call that fails as a whole becomes the error of its items and
+        of those not sent yet, and the earlier answers are kept.
+
+        `request_id` names the ClassifyBatch calls (the client makes one without it);
+        each item gets its own from the server, in its answer or error."""
+        refuse_single_text(texts)
         deadline = self._deadline(timeout)
+        request_id = request_id or new_request_id()
         options = RequestOptions(top_k, max_length, model, priority)
         requests = [options.request(text) for text in texts]
         items: list[BatchItem] = [BatchItem() for _ in requests]
-        for chunk in batch_chunks(requests):
-            await self._classify_chunk(requests, chunk, items, deadline)
-        if wait:
-            for index, item in enumerate(items):
-                if item.response is not None and is_processing(item.response):
-                    items[index] = await self._follow_item(item.response, deadline)
-        return items
+        chunks = list(batch_chunks(requests))
+        for number, chunk in enumerate(chunks):
+            try:
+                await self._classify_chunk(requests, chunk, items, deadline, request_id)
+            except ClassifyError as error:
+                if number == 0:
+                    raise
+                unanswered = (index for later in chunks[number:] for index in later)
+                record_failed_call(items, unanswered, error)
+                break
+        return await self._follow_processing(items, deadline) if wait else items
 
     async def _classify_chunk(
         self,
@@ -162,38 +180,65 @@ class AsyncClassifyClient:
         pending: list[int],
         items: list[BatchItem],
         deadline: Deadline,
+        request_id: str,
     ) -> None:
+        """Send one chunk, and again its items refused with a retryable error. Raises
+        only when its first call fails as a whole, when no item of it has an answer."""
         attempt = 0
         while pending:
             attempt += 1
             batch = pb.ClassifyBatchRequest(items=[requests[i] for i in pending])
-            response = await self._call("ClassifyBatch", self._stub.ClassifyBatch, batch, deadline)
+            try:
+                response = await self._call(
+                    "ClassifyBatch", self._stub.ClassifyBatch, batch, deadline, request_id
+                )
+            except ClassifyError as error:
+                if attempt == 1:
+                    raise
+                record_failed_call(items, pending, error)
+                return
             pending, retry = record_batch(pending, response, items, self._retry, attempt)
             if retry is None or not deadline.allows_wait(retry.delay_seconds):
                 return
             self._notify(retry)
             await asyncio.sleep(retry.delay_seconds)
 
-    async def _follow_item(self, response: pb.ClassifyResponse, deadline: Deadline) -> BatchItem:
-        try:
-            return BatchItem(response=await self._follow(response, deadline))
-        except ClassifyError as error:
-            return BatchItem(error=error)
-
     async def _follow(
         self, response: pb.ClassifyResponse, deadline: Deadline
     ) -> pb.ClassifyResponse:
-        """Poll GetResult while `response` is PROCESSING, spaced by the poll policy."""
-        poll = 0
-        while is_processing(response):
-            poll += 1
-            interval = self._poll.interval(poll)
-            if not deadline.allows_wait(interval):
-                raise still_processing(response)
-            await asyncio.sleep(interval)
-            request = pb.GetResultRequest(request_id=response.request_id)
-            response = await self._call("GetResult", self._stub.GetResult, request, deadline)
-        return response
+        """`response`, or (while it is PROCESSING) the answer GetResult polls get."""
+        (item,) = await self._follow_processing([BatchItem(response=response)], deadline)
+        if item.error is not None:
+            raise item.error
+        assert item.response is not None
+        return item.response
+
+    async def _follow_processing(
+        self, items: list[BatchItem], deadline: Deadline
+    ) -> list[BatchItem]:
+        """Poll GetResult for the PROCESSING items, all of them at once each round (see
+        ProcessingPolls), until each is DONE, has failed, or the deadline comes."""
+        polls = ProcessingPolls(items, self._poll)
+        while (wait := polls.wait_before_next_round(deadline)) is not None:
+            await asyncio.sleep(wait)
+            due = polls.due()
+            outcomes = await asyncio.gather(
+                *(self._poll_result(request_id, deadline) for _, request_id in due)
+            )
+            for (index, _), outcome in zip(due, outcomes, strict=True):
+                polls.record(index, outcome)
+        return items
+
+    async def _poll_result(
+        self, request_id: str, deadline: Deadline
+    ) -> pb.ClassifyResponse | ClassifyError:
+        request = pb.GetResultRequest(request_id=request_id)
+        try:
+            return await self._call(
+                "GetResult", self._stub.GetResult, request, deadline, request_id
+            )
+        except ClassifyError as error:
+            return error
 
     async def _call(
         self,
@@ -201,15 +246,18 @@ class AsyncClassifyClient:
         rpc: grpc.aio.UnaryUnaryMultiCallable[Request, Response],
         request: Request,
         deadline: Deadline,
+        request_id: str,
     ) -> Response:
-        """One RPC under the retry policy, every attempt within `deadline`."""
+        """One RPC under the retry policy, every attempt within `deadline` and sent under
+        `request_id`, which an error names when the server did not answer."""
+        metadata = with_request_id(self._metadata, request_id)
         attempt = 0
         while True:
             attempt += 1
             try:
-                return await rpc(request, timeout=deadline.remaining(), metadata=self._metadata)
+                return await rpc(request, timeout=deadline.remaining(), metadata=metadata)
             except grpc.RpcError as failure:
-                error = error_from_rpc(failure)
+                error = error_from_rpc(failure, request_id)
                 delay = self._retry.delay_before_retry(error, attempt)
                 if delay is None or not deadline.allows_wait(delay):
                     raise error from failure

@@ -1,4 +1,4 @@
-"""The `classify` command, built on this package's ClassifyClient.
+r"""The `classify` command, built on this package's ClassifyClient.
 
     python -m classify_client "The striker scored twice in the final minutes"
     python -m classify_client --top-k 2 --json "Shares fell after the earnings call"
@@ -11,18 +11,26 @@ the request and trace IDs. An answer that is still PROCESSING (the route's time
 budget ran out while the model worked) is shown as such, with the request ID
 to fetch it by; `--wait` polls GetResult until it is DONE, within `--timeout`.
 On failure it prints the status code, each field violation, and the request
-and trace IDs, and exits 1. Overload and unavailability are retried first, as
-the server's RetryInfo says (classify_client.retry).
+and trace IDs (with `--json`, also that error as a JSON object on stdout), and
+exits 1. Overload and unavailability are retried first, as the server's
+RetryInfo says (classify_client.retry).
 
 With `--file`, the lines are sent with ClassifyBatch (up to 1,024 per call) and
 one line is printed per text, in order: its best label and score, PROCESSING,
 or its error with the request ID to look it up by. It exits 1 when any text failed.
+A line ends at "\n" only (a "\r" before it is dropped), so the output lines up
+with the file's lines; the file is UTF-8, with or without a byte-order mark.
+
+Input it cannot use (a file it cannot read or that is not UTF-8, an empty
+`--file`) is reported as one `error:` line, exit 1, before any call; Ctrl-C
+ends it with `error: interrupted`, exit 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -37,14 +45,24 @@ from classify_client import (
     BatchItem,
     ClassifyClient,
     ClassifyError,
+    StillProcessing,
     pb,
 )
+from classify_client._shared import STILL_PROCESSING
 
 LOCAL_KEY_FILE = Path(".run/api-key")
 BAR_WIDTH = 30
 PRIORITIES = ("batch", "interactive")
 # Characters of each text echoed on its `--file` output line.
 ECHO_CHARS = 60
+# Exit statuses: a failed call or text, or unusable input; Ctrl-C (128 + SIGINT, as
+# shells report a command that SIGINT ended).
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class UnusableInput(Exception):
+    """A file or value the command cannot use; reported as one `error:` line."""
 
 
 def format_response(response: pb.ClassifyResponse) -> str:
@@ -77,7 +95,7 @@ def format_item(item: BatchItem, text: str) -> str:
     if item.error is not None:
         error = item.error
         return (
-            f"error       {error.code.name}: {error.message}  "
+            f"error       {error.code.name}: {error_message(error)}  "
             f"(request {error.request_id or '-'})  {echo!r}"
         )
     response = item.response
@@ -88,8 +106,16 @@ def format_item(item: BatchItem, text: str) -> str:
     return f"{best.name:<10}  {best.score:5.3f}  {echo}"
 
 
+def error_message(error: ClassifyError) -> str:
+    """The error's message, where a StillProcessing's names the flag that fetches the
+    result rather than the library call."""
+    if isinstance(error, StillProcessing):
+        return f"{STILL_PROCESSING}; fetch it later with --result {error.request_id}"
+    return error.message
+
+
 def format_error(error: ClassifyError) -> str:
-    lines = [f"error: {error.code.name}: {error.message}"]
+    lines = [f"error: {error.code.name}: {error_message(error)}"]
     lines += [f"  {v.field}: {v.description} [{v.rule}]" for v in error.violations]
     lines.append(f"request   {error.request_id or '-'}")
     lines.append(f"trace     {error.trace_id or '-'}")
@@ -99,12 +125,16 @@ def format_error(error: ClassifyError) -> str:
 def item_json(item: BatchItem) -> dict[str, Any]:
     if item.response is not None:
         return {"response": json_format.MessageToDict(item.response)}
-    error = item.error
-    assert error is not None
+    assert item.error is not None
+    return error_json(item.error)
+
+
+def error_json(error: ClassifyError) -> dict[str, Any]:
+    """A failed call's or text's error, as `--json` prints it."""
     return {
         "error": {
             "code": error.code.name,
-            "message": error.message,
+            "message": error_message(error),
             "reason": error.reason,
             "requestId": error.request_id,
             "traceId": error.trace_id,
@@ -117,11 +147,30 @@ def item_json(item: BatchItem) -> dict[str, Any]:
 
 
 def api_key(flag: str | None) -> str | None:
-    """The API key from the flag, the environment or the local key file."""
-    key = flag or os.environ.get("CLASSIFY_API_KEY")
-    if key is None and LOCAL_KEY_FILE.is_file():
-        key = LOCAL_KEY_FILE.read_text().strip()
-    return key or None
+    """The API key from the flag, the environment or the local key file, without the
+    whitespace around it: a key pasted or echoed into a variable often ends in a
+    newline, and gRPC refuses to send a header value that holds one."""
+    for given in (flag, os.environ.get("CLASSIFY_API_KEY")):
+        if given and given.strip():
+            return given.strip()
+    if not LOCAL_KEY_FILE.is_file():
+        return None
+    try:
+        return LOCAL_KEY_FILE.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeError) as error:
+        raise UnusableInput(f"cannot read the key file {LOCAL_KEY_FILE}: {error}") from error
+
+
+def timeout_seconds(value: str) -> float:
+    """`--timeout`: a finite number of seconds above 0 (inf, 0 or less would only end
+    the call at once with DEADLINE_EXCEEDED)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds above 0")
+    return seconds
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -150,7 +199,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-id", default="", help="your own request ID")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=DEFAULT_TIMEOUT_SECONDS,
         help="deadline in seconds, retries and --wait polling included",
     )
@@ -168,20 +217,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def read_lines(path: str) -> list[str]:
-    """The texts of a `--file`: one per line, without line endings."""
-    source = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    return source.splitlines()
+    """The texts of a `--file` (`-`: stdin), one per line: see split_lines. Read as bytes
+    and decoded here, so that stdin is UTF-8 whatever the locale says."""
+    name = "- (stdin)" if path == "-" else path
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as error:
+        raise UnusableInput(f"cannot read --file {name}: {error.strerror or error}") from error
+    try:
+        source = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        # NOTE: error.start counts in error.object, which is past a byte-order mark.
+        line = error.object.count(b"\n", 0, error.start) + 1
+        byte = error.object[error.start]
+        raise UnusableInput(
+            f"--file {name} is not UTF-8 text: line {line} holds the byte 0x{byte:02x}"
+        ) from error
+    texts = split_lines(source)
+    if not texts:
+        # NOTE: the server refuses an empty batch (INVALID_ARGUMENT); say why here.
+        raise UnusableInput(f"--file {name} has no lines to classify")
+    return texts
 
 
-def classify_file(client: ClassifyClient, args: argparse.Namespace) -> int:
-    """Send the file's lines with ClassifyBatch; print one line (or JSON object) per text."""
-    texts = read_lines(args.file)
+def split_lines(source: str) -> list[str]:
+    r"""One text per line: split at "\n" alone, dropping a "\r" before it (CRLF files).
+    NOTE: not str.splitlines(), which also splits at \v, \f, \x1c-\x1e, \x85,
+    U+2028 and U+2029, so that one line would become several texts and the output
+    would no longer line up with the file."""
+    if not source:
+        return []
+    lines = source.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line starts no new one
+    return [line.removesuffix("\r") for line in lines]
+
+
+def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
+    """Send the texts with ClassifyBatch; print one line (or JSON object) per text."""
     items = client.classify_batch(
         texts,
         top_k=args.top_k,
         max_length=args.max_length,
         model=args.model,
         priority=args.priority,
+        request_id=args.request_id,
         wait=args.wait,
     )
     for item, text in zip(items, texts, strict=True):
@@ -189,7 +269,7 @@ def classify_file(client: ClassifyClient, args: argparse.Namespace) -> int:
             print(json.dumps(item_json(item), ensure_ascii=False))
         else:
             print(format_item(item, text))
-    return 0 if all(item.ok for item in items) else 1
+    return 0 if all(item.ok for item in items) else EXIT_FAILED
 
 
 def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.ClassifyResponse:
@@ -206,26 +286,57 @@ def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.Classif
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    with ClassifyClient(
-        args.target,
-        api_key=api_key(args.api_key),
-        ca_file=args.ca_file or os.environ.get("CLASSIFY_CA_FILE"),
-        timeout=args.timeout,
-    ) as client:
-        try:
-            if args.file is not None:
-                return classify_file(client, args)
-            response = classify_one(client, args)
-        except ClassifyError as error:
-            print(format_error(error), file=sys.stderr)
-            return 1
+def open_client(args: argparse.Namespace) -> ClassifyClient:
+    ca_file = args.ca_file or os.environ.get("CLASSIFY_CA_FILE")
+    key = api_key(args.api_key)
+    try:
+        return ClassifyClient(args.target, api_key=key, ca_file=ca_file, timeout=args.timeout)
+    except OSError as error:
+        raise UnusableInput(f"cannot read the CA file {ca_file}: {error.strerror}") from error
+
+
+def require_utf8(value: str, what: str) -> None:
+    """A command-line argument that was not UTF-8 reaches Python with stand-ins for its
+    bytes, which no request can carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UnusableInput(f"{what} is not UTF-8 text") from error
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the input, then make the call(s) and print the outcome."""
+    texts = read_lines(args.file) if args.file is not None else None
+    for value, what in ((args.text, "the text"), (args.request_id, "--request-id")):
+        if value is not None:
+            require_utf8(value, what)
+    with open_client(args) as client:
+        if texts is not None:
+            return classify_file(client, texts, args)
+        response = classify_one(client, args)
     if args.json:
         print(json.dumps(json_format.MessageToDict(response), indent=2, ensure_ascii=False))
     else:
         print(format_response(response))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UnusableInput as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_FAILED
+    except ClassifyError as error:
+        if args.json:
+            indent = None if args.file is not None else 2  # as the answers print
+            print(json.dumps(error_json(error), indent=indent, ensure_ascii=False))
+        print(format_error(error), file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

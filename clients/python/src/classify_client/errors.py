@@ -281,9 +281,11 @@ def error_from_status(
     )
 
 
-def error_from_rpc(error: grpc.RpcError) -> ClassifyError:
+def error_from_rpc(error: grpc.RpcError, request_id: str = "") -> ClassifyError:
     """The typed error for a failed call (sync or asyncio), from its status details
-    trailer, or from its code and message where the server sent none."""
+    trailer, or from its code and message where the server sent none. `request_id` is
+    the ID the call was sent under: the error carries it when no answer named one (the
+    deadline passed first, or no server was reached), so it can still be looked up."""
     call: grpc.Call = error  # type: ignore[assignment]
     trailers: dict[str, str] = {}
     status: status_pb2.Status | None = None
@@ -297,7 +299,9 @@ def error_from_rpc(error: grpc.RpcError) -> ClassifyError:
         # No details, or details that do not belong to this code (gRPC's own
         # failures, such as a deadline passing on the client, have neither).
         status = status_pb2.Status(code=code.value[0], message=call.details() or "")
-    return error_from_status(status, trailers)
+    typed = error_from_status(status, trailers)
+    typed.request_id = typed.request_id or request_id
+    return typed
 
 
 def _retry_delay_seconds(detail: Any) -> float:

@@ -21,6 +21,7 @@ the service sends no poll interval, so the client starts at
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -141,10 +142,19 @@ class RetryEvent:
     delay_seconds: float
 
 
+def checked_timeout(seconds: float | None) -> float | None:
+    """`seconds` if it can be a call's deadline: None (no deadline), or finite and above
+    0. Anything else would only end every call at once with DEADLINE_EXCEEDED."""
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout {seconds!r} must be a finite number of seconds above 0, or None")
+    return seconds
+
+
 class Deadline:
     """The end of a call's time, retries and polling included; None: no deadline."""
 
     def __init__(self, timeout_seconds: float | None) -> None:
+        checked_timeout(timeout_seconds)
         self._end = None if timeout_seconds is None else time.monotonic() + timeout_seconds
 
     def remaining(self) -> float | None:

@@ -1,0 +1,264 @@
+"""The `classify` command (classify_client.cli) against real in-process servers: one
+output line per input line, an `error:` line (never a traceback) for input it cannot
+use, JSON errors with `--json`, and the request ID of every failed call.
+
+The command runs in a worker thread (`asyncio.to_thread`), as the servers share the
+test session's event loop; Ctrl-C is sent to it as its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from capability.server import CapabilityServer
+from classify_client.cli import main
+from orchestrator.metrics import PROCESSING_TOTAL
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, closed_port, metric_sum, wait_until
+from tests.unit.capability.test_serving import device_occupied
+from tests.unit.client.test_client import CLIENT_MADE_REQUEST_ID, KEY, front_door, target
+
+SHORT = "Shares fell after the earnings call"
+# The command as a process of its own, in this virtualenv.
+COMMAND = (sys.executable, "-m", "classify_client")
+
+
+@pytest.fixture(autouse=True)
+def bare_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No CLASSIFY_* variables and no `.run/api-key` of the repository's own stack."""
+    for name in ("CLASSIFY_API_KEY", "CLASSIFY_TARGET", "CLASSIFY_CA_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """The command's exit status, stdout and stderr."""
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+async def run_against(
+    server: OrchestratorServer, capsys: pytest.CaptureFixture[str], *argv: str
+) -> tuple[int, str, str]:
+    status = await asyncio.to_thread(main, ["--target", target(server), *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def nowhere() -> str:
+    return f"127.0.0.1:{closed_port()}"
+
+
+@pytest.mark.parametrize(
+    ("flag", "make", "problem"),
+    [
+        ("--file", lambda path: None, "cannot read --file {path}: No such file or directory"),
+        ("--file", Path.mkdir, "cannot read --file {path}: Is a directory"),
+        (
+            "--ca-file",
+            lambda path: None,
+            "cannot read the CA file {path}: No such file or directory",
+        ),
+        ("--ca-file", Path.mkdir, "cannot read the CA file {path}: Is a directory"),
+    ],
+)
+def test_a_file_it_cannot_read_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str, make: object, problem: str
+) -> None:
+    path = tmp_path / "given"
+    make(path)  # type: ignore[operator]
+    text = () if flag == "--file" else (STRIKER,)
+    assert run(capsys, "--target", nowhere(), flag, str(path), *text) == (
+        1,
+        "",
+        f"error: {problem.format(path=path)}\n",
+    )
+
+
+@pytest.mark.parametrize("mark", [b"", b"\xef\xbb\xbf"], ids=["plain", "after-a-bom"])
+def test_a_file_that_is_not_utf8_is_one_error_line_naming_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, mark: bytes
+) -> None:
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(mark + "first\nun café\n".encode("latin-1"))
+    assert run(capsys, "--target", nowhere(), "--file", str(latin1)) == (
+        1,
+        "",
+        f"error: --file {latin1} is not UTF-8 text: line 2 holds the byte 0xe9\n",
+    )
+
+
+def test_stdin_that_is_not_utf8_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n")))
+    assert run(capsys, "--target", nowhere(), "--file", "-") == (
+        1,
+        "",
+        "error: --file - (stdin) is not UTF-8 text: line 1 holds the byte 0xe9\n",
+    )
+
+
+@pytest.mark.parametrize("content", [b"", b"\xef\xbb\xbf"], ids=["empty", "bom-only"])
+def test_a_file_without_lines_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes
+) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(content)
+    assert run(capsys, "--target", nowhere(), "--file", str(empty)) == (
+        1,
+        "",
+        f"error: --file {empty} has no lines to classify\n",
+    )
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_a_timeout_that_is_not_finite_and_above_zero_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["--target", nowhere(), "--timeout", value, STRIKER])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: argument --timeout: {value!r} must be a finite number of seconds above 0\n"
+    )
+
+
+def test_a_call_no_server_answered_shows_the_request_id_it_was_sent_under(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, err = run(capsys, "--target", nowhere(), "--timeout", "5", STRIKER)
+    assert (status, out) == (1, "")
+    assert err.startswith("error: UNAVAILABLE: ")
+    (request_id,) = re.findall(r"^request   (\S+)$", err, re.MULTILINE)
+    assert CLIENT_MADE_REQUEST_ID.fullmatch(request_id)
+
+
+async def test_a_file_line_ends_at_newline_only_so_each_line_is_one_text(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Each of these is a line break to str.splitlines(), and none of them to a file.
+    breaks = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{STRIKER}{breaks}end\n{SHORT}{breaks}\n", encoding="utf-8")
+    status, out, err = await run_against(orchestrator, capsys, "--json", "--file", str(lines))
+    assert (status, err) == (0, "")
+    answers = [json.loads(line) for line in out.split("\n")[:-1]]
+    assert [answer["response"]["status"] for answer in answers] == ["RESULT_STATUS_DONE"] * 2
+
+
+async def test_a_file_with_a_byte_order_mark_and_crlf_echoes_each_text_as_written(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    lines = tmp_path / "windows.txt"
+    lines.write_bytes(f"\ufeff{SHORT}\r\n{STRIKER[:40]}\r\n".encode())
+    status, out, err = await run_against(orchestrator, capsys, "--file", str(lines))
+    assert (status, err) == (0, "")
+    shares, striker = out.split("\n")[:-1]
+    assert shares.split("  ")[-1] == SHORT
+    assert striker.split("  ")[-1] == STRIKER[:40]
+
+
+async def test_json_prints_a_failed_call_as_a_json_error(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = await run_against(
+        orchestrator, capsys, "--json", "--request-id", "cli-json-1", "   "
+    )
+    assert status == 1
+    error = json.loads(out)["error"]
+    assert (error["code"], error["reason"], error["requestId"], len(error["traceId"])) == (
+        "INVALID_ARGUMENT",
+        "INVALID_REQUEST",
+        "cli-json-1",
+        32,
+    )
+    assert [(v["field"], v["rule"]) for v in error["violations"]] == [("text", "text.not_blank")]
+    assert err.startswith("error: INVALID_ARGUMENT: ")
+
+
+@pytest.mark.parametrize("source", ["environment", "flag"])
+async def test_an_api_key_with_surrounding_whitespace_is_sent_without_it(
+    capability: CapabilityServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    source: str,
+) -> None:
+    flag: tuple[str, ...] = ()
+    if source == "environment":
+        monkeypatch.setenv("CLASSIFY_API_KEY", f"{KEY}\n")
+    else:
+        flag = ("--api-key", f" {KEY}\n")
+    async with front_door(capability, tmp_path) as server:
+        status, out, err = await run_against(server, capsys, *flag, STRIKER)
+    assert (status, err) == (0, "")
+    assert out.split()[0] == "sports"
+
+
+async def test_wait_past_the_timeout_says_to_fetch_the_result_with_the_result_flag(
+    capability: CapabilityServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("CLASSIFY_API_KEY", KEY)
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        device_occupied(capability.pool.workers[0]),
+    ):
+        status, out, err = await run_against(
+            server, capsys, "--wait", "--timeout", "1", "--request-id", "cli-late-1", STRIKER
+        )
+    assert (status, out) == (1, "")
+    assert err.split("\n")[0] == (
+        "error: DEADLINE_EXCEEDED: the result was still PROCESSING when the deadline came; "
+        "fetch it later with --result cli-late-1"
+    )
+
+
+async def test_ctrl_c_ends_the_command_with_an_error_line_and_status_130(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        device_occupied(capability.pool.workers[0]),
+    ):
+        # NOTE: subprocess, not asyncio's: it starts the child with vfork, so none of
+        # gRPC's fork handlers runs in a copy of this process and its live servers.
+        command = await asyncio.to_thread(
+            subprocess.Popen,
+            [*COMMAND, "--target", target(server), "--wait", "--timeout", "60", STRIKER],
+            cwd=tmp_path,
+            env={**os.environ, "CLASSIFY_API_KEY": KEY},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        # Answered PROCESSING: the command is now polling GetResult.
+        await wait_until(
+            lambda: (
+                command.poll() is not None
+                or metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 1
+            ),
+            "the command's call answered PROCESSING",
+        )
+        assert command.returncode is None, command.communicate()
+        command.send_signal(signal.SIGINT)
+        out, err = await asyncio.to_thread(command.communicate, timeout=60)
+    assert (command.poll(), out, err.decode().splitlines()[-1]) == (
+        130,
+        b"",
+        "error: interrupted",
+    )
+    assert b"Traceback" not in err
