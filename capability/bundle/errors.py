@@ -56,7 +56,8 @@ class BundleConfigInvalid(BundleError):
 
 
 class UnexpectedBundleFile(BundleError):
-    """A weight file the bundle does not account for: unlisted, foreign, or a part twice."""
+    """A file the bundle does not account for: unlisted, a weight file of no part, a part
+    twice, or an entry that is not a regular file (a directory, a symbolic link)."""
 
 
 class BundleUnsigned(BundleError):

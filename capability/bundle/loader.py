@@ -1,11 +1,14 @@
 """Loading a bundle: metadata, module, verification, weights, warm-up, each stage timed.
 
-    read_metadata  manifest.json; config.json and tokenizer.json checked against it, parsed
+    read_metadata  manifest.json; the folder holds exactly its files; config.json and
+                   tokenizer.json read, checked against it and parsed from those bytes
     build_module   encoder + head built on the meta device: shapes only, no memory, no init
-    verify         every other listed file's size and SHA-256 checked against the manifest
-    load_weights   each part read straight onto the target device (safetensors, or
+    verify         every other listed file read into memory once and its size and SHA-256
+                   checked against the manifest; the weight files' bytes are kept
+    load_weights   each part parsed from the bytes verify checked (safetensors, or
                    `torch.load(weights_only=True)` for `.pt`), checked key by key and shape
-                   by shape, then assigned into the module in place of its meta tensors
+                   by shape, moved to the target device, then assigned into the module in
+                   place of its meta tensors
     warm_up        one small batch, so the first request does not pay for kernel setup
 
 With a `LoadWatch`, device memory is read before and after each stage (the model
@@ -14,13 +17,20 @@ is built on the meta device, are offered to it before any weight file is read: i
 refuses a version that cannot fit by raising.
 
 Verification comes before any weight file is parsed, so a modified file never reaches
-a parser. Assigning the loaded tensors (rather than copying into allocated parameters)
-means each weight exists once, on the target device, and never passes through host
-memory on its way to a GPU.
+a parser. Every file is read once, through the opened folder (files.py), and what is
+parsed is the bytes that were hashed: no file is opened again by its path, and no
+tensor is a memory map of a file, so a file swapped after verify, or rewritten in place
+while its version serves, changes nothing that is served. The price is memory: the
+weight files' bytes are held from verify until each is parsed, and a part's tensors are
+copied out of its file's bytes (safetensors builds each tensor its own buffer), so the
+host holds the weights once more, at most, while a version loads. Assigning the loaded
+tensors (rather than copying into allocated parameters) means each weight then exists
+once, on the target device.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -30,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as parse_safetensors
 from torch import Tensor, nn
 from torch.nn import functional as F  # noqa: N812 - the conventional alias
 from torch.overrides import TorchFunctionMode
@@ -44,6 +54,7 @@ from capability.bundle.errors import (
     UnexpectedBundleFile,
     UnsafeWeights,
 )
+from capability.bundle.files import BundleFolder
 from capability.bundle.format import (
     CONFIG_FILE,
     LINEAR_HEAD,
@@ -57,10 +68,11 @@ from capability.bundle.format import (
 from capability.bundle.manifest import (
     Manifest,
     check_file,
-    check_no_unlisted_weights,
+    check_only_listed_files,
+    read_listed_file,
     read_manifest,
 )
-from capability.bundle.minilm import load_tokenizer
+from capability.bundle.minilm import parse_tokenizer
 from capability.memory import LoadWatch, StageMemory
 from capability.model import (
     DEFAULT_GRAPH,
@@ -76,7 +88,7 @@ from capability.model import (
     TextTokenizer,
     ZeroShotHead,
 )
-from classify_common.documents import DocumentRefused, load_json
+from classify_common.documents import MAX_DOCUMENT_BYTES, DocumentRefused, parse_json
 
 STAGES = ("read_metadata", "build_module", "verify", "load_weights", "trace_graph", "warm_up")
 
@@ -104,14 +116,17 @@ def _load_parts(
     config: BundleConfig,
     encoder: TextEncoder,
     head: ClassifierHead,
-    directory: Path,
+    contents: dict[str, bytes],
     part_files: Mapping[str, str],
     target: torch.device,
 ) -> None:
-    """Every weight part into the module that owns it, then check nothing was left out."""
+    """Every weight part into the module that owns it, from the bytes verify checked
+    (`contents`, by file name), then check nothing was left out."""
     for part in config.weight_parts():
         owner = encoder if part.owner == "encoder" else head
-        _load_part(owner, part, directory / part_files[part.name], target)
+        name = part_files[part.name]
+        # Popped, so that each file's bytes are let go as soon as its part is loaded.
+        _load_part(owner, part, name, contents.pop(name), target)
     _require_fully_loaded(encoder, head, part_files)
 
 
@@ -140,24 +155,25 @@ def load_bundle(
     times = _StageTimes(watch)
     stage = times.stage
 
-    with stage("read_metadata"):
-        manifest = read_manifest(directory, trusted_signers)
-        check_no_unlisted_weights(directory, manifest)
-        config = _read_config(directory, manifest)
-        tokenizer = _read_tokenizer(directory, manifest, config)
-        part_files = _locate_parts(directory, manifest, config)
-        chosen_precision = precision or config.precision
+    with BundleFolder(directory) as folder:
+        with stage("read_metadata"):
+            manifest = read_manifest(folder, trusted_signers)
+            check_only_listed_files(folder, manifest)
+            config = _read_config(folder, manifest)
+            tokenizer = _read_tokenizer(folder, manifest, config)
+            part_files = _locate_parts(directory, manifest, config)
+            chosen_precision = precision or config.precision
 
-    with stage("build_module"):
-        encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
-    if watch is not None:
-        watch.admit_weights(_module_bytes(encoder) + _module_bytes(head))
+        with stage("build_module"):
+            encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
+        if watch is not None:
+            watch.admit_weights(_module_bytes(encoder) + _module_bytes(head))
 
-    with stage("verify"):
-        _verify_unread_files(directory, manifest)
+        with stage("verify"):
+            contents = _read_unread_files(folder, manifest, set(part_files.values()))
 
     with stage("load_weights"):
-        _load_parts(config, encoder, head, directory, part_files, target)
+        _load_parts(config, encoder, head, contents, part_files, target)
         classifier = _assemble(config, tokenizer, encoder, head, target, chosen_precision)
 
     with stage("trace_graph"):
@@ -214,38 +230,47 @@ class _StageTimes:
             self.memory.append(StageMemory(name, before, self._watch.read()))
 
 
-def _verify_unread_files(directory: Path, manifest: Manifest) -> None:
-    """Check every listed file against the manifest but config.json and tokenizer.json,
-    which were checked as they were read."""
+def _read_unread_files(
+    folder: BundleFolder, manifest: Manifest, weight_files: Collection[str]
+) -> dict[str, bytes]:
+    """Check every listed file against the manifest but config.json and tokenizer.json
+    (checked as they were read), keeping the weight files' bytes, by name: they are what
+    load_weights parses, so a file swapped after its check is never read."""
     already_checked = {CONFIG_FILE, TOKENIZER_FILE}
+    contents: dict[str, bytes] = {}
     for name, entry in sorted(manifest.files.items()):
-        if name not in already_checked:
-            check_file(directory, name, entry)
+        if name in weight_files:
+            contents[name] = read_listed_file(folder, name, entry)
+        elif name not in already_checked:
+            check_file(folder, name, entry)
+    return contents
 
 
-def _require_listed(directory: Path, manifest: Manifest, name: str) -> None:
-    if name in manifest.files:
-        return
-    if (directory / name).exists():
-        raise UnexpectedBundleFile(f"{name}: present but not listed in {MANIFEST_FILE}")
-    raise BundleFileMissing(f"{name}: not found in {directory}")
+def _require_listed(folder: BundleFolder, manifest: Manifest, name: str) -> None:
+    # A file present but not listed was refused already (check_only_listed_files).
+    if name not in manifest.files:
+        raise BundleFileMissing(f"{name}: not found in {folder.path}")
 
 
-def _read_config(directory: Path, manifest: Manifest) -> BundleConfig:
-    _require_listed(directory, manifest, CONFIG_FILE)
-    check_file(directory, CONFIG_FILE, manifest.files[CONFIG_FILE])
+def _read_config(folder: BundleFolder, manifest: Manifest) -> BundleConfig:
+    _require_listed(folder, manifest, CONFIG_FILE)
+    data = read_listed_file(
+        folder, CONFIG_FILE, manifest.files[CONFIG_FILE], max_bytes=MAX_DOCUMENT_BYTES
+    )
     try:
-        document: object = load_json(directory / CONFIG_FILE, source=CONFIG_FILE)
-    except DocumentRefused as exc:  # oversized, too deep, duplicate keys, not JSON
+        document: object = parse_json(data, CONFIG_FILE)
+    except DocumentRefused as exc:  # too deep, duplicate keys, not JSON
         raise BundleConfigInvalid(str(exc)) from exc
     return BundleConfig.from_json(document)
 
 
-def _read_tokenizer(directory: Path, manifest: Manifest, config: BundleConfig) -> TextTokenizer:
-    _require_listed(directory, manifest, TOKENIZER_FILE)
-    check_file(directory, TOKENIZER_FILE, manifest.files[TOKENIZER_FILE])
+def _read_tokenizer(
+    folder: BundleFolder, manifest: Manifest, config: BundleConfig
+) -> TextTokenizer:
+    _require_listed(folder, manifest, TOKENIZER_FILE)
+    data = read_listed_file(folder, TOKENIZER_FILE, manifest.files[TOKENIZER_FILE])
     try:
-        return load_tokenizer(directory / TOKENIZER_FILE, config.lowercase, config.vocab_size)
+        return parse_tokenizer(data, TOKENIZER_FILE, config.lowercase, config.vocab_size)
     except ModelLoadError as exc:
         # Already names tokenizer.json; re-raised as a BundleError so callers need one except.
         raise BundleError(str(exc)) from exc
@@ -269,7 +294,8 @@ def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> 
     foreign = sorted(
         name
         for name in manifest.files
-        if Path(name).suffix in WEIGHT_LIKE_SUFFIXES and name not in chosen.values()
+        # Any case: HEAD.PT is a weight file on a case-insensitive file system.
+        if Path(name).suffix.lower() in WEIGHT_LIKE_SUFFIXES and name not in chosen.values()
     )
     if foreign:
         raise UnexpectedBundleFile(
@@ -329,20 +355,22 @@ class _ValuesLeftUnset(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _read_weights(path: Path, device: torch.device) -> dict[str, Tensor]:
-    """The tensors in one weight file, on `device`; never runs code from the file."""
-    name = path.name
-    if path.suffix == ".safetensors":
+def _read_weights(name: str, data: bytes, device: torch.device) -> dict[str, Tensor]:
+    """The tensors in one weight file's bytes; never runs code from the file.
+
+    Safetensors parts come back on the CPU, each tensor in memory of its own (never a
+    view of the file); `.pt` parts come back on `device`."""
+    if name.endswith(".safetensors"):
         try:
             # safetensors is a header plus raw bytes: reading it cannot execute anything.
-            return load_file(path, device=str(device))
+            return parse_safetensors(data)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise BundleError(f"{name}: cannot be read as safetensors: {exc}") from exc
     try:
         # weights_only restricts the unpickler to tensors and plain containers; a pickle
         # that names any other callable (os.system, a class's __reduce__) is refused
         # before that callable is looked up, let alone called.
-        loaded: object = torch.load(path, map_location=device, weights_only=True)
+        loaded: object = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except pickle.UnpicklingError as exc:
         # torch wraps the unpickler's own complaint ("unsupported GLOBAL posix.system") in
         # generic advice to retry with weights_only=False, which must not be repeated here.
@@ -360,21 +388,25 @@ def _read_weights(path: Path, device: torch.device) -> dict[str, Tensor]:
     return loaded
 
 
-def _load_part(owner: nn.Module, part: WeightPart, path: Path, device: torch.device) -> None:
+def _load_part(
+    owner: nn.Module, part: WeightPart, name: str, data: bytes, device: torch.device
+) -> None:
     """Assign one file's tensors into `owner`'s submodule, refusing any misfit by name."""
     module = owner.get_submodule(part.prefix.rstrip(".")) if part.prefix else owner
     expected = {part.prefix + key: t for key, t in module.state_dict().items()}
-    weights = _read_weights(path, device)
+    weights = _read_weights(name, data, device)
+    # The tensors are copies: the file's bytes can go before any are moved or cast.
+    del data
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise BundleShapeMismatch(
-            f"{path.name}: tensor {missing[0]} is missing"
+            f"{name}: tensor {missing[0]} is missing"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     unexpected = sorted(weights.keys() - expected.keys())
     if unexpected:
         raise BundleShapeMismatch(
-            f"{path.name}: tensor {unexpected[0]} is not part of the model"
+            f"{name}: tensor {unexpected[0]} is not part of the model"
             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
         )
     assigned: dict[str, Tensor] = {}
@@ -382,15 +414,16 @@ def _load_part(owner: nn.Module, part: WeightPart, path: Path, device: torch.dev
         tensor = weights[key]
         if tensor.shape != like.shape:
             raise BundleShapeMismatch(
-                f"{path.name}: tensor {key} has shape {tuple(tensor.shape)}, but "
+                f"{name}: tensor {key} has shape {tuple(tensor.shape)}, but "
                 f"{CONFIG_FILE} implies {tuple(like.shape)}"
             )
         if not tensor.is_floating_point():
             raise BundleShapeMismatch(
-                f"{path.name}: tensor {key} is {tensor.dtype}; weights must be floating point"
+                f"{name}: tensor {key} is {tensor.dtype}; weights must be floating point"
             )
-        # Cast on the device, to the precision the module was built in.
-        assigned[key[len(part.prefix) :]] = tensor.to(dtype=like.dtype)
+        # Moved as stored, then cast on the device to the precision the module was built
+        # in (on a GPU the cast is the device's work, not the host's).
+        assigned[key[len(part.prefix) :]] = tensor.to(device=device).to(dtype=like.dtype)
     module.load_state_dict(assigned, strict=True, assign=True)
 
 

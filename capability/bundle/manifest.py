@@ -1,9 +1,13 @@
 """manifest.json: the size and SHA-256 of every file in a bundle, and checking them.
 
 The manifest is the bundle's identity: its own SHA-256 is the digest a server reports,
-so two bundles with the same digest hold byte-identical files. Checking a file against
-it comes before the file is read as weights, so a truncated copy or a swapped-in file
-is refused before any of its bytes reach a parser.
+so two bundles with the same digest hold byte-identical files, and nothing else: the
+folder holds exactly the listed files, manifest.json and manifest.json.sig, each a
+regular file (check_only_listed_files).
+
+A file is read once (files.py) and checked against the manifest before its bytes reach
+a parser (read_listed_file), and the parser gets those very bytes: a truncated copy or
+a swapped-in file is refused, and one swapped in after the check is never read.
 """
 
 from __future__ import annotations
@@ -11,21 +15,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from capability.bundle.errors import (
     BundleConfigInvalid,
-    BundleError,
     BundleFileMissing,
     BundleHashMismatch,
     UnexpectedBundleFile,
 )
+from capability.bundle.files import BundleFolder, not_regular
 from capability.bundle.format import FORMAT_VERSION, MANIFEST_FILE, WEIGHT_LIKE_SUFFIXES
 from capability.bundle.progress import Progress
 from capability.bundle.signing import SIGNATURE_FILE, check_manifest_signature
-from classify_common.documents import DocumentRefused, parse_json, read_document
+from classify_common.documents import MAX_DOCUMENT_BYTES, DocumentRefused, parse_json
 
 _CHUNK_BYTES = 1 << 20
 _HEX_DIGITS = 64
@@ -54,24 +61,23 @@ def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> st
     return digest.hexdigest()
 
 
-def read_manifest(directory: Path, trusted_signers: Path | None = None) -> Manifest:
+def read_manifest(directory: Path | BundleFolder, trusted_signers: Path | None = None) -> Manifest:
     """Parse `directory/manifest.json` within classify_common.documents' bounds;
     raises BundleError naming manifest.json (or manifest.json.sig).
 
     With `trusted_signers` (an allowed-signers file) the bytes are first checked against
     manifest.json.sig (signing.py); None accepts an unsigned bundle."""
-    path = directory / MANIFEST_FILE
+    if not isinstance(directory, BundleFolder):
+        with BundleFolder(directory) as folder:
+            return read_manifest(folder, trusted_signers)
+    folder = directory
     try:
-        raw = read_document(path, source=MANIFEST_FILE)
+        raw = folder.read_bounded(MANIFEST_FILE, MAX_DOCUMENT_BYTES)
     except FileNotFoundError as exc:
-        raise BundleFileMissing(f"{MANIFEST_FILE}: not found in {directory}") from exc
-    except OSError as exc:
-        raise BundleError(f"{MANIFEST_FILE}: cannot be read: {exc}") from exc
-    except DocumentRefused as exc:  # oversized
-        raise BundleConfigInvalid(str(exc)) from exc
+        raise BundleFileMissing(f"{MANIFEST_FILE}: not found in {folder.path}") from exc
     if trusted_signers is not None:
         # Before parsing: an untrusted manifest's bytes never reach the JSON parser.
-        check_manifest_signature(directory, raw, trusted_signers)
+        check_manifest_signature(folder, raw, trusted_signers)
     try:
         document: object = parse_json(raw, MANIFEST_FILE)
     except DocumentRefused as exc:  # too deep, duplicate keys, not JSON
@@ -114,22 +120,68 @@ def _parse_entry(name: str, entry: object) -> ManifestEntry:
     return ManifestEntry(size=size, sha256=sha256)
 
 
+def read_listed_file(
+    folder: BundleFolder, name: str, entry: ManifestEntry, *, max_bytes: int | None = None
+) -> bytes:
+    """`name`'s bytes, read once and refused unless their size and SHA-256 are what the
+    manifest says: the caller parses these very bytes and never opens the file again.
+
+    `max_bytes` bounds a file that is parsed whole as a document (config.json): a larger
+    one is refused (BundleConfigInvalid) before it is read."""
+    with _open_listed(folder, name, entry, max_bytes) as stream:
+        # One byte more than recorded, so a file that grew since it was opened is caught.
+        data = stream.read(entry.size + 1)
+    _check_content(name, entry, len(data), hashlib.sha256(data).hexdigest())
+    return data
+
+
 def check_file(
-    directory: Path, name: str, entry: ManifestEntry, progress: Progress | None = None
+    folder: BundleFolder, name: str, entry: ManifestEntry, progress: Progress | None = None
 ) -> None:
-    """Refuse `name` unless its size and SHA-256 are what the manifest says."""
-    path = directory / name
-    if not path.is_file():
-        raise BundleFileMissing(f"{name}: listed in {MANIFEST_FILE} but not found in {directory}")
-    size = path.stat().st_size
+    """Refuse `name` unless its size and SHA-256 are what the manifest says, reading it
+    in 1 MiB chunks and keeping none: for a file that is checked but not parsed."""
+    digest, length = hashlib.sha256(), 0
+    with _open_listed(folder, name, entry, None) as stream:
+        while chunk := stream.read(min(_CHUNK_BYTES, entry.size + 1 - length)):
+            digest.update(chunk)
+            length += len(chunk)
+            if progress is not None:
+                progress.advance(len(chunk), name)
+    _check_content(name, entry, length, digest.hexdigest())
+
+
+@contextmanager
+def _open_listed(
+    folder: BundleFolder, name: str, entry: ManifestEntry, max_bytes: int | None
+) -> Iterator[BinaryIO]:
+    try:
+        stream, size = folder.open(name)
+    except FileNotFoundError as exc:
+        raise BundleFileMissing(
+            f"{name}: listed in {MANIFEST_FILE} but not found in {folder.path}"
+        ) from exc
+    with stream:
+        _check_size(name, entry, size)
+        if max_bytes is not None and size > max_bytes:
+            # Worded as classify_common.documents words it for every other config file.
+            raise BundleConfigInvalid(
+                f"{name}: {size} bytes, over the {max_bytes}-byte limit for a config file"
+            )
+        yield stream
+
+
+def _check_size(name: str, entry: ManifestEntry, size: int) -> None:
     if size != entry.size:
         # A size check first: it is free, and a truncated copy is the most common fault.
         raise BundleHashMismatch(
             f"{name}: {size} bytes, but {MANIFEST_FILE} records {entry.size}; "
             "the file is truncated or was replaced"
         )
-    on_chunk = None if progress is None else lambda n: progress.advance(n, name)
-    actual = sha256_file(path, on_chunk)
+
+
+def _check_content(name: str, entry: ManifestEntry, length: int, actual: str) -> None:
+    # The length read, checked again: the file may have changed size while it was read.
+    _check_size(name, entry, length)
     if actual != entry.sha256:
         raise BundleHashMismatch(
             f"{name}: SHA-256 {actual[:16]}... does not match {MANIFEST_FILE} "
@@ -137,18 +189,28 @@ def check_file(
         )
 
 
-def check_no_unlisted_weights(directory: Path, manifest: Manifest) -> None:
-    """Refuse weight-like files the manifest does not list (leftovers or planted files)."""
-    unlisted = sorted(
-        path.name
-        for path in directory.iterdir()
-        if path.suffix in WEIGHT_LIKE_SUFFIXES and path.name not in manifest.files
-    )
-    if unlisted:
-        raise UnexpectedBundleFile(
-            f"{unlisted[0]}: a weight file not listed in {MANIFEST_FILE}"
-            + (f" (also unlisted: {unlisted[1:]})" if len(unlisted) > 1 else "")
-        )
+def check_only_listed_files(folder: BundleFolder, manifest: Manifest) -> None:
+    """Refuse anything in the folder but the listed files, manifest.json and
+    manifest.json.sig, and anything there that is not a regular file.
+
+    The digest stands for the whole folder, so a file it does not list (a payload.py, a
+    tokenizer_config.json some library would pick up, a weight file in another case), a
+    subdirectory, or a link to a file elsewhere, is refused rather than ignored."""
+    allowed = {*manifest.files, MANIFEST_FILE, SIGNATURE_FILE}
+    refusals: list[str] = []
+    for name, mode in folder.entries():
+        if not stat.S_ISREG(mode):
+            refusals.append(str(not_regular(name, mode)))
+        elif name not in allowed:
+            weight_like = Path(name).suffix.lower() in WEIGHT_LIKE_SUFFIXES
+            kind = "a weight file" if weight_like else "a file"
+            refusals.append(
+                f"{name}: {kind} not listed in {MANIFEST_FILE}; a bundle holds only its "
+                f"listed files, {MANIFEST_FILE} and {SIGNATURE_FILE}"
+            )
+    if refusals:
+        others = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        raise UnexpectedBundleFile(refusals[0] + others)
 
 
 def verify_bundle(
@@ -157,16 +219,18 @@ def verify_bundle(
     """Check every file against manifest.json; return the digest (manifest's SHA-256).
 
     Raises BundleError naming the first file at fault: a listed file missing, a size or
-    SHA-256 mismatch, or a weight file in the directory the manifest does not list; with
+    SHA-256 mismatch, a file in the directory the manifest does not list, or one that is
+    not a regular file (a directory, a symbolic link); with
     `trusted_signers`, also a manifest not signed by one of its keys (signing.py).
     """
     directory = Path(directory)
-    manifest = read_manifest(directory, trusted_signers)
-    check_no_unlisted_weights(directory, manifest)
-    total = sum(entry.size for entry in manifest.files.values())
-    display = Progress(f"verify {directory}", total, unit="bytes", enabled=progress)
-    for name, entry in sorted(manifest.files.items()):
-        check_file(directory, name, entry, display)
+    with BundleFolder(directory) as folder:
+        manifest = read_manifest(folder, trusted_signers)
+        check_only_listed_files(folder, manifest)
+        total = sum(entry.size for entry in manifest.files.values())
+        display = Progress(f"verify {directory}", total, unit="bytes", enabled=progress)
+        for name, entry in sorted(manifest.files.items()):
+            check_file(folder, name, entry, display)
     display.finish(f"{len(manifest.files)} files match {MANIFEST_FILE}, digest {manifest.digest}")
     return manifest.digest
 
@@ -176,20 +240,25 @@ def write_manifest(directory: Path) -> str:
     manifest.json.
 
     For builders, and for replacing one part of a bundle (a fine-tuned head.safetensors)
-    in a fresh version directory. Returns the new digest.
+    in a fresh version directory. Returns the new digest. Raises UnexpectedBundleFile
+    for an entry that is not a regular file, which no bundle may hold.
     """
     directory = Path(directory)
-    files = {
-        path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}
-        for path in sorted(directory.iterdir())
-        if path.is_file() and path.name not in (MANIFEST_FILE, SIGNATURE_FILE)
-    }
+    partial = directory / f".{MANIFEST_FILE}.partial"
+    not_listed = {MANIFEST_FILE, SIGNATURE_FILE, partial.name, f".{SIGNATURE_FILE}.partial"}
+    files: dict[str, dict[str, object]] = {}
+    for path in sorted(directory.iterdir()):
+        if path.name in not_listed:
+            continue
+        mode = path.lstat().st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path.name, mode)
+        files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     raw = (
         json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True)
         + "\n"
     ).encode("utf-8")
     # Written beside and renamed over, so a reader never sees half a manifest.
-    partial = directory / f".{MANIFEST_FILE}.partial"
     partial.write_bytes(raw)
     os.replace(partial, directory / MANIFEST_FILE)
     return hashlib.sha256(raw).hexdigest()

@@ -145,13 +145,19 @@ def load_tokenizer(path: Path, lowercase: bool, vocab_size: int) -> TextTokenize
     """Load a `tokenizer.json` whose ids all fit a `vocab_size`-row embedding table."""
     if not path.is_file():
         raise ModelLoadError(f"{path.name}: not found in {path.parent}")
+    return parse_tokenizer(path.read_bytes(), path.name, lowercase, vocab_size)
+
+
+def parse_tokenizer(data: bytes, name: str, lowercase: bool, vocab_size: int) -> TextTokenizer:
+    """A tokenizer from the bytes of a `tokenizer.json` (called `name` in errors) whose
+    ids all fit a `vocab_size`-row embedding table."""
     try:
-        tokenizer = TextTokenizer(Tokenizer.from_file(str(path)), lowercase=lowercase)
+        tokenizer = TextTokenizer(Tokenizer.from_buffer(data), lowercase=lowercase)
     except Exception as exc:  # the Rust tokenizer raises bare Exception on a bad file
-        raise ModelLoadError(f"{path.name}: cannot be loaded: {exc}") from exc
+        raise ModelLoadError(f"{name}: cannot be loaded: {exc}") from exc
     if tokenizer.vocab_size > vocab_size:
         raise ModelLoadError(
-            f"{path.name}: {tokenizer.vocab_size} tokens do not fit the "
+            f"{name}: {tokenizer.vocab_size} tokens do not fit the "
             f"{vocab_size}-row embedding table in config.json"
         )
     return tokenizer

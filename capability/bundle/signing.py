@@ -12,7 +12,9 @@ A signature is checked in three steps, so each refusal says what is wrong:
     verify             and, as that principal, passes every allowed-signers option
 
 The bytes checked are the very bytes the loader then parses, passed on stdin, so a
-manifest swapped between the check and the parse cannot slip through.
+manifest swapped between the check and the parse cannot slip through. Likewise the
+signature is read once, through the bundle's opened folder (files.py: never through a
+link), and all three steps check that one copy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from capability.bundle.errors import (
@@ -28,9 +31,12 @@ from capability.bundle.errors import (
     BundleSignerUntrusted,
     BundleUnsigned,
 )
+from capability.bundle.files import BundleFolder
 from capability.bundle.format import MANIFEST_FILE
 
 SIGNATURE_FILE = f"{MANIFEST_FILE}.sig"
+# Bytes a manifest.json.sig may hold; an SSH signature by any key type is under 2 KiB.
+MAX_SIGNATURE_BYTES = 64 * 1024
 # The signature's purpose, bound into it: a key's git-commit signature is not a bundle's.
 SIGNATURE_NAMESPACE = "classify-bundle"
 # Seconds one ssh-keygen call may take; each is a few milliseconds of CPU.
@@ -53,18 +59,42 @@ def sign_manifest(directory: Path, key: Path) -> Path:
     return directory / SIGNATURE_FILE
 
 
-def check_manifest_signature(directory: Path, raw: bytes, trusted_signers: Path) -> str:
+def check_manifest_signature(
+    directory: Path | BundleFolder, raw: bytes, trusted_signers: Path
+) -> str:
     """Check that `raw` (manifest.json's bytes) carries a good signature by a key in
     `trusted_signers`; returns the signer's principal (blocking: runs ssh-keygen).
 
     Raises BundleUnsigned, BundleSignatureInvalid or BundleSignerUntrusted, each
     naming manifest.json.sig."""
-    signature = Path(directory) / SIGNATURE_FILE
-    if not signature.is_file():
+    if not isinstance(directory, BundleFolder):
+        with BundleFolder(directory) as folder:
+            return check_manifest_signature(folder, raw, trusted_signers)
+    signature_bytes = _read_signature(directory, trusted_signers)
+    with tempfile.TemporaryDirectory(prefix="bundle-signature-") as private:
+        signature = Path(private) / SIGNATURE_FILE
+        signature.write_bytes(signature_bytes)
+        return _check_signature_file(signature, raw, trusted_signers)
+
+
+def _read_signature(folder: BundleFolder, trusted_signers: Path) -> bytes:
+    try:
+        stream, _ = folder.open(SIGNATURE_FILE)
+    except FileNotFoundError as exc:
         raise BundleUnsigned(
-            f"{SIGNATURE_FILE}: not found in {directory}; trusted signers are required "
+            f"{SIGNATURE_FILE}: not found in {folder.path}; trusted signers are required "
             f"({trusted_signers}), so an unsigned bundle is refused"
+        ) from exc
+    with stream:
+        data = stream.read(MAX_SIGNATURE_BYTES + 1)
+    if len(data) > MAX_SIGNATURE_BYTES:
+        raise BundleSignatureInvalid(
+            f"{SIGNATURE_FILE}: over {MAX_SIGNATURE_BYTES} bytes, which no SSH signature is"
         )
+    return data
+
+
+def _check_signature_file(signature: Path, raw: bytes, trusted_signers: Path) -> str:
     checked = _ssh_keygen(
         ["-Y", "check-novalidate", "-n", SIGNATURE_NAMESPACE, "-s", str(signature)], raw
     )
