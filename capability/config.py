@@ -17,9 +17,12 @@ file (`--model-config`), one mapping per model name:
       cache_hit_floor: 0.9    # the result cache's hit ratio this model should keep, 0..1
                               # (exported for the ClassifyResultCacheHitRatioLow alert)
 
-A model not in the file gets the server-wide defaults from the flags. The file is
-read once, at start-up (by `from_args`, or `with_model_config()`), within
-classify_common.documents' bounds (size, depth, no YAML aliases).
+A model not in the file gets the server-wide defaults from the flags. A name in
+the file that the server does not serve (`--models`, else every model under the
+root) is refused at start-up, naming the file, its line and the served models
+(`check_model_config_names`). The file is read once, at start-up (by
+`from_args`, or `with_model_config()`), within classify_common.documents' bounds
+(size, depth, no YAML aliases); it is not reloaded.
 """
 
 from __future__ import annotations
@@ -231,8 +234,8 @@ class CapabilitySettings(ServerSettings):
     # What the model ledger measures at load: `largest` is the real worst case.
     memory_warm_up: str = setting(
         "largest",
-        "warm-up the memory ledger measures: the largest batch at the longest length "
-        "bucket, or a small batch (faster starts)",
+        "warm-up the memory ledger measures: the largest batch of the longest texts the "
+        "model reads (its max_seq_length), or a small batch (faster starts)",
         choices=("largest", "small"),
     )
     # Per model too (--model-config); sharded needs 2 devices (see check_devices).
@@ -354,6 +357,32 @@ class CapabilitySettings(ServerSettings):
                 )
             per_model[name] = replace(serving, warm_texts=warm_texts)
         return replace(self, per_model=per_model)
+
+    def check_model_config_names(self, served: Sequence[str]) -> None:
+        """Refuse a --model-config entry for a model this server does not serve (read
+        at start-up, once the models to serve are known): a misspelt name would
+        otherwise leave its model on the defaults without a word. The SettingsError
+        names the file and the entry's line, as the file's other refusals do."""
+        unknown = [name for name in self.per_model if name not in served]
+        if not unknown:
+            return
+        refused = FieldRefused(
+            unknown[0], f"no model served here has this name (served: {', '.join(served)})"
+        )
+        if self.model_config is not None:
+
+            def locate(_document: Any) -> None:
+                raise refused
+
+            # NOTE: the file is read again only to find the line: read_yaml adds the
+            # file and the line to a FieldRefused raised while it holds the document.
+            try:
+                read_yaml(self.model_config, locate)
+            except FieldRefused as located:
+                refused = located
+            except (OSError, DocumentRefused):
+                refused = FieldRefused(refused.where, refused.problem, file=str(self.model_config))
+        raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {refused}")
 
     def default_serving(self) -> ModelServingSettings:
         return ModelServingSettings(

@@ -177,12 +177,17 @@ class ModelLifecycle:
         """The version a ReloadModel pinned `name` to; None: the watcher follows the newest."""
         return self._pinned.get(name)
 
-    async def load_initial(self, names: tuple[str, ...]) -> None:
-        """Load the newest version of each model (all under the root when `names` is empty)."""
+    def models_to_serve(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """`names` (--models), or every model under the root when it is empty; refused
+        when that is none."""
         wanted = names or tuple(self.root.model_names())
         if not wanted:
             raise ModelNotFound(f"no model bundles under {self.root.root}; run `make bundles`")
-        for name in wanted:
+        return wanted
+
+    async def load_initial(self, names: tuple[str, ...]) -> None:
+        """Load the newest version of each model (all under the root when `names` is empty)."""
+        for name in self.models_to_serve(names):
             version = self.root.newest(name)
             if version is None:
                 raise ModelNotFound(

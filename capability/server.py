@@ -25,7 +25,7 @@ from capability.workers.pool import worker_names
 from capability.workers.threads import compute_inline
 from classify_common.errors import ServiceError
 from classify_common.serving import GrpcServing, run_server, serve_until_signal
-from classify_common.settings import read_secret
+from classify_common.settings import SettingsError, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,10 @@ class CapabilityServer:
         await self.serving.start()
 
     async def warm_up(self) -> None:
-        await self.lifecycle.load_initial(self.settings.models)
+        served = self.lifecycle.models_to_serve(self.settings.models)
+        # Before any load: a misspelt --model-config entry fails the start at once.
+        self.settings.check_model_config_names(served)
+        await self.lifecycle.load_initial(served)
         if self.settings.watch_seconds > 0:
             self._watcher = asyncio.create_task(
                 self.lifecycle.watch(self.settings.watch_seconds), name="model-root-watcher"
@@ -165,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The event loop computes nothing; torch's CPU threads are the device threads'.
     compute_inline()
     # A start-up failure: no bundles under the root, a refused bundle, a version over
-    # the device memory budget, a warm_texts file that is not UTF-8, a port in use.
-    start_errors = (ServiceError, ModelLoadError, OSError)
+    # the device memory budget, a warm_texts file that is not UTF-8, a port in use, a
+    # setting the devices or the served models refuse (a sharded model on one device,
+    # a --model-config entry for a model not served).
+    start_errors = (ServiceError, ModelLoadError, OSError, SettingsError)
     run_server("capability", settings, lambda: serve(settings), start_errors=start_errors, log=log)

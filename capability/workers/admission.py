@@ -76,6 +76,10 @@ class TextRequest:
     refusal: ServiceError | None = None
     # CACHE_USE, CACHE_BYPASS or CACHE_REFRESH: how the result cache serves it.
     cache: str = CACHE_USE
+    # Whether a refusal of it counts in classify_admissions_refused_total: False for
+    # the pool's own refill of the cache after a swap, which no caller sent, so that
+    # its refusals never read as overload.
+    count_refusal: bool = True
 
 
 def priority_lane(priority: int) -> int:
@@ -221,7 +225,8 @@ class Admitter:
                 waiting.append(index)
             else:
                 outcome[index] = refusal
-                self._count_refusal(replica.name, refusal)
+                if text.count_refusal:
+                    self._count_refusal(replica.name, refusal)
         if waiting:
             # Room for the cold start is waited for as long as the latest text can wait.
             deadlines = [texts[index].deadline for index in waiting]
@@ -231,7 +236,8 @@ class Admitter:
             except ServiceError as failed:
                 for index in waiting:
                     outcome[index] = failed
-                    self._count_refusal(replica.name, failed)
+                    if texts[index].count_refusal:
+                        self._count_refusal(replica.name, failed)
         return outcome
 
     def _look_up(
@@ -342,7 +348,7 @@ class Admitter:
         ended = time.time_ns()
         for index, admission in zip(tokenized, admissions, strict=True):
             refusal = admission if isinstance(admission, ServiceError) else None
-            if refusal is not None:
+            if refusal is not None and texts[index].count_refusal:
                 self._count_refusal(replica.name, refusal)
             trace = texts[index].trace
             if trace is None:

@@ -346,24 +346,49 @@ class WorkerPool:
         task.add_done_callback(self._warming.discard)
 
     async def _warm_cache(self, model: str, texts: list[WarmText]) -> None:
-        requests = [
-            TextRequest(
-                model=model,
-                text=warm.text,
-                max_length=warm.max_length,
-                priority=PRIORITY_BATCH,
-                request_id=new_request_id(),
-                deadline=None,
-                cache=CACHE_REFRESH,
-            )
-            for warm in texts
-        ]
-        outcomes = await self._classify_many(requests, None)
-        computed = sum(isinstance(outcome, TextResult) for outcome in outcomes)
-        self._metrics.result_cache_warmed.labels(model).inc(computed)
+        """Compute `texts` into the cache, one chunk at a time, each waited for.
+
+        A chunk is at most the free room of the queue it joins, and at most one full
+        batch: a warm_texts file may hold 10,000 texts, and admitted all at once all
+        but a queue's worth would be refused. One batch at a time leaves the rest of
+        the queue to callers. When callers' texts fill the queue, the refill stops
+        there: the cache then fills from their texts anyway. Refusals of refill texts
+        are not counted as admissions refused: no caller was refused."""
+        computed = 0
+        offered = 0
+        while offered < len(texts) and not self.draining:
+            replica = self._least_loaded(model)
+            batching = replica.settings
+            room = min(batching.queue_capacity - len(replica.queue), batching.max_batch_size)
+            if room <= 0:
+                break
+            chunk = texts[offered : offered + room]
+            offered += len(chunk)
+            requests = [
+                TextRequest(
+                    model=model,
+                    text=warm.text,
+                    max_length=warm.max_length,
+                    priority=PRIORITY_BATCH,
+                    request_id=new_request_id(),
+                    deadline=None,
+                    cache=CACHE_REFRESH,
+                    count_refusal=False,
+                )
+                for warm in chunk
+            ]
+            outcomes = await self._classify_many(requests, None)
+            done = sum(isinstance(outcome, TextResult) for outcome in outcomes)
+            computed += done
+            self._metrics.result_cache_warmed.labels(model).inc(done)
         log.info(
             "result cache refilled",
-            extra={"model": model, "texts": len(texts), "computed": computed},
+            extra={
+                "model": model,
+                "texts": len(texts),
+                "computed": computed,
+                "not_offered": len(texts) - offered,
+            },
         )
 
     async def wait_cache_refilled(self) -> None:

@@ -9,7 +9,7 @@ finishes what it admitted, then retires, and the device's cached blocks are
 released (`empty_cache`, or its CPU stand-in) on the device thread.
 
 Every replica keeps a ledger entry (capability.memory.MemoryLedger): memory around
-each load stage and around a warm-up at its largest batch and length bucket. The
+each load stage and around a warm-up at its largest batch of its longest texts. The
 worker refuses a version whose predicted (before its weights are read) or measured
 (after that warm-up) footprint, with what the versions resident on it already
 hold, would exceed its device memory budget; the serving version stays.
@@ -88,8 +88,9 @@ T = TypeVar("T")
 
 # Shapes timed at warm-up to seed the service-time fit: (texts, tokens each).
 WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
-# The ledger's measured warm-up (--memory-warm-up): the largest batch at the longest
-# length bucket the model reads, or (faster starts) the last of WARM_UP_SHAPES.
+# The ledger's measured warm-up (--memory-warm-up): the largest batch of the longest
+# texts the model reads (its max_seq_length, whatever the length buckets), or (faster
+# starts) the last of WARM_UP_SHAPES.
 MEMORY_WARM_UPS = ("largest", "small")
 # The evictor looks this often, at most, for on_demand models idle long enough (and
 # a quarter of the shortest idle_seconds, when that is less).
@@ -334,8 +335,11 @@ class ModelReplica:
         """(texts, tokens) of the warm-up the ledger measures (see MEMORY_WARM_UPS)."""
         if memory_warm_up == "small":
             return WARM_UP_SHAPES[-1]
-        longest = min(self.settings.length_buckets[-1], self.bundle.classifier.max_seq_length)
-        return self.settings.max_batch_size, longest
+        # NOTE: not the last length bucket's bound: a text longer than it still joins
+        # that bucket (BatchingSettings.bucket_of), padded up to the model's own limit,
+        # so with `length_buckets: [8]` a batch of max_seq_length texts still runs,
+        # and a ledger measured at 8 tokens would let it past the budget.
+        return self.settings.max_batch_size, self.bundle.classifier.max_seq_length
 
     async def measure_warm_up(self, memory_warm_up: str) -> tuple[MemoryReading, int]:
         """Warm up at the measured shape; memory after it, and the peak during it."""

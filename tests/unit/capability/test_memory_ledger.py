@@ -17,6 +17,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import STAGES, MemoryBudgetExceeded
+from capability.config import CapabilitySettings
 from capability.memory import format_bytes, parse_byte_size
 from capability.metrics import (
     DEVICE_CACHE_RELEASES_TOTAL,
@@ -56,7 +57,7 @@ async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
         for stage in entry.load_stages:
             assert stage.before.allocated_bytes > 0
             assert stage.after.allocated_bytes > 0
-        # The largest batch (--max-batch-size) at the longest bucket the model reads.
+        # The largest batch (--max-batch-size) of the longest texts the model reads.
         assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (8, 256)
         assert entry.after_warm_up.allocated_bytes > 0
         assert entry.warm_up_peak_bytes >= entry.load_stages[0].before.allocated_bytes
@@ -65,6 +66,26 @@ async def test_ledger_reports_every_load_stage_and_the_largest_warm_up(
             entry.warm_up_peak_bytes - entry.load_stages[0].before.allocated_bytes,
         )
         assert entry.budget_bytes == BUDGET
+
+
+async def test_a_short_last_length_bucket_is_measured_at_the_longest_text_the_model_reads(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """A text longer than the last bucket still joins it, so `length_buckets: [8]`
+    batches 256-token texts; a ledger measured at 8 tokens let a model past the budget
+    that one such batch then overran."""
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-minilm:\n  length_buckets: [8]\n  max_batch_size: 4\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await start_capability(
+        memory_warm_up="largest",
+        models=("topic-minilm",),
+        model_config=config,
+        per_model=per_model,
+    )
+    assert server.pool.models()["topic-minilm"].classifier.max_seq_length == 256
+    (entry,) = (await describe(server.port, "topic-minilm")).memory
+    assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (4, 256)
 
 
 async def test_ledger_sees_memory_grow_through_load_and_warm_up(

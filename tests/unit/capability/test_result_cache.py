@@ -18,6 +18,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle.manifest import write_manifest
 from capability.config import CapabilitySettings
 from capability.metrics import (
+    ADMISSIONS_REFUSED_TOTAL,
     CACHE_HIT,
     CACHE_MISS,
     CACHE_REQUESTS_TOTAL,
@@ -224,6 +225,29 @@ async def test_a_caller_may_bypass_the_cache_and_the_answer_says_where_it_came_f
     # Neither looked up nor counted.
     assert looked_up(server, CACHE_HIT) == looked_up(server, CACHE_MISS)
     assert looked_up(server, CACHE_HIT) == 1
+
+
+async def test_warm_texts_past_the_queue_capacity_are_all_computed_and_none_counted_refused(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """40 warm texts for a queue of 8: fed in chunks that fit it, each computed; none
+    is refused, and none reads as overload in classify_admissions_refused_total."""
+    texts = [f"{STRIKER} in round {number}" for number in range(40)]
+    (tmp_path / "hot.txt").write_text("\n".join(texts) + "\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n  queue_capacity: 8\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await cached_server(start_capability, model_config=config, per_model=per_model)
+    await server.pool.wait_cache_refilled()
+    assert counted(server, RESULT_CACHE_WARMED_TOTAL) == 40
+    assert counted(server, ADMISSIONS_REFUSED_TOTAL) == 0
+    assert len(server.pool.cache) == 40
+    forwards = counted(server, MODEL_FORWARD_TOTAL)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        last = await stub.Classify(pb.ClassifyRequest(text=texts[-1], model=MODEL))
+    assert last.cached
+    assert counted(server, MODEL_FORWARD_TOTAL) == forwards
 
 
 async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(

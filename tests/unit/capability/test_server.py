@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +24,18 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
+from capability.config import CapabilitySettings
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
-from tests.conftest import STRIKER, StartCapability, capability_settings, metric_sum, wait_until
+from classify_common.settings import SettingsError
+from tests.conftest import (
+    REPO_ROOT,
+    STRIKER,
+    StartCapability,
+    capability_settings,
+    metric_sum,
+    wait_until,
+)
 from tests.status_details import error_reason, refusal, trailers_of, violations_of
 
 
@@ -380,3 +392,52 @@ async def test_metrics_scrape_reports_queue_model_and_process_memory_series_on_c
         assert f'classify_device_memory_bytes{{kind="{kind}",worker="cpu:0"}}' in exposition
     assert "classify_device_fragmentation_bytes{" not in exposition
     assert "classify_device_utilisation{" not in exposition
+
+
+MISSPELT_CONFIG = "topic-static:\n  max_batch_size: 8\ntopic-minlm:\n  residency: on_demand\n"
+
+
+async def test_a_model_config_entry_for_a_model_not_served_stops_the_start(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text(MISSPELT_CONFIG)
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    with pytest.raises(SettingsError) as refused:
+        await start_capability(model_config=config, per_model=per_model)
+    assert str(refused.value) == (
+        f"--model-config / CAPABILITY_MODEL_CONFIG: {config}:3: topic-minlm: no model "
+        "served here has this name (served: topic-minilm, topic-static)"
+    )
+    # Served is what --models names, not what lies under the root.
+    config.write_text("topic-minilm:\n  max_batch_size: 8\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    with pytest.raises(SettingsError, match=r":1: topic-minilm: .*\(served: topic-static\)$"):
+        await start_capability(models=("topic-static",), model_config=config, per_model=per_model)
+
+
+def test_the_server_process_refuses_a_misspelt_model_config_entry_in_one_line(
+    model_root: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text(MISSPELT_CONFIG)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capability",
+            *("--port", "0", "--metrics-port", "-1", "--device", "cpu"),
+            *("--model-root", str(model_root), "--model-config", str(config)),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    (line,) = [json.loads(text) for text in refused.stderr.splitlines() if "cannot start" in text]
+    assert line["error"] == (
+        f"--model-config / CAPABILITY_MODEL_CONFIG: {config}:3: topic-minlm: no model "
+        "served here has this name (served: topic-minilm, topic-static)"
+    )
+    assert "Traceback" not in refused.stderr
