@@ -16,6 +16,7 @@ ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
 PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 RATE_LIMITED_TOTAL = "classify_rate_limited_total"
+RATE_LIMITED_ITEMS_TOTAL = "classify_rate_limited_items_total"
 AUTH_FAILURES_TOTAL = "classify_auth_failures_total"
 FRONT_DOOR_BUSY_TOTAL = "classify_front_door_busy_total"
 LATE_ARRIVAL_SHARE = "classify_late_arrival_share"
@@ -195,7 +196,15 @@ class OrchestratorMetrics:
         )
         self.rate_limited = Counter(
             RATE_LIMITED_TOTAL,
-            "Calls refused because their tenant was over its rate limit.",
+            "Calls refused whole (RESOURCE_EXHAUSTED) because their tenant was over its "
+            "rate limit.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.rate_limited_items = Counter(
+            RATE_LIMITED_ITEMS_TOTAL,
+            "Requests (single calls, and ClassifyBatch items, whether their call was "
+            "refused whole or in part) refused because their tenant was over its rate limit.",
             ["tenant"],
             registry=registry,
         )

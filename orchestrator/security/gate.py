@@ -67,12 +67,16 @@ class CallerGate:
             try:
                 self._backlog.admit(tenant, time_left_on_arrival())
             except FrontDoorBusy:
-                self._metrics.front_door_busy.inc(calls)
+                self._metrics.front_door_busy.inc()  # one call, however many items
                 raise
         tokens_left, granted, wait = await self._limits.try_acquire(tenant, calls)
         if granted == calls:
             return RateAllowance(tokens_left, granted)
-        self._metrics.rate_limited.labels(tenant).inc(calls - granted)
+        # Calls refused whole are what the SLO leaves out of its errors (counted as
+        # classify_rpc_requests_total counts calls); items, the tenant's usage.
+        self._metrics.rate_limited_items.labels(tenant).inc(calls - granted)
+        if granted == 0:
+            self._metrics.rate_limited.labels(tenant).inc()
         refusal = RateLimited(
             f"tenant {tenant!r} is over its rate limit", retry_after_seconds=wait, tenant=tenant
         )

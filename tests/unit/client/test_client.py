@@ -33,7 +33,7 @@ from classify_client import (
     Unavailable,
     pb,
 )
-from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_ITEMS_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import (
@@ -297,7 +297,7 @@ async def test_batch_items_past_the_rate_are_sent_again_after_the_retry_info_del
     assert (retry.method, type(retry.error)) == ("ClassifyBatch", RateLimited)
     assert retry.error.retry_after_seconds is not None
     assert retry.delay_seconds >= retry.error.retry_after_seconds
-    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+    assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant=TENANT) == 1
 
 
 async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_trust_it(
@@ -411,8 +411,9 @@ async def test_a_later_batch_call_refused_whole_fails_its_items_and_the_unsent_o
         "chunked-1",
         32,
     )
-    # The second call's items were refused; the third call was never sent.
-    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1024
+    # The second call was refused whole (its 1,024 items); the third was never sent.
+    assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT) == 1
+    assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant=TENANT) == 1024
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)

@@ -20,7 +20,11 @@ from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.context import is_valid_request_id
 from orchestrator import batch_items
-from orchestrator.metrics import MODEL_FALLBACK_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.metrics import (
+    MODEL_FALLBACK_TOTAL,
+    RATE_LIMITED_ITEMS_TOTAL,
+    RATE_LIMITED_TOTAL,
+)
 from orchestrator.security.keys import hash_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import (
@@ -231,7 +235,10 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
             assert codes == [0, 0, 0, *[grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 2]
             retry = unpack(response.results[4].error, error_details_pb2.RetryInfo)
             assert len(retry) == 1
-            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 2
+            # Two items refused, in a call that was served: no call was refused whole
+            # (what the SLO leaves out of its errors counts calls, as requests do).
+            assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 2
+            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 0
             # The bucket is empty now: the next call is refused whole.
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.ClassifyBatch(
@@ -240,6 +247,8 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
                     timeout=30,
                 )
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 1
+            assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 3
     finally:
         await server.stop(grace_seconds=0)
 
