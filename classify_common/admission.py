@@ -98,6 +98,8 @@ class Admission(Protocol):
     on_receive: ReceiveStep | None
     # After the receive node, once the request's own IDs are bound.
     admit: AdmitStep | None
+    # Whether the caller's `baggage` header is left unread (a public caller's).
+    drops_caller_baggage: bool
 
 
 # Checks a parsed request against the contract, recording on the span how it broke.
@@ -132,6 +134,10 @@ class _MethodChecks:
 class FrontDoorAdmission(_MethodChecks):
     receive_node = GRPC_RECEIVE
     times_output = True
+    # A public caller's W3C baggage is not read: nothing here uses it, and parsing
+    # it (before any authentication) logged a line per malformed entry: 181 lines
+    # for one unauthenticated call.
+    drops_caller_baggage = True
     counts_own_nodes = True
 
     def __init__(self, method: str, gate: Gate | None) -> None:
@@ -172,6 +178,7 @@ class FrontDoorAdmission(_MethodChecks):
 class InternalAdmission(_MethodChecks):
     receive_node = CAPABILITY_RECEIVE
     times_output = False
+    drops_caller_baggage = False
 
     def __init__(self, method: str, gate: Gate | None) -> None:
         super().__init__(method, gate)

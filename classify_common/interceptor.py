@@ -75,7 +75,13 @@ from classify_common.nodes import (
     node,
     peer_attributes,
 )
-from classify_common.tracing import exemplar_for, format_trace_id, get_tracer, start_server_span
+from classify_common.tracing import (
+    BAGGAGE_HEADER,
+    exemplar_for,
+    format_trace_id,
+    get_tracer,
+    start_server_span,
+)
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -181,12 +187,15 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         # Chosen once per method, so a call asks nothing about its server or method.
         admission = self._admission_for(method)
         admit, times_output = admission.admit, admission.times_output
+        drops_baggage = admission.drops_caller_baggage
         observe_node, counts_nodes = self._metrics.observe_node, admission.counts_own_nodes
         encode = _timed_serializer(serialize) if times_output else serialize
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
+            if drops_baggage:
+                metadata = tuple(entry for entry in metadata if entry[0] != BAGGAGE_HEADER)
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
             server_span = start_server_span(span_name, metadata, span_attributes)
             request_trace = RequestTrace(server_span, observe_node, observes_own_nodes=counts_nodes)

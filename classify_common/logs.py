@@ -28,13 +28,16 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
+
+from prometheus_client.core import CounterMetricFamily
 
 from classify_common.context import current_request
 
 # Lines waiting for the writer thread before new ones are dropped.
 LOG_QUEUE_CAPACITY = 10_000
+LOG_LINES_DROPPED_TOTAL = "classify_log_lines_dropped_total"
 # How often the writer thread writes what is queued; the most a line waits.
 LOG_FLUSH_SECONDS = 0.05
 
@@ -155,6 +158,23 @@ class DroppingQueueHandler(logging.Handler):
                 self.dropped += 1
 
 
+class LogDrops:
+    """A prometheus_client collector of the log lines `handler()` dropped (its queue to
+    stderr full): register it on a server's registry."""
+
+    def __init__(self, handler: Callable[[], DroppingQueueHandler | None]) -> None:
+        self._handler = handler
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            LOG_LINES_DROPPED_TOTAL,
+            "Log lines dropped because the queue to stderr was full.",
+        )
+        handler = self._handler()
+        family.add_metric([], handler.dropped if handler is not None else 0)
+        yield family
+
+
 class BatchingLineWriter:
     """A thread that writes queued lines to `stream` every `interval` seconds, all at once."""
 
@@ -193,6 +213,8 @@ class BatchingLineWriter:
 _writer: BatchingLineWriter | None = None
 # The handler and formatter configure_logging installed on the root logger.
 _handler: DroppingQueueHandler | None = None
+# The process's dropped log lines, for its /metrics (see configure_logging).
+LOG_DROPS = LogDrops(lambda: _handler)
 _formatter: JsonFormatter | None = None
 
 

@@ -27,7 +27,7 @@ from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from classify_common.admission import Gate, admission_for
 from classify_common.event_loop import loop_factory, running_loop_kind
 from classify_common.interceptor import RequestLifecycleInterceptor
-from classify_common.logs import configure_logging
+from classify_common.logs import LOG_DROPS, configure_logging
 from classify_common.metrics import MetricsEndpoint, RpcMetrics
 from classify_common.server_settings import DEFAULT_CORE_WAIT_LIMIT_SECONDS, ServerSettings
 from classify_common.settings import SettingsError
@@ -133,6 +133,7 @@ class GrpcServing:
         self._tls = tls
         self.registry = registry
         registry.register(EXPORT_DROPS)
+        registry.register(LOG_DROPS)
         self._address = f"{host}:{port}"
         self._metrics_host = host
         self._metrics_port = metrics_port

@@ -61,7 +61,7 @@ class ExportDrops:
             labels=["reason"],
         )
         with self._lock:
-            for reason in ("queue_full", "export_failed"):
+            for reason in ("queue_full", "export_failed", "held_overflow"):
                 family.add_metric([reason], self.by_reason[reason])
         yield family
 

@@ -7,14 +7,17 @@ import json
 import logging
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from classify_common import logs
 from classify_common.context import RequestContext, bind_request
 from classify_common.logs import (
+    LOG_LINES_DROPPED_TOTAL,
     BatchingLineWriter,
     DroppingQueueHandler,
     JsonFormatter,
     LineQueue,
+    LogDrops,
     log_event,
 )
 
@@ -59,6 +62,10 @@ def test_full_log_queue_drops_and_counts_instead_of_blocking() -> None:
         f"line {n}" for n in range(3)
     ]
     assert handler.dropped == 7
+    # ... and the count is a counter on the server's /metrics.
+    registry = CollectorRegistry()
+    registry.register(LogDrops(lambda: handler))
+    assert registry.get_sample_value(LOG_LINES_DROPPED_TOTAL) == 7
 
 
 def test_writer_writes_every_queued_line_in_order_and_the_rest_when_stopped() -> None:

@@ -8,9 +8,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, AlwaysRecordSampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry
 
 from classify_common.nodes import RPC_RESPONSE_STATUS_CODE, TIMEOUT_ATTRIBUTE
-from classify_common.span_export import HELD_SPANS_PER_TRACE, ExportDrops, KeepingBatchExport
+from classify_common.span_export import (
+    HELD_SPANS_PER_TRACE,
+    SPANS_DROPPED_TOTAL,
+    ExportDrops,
+    KeepingBatchExport,
+)
 
 
 @pytest.mark.parametrize(
@@ -78,3 +84,7 @@ def test_spans_held_past_a_traces_cap_are_counted_when_it_is_kept() -> None:
     names = [span.name for span in exporter.get_finished_spans()]
     assert len(names) == HELD_SPANS_PER_TRACE + 2  # the held, the fault, the server's
     assert drops.by_reason == {"held_overflow": 80 - HELD_SPANS_PER_TRACE}
+    registry = CollectorRegistry()
+    registry.register(drops)
+    dropped = registry.get_sample_value(SPANS_DROPPED_TOTAL, {"reason": "held_overflow"})
+    assert dropped == 80 - HELD_SPANS_PER_TRACE

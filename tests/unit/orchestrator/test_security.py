@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -268,6 +269,23 @@ async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_pr
     # has gone), in one trace.
     await wait_until(lambda: len(servers()) == 2, "both server spans")
     assert len({span.context.trace_id for span in servers() if span.context is not None}) == 1
+
+
+async def test_a_callers_baggage_is_not_read_at_the_front_door(
+    secured: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """180 malformed baggage entries on a call without a key: refused, and the entries
+    are never parsed (each once logged a warning of its own)."""
+    orchestrator, _ = await secured()
+    junk = ",".join(f"k{i}=v v" for i in range(180))
+    with caplog.at_level(logging.WARNING):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            error = await refusal(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER), metadata=(("baggage", junk),))
+            )
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert [r.name for r in caplog.records if r.name.startswith("opentelemetry")] == []
 
 
 @pytest.mark.parametrize(
