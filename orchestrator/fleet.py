@@ -65,7 +65,10 @@ class FleetModels:
                 continue
             for info in listed.models:
                 models.setdefault(info.name, info)
-        return model_pb.ListModelsResponse(models=[models[name] for name in sorted(models)])
+        listed_models = [models[name] for name in sorted(models)]
+        for info in listed_models:
+            _for_caller(info)
+        return model_pb.ListModelsResponse(models=listed_models)
 
     async def get_model(self, request: model_pb.GetModelRequest) -> model_pb.GetModelResponse:
         replicas = self._replicas(request.name)
@@ -80,6 +83,7 @@ class FleetModels:
             )
         except grpc.aio.AioRpcError as error:
             raise translate_upstream_error(error, pool.backend.name, target) from error
+        _for_caller(response.model)
         return response
 
     async def reload_model(
@@ -125,3 +129,13 @@ def _call_metadata(credentials: Sequence[tuple[str, str]]) -> tuple[tuple[str, s
     ids = current_request()
     request_id = ((REQUEST_ID_HEADER, ids.request_id),) if ids is not None else ()
     return (*inject_context(), *request_id, *credentials)
+
+
+def _for_caller(info: model_pb.ModelInfo) -> None:
+    """What a caller who is not an admin is told of a model: no server path (`source`)
+    and no device memory readings; the rest (name, version, labels, digest) is the
+    contract a client needs."""
+    if current_caller().role == ADMIN_ROLE:
+        return
+    info.ClearField("source")
+    info.ClearField("memory")

@@ -247,6 +247,24 @@ async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Sta
     assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1
 
 
+async def test_only_an_admin_is_told_where_a_model_was_loaded_from(secured: Start) -> None:
+    orchestrator, _ = await secured()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        request = model_pb.GetModelRequest(name="topic-static")
+        user = await models.GetModel(request, metadata=bearer(ACME_KEY))
+        admin = await models.GetModel(request, metadata=bearer(ADMIN_KEY))
+        (listed,) = (
+            await models.ListModels(model_pb.ListModelsRequest(), metadata=bearer(ACME_KEY))
+        ).models
+    assert admin.model.source.endswith("topic-static/1")
+    assert admin.model.memory
+    assert (user.model.source, list(user.model.memory)) == ("", [])
+    assert (listed.source, list(listed.memory)) == ("", [])
+    assert user.model.digest == admin.model.digest
+    assert user.model.version == admin.model.version == "1"
+
+
 async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_processes(
     secured: Start, span_exporter: InMemorySpanExporter
 ) -> None:
