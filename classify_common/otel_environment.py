@@ -23,6 +23,11 @@ from classify_common.span_export import ExportLimits
 TRACES_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACES_PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 TRACES_TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+TRACES_CERTIFICATE_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+)
+TRACES_INSECURE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
 SERVICE_NAME_VARIABLE = "OTEL_SERVICE_NAME"
 RESOURCE_ATTRIBUTES_VARIABLE = "OTEL_RESOURCE_ATTRIBUTES"
 SAMPLER_VARIABLE = "OTEL_TRACES_SAMPLER"
@@ -87,6 +92,22 @@ def check_otlp_protocol(environ: Mapping[str, str]) -> None:
         name, value = found
         raise UnsupportedOtlpProtocol(
             f"{name}: {value!r} is not supported; only {GRPC_PROTOCOL!r} is installed"
+        )
+
+
+def check_plaintext_endpoint(environ: Mapping[str, str], otlp_endpoint: str | None) -> None:
+    """Refuse `--otlp-endpoint` (always plaintext) beside variables that ask for TLS:
+    the exporter would send the spans, and OTEL_EXPORTER_OTLP_HEADERS (a collector's
+    credentials, say), in the clear while the operator believed them encrypted."""
+    if not otlp_endpoint:
+        return
+    certificate = _first(environ, TRACES_CERTIFICATE_VARIABLES)
+    insecure = _first(environ, TRACES_INSECURE_VARIABLES)
+    asked = certificate or (insecure if insecure and insecure[1].lower() == "false" else None)
+    if asked is not None:
+        raise SettingsError(
+            f"--otlp-endpoint sends spans in plaintext, but {asked[0]} asks for TLS: set "
+            "OTEL_EXPORTER_OTLP_ENDPOINT=https://host:port instead of the flag"
         )
 
 

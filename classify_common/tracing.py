@@ -79,6 +79,7 @@ def configure_tracing(
     if isinstance(current, TracerProvider):
         return current
     otel_environment.check_otlp_protocol(environ)
+    otel_environment.check_plaintext_endpoint(environ, otlp_endpoint)
     sampling = otel_environment.trace_sampling(environ, sample_ratio)
     limits = otel_environment.export_limits(environ)
     new_traces = TraceIdRatioBased(sampling.ratio)

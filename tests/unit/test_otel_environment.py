@@ -10,6 +10,7 @@ from classify_common.otel_environment import (
     TraceSampling,
     UnsupportedOtlpProtocol,
     check_otlp_protocol,
+    check_plaintext_endpoint,
     export_endpoint_is_set,
     export_limits,
     trace_sampling,
@@ -109,3 +110,23 @@ def test_service_name_variable_wins_over_the_servers_own_name(
     assert from_attributes.attributes["deployment.environment"] == "dev"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "front")
     assert process_resource("orchestrator").attributes["service.name"] == "front"
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/etc/ca.pem"},
+        {"OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": "/etc/ca.pem"},
+        {"OTEL_EXPORTER_OTLP_INSECURE": "false"},
+    ],
+)
+def test_the_plaintext_endpoint_flag_beside_tls_variables_is_refused(
+    variables: dict[str, str],
+) -> None:
+    (name,) = variables
+    with pytest.raises(
+        SettingsError, match=f"--otlp-endpoint sends spans in plaintext, but {name}"
+    ):
+        check_plaintext_endpoint(variables, "collector:4317")
+    check_plaintext_endpoint(variables, None)  # the variables alone decide: fine
+    check_plaintext_endpoint({"OTEL_EXPORTER_OTLP_INSECURE": "true"}, "collector:4317")
