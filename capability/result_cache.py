@@ -28,6 +28,24 @@ the serving bundle's results are stored or found: when a model's bundle changes
 every entry of the old one is dropped, and the texts hit most often are returned
 to be computed again on the new one (the pool does, at batch priority), so a
 swap does not empty the cache of its most frequent queries.
+
+Scoped: every entry belongs to one cache scope, and a lookup finds only its own
+scope's entries (and the shared scope's, below). The orchestrator sends each call's
+scope, derived from the caller's tenant (classify_common.context.cache_scope_of):
+in a Classify call's CACHE_SCOPE_HEADER, and per item of a ClassifyBatch call in its
+ItemContext.cache_scope. A result one tenant computed therefore never answers
+another tenant (`cached: true`, and a hit's far shorter time, would tell it that
+the text had been sent). The scope is trusted because a server with an internal
+token answers no caller without it; without a token (development) it is whatever
+the call says, and a call without one (not through an orchestrator) is the
+unscoped "" scope. The bounds stay global: the scopes share one LRU.
+
+After a swap, a carried text is computed again into the scope it was hit in, so a
+tenant (or the single tenant, or `anonymous` without auth) finds its most hit
+texts again. A model's warm_texts file belongs to no tenant: its texts fill the
+shared scope (SHARED_SCOPE, which no call can name), looked up by every scope after
+its own. They are the operator's texts, not any caller's, so a hit on them tells a
+caller only what the operator listed.
 """
 
 from __future__ import annotations
@@ -56,7 +74,13 @@ DEFAULT_WARM = 100
 WARM_TEXTS_LIMIT = 10_000
 WARM_TEXT_CHARS = 100_000
 
-Key = tuple[str, str, tuple[int, ...]]  # (model, bundle digest, token ids)
+# The scope of the warm_texts files' entries, read by every scope: None, which no
+# call can send (a scope on the wire is a string).
+SHARED_SCOPE = None
+# A scope: a string sent with the call ("" when none was), or SHARED_SCOPE.
+Scope = str | None
+
+Key = tuple[str, str, Scope, tuple[int, ...]]  # (model, bundle digest, scope, token ids)
 
 
 @dataclass(slots=True)
@@ -67,20 +91,24 @@ class _Entry:
     text: str
     max_length: int | None
     size_bytes: int
+    # The scope it is stored under: what a new version fills again.
+    scope: Scope
     hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class WarmText:
-    """A text to compute on a model's new version, to fill the cache before it is asked."""
+    """A text to compute on a model's new version, to fill the cache before it is asked,
+    and the scope it fills (a warm_texts file's: the shared scope)."""
 
     text: str
     max_length: int | None
+    scope: Scope = SHARED_SCOPE
 
 
 class ResultCache:
-    """An LRU of label probabilities per (model, bundle digest, token ids); see the
-    module docstring. `max_entries` 0 turns it off (every lookup misses, nothing is
+    """An LRU of label probabilities per (model, bundle digest, scope, token ids); see
+    the module docstring. `max_entries` 0 turns it off (every lookup misses, nothing is
     stored)."""
 
     def __init__(
@@ -102,13 +130,18 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, model: str, digest: str, encoded: EncodedText) -> tuple[float, ...] | None:
-        """The stored scores of this text on the bundle with this digest, counted as a
-        hit or a miss."""
+    def lookup(
+        self, model: str, digest: str, scope: str, encoded: EncodedText
+    ) -> tuple[float, ...] | None:
+        """The stored scores of this text on the bundle with this digest, in `scope` or
+        else the shared scope, counted as a hit or a miss."""
         if not self.enabled:
             return None
-        key = (model, digest, encoded.ids)
+        key: Key = (model, digest, scope, encoded.ids)
         entry = self._entries.get(key)
+        if entry is None:
+            key = (model, digest, SHARED_SCOPE, encoded.ids)
+            entry = self._entries.get(key)
         if entry is None or self._serving.get(model) != digest:
             self._metrics.cache_requests.labels(model, CACHE_MISS).inc()
             return None
@@ -121,27 +154,29 @@ class ResultCache:
         self,
         model: str,
         digest: str,
+        scope: Scope,
         encoded: EncodedText,
         text: str,
         max_length: int | None,
         probabilities: tuple[float, ...],
     ) -> None:
-        """Remember the scores of a text the serving bundle computed; a result of a
-        bundle no longer serving (finished after a swap) is not kept."""
+        """Remember, in `scope`, the scores of a text the serving bundle computed; a
+        result of a bundle no longer serving (finished after a swap) is not kept."""
         if not self.enabled or self._serving.get(model) != digest:
             return
-        key = (model, digest, encoded.ids)
+        key: Key = (model, digest, scope, encoded.ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         size = (
             ENTRY_OVERHEAD_BYTES
             + len(text.encode("utf-8", "surrogatepass"))
+            + len(scope or "")
             + BYTES_PER_NUMBER * (len(encoded.ids) + len(probabilities))
         )
         if size > self.max_bytes:
             return
-        self._entries[key] = _Entry(probabilities, text, max_length, size)
+        self._entries[key] = _Entry(probabilities, text, max_length, size, scope)
         self.size_bytes += size
         while len(self._entries) > self.max_entries or self.size_bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
@@ -151,7 +186,7 @@ class ResultCache:
     def switch_bundle(self, model: str, digest: str) -> list[WarmText]:
         """The bundle with `digest` serves `model` from now on: drop the old bundle's
         entries and return its most hit texts (at most --result-cache-warm, most hit
-        first) for the new one to compute."""
+        first, each with the scope it was hit in) for the new one to compute."""
         self._serving[model] = digest
         dropped = [(key, entry) for key, entry in self._entries.items() if key[0] == model]
         for key, entry in dropped:
@@ -161,7 +196,7 @@ class ResultCache:
         # Most hit first; among equals, the most recently used.
         recent_first = [entry for _, entry in reversed(dropped) if entry.hits]
         hit = sorted(recent_first, key=lambda entry: -entry.hits)
-        return [WarmText(entry.text, entry.max_length) for entry in hit[: self._warm]]
+        return [WarmText(entry.text, entry.max_length, entry.scope) for entry in hit[: self._warm]]
 
     def _show_size(self) -> None:
         self._metrics.result_cache_entries.set(len(self._entries))

@@ -31,6 +31,7 @@ from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
 from capability.workers.admission import CACHE_BYPASS, CACHE_USE
 from classify_common.context import (
+    CACHE_SCOPE_HEADER,
     EARLY_RESULTS_HEADER,
     EARLY_RESULTS_REQUEST_HEADER,
     LOAD_REPORT_TRAILER,
@@ -65,6 +66,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             request_id=ids.request_id,
             deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
             cache=_cache_policy(request),
+            cache_scope=_cache_scope(context),
         )
         load = self._pool.load_report(model, receipt.seconds_since())
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
@@ -144,6 +146,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             ),
             refusal=refusal,
             cache=_cache_policy(item),
+            cache_scope=item_context.cache_scope if item_context else "",
         )
 
     async def GetResult(
@@ -158,6 +161,17 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
 
 def _cache_policy(request: pb.ClassifyRequest) -> str:
     return CACHE_BYPASS if request.cache == pb.CACHE_POLICY_BYPASS else CACHE_USE
+
+
+def _cache_scope(context: Context) -> str:
+    """The result-cache scope a Classify call carries (CACHE_SCOPE_HEADER; "" when
+    none). Trusted as it is: with an internal token configured only the orchestrator,
+    which sets it from the caller's tenant, gets this far (capability.security)."""
+    scope = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == CACHE_SCOPE_HEADER and isinstance(value, str):
+            scope = value
+    return scope
 
 
 def _priority(request: pb.ClassifyRequest) -> int:

@@ -6,6 +6,8 @@ calls read it, so nothing has to pass IDs down by hand.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
 from contextvars import ContextVar
@@ -27,6 +29,11 @@ LOAD_REPORT_TRAILER = "classify-load-bin"
 # the answer still carries every item's result.
 EARLY_RESULTS_REQUEST_HEADER = "classify-early-results-max-bytes"
 EARLY_RESULTS_HEADER = "classify-early-results-bin"
+# Sent by the orchestrator on a Classify call (a ClassifyBatch call's items carry
+# theirs in ItemContext.cache_scope): the scope of the capability's result cache the
+# text is looked up in and stored under, cache_scope_of(the caller's tenant), so a
+# tenant's results never answer another tenant (capability.result_cache).
+CACHE_SCOPE_HEADER = "classify-cache-scope"
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,11 @@ def time_left_on_arrival() -> float | None:
     """Seconds the current call's deadline left it when its handler began, None when it
     has no deadline (or outside a call)."""
     return _arrived_with.get()
+
+
+@functools.lru_cache(maxsize=1024)  # once per tenant, not per call
+def cache_scope_of(tenant: str) -> str:
+    """The result-cache scope of a tenant's calls: its name's SHA-256, in hex. Always
+    printable ASCII of one length (a metadata value; a tenant name may be neither),
+    and the capability never learns tenant names."""
+    return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()

@@ -20,7 +20,7 @@ from opentelemetry.util.types import AttributeValue
 
 from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Admission, TextResult
 from capability.model import EncodedText
-from capability.result_cache import ResultCache
+from capability.result_cache import ResultCache, Scope
 from capability.workers.worker import ModelReplica
 from classify_common.errors import ModelFault, ServiceError
 from classify_common.nodes import (
@@ -76,6 +76,10 @@ class TextRequest:
     refusal: ServiceError | None = None
     # CACHE_USE, CACHE_BYPASS or CACHE_REFRESH: how the result cache serves it.
     cache: str = CACHE_USE
+    # The result-cache scope it is looked up in and stored under: the one its call
+    # carried ("" for none), or, for the pool's refill, the scope of the entry it
+    # refills (capability.result_cache.SHARED_SCOPE for a warm_texts file's).
+    cache_scope: Scope = ""
     # Whether a refusal of it counts in classify_admissions_refused_total: False for
     # the pool's own refill of the cache after a swap, which no caller sent, so that
     # its refusals never read as overload.
@@ -95,11 +99,12 @@ async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 def answered_from_cache(
-    cache: ResultCache, replica: ModelReplica, encoded: EncodedText
+    cache: ResultCache, replica: ModelReplica, scope: str, encoded: EncodedText
 ) -> TextResult | None:
-    """The text's result from the cache, for the replica's bundle; None on a miss."""
+    """The text's result from the cache, for the replica's bundle, in `scope` (or the
+    shared scope); None on a miss."""
     bundle = replica.bundle
-    scores = cache.lookup(bundle.name, bundle.digest, encoded)
+    scores = cache.lookup(bundle.name, bundle.digest, scope, encoded)
     if scores is None:
         return None
     return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
@@ -124,17 +129,19 @@ def record_cache_hit(request_trace: RequestTrace | None, worker: str) -> None:
 
 def remember_result(
     cache: ResultCache,
+    scope: Scope,
     encoded: EncodedText,
     text: str,
     max_length: int | None,
     future: asyncio.Future[TextResult],
 ) -> None:
-    """A done-callback: store a computed result in the cache (failures are not)."""
+    """A done-callback: store a computed result in the cache, in `scope` (failures are
+    not)."""
     if future.cancelled() or future.exception() is not None:
         return
     result = future.result()
     bundle = result.bundle
-    cache.store(bundle.name, bundle.digest, encoded, text, max_length, result.probabilities)
+    cache.store(bundle.name, bundle.digest, scope, encoded, text, max_length, result.probabilities)
 
 
 class Admitter:
@@ -253,9 +260,13 @@ class Admitter:
             return {}
         hits: dict[int, asyncio.Future[TextResult]] = {}
         for index, (text, tokens) in enumerate(zip(texts, encoded, strict=True)):
-            if text.cache != CACHE_USE or not isinstance(tokens, EncodedText):
+            if (
+                text.cache != CACHE_USE
+                or text.cache_scope is None
+                or not isinstance(tokens, EncodedText)
+            ):
                 continue
-            result = answered_from_cache(self._cache, replica, tokens)
+            result = answered_from_cache(self._cache, replica, text.cache_scope, tokens)
             if result is None:
                 continue
             answered: asyncio.Future[TextResult] = asyncio.get_running_loop().create_future()
@@ -281,7 +292,14 @@ class Admitter:
                 and isinstance(admission, asyncio.Future)
             ):
                 admission.add_done_callback(
-                    partial(remember_result, self._cache, tokens, text.text, text.max_length)
+                    partial(
+                        remember_result,
+                        self._cache,
+                        text.cache_scope,
+                        tokens,
+                        text.text,
+                        text.max_length,
+                    )
                 )
         return admitted
 

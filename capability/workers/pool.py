@@ -373,6 +373,7 @@ class WorkerPool:
                     request_id=new_request_id(),
                     deadline=None,
                     cache=CACHE_REFRESH,
+                    cache_scope=warm.scope,
                     count_refusal=False,
                 )
                 for warm in chunk
@@ -443,9 +444,10 @@ class WorkerPool:
         request_id: str,
         deadline: float | None,
         cache: str = CACHE_USE,
+        cache_scope: str = "",
     ) -> TextResult:
-        """Tokenize, look up (`cache`: see TextRequest), admit and await one text;
-        errors are ServiceErrors."""
+        """Tokenize, look up (`cache`: see TextRequest) in `cache_scope`, admit and
+        await one text; errors are ServiceErrors."""
         self._unary_items.observe(1)
         if self.draining:
             raise ServerDraining("the server is shutting down; send the request elsewhere")
@@ -458,7 +460,9 @@ class WorkerPool:
                     {CLASSIFY_TOKENS: len(encoded), CLASSIFY_TRUNCATED: encoded.truncated}
                 )
             cached = (
-                answered_from_cache(self.cache, replica, encoded) if cache == CACHE_USE else None
+                answered_from_cache(self.cache, replica, cache_scope, encoded)
+                if cache == CACHE_USE
+                else None
             )
             if cached is not None:
                 record_cache_hit(current_trace(), replica.worker.name)
@@ -488,7 +492,7 @@ class WorkerPool:
                 span.set_attribute(CLASSIFY_OUTCOME, "admitted")
                 if self.cache.enabled and cache != CACHE_BYPASS:
                     future.add_done_callback(
-                        partial(remember_result, self.cache, encoded, text, max_length)
+                        partial(remember_result, self.cache, cache_scope, encoded, text, max_length)
                     )
         finally:
             replica.end_arrival()

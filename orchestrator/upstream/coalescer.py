@@ -52,7 +52,12 @@ Each item keeps its own deadline, trace and outcome:
   left out at the device) is answered when it is refused, not when the
   call's last batch is computed: the call asks for early results
   (classify_common.context.EARLY_RESULTS_REQUEST_HEADER), and reads the
-  answer's initial metadata before its message.
+  answer's initial metadata before its message,
+- each item keeps its own result-cache scope (its caller's tenant,
+  classify_common.context.cache_scope_of): a lone item's goes in the call's
+  CACHE_SCOPE_HEADER, a merged item's in its `ItemContext.cache_scope`. The
+  ItemContexts are made here, never copied from a caller's ClassifyBatch, so a
+  caller cannot name another tenant's scope.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_common.context import (
+    CACHE_SCOPE_HEADER,
     EARLY_RESULTS_HEADER,
     EARLY_RESULTS_REQUEST_HEADER,
     LOAD_REPORT_TRAILER,
@@ -152,6 +158,8 @@ class UpstreamItem:
     # The item's `upstream_call` span, linked to the shared call's span.
     span: trace.Span
     future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
+    # The capability's result-cache scope for it (its caller's tenant's).
+    cache_scope: str = ""
     # The caller's context (its bound request and trace IDs): what a lone call runs in,
     # and what a failed item's log line is written in.
     context: contextvars.Context = field(default_factory=contextvars.copy_context, repr=False)
@@ -248,9 +256,11 @@ class ReplicaCoalescer:
         *,
         seconds: float,
         trace_metadata: Sequence[tuple[str, str]],
+        cache_scope: str = "",
     ) -> pb.ClassifyResponse:
-        """The replica's answer to `request`, which may take `seconds` from now; failures
-        come back as ServiceErrors."""
+        """The replica's answer to `request`, which may take `seconds` from now, looked up
+        in and stored under the result-cache scope `cache_scope`; failures come back as
+        ServiceErrors."""
         loop = asyncio.get_running_loop()
         item = UpstreamItem(
             request=request,
@@ -259,6 +269,7 @@ class ReplicaCoalescer:
             trace_metadata=trace_metadata,
             span=trace.get_current_span(),
             future=loop.create_future(),
+            cache_scope=cache_scope,
         )
         if not self._may_leave(len(self._waiting) + 1):
             self._refuse_if_it_cannot_make_it(item, loop.time())
@@ -422,6 +433,7 @@ class ReplicaCoalescer:
         metadata = (
             *item.trace_metadata,
             (REQUEST_ID_HEADER, item.request.request_id),
+            (CACHE_SCOPE_HEADER, item.cache_scope),
             *self._credentials,
         )
         try:
@@ -443,6 +455,7 @@ class ReplicaCoalescer:
             context = request.item_contexts.add()
             context.timeout.CopyFrom(_duration(item.expires_at - sent_at - trip))
             context.traceparent = dict(item.trace_metadata).get(TRACEPARENT, "")
+            context.cache_scope = item.cache_scope
         latest = max(item.expires_at for item in items)
         timeout = latest - sent_at
         # The call lasts until its latest item's deadline; each earlier one is answered

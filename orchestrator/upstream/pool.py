@@ -18,7 +18,7 @@ import grpc
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
-from classify_common.context import INTERNAL_TOKEN_HEADER
+from classify_common.context import INTERNAL_TOKEN_HEADER, cache_scope_of
 from classify_common.errors import (
     ConcurrencyLimited,
     DeadlineExpired,
@@ -31,6 +31,7 @@ from orchestrator.metrics import UpstreamMetrics
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit, ConcurrencySettings
 from orchestrator.routing import Backend
+from orchestrator.security.gate import current_caller
 from orchestrator.upstream.addresses import (
     RESOLVE_INTERVAL_SECONDS,
     Address,
@@ -344,8 +345,12 @@ class BackendPool:
         latency: float | None = None
         overloaded = False
         try:
+            # The capability's result cache answers a tenant only with its own results.
             response = await self.coalescers[target].classify(
-                request, seconds=timeout, trace_metadata=inject_context()
+                request,
+                seconds=timeout,
+                trace_metadata=inject_context(),
+                cache_scope=cache_scope_of(current_caller().tenant),
             )
             latency = time.perf_counter() - started
             return response

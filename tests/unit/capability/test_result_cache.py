@@ -1,6 +1,7 @@
 """The result cache over real gRPC: a repeated text is answered without a forward, a
 version swap never serves the old version's result and refills the cache with the
-most hit texts, a bundle rebuilt under the same version (another digest) never
+most hit texts (each in its own scope), one scope's (tenant's) entries never answer
+another's, a bundle rebuilt under the same version (another digest) never
 serves the other's, and the bounds hold."""
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from capability.metrics import (
     CapabilityMetrics,
 )
 from capability.model import EncodedText
-from capability.result_cache import ENTRY_OVERHEAD_BYTES, ResultCache
+from capability.result_cache import ENTRY_OVERHEAD_BYTES, ResultCache, WarmText
 from capability.server import CapabilityServer
+from classify_common.context import CACHE_SCOPE_HEADER
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 
 MODEL = "topic-static"
@@ -137,16 +139,16 @@ def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None
     )
     cache.switch_bundle(MODEL, SERVING_DIGEST)
     for n in (1, 2):
-        cache.store(MODEL, SERVING_DIGEST, text(n), "x", None, (0.5, 0.5))
-    assert cache.lookup(MODEL, SERVING_DIGEST, text(1)) == (0.5, 0.5)  # now the most recent
-    cache.store(MODEL, SERVING_DIGEST, text(3), "x", None, (0.5, 0.5))
+        cache.store(MODEL, SERVING_DIGEST, "", text(n), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, SERVING_DIGEST, "", text(1)) == (0.5, 0.5)  # now the most recent
+    cache.store(MODEL, SERVING_DIGEST, "", text(3), "x", None, (0.5, 0.5))
     assert len(cache) == 2
     assert cache.size_bytes == 2 * entry_bytes
-    assert cache.lookup(MODEL, SERVING_DIGEST, text(2)) is None
-    assert cache.lookup(MODEL, SERVING_DIGEST, text(1)) is not None
+    assert cache.lookup(MODEL, SERVING_DIGEST, "", text(2)) is None
+    assert cache.lookup(MODEL, SERVING_DIGEST, "", text(1)) is not None
     # A bundle not serving is neither stored nor found.
-    cache.store(MODEL, RETIRED_DIGEST, text(4), "x", None, (0.5, 0.5))
-    assert cache.lookup(MODEL, RETIRED_DIGEST, text(4)) is None
+    cache.store(MODEL, RETIRED_DIGEST, "", text(4), "x", None, (0.5, 0.5))
+    assert cache.lookup(MODEL, RETIRED_DIGEST, "", text(4)) is None
 
 
 def test_a_result_the_replaced_bundle_finishes_after_the_swap_is_never_kept() -> None:
@@ -158,10 +160,10 @@ def test_a_result_the_replaced_bundle_finishes_after_the_swap_is_never_kept() ->
     )
     cache.switch_bundle(MODEL, RETIRED_DIGEST)
     cache.switch_bundle(MODEL, SERVING_DIGEST)  # rebuilt, same version directory
-    cache.store(MODEL, RETIRED_DIGEST, striker, "x", None, (0.9, 0.1))  # old batch ends
+    cache.store(MODEL, RETIRED_DIGEST, "", striker, "x", None, (0.9, 0.1))  # old batch ends
     assert len(cache) == 0
-    assert cache.lookup(MODEL, SERVING_DIGEST, striker) is None
-    assert cache.lookup(MODEL, RETIRED_DIGEST, striker) is None
+    assert cache.lookup(MODEL, SERVING_DIGEST, "", striker) is None
+    assert cache.lookup(MODEL, RETIRED_DIGEST, "", striker) is None
 
 
 async def test_a_bundle_rebuilt_under_the_same_version_never_serves_the_others_results(
@@ -270,3 +272,63 @@ async def test_warm_texts_fill_the_cache_at_load_and_the_floor_is_exported(
         ]
     assert [a.cached for a in answers] == [True, True]
     assert counted(server, MODEL_FORWARD_TOTAL) == forwards
+
+
+def scoped(scope: str) -> tuple[tuple[str, str], ...]:
+    return ((CACHE_SCOPE_HEADER, scope),)
+
+
+async def test_one_scopes_result_never_answers_another_scope(
+    start_capability: StartCapability,
+) -> None:
+    """What the orchestrator sends per tenant: in a Classify call's header, and per item
+    of a ClassifyBatch call in its ItemContext."""
+    server = await cached_server(start_capability)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        request = pb.ClassifyRequest(text=STRIKER, model=MODEL)
+        first = await stub.Classify(request, metadata=scoped("a"))
+        forwards = counted(server, MODEL_FORWARD_TOTAL)
+        other = await stub.Classify(request, metadata=scoped("b"))
+        unscoped = await stub.Classify(request)
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
+        repeat = await stub.Classify(request, metadata=scoped("a"))
+        assert counted(server, MODEL_FORWARD_TOTAL) == forwards + 2
+        items = [
+            pb.ClassifyRequest(text=OTHER, model=MODEL),
+            pb.ClassifyRequest(text=OTHER, model=MODEL),
+            pb.ClassifyRequest(text=STRIKER, model=MODEL),
+        ]
+        await stub.Classify(pb.ClassifyRequest(text=OTHER, model=MODEL), metadata=scoped("a"))
+        contexts = [pb.ItemContext(cache_scope=scope) for scope in ("a", "c", "b")]
+        batch = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=items, item_contexts=contexts)
+        )
+    assert [first.cached, other.cached, unscoped.cached, repeat.cached] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert [r.response.cached for r in batch.results] == [True, False, True]
+
+
+def test_a_swap_refills_each_text_into_its_scope_and_warm_texts_into_the_shared_one() -> None:
+    striker = EncodedText(ids=(101, 7, 102), truncated=False)
+    cache = ResultCache(
+        CapabilityMetrics(CollectorRegistry()), max_entries=10, max_bytes=2**20, warm=10
+    )
+    cache.switch_bundle(MODEL, RETIRED_DIGEST)
+    cache.store(MODEL, RETIRED_DIGEST, "a", striker, "x", None, (0.9, 0.1))
+    assert cache.lookup(MODEL, RETIRED_DIGEST, "b", striker) is None
+    assert cache.lookup(MODEL, RETIRED_DIGEST, "a", striker) == (0.9, 0.1)
+    assert cache.switch_bundle(MODEL, SERVING_DIGEST) == [WarmText("x", None, "a")]
+    # A warm_texts file's text (no scope: the shared one) answers every scope.
+    (shared,) = [WarmText("y", None)]
+    cache.store(MODEL, SERVING_DIGEST, shared.scope, striker, "y", None, (0.2, 0.8))
+    assert cache.lookup(MODEL, SERVING_DIGEST, "a", striker) == (0.2, 0.8)
+    assert cache.lookup(MODEL, SERVING_DIGEST, "", striker) == (0.2, 0.8)
+    # A scope's own entry comes first.
+    cache.store(MODEL, SERVING_DIGEST, "a", striker, "x", None, (0.9, 0.1))
+    assert cache.lookup(MODEL, SERVING_DIGEST, "a", striker) == (0.9, 0.1)
+    assert cache.lookup(MODEL, SERVING_DIGEST, "b", striker) == (0.2, 0.8)
