@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import shutil
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -331,6 +331,21 @@ async def test_a_batch_too_slow_for_all_its_texts_computes_the_most_that_fit(
     )
 
 
+def admitting_in_order(
+    answered: list[str],
+) -> Callable[[ModelReplica, str], asyncio.Future[TextResult]]:
+    """admit(replica, name): one headline queued as `name` (interactive, no deadline),
+    whose name is appended to `answered` once it is answered."""
+
+    def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
+        encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
+        future = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
+        future.add_done_callback(lambda _: answered.append(name))
+        return future
+
+    return admit
+
+
 async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
     start_capability: StartCapability,
 ) -> None:
@@ -338,12 +353,7 @@ async def test_a_saturated_model_hands_the_device_over_to_another_model_waiting(
     worker = server.pool.workers[0]
     minilm, static = worker.replicas["topic-minilm"], worker.replicas["topic-static"]
     answered: list[str] = []
-
-    def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
-        encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
-        future = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
-        future.add_done_callback(lambda _: answered.append(name))
-        return future
+    admit = admitting_in_order(answered)
 
     async with device_occupied(worker, take_turn=False):
         # Three full batches of one model: the first runs, the second is handed over.
@@ -369,12 +379,7 @@ async def test_one_models_batching_window_does_not_hold_the_device_from_another(
     worker = server.pool.workers[0]
     minilm, static = worker.replicas["topic-minilm"], worker.replicas["topic-static"]
     answered: list[str] = []
-
-    def admit(replica: ModelReplica, name: str) -> asyncio.Future[TextResult]:
-        encoded = replica.bundle.classifier.tokenize([TEXTS[0]])[0]
-        future = replica.admit(Admission(encoded, PRIORITY_INTERACTIVE, name, None))
-        future.add_done_callback(lambda _: answered.append(name))
-        return future
+    admit = admitting_in_order(answered)
 
     waiting = admit(minilm, "minilm")
     await asyncio.sleep(0)  # its batching loop sees it, and waits out the window

@@ -4,8 +4,10 @@ answered on its own, in order, with its own route, fallback and error."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -208,11 +210,14 @@ async def test_an_item_whose_own_timeout_is_spent_gets_deadline_exceeded_alone(
     assert item_error_info(late.error).reason == "DEADLINE_EXPIRED"
 
 
-async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
-    capability: CapabilityServer, tmp_path: Path
-) -> None:
-    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
-    keys = tmp_path / "keys.yaml"
+@contextlib.asynccontextmanager
+async def front_door_for_a_small_tenant(
+    capability: CapabilityServer, directory: Path
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator whose key `limited-secret` is tenant `small`'s: three calls, then
+    (at 0.001 a second) none."""
+    routes = write_routes(directory / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    keys = directory / "keys.yaml"
     keys.write_text(
         "keys:\n"
         f"  - {{id: limited, sha256: {hash_key('limited-secret')}, tenant: small, role: user}}\n"
@@ -224,33 +229,42 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
     )
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            response = await stub.ClassifyBatch(
-                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 5),
+        yield server
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    async with (
+        front_door_for_a_small_tenant(capability, tmp_path) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 5),
+            metadata=(("authorization", "Bearer limited-secret"),),
+            timeout=30,
+        )
+        codes = [r.error.code if r.HasField("error") else 0 for r in response.results]
+        assert codes == [0, 0, 0, *[grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 2]
+        retry = unpack(response.results[4].error, error_details_pb2.RetryInfo)
+        assert len(retry) == 1
+        # Two items refused, in a call that was served: no call was refused whole
+        # (what the SLO leaves out of its errors counts calls, as requests do).
+        assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 2
+        assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 0
+        # The bucket is empty now: the next call is refused whole.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)]),
                 metadata=(("authorization", "Bearer limited-secret"),),
                 timeout=30,
             )
-            codes = [r.error.code if r.HasField("error") else 0 for r in response.results]
-            assert codes == [0, 0, 0, *[grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 2]
-            retry = unpack(response.results[4].error, error_details_pb2.RetryInfo)
-            assert len(retry) == 1
-            # Two items refused, in a call that was served: no call was refused whole
-            # (what the SLO leaves out of its errors counts calls, as requests do).
-            assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 2
-            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 0
-            # The bucket is empty now: the next call is refused whole.
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.ClassifyBatch(
-                    pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)]),
-                    metadata=(("authorization", "Bearer limited-secret"),),
-                    timeout=30,
-                )
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 1
-            assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 3
-    finally:
-        await server.stop(grace_seconds=0)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 1
+        assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 3
 
 
 async def test_a_batch_refused_whole_for_its_size_is_charged_as_one_call(
@@ -258,20 +272,8 @@ async def test_a_batch_refused_whole_for_its_size_is_charged_as_one_call(
 ) -> None:
     """1,025 items break the batch rule and nothing is served: one token of the
     tenant's three is spent, not all three, so a batch of two still goes through."""
-    routes = write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability.port}"])
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(
-        "keys:\n"
-        f"  - {{id: limited, sha256: {hash_key('limited-secret')}, tenant: small, role: user}}\n"
-        "tenants:\n  small: {rate_per_second: 0.001, burst: 3}\n"
-    )
-    server = OrchestratorServer(
-        orchestrator_settings(routes_file=routes, auth="required", api_keys_file=keys),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
     key = (("authorization", "Bearer limited-secret"),)
-    try:
+    async with front_door_for_a_small_tenant(capability, tmp_path) as server:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as too_many:
@@ -291,8 +293,6 @@ async def test_a_batch_refused_whole_for_its_size_is_charged_as_one_call(
             "response",
         ]
         assert metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="small") == 0
-    finally:
-        await server.stop(grace_seconds=0)
 
 
 async def test_a_batch_whose_deadline_comes_first_answers_every_item_in_time(
