@@ -262,3 +262,30 @@ async def test_ctrl_c_ends_the_command_with_an_error_line_and_status_130(
         "error: interrupted",
     )
     assert b"Traceback" not in err
+
+
+async def test_output_piped_into_a_reader_that_stops_early_ends_quietly(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """`classify --file ... | head -1`: the reader goes after one line, the command's
+    next writes find the pipe closed; it ends with 141 (SIGPIPE's status) and no
+    traceback."""
+    lines = tmp_path / "many.txt"
+    lines.write_text("".join(f"{STRIKER} ({number})\n" for number in range(3000)))
+    async with front_door(capability, tmp_path, model="topic-static") as server:
+        command = await asyncio.to_thread(
+            subprocess.Popen,
+            [*COMMAND, "--target", target(server), "--file", str(lines), "--timeout", "60"],
+            cwd=tmp_path,
+            env={**os.environ, "CLASSIFY_API_KEY": KEY},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert command.stdout is not None
+        assert command.stderr is not None
+        first = await asyncio.to_thread(command.stdout.readline)
+        command.stdout.close()  # as `head -1` exits
+        status = await asyncio.to_thread(command.wait, 60)
+        err = await asyncio.to_thread(command.stderr.read)
+    assert first.decode().startswith("sports")
+    assert (status, err) == (141, b"")

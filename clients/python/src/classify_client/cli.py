@@ -23,7 +23,8 @@ with the file's lines; the file is UTF-8, with or without a byte-order mark.
 
 Input it cannot use (a file it cannot read or that is not UTF-8, an empty
 `--file`) is reported as one `error:` line, exit 1, before any call; Ctrl-C
-ends it with `error: interrupted`, exit 130.
+ends it with `error: interrupted`, exit 130; a reader of its output that stops
+early (`| head`) ends it quietly, exit 141.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ ECHO_CHARS = 60
 # shells report a command that SIGINT ended).
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# Its output's reader went away: 128 + SIGPIPE, as a command SIGPIPE ended reports.
+EXIT_BROKEN_PIPE = 141
 
 
 class UnusableInput(Exception):
@@ -337,6 +340,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went (`| head`): nothing more to say, and nowhere to say it.
+        # stdout points at /dev/null from here, so the interpreter's last flush at
+        # exit does not fail on the closed pipe too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
