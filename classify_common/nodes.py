@@ -345,14 +345,14 @@ def client_call(method: str, target: str) -> AbstractContextManager[trace.Span]:
     request_trace = _current.get()
     if request_trace is None or not request_trace.makes_spans:
         return _NO_CLIENT_SPAN
-    return _client_span(method, target)
+    return _client_span(method, target, request_trace)
 
 
 _NO_CLIENT_SPAN = nullcontext(trace.INVALID_SPAN)
 
 
 @contextmanager
-def _client_span(method: str, target: str) -> Iterator[trace.Span]:
+def _client_span(method: str, target: str, request_trace: RequestTrace) -> Iterator[trace.Span]:
     attributes = {RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC, RPC_METHOD: method, **server_attributes(target)}
     span = get_tracer().start_span(method, kind=SpanKind.CLIENT, attributes=attributes)
     with trace.use_span(
@@ -363,6 +363,11 @@ def _client_span(method: str, target: str) -> Iterator[trace.Span]:
         except BaseException as error:
             mark_error(span, error, SpanKind.CLIENT)
             raise
+        finally:
+            # Answered PROCESSING meanwhile, the call ends after its request's answer:
+            # marked like the request's other spans that end late.
+            if request_trace.timed_out:
+                span.set_attribute(TIMEOUT_ATTRIBUTE, True)
         span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
 
 

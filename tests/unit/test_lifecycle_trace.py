@@ -283,6 +283,8 @@ async def test_a_request_past_its_budget_is_marked_timeout_and_still_traced(
     assert upstream.end_time is not None
     assert front.end_time is not None
     assert upstream.end_time > front.end_time  # exported when the work finished
+    (client,) = client_spans(spans)  # the attempt's call, ended late too
+    assert dict(client.attributes or {})["timeout"] is True
 
 
 @pytest.mark.parametrize("text", ["", " \n ", "x" * 100_001])
