@@ -203,6 +203,17 @@ def test_compose_cpu_profile_reserves_no_gpu_and_runs_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("service", SERVER_SERVICES)
+def test_compose_servers_run_read_only_without_capabilities(service: str) -> None:
+    spec = compose_services()[service]
+
+    assert spec["read_only"] is True
+    assert spec["tmpfs"] == ["/tmp"]
+    assert compose_environment(service)["HOME"] == "/tmp"
+    assert spec["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in spec["security_opt"]
+
+
+@pytest.mark.parametrize("service", SERVER_SERVICES)
 def test_compose_stop_grace_outlasts_the_servers_drain(service: str) -> None:
     environment = compose_environment(service)
     settings = (
@@ -319,6 +330,21 @@ def capability_pod() -> tuple[dict[str, Any], dict[str, Any]]:
 def orchestrator_pod() -> tuple[dict[str, Any], dict[str, Any]]:
     deployment = k8s_resource("Deployment", "orchestrator")
     return deployment, container(deployment, "orchestrator")
+
+
+def test_k8s_redis_password_is_read_from_a_file_not_the_environment_or_arguments() -> None:
+    """In no environment variable and on no command line (both readable in /proc):
+    read from the Secret's file into the configuration redis-server reads on stdin."""
+    redis = container(k8s_resource("StatefulSet", "redis"), "redis")
+    script = " ".join(redis["args"])
+
+    assert "env" not in redis
+    assert "--requirepass" not in script
+    assert "$(cat /var/run/secrets/classify/redis/password)" in script
+    assert "| exec redis-server -" in script
+    (mount,) = [m for m in redis["volumeMounts"] if m["name"] == "redis-password"]
+    assert mount["readOnly"] is True
+    assert f"$(cat {mount['mountPath']}/password)" in script
 
 
 def test_every_k8s_resource_is_in_the_classify_namespace() -> None:
@@ -438,9 +464,14 @@ def test_k8s_orchestrator_uses_the_redis_service_with_the_password_secret() -> N
     assert settings.state_password_file is not None
     volume = volumes[mounts[PurePosixPath(settings.state_password_file).parent]]
     assert volume["secret"]["secretName"] == "classify-redis"
-    redis = k8s_resource("StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
-    secret = redis["env"][0]["valueFrom"]["secretKeyRef"]
-    assert (secret["name"], secret["key"]) == ("classify-redis", settings.state_password_file.name)
+    # Redis reads the same Secret's same key, as a file too.
+    redis_pod = k8s_resource("StatefulSet", "redis")["spec"]["template"]["spec"]
+    (redis_volume,) = [v for v in redis_pod["volumes"] if "secret" in v]
+    assert redis_volume["secret"]["secretName"] == "classify-redis"
+    (redis,) = redis_pod["containers"]
+    (mount,) = [m for m in redis["volumeMounts"] if m["name"] == redis_volume["name"]]
+    password_file = f"{mount['mountPath']}/{settings.state_password_file.name}"
+    assert f"$(cat {password_file})" in " ".join(redis["args"])
 
 
 def test_k8s_capability_pod_takes_one_gpu_of_a_selected_model() -> None:
