@@ -24,7 +24,7 @@ from capability.workers.cuda import (
 from capability.workers.pool import worker_names
 from capability.workers.threads import compute_inline
 from classify_common.errors import ServiceError
-from classify_common.serving import GrpcServing, run_server, serve_until_signal
+from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
 from classify_common.settings import SettingsError, read_secret
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class CapabilityServer:
         self._stopped = True
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
         if self._watcher is not None:
-            await stop_watcher(self._watcher)
+            await stop_watcher(self._watcher, "model-root watcher")
         await self.serving.set_serving(False)
         try:
             await asyncio.wait_for(self.pool.drain(), timeout=grace)
@@ -127,21 +127,6 @@ class CapabilityServer:
         # Answers that are ready still need a moment to be written to the wire.
         await self.serving.stop(grace_seconds=min(grace, 1.0))
         await self.pool.close()
-
-
-async def stop_watcher(watcher: asyncio.Task[None]) -> None:
-    """Cancel the model-root watcher and wait for it to end.
-
-    NOTE: a watcher that had already died of an error must not stop the drain that
-    follows: awaiting it would raise that error again, and the calls admitted would
-    be cancelled rather than finished. The error is logged instead."""
-    watcher.cancel()
-    await asyncio.wait({watcher})
-    if not watcher.cancelled() and watcher.exception() is not None:
-        log.error(
-            "the model-root watcher had stopped on an error; draining anyway",
-            exc_info=watcher.exception(),
-        )
 
 
 async def serve(settings: CapabilitySettings) -> None:

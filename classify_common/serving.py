@@ -274,6 +274,21 @@ def run_server(
         tracing.shutdown()  # sends the spans still queued
 
 
+async def stop_watcher(watcher: asyncio.Task[None], name: str) -> None:
+    """Cancel a server's file watcher (`name`, for the log) and wait for it to end.
+
+    NOTE: a watcher that had already died of an error must not stop the shutdown
+    that follows: awaiting it would raise that error again, and the calls in flight
+    would be cancelled rather than drained. The error is logged instead."""
+    watcher.cancel()
+    await asyncio.wait({watcher})
+    if not watcher.cancelled() and watcher.exception() is not None:
+        log.error(
+            f"the {name} had stopped on an error; draining anyway",
+            exc_info=watcher.exception(),
+        )
+
+
 async def serve_until_signal(
     server: StoppableServer,
     start: Callable[[], Awaitable[Mapping[str, object]]],

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.metrics import MetricsEndpoint
-from classify_common.serving import GrpcServing, run_server, serve_until_signal
+from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
 from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
@@ -152,26 +152,11 @@ class OrchestratorServer:
     async def stop(self, grace_seconds: float | None = None) -> None:
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
         if self._watcher is not None:
-            await stop_watcher(self._watcher)
+            await stop_watcher(self._watcher, "routes watcher")
             self._watcher = None
         await self.serving.stop(grace)
         await self.dispatcher.close()
         await self.state.close()
-
-
-async def stop_watcher(watcher: asyncio.Task[None]) -> None:
-    """Cancel the routes watcher and wait for it to end.
-
-    NOTE: a watcher that had already died of an error must not stop the shutdown
-    that follows: awaiting it would raise that error again, and the calls in flight
-    would be cancelled rather than drained. The error is logged instead."""
-    watcher.cancel()
-    await asyncio.wait({watcher})
-    if not watcher.cancelled() and watcher.exception() is not None:
-        log.error(
-            "the routes watcher had stopped on an error; draining anyway",
-            exc_info=watcher.exception(),
-        )
 
 
 async def serve(settings: OrchestratorSettings) -> None:

@@ -3,7 +3,6 @@ a rollback by ReloadModel that it leaves alone, and errors it outlives."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 from pathlib import Path
@@ -17,7 +16,7 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
 from capability.metrics import RELOADS_TOTAL
-from capability.server import CapabilityServer, stop_watcher
+from capability.server import CapabilityServer
 from classify_common.nodes import BATCH_SPAN_NAME
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 
@@ -169,24 +168,6 @@ async def test_a_warm_texts_file_that_is_not_utf8_is_refused_and_the_watcher_goe
     await wait_until(lambda: reloads(server, "ok") == 1, "version 3 loaded")
     assert await serving_version(server) == "3"
     await server.stop(grace_seconds=5)
-
-
-async def fails_at_once() -> None:
-    raise TypeError("unhashable type: 'list'")
-
-
-async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raising(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """CapabilityServer.stop() goes on to drain after this returns; raising here, as
-    awaiting the dead task did, skipped the drain."""
-    watcher = asyncio.ensure_future(fails_at_once())
-    await asyncio.wait({watcher})
-    await stop_watcher(watcher)
-    [record] = [r for r in caplog.records if r.exc_info]
-    assert record.getMessage() == "the model-root watcher had stopped on an error; draining anyway"
-    assert record.exc_info is not None
-    assert isinstance(record.exc_info[1], TypeError)
 
 
 async def test_batches_after_a_reload_are_not_part_of_the_reload_calls_trace(

@@ -12,25 +12,22 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
-from prometheus_client import CollectorRegistry
-
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import CLASSIFY_BATCH_METHOD, MODEL_FORWARD_TOTAL, RPC_ITEMS
 from capability.server import CapabilityServer
 from classify_common.context import cache_scope_of
-from orchestrator.security import hash_key, new_key
-from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, StartCapability, metric_sum, orchestrator_settings
+from tests.conftest import STRIKER, StartCapability, metric_sum
 from tests.unit.capability.test_serving import device_occupied
+from tests.unit.orchestrator.test_result_isolation import (
+    ACME,
+    ZENITH,
+    acme_and_zenith_front_door,
+)
 
 MODEL = "topic-static"
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
 TOKEN = "internal-token-for-cache-scope-tests"
-ACME_KEY, ZENITH_KEY = new_key(), new_key()
-ACME = (("authorization", f"Bearer {ACME_KEY}"),)
-ZENITH = (("authorization", f"Bearer {ZENITH_KEY}"),)
 
 
 @contextlib.asynccontextmanager
@@ -44,38 +41,10 @@ async def two_tenants(
     capability = await start_capability(
         models=(MODEL,), result_cache_entries=1000, internal_token_file=token_file
     )
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(
-        "keys:\n"
-        f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
-        f"  - {{id: z, sha256: {hash_key(ZENITH_KEY)}, tenant: zenith, role: user}}\n"
-    )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        f"""version: 1
-backends:
-  static: {{model: {MODEL}, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
-routes:
-  - name: default
-    backend: static
-"""
-    )
-    server = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes,
-            routes_poll_seconds=0,
-            auth="required",
-            api_keys_file=keys,
-            internal_token_file=token_file,
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            yield classify_service_pb2_grpc.ClassifyServiceStub(channel), capability
-    finally:
-        await server.stop(grace_seconds=0)
+    async with acme_and_zenith_front_door(
+        tmp_path, MODEL, capability.port, internal_token_file=token_file
+    ) as stub:
+        yield stub, capability
 
 
 def forwards(capability: CapabilityServer) -> float:

@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
+from classify_common.serving import stop_watcher
 from orchestrator.metrics import ROUTES_RELOADS_TOTAL
 from orchestrator.routing import RouteTable
 from orchestrator.routing.watcher import RoutesWatcher
-from orchestrator.server import OrchestratorServer, stop_watcher
+from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
 from tests.hostile_files import nested_aliases
@@ -412,13 +413,13 @@ async def test_the_watcher_outlives_an_unexpected_error_and_counts_it(tmp_path: 
         assert applied[1].default_route.backend.name == "minilm"
         assert not watcher.done()
     finally:
-        await stop_watcher(watcher)
+        await stop_watcher(watcher, "routes watcher")
 
 
 async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raising(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """OrchestratorServer.stop() goes on to drain after this returns; raising here, as
+    """Both servers' stop() go on to drain after this returns; raising here, as
     awaiting the dead task did, skipped the drain."""
 
     async def fails_at_once() -> None:
@@ -427,7 +428,7 @@ async def test_stopping_a_watcher_that_died_of_an_error_logs_it_instead_of_raisi
     watcher = asyncio.ensure_future(fails_at_once())
     await asyncio.wait({watcher})
     with caplog.at_level(logging.ERROR):
-        await stop_watcher(watcher)
+        await stop_watcher(watcher, "routes watcher")
     [record] = [r for r in caplog.records if r.exc_info]
     assert record.getMessage() == "the routes watcher had stopped on an error; draining anyway"
     assert record.exc_info is not None

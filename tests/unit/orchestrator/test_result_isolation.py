@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -43,27 +44,28 @@ def state_url(request: pytest.FixtureRequest) -> str | None:
 
 
 @contextlib.asynccontextmanager
-async def tenants_stub(
-    capability: CapabilityServer, tmp_path: Path, state_url: str | None
+async def acme_and_zenith_front_door(
+    directory: Path, model: str, capability_port: int, route_extra: str = "", **settings: Any
 ) -> AsyncIterator[classify_service_pb2_grpc.ClassifyServiceAsyncStub]:
-    """A stub for an orchestrator with tenants `acme` and `zenith` (no rate limits) and
-    one route with a 200 ms budget to topic-minilm, whose device the tests hold."""
-    keys = tmp_path / "keys.yaml"
+    """A stub for an orchestrator with tenants `acme` and `zenith` (keys ACME_KEY and
+    ZENITH_KEY, no rate limits) and one route, `default`, to `model` at the capability
+    on `capability_port` (`route_extra`: more of the route's YAML); `settings`: more
+    orchestrator settings."""
+    keys = directory / "keys.yaml"
     keys.write_text(
         "keys:\n"
         f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
         f"  - {{id: z, sha256: {hash_key(ZENITH_KEY)}, tenant: zenith, role: user}}\n"
     )
-    routes = tmp_path / "routes.yaml"
+    routes = directory / "routes.yaml"
     routes.write_text(
         f"""version: 1
 backends:
-  minilm: {{model: topic-minilm, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
+  model: {{model: {model}, targets: ["127.0.0.1:{capability_port}"], timeout: 30s}}
 routes:
   - name: default
-    backend: minilm
-    budget: 200ms
-"""
+    backend: model
+{route_extra}"""
     )
     server = OrchestratorServer(
         orchestrator_settings(
@@ -71,7 +73,7 @@ routes:
             routes_poll_seconds=0,
             auth="required",
             api_keys_file=keys,
-            state_url=state_url,
+            **settings,
         ),
         registry=CollectorRegistry(),
     )
@@ -81,6 +83,16 @@ routes:
             yield classify_service_pb2_grpc.ClassifyServiceStub(channel)
     finally:
         await server.stop(grace_seconds=0)
+
+
+def tenants_stub(
+    capability: CapabilityServer, tmp_path: Path, state_url: str | None
+) -> contextlib.AbstractAsyncContextManager[classify_service_pb2_grpc.ClassifyServiceAsyncStub]:
+    """The two tenants' front door with a 200 ms budget to topic-minilm, whose device
+    the tests hold; results stored at `state_url` (None: in process)."""
+    return acme_and_zenith_front_door(
+        tmp_path, "topic-minilm", capability.port, "    budget: 200ms\n", state_url=state_url
+    )
 
 
 async def poll_until_done(
