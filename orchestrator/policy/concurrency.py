@@ -243,10 +243,7 @@ class AdaptiveConcurrencyLimit:
             return
         else:
             self.limit = self._bounded(self._next_limit(median, missing_deadlines))
-        samples.clear()
-        self._window_misses = 0
-        self._peak_in_flight = self.in_flight
-        self._window_ends = now + self.settings.window_seconds
+        self._start_window(now)
         if self.engaged and overloaded and now >= self._next_probe:
             self._probing_from, self._probe_started = self.limit, now
             self.limit = self.settings.min_limit
@@ -270,9 +267,13 @@ class AdaptiveConcurrencyLimit:
         self.limit = float(self.settings.max_limit)
         self._probing_from = None
         self._probe.clear()
+        self._overload_seen = False
+        self._start_window(now)
+
+    def _start_window(self, now: float) -> None:
+        """A new window of answers, from `now`."""
         self._window.clear()
         self._window_misses = 0
-        self._overload_seen = False
         self._peak_in_flight = self.in_flight
         self._window_ends = now + self.settings.window_seconds
 
@@ -285,10 +286,7 @@ class AdaptiveConcurrencyLimit:
         self.limit, self._probing_from = self._probing_from, None
         self._probe.clear()
         # What came back during the probe was sent before it, at the old limit.
-        self._window.clear()
-        self._window_misses = 0
-        self._peak_in_flight = self.in_flight
-        self._window_ends = now + self.settings.window_seconds
+        self._start_window(now)
         self._next_probe = now + self._jittered(self.settings.probe_interval_seconds)
 
     def retry_after_seconds(self) -> float:
