@@ -94,7 +94,8 @@ class OrchestratorSettings(ServerSettings):
         None, "certificate shown to capability servers (mTLS)", Path
     )
     upstream_key_file: Path | None = setting(None, "key of that certificate", Path)
-    # Results kept for GetResult after a PROCESSING answer, oldest dropped first.
+    # Results kept for GetResult after a PROCESSING answer; past the capacity, the
+    # oldest of the tenant holding the most goes (orchestrator.results).
     results_capacity: int = setting(
         DEFAULT_RESULTS_CAPACITY, "results kept for GetResult", int, low=1, high=1_000_000
     )

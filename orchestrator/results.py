@@ -2,8 +2,13 @@
 
 Only calls that answered PROCESSING (or whose client gave up first) are kept,
 so a store holds the slow tail, not all traffic. A store holds at most
-`capacity` entries, oldest dropped first, each for `ttl_seconds` after it was
-created; an unknown, dropped or expired request ID is NOT_FOUND.
+`capacity` entries, each for `ttl_seconds` after it was created; an unknown,
+dropped or expired request ID is NOT_FOUND.
+
+Past the capacity, an expired entry goes first; otherwise the oldest entry of
+the tenant holding the most. A tenant that holds no more than its share
+(capacity / tenants holding results) thus never loses a result to another
+tenant's burst of slow calls: the burst pushes out its own oldest results.
 
 Results belong to the tenant whose call made them: a request ID names a result
 only within that tenant (the authenticated caller of the call each store method
@@ -96,21 +101,49 @@ class LocalResultStore:
         self._capacity = capacity
         self._ttl = ttl_seconds
         self._clock = clock
-        # By (tenant, request ID); see result_owner.
-        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        # Tenant -> request ID -> entry, each tenant's oldest first (see result_owner).
+        self._by_tenant: dict[str, OrderedDict[str, _Entry]] = {}
+        # Every entry's (tenant, request ID), oldest first: the expired ones lead.
+        self._order: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.dropped = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._order)
+
+    def held_by(self, tenant: str) -> int:
+        return len(self._by_tenant.get(tenant, ()))
 
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
-        key = (result_owner(), request_id)
-        self._entries.pop(key, None)
-        self._entries[key] = _Entry(expires_at=self._clock() + self._ttl, pending=pending)
-        while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+        tenant = result_owner()
+        self._remove(tenant, request_id)
+        entry = _Entry(expires_at=self._clock() + self._ttl, pending=pending)
+        self._by_tenant.setdefault(tenant, OrderedDict())[request_id] = entry
+        self._order[tenant, request_id] = None
+        while len(self._order) > self._capacity:
+            self._remove(*self._eviction_victim())
             self.dropped += 1
         return True
+
+    def _eviction_victim(self) -> tuple[str, str]:
+        """The globally oldest entry if it has expired, else the oldest of the tenant
+        holding the most (the first such tenant to have held one, on a tie)."""
+        tenant, request_id = next(iter(self._order))
+        if self._by_tenant[tenant][request_id].expires_at <= self._clock():
+            return tenant, request_id
+        tenant = max(self._by_tenant, key=lambda name: len(self._by_tenant[name]))
+        return tenant, next(iter(self._by_tenant[tenant]))
+
+    def _entry(self, tenant: str, request_id: str) -> _Entry | None:
+        entries = self._by_tenant.get(tenant)
+        return None if entries is None else entries.get(request_id)
+
+    def _remove(self, tenant: str, request_id: str) -> None:
+        entries = self._by_tenant.get(tenant)
+        if entries is None or entries.pop(request_id, None) is None:
+            return
+        del self._order[tenant, request_id]
+        if not entries:
+            del self._by_tenant[tenant]
 
     async def finish(
         self,
@@ -118,15 +151,15 @@ class LocalResultStore:
         response: pb.ClassifyResponse | None = None,
         error: ServiceError | None = None,
     ) -> None:
-        entry = self._entries.get((result_owner(), request_id))
+        entry = self._entry(result_owner(), request_id)
         if entry is not None:
             entry.response, entry.error = response, error
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
-        key = (result_owner(), request_id)
-        entry = self._entries.get(key)
+        tenant = result_owner()
+        entry = self._entry(tenant, request_id)
         if entry is None or entry.expires_at <= self._clock():
-            self._entries.pop(key, None)
+            self._remove(tenant, request_id)
             raise result_not_found(request_id)
         if entry.error is not None:
             raise entry.error

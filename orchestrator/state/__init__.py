@@ -21,8 +21,11 @@ Keys, all under `classify:v1:` (v1 changes whenever a value's format does):
                                      and the error as JSON; expires --results-ttl-seconds
                                      after it was held
     classify:v1:results              sorted set of the held results' `<tenant>/<request
-                                     id>` by when they were held (ms): --results-capacity,
-                                     oldest dropped first
+                                     id>` by when they were held (ms): --results-capacity
+                                     bounds it
+    classify:v1:results:<tenant>     the same, of one tenant's results: past the capacity,
+                                     the oldest of the tenant holding the most goes
+    classify:v1:results-by-tenant    sorted set of tenants by how many results they hold
     classify:v1:bucket:<tenant>      hash {tokens, updated}: the tenant's token bucket;
                                      expires once it would have refilled completely
 

@@ -2,10 +2,11 @@
 
 The same contract as orchestrator.results.LocalResultStore, with the capacity
 and TTL across all processes: holding a result is one script (set the value
-with its TTL, index it, drop the oldest past the capacity), finishing one is a
-SET that keeps the TTL and only replaces a value still there, and a poll is one
-GET. A result is keyed by its tenant and request ID (see result_key), as the
-local store keeps it.
+with its TTL, index it, and past the capacity drop an expired result or the
+oldest of the tenant holding the most), finishing one is a SET that keeps the
+TTL and only replaces a value still there, and a poll is one GET. A result is
+keyed by its tenant and request ID (see result_key), as the local store keeps
+it.
 
 When Redis does not answer:
 - hold: False, and the dispatcher answers the call when it is done, within the
@@ -33,31 +34,66 @@ from orchestrator.state.connection import KEY_PREFIX, RedisState
 
 RESULT_PREFIX = KEY_PREFIX + "result:"
 RESULTS_INDEX = KEY_PREFIX + "results"
+TENANT_COUNTS = KEY_PREFIX + "results-by-tenant"
+TENANT_INDEX_PREFIX = KEY_PREFIX + "results:"
 # The first byte of a stored value says what follows it.
 PENDING, DONE, ERROR = b"P", b"D", b"E"
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] the result, KEYS[2] the index. ARGV: index member (result_key), value, TTL
-# (ms), capacity, result key prefix. Server time, so orchestrators' clocks need not agree.
-# NOTE: the keys of dropped results are built here, not passed in KEYS: fine on one
-# Redis server (or a primary with replicas), not on Redis Cluster.
+# KEYS[1] the result, KEYS[2] the index, KEYS[3] the tenants' counts, KEYS[4] this
+# tenant's index. ARGV: index member (result_key), value, TTL (ms), capacity, result
+# key prefix, tenant index prefix, tenant. Server time, so orchestrators' clocks need
+# not agree. Expired members leave every index first; past the capacity, the oldest
+# result of the tenant holding the most goes (orchestrator.results says why).
+# NOTE: the keys of other tenants and of dropped results are built here, not passed in
+# KEYS: fine on one Redis server (or a primary with replicas), not on Redis Cluster.
 _HOLD = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local ttl_ms = tonumber(ARGV[3])
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
-redis.call('ZADD', KEYS[2], now_ms, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - ttl_ms)
-local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
-if over > 0 then
-  local oldest = redis.call('ZPOPMIN', KEYS[2], over)
-  for i = 1, #oldest, 2 do
-    redis.call('DEL', ARGV[5] .. oldest[i])
+local function forget(member, tenant)
+  redis.call('ZREM', KEYS[2], member)
+  if redis.call('ZREM', ARGV[6] .. tenant, member) == 1 then
+    if tonumber(redis.call('ZINCRBY', KEYS[3], -1, tenant)) <= 0 then
+      redis.call('ZREM', KEYS[3], tenant)
+    end
   end
 end
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - ttl_ms)) do
+  forget(member, string.match(member, '^(.*)/[^/]*$'))
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
+redis.call('ZADD', KEYS[2], now_ms, ARGV[1])
+if redis.call('ZADD', KEYS[4], now_ms, ARGV[1]) == 1 then
+  redis.call('ZINCRBY', KEYS[3], 1, ARGV[7])
+end
+local dropped = 0
+while redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[4]) and dropped < 64 do
+  local counts = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+  local counted = 0
+  for i = 2, #counts, 2 do counted = counted + tonumber(counts[i]) end
+  local largest = counts[#counts - 1]
+  local victim, owner
+  if redis.call('ZCARD', KEYS[2]) > counted or not largest then
+    -- results an older version held are in no tenant's index: the oldest goes
+    victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    owner = string.match(victim, '^(.*)/[^/]*$')
+  else
+    victim, owner = redis.call('ZRANGE', ARGV[6] .. largest, 0, 0)[1], largest
+  end
+  if victim then
+    forget(victim, owner)
+    redis.call('DEL', ARGV[5] .. victim)
+  else  -- counted but holding none (indexes an older version left)
+    redis.call('ZREM', KEYS[3], largest)
+  end
+  dropped = dropped + 1
+end
 redis.call('PEXPIRE', KEYS[2], ttl_ms)
-return math.max(over, 0)
+redis.call('PEXPIRE', KEYS[3], ttl_ms)
+redis.call('PEXPIRE', KEYS[4], ttl_ms)
+return dropped
 """
 
 
@@ -73,11 +109,12 @@ class RedisResultStore:
         self._hold_script = state.client.register_script(_HOLD)
 
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
-        member = result_key(result_owner(), request_id)
-        keys = [RESULT_PREFIX + member, RESULTS_INDEX]
+        tenant = result_owner()
+        member = result_key(tenant, request_id)
+        keys = [RESULT_PREFIX + member, RESULTS_INDEX, TENANT_COUNTS, TENANT_INDEX_PREFIX + tenant]
         value = PENDING + pending.SerializeToString()
         args: list[bytes | str | int] = [member, value, self._ttl_ms, self._capacity]
-        args.append(RESULT_PREFIX)
+        args += [RESULT_PREFIX, TENANT_INDEX_PREFIX, tenant]
         try:
             await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
         except StateUnavailable:

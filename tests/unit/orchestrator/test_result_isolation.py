@@ -1,6 +1,8 @@
 """One stored result per tenant and request ID: another tenant cannot read a result or
-learn that it exists, two tenants' equal IDs keep two results, and a batch item that
-repeats an earlier item's request_id is refused (it would share that item's slot).
+learn that it exists, two tenants' equal IDs keep two results, a tenant's burst of
+slow calls past the store's capacity pushes out its own results, not another's, and a
+batch item that repeats an earlier item's request_id is refused (it would share that
+item's slot).
 
 Each store (in process, and Redis shared by orchestrators) is tested the same way.
 """
@@ -180,6 +182,41 @@ async def test_a_tenant_reusing_another_tenants_request_id_leaves_its_result_alo
     assert acme_while_zenith_runs == acme_done
     assert acme_afterwards == acme_done
     assert (zenith_done.labels[0].name, zenith_done.trace_id) == ("business", zenith.trace_id)
+
+
+async def test_a_tenants_burst_past_the_capacity_pushes_out_its_own_results_only(
+    capability: CapabilityServer, tmp_path: Path, state_url: str | None
+) -> None:
+    """Capacity 4: acme holds one result, then zenith six; three must go, and acme's,
+    the oldest of all, is within its share."""
+    zenith_ids = [f"z-{n}" for n in range(6)]
+    burst = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=SHARES, request_id=rid) for rid in zenith_ids]
+    )
+    async with acme_and_zenith_front_door(
+        tmp_path,
+        "topic-minilm",
+        capability.port,
+        "    budget: 200ms\n",
+        state_url=state_url,
+        results_capacity=4,
+    ) as stub:
+        async with device_occupied(capability.pool.workers[0]):
+            acme = await stub.Classify(
+                pb.ClassifyRequest(text=STRIKER, request_id="a-1"), metadata=ACME
+            )
+            zenith = await stub.ClassifyBatch(burst, metadata=ZENITH)
+        acme_done = await poll_until_done(stub, "a-1", ACME)
+        kept = [await poll_until_done(stub, rid, ZENITH) for rid in zenith_ids[3:]]
+        pushed_out = [
+            await refusal(stub.GetResult(pb.GetResultRequest(request_id=rid), metadata=ZENITH))
+            for rid in zenith_ids[:3]
+        ]
+    assert acme.status == pb.RESULT_STATUS_PROCESSING
+    assert [item.response.status for item in zenith.results] == [pb.RESULT_STATUS_PROCESSING] * 6
+    assert (acme_done.labels[0].name, acme_done.trace_id) == ("sports", acme.trace_id)
+    assert [answer.labels[0].name for answer in kept] == ["business"] * 3
+    assert [error.code() for error in pushed_out] == [grpc.StatusCode.NOT_FOUND] * 3
 
 
 async def test_a_batch_item_repeating_an_earlier_request_id_is_refused_and_the_first_kept(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -14,6 +16,8 @@ from capability.server import CapabilityServer
 from classify_common.errors import ModelUnavailable, ResultNotFound
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.results import LocalResultStore
+from orchestrator.security import gate
+from orchestrator.security.keys import Caller
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.status_details import error_reason
@@ -45,6 +49,47 @@ async def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() 
     await store.finish("never-held", response=pending)  # an outcome nobody waits for
     with pytest.raises(ResultNotFound):
         await store.get("never-held")
+
+
+@contextlib.contextmanager
+def as_tenant(tenant: str) -> Iterator[None]:
+    """Run the block as a call of `tenant` would (the gate binds the caller so)."""
+    token = gate._caller.set(Caller(key_id=tenant, tenant=tenant, role="user"))
+    try:
+        yield
+    finally:
+        gate._caller.reset(token)
+
+
+async def test_past_the_capacity_an_expired_entry_goes_first_then_the_largest_tenants_oldest() -> (
+    None
+):
+    now = [0.0]
+    store = LocalResultStore(capacity=3, ttl_seconds=10, clock=lambda: now[0])
+    pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
+    with as_tenant("zenith"):
+        await store.hold("z-old", pending)  # expires at 10
+    now[0] = 5.0
+    with as_tenant("acme"):
+        await store.hold("a-1", pending)
+        await store.hold("a-2", pending)
+    now[0] = 11.0
+    with as_tenant("acme"):
+        await store.hold("a-3", pending)  # z-old has expired: it goes, not a-1
+    assert (store.held_by("acme"), store.held_by("zenith")) == (3, 0)
+    with as_tenant("zenith"):
+        await store.hold("z-1", pending)  # acme holds the most: its oldest goes
+        await store.hold("z-2", pending)  # acme 2, zenith 2: acme still held first
+        await store.hold("z-3", pending)  # zenith's own oldest goes
+        with pytest.raises(ResultNotFound):
+            await store.get("z-1")
+    with as_tenant("acme"):
+        for gone in ("a-1", "a-2"):
+            with pytest.raises(ResultNotFound):
+                await store.get(gone)
+        assert (await store.get("a-3")).status == pb.RESULT_STATUS_PROCESSING
+    assert (store.held_by("acme"), store.held_by("zenith"), len(store)) == (1, 2, 3)
+    assert store.dropped == 4
 
 
 async def start_orchestrator(capability: CapabilityServer, tmp_path: Path) -> OrchestratorServer:

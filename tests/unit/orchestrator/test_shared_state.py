@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from classify_common.errors import QueueFull, StateUnavailable, status_for
+from classify_common.errors import QueueFull, ResultNotFound, StateUnavailable, status_for
 from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
@@ -30,6 +31,7 @@ from tests.conftest import (
 )
 from tests.status_details import error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
+from tests.unit.orchestrator.test_results import as_tenant
 
 ACME_KEY = new_key()
 StartShared = Callable[..., Awaitable[OrchestratorServer]]
@@ -228,32 +230,78 @@ async def _is_done(answer: Awaitable[pb.ClassifyResponse]) -> bool:
     return (await answer).status == pb.RESULT_STATUS_DONE
 
 
-async def test_stored_error_is_answered_with_its_class_and_retry_hint(
-    redis_server: RedisServer,
-) -> None:
+@pytest_asyncio.fixture
+async def redis_state(redis_server: RedisServer) -> AsyncIterator[RedisState]:
+    """A connection to `redis_server`, as an orchestrator opens it."""
     settings = orchestrator_settings(state_url=redis_server.url)
     state = RedisState.from_settings(settings, StateMetrics(CollectorRegistry()))
-    store = RedisResultStore(state, capacity=2, ttl_seconds=60)
-    try:
-        pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
-        for request_id in ("e", "f", "g"):  # capacity 2: "e", the oldest, is dropped
-            assert await store.hold(request_id, pending)
-        refused = QueueFull("the queue is full", retry_after_seconds=0.25, model="m")
-        await store.finish("g", error=refused)
-        with pytest.raises(QueueFull) as stored:
-            await store.get("g")
-        assert status_for(stored.value) == status_for(refused)
-        await store.finish("e", response=pending)  # dropped: not written back
-        # Outside a call the tenant is the anonymous one; keys name tenant and request.
-        assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
-        assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
-        assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
-        redis_server.stop()
-        assert not await store.hold("h", pending)
-        with pytest.raises(StateUnavailable):
-            await store.get("f")
-    finally:
-        await state.close()
+    yield state
+    await state.close()
+
+
+async def test_stored_error_is_answered_with_its_class_and_retry_hint(
+    redis_server: RedisServer, redis_state: RedisState
+) -> None:
+    store = RedisResultStore(redis_state, capacity=2, ttl_seconds=60)
+    pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
+    for request_id in ("e", "f", "g"):  # capacity 2: "e", the oldest, is dropped
+        assert await store.hold(request_id, pending)
+    refused = QueueFull("the queue is full", retry_after_seconds=0.25, model="m")
+    await store.finish("g", error=refused)
+    with pytest.raises(QueueFull) as stored:
+        await store.get("g")
+    assert status_for(stored.value) == status_for(refused)
+    await store.finish("e", response=pending)  # dropped: not written back
+    # Outside a call the tenant is the anonymous one; keys name tenant and request.
+    assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
+    assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
+    assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
+    redis_server.stop()
+    assert not await store.hold("h", pending)
+    with pytest.raises(StateUnavailable):
+        await store.get("f")
+
+
+async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_oldest(
+    redis_server: RedisServer, redis_state: RedisState
+) -> None:
+    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=1)
+    pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
+
+    async def counts() -> dict[str, float]:
+        key = "classify:v1:results-by-tenant"
+        held: list[tuple[bytes, float]] = await redis_state.client.zrange(
+            key, 0, -1, withscores=True
+        )  # type: ignore[assignment]
+        return {tenant.decode(): count for tenant, count in held}
+
+    with as_tenant("zenith"):
+        await store.hold("z-old", pending)
+    await asyncio.sleep(1.05)  # z-old expires
+    with as_tenant("acme"):
+        for request_id in ("a-1", "a-2", "a-3"):
+            await store.hold(request_id, pending)
+    assert redis_server.command("ZCARD", "classify:v1:results:zenith") == ":0"
+    with as_tenant("zenith"):
+        await store.hold("z-1", pending)  # acme holds the most: a-1 goes
+    assert redis_server.command("ZCARD", "classify:v1:results") == ":3"
+    assert redis_server.command("EXISTS", "classify:v1:result:acme/a-1") == ":0"
+    with as_tenant("acme"):
+        with pytest.raises(ResultNotFound):
+            await store.get("a-1")
+        assert (await store.get("a-2")).status == pb.RESULT_STATUS_PROCESSING
+    assert await counts() == {"acme": 2, "zenith": 1}
+    # A result an older version held is in the shared index only: it goes first.
+    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=60)
+    redis_server.command("FLUSHALL")
+    held_at_ms = str(int(time.time() * 1000))
+    redis_server.command("ZADD", "classify:v1:results", held_at_ms, "old/o-1")
+    redis_server.command("SET", "classify:v1:result:old/o-1", "P")
+    with as_tenant("acme"):
+        for request_id in ("a-4", "a-5", "a-6"):
+            await store.hold(request_id, pending)
+    assert redis_server.command("EXISTS", "classify:v1:result:old/o-1") == ":0"
+    assert await counts() == {"acme": 3}
 
 
 async def test_first_command_after_redis_returns_is_answered_by_it(
