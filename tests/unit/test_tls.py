@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -117,3 +120,56 @@ async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
         assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await orchestrator.stop(grace_seconds=0)
+
+
+async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_told(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """`--tls` verifies with gRPC's default roots, which GRPC_DEFAULT_SSL_ROOTS_FILE_PATH
+    points at the test CA here; without it (or --ca-file) the client speaks plaintext."""
+    make_certificates(tmp_path)
+    capability = await start_capability(models=("topic-static",))
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            tls_cert_file=tmp_path / "server.pem",
+            tls_key_file=tmp_path / "server.key",
+        ),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    environment = {
+        **os.environ,
+        "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(tmp_path / "ca.pem"),
+        "CLASSIFY_TARGET": f"127.0.0.1:{orchestrator.port}",
+    }
+    for name in ("CLASSIFY_API_KEY", "CLASSIFY_CA_FILE", "CLASSIFY_TLS"):
+        environment.pop(name, None)
+
+    async def classify(*flags: str) -> tuple[int, str]:
+        command = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "classify_client",
+            *flags,
+            STRIKER,
+            cwd=tmp_path,
+            env=environment,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await command.communicate()
+        assert command.returncode is not None
+        return command.returncode, output.decode()
+
+    try:
+        told = await classify("--tls", "--timeout", "10")
+        plaintext = await classify("--timeout", "2")
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+    assert told[0] == 0, told[1]
+    assert told[1].split()[0] == "sports"
+    assert plaintext[0] == 1
+    assert "UNAVAILABLE" in plaintext[1]

@@ -36,7 +36,7 @@ COMMAND = (sys.executable, "-m", "classify_client")
 @pytest.fixture(autouse=True)
 def bare_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No CLASSIFY_* variables and no `.run/api-key` of the repository's own stack."""
-    for name in ("CLASSIFY_API_KEY", "CLASSIFY_TARGET", "CLASSIFY_CA_FILE"):
+    for name in ("CLASSIFY_API_KEY", "CLASSIFY_TARGET", "CLASSIFY_CA_FILE", "CLASSIFY_TLS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
 

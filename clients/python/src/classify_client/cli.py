@@ -207,7 +207,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="deadline in seconds, retries and --wait polling included",
     )
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
-    parser.add_argument("--ca-file", help="CA to verify a TLS orchestrator [env CLASSIFY_CA_FILE]")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("CLASSIFY_TLS", "") not in ("", "0"),
+        help="TLS, verified with the system's trusted CAs [env CLASSIFY_TLS=1]",
+    )
+    parser.add_argument(
+        "--ca-file", help="TLS, verified with this CA bundle instead [env CLASSIFY_CA_FILE]"
+    )
     parser.add_argument(
         "--api-key",
         default=None,
@@ -293,7 +301,9 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
     ca_file = args.ca_file or os.environ.get("CLASSIFY_CA_FILE")
     key = api_key(args.api_key)
     try:
-        return ClassifyClient(args.target, api_key=key, ca_file=ca_file, timeout=args.timeout)
+        return ClassifyClient(
+            args.target, api_key=key, tls=args.tls, ca_file=ca_file, timeout=args.timeout
+        )
     except OSError as error:
         raise UnusableInput(f"cannot read the CA file {ca_file}: {error.strerror}") from error
 
