@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -72,6 +75,30 @@ def make_certificates(directory: Path) -> None:
         )
 
 
+@contextlib.asynccontextmanager
+async def tls_front_door(
+    directory: Path, capability_port: int, **settings: Any
+) -> AsyncIterator[OrchestratorServer]:
+    """An orchestrator serving TLS with make_certificates' server certificate, one
+    route to topic-static at `capability_port`; `settings`: more of its settings."""
+    routes = directory / "routes.yaml"
+    routes.write_text(static_routes(f"127.0.0.1:{capability_port}"))
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            tls_cert_file=directory / "server.pem",
+            tls_key_file=directory / "server.key",
+            **settings,
+        ),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    try:
+        yield orchestrator
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+
+
 async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
     start_capability: StartCapability, tmp_path: Path
 ) -> None:
@@ -82,23 +109,15 @@ async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
         tls_key_file=tmp_path / "server.key",
         tls_client_ca_file=tmp_path / "ca.pem",
     )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
-    orchestrator = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes,
-            tls_cert_file=tmp_path / "server.pem",
-            tls_key_file=tmp_path / "server.key",
-            upstream_ca_file=tmp_path / "ca.pem",
-            upstream_cert_file=tmp_path / "client.pem",
-            upstream_key_file=tmp_path / "client.key",
-        ),
-        registry=CollectorRegistry(),
-    )
-    await orchestrator.start()
     trust = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
     request = pb.ClassifyRequest(text=STRIKER)
-    try:
+    async with tls_front_door(
+        tmp_path,
+        capability.port,
+        upstream_ca_file=tmp_path / "ca.pem",
+        upstream_cert_file=tmp_path / "client.pem",
+        upstream_key_file=tmp_path / "client.key",
+    ) as orchestrator:
         async with grpc.aio.secure_channel(f"127.0.0.1:{orchestrator.port}", trust) as channel:
             response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
                 request
@@ -118,8 +137,6 @@ async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
                 classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(request, timeout=5)
             )
         assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        await orchestrator.stop(grace_seconds=0)
 
 
 async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_told(
@@ -129,21 +146,9 @@ async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_to
     points at the test CA here; without it (or --ca-file) the client speaks plaintext."""
     make_certificates(tmp_path)
     capability = await start_capability(models=("topic-static",))
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
-    orchestrator = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes,
-            tls_cert_file=tmp_path / "server.pem",
-            tls_key_file=tmp_path / "server.key",
-        ),
-        registry=CollectorRegistry(),
-    )
-    await orchestrator.start()
     environment = {
         **os.environ,
         "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(tmp_path / "ca.pem"),
-        "CLASSIFY_TARGET": f"127.0.0.1:{orchestrator.port}",
     }
     for name in ("CLASSIFY_API_KEY", "CLASSIFY_CA_FILE", "CLASSIFY_TLS"):
         environment.pop(name, None)
@@ -164,11 +169,10 @@ async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_to
         assert command.returncode is not None
         return command.returncode, output.decode()
 
-    try:
+    async with tls_front_door(tmp_path, capability.port) as orchestrator:
+        environment["CLASSIFY_TARGET"] = f"127.0.0.1:{orchestrator.port}"
         told = await classify("--tls", "--timeout", "10")
         plaintext = await classify("--timeout", "2")
-    finally:
-        await orchestrator.stop(grace_seconds=0)
     assert told[0] == 0, told[1]
     assert told[1].split()[0] == "sports"
     assert plaintext[0] == 1

@@ -41,11 +41,10 @@ from tests.conftest import (
     closed_port,
     metric_sum,
     orchestrator_settings,
-    routes_text,
     wait_until,
 )
 from tests.unit.capability.test_serving import device_occupied
-from tests.unit.test_tls import make_certificates
+from tests.unit.test_tls import make_certificates, tls_front_door
 
 KEY = new_key()
 TENANT = "metered"
@@ -304,26 +303,13 @@ async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_tru
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
     make_certificates(tmp_path)
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(routes_text([f"127.0.0.1:{capability.port}"]))
-    server = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes,
-            tls_cert_file=tmp_path / "server.pem",
-            tls_key_file=tmp_path / "server.key",
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
     once = RetryPolicy(max_attempts=1)
-    try:
+    async with tls_front_door(tmp_path, capability.port) as server:
         async with AsyncClassifyClient(target(server), ca_file=tmp_path / "ca.pem") as trusting:
             response = await trusting.classify(STRIKER)
         async with AsyncClassifyClient(target(server), tls=True, retry=once) as default_roots:
             with pytest.raises(Unavailable) as untrusted:
                 await default_roots.classify(STRIKER, timeout=5)
-    finally:
-        await server.stop(grace_seconds=0)
     assert response.labels[0].name == "sports"
     # Refused in the handshake: no server answered, so no reason and no trace ID; the
     # request ID is the one the client sent the call under.
