@@ -1,7 +1,7 @@
 """Create, once, the credentials a deployment needs, in one folder.
 
     python tools/make_credentials.py DIR [--tenant local] [--rate 200] [--burst 400]
-        [--owner UID:GID]
+        [--owner UID:GID] [--token-copy DIR]
 
 Writes, each only if it is missing (so a restart keeps the keys clients hold):
     api-key          a new API key (user role), for the client: give it out, keep it secret
@@ -10,10 +10,14 @@ Writes, each only if it is missing (so a restart keeps the keys clients hold):
     internal-token   the token the orchestrator sends and capability servers require
                      (--internal-token-file on both)
 
+With --token-copy, the internal token is also written (kept equal to DIR's)
+into a folder of its own, for the capability servers: they need nothing else,
+and a server that can read the client's API key could call the front door.
 Files are mode 0600, owned by --owner when given. The compose stack runs this
-once in a `credentials` service, into a volume both servers mount; on
-Kubernetes, run it on your machine and create the Secrets from the folder
-(deploy/README.md). More keys: `python -m orchestrator.security new-key`.
+once in a `credentials` service, into a volume the orchestrator mounts and a
+token-only volume the capability servers mount; on Kubernetes, run it on your
+machine and create the Secrets from the folder (deploy/README.md). More keys:
+`python -m orchestrator.security new-key`.
 """
 
 from __future__ import annotations
@@ -80,22 +84,44 @@ def make_credentials(
     return created
 
 
+def copy_token(directory: Path, token_folder: Path, owner: tuple[int, int] | None) -> bool:
+    """Make `token_folder`'s internal token the same as `directory`'s; True when written."""
+    token = (directory / INTERNAL_TOKEN_FILE).read_text()
+    copy = token_folder / INTERNAL_TOKEN_FILE
+    token_folder.mkdir(parents=True, exist_ok=True)
+    if copy.is_file() and copy.read_text() == token:
+        return False
+    copy.unlink(missing_ok=True)
+    write_private(copy, token, owner)
+    return True
+
+
 def parse_owner(value: str) -> tuple[int, int]:
     user, _, group = value.partition(":")
     return int(user), int(group or user)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--tenant", default="local")
     parser.add_argument("--rate", type=float, default=200.0, help="tenant calls per second")
     parser.add_argument("--burst", type=int, default=400, help="tenant burst, in calls")
     parser.add_argument("--owner", type=parse_owner, help="UID[:GID] to own the files")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--token-copy", type=Path, help="a folder to hold a copy of the internal token alone"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_arguments(argv)
     created = make_credentials(args.directory, args.tenant, args.rate, args.burst, args.owner)
     for name in created:
         print(f"created {args.directory / name}")
+    if args.token_copy is not None and copy_token(args.directory, args.token_copy, args.owner):
+        created.append(INTERNAL_TOKEN_FILE)
+        print(f"created {args.token_copy / INTERNAL_TOKEN_FILE}")
     if not created:
         print(f"{args.directory}: credentials already there; nothing changed")
     return 0

@@ -92,6 +92,19 @@ def test_credentials_are_made_once_and_kept(tmp_path: Path) -> None:
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
 
 
+def test_the_token_copy_follows_the_credentials_token(tmp_path: Path) -> None:
+    made, token_only = tmp_path / "credentials", tmp_path / "token"
+    token_file = make_credentials.INTERNAL_TOKEN_FILE
+    make_credentials.make_credentials(made, "local", 200, 400)
+    assert make_credentials.copy_token(made, token_only, owner=None)
+    assert not make_credentials.copy_token(made, token_only, owner=None)  # already equal
+    (made / token_file).unlink()  # a new token: the copy is replaced
+    make_credentials.make_credentials(made, "local", 200, 400)
+    assert make_credentials.copy_token(made, token_only, owner=None)
+    assert (token_only / token_file).read_text() == (made / token_file).read_text()
+    assert (token_only / token_file).stat().st_mode & 0o777 == 0o600
+
+
 def test_make_run_key_has_no_rate_limit_and_its_file_shows_how_to_set_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -226,28 +226,42 @@ def test_compose_stop_grace_outlasts_the_servers_drain(service: str) -> None:
     assert stop_grace > settings.grace_seconds
 
 
-def test_compose_credentials_are_the_files_both_servers_read() -> None:
+def test_compose_credentials_are_the_files_the_servers_read_and_no_more(
+    tmp_path: Path,
+) -> None:
+    """The orchestrator reads the keys file and token from `credentials`; the capability
+    servers mount only `capability-token`, which holds the same token and nothing else."""
     services = compose_services()
     init = services["credentials"]
-    folder = init["command"][0]
-    assert mount_target(next(v for v in init["volumes"] if v.startswith("credentials:"))) == (
-        "credentials",
-        folder,
-    )
+    arguments = make_credentials.parse_arguments(init["command"])
+    mounts = dict(mount_target(volume) for volume in init["volumes"])
+    assert mounts["credentials"] == str(arguments.directory)
+    assert mounts["capability-token"] == str(arguments.token_copy)
 
     orchestrator = orchestrator_settings(compose_environment("orchestrator"))
-    capability = capability_settings(compose_environment("capability-1"))
-    credentials = PurePosixPath(folder)
+    credentials = PurePosixPath(arguments.directory)
     assert orchestrator.api_keys_file == Path(credentials / make_credentials.API_KEYS_FILE)
     assert orchestrator.internal_token_file == Path(
         credentials / make_credentials.INTERNAL_TOKEN_FILE
     )
-    assert capability.internal_token_file == orchestrator.internal_token_file
+    assert f"credentials:{credentials}:ro" in services["orchestrator"]["volumes"]
+    for service in ("capability-1", "capability-cpu-1"):
+        capability = capability_settings(compose_environment(service))
+        assert capability.internal_token_file == Path(
+            PurePosixPath(arguments.token_copy) / make_credentials.INTERNAL_TOKEN_FILE
+        )
+        assert services[service]["volumes"] == [f"capability-token:{arguments.token_copy}:ro"]
     for service in ("orchestrator", "capability-1", "capability-cpu-1"):
-        assert f"credentials:{folder}:ro" in services[service]["volumes"]
         assert services[service]["depends_on"]["credentials"] == {
             "condition": "service_completed_successfully"
         }
+
+    # What the credentials service writes: the token-only folder holds the same token.
+    made, token_only = tmp_path / "credentials", tmp_path / "token"
+    assert make_credentials.main([str(made), f"--token-copy={token_only}"]) == 0
+    assert [path.name for path in token_only.iterdir()] == [make_credentials.INTERNAL_TOKEN_FILE]
+    token_file = make_credentials.INTERNAL_TOKEN_FILE
+    assert (token_only / token_file).read_text() == (made / token_file).read_text()
 
 
 def test_compose_prometheus_scrapes_both_services_on_their_metrics_ports() -> None:
