@@ -66,7 +66,8 @@ class Gate(Protocol):
     """Who may call, and how often; each method raises a ServiceError to refuse."""
 
     def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
-        """The caller's tenant, from the request metadata (lower-case keys)."""
+        """The caller's tenant, from the request metadata (lower-case keys; a credential
+        header sent more than once reads REPEATED_CREDENTIAL)."""
         ...
 
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:

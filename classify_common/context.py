@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -19,6 +20,11 @@ REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-trace-id"
 # Sent by the orchestrator to capability servers, which refuse calls without it.
 INTERNAL_TOKEN_HEADER = "x-internal-token"
+AUTHORIZATION_HEADER = "authorization"
+# What a gate sees for a credential header a call sent more than once
+# (mark_repeated_credentials): a value no header can carry, so it never matches one.
+REPEATED_CREDENTIAL = "\n(sent more than once)"
+CREDENTIAL_HEADERS = (AUTHORIZATION_HEADER, INTERNAL_TOKEN_HEADER)
 # Binary trailer on a capability server's answers: a serialized ai.classify.v1.LoadReport.
 LOAD_REPORT_TRAILER = "classify-load-bin"
 # Sent by the orchestrator on a ClassifyBatch call: the most bytes of early results it
@@ -54,6 +60,18 @@ def new_request_id() -> str:
 
 def is_valid_request_id(value: str) -> bool:
     return REQUEST_ID_PATTERN.fullmatch(value) is not None
+
+
+def mark_repeated_credentials(
+    metadata: Sequence[tuple[str, str | bytes]], headers: dict[str, str]
+) -> None:
+    """Set each credential header `metadata` holds more than once to REPEATED_CREDENTIAL
+    in `headers` (its keys lower-cased, the last value of each kept). Two keys are
+    refused, not one picked: a proxy that checked the first and a server that used the
+    last would disagree about who is calling."""
+    for name in CREDENTIAL_HEADERS:
+        if sum(key.lower() == name for key, _ in metadata) > 1:
+            headers[name] = REPEATED_CREDENTIAL
 
 
 def current_request() -> RequestContext | None:

@@ -41,6 +41,7 @@ from classify_common.context import (
     bind_request,
     bind_time_left_on_arrival,
     is_valid_request_id,
+    mark_repeated_credentials,
     new_request_id,
 )
 from classify_common.errors import (
@@ -197,6 +198,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             if drops_baggage:
                 metadata = tuple(entry for entry in metadata if entry[0] != BAGGAGE_HEADER)
             headers = {key.lower(): v for key, v in metadata if isinstance(v, str)}
+            if len(headers) < len(metadata):  # a key repeated (or a binary value)
+                mark_repeated_credentials(metadata, headers)
             server_span = start_server_span(span_name, metadata, span_attributes)
             request_trace = RequestTrace(server_span, observe_node, observes_own_nodes=counts_nodes)
             bind_trace(request_trace)

@@ -13,7 +13,11 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 
 from classify_common.admission import RateAllowance
-from classify_common.context import time_left_on_arrival
+from classify_common.context import (
+    AUTHORIZATION_HEADER,
+    REPEATED_CREDENTIAL,
+    time_left_on_arrival,
+)
 from classify_common.errors import FrontDoorBusy, RateLimited, Unauthenticated
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
@@ -87,7 +91,11 @@ class CallerGate:
     def _identify(self, metadata: Mapping[str, str]) -> Caller:
         if self._keys is None:
             return ANONYMOUS
-        header = metadata.get("authorization", "")
+        header = metadata.get(AUTHORIZATION_HEADER, "")
+        if header == REPEATED_CREDENTIAL:
+            raise Unauthenticated(
+                "send one `authorization` header, not several", cause="repeated_key"
+            )
         if not header.lower().startswith(BEARER):
             raise Unauthenticated(
                 "send an API key as `authorization: Bearer <key>`", cause="missing_key"

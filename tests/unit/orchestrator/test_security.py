@@ -112,8 +112,10 @@ async def call(server: Any, **kwargs: Any) -> pb.ClassifyResponse:
         ((), "missing_key"),
         (bearer("ck_not-a-key"), "unknown_key"),
         ((("authorization", ACME_KEY),), "missing_key"),
+        (bearer("ck_not-a-key") + bearer(ACME_KEY), "repeated_key"),
+        (bearer(ACME_KEY) + bearer(ACME_KEY), "repeated_key"),
     ],
-    ids=["no-key", "wrong-key", "not-bearer"],
+    ids=["no-key", "wrong-key", "not-bearer", "wrong-then-valid", "valid-twice"],
 )
 async def test_missing_or_wrong_key_is_refused_before_any_model(
     secured: Start, metadata: tuple[tuple[str, str], ...], cause: str
@@ -131,7 +133,8 @@ async def test_missing_or_wrong_key_is_refused_before_any_model(
 
 async def test_capability_refuses_callers_without_the_internal_token(secured: Start) -> None:
     _, capability = await secured()
-    for metadata in ((), (("x-internal-token", "guess"),)):
+    sent_twice = (("x-internal-token", "guess"), ("x-internal-token", TOKEN))
+    for metadata in ((), (("x-internal-token", "guess"),), sent_twice):
         error = await refusal(call(capability, metadata=metadata))
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert metric_sum(capability.registry, MODEL_TEXTS_TOTAL) == 0
