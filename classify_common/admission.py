@@ -159,8 +159,10 @@ class FrontDoorAdmission(_MethodChecks):
         with node(INPUT_VALIDATE) as span:
             intake = self._validate(request, span)
         if allowance.refusal is not None:
+            # An item past the allowance is refused for it whatever else it broke, as
+            # a single call of it would be: the rate limit is checked first.
             over_limit = dict.fromkeys(range(allowance.granted, calls), allowance.refusal)
-            bind_batch_intake(BatchIntake({**over_limit, **intake.refused}))
+            bind_batch_intake(BatchIntake({**intake.refused, **over_limit}))
 
     def _authenticate(self, headers: Mapping[str, str]) -> str:
         with node(AUTH_VALIDATE) as span:

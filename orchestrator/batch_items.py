@@ -61,9 +61,9 @@ def refuse_repeated_request_ids(
 ) -> Mapping[int, ServiceError]:
     """The intake's refusals (`refused`, by item index) with each item that repeats an
     earlier item's request_id refused too. A repeat that broke other rules keeps their
-    violations beside this one; a rate-limit refusal gives way to it, as to any other
-    broken rule (a client error is the one to fix first). `refused` itself when no
-    request_id repeats."""
+    violations beside this one; a rate-limit refusal gives way to it (uniqueness is a
+    rule of the batch, which no single call's order of checks speaks for). `refused`
+    itself when no request_id repeats."""
     first_use: dict[str, int] = {}
     repeats: dict[int, ServiceError] = {}
     for index, item in enumerate(items):

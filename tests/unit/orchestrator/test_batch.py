@@ -242,13 +242,17 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        # The last item is blank as well: a single call of it would have been refused
+        # for the rate limit, which is checked before the text is.
+        items = [pb.ClassifyRequest(text=STRIKER)] * 4 + [pb.ClassifyRequest(text=" ")]
         response = await stub.ClassifyBatch(
-            pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 5),
+            pb.ClassifyBatchRequest(items=items),
             metadata=(("authorization", "Bearer limited-secret"),),
             timeout=30,
         )
         codes = [r.error.code if r.HasField("error") else 0 for r in response.results]
         assert codes == [0, 0, 0, *[grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] * 2]
+        assert item_error_info(response.results[4].error).reason == "RATE_LIMITED"
         retry = unpack(response.results[4].error, error_details_pb2.RetryInfo)
         assert len(retry) == 1
         # Two items refused, in a call that was served: no call was refused whole
