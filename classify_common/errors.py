@@ -88,7 +88,8 @@ class InvalidRequest(ClientError):
     reason = "INVALID_REQUEST"
 
     def __init__(self, violations: Sequence[FieldViolation]) -> None:
-        fields = ", ".join(f"{v.field}: {v.message}" for v in violations)
+        # A rule of the whole message (a CEL rule on it) names no field.
+        fields = ", ".join(f"{v.field}: {v.message}" if v.field else v.message for v in violations)
         super().__init__(f"invalid request: {fields}", violations=len(violations))
         self.violations = tuple(violations)
 

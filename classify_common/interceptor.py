@@ -374,9 +374,9 @@ def _receive(
         try:
             request = parse(raw)
         except DecodeError as exc:
-            raise InvalidRequest(
-                [FieldViolation("", "wire_format", f"not a valid request message: {exc}")]
-            ) from exc
+            # NOTE: not the decoder's text, which names protobuf's internals.
+            message = f"not a protobuf request message of {method.lstrip('/')}"
+            raise InvalidRequest([FieldViolation("", "wire_format", message)]) from exc
         if admission.on_receive is not None:
             admission.on_receive(headers, request, span)
         return request

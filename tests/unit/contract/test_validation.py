@@ -11,6 +11,7 @@ from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
+from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum
 from tests.status_details import metadata_dict, refusal, trailers_of, violations_of
 
@@ -182,3 +183,20 @@ async def test_a_text_with_one_visible_character_is_not_blank(
 ) -> None:
     answer = await orchestrator_stub.Classify(pb.ClassifyRequest(text=text))
     assert answer.labels
+
+
+async def test_bytes_that_are_no_request_message_are_refused_without_the_decoders_text(
+    orchestrator: OrchestratorServer,
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        classify_raw: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/ai.classify.v1.ClassifyService/Classify"
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await classify_raw(b"\xff\xff\xff", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == (
+        "invalid request: not a protobuf request message of ai.classify.v1.ClassifyService/Classify"
+    )
+    assert violations_of(refused.value) == [("", "wire_format")]
+    assert set(trailers_of(refused.value)) >= {"x-request-id", "x-trace-id"}

@@ -130,6 +130,9 @@ async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violations_of(refused.value) == [("", "item_contexts.count")]
+    assert refused.value.details() == (
+        "invalid request: item_contexts must be empty or hold one entry per item"
+    )
 
     with pytest.raises(grpc.aio.AioRpcError) as too_long:
         await classify_batch(orchestrator.port, [pb.ClassifyRequest(text="x" * 100_000)] * 11)
