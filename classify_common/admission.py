@@ -157,6 +157,8 @@ class FrontDoorAdmission(_MethodChecks):
             if allowance.tokens_left is not None:
                 span.set_attribute(CLASSIFY_TOKENS_LEFT, allowance.tokens_left)
         with node(INPUT_VALIDATE) as span:
+            if self._is_batch:
+                _ignore_callers_cache_scopes(request)
             intake = self._validate(request, span)
         if allowance.refusal is not None:
             # An item past the allowance is refused for it whatever else it broke, as
@@ -195,6 +197,15 @@ class InternalAdmission(_MethodChecks):
         if self._gate is not None:
             self._gate.authenticate(self._method, headers)
         self._validate(request, span)
+
+
+def _ignore_callers_cache_scopes(request: Any) -> None:
+    """Clear what a public caller put in ItemContext.cache_scope: the orchestrator sets
+    each item's scope from the caller's tenant, so the value is ignored, and must not
+    get the item refused for its length either."""
+    for context in request.item_contexts:
+        if context.cache_scope:
+            context.ClearField("cache_scope")
 
 
 def _validate_single(request: Any, span: trace.Span) -> BatchIntake:

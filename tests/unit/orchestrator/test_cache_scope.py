@@ -92,6 +92,22 @@ async def test_a_callers_item_contexts_cannot_name_another_tenants_scope(
     assert forwards(capability) > before
 
 
+async def test_a_callers_cache_scope_is_ignored_whatever_its_length(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """Over the 256 characters the contract allows a scope: the front door sets the
+    scope itself, so what the caller sent is not checked either."""
+    async with two_tenants(start_capability, tmp_path) as (stub, _):
+        answer = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(
+                items=[pb.ClassifyRequest(text=STRIKER)],
+                item_contexts=[pb.ItemContext(cache_scope="s" * 300)],
+            ),
+            metadata=ACME,
+        )
+    assert answer.results[0].response.labels[0].name == "sports"
+
+
 async def test_a_merged_upstream_call_keeps_each_items_tenant_scope(
     start_capability: StartCapability, tmp_path: Path
 ) -> None:
