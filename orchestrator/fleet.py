@@ -1,14 +1,17 @@
 """The fleet's models, for the orchestrator's ModelService.
 
-Listing and describing go to the capability replicas; any authenticated caller
-may use them. ReloadModel needs the admin role and reaches every replica of
-every backend that serves the model, so a fleet switches versions with one
-call. Capability servers themselves accept it only with the internal token,
+Listing and describing go to the capability replicas (describing, to the first
+that answers); any authenticated caller may use them. ReloadModel needs the
+admin role and reaches every replica of every backend that serves the model,
+so a fleet switches versions with one call; when some replica does not take
+it, the answer says how many did and why each other did not
+(`_reload_failure`). Capability servers themselves accept it only with the internal token,
 which only the orchestrator holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -17,7 +20,14 @@ import grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import REQUEST_ID_HEADER, current_request
-from classify_common.errors import ModelNotFound, PermissionDenied, ReloadRefused
+from classify_common.errors import (
+    DeadlineExpired,
+    ModelNotFound,
+    ModelUnavailable,
+    PermissionDenied,
+    ReloadRefused,
+    ServiceError,
+)
 from classify_common.tracing import inject_context
 from orchestrator.dispatch import Dispatcher
 from orchestrator.security.gate import current_caller
@@ -71,20 +81,16 @@ class FleetModels:
         return model_pb.ListModelsResponse(models=listed_models)
 
     async def get_model(self, request: model_pb.GetModelRequest) -> model_pb.GetModelResponse:
+        """The first answer of the model's replicas, asked in turn: one that does not
+        answer (down, or out of time) gives way to the next."""
         replicas = self._replicas(request.name)
         if not replicas:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-        pool, target, stub = replicas[0]
-        try:
-            response: model_pb.GetModelResponse = await stub.GetModel(
-                request,
-                timeout=pool.backend.timeout_seconds,
-                metadata=_call_metadata(pool.credentials),
-            )
-        except grpc.aio.AioRpcError as error:
-            raise translate_upstream_error(error, pool.backend.name, target) from error
-        _for_caller(response.model)
-        return response
+        *others, last = replicas
+        for replica in others:
+            with contextlib.suppress(ModelUnavailable, DeadlineExpired):
+                return await _describe(replica, request)
+        return await _describe(last, request)
 
     async def reload_model(
         self, request: model_pb.ReloadModelRequest
@@ -96,7 +102,7 @@ class FleetModels:
         if not replicas:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
         answers: list[model_pb.ReloadModelResponse] = []
-        refused: list[str] = []
+        failures: list[tuple[str, grpc.aio.AioRpcError]] = []
         for pool, target, stub in replicas:
             try:
                 answers.append(
@@ -108,18 +114,63 @@ class FleetModels:
                 )
             except grpc.aio.AioRpcError as error:
                 translate_upstream_error(error, pool.backend.name, target)  # logs it
-                # The refusal names the bundle file that failed; an admin needs it.
-                refused.append(f"{pool.backend.name}: {error.details()}")
+                failures.append((pool.backend.name, error))
         log.info(
             "fleet reload",
-            extra={"model": request.name, "reloaded": len(answers), "refused": len(refused)},
+            extra={"model": request.name, "reloaded": len(answers), "failed": len(failures)},
         )
-        if refused:
-            raise ReloadRefused(
-                f"{len(refused)} of {len(replicas)} replicas refused: " + "; ".join(refused),
-                model=request.name,
-            )
+        if failures:
+            raise _reload_failure(request.name, len(replicas), failures)
         return answers[0]
+
+
+# Codes of a replica that did not answer: the call says nothing of the model.
+_NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+async def _describe(
+    replica: tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub],
+    request: model_pb.GetModelRequest,
+) -> model_pb.GetModelResponse:
+    pool, target, stub = replica
+    try:
+        response: model_pb.GetModelResponse = await stub.GetModel(
+            request,
+            timeout=pool.backend.timeout_seconds,
+            metadata=_call_metadata(pool.credentials),
+        )
+    except grpc.aio.AioRpcError as error:
+        raise translate_upstream_error(error, pool.backend.name, target) from error
+    _for_caller(response.model)
+    return response
+
+
+def _reload_failure(
+    model: str, replicas: int, failures: Sequence[tuple[str, grpc.aio.AioRpcError]]
+) -> ServiceError:
+    """What a fleet reload answers when some replica did not take it; the others did.
+
+    A replica that refused keeps its version, and its message (which names the bundle
+    file that failed) is for the admin who asked; one that did not answer is named by
+    its backend only, the reason staying in the log. Any refusal makes the answer
+    FAILED_PRECONDITION (NOT_FOUND when every replica lacks the version); replicas
+    that only did not answer make it UNAVAILABLE: a retry reaches them, and reloading
+    the same version again is harmless to those that took it.
+    """
+    parts = [
+        f"{backend}: did not answer ({error.code().name})"
+        if error.code() in _NO_ANSWER
+        else f"{backend}: {error.details()}"
+        for backend, error in failures
+    ]
+    reloaded = replicas - len(failures)
+    message = f"{reloaded} of {replicas} replicas reloaded {model}; " + "; ".join(parts)
+    codes = {error.code() for _, error in failures}
+    if codes == {grpc.StatusCode.NOT_FOUND} and reloaded == 0:
+        return ModelNotFound(message, model=model, failed=len(failures))
+    if codes <= _NO_ANSWER:
+        return ModelUnavailable(message, model=model, failed=len(failures))
+    return ReloadRefused(message, model=model, failed=len(failures))
 
 
 def _call_metadata(credentials: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from orchestrator.server import OrchestratorServer
 from tests.conftest import (
     STRIKER,
     StartCapability,
+    closed_port,
     metric_sum,
     orchestrator_settings,
     wait_until,
@@ -52,8 +54,9 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
     started: list[Any] = []
 
     async def start(
-        tenants: str = "", acme_tenant: str = "acme"
+        tenants: str = "", acme_tenant: str = "acme", dead_replica: bool = False
     ) -> tuple[OrchestratorServer, CapabilityServer]:
+        """`dead_replica`: the backend lists, first, an address nothing listens on."""
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         capability = await start_capability(
@@ -66,11 +69,14 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
             f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n"
             f"  - {{id: ops, sha256: {hash_key(ADMIN_KEY)}, tenant: ops, role: admin}}\n" + tenants
         )
+        targets = [f"127.0.0.1:{capability.port}"]
+        if dead_replica:
+            targets.insert(0, f"127.0.0.1:{closed_port()}")
         routes = tmp_path / "routes.yaml"
         routes.write_text(
             f"""version: 1
 backends:
-  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+  static: {{model: topic-static, targets: {json.dumps(targets)}}}
 routes:
   - name: acme-only
     match: {{header: {{name: x-tenant, values: [acme]}}}}
@@ -248,6 +254,43 @@ async def test_reload_through_the_orchestrator_needs_the_admin_role(secured: Sta
         reloaded = await models.ReloadModel(reload, metadata=bearer(ADMIN_KEY))
     assert (reloaded.model.name, reloaded.previous_version) == ("topic-static", "1")
     assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1
+
+
+async def test_a_fleet_reload_a_replica_missed_says_how_many_took_it(secured: Start) -> None:
+    """Two replicas, the first down: GetModel is answered by the other, a reload is
+    taken by it and answered UNAVAILABLE (a retry is safe) naming what was missed."""
+    orchestrator, capability = await secured(dead_replica=True)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        described = await models.GetModel(
+            model_pb.GetModelRequest(name="topic-static"), metadata=bearer(ACME_KEY)
+        )
+        reload = model_pb.ReloadModelRequest(name="topic-static")
+        missed = await refusal(models.ReloadModel(reload, metadata=bearer(ADMIN_KEY)))
+        missing_version = model_pb.ReloadModelRequest(name="topic-static", version="9")
+        refused = await refusal(models.ReloadModel(missing_version, metadata=bearer(ADMIN_KEY)))
+    assert described.model.version == "1"
+    assert missed.code() == grpc.StatusCode.UNAVAILABLE
+    assert missed.details() == (
+        "1 of 2 replicas reloaded topic-static; static: did not answer (UNAVAILABLE)"
+    )
+    assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 1
+    # The live replica refused (no such version) and the other did not answer.
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (refused.details() or "").startswith(
+        "0 of 2 replicas reloaded topic-static; static: did"
+    )
+
+
+async def test_a_fleet_reload_of_a_version_no_replica_has_is_not_found(secured: Start) -> None:
+    orchestrator, capability = await secured()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        missing_version = model_pb.ReloadModelRequest(name="topic-static", version="9")
+        refused = await refusal(models.ReloadModel(missing_version, metadata=bearer(ADMIN_KEY)))
+    assert refused.code() == grpc.StatusCode.NOT_FOUND
+    assert (refused.details() or "").startswith("0 of 1 replicas reloaded topic-static; static: ")
+    assert metric_sum(capability.registry, MODEL_RELOADS_TOTAL, outcome="ok") == 0
 
 
 async def test_only_an_admin_is_told_where_a_model_was_loaded_from(secured: Start) -> None:
