@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, get_current_span
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import (
@@ -38,7 +38,12 @@ from classify_common.errors import (
 from classify_common.intake import item_status
 from classify_common.logs import log_event
 from classify_common.nodes import RequestTrace, bind_trace
-from classify_common.tracing import extract_context, format_trace_id, get_tracer
+from classify_common.tracing import (
+    TRACEPARENT_HEADER,
+    extract_context,
+    format_trace_id,
+    get_tracer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +108,24 @@ def answer_unstarted(
 
 def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:
     """The RequestTrace one batch item's nodes record into: timings and the node histogram
-    always; an item span (under the item's own traceparent if it sent one, else under
-    the call's span, and linked to it) only when the call's spans are made."""
+    always; an item span (under the item's own traceparent if it sent a valid one, and
+    linked to the call's span, else under the call's span) only when the call's spans
+    are made. Without spans, an item that sent a traceparent is still in its trace: its
+    IDs are reported, and its upstream attempt carries them."""
     if call_trace is None:
         return None
+    parent = extract_context(((TRACEPARENT_HEADER, traceparent),)) if traceparent else None
+    if parent is not None and not get_current_span(parent).get_span_context().is_valid:
+        parent = None  # not a usable traceparent: the item stays in the call's trace
     if not call_trace.makes_spans:
-        return RequestTrace(call_trace.server_span, call_trace.observe_node)
-    parent = (
-        extract_context((("traceparent", traceparent),))
-        if traceparent
-        else call_trace.parent_context
-    )
-    span = get_tracer().start_span(
+        span = call_trace.server_span if parent is None else get_current_span(parent)
+        return RequestTrace(span, call_trace.observe_node)
+    item_span = get_tracer().start_span(
         BATCH_ITEM_SPAN_NAME,
-        context=parent,
-        links=[Link(call_trace.server_span.get_span_context())] if traceparent else (),
+        context=call_trace.parent_context if parent is None else parent,
+        links=() if parent is None else [Link(call_trace.server_span.get_span_context())],
     )
-    return RequestTrace(span, call_trace.observe_node)
+    return RequestTrace(item_span, call_trace.observe_node)
 
 
 def item_time_left(

@@ -410,3 +410,33 @@ async def test_a_failed_item_is_logged_under_its_own_ids_naming_its_call(
         "INVALID_REQUEST",
         "the-call",
     )
+
+
+@pytest.mark.parametrize("exporting", [True, False], ids=["spans-made", "no-spans"])
+async def test_an_items_traceparent_puts_it_in_that_trace_whether_or_not_spans_are_made(
+    orchestrator: OrchestratorServer, exporting: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spans exported (made) or not (none made, as without an OTLP endpoint): the item
+    that names a trace of its own is answered in it, the other in the call's."""
+    monkeypatch.setattr("classify_common.nodes.spans_are_exported", lambda: exporting)
+    call_trace, item_trace = "4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(
+                items=[pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest(text="   ")] * 2,
+                item_contexts=[
+                    pb.ItemContext(traceparent=f"00-{item_trace}-b7ad6b7169203331-01"),
+                    pb.ItemContext(traceparent=f"00-{item_trace}-b7ad6b7169203331-01"),
+                    pb.ItemContext(),
+                    pb.ItemContext(),
+                ],
+            ),
+            metadata=(("traceparent", f"00-{call_trace}-00f067aa0ba902b7-01"),),
+            timeout=30,
+        )
+    answered, refused, answered_in_call, refused_in_call = response.results
+    assert answered.response.trace_id == item_trace
+    assert item_error_info(refused.error).metadata["x-trace-id"] == item_trace
+    assert answered_in_call.response.trace_id == call_trace
+    assert item_error_info(refused_in_call.error).metadata["x-trace-id"] == call_trace
