@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 SERVER_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Twice the largest valid request (a batch of 1,000,000 characters, 4 MiB of UTF-8
+    # at worst): anything between is decoded and refused with IDs and field details;
+    # gRPC refuses a larger one itself, with neither (docs/api.md#errors).
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
     # Clients re-resolve DNS (a headless Service's pods) only when a connection
     # closes: ending connections after 5 minutes lets new replicas get traffic.
