@@ -180,7 +180,7 @@ class ReplicaCoalescer:
         on_expired: Callable[[], None] = lambda: None,
         on_unreachable: Callable[[], None] = lambda: None,
         on_answered: Callable[[], None] = lambda: None,
-        on_unavailable: Callable[[], None] = lambda: None,
+        on_no_answer: Callable[[], None] = lambda: None,
         on_load: Callable[[bytes], ReplicaLoad | None] = lambda report: None,
         predicted_wait: Callable[[], float] = lambda: 0.0,
         replica_batch_size: Callable[[], int] = lambda: 0,
@@ -189,8 +189,8 @@ class ReplicaCoalescer:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
         out before it could be sent, and `on_unreachable()` each refused because it could
         not make its deadline there (shed, never sent); `on_answered()` and
-        `on_unavailable()` report a call the replica answered, or one that found it
-        UNAVAILABLE (for outlier ejection);
+        `on_no_answer()` report a call the replica answered, or one it did not answer
+        (UNAVAILABLE, or out of time with no status from it: for outlier ejection);
         `on_load(report)` gets the load report trailer of each answered call, and gives
         back what it read (None: nothing);
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
@@ -214,7 +214,7 @@ class ReplicaCoalescer:
         self._on_expired = on_expired
         self._on_unreachable = on_unreachable
         self._on_answered = on_answered
-        self._on_unavailable = on_unavailable
+        self._on_no_answer = on_no_answer
         self._on_load = on_load
         self._predicted_wait = predicted_wait
         self._replica_batch_size = replica_batch_size
@@ -225,6 +225,7 @@ class ReplicaCoalescer:
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
         self._in_flight = 0
+        self._items_in_flight = 0
         # When each call in flight is expected back (loop time): its send time plus
         # the time calls of its size have been taking, or the wait the replica
         # reported then if that is longer.
@@ -249,6 +250,11 @@ class ReplicaCoalescer:
     def in_flight(self) -> int:
         """Calls to the replica not yet answered."""
         return self._in_flight
+
+    @property
+    def outstanding(self) -> int:
+        """Items sent to the replica and not yet answered, and items gathering for it."""
+        return self._items_in_flight + len(self._waiting)
 
     async def classify(
         self,
@@ -390,6 +396,7 @@ class ReplicaCoalescer:
                 continue
             self.call_time.sent(len(live))
             self._in_flight += 1
+            self._items_in_flight += len(live)
             expected_back = now + max(wait, self.call_time.predict(len(live), idle))
             self._expected_back.append(expected_back)
             # A merged call runs in a context of its own: in whichever caller's context
@@ -422,6 +429,7 @@ class ReplicaCoalescer:
                     item.future.set_exception(exc)
         finally:
             self._in_flight -= 1
+            self._items_in_flight -= len(items)
             self._expected_back.remove(expected_back)
             self._last_back = asyncio.get_running_loop().time()
             if self._waiting and not self._send_scheduled:
@@ -623,8 +631,8 @@ class ReplicaCoalescer:
         return span
 
     def _fail_all(self, items: list[UpstreamItem], exc: grpc.aio.AioRpcError) -> None:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self._on_unavailable()
+        if _not_answered(exc):
+            self._on_no_answer()
         for item in items:
             if not item.future.done():
                 # Logged (translate_upstream_error) under the item's own IDs.
@@ -637,6 +645,21 @@ class ReplicaCoalescer:
         """Wait for the calls in flight (their callers get their answers)."""
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
+
+
+def _not_answered(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call says the replica did not answer: UNAVAILABLE, or our own
+    deadline passing with no status from it (a server's status carries its request
+    ID). A replica that is up but frozen (a stopped process, a wedged event loop)
+    fails only in the second way; counted, it is ejected like one that is down. A
+    replica slow from load answers some calls in time, and each answer resets its
+    count."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    return not any(key == REQUEST_ID_HEADER for key, _ in exc.trailing_metadata() or ())
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

@@ -8,10 +8,10 @@ deadline that still leaves the orchestrator time to answer.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 
 import grpc
@@ -175,7 +175,7 @@ class BackendPool:
         self.replicas: tuple[str, ...] = ()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.coalescers: dict[str, ReplicaCoalescer] = {}
-        self._turns: Iterator[str] = iter(())
+        self._turn = -1  # the replica pick() began with last, in `replicas`
         self._retiring: set[asyncio.Task[None]] = set()
         self._addresses = TargetAddresses(
             backend.targets,
@@ -197,7 +197,6 @@ class BackendPool:
                     address.name, channel, self._coalescing, self._metrics
                 )
         self.replicas = tuple(address.name for address in addresses)
-        self._turns = itertools.cycle(self.replicas)
         self.outliers.track(self.replicas)
         for name in [name for name in self._channels if name not in self.replicas]:
             # NOTE: pick() and classify() look a replica up in the same loop turn, so
@@ -231,7 +230,7 @@ class BackendPool:
             on_expired=(lambda: None) if metrics is None else metrics.expired_unsent(name).inc,
             on_unreachable=self._unreachable,
             on_answered=partial(self.outliers.record_success, target),
-            on_unavailable=partial(self.outliers.record_failure, target),
+            on_no_answer=partial(self.outliers.record_failure, target),
             on_load=partial(self._record_load, target),
             predicted_wait=partial(self.predicted_wait, target),
             replica_batch_size=partial(self.replica_batch_size, target),
@@ -248,23 +247,37 @@ class BackendPool:
         return self._credentials
 
     def pick(self, avoid: Collection[str] = ()) -> str:
-        """The next replica in turn: not ejected, not failing its health check or
-        connection, and not in `avoid` (already tried) if there is one, else not ejected
-        nor failing, else any."""
+        """The replica with the fewest items outstanding (sent and not answered, or
+        gathering), the first in turn on a tie, among those not ejected, not failing
+        their connection, and not in `avoid` (already tried) if there is one; else not
+        ejected nor failing; else the next in turn.
+
+        Fewest outstanding, not plain turns: a replica that has stopped answering
+        without closing its connections (a stopped process) holds its calls until
+        their deadlines, and in turn it would get its share of every call meanwhile.
+        """
         replicas = self.replicas
         if len(replicas) == 1:  # the common case: nothing to choose
             return replicas[0]
         is_ejected = self.outliers.is_ejected
-        channels = self._channels
+        channels, coalescers = self._channels, self.coalescers
+        self._turn = start = (self._turn + 1) % len(replicas)
+        best: str | None = None
         fallback: str | None = None
-        for _ in replicas:
-            target = next(self._turns)
+        least = math.inf
+        for offset in range(len(replicas)):
+            target = replicas[(start + offset) % len(replicas)]
             if is_ejected(target) or channels[target].get_state() is _FAILING:
                 continue
-            if target not in avoid:
-                return target
-            fallback = fallback or target
-        return fallback or next(self._turns)
+            if target in avoid:
+                fallback = fallback or target
+                continue
+            outstanding = coalescers[target].outstanding
+            if outstanding < least:
+                best, least = target, outstanding
+                if outstanding == 0:
+                    break
+        return best or fallback or replicas[start]
 
     def _record_load(self, target: str, raw: bytes) -> ReplicaLoad | None:
         load = read_load_report(raw, asyncio.get_running_loop().time())

@@ -419,7 +419,7 @@ async def test_an_items_traceparent_puts_it_in_that_trace_whether_or_not_spans_a
     """Spans exported (made) or not (none made, as without an OTLP endpoint): the item
     that names a trace of its own is answered in it, the other in the call's."""
     monkeypatch.setattr("classify_common.nodes.spans_are_exported", lambda: exporting)
-    call_trace, item_trace = "4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c"
+    call_trace, item_trace = "5ce13a1f2b7c4d1e9f0a6b3c8d2e4f70", "6d0f2b8c4e1a4f3b9c7d5e1a2b3c4d5e"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         response = await stub.ClassifyBatch(

@@ -4,6 +4,7 @@ and a failing pod among the addresses of one target."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -269,3 +270,111 @@ routes:
     assert pod.answered >= 3, "the pod was not readmitted"
     assert ejections(pod.address) == 1
     assert ejections(healthy_address) == 0
+
+
+class _NeverAnswers(grpc.GenericRpcHandler):
+    """Every call is taken and never answered: a replica that stopped (a stopped
+    process, a wedged event loop) while its connections stay open."""
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes]:
+        async def never(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+            await asyncio.Event().wait()
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(never)
+
+
+async def beside_a_frozen_replica(
+    capability: CapabilityServer,
+    tmp_path: Path,
+    consecutive_failures: int,
+    callers: int,
+    calls: Callable[[classify_service_pb2_grpc.ClassifyServiceAsyncStub], Awaitable[None]],
+) -> OrchestratorServer:
+    """Run `callers` concurrent `calls(stub)` through an orchestrator whose backend has
+    two replicas: first one that takes calls and never answers, then `capability`.
+    Calls are given up after the backend's 300 ms; ejection lasts the whole test."""
+    frozen = grpc.aio.server()
+    frozen.add_generic_rpc_handlers((_NeverAnswers(),))
+    frozen_port = frozen.add_insecure_port("127.0.0.1:0")
+    await frozen.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+outlier_ejection:
+  {{consecutive_failures: {consecutive_failures}, base_ejection: 60s, max_ejection: 60s}}
+backends:
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{frozen_port}", "127.0.0.1:{capability.port}"]
+    timeout: 300ms
+routes:
+  - name: default
+    backend: static
+"""
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    try:
+        await orchestrator.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            await asyncio.gather(*(calls(stub) for _ in range(callers)))
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        await frozen.stop(grace=0)
+    return orchestrator
+
+
+async def classify_noting_the_code(
+    stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub, codes: list[grpc.StatusCode]
+) -> None:
+    try:
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+        codes.append(grpc.StatusCode.OK)
+    except grpc.aio.AioRpcError as error:
+        codes.append(error.code())
+
+
+async def test_a_replica_that_stopped_answering_is_ejected_and_the_other_serves(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Calls one after the other: the stopped replica fails three of them in a row (out
+    of time, no status), is ejected, and the rest are answered by the other. Turns
+    alone, with no ejection, gave it every second call."""
+    codes: list[grpc.StatusCode] = []
+
+    async def one_after_the_other(stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub) -> None:
+        for _ in range(12):
+            await classify_noting_the_code(stub, codes)
+
+    orchestrator = await beside_a_frozen_replica(
+        capability, tmp_path, consecutive_failures=3, callers=1, calls=one_after_the_other
+    )
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 3, codes
+    assert codes[-6:] == [grpc.StatusCode.OK] * 6
+    assert metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL) == 1
+
+
+async def test_calls_go_to_the_replica_with_the_fewest_outstanding(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """No ejection (100 failures in a row needed): four callers for 1 s. The stopped
+    replica holds what it was sent, so the other, with none outstanding, gets the rest;
+    in turns, each caller would wait 300 ms on every second call."""
+    codes: list[grpc.StatusCode] = []
+
+    async def for_a_second(stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub) -> None:
+        until = asyncio.get_running_loop().time() + 1.0
+        while asyncio.get_running_loop().time() < until:
+            await classify_noting_the_code(stub, codes)
+
+    await beside_a_frozen_replica(
+        capability, tmp_path, consecutive_failures=100, callers=4, calls=for_a_second
+    )
+    assert codes.count(grpc.StatusCode.OK) >= 40, codes
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) <= 8, codes

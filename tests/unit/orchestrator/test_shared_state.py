@@ -294,7 +294,7 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
     # A result an older version held is in the shared index only: it goes first.
     store = RedisResultStore(redis_state, capacity=3, ttl_seconds=60)
     redis_server.command("FLUSHALL")
-    held_at_ms = str(int(time.time() * 1000))
+    held_at_ms = str(int(time.time() * 1000) - 100)  # before the holds below
     redis_server.command("ZADD", "classify:v1:results", held_at_ms, "old/o-1")
     redis_server.command("SET", "classify:v1:result:old/o-1", "P")
     with as_tenant("acme"):
