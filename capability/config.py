@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import torch
+
 from capability.batching import BatchingSettings
 from capability.batching.settings import (
     DEFAULT_LENGTH_BUCKETS,
@@ -149,6 +151,17 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
         None if warm_texts is None else Path(warm_texts),
         cache_hit_floor,
     )
+
+
+def check_cuda_devices(names: Sequence[str]) -> None:
+    """Refuse `cuda:N` names this machine has no device for (torch would fail later,
+    inside a worker, with its own assertion)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for name in names:
+        index = name.removeprefix("cuda:")
+        if not index.isdigit() or int(index) >= count:
+            have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
+            raise SettingsError(f"--device / CAPABILITY_DEVICE: {name!r}: this machine has {have}")
 
 
 @dataclass(frozen=True)
@@ -315,6 +328,8 @@ class CapabilitySettings(ServerSettings):
             raise SettingsError(
                 f"--device / CAPABILITY_DEVICE: {self.device!r} is not auto, cpu or cuda:N[,cuda:M]"
             )
+        if self.device not in ("auto", "cpu"):
+            check_cuda_devices(device_names)
         if self.trusted_signers is not None and not self.trusted_signers.is_file():
             raise SettingsError(
                 f"--trusted-signers / CAPABILITY_TRUSTED_SIGNERS: {self.trusted_signers} "
@@ -383,6 +398,15 @@ class CapabilitySettings(ServerSettings):
             except (OSError, DocumentRefused):
                 refused = FieldRefused(refused.where, refused.problem, file=str(self.model_config))
         raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {refused}")
+
+    def check_default_model(self, served: Sequence[str]) -> None:
+        """Refuse a default model this server does not serve (known at start-up): every
+        call that names no model would be NOT_FOUND while the server said SERVING."""
+        if self.default_model not in served:
+            raise SettingsError(
+                f"--default-model / CAPABILITY_DEFAULT_MODEL: {self.default_model!r} is not "
+                f"served here (served: {', '.join(served)})"
+            )
 
     def default_serving(self) -> ModelServingSettings:
         return ModelServingSettings(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
@@ -99,8 +100,10 @@ class CapabilityServer:
 
     async def warm_up(self) -> None:
         served = self.lifecycle.models_to_serve(self.settings.models)
-        # Before any load: a misspelt --model-config entry fails the start at once.
+        # Before any load: a misspelt --model-config entry or default model fails the
+        # start at once.
         self.settings.check_model_config_names(served)
+        self.settings.check_default_model(served)
         await self.lifecycle.load_initial(served)
         if self.settings.watch_seconds > 0:
             self._watcher = asyncio.create_task(
@@ -148,7 +151,11 @@ async def serve(settings: CapabilitySettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = CapabilitySettings.from_args(argv)
+    try:
+        settings = CapabilitySettings.from_args(argv)
+    except SettingsError as exc:  # one line naming flag and variable, not a traceback
+        print(f"{CapabilitySettings.PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     configure_cuda_defaults(settings.cuda_allocator)
     # The event loop computes nothing; torch's CPU threads are the device threads'.
     compute_inline()

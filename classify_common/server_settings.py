@@ -18,6 +18,7 @@ from classify_common.tls import ServerTls, server_tls
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_CORE_WAIT_LIMIT_SECONDS = 1
 
 
@@ -79,7 +80,7 @@ class ServerSettings(Settings):
     grace_seconds: float = setting(
         DEFAULT_GRACE_SECONDS, "drain time on SIGTERM", float, low=0, high=300, unit="s"
     )
-    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level")
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level", str.upper, choices=LOG_LEVELS)
     # uvloop: the loop's own work in C (classify_common/event_loop.py); asyncio: the
     # standard library's loop, for comparing or ruling uvloop out.
     event_loop: str = setting(UVLOOP, "event loop the server runs on", choices=EVENT_LOOPS)

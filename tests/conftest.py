@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from capability.bundle import build_bundle
-from capability.config import CapabilitySettings
+from capability.config import DEFAULT_MODEL, CapabilitySettings
 from capability.server import CapabilityServer
 from classify_common import interceptor
 from classify_common.event_loop import UVLOOP, loop_factory
@@ -150,6 +150,12 @@ def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySetting
         "result_cache_entries": 0,
         **overrides,
     }
+    if "default_model" not in overrides:  # a server refuses one it does not serve
+        served = overrides.get("models") or sorted(
+            path.name for path in Path(values["model_root"]).iterdir() if path.is_dir()
+        )
+        if served and DEFAULT_MODEL not in served:
+            values["default_model"] = served[0]
     return CapabilitySettings(**values)
 
 

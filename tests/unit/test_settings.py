@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from capability.batching.settings import DEFAULT_MAX_BATCH_SIZE
 from capability.config import CapabilitySettings
+from capability.server import main as capability_main
 from classify_common.settings import SettingsError
 from orchestrator.config import OrchestratorSettings
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
@@ -156,3 +158,58 @@ def test_incomplete_tls_settings_are_refused_with_the_flags_named(tmp_path: Path
         CapabilitySettings(tls_client_ca_file=pem)
     with pytest.raises(SettingsError, match=r"--upstream-ca-file .*needs the CA file too"):
         OrchestratorSettings(auth="disabled", upstream_cert_file=pem)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--log-level", "LOUD"], {}, "--log-level / CAPABILITY_LOG_LEVEL: 'LOUD' is not DEBUG"),
+        ([], {"CAPABILITY_PORT": "abc"}, "--port / CAPABILITY_PORT: 'abc' is not valid"),
+        (["--device", "cuda:0"], {}, "--device / CAPABILITY_DEVICE: 'cuda:0': this machine has"),
+        (["--residency", "foo"], {}, "--residency / CAPABILITY_RESIDENCY: 'foo' is not"),
+    ],
+    ids=["log-level", "port-variable", "cuda-without-cuda", "residency"],
+)
+def test_a_capability_setting_it_cannot_use_stops_the_start_with_one_line(
+    argv: list[str],
+    environ: dict[str, str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the orchestrator's: `error:` and the flag and variable, exit status 2, no
+    traceback (a CUDA device named on a machine without one: this machine's)."""
+    if "cuda" in message and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        capability_main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith(f"python -m capability: error: {message}"), err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_log_levels_are_checked_and_read_in_any_case() -> None:
+    assert (
+        OrchestratorSettings.from_args(
+            ["--auth", "disabled", "--log-level", "debug"], environ={}
+        ).log_level
+        == "DEBUG"
+    )
+    with pytest.raises(SettingsError, match="--log-level / ORCHESTRATOR_LOG_LEVEL: 'LOUD'"):
+        OrchestratorSettings.from_args(
+            ["--auth", "disabled"], environ={"ORCHESTRATOR_LOG_LEVEL": "loud"}
+        )
+
+
+def test_a_default_model_the_server_does_not_serve_is_refused_naming_those_it_does() -> None:
+    settings = CapabilitySettings.from_args(["--default-model", "nosuch"], environ={})
+    with pytest.raises(SettingsError) as refused:
+        settings.check_default_model(("topic-static",))
+    assert str(refused.value) == (
+        "--default-model / CAPABILITY_DEFAULT_MODEL: 'nosuch' is not served here "
+        "(served: topic-static)"
+    )
