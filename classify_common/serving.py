@@ -79,9 +79,19 @@ SERVER_OPTIONS: Sequence[tuple[str, int]] = (
 CORE_WAIT_LIMIT_OPTION = "grpc.server_max_unrequested_time_in_server"
 
 
-def server_options(core_wait_limit_seconds: int) -> tuple[tuple[str, int], ...]:
-    """SERVER_OPTIONS and the longest a call waits in core for the event loop."""
-    return (*SERVER_OPTIONS, (CORE_WAIT_LIMIT_OPTION, core_wait_limit_seconds))
+def server_options(
+    core_wait_limit_seconds: int, shares_port: bool = False
+) -> tuple[tuple[str, int], ...]:
+    """SERVER_OPTIONS, the longest a call waits in core for the event loop, and whether
+    the port may be shared (SO_REUSEPORT, gRPC's default on Linux): only by worker
+    processes of one server. Otherwise a second server started on the port (a second
+    `make run`, another user's stack) would share it without a word, the kernel
+    splitting connections between the two, instead of failing to start."""
+    return (
+        *SERVER_OPTIONS,
+        (CORE_WAIT_LIMIT_OPTION, core_wait_limit_seconds),
+        ("grpc.so_reuseport", int(shares_port)),
+    )
 
 
 METRICS_DISABLED = -1
@@ -130,8 +140,10 @@ class GrpcServing:
         edge: bool,
         tls: ServerTls | None = None,
         core_wait_limit_seconds: int = DEFAULT_CORE_WAIT_LIMIT_SECONDS,
+        shares_port: bool = False,
     ) -> None:
-        """`edge`: the public front door (see classify_common.admission)."""
+        """`edge`: the public front door (see classify_common.admission); `shares_port`:
+        one of several worker processes listening on the same port."""
         self.service_names = tuple(service_names)
         self._tls = tls
         self.registry = registry
@@ -148,7 +160,7 @@ class GrpcServing:
                     self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
                 )
             ],
-            options=server_options(core_wait_limit_seconds),
+            options=server_options(core_wait_limit_seconds, shares_port),
         )
         self.health = health.aio.HealthServicer()
         self.add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health)
@@ -169,6 +181,7 @@ class GrpcServing:
         *,
         gate: Gate | None,
         edge: bool,
+        shares_port: bool = False,
     ) -> GrpcServing:
         """The contract's services as a layer serves them, where its settings say."""
         return cls(
@@ -181,6 +194,7 @@ class GrpcServing:
             edge=edge,
             tls=settings.server_tls(),
             core_wait_limit_seconds=settings.core_wait_limit_seconds,
+            shares_port=shares_port,
         )
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:
@@ -190,12 +204,19 @@ class GrpcServing:
 
     async def start(self) -> None:
         await self.set_serving(False)
-        if self._tls is not None:
-            self.port = self.server.add_secure_port(self._address, self._tls.credentials())
-        else:
-            self.port = self.server.add_insecure_port(self._address)
+        not_bound = OSError(
+            f"cannot listen on {self._address}: the port is in use, or the host is not an "
+            "address of this machine"
+        )
+        try:
+            if self._tls is not None:
+                self.port = self.server.add_secure_port(self._address, self._tls.credentials())
+            else:
+                self.port = self.server.add_insecure_port(self._address)
+        except RuntimeError as exc:  # grpcio's "Failed to bind to address ..."
+            raise not_bound from exc
         if self.port == 0:
-            raise OSError(f"could not bind {self._address}")
+            raise not_bound
         await self.server.start()
         if self._metrics_port != METRICS_DISABLED:
             self._metrics_endpoint = MetricsEndpoint(

@@ -38,7 +38,15 @@ class OrchestratorServer:
     """Loads the route table, opens upstream channels, serves ClassifyService, and
     applies valid edits of the routes file while serving."""
 
-    def __init__(self, settings: OrchestratorSettings, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        settings: OrchestratorSettings,
+        registry: CollectorRegistry | None = None,
+        *,
+        shares_port: bool = False,
+    ):
+        """`shares_port`: one of the worker processes of orchestrator.workers, which all
+        listen on one port."""
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = OrchestratorMetrics(self.registry)
@@ -68,6 +76,7 @@ class OrchestratorServer:
             self.registry,
             gate=CallerGate(keys, self.metrics, self.state.limits, self.backlog),
             edge=True,
+            shares_port=shares_port,
         )
         self.serving.add_service(
             classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server,
@@ -177,7 +186,7 @@ async def serve(settings: OrchestratorSettings) -> None:
 async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
     """One of several processes on the port (orchestrator.workers): its /metrics on a
     loopback port of its own, which it sends the supervisor once serving."""
-    server = OrchestratorServer(settings)
+    server = OrchestratorServer(settings, shares_port=True)
 
     async def start() -> dict[str, object]:
         await server.start()

@@ -441,3 +441,18 @@ def test_the_server_process_refuses_a_misspelt_model_config_entry_in_one_line(
         "served here has this name (served: topic-minilm, topic-static)"
     )
     assert "Traceback" not in refused.stderr
+
+
+async def test_a_second_server_on_a_port_in_use_does_not_start(
+    capability: CapabilityServer, model_root: Path
+) -> None:
+    """gRPC's default on Linux (SO_REUSEPORT) would let it share the port, the kernel
+    splitting connections between the two servers, without a word."""
+    second = CapabilityServer(
+        capability_settings(model_root, models=("topic-static",), port=capability.port),
+        registry=CollectorRegistry(),
+    )
+    with pytest.raises(OSError, match=r"cannot listen on .*: the port is in use") as refused:
+        await second.start()
+    await second.stop(grace_seconds=0)
+    assert str(capability.port) in str(refused.value)
