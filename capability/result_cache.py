@@ -50,6 +50,7 @@ caller only what the operator listed.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,10 +169,13 @@ class ResultCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        # sys.getsizeof, not the UTF-8 length: CPython keeps a string at 1, 2 or 4
+        # bytes a character, as its widest needs, so one emoji makes a text of 100,000
+        # characters cost 400 KB (a caller chose it).
         size = (
             ENTRY_OVERHEAD_BYTES
-            + len(text.encode("utf-8", "surrogatepass"))
-            + len(scope or "")
+            + sys.getsizeof(text)
+            + sys.getsizeof(scope or "")
             + BYTES_PER_NUMBER * (len(encoded.ids) + len(probabilities))
         )
         if size > self.max_bytes:

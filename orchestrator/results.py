@@ -72,6 +72,15 @@ def result_owner() -> str:
     return current_caller().tenant
 
 
+def without_traceback(error: ServiceError | None) -> ServiceError | None:
+    """`error` as a store keeps it: without its traceback and the exceptions it was
+    raised from, whose frames hold the call's request (its text, up to 100,000
+    characters, twice: as sent and as forwarded) for as long as the result is kept."""
+    if error is not None:
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+    return error
+
+
 def result_not_found(request_id: str) -> ResultNotFound:
     return ResultNotFound(
         f"no result is stored for request {request_id!r} (unknown or expired)",
@@ -116,20 +125,28 @@ class LocalResultStore:
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
         tenant = result_owner()
         self._remove(tenant, request_id)
+        self._drop_expired()
         entry = _Entry(expires_at=self._clock() + self._ttl, pending=pending)
         self._by_tenant.setdefault(tenant, OrderedDict())[request_id] = entry
         self._order[tenant, request_id] = None
         while len(self._order) > self._capacity:
             self._remove(*self._eviction_victim())
-            self.dropped += 1
+            self.dropped += 1  # a result still kept, not an expired one
         return True
 
+    def _drop_expired(self) -> None:
+        """Let go of the expired entries, oldest first (all entries live equally long, so
+        they lead): a result nobody polls would otherwise stay until the store is full."""
+        now = self._clock()
+        while self._order:
+            tenant, request_id = next(iter(self._order))
+            if self._by_tenant[tenant][request_id].expires_at > now:
+                return
+            self._remove(tenant, request_id)
+
     def _eviction_victim(self) -> tuple[str, str]:
-        """The globally oldest entry if it has expired, else the oldest of the tenant
-        holding the most (the first such tenant to have held one, on a tie)."""
-        tenant, request_id = next(iter(self._order))
-        if self._by_tenant[tenant][request_id].expires_at <= self._clock():
-            return tenant, request_id
+        """The oldest entry of the tenant holding the most (the first such tenant to have
+        held one, on a tie)."""
         tenant = max(self._by_tenant, key=lambda name: len(self._by_tenant[name]))
         return tenant, next(iter(self._by_tenant[tenant]))
 
@@ -153,7 +170,7 @@ class LocalResultStore:
     ) -> None:
         entry = self._entry(result_owner(), request_id)
         if entry is not None:
-            entry.response, entry.error = response, error
+            entry.response, entry.error = response, without_traceback(error)
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
         tenant = result_owner()
@@ -162,5 +179,5 @@ class LocalResultStore:
             self._remove(tenant, request_id)
             raise result_not_found(request_id)
         if entry.error is not None:
-            raise entry.error
+            raise entry.error.with_traceback(None)  # not one that grows with each poll
         return entry.response if entry.response is not None else entry.pending

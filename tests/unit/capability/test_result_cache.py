@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import grpc
@@ -133,7 +134,7 @@ def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None
     def text(n: int) -> EncodedText:
         return EncodedText(ids=(101, n, 102), truncated=False)
 
-    entry_bytes = ENTRY_OVERHEAD_BYTES + 1 + 32 * (3 + 2)
+    entry_bytes = ENTRY_OVERHEAD_BYTES + sys.getsizeof("x") + sys.getsizeof("") + 32 * (3 + 2)
     cache = ResultCache(
         CapabilityMetrics(CollectorRegistry()), max_entries=100, max_bytes=2 * entry_bytes, warm=0
     )
@@ -149,6 +150,19 @@ def test_the_least_recently_used_entry_leaves_first_when_bytes_run_out() -> None
     # A bundle not serving is neither stored nor found.
     cache.store(MODEL, RETIRED_DIGEST, "", text(4), "x", None, (0.5, 0.5))
     assert cache.lookup(MODEL, RETIRED_DIGEST, "", text(4)) is None
+
+
+def test_a_text_is_counted_at_the_bytes_python_holds_it_in() -> None:
+    """One character outside the Basic Multilingual Plane makes CPython hold every
+    character of the text in 4 bytes: 400 KB for 100,000 characters, not 100 KB."""
+    cache = ResultCache(
+        CapabilityMetrics(CollectorRegistry()), max_entries=10, max_bytes=2**20, warm=0
+    )
+    cache.switch_bundle(MODEL, SERVING_DIGEST)
+    text = "a" * 99_999 + "\N{GRINNING FACE}"
+    encoded = EncodedText(ids=(101, 7, 102), truncated=False)
+    cache.store(MODEL, SERVING_DIGEST, "", encoded, text, None, (0.5, 0.5))
+    assert cache.size_bytes >= 400_000
 
 
 def test_a_result_the_replaced_bundle_finishes_after_the_swap_is_never_kept() -> None:

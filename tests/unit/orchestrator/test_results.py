@@ -75,7 +75,8 @@ async def test_past_the_capacity_an_expired_entry_goes_first_then_the_largest_te
         await store.hold("a-2", pending)
     now[0] = 11.0
     with as_tenant("acme"):
-        await store.hold("a-3", pending)  # z-old has expired: it goes, not a-1
+        await store.hold("a-3", pending)  # z-old has expired: let go, so nothing is dropped
+    assert store.dropped == 0
     assert (store.held_by("acme"), store.held_by("zenith")) == (3, 0)
     with as_tenant("zenith"):
         await store.hold("z-1", pending)  # acme holds the most: its oldest goes
@@ -89,7 +90,7 @@ async def test_past_the_capacity_an_expired_entry_goes_first_then_the_largest_te
                 await store.get(gone)
         assert (await store.get("a-3")).status == pb.RESULT_STATUS_PROCESSING
     assert (store.held_by("acme"), store.held_by("zenith"), len(store)) == (1, 2, 3)
-    assert store.dropped == 4
+    assert store.dropped == 3  # z-old expired: let go, not dropped
 
 
 async def start_orchestrator(capability: CapabilityServer, tmp_path: Path) -> OrchestratorServer:
@@ -171,3 +172,46 @@ async def test_client_deadline_first_is_deadline_exceeded_but_the_result_is_kept
     finally:
         await server.stop(grace_seconds=0)
     assert done.labels[0].name == "sports"
+
+
+async def test_expired_results_are_let_go_when_another_is_held_not_only_when_polled() -> None:
+    now = [0.0]
+    store = LocalResultStore(capacity=100, ttl_seconds=10, clock=lambda: now[0])
+    pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
+    for request_id in ("a", "b"):
+        await store.hold(request_id, pending)
+    now[0] = 5.0
+    await store.hold("c", pending)
+    now[0] = 11.0  # "a" and "b" have expired, "c" has not
+    await store.hold("d", pending)
+    assert len(store) == 2
+    assert store.dropped == 0
+
+
+async def test_a_stored_error_keeps_no_traceback_and_so_no_request() -> None:
+    """The frames of a traceback hold the call's request, its text up to 100,000
+    characters, for as long as the result is kept."""
+    store = LocalResultStore(capacity=10, ttl_seconds=10)
+    await store.hold("r", pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING))
+
+    def fail(request: pb.ClassifyRequest) -> None:
+        try:
+            raise KeyError(request.text)
+        except KeyError as cause:
+            raise ModelUnavailable("backend down") from cause
+
+    try:
+        fail(pb.ClassifyRequest(text="x" * 100_000))
+    except ModelUnavailable as error:
+        await store.finish("r", error=error)
+    with pytest.raises(ModelUnavailable) as stored:
+        await store.get("r")
+    # Raised again by get(): only get()'s own frame is on it now, and nothing before.
+    assert stored.value.__cause__ is None
+    assert stored.value.__context__ is None
+    frames = []
+    traceback = stored.value.__traceback__
+    while traceback is not None:
+        frames.append(traceback.tb_frame.f_code.co_name)
+        traceback = traceback.tb_next
+    assert "fail" not in frames
