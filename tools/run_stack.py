@@ -4,11 +4,15 @@ The capability server starts first; the orchestrator starts once the model
 reports SERVING through gRPC health. Ctrl-C (or SIGTERM) stops both: each
 drains its in-flight calls, and this script waits for them to exit.
 Ports and paths come from the same environment variables the servers read
-(CAPABILITY_PORT, ORCHESTRATOR_PORT, ORCHESTRATOR_ROUTES_FILE, ...).
+(CAPABILITY_PORT, ORCHESTRATOR_PORT, ORCHESTRATOR_ROUTES_FILE, ...). With
+CAPABILITY_PORT set and no routes file named, the orchestrator reads a copy of
+routes.yaml whose targets name that port (.run/routes.yaml); the commands
+printed once ready name ORCHESTRATOR_PORT.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import signal
@@ -27,6 +31,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from orchestrator.security import hash_key, new_key  # noqa: E402
 
 RUN_DIR = Path(".run")
+DEFAULT_CAPABILITY_PORT = "50052"
+DEFAULT_ORCHESTRATOR_PORT = "50051"
 READY_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 20.0
 EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
@@ -109,11 +115,38 @@ def interrupt_once(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> int:
-    capability_port = os.environ.get("CAPABILITY_PORT", "50052")
-    orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", "50051")
+def routes_for(capability_port: str) -> dict[str, str]:
+    """The routes file setting for a capability on `capability_port`: none (routes.yaml,
+    whose targets name the default port) unless that port is another and no routes
+    file is named, and then a copy of routes.yaml with the port replaced."""
+    if capability_port == DEFAULT_CAPABILITY_PORT or "ORCHESTRATOR_ROUTES_FILE" in os.environ:
+        return {}
+    text = Path("routes.yaml").read_text(encoding="utf-8")
+    copy = RUN_DIR / "routes.yaml"
+    RUN_DIR.mkdir(exist_ok=True)
+    copy.write_text(
+        text.replace(f"127.0.0.1:{DEFAULT_CAPABILITY_PORT}", f"127.0.0.1:{capability_port}"),
+        encoding="utf-8",
+    )
+    return {"ORCHESTRATOR_ROUTES_FILE": str(copy)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tools/run_stack.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
+    capability_port = os.environ.get("CAPABILITY_PORT", DEFAULT_CAPABILITY_PORT)
+    orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", DEFAULT_ORCHESTRATOR_PORT)
+    target = (
+        f" --target 127.0.0.1:{orchestrator_port}"
+        if orchestrator_port != DEFAULT_ORCHESTRATOR_PORT
+        else ""
+    )
     python = sys.executable
-    environment = {**os.environ, **ensure_local_credentials()}
+    environment = {**os.environ, **ensure_local_credentials(), **routes_for(capability_port)}
     processes: list[subprocess.Popen[bytes]] = []
     # Children run in their own sessions, out of reach of the terminal's
     # Ctrl-C; this script turns Ctrl-C or SIGTERM into one orderly SIGTERM each.
@@ -133,7 +166,7 @@ def main() -> int:
         wait_until_serving("orchestrator", orchestrator, f"127.0.0.1:{orchestrator_port}")
         print(
             "\nReady. In another terminal:\n"
-            f'  .venv/bin/python -m classify_client "{EXAMPLE_TEXT}"\n'
+            f'  .venv/bin/python -m classify_client{target} "{EXAMPLE_TEXT}"\n'
             "  .venv/bin/buf curl --protocol grpc --http2-prior-knowledge \\\n"
             '    -H "authorization: Bearer $(cat .run/api-key)" \\\n'
             f'    -d \'{{"text": "{EXAMPLE_TEXT}"}}\' \\\n'

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT, closed_port, write_routes
+from tests.conftest import REPO_ROOT, closed_port
 from tests.unit.test_readme import MAKEFILE, README, VENV_PYTHON, make_prerequisites, shell_commands
 
 # `make run` prints this once both servers report SERVING.
@@ -39,10 +40,11 @@ def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: P
         "CAPABILITY_WATCH_SECONDS": "0",
         "ORCHESTRATOR_PORT": str(orchestrator_port),
         "ORCHESTRATOR_METRICS_PORT": "-1",
-        "ORCHESTRATOR_ROUTES_FILE": str(
-            write_routes(tmp_path / "routes.yaml", [f"127.0.0.1:{capability_port}"])
-        ),
     }
+    environment.pop("ORCHESTRATOR_ROUTES_FILE", None)
+    # routes.yaml names the default capability port: run_stack gives the orchestrator
+    # a copy that names CAPABILITY_PORT.
+    shutil.copy(REPO_ROOT / "routes.yaml", tmp_path / "routes.yaml")
     stack_log = tmp_path / "make-run.log"
     # In tmp_path, so its .run/ (key, keys file, internal token) is the test's own.
     with stack_log.open("w") as log:
@@ -59,13 +61,16 @@ def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: P
             assert stack.poll() is None, stack_log.read_text()
             assert time.monotonic() < deadline, stack_log.read_text()
             time.sleep(0.2)
-        # The call the README shows is the one `make run` prints.
-        assert " ".join(readme_call) in stack_log.read_text().replace('"', "")
+        # The call the README shows is the one `make run` prints, with the port it
+        # was given instead of the default.
+        printed_call = [*readme_call[:3], "--target", f"127.0.0.1:{orchestrator_port}"]
+        printed_call += readme_call[3:]
+        assert " ".join(printed_call) in stack_log.read_text().replace('"', "")
 
         result = subprocess.run(
-            [sys.executable, *readme_call[1:]],
+            [sys.executable, *printed_call[1:]],
             cwd=tmp_path,  # the client reads the key from .run/api-key here
-            env={**environment, "CLASSIFY_TARGET": f"127.0.0.1:{orchestrator_port}"},
+            env=environment,
             capture_output=True,
             text=True,
             timeout=60,
