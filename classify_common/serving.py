@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from classify_common.admission import Gate, admission_for
@@ -149,6 +149,9 @@ class GrpcServing:
         self.registry = registry
         registry.register(EXPORT_DROPS)
         registry.register(LOG_DROPS)
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: the CPU a call
+        # costs each layer is the figure that carries over to a GPU machine.
+        ProcessCollector(registry=registry)
         self._address = f"{host}:{port}"
         self._metrics_host = host
         self._metrics_port = metrics_port

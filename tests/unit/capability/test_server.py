@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -392,6 +393,9 @@ async def test_metrics_scrape_reports_queue_model_and_process_memory_series_on_c
         assert f'classify_device_memory_bytes{{kind="{kind}",worker="cpu:0"}}' in exposition
     assert "classify_device_fragmentation_bytes{" not in exposition
     assert "classify_device_utilisation{" not in exposition
+    # The process's own CPU and memory, as the runbook reads them.
+    assert re.search(r"^process_cpu_seconds_total \d", exposition, re.M)
+    assert re.search(r"^process_resident_memory_bytes \d", exposition, re.M)
 
 
 MISSPELT_CONFIG = "topic-static:\n  max_batch_size: 8\ntopic-minlm:\n  residency: on_demand\n"
