@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def internal_gate(settings: CapabilitySettings) -> InternalTokenGate | None:
-    token = read_secret(settings.internal_token_file)
+    token = read_secret(settings, "internal_token_file")
     if token is None:
         log.warning("no internal token: any caller may use this server (development only)")
         return None

@@ -25,7 +25,6 @@ import argparse
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar, Self
 
 SPEC = "classify.setting"  # the field-metadata key that holds a setting's Spec
@@ -186,13 +185,21 @@ def _from_environment(each: Declared, environ: Mapping[str, str]) -> Any:
         raise SettingsError(f"{each.flag} / {each.env}: {text!r} is not valid: {exc}") from exc
 
 
-def read_secret(path: Path | None) -> str | None:
-    """A token from a file (surrounding whitespace dropped), or None without a file."""
+def read_secret(settings: Settings, name: str) -> str | None:
+    """The token in the file the setting `name` names (surrounding whitespace dropped),
+    or None when it names none; a file it cannot use is a SettingsError naming the
+    flag and variable, as a bad value is."""
+    path = getattr(settings, name)
     if path is None:
         return None
-    secret = path.read_text(encoding="utf-8").strip()
+    each = next(each for each in settings.declared() if each.name == name)
+    try:
+        secret = str(path.read_text(encoding="utf-8")).strip()
+    except (OSError, UnicodeError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SettingsError(f"{each.flag} / {each.env}: cannot read {path}: {problem}") from exc
     if not secret:
-        raise SettingsError(f"{path} is empty")
+        raise SettingsError(f"{each.flag} / {each.env}: {path} is empty")
     return secret
 
 

@@ -58,7 +58,7 @@ class OrchestratorServer:
         )
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
-        self._internal_token = read_secret(settings.internal_token_file)
+        self._internal_token = read_secret(settings, "internal_token_file")
         self.state = open_shared_state(
             settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
         )

@@ -115,7 +115,7 @@ class RedisState:
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "client_name": "classify-orchestrator",
         }
-        password = read_secret(settings.state_password_file)
+        password = read_secret(settings, "state_password_file")
         if password is not None:
             options["password"] = password
         if settings.state_ca_file is not None:

@@ -12,7 +12,7 @@ import torch
 from capability.batching.settings import DEFAULT_MAX_BATCH_SIZE
 from capability.config import CapabilitySettings
 from capability.server import main as capability_main
-from classify_common.settings import SettingsError
+from classify_common.settings import SettingsError, read_secret
 from orchestrator.config import OrchestratorSettings
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 
@@ -213,3 +213,27 @@ def test_a_default_model_the_server_does_not_serve_is_refused_naming_those_it_do
         "--default-model / CAPABILITY_DEFAULT_MODEL: 'nosuch' is not served here "
         "(served: topic-static)"
     )
+
+
+def test_a_secret_file_it_cannot_use_is_refused_naming_its_flag_and_variable(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "absent"
+    settings = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--internal-token-file", str(missing)], environ={}
+    )
+    with pytest.raises(SettingsError) as unreadable:
+        read_secret(settings, "internal_token_file")
+    assert str(unreadable.value) == (
+        "--internal-token-file / ORCHESTRATOR_INTERNAL_TOKEN_FILE: cannot read "
+        f"{missing}: No such file or directory"
+    )
+    empty = tmp_path / "empty"
+    empty.write_text(" \n")
+    settings = CapabilitySettings.from_args(["--internal-token-file", str(empty)], environ={})
+    with pytest.raises(
+        SettingsError,
+        match=r"^--internal-token-file / CAPABILITY_INTERNAL_TOKEN_FILE: .* is empty$",
+    ):
+        read_secret(settings, "internal_token_file")
+    assert read_secret(CapabilitySettings.from_args([], environ={}), "internal_token_file") is None
