@@ -75,6 +75,11 @@ ssh-keygen:
 # complete, so nothing is resolved at install time (--no-deps). torch is installed in a
 # step of its own, from torch-cpu.lock (docs/development.md#torch says why).
 $(VENV_STAMP): requirements/pip.lock requirements/dev.lock requirements/torch-cpu.lock
+	@# The locks pin wheels built for CPython 3.11: another version fails pip's hash
+	@# check with a message about tampering, so say what is wrong first.
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+		echo "make: $(PYTHON) is Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'); the locked dependencies need 3.11 (set PYTHON=python3.11)" >&2; \
+		exit 1; }
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
 		-r requirements/pip.lock
