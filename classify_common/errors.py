@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -66,6 +67,15 @@ class ServiceError(Exception):
         self.message = message
         # Sent to the client as ErrorInfo metadata; keep values short.
         self.context = {key: str(value) for key, value in context.items()}
+
+    def with_context(self, **extra: object) -> Self:
+        """A copy of this error (same class, message and details), `extra` added to its
+        context, and without its traceback."""
+        clone = self.__class__.__new__(self.__class__)
+        clone.__dict__.update(self.__dict__)
+        Exception.__init__(clone, *self.args)
+        clone.context = {**self.context, **{key: str(value) for key, value in extra.items()}}
+        return clone
 
     def details(self) -> list[Message]:
         """Rich status details (google.rpc.*) that go with this error."""

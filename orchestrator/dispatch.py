@@ -319,7 +319,10 @@ class Dispatcher:
             if error is None:
                 await self.results.finish(ids.request_id, response=work.result())
             elif isinstance(error, ServiceError):
-                await self.results.finish(ids.request_id, error=error)
+                # A poll is a call of its own, in a trace of its own: the error it is
+                # answered with names the trace the failure happened in.
+                failed = error.with_context(result_trace_id=ids.trace_id)
+                await self.results.finish(ids.request_id, error=failed)
             else:
                 log.error("unhandled error", exc_info=error, extra={"request_id": ids.request_id})
                 self._on_internal_error()

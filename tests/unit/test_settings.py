@@ -230,10 +230,10 @@ def test_a_secret_file_it_cannot_use_is_refused_naming_its_flag_and_variable(
     )
     empty = tmp_path / "empty"
     empty.write_text(" \n")
-    settings = CapabilitySettings.from_args(["--internal-token-file", str(empty)], environ={})
+    capability = CapabilitySettings.from_args(["--internal-token-file", str(empty)], environ={})
     with pytest.raises(
         SettingsError,
         match=r"^--internal-token-file / CAPABILITY_INTERNAL_TOKEN_FILE: .* is empty$",
     ):
-        read_secret(settings, "internal_token_file")
+        read_secret(capability, "internal_token_file")
     assert read_secret(CapabilitySettings.from_args([], environ={}), "internal_token_file") is None

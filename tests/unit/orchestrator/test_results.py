@@ -20,7 +20,8 @@ from orchestrator.security import gate
 from orchestrator.security.keys import Caller
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
-from tests.status_details import error_reason
+from tests.flaky_pod import FlakyPod
+from tests.status_details import error_info, error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
 
 
@@ -215,3 +216,50 @@ async def test_a_stored_error_keeps_no_traceback_and_so_no_request() -> None:
         frames.append(traceback.tb_frame.f_code.co_name)
         traceback = traceback.tb_next
     assert "fail" not in frames
+
+
+async def test_a_failed_result_names_the_trace_it_failed_in(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A poll is a call in a trace of its own; the stored failure's ErrorInfo says which
+    trace the work ran in (`result_trace_id`), as a DONE result's trace_id does."""
+    pod = FlakyPod(capability.port, failing=True)
+    pod.answering.clear()  # the pod holds the call past the route's budget, then fails it
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        f"backends:\n  pod: {{model: topic-minilm, targets: ['{pod.address}']}}\n"
+        "routes:\n  - name: default\n    backend: pod\n    budget: 100ms\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, routes_poll_seconds=0),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    poll = pb.GetResultRequest(request_id="fails-1")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            first = await stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="fails-1"))
+            pod.answering.set()
+
+            async def failed() -> bool:
+                try:
+                    await stub.GetResult(poll)
+                except grpc.aio.AioRpcError:
+                    return True
+                return False
+
+            await wait_until(failed, "the stored failure", limit_seconds=10)
+            stored = await refusal(stub.GetResult(poll))
+    finally:
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert first.status == pb.RESULT_STATUS_PROCESSING
+    assert stored.code() == grpc.StatusCode.UNAVAILABLE
+    info = error_info(stored)
+    assert info.metadata["result_trace_id"] == first.trace_id
+    assert info.metadata["x-request-id"] == "fails-1"
+    assert info.metadata["x-trace-id"] != first.trace_id  # the poll's own
