@@ -14,6 +14,13 @@ to `max_in_flight` calls at once. Full is one batch on the replica: the
 said; never more). At one client nothing is ever held back: the single item
 leaves in the same loop turn, as a plain `Classify`.
 
+Interactive items never gather behind batch work alone: while every call in
+flight carries only `PRIORITY_BATCH` items (a bulk ClassifyBatch sent as
+such), interactive items leave at once in a call of their own, one beyond
+`max_in_flight`, and the capability, which takes interactive texts before
+batch ones, computes them next. Without it a single call waited out two
+calls of 128 bulk items (a second or more).
+
 Why a second call must be full: a partial call sent while one is in flight
 stops gathering early, and splits the callers in flight into three groups
 (computing, queued at the replica, gathering here) instead of two. At 32
@@ -226,6 +233,8 @@ class ReplicaCoalescer:
         self._expiry_at = math.inf
         self._in_flight = 0
         self._items_in_flight = 0
+        # Calls in flight that carry an interactive item (see _beside_batch_calls_only).
+        self._interactive_in_flight = 0
         # When each call in flight is expected back (loop time): its send time plus
         # the time calls of its size have been taking, or the wait the replica
         # reported then if that is longer.
@@ -277,14 +286,15 @@ class ReplicaCoalescer:
             future=loop.create_future(),
             cache_scope=cache_scope,
         )
-        if not self._may_leave(len(self._waiting) + 1):
+        passes = request.priority != pb.PRIORITY_BATCH and self._beside_batch_calls_only()
+        if not passes and not self._may_leave(len(self._waiting) + 1):
             self._refuse_if_it_cannot_make_it(item, loop.time())
         self._waiting.append(item)
         # Until it leaves it may gather behind a call in flight, or behind the calls a
         # large ClassifyBatch fills, until after its deadline.
         if item.expires_at < self._expiry_at:
             self._expire_at(loop, item.expires_at)
-        if not self._send_scheduled and self._may_leave(len(self._waiting)):
+        if not self._send_scheduled and (passes or self._may_leave(len(self._waiting))):
             # Not sent right here: items that arrive in this same loop turn (the other
             # items of a ClassifyBatch, a burst of calls) go in the same call.
             self._send_scheduled = True
@@ -297,6 +307,31 @@ class ReplicaCoalescer:
         if self._in_flight == 0:
             return True
         return self._in_flight < self._settings.max_in_flight and items >= self._full_call()
+
+    def _beside_batch_calls_only(self) -> bool:
+        """Whether interactive items may leave now in a call of their own, one beyond
+        max_in_flight: every call in flight carries batch-priority items only."""
+        return (
+            0 < self._in_flight <= self._settings.max_in_flight and self._interactive_in_flight == 0
+        )
+
+    def _take_interactive(self) -> list[UpstreamItem]:
+        """The interactive items gathering (up to one call's worth), taken out of
+        `_waiting`; the batch-priority ones stay, in order."""
+        taken: list[UpstreamItem] = []
+        kept: list[UpstreamItem] = []
+        chars = 0
+        for item in self._waiting:
+            fits = len(taken) < self._settings.max_items and (
+                not taken or chars + len(item.request.text) <= MAX_BATCH_TOTAL_CHARS
+            )
+            if item.request.priority != pb.PRIORITY_BATCH and fits:
+                taken.append(item)
+                chars += len(item.request.text)
+            else:
+                kept.append(item)
+        self._waiting[:] = kept
+        return taken
 
     def _full_call(self) -> int:
         """Items that make a call full: one batch on the replica, as it last reported
@@ -352,10 +387,17 @@ class ReplicaCoalescer:
         """Send what is waiting, as many calls as free slots allow."""
         self._send_scheduled = False
         now = asyncio.get_running_loop().time()
-        while self._waiting and self._may_leave(len(self._waiting)):
-            leaving = self._items_for_one_call()
-            batch = self._waiting[:leaving]
-            del self._waiting[:leaving]
+        while self._waiting:
+            if self._may_leave(len(self._waiting)):
+                leaving = self._items_for_one_call()
+                batch = self._waiting[:leaving]
+                del self._waiting[:leaving]
+            elif self._beside_batch_calls_only():
+                batch = self._take_interactive()
+                if not batch:
+                    break
+            else:
+                break
             live = [item for item in batch if not item.future.done()]
             # Items that gathered while the replica was busy may no longer have the
             # time their call needs, by the replica's reported wait or by how long
@@ -397,19 +439,24 @@ class ReplicaCoalescer:
             self.call_time.sent(len(live))
             self._in_flight += 1
             self._items_in_flight += len(live)
+            interactive = any(item.request.priority != pb.PRIORITY_BATCH for item in live)
+            self._interactive_in_flight += interactive
             expected_back = now + max(wait, self.call_time.predict(len(live), idle))
             self._expected_back.append(expected_back)
             # A merged call runs in a context of its own: in whichever caller's context
             # scheduled it, its log lines carried that caller's IDs for everyone's.
             own = live[0].context.copy() if len(live) == 1 else contextvars.Context()
-            task = asyncio.create_task(self._call(live, now, expected_back), context=own)
+            sending = self._call(live, now, expected_back, interactive)
+            task = asyncio.create_task(sending, context=own)
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
         if not self._waiting and self._expiry is not None:
             self._expiry.cancel()
             self._expiry, self._expiry_at = None, math.inf
 
-    async def _call(self, items: list[UpstreamItem], sent_at: float, expected_back: float) -> None:
+    async def _call(
+        self, items: list[UpstreamItem], sent_at: float, expected_back: float, interactive: bool
+    ) -> None:
         try:
             self._on_sent(len(items))
             if len(items) == 1:
@@ -430,6 +477,7 @@ class ReplicaCoalescer:
         finally:
             self._in_flight -= 1
             self._items_in_flight -= len(items)
+            self._interactive_in_flight -= interactive
             self._expected_back.remove(expected_back)
             self._last_back = asyncio.get_running_loop().time()
             if self._waiting and not self._send_scheduled:

@@ -196,6 +196,47 @@ async def test_beside_a_call_in_flight_only_a_full_call_leaves(
     ]
 
 
+async def test_interactive_items_do_not_gather_behind_calls_of_batch_items_alone(
+    capability: CapabilityServer,
+) -> None:
+    """One call in flight at most, and it carries bulk work sent as PRIORITY_BATCH:
+    interactive items leave at once in a call of their own (one beyond the limit) and
+    are computed first; another batch item gathers, as does an interactive item once
+    an interactive call is in flight."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(channel, capability, CoalescingSettings(max_in_flight=1))
+        finished: list[str] = []
+
+        def classify(request_id: str, priority: pb.Priority.ValueType) -> asyncio.Future[None]:
+            request = pb.ClassifyRequest(
+                text=STRIKER, model="topic-minilm", request_id=request_id, priority=priority
+            )
+
+            async def call() -> None:
+                await coalescer.classify(request, seconds=30, trace_metadata=())
+                finished.append(request_id)
+
+            return asyncio.ensure_future(call())
+
+        async def settled() -> tuple[int, int]:
+            for _ in range(5):  # a call is sent within a few loop turns, or not at all
+                await asyncio.sleep(0)
+            return coalescer.waiting, coalescer.in_flight
+
+        async with device_occupied(capability.pool.workers[0]):
+            calls = [classify(f"bulk-{index}", pb.PRIORITY_BATCH) for index in range(4)]
+            await wait_until(lambda: coalescer.in_flight == 1)
+            calls.append(classify("more-bulk", pb.PRIORITY_BATCH))
+            assert await settled() == (1, 1), "a batch item left beside the batch call"
+            calls.append(classify("interactive", pb.PRIORITY_INTERACTIVE))
+            assert await settled() == (1, 2), "the interactive item gathered behind bulk work"
+            calls.append(classify("interactive-2", pb.PRIORITY_UNSPECIFIED))
+            assert await settled() == (2, 2), "a second interactive call went beside the first"
+        await asyncio.gather(*calls)
+    # It reached the capability while the more bulk work still gathered here.
+    assert finished.index("interactive") < finished.index("more-bulk")
+
+
 async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
     capability: CapabilityServer,
 ) -> None:
