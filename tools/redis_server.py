@@ -84,7 +84,11 @@ def install(target: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.redis_server", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.redis_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     install_command = commands.add_parser("install", help="redis-server from Debian's packages")
     install_command.add_argument("target", type=Path, nargs="?", default=DEFAULT_TARGET)

@@ -48,7 +48,11 @@ def regenerate(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.settings_doc", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.settings_doc",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--check", action="store_true", help="only report whether they differ")
     args = parser.parse_args(argv)
     path = doc_path()

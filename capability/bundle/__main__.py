@@ -26,7 +26,11 @@ from capability.model import PRECISION_DTYPES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capability.bundle", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m capability.bundle",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     build = commands.add_parser("build", help="write a new bundle version directory")
