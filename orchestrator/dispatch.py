@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import Histogram
@@ -203,6 +204,9 @@ class Dispatcher:
                 for index, item in enumerate(request.items)
             )
         )
+        # When this call is cancelled (its caller left, the server stopped), Python
+        # 3.11's gather ends as an error nobody reads, and asyncio logs it as such.
+        items.add_done_callback(_read_outcome)
         if client_remaining is None:
             await items
         else:
@@ -333,3 +337,9 @@ class Dispatcher:
         task = asyncio.get_running_loop().create_task(store())
         self._storing.add(task)
         task.add_done_callback(self._storing.discard)
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as read, so that asyncio does not log it unread."""
+    if not future.cancelled():
+        future.exception()

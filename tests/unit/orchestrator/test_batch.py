@@ -3,8 +3,10 @@ answered on its own, in order, with its own route, fallback and error."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,7 +37,9 @@ from tests.conftest import (
     StartOrchestrator,
     closed_port,
     metric_sum,
+    orchestrator_for,
     orchestrator_settings,
+    wait_until,
     write_routes,
 )
 from tests.status_details import unpack, violations_of
@@ -440,3 +444,29 @@ async def test_an_items_traceparent_puts_it_in_that_trace_whether_or_not_spans_a
     assert item_error_info(refused.error).metadata["x-trace-id"] == item_trace
     assert answered_in_call.response.trace_id == call_trace
     assert item_error_info(refused_in_call.error).metadata["x-trace-id"] == call_trace
+
+
+async def test_a_batch_cut_off_by_the_server_stopping_leaves_no_unread_error(
+    capability: CapabilityServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler is cancelled with its items in flight; Python 3.11's gather then
+    ends as an error no one reads, which asyncio logged as one (`_GatheringFuture
+    exception was never retrieved`) on every such stop."""
+    async with (
+        orchestrator_for(capability, tmp_path) as server,
+        device_occupied(capability.pool.workers[0]),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        call = stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 4),
+            timeout=30,
+        )
+        (pool,) = server.dispatcher.state.upstream.pools()
+        await wait_until(lambda: pool.in_flight == 4, "the items in flight")
+        await server.stop(grace_seconds=0)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
