@@ -50,6 +50,7 @@ from classify_common.errors import (
     FieldViolation,
     InternalError,
     InvalidRequest,
+    ServerDraining,
     ServiceError,
     grpc_code_for,
     internal_error,
@@ -142,6 +143,20 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         # The wrapped handler of each contract method, built on its first call: a
         # server's handlers never change, and wrapping costs more than a lookup.
         self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        # The calls in their handlers now, and whether they are being cut off because
+        # the server stops (cut_off_calls).
+        self._in_handlers: set[asyncio.Task[Any]] = set()
+        self._cutting_off = False
+
+    def cut_off_calls(self) -> int:
+        """Answer every call still in its handler SERVER_DRAINING, with its request and
+        trace IDs, now: the server's grace is running out, and gRPC would otherwise
+        cancel them itself, answering UNAVAILABLE "Cancelling all calls" with neither.
+        Returns how many calls it cut off."""
+        self._cutting_off = True
+        for task in self._in_handlers:
+            task.cancel()
+        return len(self._in_handlers)
 
     async def intercept_service(
         self,
@@ -192,8 +207,13 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         observe_node, counts_nodes = self._metrics.observe_node, admission.counts_own_nodes
         encode = _timed_serializer(serialize) if times_output else serialize
 
+        in_handlers = self._in_handlers
+
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
+            this_call = asyncio.current_task()
+            if this_call is not None:
+                in_handlers.add(this_call)
             metadata = tuple(context.invocation_metadata() or ())
             if drops_baggage:
                 metadata = tuple(entry for entry in metadata if entry[0] != BAGGAGE_HEADER)
@@ -226,15 +246,22 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 except _DeadlinePassed:
                     code = grpc.StatusCode.DEADLINE_EXCEEDED  # what the caller saw
                     raise
-            except asyncio.CancelledError:  # the client went away
-                code = grpc.StatusCode.CANCELLED
-                raise
+            except asyncio.CancelledError:
+                if not self._cutting_off:  # the client went away
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                if this_call is not None:
+                    this_call.uncancel()  # answered, not cancelled: later awaits run as usual
+                cut_off = ServerDraining("the server stopped before this call was answered")
+                code = grpc_code_for(cut_off)
+                await self._abort(context, server_span, cut_off, ids, request_trace)
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 code = grpc.StatusCode.INTERNAL
                 await self._answer_bug(method, context, server_span, ids, request_trace)
             finally:
+                in_handlers.discard(this_call)
                 elapsed = time.perf_counter() - started
                 exemplar = exemplar_for(ids.trace_id, server_span, code.name)
                 self._metrics.observe(method, code.name, elapsed, exemplar)

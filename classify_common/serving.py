@@ -95,6 +95,9 @@ def server_options(
 
 
 METRICS_DISABLED = -1
+# How long before the end of a stop's grace the calls still in their handlers are
+# answered SERVER_DRAINING, so that the answer is written before gRPC cancels them.
+CUT_OFF_MARGIN_SECONDS = 0.1
 
 # The methods gRPC takes calls in for through a pending request of their own: the
 # calls that carry load. grpc.aio's server (grpcio 1.85) takes in each call with an
@@ -157,12 +160,11 @@ class GrpcServing:
         self._metrics_port = metrics_port
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.rpc_metrics = RpcMetrics(registry)
+        self._lifecycle = RequestLifecycleInterceptor(
+            self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
+        )
         self.server = grpc.aio.server(
-            interceptors=[
-                RequestLifecycleInterceptor(
-                    self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
-                )
-            ],
+            interceptors=[self._lifecycle],
             options=server_options(core_wait_limit_seconds, shares_port),
         )
         self.health = health.aio.HealthServicer()
@@ -240,8 +242,18 @@ class GrpcServing:
             await self.health.set(name, status)
 
     async def stop(self, grace_seconds: float) -> None:
+        """NOT_SERVING, refuse new calls, give those in flight `grace_seconds`, and cut off
+        the ones still in their handlers just before gRPC would cancel them (see
+        RequestLifecycleInterceptor.cut_off_calls)."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_seconds)
+        stopping = asyncio.ensure_future(self.server.stop(grace_seconds))
+        cut_off_at = max(grace_seconds - CUT_OFF_MARGIN_SECONDS, 0.0)
+        try:
+            await asyncio.wait_for(asyncio.shield(stopping), timeout=cut_off_at)
+        except TimeoutError:
+            if cut_off := self._lifecycle.cut_off_calls():
+                log.warning("calls cut off at the end of the grace", extra={"calls": cut_off})
+            await stopping
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
             self._metrics_endpoint = None

@@ -42,7 +42,7 @@ from tests.conftest import (
     wait_until,
     write_routes,
 )
-from tests.status_details import unpack, violations_of
+from tests.status_details import error_reason, refusal, trailers_of, unpack, violations_of
 from tests.unit.capability.test_serving import device_occupied
 
 SHARES = "Shares fell sharply after the bank cut its profit forecast"
@@ -464,9 +464,45 @@ async def test_a_batch_cut_off_by_the_server_stopping_leaves_no_unread_error(
         )
         (pool,) = server.dispatcher.state.upstream.pools()
         await wait_until(lambda: pool.in_flight == 4, "the items in flight")
-        await server.stop(grace_seconds=0)
+        # Stopped in the background: the stop also waits for the upstream calls, which
+        # the held device answers once the block ends.
+        stopping = asyncio.ensure_future(server.stop(grace_seconds=0))
         with pytest.raises(grpc.aio.AioRpcError):
             await call
+    await stopping
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize("method", ["Classify", "ClassifyBatch"])
+async def test_calls_still_in_flight_when_the_grace_ends_are_answered_with_their_ids(
+    capability: CapabilityServer, tmp_path: Path, method: str
+) -> None:
+    """gRPC cancels what is left when a stop's grace ends, answering UNAVAILABLE
+    "Cancelling all calls" with no IDs; the server answers them first, SERVER_DRAINING
+    with the request and trace IDs."""
+    async with (
+        orchestrator_for(capability, tmp_path) as server,
+        device_occupied(capability.pool.workers[0]),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        call = (
+            stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="held-1"), timeout=30)
+            if method == "Classify"
+            else stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
+                metadata=(("x-request-id", "held-1"),),
+                timeout=30,
+            )
+        )
+        (pool,) = server.dispatcher.state.upstream.pools()
+        await wait_until(lambda: pool.in_flight >= 1, "the call in flight")
+        stopping = asyncio.ensure_future(server.stop(grace_seconds=0.5))  # as above
+        cut_off = await refusal(call)
+    await stopping
+    assert cut_off.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(cut_off) == "SERVER_DRAINING"
+    assert trailers_of(cut_off)["x-request-id"] == "held-1"
+    assert len(trailers_of(cut_off)["x-trace-id"]) == 32
