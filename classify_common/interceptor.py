@@ -211,9 +211,6 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
-            this_call = asyncio.current_task()
-            if this_call is not None:
-                in_handlers.add(this_call)
             metadata = tuple(context.invocation_metadata() or ())
             if drops_baggage:
                 metadata = tuple(entry for entry in metadata if entry[0] != BAGGAGE_HEADER)
@@ -229,6 +226,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             time_left = context.time_remaining()
             bind_time_left_on_arrival(time_left)
             code = grpc.StatusCode.OK
+            this_call = asyncio.current_task()
+            if this_call is not None:
+                in_handlers.add(this_call)
             try:
                 request = _receive(method, raw, parse, context, headers, request_trace, admission)
                 ids = rebind_own_request_id(request, ids)
