@@ -5,10 +5,11 @@ so a store holds the slow tail, not all traffic. A store holds at most
 `capacity` entries, each for `ttl_seconds` after it was created; an unknown,
 dropped or expired request ID is NOT_FOUND.
 
-Past the capacity, an expired entry goes first; otherwise the oldest entry of
-the tenant holding the most. A tenant that holds no more than its share
-(capacity / tenants holding results) thus never loses a result to another
-tenant's burst of slow calls: the burst pushes out its own oldest results.
+Expired entries are let go as new ones are held (not only when polled); past
+the capacity, the oldest entry of the tenant holding the most goes. A tenant
+that holds no more than its share (capacity / tenants holding results) thus
+never loses a result to another tenant's burst of slow calls: the burst pushes
+out its own oldest results.
 
 Results belong to the tenant whose call made them: a request ID names a result
 only within that tenant (the authenticated caller of the call each store method
