@@ -194,7 +194,7 @@ def read_secret(settings: Settings, name: str) -> str | None:
         return None
     each = next(each for each in settings.declared() if each.name == name)
     try:
-        secret = str(path.read_text(encoding="utf-8")).strip()
+        secret: str = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeError) as exc:
         problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise SettingsError(f"{each.flag} / {each.env}: cannot read {path}: {problem}") from exc

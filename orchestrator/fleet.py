@@ -5,8 +5,8 @@ that answers); any authenticated caller may use them. ReloadModel needs the
 admin role and reaches every replica of every backend that serves the model,
 so a fleet switches versions with one call; when some replica does not take
 it, the answer says how many did and why each other did not
-(`_reload_failure`). Capability servers themselves accept it only with the internal token,
-which only the orchestrator holds.
+(`_reload_failure`). Capability servers themselves accept it only with the
+internal token, which only the orchestrator holds.
 """
 
 from __future__ import annotations
