@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
-from classify_common.errors import ServiceError, is_fallback_eligible
+from classify_common.errors import (
+    ConcurrencyLimited,
+    DeadlineUnreachable,
+    ServiceError,
+    is_fallback_eligible,
+)
 from classify_common.nodes import (
     BACKEND_SELECT,
     CLASSIFY_ATTEMPT,
@@ -111,8 +116,9 @@ class RouteCaller:
         self._metrics = metrics
 
     async def call_route(self, call: UpstreamCall) -> pb.ClassifyResponse:
-        """The answer of the first backend that gives one; the last failure otherwise.
-        Client errors are raised at once, never sent to a fallback."""
+        """The answer of the first backend that gives one; otherwise the last failure of
+        a backend the call reached, or else the last refusal. Client errors are raised
+        at once, never sent to a fallback."""
         route = call.route
         call.state.retry_budget.record_request()
         failure: ServiceError | None = None
@@ -122,7 +128,12 @@ class RouteCaller:
             except ServiceError as error:
                 if not is_fallback_eligible(error):
                     raise
-                failure = error
+                # A fallback that refused the call before any work (it could not make
+                # the deadline, or was at its limit) says less than the failure before
+                # it: with the primary down, the caller is told UNAVAILABLE, not
+                # DEADLINE_EXCEEDED with ten seconds left on its deadline.
+                if failure is None or not _refused_here(error) or _refused_here(failure):
+                    failure = error
                 call.fallback_reason = error.reason
                 log.info(
                     "backend failed",
@@ -237,3 +248,8 @@ class RouteCaller:
                         CLASSIFY_MODEL_VERSION: version,
                     },
                 )
+
+
+def _refused_here(error: ServiceError) -> bool:
+    """Whether a backend turned the call away before any work was spent on it."""
+    return isinstance(error, DeadlineUnreachable | ConcurrencyLimited)

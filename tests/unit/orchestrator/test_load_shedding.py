@@ -31,7 +31,7 @@ from orchestrator.metrics import (
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
-from tests.status_details import error_info, metadata_dict, retry_delay_seconds
+from tests.status_details import error_info, metadata_dict, refusal, retry_delay_seconds
 
 # What the busy pod says: 800 ms of queue ahead of a new text, then 5 ms of its own.
 LONG_QUEUE = pb.LoadReport(queue_depth=400, device_busy_share=1.0)
@@ -135,6 +135,43 @@ async def test_backend_reporting_a_long_queue_is_skipped_for_the_fallback_while_
             assert (again.fallback, busy_pod.calls) == (False, 3)
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failure(
+    capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
+) -> None:
+    """The primary is down (UNAVAILABLE); its fallback reports a wait longer than the
+    call's time, so it refuses the call unsent. The caller is told what happened to
+    its model (UNAVAILABLE, retry), not DEADLINE_EXCEEDED."""
+    down = FlakyPod(capability.port, failing=True)
+    await down.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  down: {{model: topic-minilm, targets: ['{down.address}']}}\n"
+        f"  busy: {{model: topic-minilm, targets: ['{busy_pod.address}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: down\n"
+        "    fallback: [busy]\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(text=STRIKER)
+            patient = await stub.Classify(request, timeout=5)  # learns the busy report
+            refused = await refusal(stub.Classify(request, timeout=DEADLINE_SECONDS))
+    finally:
+        await server.stop(grace_seconds=0)
+        await down.stop()
+    assert (patient.fallback, busy_pod.calls) == (True, 1)
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused).reason == "MODEL_UNAVAILABLE"
+    fallbacks = metric_sum(server.registry, MODEL_FALLBACK_TOTAL, **{"from": "down", "to": "busy"})
+    assert fallbacks == 1  # the refused fallback is no fallback served
 
 
 async def test_without_a_fallback_the_call_is_refused_at_once_with_a_retry_hint(
