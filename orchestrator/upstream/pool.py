@@ -319,13 +319,16 @@ class BackendPool:
         return CONCURRENCY_RETRY_AFTER_SECONDS
 
     def _admit(self) -> None:
-        """Take a slot under the backend's limits, or raise Overloaded at once."""
+        """Take a slot under the backend's limits, or raise ConcurrencyLimited at once:
+        refused before any work, and not retried on this backend (its retry would meet
+        the same limit), so the fallback takes it at once."""
         limit = self.backend.max_concurrency
         if limit is not None and self.in_flight >= limit:
-            raise Overloaded(
-                f"backend {self.backend.name} is at its concurrency limit",
+            raise ConcurrencyLimited(
+                f"backend {self.backend.name} is at its concurrency limit (max_concurrency)",
                 retry_after_seconds=CONCURRENCY_RETRY_AFTER_SECONDS,
                 backend=self.backend.name,
+                limit=limit,
             )
         adaptive = self.concurrency
         if adaptive is not None and not adaptive.try_acquire():

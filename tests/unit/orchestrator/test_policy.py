@@ -250,7 +250,7 @@ routes:
   - name: default
     backend: minilm
     fallback: [static]
-    retry: {{max_attempts: 1}}
+    retry: {{max_attempts: 3, initial_backoff: 1s, max_backoff: 1s}}
 """
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -270,4 +270,7 @@ routes:
             await wait_until(lambda: fallback.in_flight == 1, "the third call at the fallback")
         answers = await asyncio.gather(*held, third)
     assert [a.fallback for a in answers] == [False, False, True]
-    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL, reason="OVERLOADED") == 1
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL, reason="CONCURRENCY_LIMITED") == 1
+    # Not retried on the full backend first (a second of backoff a retry, here): the
+    # fallback took it at once.
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
