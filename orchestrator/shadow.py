@@ -17,7 +17,11 @@ ID, which the capability servers' log lines for both calls carry too.
 Shadow calls are bounded: at most `max_in_flight` at once in the process; a
 call that would exceed it is not made and is counted in
 `classify_shadow_dropped_total{route}`. A shadow call makes one attempt on one
-replica, within its backend's timeout, with no retry and no fallback. It runs in
+replica, within its backend's timeout, with no retry and no fallback. The shadow
+backend may serve routes of its own, whose callers a shadow call must not turn
+away or hold up: it takes no slot under the backend's `max_concurrency` or
+adaptive limit, and goes at batch priority (those callers' calls leave beside
+it and are computed first). It runs in
 an empty context, so it joins no caller's trace and adds nothing to the caller's
 lifecycle nodes or access-log line; the capability server traces it on its own.
 """
@@ -134,9 +138,17 @@ class ShadowTraffic:
         assert route.shadow is not None
         backend = route.shadow.backend
         labels = (route.name, route.backend.name, backend.name)
+        # At batch priority: interactive callers of the shadow backend's own routes go
+        # first at the capability, and their calls leave beside the shadow's instead of
+        # gathering behind it (orchestrator.upstream.coalescer).
+        low = pb.ClassifyRequest()
+        low.CopyFrom(request)
+        low.priority = pb.PRIORITY_BATCH
         try:
             pool = state.upstream.pool(backend)
-            answer = await pool.classify(request, target=pool.pick(), client_remaining=None)
+            answer = await pool.classify(
+                low, target=pool.pick(), client_remaining=None, shadow=True
+            )
         except ServiceError:
             self._metrics.comparisons.labels(*labels, ERROR).inc()
             return

@@ -348,15 +348,19 @@ class BackendPool:
         *,
         target: str,
         client_remaining: float | None,
+        shadow: bool = False,
     ) -> pb.ClassifyResponse:
         """One attempt on one replica; failures come back as ServiceErrors. Refused at
-        once, before any work: past the backend's concurrency limit (Overloaded), or
-        when the replica's reported wait is longer than the time left
-        (DeadlineUnreachable)."""
+        once, before any work: past the backend's concurrency limit (ConcurrencyLimited),
+        or when the replica's reported wait is longer than the time left
+        (DeadlineUnreachable). A `shadow` call takes no slot under the backend's limits
+        and teaches the adaptive one nothing: it must never turn away a caller of this
+        backend (shadow calls have a cap of their own, --shadow-max-in-flight)."""
         timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
         if client_remaining is not None:
             self._refuse_unreachable(target, timeout)
-        self._admit()
+        if not shadow:
+            self._admit()
         started = time.perf_counter()
         latency: float | None = None
         overloaded = False
@@ -381,9 +385,10 @@ class BackendPool:
             overloaded = cancelled_at_deadline(time.perf_counter() - started, client_remaining)
             raise
         finally:
-            self.in_flight -= 1
-            if self.concurrency is not None:
-                self.concurrency.release(latency, overloaded=overloaded)
+            if not shadow:
+                self.in_flight -= 1
+                if self.concurrency is not None:
+                    self.concurrency.release(latency, overloaded=overloaded)
 
     def hold(self) -> BackendPool:
         """One more route table serves from this pool; it calls `release` when done."""

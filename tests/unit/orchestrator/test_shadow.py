@@ -41,6 +41,7 @@ from tests.conftest import (
     orchestrator_settings,
     wait_until,
 )
+from tests.flaky_pod import FlakyPod
 
 # Headlines on which topic-minilm and topic-static agree for some, not all.
 SHORT_TEXTS = [
@@ -335,3 +336,52 @@ def test_comparison_takes_top_labels_and_the_largest_shared_score_difference() -
     differ = compare((("sports", 0.6),), (("world", 0.5),))
     assert not differ.agrees
     assert differ.largest_difference is None  # top_k=1 answers share no label
+
+
+async def test_a_shadow_call_takes_no_slot_from_callers_of_the_shadow_backend(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The shadow backend (max_concurrency 1) also serves a route of its own. While a
+    shadow call waits there, a caller of that route is served by it, not refused for
+    the slot the shadow call would hold and sent to its fallback."""
+    stalled = FlakyPod(capability.port, failing=False)
+    stalled.answering.clear()  # holds every call until set
+    await stalled.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+backends:
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+  candidate: {{model: topic-minilm, targets: ["{stalled.address}"], max_concurrency: 1}}
+routes:
+  - name: other
+    match: {{header: {{name: x-route, values: [other]}}}}
+    backend: candidate
+    fallback: [static]
+  - name: default
+    backend: static
+    shadow: {{backend: candidate, percent: 100}}
+"""
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+            await wait_until(lambda: stalled.calls == 1, "the shadow call held")
+            other = asyncio.ensure_future(
+                stub.Classify(
+                    pb.ClassifyRequest(text=STRIKER), metadata=(("x-route", "other"),), timeout=30
+                )
+            )
+            await wait_until(lambda: stalled.calls == 2 or other.done(), "the caller sent")
+            stalled.answering.set()
+            answer = await other
+    finally:
+        await server.stop(grace_seconds=0)
+        await stalled.stop()
+    assert (answer.route, answer.fallback, answer.model.name) == ("other", False, "topic-minilm")
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL) == 0
