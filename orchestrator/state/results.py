@@ -52,12 +52,13 @@ _HOLD = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local ttl_ms = tonumber(ARGV[3])
+-- A member leaves both indexes and its tenant's count. NOTE: a tenant's own index
+-- expires with its last result, before the pass below takes that result out of the
+-- shared index: the count goes down whichever index still held the member.
 local function forget(member, tenant)
-  redis.call('ZREM', KEYS[2], member)
-  if redis.call('ZREM', ARGV[6] .. tenant, member) == 1 then
-    if tonumber(redis.call('ZINCRBY', KEYS[3], -1, tenant)) <= 0 then
-      redis.call('ZREM', KEYS[3], tenant)
-    end
+  local held = redis.call('ZREM', KEYS[2], member) + redis.call('ZREM', ARGV[6] .. tenant, member)
+  if held > 0 and tonumber(redis.call('ZINCRBY', KEYS[3], -1, tenant)) <= 0 then
+    redis.call('ZREM', KEYS[3], tenant)
   end
 end
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - ttl_ms)) do

@@ -304,6 +304,42 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
     assert await counts() == {"acme": 3}
 
 
+async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_them(
+    redis_server: RedisServer, redis_state: RedisState
+) -> None:
+    """A tenant's own index expires with its last result, before the shared index lets
+    go of that result: its count must go down all the same, or its next result is the
+    first pushed out by another tenant's burst."""
+    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=2)
+    pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
+
+    async def counts() -> dict[str, float]:
+        key = "classify:v1:results-by-tenant"
+        held: list[tuple[bytes, float]] = await redis_state.client.zrange(
+            key, 0, -1, withscores=True
+        )  # type: ignore[assignment]
+        return {tenant.decode(): count for tenant, count in held}
+
+    with as_tenant("zenith"):
+        for request_id in ("z-1", "z-2"):
+            await store.hold(request_id, pending)
+    await asyncio.sleep(1.1)
+    with as_tenant("other"):  # keeps the shared keys alive past zenith's results
+        await store.hold("o-1", pending)
+    await asyncio.sleep(1.0)  # zenith's results and its own index expire
+    with as_tenant("acme"):
+        await store.hold("a-0", pending)
+    assert await counts() == {"acme": 1, "other": 1}
+    with as_tenant("zenith"):
+        await store.hold("z-3", pending)
+    with as_tenant("acme"):
+        for request_id in ("a-1", "a-2"):  # acme's burst pushes out its own
+            await store.hold(request_id, pending)
+    with as_tenant("zenith"):
+        assert (await store.get("z-3")).status == pb.RESULT_STATUS_PROCESSING
+    assert await counts() == {"acme": 1, "other": 1, "zenith": 1}
+
+
 async def test_first_command_after_redis_returns_is_answered_by_it(
     capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
 ) -> None:
