@@ -36,7 +36,13 @@ from prometheus_client import Histogram
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
-from classify_common.errors import DeadlineExpired, ServiceError, grpc_code_for, internal_error
+from classify_common.errors import (
+    DeadlineExpired,
+    ServerDraining,
+    ServiceError,
+    grpc_code_for,
+    internal_error,
+)
 from classify_common.intake import current_batch_intake
 from classify_common.nodes import (
     CLASSIFY_ROUTE,
@@ -318,6 +324,15 @@ class Dispatcher:
                 return  # nowhere to keep it; the store counted why
             await asyncio.wait([work])
             if work.cancelled():
+                # The server stopped with the work unfinished (close()): the held
+                # entry says so, or a shared store would answer PROCESSING on every
+                # other orchestrator until it expired, with nothing running behind it.
+                stopped = ServerDraining(
+                    "the orchestrator running this call stopped before it finished; "
+                    "send the call again",
+                    result_trace_id=ids.trace_id,
+                )
+                await self.results.finish(ids.request_id, error=stopped)
                 return
             error = work.exception()
             if error is None:

@@ -29,7 +29,7 @@ from tests.conftest import (
     orchestrator_settings,
     wait_until,
 )
-from tests.status_details import error_reason, refusal
+from tests.status_details import error_info, error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_results import as_tenant
 
@@ -136,6 +136,36 @@ async def test_processing_answer_from_one_orchestrator_is_polled_to_done_on_anot
     assert unknown.code() == grpc.StatusCode.NOT_FOUND
     assert error_reason(unknown) == "RESULT_NOT_FOUND"
     assert state_failures(first, "result_hold") == 0
+
+
+async def test_a_result_whose_orchestrator_stopped_is_not_left_processing(
+    capability: CapabilityServer, start_shared: StartShared
+) -> None:
+    """The orchestrator that answered PROCESSING stops (a rolling deploy) with the work
+    unfinished: the other one answers the poll SERVER_DRAINING (call again), not
+    PROCESSING for the rest of the TTL with nothing running behind it."""
+    first = await start_shared(capability, model="topic-minilm", burst=100)
+    second = await start_shared(capability, model="topic-minilm", burst=100)
+
+    async def not_processing() -> bool:
+        try:
+            await get_result(second, "orphan-1")
+        except grpc.aio.AioRpcError:
+            return True
+        return False
+
+    async with device_occupied(capability.pool.workers[0]):
+        answer = await classify(first, request_id="orphan-1")
+        assert answer.status == pb.RESULT_STATUS_PROCESSING
+        # The stop waits for the upstream call in flight, which the held device answers
+        # once the block ends; the work itself is dropped at once.
+        stopping = asyncio.ensure_future(first.stop(grace_seconds=0))
+        await wait_until(not_processing, "the result no longer PROCESSING")
+        polled = await refusal(get_result(second, "orphan-1"))
+    await stopping
+    assert polled.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(polled) == "SERVER_DRAINING"
+    assert error_info(polled).metadata["result_trace_id"] == answer.trace_id
 
 
 async def test_a_tenants_rate_is_one_bucket_across_orchestrators(
