@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -23,7 +24,7 @@ from orchestrator.fleet import FleetModels
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
-from orchestrator.routing.watcher import RoutesWatcher
+from orchestrator.routing.watcher import RoutesWatcher, file_identity
 from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
@@ -63,7 +64,7 @@ class OrchestratorServer:
             settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
         )
         self.dispatcher = Dispatcher(
-            self._routing_state(load_routes(settings.routes_file)),
+            self._routing_state(self._load_routes_at_start(settings.routes_file)),
             self.metrics,
             self.state.results,
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
@@ -115,6 +116,12 @@ class OrchestratorServer:
         )
         return RoutingState(table, upstream)
 
+    def _load_routes_at_start(self, path: Path) -> RouteTable:
+        # The file as it was before this read: an edit that lands while the server is
+        # still starting (a ConfigMap update, a worker process of many) is seen as one.
+        self._routes_loaded = file_identity(path)
+        return load_routes(path)
+
     def _apply_routes(self, table: RouteTable) -> None:
         previous = self.dispatcher.state.upstream
         self.dispatcher.replace(self._routing_state(table, previous))
@@ -155,6 +162,7 @@ class OrchestratorServer:
                 self._apply_routes,
                 self._refuse_routes,
                 self.settings.routes_poll_seconds,
+                loaded=self._routes_loaded,
             )
             self._watcher = asyncio.create_task(watcher.run(), name="routes-watcher")
 

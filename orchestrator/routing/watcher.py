@@ -45,12 +45,16 @@ class RoutesWatcher:
         on_change: Callable[[RouteTable], None],
         on_failure: Callable[[Exception], None],
         poll_seconds: float = DEFAULT_POLL_SECONDS,
+        loaded: tuple[int, int, int] | None = None,
     ) -> None:
+        """`loaded`: the file's identity (file_identity) when the routes in force were
+        read from it, taken before reading; None: as it is now. An edit made between
+        that read and the watcher's start is then applied, not taken as seen."""
         self._path = path
         self._on_change = on_change
         self._on_failure = on_failure
         self._poll_seconds = poll_seconds
-        self._seen = file_identity(path)
+        self._seen = loaded if loaded is not None else file_identity(path)
         # A new identity seen at the last poll (in a 1-tuple: a deleted file's is None),
         # applied when the next poll sees it again.
         self._changing: tuple[tuple[int, int, int] | None] | None = None

@@ -458,3 +458,30 @@ async def test_a_file_written_in_pieces_is_read_once_it_holds_still(tmp_path: Pa
     assert failures == []
     (table,) = applied
     assert [backend.name for backend in table.default_route.fallback] == ["static"]
+
+
+async def test_an_edit_made_while_the_server_starts_is_applied(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Read when the server was built, edited before it started (a ConfigMap update
+    during a pod's start, a worker process among many): the edit is applied, not taken
+    for the file the routes in force came from."""
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(routes_to("minilm", capability.port))
+    server = OrchestratorServer(
+        orchestrator_settings(port=0, routes_file=routes_file, routes_poll_seconds=0.05),
+        registry=CollectorRegistry(),
+    )
+    replace_file(routes_file, routes_to("static", capability.port))
+    await server.start()
+    try:
+        await wait_until(
+            lambda: metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok") == 1,
+            "the edit applied",
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert answer.model.name == "topic-static"
