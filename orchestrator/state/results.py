@@ -136,12 +136,19 @@ class RedisResultStore:
         key = RESULT_PREFIX + result_key(result_owner(), request_id)
         client = self._state.client
         try:
-            await self._state.run(
+            written = await self._state.run(
                 "result_finish", lambda: client.set(key, value, xx=True, keepttl=True)
             )
         except StateUnavailable:
             log.warning(
                 "result not stored; polls see PROCESSING until it expires",
+                extra={"request_id": request_id},
+            )
+            return
+        if not written:  # SET XX found no entry to replace
+            log.warning(
+                "result not stored: its entry is gone (expired, pushed out past "
+                "--results-capacity, or lost by Redis: restarted empty, flushed, evicted)",
                 extra={"request_id": request_id},
             )
 

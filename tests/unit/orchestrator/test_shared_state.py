@@ -270,7 +270,7 @@ async def redis_state(redis_server: RedisServer) -> AsyncIterator[RedisState]:
 
 
 async def test_stored_error_is_answered_with_its_class_and_retry_hint(
-    redis_server: RedisServer, redis_state: RedisState
+    redis_server: RedisServer, redis_state: RedisState, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = RedisResultStore(redis_state, capacity=2, ttl_seconds=60)
     pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
@@ -281,7 +281,8 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
     with pytest.raises(QueueFull) as stored:
         await store.get("g")
     assert status_for(stored.value) == status_for(refused)
-    await store.finish("e", response=pending)  # dropped: not written back
+    await store.finish("e", response=pending)  # dropped: not written back, and said so
+    assert "result not stored: its entry is gone" in caplog.text
     # Outside a call the tenant is the anonymous one; keys name tenant and request.
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
