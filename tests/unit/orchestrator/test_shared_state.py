@@ -22,6 +22,7 @@ from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
 from orchestrator.state import RedisResultStore, RedisState, StateMetrics
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
+from orchestrator.state.results import TENANT_COUNTS
 from tests.conftest import (
     STRIKER,
     RedisServer,
@@ -293,18 +294,19 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
         await store.get("f")
 
 
+async def held_counts(state: RedisState) -> dict[str, float]:
+    """How many results each tenant holds, as the Redis store counts them."""
+    held: list[tuple[bytes, float]] = await state.client.zrange(
+        TENANT_COUNTS, 0, -1, withscores=True
+    )  # type: ignore[assignment]
+    return {tenant.decode(): count for tenant, count in held}
+
+
 async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_oldest(
     redis_server: RedisServer, redis_state: RedisState
 ) -> None:
     store = RedisResultStore(redis_state, capacity=3, ttl_seconds=1)
     pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
-
-    async def counts() -> dict[str, float]:
-        key = "classify:v1:results-by-tenant"
-        held: list[tuple[bytes, float]] = await redis_state.client.zrange(
-            key, 0, -1, withscores=True
-        )  # type: ignore[assignment]
-        return {tenant.decode(): count for tenant, count in held}
 
     with as_tenant("zenith"):
         await store.hold("z-old", pending)
@@ -321,7 +323,7 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
         with pytest.raises(ResultNotFound):
             await store.get("a-1")
         assert (await store.get("a-2")).status == pb.RESULT_STATUS_PROCESSING
-    assert await counts() == {"acme": 2, "zenith": 1}
+    assert await held_counts(redis_state) == {"acme": 2, "zenith": 1}
     # A result an older version held is in the shared index only: it goes first.
     store = RedisResultStore(redis_state, capacity=3, ttl_seconds=60)
     redis_server.command("FLUSHALL")
@@ -332,7 +334,7 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
         for request_id in ("a-4", "a-5", "a-6"):
             await store.hold(request_id, pending)
     assert redis_server.command("EXISTS", "classify:v1:result:old/o-1") == ":0"
-    assert await counts() == {"acme": 3}
+    assert await held_counts(redis_state) == {"acme": 3}
 
 
 async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_them(
@@ -344,13 +346,6 @@ async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_th
     store = RedisResultStore(redis_state, capacity=3, ttl_seconds=2)
     pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
 
-    async def counts() -> dict[str, float]:
-        key = "classify:v1:results-by-tenant"
-        held: list[tuple[bytes, float]] = await redis_state.client.zrange(
-            key, 0, -1, withscores=True
-        )  # type: ignore[assignment]
-        return {tenant.decode(): count for tenant, count in held}
-
     with as_tenant("zenith"):
         for request_id in ("z-1", "z-2"):
             await store.hold(request_id, pending)
@@ -360,7 +355,7 @@ async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_th
     await asyncio.sleep(1.0)  # zenith's results and its own index expire
     with as_tenant("acme"):
         await store.hold("a-0", pending)
-    assert await counts() == {"acme": 1, "other": 1}
+    assert await held_counts(redis_state) == {"acme": 1, "other": 1}
     with as_tenant("zenith"):
         await store.hold("z-3", pending)
     with as_tenant("acme"):
@@ -368,7 +363,7 @@ async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_th
             await store.hold(request_id, pending)
     with as_tenant("zenith"):
         assert (await store.get("z-3")).status == pb.RESULT_STATUS_PROCESSING
-    assert await counts() == {"acme": 1, "other": 1, "zenith": 1}
+    assert await held_counts(redis_state) == {"acme": 1, "other": 1, "zenith": 1}
 
 
 async def test_first_command_after_redis_returns_is_answered_by_it(
