@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -178,11 +179,17 @@ async def test_batches_after_a_reload_are_not_part_of_the_reload_calls_trace(
     server = await start_capability(models=(MODEL,))
     span_exporter.clear()
     await reload_model(server)
-    (reload_span,) = [
-        span
-        for span in span_exporter.get_finished_spans()
-        if span.name == "ai.classify.v1.ModelService/ReloadModel" and span.context is not None
-    ]
+
+    def reload_spans() -> list[ReadableSpan]:
+        return [
+            span
+            for span in span_exporter.get_finished_spans()
+            if span.name == "ai.classify.v1.ModelService/ReloadModel" and span.context is not None
+        ]
+
+    # The server span ends once the answer is sent, which can be after the client has it.
+    await wait_until(lambda: len(reload_spans()) == 1, "the ReloadModel span ended")
+    (reload_span,) = reload_spans()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
