@@ -22,8 +22,10 @@ hold, so N workers do not send a backend N times what one process would.
 What the merged /metrics loses: exemplars (a histogram bucket's trace ID), and
 the difference between gauges that add up (calls in flight: the set's total)
 and those that do not (a backend's adaptive concurrency limit reads as the sum
-of the workers' limits: about the flags' value while none is engaged). Health
-is per worker: a probe lands on one of them.
+of the workers' limits: about the flags' value while none is engaged). Only the
+few samples whose sum means nothing are merged otherwise: each `*_created` and
+`process_start_time_seconds` is the earliest worker's, `process_max_fds` one
+worker's. Health is per worker: a probe lands on one of them.
 
 Workers share results and rate limits only through Redis (orchestrator.state),
 which is why more than one process needs --state-url.
@@ -35,12 +37,13 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import operator
 import os
 import signal
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -258,15 +261,34 @@ class WorkerMetrics(Collector):
                 merged.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)
                 )
+                merge = merge_rule(family)
                 for sample in family.samples:
                     key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
-                    if sample.name.endswith("_created"):  # the earliest start
-                        values[key] = min(values.get(key, sample.value), sample.value)
+                    earlier = values.get(key)
+                    if earlier is None:
+                        values[key] = sample.value
+                    elif sample.name.endswith("_created"):  # the earliest start
+                        values[key] = min(earlier, sample.value)
                     else:
-                        values[key] = values.get(key, 0.0) + sample.value
+                        values[key] = merge(earlier, sample.value)
         for (family_name, sample_name, labels), value in values.items():
             merged[family_name].add_sample(sample_name, dict(labels), value)
         yield from merged.values()
+
+
+# Samples that are the same in every worker, or a per-process limit: their sum means nothing.
+_EARLIEST = {"process_start_time_seconds"}
+_SAME_IN_EACH = {"process_max_fds"}
+
+
+def merge_rule(family: Metric) -> Callable[[float, float], float]:
+    """How one sample of `family` from two workers becomes the set's: added up,
+    except for the few whose sum means nothing (see the module docstring)."""
+    if family.name in _EARLIEST:
+        return min
+    if family.name in _SAME_IN_EACH:
+        return max
+    return operator.add
 
 
 def run_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:

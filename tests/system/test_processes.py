@@ -109,11 +109,19 @@ async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     # Each worker holds its third of the backend's adaptive limit (--concurrency-max-limit
     # for the set, rounded up), so the three together hold what one process would.
     share = -(-DEFAULT_CONCURRENCY.max_limit // 3)
-    for line in stack.orchestrator.log_lines():
-        if line.get("event") == "worker serving":
-            own = worker_samples(int(line["metrics_port"]))
-            assert value(own, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == share
+    workers = [
+        worker_samples(int(line["metrics_port"]))
+        for line in stack.orchestrator.log_lines()
+        if line.get("event") == "worker serving"
+    ]
+    for own in workers:
+        assert value(own, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == share
     assert value(scrape, BACKEND_CONCURRENCY_LIMIT, backend="topic-minilm") == 3 * share
+    # Samples whose sum means nothing: the set started when its first worker did, and
+    # each worker has the same fd limit.
+    starts = [value(own, "process_start_time_seconds") for own in workers]
+    assert value(scrape, "process_start_time_seconds") == min(starts)
+    assert value(scrape, "process_max_fds") == value(workers[0], "process_max_fds")
 
 
 def worker_samples(metrics_port: int) -> Scrape:
