@@ -248,7 +248,8 @@ class ReplicaCoalescer:
         # How long answers take to come back from the replica, outside its handler.
         self.trip = TripTime()
         self._send_scheduled = False
-        self._calls: set[asyncio.Task[None]] = set()
+        # Calls in flight, each with the items it carries.
+        self._calls: dict[asyncio.Task[None], list[UpstreamItem]] = {}
 
     @property
     def waiting(self) -> int:
@@ -448,8 +449,8 @@ class ReplicaCoalescer:
             own = live[0].context.copy() if len(live) == 1 else contextvars.Context()
             sending = self._call(live, now, expected_back, interactive)
             task = asyncio.create_task(sending, context=own)
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            self._calls[task] = live
+            task.add_done_callback(self._calls.pop)
         if not self._waiting and self._expiry is not None:
             self._expiry.cancel()
             self._expiry, self._expiry_at = None, math.inf
@@ -690,7 +691,13 @@ class ReplicaCoalescer:
                 item.future.set_exception(error)
 
     async def close(self) -> None:
-        """Wait for the calls in flight (their callers get their answers)."""
+        """Wait for the calls in flight that a caller still waits for (they get their
+        answers); cancel those that no caller does. After a stop's grace period every
+        caller has gone, and a call to a frozen replica would otherwise hold the
+        process up to the backend's timeout."""
+        for task, items in list(self._calls.items()):
+            if all(item.future.done() for item in items):
+                task.cancel()
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
 

@@ -464,8 +464,7 @@ async def test_a_batch_cut_off_by_the_server_stopping_leaves_no_unread_error(
         )
         (pool,) = server.dispatcher.state.upstream.pools()
         await wait_until(lambda: pool.in_flight == 4, "the items in flight")
-        # Stopped in the background: the stop also waits for the upstream calls, which
-        # the held device answers once the block ends.
+        # Stopped in the background, while the call is read.
         stopping = asyncio.ensure_future(server.stop(grace_seconds=0))
         with pytest.raises(grpc.aio.AioRpcError):
             await call
@@ -506,3 +505,25 @@ async def test_calls_still_in_flight_when_the_grace_ends_are_answered_with_their
     assert error_reason(cut_off) == "SERVER_DRAINING"
     assert trailers_of(cut_off)["x-request-id"] == "held-1"
     assert len(trailers_of(cut_off)["x-trace-id"]) == 32
+
+
+async def test_a_stop_does_not_wait_for_upstream_calls_whose_callers_are_gone(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Once the grace has cut its caller off, an upstream call to a replica that does
+    not answer (here a held device; a frozen pod alike) is cancelled: the stop took
+    the backend's timeout (5 s here) on top of the grace."""
+    async with (
+        orchestrator_for(capability, tmp_path) as server,
+        device_occupied(capability.pool.workers[0]),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        call = stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+        (pool,) = server.dispatcher.state.upstream.pools()
+        await wait_until(lambda: pool.in_flight == 1, "the call in flight")
+        stopping = asyncio.ensure_future(server.stop(grace_seconds=0.2))
+        assert error_reason(await refusal(call)) == "SERVER_DRAINING"
+        # Still inside the hold: the replica has not answered, and will not before 5 s.
+        await asyncio.wait_for(stopping, timeout=4)
+        assert pool.in_flight == 0
