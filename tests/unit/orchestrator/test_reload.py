@@ -209,13 +209,14 @@ def release_pipe_readers(pipe: Path) -> None:
 def routes_on(targets: list[str], spare: str | None = None) -> str:
     """One backend, `minilm`, on `targets`, where a replica is ejected on its first
     failure for a minute; `spare` adds a backend on it that no route uses (an edit
-    that leaves `minilm` as it was)."""
+    that leaves `minilm` as it was). Calls the tests hold at a pod may wait 30 s
+    (the default 5 s ran out once while a loaded machine took its time to reload)."""
     spare_line = f"  spare: {{model: topic-static, targets: ['{spare}']}}\n" if spare else ""
     return (
         "version: 1\n"
         "outlier_ejection: {consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}\n"
         "backends:\n"
-        f"  minilm: {{model: topic-minilm, targets: {targets}}}\n"
+        f"  minilm: {{model: topic-minilm, targets: {targets}, timeout: 30s}}\n"
         f"{spare_line}"
         "routes:\n"
         "  - name: default\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -163,8 +164,9 @@ async def test_an_unsampled_call_leaves_no_exemplar_that_would_lead_nowhere(
     orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:
     """A caller's traceparent that says "not sampled": the call's spans are not exported
-    (it succeeds), so neither server offers its trace ID as an exemplar."""
-    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    (it succeeds), so neither server offers its trace ID as an exemplar. The ID is
+    new: a sampled call of another test with a fixed ID leaves it in a bucket."""
+    trace_id = uuid.uuid4().hex
     unsampled = (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-00"),)
     response = await orchestrator_stub.Classify(
         pb.ClassifyRequest(text=STRIKER), metadata=unsampled
