@@ -32,7 +32,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from orchestrator.security import hash_key, new_key  # noqa: E402
+from orchestrator.security import hash_key, new_key, quoted_tenant  # noqa: E402
 
 API_KEY_FILE = "api-key"
 API_KEYS_FILE = "api-keys.yaml"
@@ -40,13 +40,15 @@ INTERNAL_TOKEN_FILE = "internal-token"
 
 
 def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) -> str:
+    name = quoted_tenant(tenant)
     return (
         "# Made by tools/make_credentials.py; add keys with "
         "`python -m orchestrator.security new-key`.\n"
         "keys:\n"
-        f"  - id: {tenant}-1\n    sha256: {hash_key(key)}\n    tenant: {tenant}\n    role: user\n"
+        f"  - id: {quoted_tenant(tenant + '-1')}\n    sha256: {hash_key(key)}\n"
+        f"    tenant: {name}\n    role: user\n"
         "tenants:\n"
-        f"  {tenant}: {{rate_per_second: {rate_per_second:g}, burst: {burst}}}\n"
+        f"  {name}: {{rate_per_second: {rate_per_second:g}, burst: {burst}}}\n"
     )
 
 

@@ -38,6 +38,15 @@ STOP_TIMEOUT_SECONDS = 20.0
 EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
 
 
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only from the start (write_text
+    and then chmod left it readable by all in between, and for good if stopped there)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(descriptor, "w") as stream:
+        stream.write(text)
+
+
 def wait_until_serving(name: str, process: subprocess.Popen[bytes], target: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_SECONDS
     with grpc.insecure_channel(target) as channel:
@@ -82,21 +91,22 @@ def ensure_local_credentials() -> dict[str, str]:
     )
     if not (key_file.is_file() and keys_file.is_file()):
         key = new_key()
-        key_file.write_text(key + "\n")
-        keys_file.write_text(
+        write_secret(key_file, key + "\n")
+        write_secret(
+            keys_file,
             "# Made by `make run`; add keys with `python -m orchestrator.security new-key`.\n"
             "# Tenant `local` has no rate limit. To give it one (calls per second, and\n"
             "# calls at once after a quiet spell), add this and restart `make run`:\n"
             "#   tenants:\n"
             "#     local: {rate_per_second: 200, burst: 400}\n"
             "keys:\n"
-            f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n"
+            f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n",
         )
         print(f"created a local API key in {key_file} (the client reads it from there)")
     if not token_file.is_file():
-        token_file.write_text(secrets.token_urlsafe(32) + "\n")
+        write_secret(token_file, secrets.token_urlsafe(32) + "\n")
     for path in (key_file, keys_file, token_file):
-        path.chmod(0o600)
+        path.chmod(0o600)  # made by a version that wrote them readable
     signers = RUN_DIR / "bundle-signers"  # made by `make bundles`, which signs with its key
     trust = {"CAPABILITY_TRUSTED_SIGNERS": str(signers)} if signers.is_file() else {}
     return {

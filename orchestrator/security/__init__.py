@@ -8,6 +8,7 @@ from orchestrator.security.keys import (
     hash_key,
     load_api_keys,
     new_key,
+    quoted_tenant,
 )
 from orchestrator.security.limits import RateLimits, TenantRateLimits, TokenBucketSettings
 
@@ -22,4 +23,5 @@ __all__ = [
     "hash_key",
     "load_api_keys",
     "new_key",
+    "quoted_tenant",
 ]

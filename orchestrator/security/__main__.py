@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.security.keys import ROLES, hash_key, new_key
+from orchestrator.security.keys import ROLES, hash_key, new_key, quoted_tenant
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     print("entry for the keys file:")
     print(f"  - id: {args.id}")
     print(f"    sha256: {hash_key(key)}")
-    print(f"    tenant: {args.tenant}")
+    print(f"    tenant: {quoted_tenant(args.tenant)}")
     print(f"    role: {args.role}")
 
 

@@ -5,10 +5,10 @@ The keys file (YAML) holds only SHA-256 hashes of the keys, never the keys:
     keys:
       - id: laptop            # a label for logs; never the key itself
         sha256: 9f86d0...     # python -m orchestrator.security new-key prints both
-        tenant: local
+        tenant: local         # a string: quote a name YAML reads otherwise ("00123")
         role: user            # user or admin
     tenants:                  # optional rate limits, token bucket per tenant
-      local: {rate_per_second: 50, burst: 100}
+      local: {rate_per_second: 50, burst: 100}   # a tenant some key names
 
 Keys are long random tokens, so one unsalted SHA-256 is enough to keep a
 leaked file from revealing them. A presented key is looked up by its hash, in
@@ -22,6 +22,7 @@ classify_common.documents' bounds (size, depth, no YAML aliases).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from collections.abc import Mapping
@@ -92,15 +93,19 @@ def _api_keys(document: Any) -> ApiKeys:
         callers[digest], first_entry[digest] = caller, index
     tenants = top.mapping("tenants")
     limits = {tenant: _tenant_limit(tenants, tenant) for tenant in _tenant_names(tenants)}
+    with_keys = {caller.tenant for caller in callers.values()}
+    for tenant in limits:
+        if tenant not in with_keys:
+            # A misspelt name would leave the tenant it meant without its limit.
+            raise FieldRefused(
+                tenants.path(tenant), f"no key names the tenant {tenant!r}; is it misspelt?"
+            )
     return ApiKeys(callers, limits)
 
 
 def _tenant_names(tenants: Fields) -> list[str]:
-    """The tenant names under `tenants`, each refused unless YAML read it as a string.
-
-    NOTE: `123:` or `on:` is an int or a bool to YAML, and Fields hands keys out as
-    strings, so such a tenant was looked up as '123' or 'True' and reported missing.
-    Quoted, '123' matches a key's `tenant: 123`."""
+    """The tenant names under `tenants`, each refused unless YAML read it as a string
+    (see _caller)."""
     names: list[str] = []
     for name in tenants.raw_keys():
         if isinstance(name, bool):
@@ -120,6 +125,11 @@ def _not_a_tenant_name(value: object) -> str:
     )
 
 
+def quoted_tenant(tenant: str) -> str:
+    """`tenant` as a keys file must spell it: a YAML string, whatever it holds."""
+    return json.dumps(tenant)
+
+
 def _caller(entry: Fields) -> tuple[str, Caller]:
     """(the key's hash, who it belongs to) from one entry of `keys`."""
     digest = entry.string("sha256")
@@ -127,13 +137,13 @@ def _caller(entry: Fields) -> tuple[str, Caller]:
         raise FieldRefused(entry.path("sha256"), "not 64 lower-case hex digits")
     # A label: any scalar, as YAML reads it.
     key_id = str(entry.raw("id"))
-    # A name, matched against the names under `tenants`. A number stays as written
-    # (`new-key --tenant 123` prints it unquoted); a bare `on` or an empty value would
-    # become 'True' or 'None', which no one wrote, and match no limit.
+    # A name, matched against the names under `tenants`, and what keeps tenants'
+    # results, cache entries and rate apart: only a string, as written. Unquoted,
+    # `00123` and `83` are both the int 83 to YAML (an octal, a decimal), and were
+    # once one tenant; `on` became 'True' and an empty value 'None'.
     tenant = entry.raw("tenant")
-    if tenant is None or isinstance(tenant, bool):
+    if not isinstance(tenant, str):
         raise FieldRefused(entry.path("tenant"), _not_a_tenant_name(tenant))
-    tenant = str(tenant)
     role = entry.choice("role", ROLES)
     entry.refuse_unknown()
     return digest, Caller(key_id, tenant, role)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from concurrent import futures
@@ -103,6 +104,37 @@ def test_the_token_copy_follows_the_credentials_token(tmp_path: Path) -> None:
     assert make_credentials.copy_token(made, token_only, owner=None)
     assert (token_only / token_file).read_text() == (made / token_file).read_text()
     assert (token_only / token_file).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("tenant", ["acme", "00123", "on"])
+def test_credentials_name_the_tenant_as_given(tmp_path: Path, tenant: str) -> None:
+    """Unquoted in the file, `00123` was the int 83 to YAML: another tenant."""
+    make_credentials.make_credentials(tmp_path, tenant, 50, 100)
+    key = (tmp_path / make_credentials.API_KEY_FILE).read_text().strip()
+    keys = load_api_keys(tmp_path / make_credentials.API_KEYS_FILE)
+    caller = keys.identify(key)
+    assert caller is not None
+    assert caller.tenant == tenant
+    assert list(keys.tenant_limits) == [tenant]
+
+
+def test_make_run_secrets_are_never_readable_by_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written and then chmod-ed, they were readable by all in between (for good when
+    stopped there); an existing file is narrowed as it is replaced."""
+    monkeypatch.chdir(tmp_path)
+    previous = os.umask(0)
+    try:
+        run_stack.write_secret(tmp_path / "new", "secret\n")
+        (tmp_path / "old").write_text("before\n")
+        (tmp_path / "old").chmod(0o644)
+        run_stack.write_secret(tmp_path / "old", "after\n")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "old").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "old").read_text() == "after\n"
 
 
 def test_make_run_key_has_no_rate_limit_and_its_file_shows_how_to_set_one(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -181,13 +183,29 @@ async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: St
             "keys[0].role: 'root'",
         ),
         (
-            "keys: []\ntenants:\n  t: {rate_per_second: 0, burst: 1}\n",
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: t, role: user}}\n"
+            "tenants:\n  t: {rate_per_second: 0, burst: 1}\n",
             "tenants.t: rate_per_second 0",
         ),
         ("users: []\n", "expected a mapping with `keys`"),
         (
             f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: on, role: user}}\n",
             "keys[0].tenant: YAML reads a tenant name as the bool True",
+        ),
+        # Unquoted, 00123 (an octal) and 83 were both the int 83, and so one tenant:
+        # each read the other's results and shared its rate.
+        (
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: 00123, role: user}}\n",
+            "keys[0].tenant: YAML reads a tenant name as the int 83, not a string; quote it",
+        ),
+        (
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: 0x10, role: user}}\n",
+            "keys[0].tenant: YAML reads a tenant name as the int 16",
+        ),
+        (
+            f"keys:\n  - {{id: a, sha256: {'a' * 64}, tenant: acme, role: user}}\n"
+            "tenants:\n  acmee: {rate_per_second: 1, burst: 1}\n",
+            "tenants.acmee: no key names the tenant 'acmee'; is it misspelt?",
         ),
         (
             f"keys:\n  - {{id: a, sha256: {'b' * 64}, tenant: t, role: user}}\n"
@@ -202,6 +220,24 @@ def test_bad_keys_file_is_refused_naming_the_entry(tmp_path: Path, text: str, me
     path.write_text(text)
     with pytest.raises(KeysFileError, match=re.escape(message)):
         load_api_keys(path)
+
+
+@pytest.mark.parametrize("tenant", ["00123", "83", "on", "1:30", "a: b", 'say "hi"'])
+def test_the_entry_new_key_prints_names_the_tenant_as_given(tmp_path: Path, tenant: str) -> None:
+    """`new-key` printed the tenant unquoted, and YAML read `00123` as 83."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "orchestrator.security", "new-key", "--id", "x", "--tenant", tenant],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    key = printed.splitlines()[0].rsplit(" ", 1)[1]
+    entry = printed.split("entry for the keys file:\n", 1)[1]
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n" + entry)
+    caller = load_api_keys(path).identify(key)
+    assert caller is not None
+    assert caller.tenant == tenant
 
 
 def test_each_of_many_keys_is_told_apart_by_its_hash(tmp_path: Path) -> None:
@@ -401,10 +437,10 @@ def test_a_tenant_limit_that_would_not_limit_stops_start_up_naming_file_and_line
 async def test_a_quoted_numeric_tenant_name_limits_the_keys_of_that_tenant(
     secured: Start,
 ) -> None:
-    """The fix the refusal above asks for works: `tenant: 123`, as `new-key --tenant 123`
-    prints it, is the tenant '123' that a quoted name under `tenants` limits."""
+    """The fix the refusal above asks for works: `tenant: "123"`, as `new-key --tenant
+    123` prints it, is the tenant '123' that a quoted name under `tenants` limits."""
     orchestrator, _ = await secured(
-        tenants="tenants:\n  '123': {rate_per_second: 0.001, burst: 1}\n", acme_tenant="123"
+        tenants="tenants:\n  '123': {rate_per_second: 0.001, burst: 1}\n", acme_tenant='"123"'
     )
     await call(orchestrator, metadata=bearer(ACME_KEY))
     error = await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))
