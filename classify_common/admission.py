@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 from opentelemetry import trace
 
@@ -33,6 +33,7 @@ from classify_common.errors import FieldViolation, InvalidRequest, ServiceError
 from classify_common.intake import (
     BATCH_METHODS,
     MAX_BATCH_ITEMS,
+    MAX_BATCH_TOTAL_CHARS,
     NO_REFUSALS,
     BatchIntake,
     bind_batch_intake,
@@ -102,6 +103,14 @@ class Admission(Protocol):
     # Whether the caller's `baggage` header is left unread (a public caller's).
     drops_caller_baggage: bool
 
+    async def refuse_undecodable(
+        self, headers: Mapping[str, str], error: InvalidRequest
+    ) -> NoReturn:
+        """Refuse a request that is not a message of the method: with `error`, once the
+        caller's credentials (and at the front door its rate) pass, as any call's are
+        checked before validation. Always raises."""
+        ...
+
 
 # Checks a parsed request against the contract, recording on the span how it broke.
 Validator = Callable[[Any, trace.Span], BatchIntake]
@@ -125,11 +134,21 @@ class _MethodChecks:
 
     def _calls_in(self, request: Any) -> int:
         """How many calls a request counts as: one per item for a batch, and one for a
-        batch with no items or more than it may hold (refused whole, nothing served)."""
+        batch the batch rules refuse whole, so that nothing is served (no items, more
+        than it may hold, `item_contexts` that do not match them, or more characters
+        than it may hold): such a call once took a token per item it carried."""
         if not self._is_batch:
             return 1
         items = len(request.items)
-        return items if 1 <= items <= MAX_BATCH_ITEMS else 1
+        if not 1 <= items <= MAX_BATCH_ITEMS or len(request.item_contexts) not in (0, items):
+            return 1
+        # A character takes at least a byte on the wire: only a message over the limit
+        # in bytes needs its characters counted.
+        if request.ByteSize() > MAX_BATCH_TOTAL_CHARS and (
+            sum(len(item.text) for item in request.items) > MAX_BATCH_TOTAL_CHARS
+        ):
+            return 1
+        return items
 
 
 class FrontDoorAdmission(_MethodChecks):
@@ -166,6 +185,17 @@ class FrontDoorAdmission(_MethodChecks):
             over_limit = dict.fromkeys(range(allowance.granted, calls), allowance.refusal)
             bind_batch_intake(BatchIntake({**intake.refused, **over_limit}))
 
+    async def refuse_undecodable(
+        self, headers: Mapping[str, str], error: InvalidRequest
+    ) -> NoReturn:
+        # Without a key such bytes were INVALID_ARGUMENT, uncounted as an auth failure,
+        # and over the rate they were not RATE_LIMITED.
+        tenant = self._authenticate(headers)
+        with node(RATE_LIMIT_CHECK, {CLASSIFY_TENANT: tenant}):
+            if self._gate is not None:
+                await self._gate.check_rate_limit(tenant, 1)
+        raise error
+
     def _authenticate(self, headers: Mapping[str, str]) -> str:
         with node(AUTH_VALIDATE) as span:
             if self._gate is None:
@@ -190,6 +220,13 @@ class InternalAdmission(_MethodChecks):
         self.counts_own_nodes = not self._is_batch
         self.on_receive: ReceiveStep | None = self._check_on_receive
         self.admit: AdmitStep | None = None  # admitted on receive
+
+    async def refuse_undecodable(
+        self, headers: Mapping[str, str], error: InvalidRequest
+    ) -> NoReturn:
+        if self._gate is not None:
+            self._gate.authenticate(self._method, headers)
+        raise error
 
     def _check_on_receive(self, headers: Mapping[str, str], request: Any, span: trace.Span) -> None:
         """The gate's authentication and validation, inside the receive node; no rate

@@ -230,7 +230,12 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             if this_call is not None:
                 in_handlers.add(this_call)
             try:
-                request = _receive(method, raw, parse, context, headers, request_trace, admission)
+                try:
+                    request = _receive(
+                        method, raw, parse, context, headers, request_trace, admission
+                    )
+                except _Undecodable as undecodable:
+                    await admission.refuse_undecodable(headers, undecodable.error)
                 ids = rebind_own_request_id(request, ids)
                 server_span.set_attribute(CLASSIFY_REQUEST_ID, ids.request_id)
                 if admit is not None:
@@ -377,6 +382,15 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+class _Undecodable(Exception):
+    """The request's bytes are not a message of its method; `error` refuses it once
+    the caller's credentials are checked (Admission.refuse_undecodable)."""
+
+    def __init__(self, error: InvalidRequest) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _receive(
     method: str,
     raw: bytes,
@@ -403,7 +417,8 @@ def _receive(
         except DecodeError as exc:
             # NOTE: not the decoder's text, which names protobuf's internals.
             message = f"not a protobuf request message of {method.lstrip('/')}"
-            raise InvalidRequest([FieldViolation("", "wire_format", message)]) from exc
+            error = InvalidRequest([FieldViolation("", "wire_format", message)])
+            raise _Undecodable(error) from exc
         if admission.on_receive is not None:
             admission.on_receive(headers, request, span)
         return request

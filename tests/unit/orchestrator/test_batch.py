@@ -278,22 +278,30 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
         assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 3
 
 
-async def test_a_batch_refused_whole_for_its_size_is_charged_as_one_call(
-    capability: CapabilityServer, tmp_path: Path
+BROKEN_BATCHES = {
+    "too-many-items": pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 1025),
+    "contexts-do-not-match": pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER)] * 5, item_contexts=[pb.ItemContext()] * 3
+    ),
+    "too-many-characters": pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text="word " * 20_000)] * 11
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_BATCHES))
+async def test_a_batch_refused_whole_is_charged_as_one_call(
+    capability: CapabilityServer, tmp_path: Path, broken: str
 ) -> None:
-    """1,025 items break the batch rule and nothing is served: one token of the
-    tenant's three is spent, not all three, so a batch of two still goes through."""
+    """A batch that breaks a batch rule serves nothing: one token of the tenant's three
+    is spent, not one per item (all three), so a batch of two still goes through."""
     key = (("authorization", "Bearer limited-secret"),)
     async with front_door_for_a_small_tenant(capability, tmp_path) as server:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as too_many:
-                await stub.ClassifyBatch(
-                    pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 1025),
-                    metadata=key,
-                    timeout=30,
-                )
-            assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ClassifyBatch(BROKEN_BATCHES[broken], metadata=key, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             response = await stub.ClassifyBatch(
                 pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
                 metadata=key,

@@ -174,6 +174,29 @@ async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: St
     assert (spoofed.route, genuine.route) == ("default", "acme-only")
 
 
+async def test_bytes_that_are_no_message_are_refused_for_the_key_and_rate_first(
+    secured: Start,
+) -> None:
+    """Such bytes were INVALID_ARGUMENT without any key (no auth failure counted), and
+    for a tenant over its rate; the key and the rate are checked before validation."""
+    orchestrator, _ = await secured(
+        tenants="tenants:\n  acme: {rate_per_second: 0.001, burst: 1}\n"
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        raw: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/ai.classify.v1.ClassifyService/Classify"
+        )
+        junk = b"\xff\xff\xff"
+        no_key = await refusal(raw(junk, timeout=10))
+        with_key = await refusal(raw(junk, metadata=bearer(ACME_KEY), timeout=10))
+        over_rate = await refusal(raw(junk, metadata=bearer(ACME_KEY), timeout=10))
+    assert no_key.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL, reason="missing_key") == 1
+    assert with_key.code() == grpc.StatusCode.INVALID_ARGUMENT  # took the one token
+    assert over_rate.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="acme") == 1
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
