@@ -24,8 +24,9 @@ the difference between gauges that add up (calls in flight: the set's total)
 and those that do not (a backend's adaptive concurrency limit reads as the sum
 of the workers' limits: about the flags' value while none is engaged). Only the
 few samples whose sum means nothing are merged otherwise: each `*_created` and
-`process_start_time_seconds` is the earliest worker's, `process_max_fds` one
-worker's. Health is per worker: a probe lands on one of them.
+`process_start_time_seconds` is the earliest worker's, `process_max_fds` and
+`classify_late_arrival_share` (a share of calls, 0 to 1) the largest worker's.
+Health is per worker: a probe lands on one of them.
 
 Workers share results and rate limits only through Redis (orchestrator.state),
 which is why more than one process needs --state-url.
@@ -56,6 +57,7 @@ from prometheus_client.registry import Collector
 from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_shutdown_signal
 from orchestrator.config import OrchestratorSettings
+from orchestrator.metrics import LATE_ARRIVAL_SHARE
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 WORKERS = "classify_workers"
@@ -276,9 +278,9 @@ class WorkerMetrics(Collector):
         yield from merged.values()
 
 
-# Samples that are the same in every worker, or a per-process limit: their sum means nothing.
+# Samples whose sum means nothing: a start time, a per-process limit, a share (0-1).
 _EARLIEST = {"process_start_time_seconds"}
-_SAME_IN_EACH = {"process_max_fds"}
+_LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE}
 
 
 def merge_rule(family: Metric) -> Callable[[float, float], float]:
@@ -286,7 +288,7 @@ def merge_rule(family: Metric) -> Callable[[float, float], float]:
     except for the few whose sum means nothing (see the module docstring)."""
     if family.name in _EARLIEST:
         return min
-    if family.name in _SAME_IN_EACH:
+    if family.name in _LARGEST:
         return max
     return operator.add
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
 from classify_common.serving import METRICS_DISABLED
-from orchestrator.workers import one_worker_of
+from orchestrator.metrics import LATE_ARRIVAL_SHARE
+from orchestrator.workers import WorkerMetrics, one_worker_of
 from tests.conftest import orchestrator_settings
 
 
@@ -34,3 +37,35 @@ def test_a_single_call_in_flight_is_not_divided_to_none() -> None:
     worker = one_worker_of(settings, 50051)
     assert (worker.concurrency_min_limit, worker.concurrency_max_limit) == (1, 1)
     assert worker.upstream_calls_in_flight == 1
+
+
+class _Workers:
+    """What WorkerMetrics asks of its supervisor: the workers' /metrics ports."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+
+    def worker_metrics_ports(self) -> list[int]:
+        return self.ports
+
+
+def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
+    """Two workers' /metrics, each served over HTTP as a worker serves its own: a share
+    of calls (0 to 1) summed read as 1.2; counts still add up."""
+    registries, servers, ports = [], [], []
+    for share, calls in ((0.6, 3), (0.4, 4)):
+        registry = CollectorRegistry()
+        Gauge(LATE_ARRIVAL_SHARE, "share", registry=registry).set(share)
+        Counter("classify_things", "count", registry=registry).inc(calls)
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        registries.append(registry)
+        servers.append(server)
+        ports.append(server.server_port)
+    try:
+        merged = CollectorRegistry()
+        merged.register(WorkerMetrics(_Workers(ports)))  # type: ignore[arg-type]
+        assert merged.get_sample_value(LATE_ARRIVAL_SHARE) == 0.6
+        assert merged.get_sample_value("classify_things_total") == 7
+    finally:
+        for server in servers:
+            server.shutdown()
