@@ -269,9 +269,12 @@ class Dispatcher:
                 request_trace.mark_timed_out()
             self._store_when_done(work, ids)
             if client_remaining is not None and wait < route.budget_seconds:
+                # `result_kept`: the work goes on and GetResult will have its result,
+                # which a client tells from a deadline that ended the work.
                 raise DeadlineExpired(
                     "the deadline passed while the model was working; poll GetResult",
                     request_id=ids.request_id,
+                    result_kept="true",
                 ) from None
             self._metrics.processing.labels(route.name).inc()
             return pending

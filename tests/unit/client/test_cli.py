@@ -289,3 +289,68 @@ async def test_output_piped_into_a_reader_that_stops_early_ends_quietly(
         err = await asyncio.to_thread(command.stderr.read)
     assert first.decode().startswith("sports")
     assert (status, err) == (141, b"")
+
+
+async def test_a_file_lines_control_characters_are_echoed_as_escapes(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Echoed raw, a vertical tab or U+2028 in a text broke "output line n answers input
+    line n" for a reader that splits lines as Python does."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\x0bmore\u2028end\n{STRIKER[:40]}\n", encoding="utf-8")
+    status, out, err = await run_against(orchestrator, capsys, "--file", str(lines))
+    assert (status, err) == (0, "")
+    assert len(out.splitlines()) == 2
+    assert out.splitlines()[0].endswith(f"{SHORT}\\x0bmore\\u2028end")
+
+
+@pytest.mark.parametrize(
+    ("setting", "flag", "answered"),
+    [("0", (), True), ("false", (), True), ("1", ("--no-tls",), True), ("1", (), False)],
+)
+async def test_classify_tls_is_read_as_on_or_off_and_the_flag_wins(
+    orchestrator: OrchestratorServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    flag: tuple[str, ...],
+    answered: bool,
+) -> None:
+    """`CLASSIFY_TLS=false` (anything but empty or 0) turned TLS on, and nothing could
+    turn it off again."""
+    monkeypatch.setenv("CLASSIFY_TLS", setting)
+    status, _, _ = await run_against(orchestrator, capsys, *flag, "--timeout", "3", STRIKER)
+    assert (status == 0) is answered
+
+
+def test_a_classify_tls_value_that_is_neither_on_nor_off_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLASSIFY_TLS", "maybe")
+    with pytest.raises(SystemExit) as usage:
+        run(capsys, STRIKER)
+    assert usage.value.code == 2
+    assert "CLASSIFY_TLS='maybe': use 1 or 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--api-key", "ck_k\u00e9y", STRIKER), "error: the API key holds a character"),
+        (("--api-key", "ck_one\ntwo", STRIKER), "error: the API key holds a character"),
+        (("--request-id", "no spaces", "--file", "-"), "error: --request-id: request_id"),
+    ],
+)
+def test_a_key_or_batch_request_id_no_header_can_carry_is_one_error_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: tuple[str, ...],
+    problem: str,
+) -> None:
+    """The key was INTERNAL from gRPC (a bug, by the error table) and a log line; a
+    ClassifyBatch's request ID was left out without a word."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{STRIKER}\n"))
+    status, out, err = run(capsys, "--target", nowhere(), *argv)
+    assert (status, out) == (1, "")
+    assert err.startswith(problem)
+    assert len(err.splitlines()) == 1

@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry
 
 from capability.server import CapabilityServer
@@ -33,6 +35,7 @@ from classify_client import (
     Unavailable,
     pb,
 )
+from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_ITEMS_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
@@ -410,3 +413,99 @@ async def test_classify_batch_refuses_one_str_rather_than_send_each_character(ki
             TypeError, match=r"^classify_batch takes a sequence of texts, not one str"
         ):
             await classify_batch("abc")
+
+
+async def test_a_deadline_shorter_than_the_budget_raises_still_processing_from_the_server(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The server answers such a call DEADLINE_EXCEEDED with the result kept (ErrorInfo
+    `result_kept`), which was a plain DeadlineExpired: nothing said to fetch it."""
+    async with (
+        front_door(capability, tmp_path, budget="20s") as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            with pytest.raises(StillProcessing) as late:
+                await client.classify(STRIKER, request_id="kept-1", wait=True, timeout=1)
+        done = await client.get_result("kept-1", wait=True, timeout=30)
+    assert (late.value.code, late.value.request_id, late.value.metadata["result_kept"]) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "kept-1",
+        "true",
+    )
+    assert done.labels[0].name == "sports"
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_text_over_the_batch_limit_fails_alone_and_errors_name_the_callers_index(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    """The call of the long text alone is refused whole: it raised (as the first call) or
+    failed every text after it. An item's error named its place in its call
+    (`items[3]`), not among the caller's texts (`items[1027]`)."""
+    texts = [SHARES] * 1027 + ["   ", "x" * 1_000_001, SHARES]
+    async with (
+        front_door(capability, tmp_path, model="topic-static") as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        items = await classify_batch(texts, timeout=30)
+        (first,) = await classify_batch(texts[1028:1029], timeout=30)
+    blank, long, last = items[1027:]
+    assert all(item.response is not None for item in items[:1027])
+    assert last.response is not None
+    assert isinstance(blank.error, InvalidRequest)
+    assert [v.field for v in blank.error.violations] == ["items[1027].text"]
+    assert "items[1027].text" in str(blank.error)
+    assert isinstance(long.error, InvalidRequest)
+    assert isinstance(first.error, InvalidRequest)
+
+
+class ScriptedBatches(pb_grpc.ClassifyServiceServicer):
+    """A server that answers ClassifyBatch calls as scripted, to see what the client
+    sends: the first call's items refused with a short RetryInfo, every later call
+    refused whole UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        self.calls += 1
+        if self.calls > 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted")
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(10)
+        detail = any_pb2.Any()
+        detail.Pack(retry)
+        refusal = status_pb2.Status(
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="slow down", details=[detail]
+        )
+        return pb.ClassifyBatchResponse(
+            results=[pb.ClassifyBatchResult(error=refusal) for _ in request.items]
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_an_item_is_sent_at_most_max_attempts_times_however_its_tries_fail(
+    kind: str,
+) -> None:
+    """Item resends and whole-call retries each counted from one: with the default four
+    attempts, an item was sent five times here (sixteen at worst)."""
+    scripted = ScriptedBatches()
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(scripted, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    retries: list[RetryEvent] = []
+    policy = RetryPolicy(initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    try:
+        async with batch_client(
+            kind, f"127.0.0.1:{port}", retry=policy, on_retry=retries.append
+        ) as classify_batch:
+            (item,) = await classify_batch([STRIKER], timeout=30)
+    finally:
+        await server.stop(grace=0)
+    assert scripted.calls == 4
+    assert [r.attempt for r in retries] == [1, 2, 3]
+    assert isinstance(item.error, Unavailable)

@@ -18,6 +18,7 @@ from classify_client import (
     pb,
 )
 from classify_client._shared import BATCH_MAX_CHARS, BATCH_MAX_ITEMS, batch_chunks
+from classify_client.retry import MIN_SECONDS_FOR_A_CALL, Deadline
 
 
 def refused(code: grpc.StatusCode, retry_after: float | None = None) -> ClassifyError:
@@ -92,3 +93,29 @@ async def test_a_timeout_that_is_not_finite_and_above_zero_is_refused_when_given
         AsyncClassifyClient(timeout=seconds)
     with ClassifyClient() as client, pytest.raises(ValueError, match=f"^{named}$"):
         client.classify("text", timeout=seconds)
+
+
+def test_what_the_same_call_would_meet_again_is_not_retried() -> None:
+    """gRPC's own refusal of a message over its size limit (RESOURCE_EXHAUSTED without a
+    RetryInfo) was sent four times; a negative RetryInfo (A6: do not retry) raised a
+    ValueError from sleep; a GetResult of a result that failed, its stored outcome, was
+    asked for four times."""
+    policy = RetryPolicy(random=lambda: 0.5)
+    assert policy.delay_before_retry(refused(grpc.StatusCode.RESOURCE_EXHAUSTED), 1) is None
+    assert policy.delay_before_retry(refused(grpc.StatusCode.RESOURCE_EXHAUSTED, -1.0), 1) is None
+    stored = ClassifyError(
+        "backend down",
+        code=grpc.StatusCode.UNAVAILABLE,
+        metadata={"result_trace_id": "0af7651916cd43dd8448eb211c80319c"},
+    )
+    assert policy.delay_before_retry(stored, 1) is None
+    assert policy.delay_before_retry(refused(grpc.StatusCode.UNAVAILABLE), 1) is not None
+
+
+def test_a_retry_or_poll_is_made_only_with_time_for_a_call_left_after_its_wait() -> None:
+    """Polls went out with 1-5 ms left: never answerable, and counted by the front door
+    against the tenant as calls arriving late."""
+    deadline = Deadline(1.0)
+    assert deadline.allows_wait(0.5)
+    assert not deadline.allows_wait(1.0 - MIN_SECONDS_FOR_A_CALL / 2)
+    assert Deadline(None).allows_wait(1e9)

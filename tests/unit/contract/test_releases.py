@@ -51,6 +51,15 @@ def test_changelog_latest_release_is_the_project_version() -> None:
     assert versions[0] == project["version"]
 
 
+def test_the_client_wheel_carries_the_project_version() -> None:
+    """The wheel carries the contract's stubs; its version was 0.1.0 on its own, so a
+    wheel did not say which release's contract it spoke."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    client_project = REPO_ROOT / "clients" / "python" / "pyproject.toml"
+    client = tomllib.loads(client_project.read_text())["project"]
+    assert client["version"] == project["version"]
+
+
 def test_changelog_keeps_an_unreleased_section_above_the_releases() -> None:
     text = CHANGELOG.read_text()
     first_release = RELEASE_HEADING.search(text)

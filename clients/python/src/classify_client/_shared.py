@@ -3,6 +3,7 @@ batch chunks and results, and the rounds of GetResult polls. Nothing here does I
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -62,7 +63,28 @@ def channel_credentials(tls: bool, ca_file: str | Path | None) -> grpc.ChannelCr
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    """The header that carries `api_key`. A key with a character a header value cannot
+    hold (a newline, a non-ASCII letter) is refused here: gRPC failed such a call as
+    INTERNAL, which says a bug."""
+    if not api_key:
+        return ()
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError(
+            "the API key holds a character a header cannot carry (not printable ASCII)"
+        )
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def checked_batch_request_id(request_id: str) -> str:
+    """A ClassifyBatch call's own request ID: it travels only as a header, where one the
+    server would not accept was left out without a word (a Classify's is a request
+    field, which the server refuses by name)."""
+    if request_id and REQUEST_ID_PATTERN.fullmatch(request_id) is None:
+        raise ValueError(
+            f"request_id {request_id!r} must be letters, digits and ._:- (up to 128, "
+            "starting with a letter or a digit)"
+        )
+    return request_id
 
 
 def new_request_id() -> str:
@@ -126,10 +148,30 @@ class BatchItem:
         return self.error is None
 
 
-def batch_item(result: pb.ClassifyBatchResult) -> BatchItem:
-    if result.HasField("error"):
-        return BatchItem(error=error_from_status(result.error))
-    return BatchItem(response=result.response)
+def batch_item(result: pb.ClassifyBatchResult, position: int, index: int) -> BatchItem:
+    """The outcome of the item at `position` in its call, which is text `index` of the
+    caller's: an error names the caller's index (`items[index].text`), not the
+    position in whichever call carried it."""
+    if not result.HasField("error"):
+        return BatchItem(response=result.response)
+    error = error_from_status(result.error)
+    if position != index:
+        error = renumbered(error, f"items[{position}]", f"items[{index}]")
+    return BatchItem(error=error)
+
+
+def renumbered(error: ClassifyError, sent_as: str, caller_s: str) -> ClassifyError:
+    """`error` with its field paths and message naming `caller_s` where the server,
+    which saw one call, named `sent_as`."""
+    error.violations = tuple(
+        dataclasses.replace(v, field=caller_s + v.field.removeprefix(sent_as))
+        if v.field.startswith(sent_as)
+        else v
+        for v in error.violations
+    )
+    error.message = error.message.replace(sent_as, caller_s)
+    error.args = (error.message,)
+    return error
 
 
 def record_batch(
@@ -144,8 +186,8 @@ def record_batch(
     needs), or None when none is retried."""
     again: list[int] = []
     retry: RetryEvent | None = None
-    for index, result in zip(sent, response.results, strict=True):
-        items[index] = batch_item(result)
+    for position, (index, result) in enumerate(zip(sent, response.results, strict=True)):
+        items[index] = batch_item(result, position, index)
         error = items[index].error
         delay = None if error is None else policy.delay_before_retry(error, attempt)
         if error is None or delay is None:
@@ -164,6 +206,19 @@ def record_failed_call(
     their answers."""
     for index in indices:
         items[index] = BatchItem(error=error)
+
+
+def refused_alone(
+    requests: Sequence[pb.ClassifyRequest], chunk: list[int], error: ClassifyError
+) -> bool:
+    """Whether `error`, which refused the call of `chunk` whole, is its one text's own:
+    a text over the batch's character limit goes alone (batch_chunks), and its call is
+    refused whole, but it is that item that is wrong, not the calls after it."""
+    return (
+        len(chunk) == 1
+        and len(requests[chunk[0]].text) > BATCH_MAX_CHARS
+        and error.code == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def refuse_single_text(texts: Sequence[str]) -> None:

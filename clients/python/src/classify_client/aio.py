@@ -34,16 +34,25 @@ from classify_client._shared import (
     batch_chunks,
     call_metadata,
     channel_credentials,
+    checked_batch_request_id,
     new_request_id,
     record_batch,
     record_failed_call,
     refuse_single_text,
+    refused_alone,
     with_request_id,
 )
 from classify_client.errors import ClassifyError, error_from_rpc
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from classify_client.retry import Deadline, PollPolicy, RetryEvent, RetryPolicy, checked_timeout
+from classify_client.retry import (
+    Attempts,
+    Deadline,
+    PollPolicy,
+    RetryEvent,
+    RetryPolicy,
+    checked_timeout,
+)
 
 Response = TypeVar("Response", bound=Message)
 Request = TypeVar("Request", bound=Message)
@@ -158,7 +167,7 @@ class AsyncClassifyClient:
         each item gets its own from the server, in its answer or error."""
         refuse_single_text(texts)
         deadline = self._deadline(timeout)
-        request_id = request_id or new_request_id()
+        request_id = checked_batch_request_id(request_id) or new_request_id()
         options = RequestOptions(top_k, max_length, model, priority)
         requests = [options.request(text) for text in texts]
         items: list[BatchItem] = [BatchItem() for _ in requests]
@@ -167,6 +176,9 @@ class AsyncClassifyClient:
             try:
                 await self._classify_chunk(requests, chunk, items, deadline, request_id)
             except ClassifyError as error:
+                if refused_alone(requests, chunk, error):
+                    record_failed_call(items, chunk, error)
+                    continue
                 if number == 0:
                     raise
                 unanswered = (index for later in chunks[number:] for index in later)
@@ -184,20 +196,26 @@ class AsyncClassifyClient:
     ) -> None:
         """Send one chunk, and again its items refused with a retryable error. Raises
         only when its first call fails as a whole, when no item of it has an answer."""
-        attempt = 0
+        attempts = Attempts()
+        answered = False
         while pending:
-            attempt += 1
             batch = pb.ClassifyBatchRequest(items=[requests[i] for i in pending])
             try:
                 response = await self._call(
-                    "ClassifyBatch", self._stub.ClassifyBatch, batch, deadline, request_id
+                    "ClassifyBatch",
+                    self._stub.ClassifyBatch,
+                    batch,
+                    deadline,
+                    request_id,
+                    attempts,
                 )
             except ClassifyError as error:
-                if attempt == 1:
+                if not answered:
                     raise
                 record_failed_call(items, pending, error)
                 return
-            pending, retry = record_batch(pending, response, items, self._retry, attempt)
+            answered = True
+            pending, retry = record_batch(pending, response, items, self._retry, attempts.made)
             if retry is None or not deadline.allows_wait(retry.delay_seconds):
                 return
             self._notify(retry)
@@ -247,21 +265,23 @@ class AsyncClassifyClient:
         request: Request,
         deadline: Deadline,
         request_id: str,
+        attempts: Attempts | None = None,
     ) -> Response:
         """One RPC under the retry policy, every attempt within `deadline` and sent under
-        `request_id`, which an error names when the server did not answer."""
+        `request_id`, which an error names when the server did not answer; `attempts`:
+        the tries already made of it (see Attempts)."""
         metadata = with_request_id(self._metadata, request_id)
-        attempt = 0
+        attempts = attempts or Attempts()
         while True:
-            attempt += 1
+            attempts.made += 1
             try:
                 return await rpc(request, timeout=deadline.remaining(), metadata=metadata)
             except grpc.RpcError as failure:
                 error = error_from_rpc(failure, request_id)
-                delay = self._retry.delay_before_retry(error, attempt)
+                delay = self._retry.delay_before_retry(error, attempts.made)
                 if delay is None or not deadline.allows_wait(delay):
                     raise error from failure
-            self._notify(RetryEvent(method, attempt, error, delay))
+            self._notify(RetryEvent(method, attempts.made, error, delay))
             await asyncio.sleep(delay)
 
     def _notify(self, event: RetryEvent) -> None:

@@ -49,7 +49,7 @@ from classify_client import (
     StillProcessing,
     pb,
 )
-from classify_client._shared import STILL_PROCESSING
+from classify_client._shared import STILL_PROCESSING, checked_batch_request_id
 
 LOCAL_KEY_FILE = Path(".run/api-key")
 BAR_WIDTH = 30
@@ -62,6 +62,9 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 # Its output's reader went away: 128 + SIGPIPE, as a command SIGPIPE ended reports.
 EXIT_BROKEN_PIPE = 141
+# CLASSIFY_TLS values; unset or empty is off.
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
 
 
 class UnusableInput(Exception):
@@ -106,7 +109,16 @@ def format_item(item: BatchItem, text: str) -> str:
     if response.status == pb.RESULT_STATUS_PROCESSING:
         return f"processing  fetch with --result {response.request_id}  {echo!r}"
     best = response.labels[0]
-    return f"{best.name:<10}  {best.score:5.3f}  {echo}"
+    return f"{best.name:<10}  {best.score:5.3f}  {printable(echo)}"
+
+
+def printable(text: str) -> str:
+    """`text` with each character a terminal or a line reader would act on (a vertical
+    tab, a carriage return, U+2028) written as its escape, so that output line n stays
+    the answer to input line n."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def error_message(error: ClassifyError) -> str:
@@ -209,9 +221,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument(
         "--tls",
-        action="store_true",
-        default=os.environ.get("CLASSIFY_TLS", "") not in ("", "0"),
-        help="TLS, verified with the system's trusted CAs [env CLASSIFY_TLS=1]",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TLS, verified with the system's trusted CAs [env CLASSIFY_TLS=1 or 0]",
     )
     parser.add_argument(
         "--ca-file", help="TLS, verified with this CA bundle instead [env CLASSIFY_CA_FILE]"
@@ -224,6 +236,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if sum(given is not None for given in (args.text, args.file, args.result)) != 1:
         parser.error("give one of: a text, --file or --result")
+    if args.tls is None:
+        setting = os.environ.get("CLASSIFY_TLS", "").strip().lower()
+        if setting not in TRUE_WORDS | FALSE_WORDS:
+            parser.error(f"CLASSIFY_TLS={setting!r}: use 1 or 0 (true/false, yes/no, on/off)")
+        args.tls = setting in TRUE_WORDS
     return args
 
 
@@ -306,6 +323,8 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
         )
     except OSError as error:
         raise UnusableInput(f"cannot read the CA file {ca_file}: {error.strerror}") from error
+    except ValueError as error:  # a key no header can carry
+        raise UnusableInput(str(error)) from error
 
 
 def require_utf8(value: str, what: str) -> None:
@@ -319,6 +338,11 @@ def require_utf8(value: str, what: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Read the input, then make the call(s) and print the outcome."""
+    if args.file is not None:
+        try:
+            checked_batch_request_id(args.request_id)
+        except ValueError as error:
+            raise UnusableInput(f"--request-id: {error}") from error
     texts = read_lines(args.file) if args.file is not None else None
     for value, what in ((args.text, "the text"), (args.request_id, "--request-id")):
         if value is not None:

@@ -24,7 +24,7 @@
     ├── DeadlineExpired           DEADLINE_EXCEEDED
     │   ├── DeadlineUnreachable   refused before any work: the deadline cannot be met
     │   ├── ExpiredInQueue        evicted unseen when its deadline passed
-    │   └── StillProcessing       (client side) wait=True ran out of time; poll again later
+    │   └── StillProcessing       the deadline passed while the work goes on; fetch it later
     ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
     └── InternalError             INTERNAL (and any code the service does not use): a bug
 
@@ -47,6 +47,10 @@ from google.rpc import error_details_pb2, status_pb2
 
 REQUEST_ID_HEADER = "x-request-id"
 TRACE_ID_HEADER = "x-trace-id"
+# ErrorInfo metadata: the trace a stored result's work ran in (a GetResult of a result
+# that failed), and a deadline that passed while the work goes on, its result kept.
+RESULT_TRACE_ID = "result_trace_id"
+RESULT_KEPT = "result_kept"
 # The trailer in which gRPC servers send the google.rpc.Status with its details.
 STATUS_DETAILS_TRAILER = "grpc-status-details-bin"
 
@@ -189,8 +193,9 @@ class ExpiredInQueue(DeadlineExpired):
 
 
 class StillProcessing(DeadlineExpired):
-    """wait=True: the deadline passed while the result was still PROCESSING; the server
-    keeps it for a while, so `get_result(request_id)` can fetch it later."""
+    """The deadline passed while the work went on (wait=True polled until it, or the
+    server said so); the server keeps the result for a while, so
+    `get_result(request_id)` can fetch it later."""
 
 
 class ReloadRefused(ClassifyError):
@@ -266,6 +271,8 @@ def error_from_status(
         elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             violations += _field_violations(detail)
     cls = ERROR_BY_REASON.get(info.reason) or ERROR_BY_CODE.get(code, InternalError)
+    if cls is DeadlineExpired and info.metadata.get(RESULT_KEPT) == "true":
+        cls = StillProcessing  # get_result(request_id) fetches it later
     trailers = trailers or {}
     return cls(
         status.message,

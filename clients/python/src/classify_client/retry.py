@@ -2,17 +2,24 @@
 server's pushback.
 
 A call is retried only for the codes the service marks retryable
-(UNAVAILABLE, RESOURCE_EXHAUSTED). `max_attempts` counts the first try, as A6's
-`maxAttempts` does. Before attempt n+1 the client waits:
+(UNAVAILABLE, RESOURCE_EXHAUSTED), and not when retrying cannot help:
+RESOURCE_EXHAUSTED without a RetryInfo (every overload refusal of this service
+has one; gRPC's own "message larger than max" has none), a negative RetryInfo
+(A6: the server says do not retry), or a stored outcome (a GetResult of a
+result that failed, which names its trace in `result_trace_id`).
+`max_attempts` counts the first try, as A6's `maxAttempts` does. Before
+attempt n+1 the client waits:
 
 - the server's google.rpc.RetryInfo delay where the error carries one (its
-  pushback; every RESOURCE_EXHAUSTED of this service does), never less, plus up
-  to `pushback_jitter` of it more so that many refused callers do not return at
-  the same instant;
+  pushback), never less, plus up to `pushback_jitter` of it more so that many
+  refused callers do not return at the same instant;
 - else `random(0, min(initial_backoff * multiplier**(n-1), max_backoff))`.
 
-The call's deadline bounds everything: a retry whose wait would end past the
-deadline is not made, and the last error is raised instead.
+The call's deadline bounds everything: a retry (or a GetResult poll) is made
+only if, after its wait, at least MIN_SECONDS_FOR_A_CALL are left; else the
+last error is raised. A call sent with less could not be answered (the server
+keeps 20 ms to send an answer), and the front door counts calls that reach it
+with under 10 ms left against the tenant (FRONT_DOOR_BUSY).
 
 While a Classify answer is PROCESSING, `PollPolicy` spaces the GetResult polls:
 the service sends no poll interval, so the client starts at
@@ -29,8 +36,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from classify_client.errors import ClassifyError
+from classify_client.errors import RESULT_TRACE_ID, ClassifyError
 
+# The least time a retry or a poll must have left once sent (see the module docstring).
+MIN_SECONDS_FOR_A_CALL = 0.05
 # A6 defaults a client may keep: 4 tries in all, 0.1 s growing to 5 s.
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.1
@@ -85,9 +94,15 @@ class RetryPolicy:
         failed with `error`; None when the policy does not retry it."""
         if error.code not in self.retryable_codes or attempt >= self.max_attempts:
             return None
+        if RESULT_TRACE_ID in error.metadata:
+            return None  # the stored outcome of earlier work: asking again gets it again
         if error.retry_after_seconds is not None:
             hint = error.retry_after_seconds
+            if hint < 0:
+                return None
             return hint + hint * self.pushback_jitter * self.random()
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return None  # not an overload refusal: a limit the same call meets again
         cap = min(
             self.initial_backoff_seconds * self.multiplier ** (attempt - 1),
             self.max_backoff_seconds,
@@ -164,4 +179,13 @@ class Deadline:
     def allows_wait(self, seconds: float) -> bool:
         """Whether a wait of `seconds` still leaves time for another call."""
         left = self.remaining()
-        return left is None or seconds < left
+        return left is None or seconds + MIN_SECONDS_FOR_A_CALL <= left
+
+
+class Attempts:
+    """The tries made of one call so far. A ClassifyBatch chunk shares one between its
+    whole-call retries and its items' resends, so `max_attempts` bounds how often an
+    item is sent however its tries failed (counted apart, 4 allowed 16)."""
+
+    def __init__(self) -> None:
+        self.made = 0
