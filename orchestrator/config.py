@@ -8,6 +8,7 @@ ServerSettings.
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -112,8 +113,7 @@ class OrchestratorSettings(ServerSettings):
     state_url: str | None = setting(
         None,
         "redis:// or rediss:// URL of the shared state (none: in this process)",
-        test=lambda url: url.startswith(STATE_URL_SCHEMES),
-        rule="a redis:// or rediss:// URL",
+        rule="a redis:// or rediss:// URL",  # checked in __post_init__, never echoed
     )
     # Wins over a password in the URL, which would show in process listings.
     state_password_file: Path | None = setting(
@@ -228,6 +228,8 @@ class OrchestratorSettings(ServerSettings):
             "ORCHESTRATOR_CONCURRENCY_MAX_LIMIT",
         )
         self.upstream_tls()  # refuses an incomplete set of upstream TLS files now
+        if self.state_url is not None and (problem := state_url_problem(self.state_url)):
+            raise SettingsError(f"--state-url / ORCHESTRATOR_STATE_URL: {problem}")
         if self.processes > 1 and self.state_url is None:
             raise SettingsError(
                 f"--processes / ORCHESTRATOR_PROCESSES {self.processes} needs shared state: "
@@ -267,3 +269,19 @@ class OrchestratorSettings(ServerSettings):
             self.upstream_key_file,
             "--upstream-ca-file / --upstream-cert-file / --upstream-key-file",
         )
+
+
+def state_url_problem(url: str) -> str | None:
+    """What is wrong with a --state-url, in words that never repeat the URL: it may hold
+    the Redis password. None when it is a redis:// or rediss:// URL with a host and a
+    port that parses (a bad port was a traceback from urllib at the first call)."""
+    if not url.startswith(STATE_URL_SCHEMES):
+        return "not a redis:// or rediss:// URL"
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        return "its port is not a number from 0 to 65535"
+    if not parts.hostname:
+        return "it names no host"
+    return None

@@ -61,7 +61,7 @@ def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
         OrchestratorSettings.from_args(["--auth", "disabled", "--processes", "2"], environ={})
     with pytest.raises(
         SettingsError,
-        match="--state-url / ORCHESTRATOR_STATE_URL: 'http://r:6379' is not a redis:// or",
+        match="^--state-url / ORCHESTRATOR_STATE_URL: not a redis:// or rediss:// URL$",
     ):
         OrchestratorSettings.from_args(
             ["--auth", "disabled"], environ={"ORCHESTRATOR_STATE_URL": "http://r:6379"}
@@ -71,6 +71,25 @@ def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
         environ={},
     )
     assert shared.processes == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://:hunter2@r:99999/0", "its port is not a number from 0 to 65535"),
+        ("redis://:hunter2@r:port/0", "its port is not a number from 0 to 65535"),
+        ("redis://:hunter2@/0", "it names no host"),
+        ("http://:hunter2@r:6379", "not a redis:// or rediss:// URL"),
+    ],
+)
+def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
+    url: str, problem: str
+) -> None:
+    """A bad port was a traceback from urllib at start; the URL, password and all, was
+    repeated in the refusal of a wrong scheme."""
+    with pytest.raises(SettingsError) as refused:
+        OrchestratorSettings.from_args(["--auth", "disabled", "--state-url", url], environ={})
+    assert str(refused.value) == f"--state-url / ORCHESTRATOR_STATE_URL: {problem}"
 
 
 def test_environment_overrides_default_and_flag_overrides_environment() -> None:
