@@ -61,7 +61,7 @@ def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
         OrchestratorSettings.from_args(["--auth", "disabled", "--processes", "2"], environ={})
     with pytest.raises(
         SettingsError,
-        match="^--state-url / ORCHESTRATOR_STATE_URL: not a redis:// or rediss:// URL$",
+        match=r"^--state-url / ORCHESTRATOR_STATE_URL: not a redis:// or rediss:// URL$",
     ):
         OrchestratorSettings.from_args(
             ["--auth", "disabled"], environ={"ORCHESTRATOR_STATE_URL": "http://r:6379"}

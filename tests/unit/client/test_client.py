@@ -468,6 +468,16 @@ class ScriptedBatches(pb_grpc.ClassifyServiceServicer):
     def __init__(self) -> None:
         self.calls = 0
 
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def GetResult(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GetResultRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
     async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
         self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClassifyBatchResponse:
