@@ -27,6 +27,7 @@ from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, wait_until
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.client.test_client import CLIENT_MADE_REQUEST_ID, KEY, front_door, target
+from tests.unit.test_tls import make_certificates, tls_front_door
 
 SHORT = "Shares fell after the earnings call"
 # The command as a process of its own, in this virtualenv.
@@ -354,3 +355,26 @@ def test_a_key_or_batch_request_id_no_header_can_carry_is_one_error_line(
     assert (status, out) == (1, "")
     assert err.startswith(problem)
     assert len(err.splitlines()) == 1
+
+
+async def test_the_command_presents_a_client_certificate_from_its_flags(
+    capability: CapabilityServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    make_certificates(tmp_path)
+    ca = tmp_path / "ca.pem"
+    async with tls_front_door(tmp_path, capability.port, tls_client_ca_file=ca) as server:
+        status, out, err = await run_against(
+            server,
+            capsys,
+            "--ca-file",
+            str(ca),
+            "--cert-file",
+            str(tmp_path / "client.pem"),
+            "--key-file",
+            str(tmp_path / "client.key"),
+            STRIKER,
+        )
+    assert (status, err) == (0, "")
+    assert out.split()[0] == "sports"
+    status, _, err = run(capsys, "--cert-file", str(tmp_path / "client.pem"), STRIKER)
+    assert (status, err) == (1, "error: a client certificate needs both cert_file and key_file\n")

@@ -519,3 +519,27 @@ async def test_an_item_is_sent_at_most_max_attempts_times_however_its_tries_fail
     assert scripted.calls == 4
     assert [r.attempt for r in retries] == [1, 2, 3]
     assert isinstance(item.error, Unavailable)
+
+
+async def test_a_client_certificate_gets_through_a_front_door_that_asks_for_one(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The client had no way to present one: a front door with mutual TLS could not be
+    called with it."""
+    make_certificates(tmp_path)
+    once = RetryPolicy(max_attempts=1)
+    ca = tmp_path / "ca.pem"
+    async with tls_front_door(tmp_path, capability.port, tls_client_ca_file=ca) as server:
+        async with AsyncClassifyClient(
+            target(server),
+            ca_file=ca,
+            cert_file=tmp_path / "client.pem",
+            key_file=tmp_path / "client.key",
+        ) as presenting:
+            response = await presenting.classify(STRIKER)
+        async with AsyncClassifyClient(target(server), ca_file=ca, retry=once) as anonymous:
+            with pytest.raises(Unavailable):
+                await anonymous.classify(STRIKER, timeout=5)
+    assert response.labels[0].name == "sports"
+    with pytest.raises(ValueError, match="needs both cert_file and key_file"):
+        ClassifyClient(target(server), cert_file=tmp_path / "client.pem")

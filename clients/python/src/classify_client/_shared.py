@@ -52,14 +52,24 @@ class _UseClientTimeout:
 CLIENT_TIMEOUT = _UseClientTimeout()
 
 
-def channel_credentials(tls: bool, ca_file: str | Path | None) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    tls: bool,
+    ca_file: str | Path | None,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+) -> grpc.ChannelCredentials | None:
     """TLS credentials trusting `ca_file`, or gRPC's default roots when only `tls` is
-    set; None for a plaintext channel."""
-    if ca_file is not None:
-        return grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
-    if tls:
-        return grpc.ssl_channel_credentials()
-    return None
+    set, presenting the client certificate `cert_file` (with its key `key_file`) when
+    given; None for a plaintext channel."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    if ca_file is None and cert_file is None and not tls:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=None if ca_file is None else Path(ca_file).read_bytes(),
+        private_key=None if key_file is None else Path(key_file).read_bytes(),
+        certificate_chain=None if cert_file is None else Path(cert_file).read_bytes(),
+    )
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

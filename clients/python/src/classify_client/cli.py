@@ -229,6 +229,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ca-file", help="TLS, verified with this CA bundle instead [env CLASSIFY_CA_FILE]"
     )
     parser.add_argument(
+        "--cert-file",
+        help="client certificate (PEM), for a front door that asks for one "
+        "[env CLASSIFY_CERT_FILE]",
+    )
+    parser.add_argument(
+        "--key-file", help="the client certificate's private key (PEM) [env CLASSIFY_KEY_FILE]"
+    )
+    parser.add_argument(
         "--api-key",
         default=None,
         help=f"API key [env CLASSIFY_API_KEY; else {LOCAL_KEY_FILE}, written by `make run`]",
@@ -315,15 +323,27 @@ def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.Classif
 
 
 def open_client(args: argparse.Namespace) -> ClassifyClient:
-    ca_file = args.ca_file or os.environ.get("CLASSIFY_CA_FILE")
+    files = {
+        "the CA file": args.ca_file or os.environ.get("CLASSIFY_CA_FILE"),
+        "the certificate file": args.cert_file or os.environ.get("CLASSIFY_CERT_FILE"),
+        "the key file": args.key_file or os.environ.get("CLASSIFY_KEY_FILE"),
+    }
+    ca_file, cert_file, key_file = files.values()
     key = api_key(args.api_key)
     try:
         return ClassifyClient(
-            args.target, api_key=key, tls=args.tls, ca_file=ca_file, timeout=args.timeout
+            args.target,
+            api_key=key,
+            tls=args.tls,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
+            timeout=args.timeout,
         )
     except OSError as error:
-        raise UnusableInput(f"cannot read the CA file {ca_file}: {error.strerror}") from error
-    except ValueError as error:  # a key no header can carry
+        what = next((name for name, path in files.items() if path == error.filename), "a file")
+        raise UnusableInput(f"cannot read {what} {error.filename}: {error.strerror}") from error
+    except ValueError as error:  # a key no header can carry, half a client certificate
         raise UnusableInput(str(error)) from error
 
 

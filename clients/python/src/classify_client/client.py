@@ -68,6 +68,8 @@ class ClassifyClient:
         api_key: str | None = None,
         tls: bool = False,
         ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
         retry: RetryPolicy | None = None,
         poll: PollPolicy | None = None,
@@ -75,17 +77,20 @@ class ClassifyClient:
         channel_options: Sequence[tuple[str, object]] = (),
     ) -> None:
         """`target` is host:port. `tls` (gRPC's default roots) or `ca_file` (a PEM CA
-        bundle) make the channel TLS. `timeout` is each call's deadline in seconds,
-        retries and polls included (None: none). `on_retry` is told of every retry."""
+        bundle) make the channel TLS; `cert_file` and `key_file` (PEM), a client
+        certificate for a front door that asks for one (mutual TLS). `timeout` is
+        each call's deadline in seconds, retries and polls included (None: none).
+        `on_retry` is told of every retry."""
         self._timeout = checked_timeout(timeout)
-        credentials = channel_credentials(tls, ca_file)
+        # Before the channel, which a refused key would leave open.
+        self._metadata = call_metadata(api_key)
+        credentials = channel_credentials(tls, ca_file, cert_file, key_file)
         self._channel = (
             grpc.secure_channel(target, credentials, options=channel_options)
             if credentials is not None
             else grpc.insecure_channel(target, options=channel_options)
         )
         self._stub = pb_grpc.ClassifyServiceStub(self._channel)
-        self._metadata = call_metadata(api_key)
         self._retry = retry or RetryPolicy()
         self._poll = poll or PollPolicy()
         self._on_retry = on_retry
