@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from capability.server import CapabilityServer
-from classify_client.cli import main
+from classify_client.cli import api_key, main
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, wait_until
@@ -378,3 +378,15 @@ async def test_the_command_presents_a_client_certificate_from_its_flags(
     assert out.split()[0] == "sports"
     status, _, err = run(capsys, "--cert-file", str(tmp_path / "client.pem"), STRIKER)
     assert (status, err) == (1, "error: a client certificate needs both cert_file and key_file\n")
+
+
+def test_the_local_key_file_is_sent_only_to_a_target_on_this_machine(tmp_path: Path) -> None:
+    """`.run/api-key` is `make run`'s key for the local stack; it went to any --target
+    the command was pointed at from a checkout, in plaintext by default."""
+    (tmp_path / ".run").mkdir()
+    (tmp_path / ".run" / "api-key").write_text("ck_local\n")
+    for here in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", "dns:///localhost:1"):
+        assert api_key(None, here) == "ck_local"
+    for elsewhere in ("classify.example.com:443", "10.0.0.7:50051", "dns:///classify:50051"):
+        assert api_key(None, elsewhere) is None
+    assert api_key("ck_given", "classify.example.com:443") == "ck_given"

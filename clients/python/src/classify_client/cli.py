@@ -30,6 +30,7 @@ early (`| head`) ends it quietly, exit 141.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -161,19 +162,34 @@ def error_json(error: ClassifyError) -> dict[str, Any]:
     }
 
 
-def api_key(flag: str | None) -> str | None:
+def api_key(flag: str | None, target: str) -> str | None:
     """The API key from the flag, the environment or the local key file, without the
     whitespace around it: a key pasted or echoed into a variable often ends in a
-    newline, and gRPC refuses to send a header value that holds one."""
+    newline, and gRPC refuses to send a header value that holds one. The local key
+    file is `make run`'s, for the stack on this machine: it is not sent to a target
+    elsewhere, in plaintext by default, because the command ran in a checkout."""
     for given in (flag, os.environ.get("CLASSIFY_API_KEY")):
         if given and given.strip():
             return given.strip()
-    if not LOCAL_KEY_FILE.is_file():
+    if not is_loopback(target) or not LOCAL_KEY_FILE.is_file():
         return None
     try:
         return LOCAL_KEY_FILE.read_text(encoding="utf-8").strip() or None
     except (OSError, UnicodeError) as error:
         raise UnusableInput(f"cannot read the key file {LOCAL_KEY_FILE}: {error}") from error
+
+
+def is_loopback(target: str) -> bool:
+    """Whether `target` (host:port, or a gRPC URI such as dns:///host:port) names this
+    machine by a loopback address or `localhost`."""
+    host = target.rsplit("/", 1)[-1]
+    host = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def timeout_seconds(value: str) -> float:
@@ -239,7 +255,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"API key [env CLASSIFY_API_KEY; else {LOCAL_KEY_FILE}, written by `make run`]",
+        help=f"API key [env CLASSIFY_API_KEY; else, for a loopback --target, {LOCAL_KEY_FILE}, "
+        "written by `make run`]",
     )
     args = parser.parse_args(argv)
     if sum(given is not None for given in (args.text, args.file, args.result)) != 1:
@@ -329,7 +346,7 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
         "the key file": args.key_file or os.environ.get("CLASSIFY_KEY_FILE"),
     }
     ca_file, cert_file, key_file = files.values()
-    key = api_key(args.api_key)
+    key = api_key(args.api_key, args.target)
     try:
         return ClassifyClient(
             args.target,
