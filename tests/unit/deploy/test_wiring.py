@@ -466,6 +466,17 @@ def test_compose_orchestrator_runs_two_processes_sharing_the_redis_service() -> 
     assert services["orchestrator"]["depends_on"]["redis"] == {"condition": "service_healthy"}
 
 
+def test_compose_redis_is_reached_by_the_orchestrator_alone() -> None:
+    """It has no password in compose; on the default network the capability servers,
+    which run model code, could read and change every tenant's results and buckets."""
+    services = compose_services()
+    on_state = sorted(
+        name for name, service in services.items() if "state" in service.get("networks", [])
+    )
+    assert on_state == ["orchestrator", "redis"]
+    assert services["redis"]["networks"] == ["state"]
+
+
 def test_k8s_orchestrator_uses_the_redis_service_with_the_password_secret() -> None:
     deployment, spec = orchestrator_pod()
     settings = orchestrator_settings(resolve_env(env_values(spec)))
