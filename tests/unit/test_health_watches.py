@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -21,7 +23,8 @@ async def test_a_watch_past_the_bound_is_refused_and_a_closed_one_frees_its_plac
     await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            # grpcio-health-checking ships no type hints for its stub.
+            stub: Any = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest()
             watches = [stub.Watch(request), stub.Watch(request)]
             for watch in watches:
