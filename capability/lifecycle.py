@@ -18,8 +18,10 @@ back. ReloadModel without a version (the newest) lets the watcher follow again.
 
 A version the watcher saw refused (say, caught half-copied) is not tried again
 every poll, nor refused for good: it is remembered with a fingerprint of its
-files, and tried once more when the fingerprint has changed and then held
-still for a poll (the copy has finished).
+files (and of the model's warm_texts file, which its load reads too), and tried
+once more when the fingerprint has changed and then held still for a poll (the
+copy has finished). A numbered folder that is a link out of the model root is
+such a refusal.
 
 The watcher outlives any error (a bug, a filesystem surprise): it is logged with
 its traceback and counted as a refused reload, the serving version stays, and the
@@ -33,11 +35,11 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from capability.bundle import LoadedBundle, ModelLoadError
+from capability.bundle import BundleError, LoadedBundle, ModelLoadError
 from capability.config import ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
@@ -54,8 +56,9 @@ VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NUMBERED_VERSION = re.compile(r"^[0-9]+$")
 MANIFEST = "manifest.json"
 
-# (path relative to the version folder, size in bytes, mtime in ns) of each file, sorted.
-Fingerprint = tuple[tuple[str, int, int], ...]
+# (path, size in bytes, mtime in ns, ctime in ns, inode) of each file: the version
+# folder's, sorted by their path relative to it, then those its load reads elsewhere.
+Fingerprint = tuple[tuple[str, int, int, int, int], ...]
 
 
 def is_numbered(version: str) -> bool:
@@ -99,41 +102,58 @@ class ModelRoot:
         versions = self.versions(name)
         return versions[-1] if versions else None
 
-    def fingerprint(self, name: str, version: str) -> Fingerprint:
-        """What a copy into the version folder changes: each file's name, size and
-        modification time. One stat per file; no weight byte is read.
+    def fingerprint(self, name: str, version: str, also: Sequence[Path] = ()) -> Fingerprint:
+        """What a copy into the version folder changes: each file's name, size,
+        modification and change times and inode, then the same of `also`, files
+        elsewhere that its load reads. One stat per file; no weight byte is read.
 
-        NOTE: a file rewritten with the same size within one mtime tick (whole
-        seconds on some network filesystems) leaves the fingerprint unchanged.
-        Raises OSError when a file vanishes while it is read."""
-        directory = self.version_dir(name, version)
-        found = []
-        for folder, _, files in os.walk(directory):
-            for file in files:
-                path = Path(folder, file)
-                stat = path.stat()
-                found.append(
-                    (path.relative_to(directory).as_posix(), stat.st_size, stat.st_mtime_ns)
-                )
-        return tuple(sorted(found))
+        The change time and inode catch a copy that keeps the modification time
+        (`cp -p`, `rsync -a`, `tar x` set it back after writing, which sets the change
+        time). NOTE: a file rewritten in place with the same size within one timestamp
+        tick (whole seconds on some network filesystems) leaves the fingerprint
+        unchanged. Raises OSError when a file vanishes while it is read."""
+        directory = self._version_folder(name, version)
+        found = [
+            _file_state(Path(folder, file).relative_to(directory).as_posix(), Path(folder, file))
+            for folder, _, files in os.walk(directory)
+            for file in files
+        ]
+        return (*sorted(found), *(_file_state(str(path), path) for path in also))
 
     def version_dir(self, name: str, version: str) -> Path:
-        """The folder of one version, refusing any name that could leave the root."""
+        """The folder of one version, refusing any name that could leave the root, and
+        (BundleError, a refusal of the version) a folder that does: a link elsewhere."""
+        folder = self._version_folder(name, version)
+        path = folder.resolve()
+        if not path.is_relative_to(self.root):
+            raise BundleError(
+                f"{folder}: resolves to {path}, outside the model root {self.root}; a "
+                "version's folder must lie under the model root"
+            )
+        return path
+
+    def _version_folder(self, name: str, version: str) -> Path:
+        """The folder of one version as it is named under the root (a link not followed)."""
         if not VERSION_PATTERN.fullmatch(version) or version in (".", ".."):
             raise ModelNotFound(f"{version!r} is not a version name", model=name)
-        path = (self._model_folder(name) / version).resolve()
-        if not path.is_relative_to(self.root):
-            raise ModelNotFound(f"version {version!r} of {name!r} is outside the model root")
-        if not (path / MANIFEST).is_file():
+        folder = self._model_folder(name) / version
+        # A folder without manifest.json is there all the same: its load refuses it,
+        # naming the file.
+        if not folder.is_dir():
             raise ModelNotFound(
                 f"model {name!r} has no version {version!r} under the model root", model=name
             )
-        return path
+        return folder
 
     def _model_folder(self, name: str) -> Path:
         if not is_model_name(name):
             raise ModelNotFound(f"{name!r} is not a model name", model=name)
         return self.root / name
+
+
+def _file_state(shown_as: str, path: Path) -> tuple[str, int, int, int, int]:
+    stat = path.stat()
+    return (shown_as, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
 
 @dataclass
@@ -169,6 +189,8 @@ class ModelLifecycle:
         # (model, version) the watcher found newer than a pinned model's and logged,
         # so that each is logged once, not every poll.
         self._held_back: set[tuple[str, str]] = set()
+        # The models the start loads (load_initial); each is loading until it serves.
+        self._starting: frozenset[str] = frozenset()
 
     def settings_for(self, name: str) -> ModelServingSettings:
         return self._settings.get(name, self._default_settings)
@@ -176,6 +198,10 @@ class ModelLifecycle:
     def pinned(self, name: str) -> str | None:
         """The version a ReloadModel pinned `name` to; None: the watcher follows the newest."""
         return self._pinned.get(name)
+
+    def loading(self, name: str) -> bool:
+        """Whether `name` is a model the start is loading and that serves no version yet."""
+        return name in self._starting and name not in self.pool.models()
 
     def models_to_serve(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """`names` (--models), or every model under the root when it is empty; refused
@@ -187,7 +213,9 @@ class ModelLifecycle:
 
     async def load_initial(self, names: tuple[str, ...]) -> None:
         """Load the newest version of each model (all under the root when `names` is empty)."""
-        for name in self.models_to_serve(names):
+        wanted = self.models_to_serve(names)
+        self._starting = frozenset(wanted)
+        for name in wanted:
             version = self.root.newest(name)
             if version is None:
                 raise ModelNotFound(
@@ -201,8 +229,6 @@ class ModelLifecycle:
         it, or (None) load the newest and unpin it. Returns (new, previous version)."""
         async with self._lock(name):
             previous = self.pool.serving(name)
-            if version is None:
-                self._unpin(name)
             target = version or self.root.newest(name)
             if target is None:
                 raise ModelNotFound(
@@ -210,7 +236,11 @@ class ModelLifecycle:
                     model=name,
                 )
             bundle = await self._reload_locked(name, target, previous.version)
-            if version is not None:
+            # Only once the load has succeeded: a refused one changes nothing, so a
+            # rollback stays rolled back.
+            if version is None:
+                self._unpin(name)
+            else:
                 self._pin(name, version)
         return bundle, previous.version
 
@@ -319,8 +349,9 @@ class ModelLifecycle:
         else:
             log.info("new version found", extra={"model": name, "version": newest})
         # A refusal is logged and counted in _reload_locked; the old version serves on.
-        # ModelNotFound: the folder or its manifest went away since it was listed (a
-        # copy being redone); the next poll sees what is there then.
+        # ModelNotFound: the folder went away since it was listed (a copy being redone);
+        # the next poll sees what is there then. A manifest gone with it is a refusal,
+        # retried once the folder changes.
         with contextlib.suppress(ReloadRefused, ModelNotFound):
             async with self._lock(name):
                 # A ReloadModel may have come first, while this waited for the lock: a
@@ -348,9 +379,12 @@ class ModelLifecycle:
         return True
 
     async def _read_fingerprint(self, name: str, version: str) -> Fingerprint | None:
-        """The folder's fingerprint, read off the event loop (a model root on a network
-        volume can take a while to stat); None when it cannot be read just now."""
+        """The folder's fingerprint, with the model's warm_texts file, read off the event
+        loop (a model root on a network volume can take a while to stat); None when it
+        cannot be read just now."""
+        warm_texts = self.settings_for(name).warm_texts
+        also = () if warm_texts is None else (warm_texts,)
         try:
-            return await asyncio.to_thread(self.root.fingerprint, name, version)
+            return await asyncio.to_thread(self.root.fingerprint, name, version, also)
         except (ModelNotFound, OSError):
             return None

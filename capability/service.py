@@ -382,6 +382,11 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
     async def GetModel(
         self, request: model_pb.GetModelRequest, context: Context
     ) -> model_pb.GetModelResponse:
+        if self._lifecycle.loading(request.name):
+            # Held here, no version serving yet: the contract's LOADING, name and state only.
+            return model_pb.GetModelResponse(
+                model=model_pb.ModelInfo(name=request.name, state=model_pb.MODEL_STATE_LOADING)
+            )
         return model_pb.GetModelResponse(
             model=describe(self._pool.serving(request.name), self._pool)
         )

@@ -1,7 +1,11 @@
 """The fleet's models, for the orchestrator's ModelService.
 
-Listing and describing go to the capability replicas (describing, to the first
-that answers); any authenticated caller may use them. ReloadModel needs the
+Listing and describing go to the capability replicas; any authenticated caller
+may use them. Replicas need not agree: a fleet reload some replica refused, or
+one under way, leaves a model served at two versions, and a bundle rebuilt under
+one version at two digests. ListModels then lists the model once per version
+served, so the split shows; GetModel, whose answer holds one version, describes
+the one most replicas serve and logs the split. ReloadModel needs the
 admin role and reaches every replica of every backend that serves the model,
 so a fleet switches versions with one call; when some replica does not take
 it, the answer says how many did and why each other did not
@@ -11,8 +15,8 @@ internal token, which only the orchestrator holds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 import grpc
@@ -62,7 +66,10 @@ class FleetModels:
         return replicas
 
     async def list_models(self, request: model_pb.ListModelsRequest) -> model_pb.ListModelsResponse:
-        models: dict[str, model_pb.ModelInfo] = {}
+        """Each model once per version its replicas serve (version and digest), sorted by
+        name, the version most replicas serve first (the first asked among equals); each
+        entry is the answer of the first replica that serves it."""
+        served: dict[tuple[str, str, str], list[model_pb.ModelInfo]] = {}
         for pool, target, stub in self._replicas():
             try:
                 listed = await stub.ListModels(
@@ -74,23 +81,29 @@ class FleetModels:
                 translate_upstream_error(error, pool.backend.name, target)  # logs it
                 continue
             for info in listed.models:
-                models.setdefault(info.name, info)
-        listed_models = [models[name] for name in sorted(models)]
+                served.setdefault((info.name, info.version, info.digest), []).append(info)
+        by_name = sorted(served.values(), key=lambda infos: (infos[0].name, -len(infos)))
+        listed_models = [infos[0] for infos in by_name]
         for info in listed_models:
             _for_caller(info)
         return model_pb.ListModelsResponse(models=listed_models)
 
     async def get_model(self, request: model_pb.GetModelRequest) -> model_pb.GetModelResponse:
-        """The first answer of the model's replicas, asked in turn: one that does not
-        answer (down, or out of time) gives way to the next."""
+        """The version most of the model's replicas serve, every replica asked in turn;
+        replicas that serve another are logged. One that does not answer (down, or out
+        of time) is passed over, and when none answers, the last one's error is the
+        answer."""
         replicas = self._replicas(request.name)
         if not replicas:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-        *others, last = replicas
-        for replica in others:
-            with contextlib.suppress(ModelUnavailable, DeadlineExpired):
-                return await _describe(replica, request)
-        return await _describe(last, request)
+        answers: list[model_pb.GetModelResponse] = []
+        for index, replica in enumerate(replicas):
+            try:
+                answers.append(await _describe(replica, request))
+            except (ModelUnavailable, DeadlineExpired):
+                if index == len(replicas) - 1 and not answers:
+                    raise
+        return _most_served(request.name, answers)
 
     async def reload_model(
         self, request: model_pb.ReloadModelRequest
@@ -143,6 +156,26 @@ async def _describe(
         raise translate_upstream_error(error, pool.backend.name, target) from error
     _for_caller(response.model)
     return response
+
+
+def _most_served(
+    model: str, answers: Sequence[model_pb.GetModelResponse]
+) -> model_pb.GetModelResponse:
+    """The answer of the version (and digest) most replicas serve, the first asked among
+    equals; a replica whose model is still loading serves none. A split is logged."""
+    serving = [a for a in answers if a.model.state != model_pb.MODEL_STATE_LOADING] or answers
+    counts = Counter((a.model.version, a.model.digest) for a in serving)
+    chosen = max(serving, key=lambda a: counts[(a.model.version, a.model.digest)])
+    if len(counts) > 1:
+        served = ", ".join(
+            f"{version} ({digest[:12]}) on {replicas}"
+            for (version, digest), replicas in counts.most_common()
+        )
+        log.warning(
+            "replicas serve different versions of the model",
+            extra={"model": model, "served": served, "described": chosen.model.version},
+        )
+    return chosen
 
 
 def _reload_failure(

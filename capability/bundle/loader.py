@@ -2,7 +2,9 @@
 
     read_metadata  manifest.json; the folder holds exactly its files; config.json and
                    tokenizer.json read, checked against it and parsed from those bytes
-    build_module   encoder + head built on the meta device: shapes only, no memory, no init
+    build_module   encoder + head built on the meta device: shapes only, no memory, no init;
+                   a weight file larger than its part can need, by its manifest size, is
+                   refused here, unread
     verify         every other listed file read into memory once and its size and SHA-256
                    checked against the manifest; the weight files' bytes are kept
     load_weights   each part parsed from the bytes verify checked (safetensors, or
@@ -92,6 +94,17 @@ from classify_common.documents import MAX_DOCUMENT_BYTES, DocumentRefused, parse
 
 STAGES = ("read_metadata", "build_module", "verify", "load_weights", "trace_graph", "warm_up")
 
+# tokenizer.json is read whole and parsed. Ours holds 30,522 tokens in 466 KB (15 bytes a
+# token); this bound leaves room for vocabularies of millions and refuses, by its manifest
+# size and unread, a file that would only cost host memory.
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+# The most bytes a stored value may take: float64, the widest floating-point type a weight
+# file may hold (_load_part casts each tensor to the module's type).
+_MAX_BYTES_PER_VALUE = 8
+# Beside its values, a weight file holds a header (safetensors: one line of JSON per
+# tensor) or archive records (.pt): a few hundred bytes a tensor, far below this.
+_WEIGHT_FILE_OVERHEAD_BYTES = 1024 * 1024
+
 
 @dataclass(frozen=True)
 class LoadedBundle:
@@ -166,6 +179,7 @@ def load_bundle(
 
         with stage("build_module"):
             encoder, head = _build_on_meta(config, PRECISION_DTYPES[chosen_precision])
+            _refuse_oversized_parts(config, encoder, head, manifest, part_files)
         if watch is not None:
             watch.admit_weights(_module_bytes(encoder) + _module_bytes(head))
 
@@ -246,6 +260,32 @@ def _read_unread_files(
     return contents
 
 
+def _refuse_oversized_parts(
+    config: BundleConfig,
+    encoder: TextEncoder,
+    head: ClassifierHead,
+    manifest: Manifest,
+    part_files: Mapping[str, str],
+) -> None:
+    """Refuse a weight file larger than its part of the model can need, by the size
+    the manifest records: verify reads each weight file whole into memory, so a file
+    padded with tensors the model has no place for (refused at load_weights anyway)
+    would first cost its whole size in host memory, whatever the memory budget."""
+    for part in config.weight_parts():
+        name = part_files[part.name]
+        module = encoder if part.owner == "encoder" else head
+        values = sum(t.numel() for t in _part_tensors(module, part).values())
+        most = values * _MAX_BYTES_PER_VALUE + _WEIGHT_FILE_OVERHEAD_BYTES
+        size = manifest.files[name].size
+        if size > most:
+            raise BundleShapeMismatch(
+                f"{name}: {size} bytes in {MANIFEST_FILE}, more than its part of the model "
+                f"can need: {most} bytes ({values} values of at most {_MAX_BYTES_PER_VALUE} "
+                f"bytes, plus {_WEIGHT_FILE_OVERHEAD_BYTES} for the file's own records); "
+                "refused before it is read"
+            )
+
+
 def _require_listed(folder: BundleFolder, manifest: Manifest, name: str) -> None:
     # A file present but not listed was refused already (check_only_listed_files).
     if name not in manifest.files:
@@ -268,7 +308,13 @@ def _read_tokenizer(
     folder: BundleFolder, manifest: Manifest, config: BundleConfig
 ) -> TextTokenizer:
     _require_listed(folder, manifest, TOKENIZER_FILE)
-    data = read_listed_file(folder, TOKENIZER_FILE, manifest.files[TOKENIZER_FILE])
+    entry = manifest.files[TOKENIZER_FILE]
+    if entry.size > MAX_TOKENIZER_BYTES:
+        raise BundleConfigInvalid(
+            f"{TOKENIZER_FILE}: {entry.size} bytes in {MANIFEST_FILE}, over the "
+            f"{MAX_TOKENIZER_BYTES}-byte limit for a tokenizer; refused before it is read"
+        )
+    data = read_listed_file(folder, TOKENIZER_FILE, entry)
     try:
         return parse_tokenizer(data, TOKENIZER_FILE, config.lowercase, config.vocab_size)
     except ModelLoadError as exc:
@@ -393,7 +439,7 @@ def _load_part(
 ) -> None:
     """Assign one file's tensors into `owner`'s submodule, refusing any misfit by name."""
     module = owner.get_submodule(part.prefix.rstrip(".")) if part.prefix else owner
-    expected = {part.prefix + key: t for key, t in module.state_dict().items()}
+    expected = _part_tensors(owner, part)
     weights = _read_weights(name, data, device)
     # The tensors are copies: the file's bytes can go before any are moved or cast.
     del data
@@ -425,6 +471,12 @@ def _load_part(
         # in (on a GPU the cast is the device's work, not the host's).
         assigned[key[len(part.prefix) :]] = tensor.to(device=device).to(dtype=like.dtype)
     module.load_state_dict(assigned, strict=True, assign=True)
+
+
+def _part_tensors(owner: nn.Module, part: WeightPart) -> dict[str, Tensor]:
+    """The tensors of `owner` that `part`'s file holds, by their key in that file."""
+    module = owner.get_submodule(part.prefix.rstrip(".")) if part.prefix else owner
+    return {part.prefix + key: t for key, t in module.state_dict().items()}
 
 
 def _require_fully_loaded(

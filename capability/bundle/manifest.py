@@ -87,9 +87,11 @@ def read_manifest(directory: Path | BundleFolder, trusted_signers: Path | None =
         raise BundleConfigInvalid(
             f"{MANIFEST_FILE}: expected exactly the keys ['files', 'format_version'], got {keys}"
         )
-    if document["format_version"] != FORMAT_VERSION:
+    version = document["format_version"]
+    # A bool is an int to Python (True == 1), but `"format_version": true` names no version.
+    if isinstance(version, bool) or version != FORMAT_VERSION:
         raise BundleConfigInvalid(
-            f"{MANIFEST_FILE}: format_version {document['format_version']!r} is not supported; "
+            f"{MANIFEST_FILE}: format_version {version!r} is not supported; "
             f"expected {FORMAT_VERSION}"
         )
     files = document["files"]
@@ -101,8 +103,17 @@ def read_manifest(directory: Path | BundleFolder, trusted_signers: Path | None =
 
 def _parse_entry(name: str, entry: object) -> ManifestEntry:
     # Flat names only: an entry like "../model.safetensors" would vouch for a file outside
-    # the bundle, and the bundle would no longer be one self-contained directory.
-    if not name or name in {".", "..", MANIFEST_FILE} or "/" in name or "\\" in name:
+    # the bundle, and the bundle would no longer be one self-contained directory. Printable
+    # ones only: the OS takes no NUL in a name (open() raises ValueError, not a refusal),
+    # and a control or direction character would hide the real name from whoever reads a
+    # refusal.
+    if (
+        not name
+        or name in {".", "..", MANIFEST_FILE}
+        or "/" in name
+        or "\\" in name
+        or not name.isprintable()
+    ):
         raise BundleConfigInvalid(f"{MANIFEST_FILE}: {name!r} is not a file name in the bundle")
     if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
         raise BundleConfigInvalid(

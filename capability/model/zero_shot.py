@@ -79,6 +79,9 @@ class ZeroShotHead(nn.Module):
         # state dict, but nothing trains them.
         self.register_buffer("prototypes", F.normalize(prototypes, p=2, dim=1))  # (L, H)
         self.scale = scale
+        # Loading replaces the buffer with the stored tensor (the bundle loader assigns
+        # it), which need not hold unit rows: normalised again, so scores stay a cosine.
+        self.register_load_state_dict_post_hook(_normalise_loaded_prototypes)  # type: ignore[no-untyped-call]
 
     @property
     def num_labels(self) -> int:
@@ -92,3 +95,9 @@ class ZeroShotHead(nn.Module):
         # Normalised here too so the head computes a cosine whatever encoder feeds it.
         cosine = F.normalize(embeddings, p=2, dim=1) @ self.prototypes.T  # (B, L)
         return torch.softmax(self.scale * cosine, dim=1)  # (B, L)
+
+
+def _normalise_loaded_prototypes(head: nn.Module, incompatible_keys: object) -> None:
+    assert isinstance(head, ZeroShotHead)
+    with torch.no_grad():
+        head.prototypes = F.normalize(head.prototypes, p=2, dim=1)  # (L, H)

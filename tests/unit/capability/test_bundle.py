@@ -38,6 +38,8 @@ from capability.bundle import (
 )
 from capability.bundle.__main__ import main as bundle_cli
 from capability.bundle.errors import ModelLoadError
+from capability.bundle.loader import MAX_TOKENIZER_BYTES
+from capability.model import ZeroShotHead
 from classify_common.documents import MAX_DOCUMENT_BYTES
 from tests.conftest import REPO_ROOT
 from tests.hostile_files import TOO_DEEP_JSON
@@ -195,6 +197,22 @@ def test_static_bundle_loads_and_classifies(static_bundle: Path) -> None:
     assert top == ["business", "sports"]
 
 
+def test_zero_shot_prototypes_score_as_unit_vectors_whatever_their_stored_length(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    replace_weights(bundle / "head.safetensors", lambda t: t.update(prototypes=t["prototypes"] * 3))
+    write_manifest(bundle)
+    loaded = load_bundle(bundle)
+    head = loaded.classifier.head
+    assert isinstance(head, ZeroShotHead)
+    torch.testing.assert_close(head.prototypes.norm(dim=1), torch.ones(4))
+    torch.testing.assert_close(
+        loaded.classifier.classify(PROBE_TEXTS).probabilities,
+        load_bundle(static_bundle).classifier.classify(PROBE_TEXTS).probabilities,
+    )
+
+
 def test_building_and_loading_bundles_computes_nothing_on_the_meta_device(
     minilm_bundle: Path, static_bundle: Path, tmp_path: Path
 ) -> None:
@@ -344,6 +362,100 @@ def test_bundle_json_past_the_reading_bounds_is_refused_naming_it(
         write_manifest(bundle)  # so that the file is read, not refused by its hash
     with pytest.raises(BundleConfigInvalid, match="^" + re.escape(name) + message):
         load_bundle(bundle)
+
+
+def flip_last_byte(path: Path) -> None:
+    """Change a listed file after its manifest was written: reading it would refuse its hash."""
+    content = bytearray(path.read_bytes())
+    content[-1] ^= 0x01
+    replace_file(path, bytes(content))
+
+
+def test_weight_file_larger_than_its_part_can_need_is_refused_unread(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    head = bundle / "head.safetensors"
+    # A tensor the head has no place for, 2 MiB; listed with its true size and hash.
+    replace_weights(head, lambda tensors: tensors.update(junk=torch.zeros(2**19)))
+    write_manifest(bundle)
+    size = head.stat().st_size
+    flip_last_byte(head)
+    # 4 labels x 384 values, at 8 bytes each at most (float64), plus 1 MiB of records.
+    most = 4 * 384 * 8 + 2**20
+    with pytest.raises(
+        BundleShapeMismatch,
+        match=rf"^head\.safetensors: {size} bytes in manifest\.json, more than its part of "
+        rf"the model can need: {most} bytes \(1536 values of at most 8 bytes, .*\); refused "
+        "before it is read$",
+    ):
+        load_bundle(bundle)
+
+
+def test_weight_part_stored_in_float64_is_not_too_large(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    replace_weights(
+        bundle / "head.safetensors",
+        lambda tensors: tensors.update({key: t.double() for key, t in tensors.items()}),
+    )
+    write_manifest(bundle)
+    loaded = load_bundle(bundle)
+    torch.testing.assert_close(
+        loaded.classifier.classify(PROBE_TEXTS).probabilities,
+        load_bundle(static_bundle).classifier.classify(PROBE_TEXTS).probabilities,
+    )
+
+
+def test_tokenizer_over_the_limit_is_refused_unread(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    tokenizer = bundle / "tokenizer.json"
+    content = tokenizer.read_bytes()
+    tokenizer.unlink()
+    with tokenizer.open("wb") as stream:
+        stream.write(content)
+        stream.truncate(MAX_TOKENIZER_BYTES + 1)  # sparse: the zeros take no disk
+    write_manifest(bundle)
+    flip_last_byte(tokenizer)
+    with pytest.raises(
+        BundleConfigInvalid,
+        match=rf"^tokenizer\.json: {MAX_TOKENIZER_BYTES + 1} bytes in manifest\.json, over the "
+        rf"{MAX_TOKENIZER_BYTES}-byte limit for a tokenizer; refused before it is read$",
+    ):
+        load_bundle(bundle)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["head\x00.safetensors", "head.safetensors\n", "\u202esrotnesfas.daeh"],
+    ids=["nul", "newline", "right-to-left"],
+)
+def test_manifest_entry_name_that_is_not_printable_is_refused_naming_the_manifest(
+    static_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    manifest["files"][name] = manifest["files"].pop("head.safetensors")
+    replace_file(bundle / "manifest.json", json.dumps(manifest).encode())
+    message = f"manifest.json: {name!r} is not a file name in the bundle"
+    for check in (verify_bundle, load_bundle):
+        with pytest.raises(BundleConfigInvalid, match="^" + re.escape(message) + "$"):
+            check(bundle)
+    assert bundle_cli(["verify", "--quiet", str(bundle)]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_manifest_format_version_true_is_refused(static_bundle: Path, tmp_path: Path) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    manifest["format_version"] = True
+    replace_file(bundle / "manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(
+        BundleConfigInvalid,
+        match=r"^manifest\.json: format_version True is not supported; expected 1$",
+    ):
+        verify_bundle(bundle)
 
 
 def test_weight_shape_mismatch_names_file_and_tensor(minilm_bundle: Path, tmp_path: Path) -> None:

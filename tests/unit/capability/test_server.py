@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -82,6 +83,59 @@ async def test_health_is_not_serving_until_warm_up_finishes(model_root: Path) ->
             response = await stub.Classify(pb.ClassifyRequest(text=STRIKER))
             assert response.labels[0].name == "sports"
     finally:
+        await server.stop(grace_seconds=0)
+
+
+async def write_to_fifo(path: Path, text: str, reader: asyncio.Task[None]) -> None:
+    """Write `text` to the FIFO at `path` and close it once a reader has it open; give
+    up if `reader`, the task whose work opens it, ends first."""
+    while not reader.done():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+            await asyncio.sleep(0.01)
+            continue
+        with os.fdopen(fd, "w") as stream:
+            stream.write(text)
+        return
+
+
+async def test_get_model_says_loading_while_the_first_version_loads(
+    model_root: Path, tmp_path: Path
+) -> None:
+    hot = tmp_path / "hot.txt"
+    hot.write_text(f"{STRIKER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-static:\n  warm_texts: hot.txt\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    # Read at the load's start, a FIFO holds the first load until the test writes it.
+    hot.unlink()
+    os.mkfifo(hot)
+    settings = capability_settings(model_root, models=("topic-static",), per_model=per_model)
+    server = CapabilityServer(settings, registry=CollectorRegistry())
+    await server.start()
+    warm_up = asyncio.create_task(server.warm_up())
+    try:
+        await asyncio.sleep(0)  # warm_up begins its load
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            request = model_pb.GetModelRequest(name="topic-static")
+            loading = await models.GetModel(request)
+            assert loading.model == model_pb.ModelInfo(
+                name="topic-static", state=model_pb.MODEL_STATE_LOADING
+            )
+            other = await refusal(models.GetModel(model_pb.GetModelRequest(name="topic-minilm")))
+            assert other.code() == grpc.StatusCode.NOT_FOUND
+
+            await write_to_fifo(hot, f"{STRIKER}\n", warm_up)
+            await warm_up
+            ready = await models.GetModel(request)
+        assert (ready.model.state, ready.model.version) == (model_pb.MODEL_STATE_READY, "1")
+    finally:
+        await write_to_fifo(hot, "", warm_up)
+        await asyncio.gather(warm_up, return_exceptions=True)
         await server.stop(grace_seconds=0)
 
 
@@ -311,6 +365,32 @@ async def test_version_refused_half_copied_is_loaded_by_the_watcher_once_its_cop
     assert response.model.version == "2"
     assert response.labels[0].name == "sports"
     assert (reloads("refused"), reloads("ok"), retries()) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "files", [(), ("config.json", "tokenizer.json")], ids=["empty", "unlisted"]
+)
+async def test_a_version_folder_without_a_manifest_is_refused_naming_it(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability, files: tuple[str, ...]
+) -> None:
+    root = tmp_path / "models"
+    copy_version(model_root, root, "topic-static", "1")
+    server = await start_capability(model_root=root, models=("topic-static",))
+    folder = root / "topic-static" / "next"
+    folder.mkdir()
+    for name in files:
+        shutil.copy(model_root / "topic-static" / "1" / name, folder)
+
+    error = await reload_refusal(server, "topic-static", "next")
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == (
+        "version next of 'topic-static' refused, version 1 keeps serving: "
+        f"manifest.json: not found in {folder.resolve()}"
+    )
+    assert metric_sum(server.registry, RELOADS_TOTAL, outcome="refused") == 1
+    # A version with no folder at all is not found.
+    absent = await reload_refusal(server, "topic-static", "absent")
+    assert absent.code() == grpc.StatusCode.NOT_FOUND
 
 
 class _MakesDirectoryWhenUnpickled:

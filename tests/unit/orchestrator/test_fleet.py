@@ -1,0 +1,88 @@
+"""The front door's ModelService over replicas that do not agree: a fleet split between
+versions shows in ListModels, and GetModel describes the version most replicas serve."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ai.classify.v1 import model_service_pb2 as model_pb
+from ai.classify.v1 import model_service_pb2_grpc
+from capability.server import CapabilityServer
+from tests.conftest import StartCapability, StartOrchestrator
+
+MODEL = "topic-static"
+
+
+def model_root_with(model_root: Path, root: Path, versions: tuple[str, ...]) -> Path:
+    """A model root holding `versions` of topic-static, each a copy of the session's 1."""
+    for version in versions:
+        shutil.copytree(model_root / MODEL / "1", root / MODEL / version)
+    return root
+
+
+def fleet_routes(replicas: list[CapabilityServer]) -> str:
+    targets = ", ".join(f'"127.0.0.1:{replica.port}"' for replica in replicas)
+    return (
+        "version: 1\n"
+        "backends:\n"
+        f"  static: {{model: {MODEL}, targets: [{targets}]}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: static\n"
+    )
+
+
+async def test_a_fleet_split_between_versions_shows_at_the_front_door(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    orchestrator_with: StartOrchestrator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three replicas, the first asked serving version 2 (as after a fleet reload the
+    others refused), the other two version 1 (the same bundle)."""
+    newer = model_root_with(model_root, tmp_path / "newer", ("1", "2"))
+    older = model_root_with(model_root, tmp_path / "older", ("1",))
+    replicas = [
+        await start_capability(model_root=newer, models=(MODEL,)),
+        await start_capability(model_root=older, models=(MODEL,)),
+        await start_capability(model_root=older, models=(MODEL,)),
+    ]
+    orchestrator = await orchestrator_with(fleet_routes(replicas))
+
+    with caplog.at_level(logging.WARNING, logger="orchestrator.fleet"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            listed = await models.ListModels(model_pb.ListModelsRequest())
+            described = await models.GetModel(model_pb.GetModelRequest(name=MODEL))
+
+    # Once per version served, the version most replicas serve first.
+    assert [(m.name, m.version) for m in listed.models] == [(MODEL, "1"), (MODEL, "2")]
+    assert described.model.version == "1"
+    [split] = [r for r in caplog.records if r.getMessage().startswith("replicas serve different")]
+    digest = described.model.digest[:12]
+    assert getattr(split, "served", None) == f"1 ({digest}) on 2, 2 ({digest}) on 1"
+
+
+async def test_replicas_that_agree_are_one_model_at_the_front_door(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    root = model_root_with(model_root, tmp_path / "models", ("1", "2"))
+    replicas = [await start_capability(model_root=root, models=(MODEL,)) for _ in range(2)]
+    orchestrator = await orchestrator_with(fleet_routes(replicas))
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        listed = await models.ListModels(model_pb.ListModelsRequest())
+        described = await models.GetModel(model_pb.GetModelRequest(name=MODEL))
+
+    assert [(m.name, m.version) for m in listed.models] == [(MODEL, "2")]
+    assert described.model.version == "2"
