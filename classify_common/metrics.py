@@ -54,7 +54,9 @@ class RpcMetrics:
         self.internal_errors = Counter(
             INTERNAL_ERRORS_TOTAL,
             "RPCs, and items of batch calls, answered INTERNAL for a bug (an exception no "
-            "layer expected); the server's error log line has the cause.",
+            "layer expected) or a fault of the deployment (a capability server answered "
+            "the orchestrator a code it should not, such as UNAUTHENTICATED for a wrong "
+            "internal token); the server's error log line has the cause.",
             registry=registry,
         )
         self.duration = LabelledHistogram(

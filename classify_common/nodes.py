@@ -52,7 +52,12 @@ from opentelemetry.semconv.attributes.user_agent_attributes import (
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from classify_common.errors import SERVER_FAULT_CODES, ServiceError, grpc_code_for
+from classify_common.errors import (
+    SERVER_FAULT_CODES,
+    DeadlineExpired,
+    ServiceError,
+    grpc_code_for,
+)
 from classify_common.tracing import get_tracer, spans_are_exported
 
 # Span attribute keys: OpenTelemetry's semantic conventions (RPC, server, network,
@@ -104,6 +109,13 @@ CLASSIFY_SKIPPED = "classify.skipped"
 SKIPPED_CACHE_HIT = "cache_hit"
 # Set on every span of a request whose time budget ran out before its answer.
 TIMEOUT_ATTRIBUTE = "timeout"
+# The message a request's task is cancelled with when its answer is due before it has
+# one: a ClassifyBatch item its call's deadline cut off (orchestrator.batch_items). It
+# is answered DEADLINE_EXCEEDED, and its spans and latency say so (cancelled_code); a
+# cancel without it is a caller that went away, CANCELLED.
+ANSWER_DUE = "classify: answer due"
+# What mark_error records for a cancel with ANSWER_DUE; never raised.
+_ANSWER_DUE_ERROR = DeadlineExpired("the answer was due before this request had one")
 # Any node may carry these besides its own: a failed node's status code and error
 # reason (mark_error), and the timeout mark.
 ANY_NODE_ATTRIBUTES = (
@@ -243,6 +255,8 @@ class RequestTrace:
     def mark_timed_out(self) -> None:
         self.timed_out = True
         self.server_span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+        # The log line says so too: with code OK, the call was answered PROCESSING.
+        self.log_fields["timeout"] = True
 
 
 _current: ContextVar[RequestTrace | None] = ContextVar("classify_request_trace", default=None)
@@ -270,7 +284,11 @@ def marks_error(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> boo
 
 def mark_error(span: trace.Span, error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -> None:
     """The status code and reason an error maps to on `span`; error status and
-    `error.type` when the error is a failure of the span's kind (marks_error)."""
+    `error.type` when the error is a failure of the span's kind (marks_error). A
+    request cancelled because its answer was due (ANSWER_DUE) is marked as the
+    DEADLINE_EXCEEDED it was answered: a time-out, which keeps its trace."""
+    if isinstance(error, asyncio.CancelledError) and error.args == (ANSWER_DUE,):
+        error = _ANSWER_DUE_ERROR
     code = status_code_name(error, kind)
     if marks_error(error, kind):
         span.set_status(Status(StatusCode.ERROR, str(error)))
@@ -285,11 +303,19 @@ def status_code_name(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -
     """The gRPC status code `error` stands for, by name; None for a bug. A client span
     reports the code its server answered (kept on the error as `upstream_code`)."""
     if isinstance(error, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED.name
+        return cancelled_code(error).name
     if not isinstance(error, ServiceError):
         return None
     upstream = error.context.get("upstream_code") if kind is SpanKind.CLIENT else None
     return upstream or grpc_code_for(error).name
+
+
+def cancelled_code(error: asyncio.CancelledError) -> grpc.StatusCode:
+    """What a request whose task was cancelled with `error` was answered: DEADLINE_EXCEEDED
+    when its answer was due (ANSWER_DUE), else CANCELLED (its caller went away)."""
+    if error.args == (ANSWER_DUE,):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _qualified_name(cls: type) -> str:

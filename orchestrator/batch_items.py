@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from opentelemetry.trace import Link, get_current_span
+from opentelemetry.trace import Link, Span, get_current_span
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import (
@@ -37,7 +38,15 @@ from classify_common.errors import (
 )
 from classify_common.intake import item_status
 from classify_common.logs import log_event
-from classify_common.nodes import RequestTrace, bind_trace
+from classify_common.nodes import (
+    ANSWER_DUE,
+    CLASSIFY_BATCH_INDEX,
+    CLASSIFY_REQUEST_ID,
+    RPC_RESPONSE_STATUS_CODE,
+    RequestTrace,
+    bind_trace,
+    mark_error,
+)
 from classify_common.tracing import (
     TRACEPARENT_HEADER,
     extract_context,
@@ -49,6 +58,8 @@ log = logging.getLogger(__name__)
 
 # The span each item of a ClassifyBatch call gets when spans are exported; its nodes
 # (route_match, backend_select, upstream_call, and the capability's) hang under it.
+# It carries the item's request ID and index, and ends with the item's outcome as a
+# call's server span does (status code, reason; error status on a server fault).
 BATCH_ITEM_SPAN_NAME = "batch_item"
 
 # The rule an item breaks by repeating an earlier item's request_id.
@@ -106,12 +117,41 @@ def answer_unstarted(
             result.error.CopyFrom(status)
 
 
-def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrace | None:
+async def answer_items_by(items: asyncio.Future[Any], seconds: float) -> bool:
+    """Wait up to `seconds` for every item of a call (`items`, their gather); True when
+    all were answered in time.
+
+    Past it, the items still running are cancelled with ANSWER_DUE: each answers
+    DEADLINE_EXCEEDED with its IDs (classify_item), and its spans and latency say
+    DEADLINE_EXCEEDED, a time-out, not CANCELLED, a caller gone. When the call itself
+    is cancelled meanwhile (its caller went, the server stops), so are the items,
+    plainly. Either way every item task has ended when this returns or raises."""
+    # NOTE: not even a wait of 0 when none is left: the items would start meanwhile, and
+    # a call of 1,000 items due at once would be answered late, cancelling them.
+    if seconds > 0 and not items.done():
+        try:
+            await asyncio.wait((items,), timeout=seconds)
+        except asyncio.CancelledError:
+            items.cancel()
+            await asyncio.wait((items,))
+            raise
+    if items.done():
+        items.result()
+        return True
+    items.cancel(ANSWER_DUE)
+    await asyncio.wait((items,))
+    return False
+
+
+def item_trace(
+    call_trace: RequestTrace | None, traceparent: str, request_id: str, index: int | None
+) -> RequestTrace | None:
     """The RequestTrace one batch item's nodes record into: timings and the node histogram
     always; an item span (under the item's own traceparent if it sent a valid one, and
-    linked to the call's span, else under the call's span) only when the call's spans
-    are made. Without spans, an item that sent a traceparent is still in its trace: its
-    IDs are reported, and its upstream attempt carries them."""
+    linked to the call's span, else under the call's span), with the item's request ID
+    and `index` in its call, only when the call's spans are made. Without spans, an
+    item that sent a traceparent is still in its trace: its IDs are reported, and its
+    upstream attempt carries them."""
     if call_trace is None:
         return None
     parent = extract_context(((TRACEPARENT_HEADER, traceparent),)) if traceparent else None
@@ -120,10 +160,14 @@ def item_trace(call_trace: RequestTrace | None, traceparent: str) -> RequestTrac
     if not call_trace.makes_spans:
         span = call_trace.server_span if parent is None else get_current_span(parent)
         return RequestTrace(span, call_trace.observe_node)
+    attributes: dict[str, str | int] = {CLASSIFY_REQUEST_ID: request_id}
+    if index is not None:
+        attributes[CLASSIFY_BATCH_INDEX] = index
     item_span = get_tracer().start_span(
         BATCH_ITEM_SPAN_NAME,
         context=call_trace.parent_context if parent is None else parent,
         links=() if parent is None else [Link(call_trace.server_span.get_span_context())],
+        attributes=attributes,
     )
     return RequestTrace(item_span, call_trace.observe_node)
 
@@ -149,34 +193,42 @@ async def classify_item(
     call_remaining: float | None,
     headers: Mapping[str, str],
     call_trace: RequestTrace | None,
+    index: int | None = None,
 ) -> None:
     """One item of a batch call, in a task of its own: its own request ID, nodes and
     outcome, written into `result`, its slot of the call's answer (an error becomes
     the item's Status, never the call's). Written in place: a message passed to a
-    constructor is copied into it."""
+    constructor is copied into it. `index`: the item's place in its call."""
     remaining = item_time_left(item_context, call_remaining)
-    trace = item_trace(call_trace, item_context.traceparent if item_context else "")
-    trace_id = (
-        format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
-    ) or call_ids.trace_id
-    call_trace_span = call_trace.server_span if call_trace is not None else None
     # As a single call's: its own request_id when valid, else a fresh one (an invalid
     # one is reported in its violations, not echoed back as its ID).
     own = item.request_id if is_valid_request_id(item.request_id) else ""
-    ids = RequestContext(own or new_request_id(), trace_id)
+    request_id = own or new_request_id()
+    traceparent = item_context.traceparent if item_context else ""
+    trace = item_trace(call_trace, traceparent, request_id, index)
+    trace_id = (
+        format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
+    ) or call_ids.trace_id
+    ids = RequestContext(request_id, trace_id)
     bind_request(ids)
     if trace is not None:
         bind_trace(trace)
+    # What the item was answered, for its span: None for an answer.
+    failure: BaseException | None = None
     try:
         if refusal is not None:
+            failure = refusal
             result.error.CopyFrom(item_status(refusal, ids.request_id, trace_id))
             return
         result.response.CopyFrom(await classify(item, ids, remaining, headers))
     except ServiceError as error:
+        failure = error
         result.error.CopyFrom(item_status(error, ids.request_id, trace_id))
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as cancelled:
         # The call's answer is due (its deadline, less the time its items take to be
-        # answered), or its caller has gone: this item says so with its own IDs.
+        # answered: answer_items_by), or its caller has gone: this item says so with
+        # its own IDs.
+        failure = cancelled
         result.error.CopyFrom(item_status(_ANSWER_DUE, ids.request_id, trace_id))
         raise
     except Exception:
@@ -184,14 +236,24 @@ async def classify_item(
         # caller, the traceback for the log, one count.
         log.exception("unhandled error", extra={"request_id": ids.request_id})
         on_internal_error()
-        internal = internal_error(ids.request_id, trace_id)
-        result.error.CopyFrom(item_status(internal, ids.request_id, trace_id))
+        failure = internal_error(ids.request_id, trace_id)
+        result.error.CopyFrom(item_status(failure, ids.request_id, trace_id))
     finally:
         if result.HasField("error"):
             _log_failed_item(result.error, call_ids)
         # Only an item span of its own is ended here; the call's ends with the call.
-        if trace is not None and trace.server_span is not call_trace_span:
-            trace.server_span.end()
+        if trace is not None and trace.makes_spans:
+            _end_item_span(trace.server_span, failure)
+
+
+def _end_item_span(span: Span, failure: BaseException | None) -> None:
+    """End an item's span with its outcome, as the lifecycle ends a call's server span:
+    its status code and reason, and error status with `error.type` on a server fault."""
+    if failure is None:
+        span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
+    else:
+        mark_error(span, failure)
+    span.end()
 
 
 def _log_failed_item(status: status_pb2.Status, call_ids: RequestContext) -> None:

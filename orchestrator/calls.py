@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -19,6 +20,7 @@ from classify_common.context import RequestContext
 from classify_common.errors import (
     ConcurrencyLimited,
     DeadlineUnreachable,
+    InternalError,
     ServiceError,
     is_fallback_eligible,
 )
@@ -112,8 +114,15 @@ class UpstreamCall:
 class RouteCaller:
     """Runs UpstreamCalls: attempts, retries and fallbacks, with their metrics."""
 
-    def __init__(self, metrics: OrchestratorMetrics) -> None:
+    def __init__(
+        self, metrics: OrchestratorMetrics, on_internal_error: Callable[[], None] = lambda: None
+    ) -> None:
+        """`on_internal_error()` counts a call answered INTERNAL because a backend
+        answered a code the orchestrator does not expect (orchestrator.upstream.errors):
+        a fault of the deployment, such as a wrong internal token, that no exception of
+        ours raised, so the request lifecycle does not count it as it counts a bug."""
         self._metrics = metrics
+        self._on_internal_error = on_internal_error
 
     async def call_route(self, call: UpstreamCall) -> pb.ClassifyResponse:
         """The answer of the first backend that gives one; otherwise the last failure of
@@ -122,18 +131,20 @@ class RouteCaller:
         route = call.route
         call.state.retry_budget.record_request()
         failure: ServiceError | None = None
+        failed_on = route.backend
         for backend in route.backends:
             try:
                 response = await self._call_backend(call, backend)
             except ServiceError as error:
                 if not is_fallback_eligible(error):
+                    self._fail(call, backend, error)
                     raise
                 # A fallback that refused the call before any work (it could not make
                 # the deadline, or was at its limit) says less than the failure before
                 # it: with the primary down, the caller is told UNAVAILABLE, not
                 # DEADLINE_EXCEEDED with ten seconds left on its deadline.
                 if failure is None or not _refused_here(error) or _refused_here(failure):
-                    failure = error
+                    failure, failed_on = error, backend
                 call.fallback_reason = error.reason
                 log.info(
                     "backend failed",
@@ -147,7 +158,18 @@ class RouteCaller:
                 ).inc()
             return self._complete(call, backend, response)
         assert failure is not None, "a route has at least one backend"
+        self._fail(call, failed_on, failure)
         raise failure
+
+    def _fail(self, call: UpstreamCall, backend: Backend, error: ServiceError) -> None:
+        """What a call that fails with `error` from `backend` leaves behind: the backend
+        and the attempts in its log line (as an answered call's), and the count of an
+        INTERNAL answer that no exception of ours raised."""
+        request_trace = current_trace()
+        if request_trace is not None:
+            request_trace.log_fields.update(backend=backend.name, attempts=call.attempts)
+        if isinstance(error, InternalError):
+            self._on_internal_error()
 
     def _complete(
         self, call: UpstreamCall, backend: Backend, response: pb.ClassifyResponse

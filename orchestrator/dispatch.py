@@ -48,11 +48,13 @@ from classify_common.nodes import (
     CLASSIFY_ROUTE,
     CLASSIFY_RULES_VERSION,
     ROUTE_MATCH,
+    cancelled_code,
     current_trace,
     node,
 )
 from classify_common.tracing import exemplar_for
 from orchestrator.batch_items import (
+    answer_items_by,
     answer_unstarted,
     classify_item,
     refuse_repeated_request_ids,
@@ -107,7 +109,7 @@ class Dispatcher:
         self._on_internal_error = on_internal_error
         self.results = results
         self._metrics = metrics
-        self._caller = RouteCaller(metrics)
+        self._caller = RouteCaller(metrics, on_internal_error)
         # Looked up once per (route, model, code): a labels() call per request costs more.
         self._durations: dict[tuple[str, str, str], Histogram] = {}
         self._retiring: set[asyncio.Task[None]] = set()
@@ -166,8 +168,10 @@ class Dispatcher:
         except ServiceError as error:
             code = grpc_code_for(error).name
             raise
-        except asyncio.CancelledError:  # the client went away
-            code = "CANCELLED"
+        except asyncio.CancelledError as cancelled:
+            # The client went away (CANCELLED), or a batch item's answer is due before it
+            # has one (DEADLINE_EXCEEDED, as it is answered: batch_items.answer_items_by).
+            code = cancelled_code(cancelled).name
             raise
         finally:
             key = (route.name, model, code)
@@ -206,6 +210,7 @@ class Dispatcher:
                     client_remaining,
                     headers,
                     call_trace,
+                    index,
                 )
                 for index, item in enumerate(request.items)
             )
@@ -221,9 +226,7 @@ class Dispatcher:
             # Past it, the items not yet answered are cancelled, and each answers
             # DEADLINE_EXCEEDED as it is (batch_items.classify_item), so the call's
             # answer carries every item.
-            try:
-                await asyncio.wait_for(items, timeout=max(due, 0.0))
-            except TimeoutError:
+            if not await answer_items_by(items, max(due, 0.0)):
                 # An item cancelled before its task first ran has no answer yet.
                 answer_unstarted(results, request.items, ids)
         request_trace = current_trace()

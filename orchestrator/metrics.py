@@ -30,6 +30,11 @@ BACKEND_IN_FLIGHT = "classify_backend_in_flight"
 SHADOW_COMPARISONS_TOTAL = "classify_shadow_comparisons_total"
 SHADOW_SCORE_DIFFERENCE = "classify_shadow_score_difference"
 SHADOW_DROPPED_TOTAL = "classify_shadow_dropped_total"
+# The label values of the labelled counters that alerts and panels read with
+# increase() or rate(), each exported at 0 from the start (see _export_at_zero).
+ROUTES_RELOAD_OUTCOMES = ("ok", "failed")
+# The causes orchestrator.security.gate refuses a caller for.
+AUTH_FAILURE_REASONS = ("missing_key", "repeated_key", "unknown_key")
 
 
 class BackendLoad(Protocol):
@@ -165,6 +170,7 @@ class OrchestratorMetrics:
             ["outcome"],
             registry=registry,
         )
+        _export_at_zero(self.routes_reloads, ROUTES_RELOAD_OUTCOMES)
 
     def _add_request_metrics(self, registry: CollectorRegistry) -> None:
         """What callers got: latency, PROCESSING, fallbacks, refusals at the door."""
@@ -221,7 +227,18 @@ class OrchestratorMetrics:
         )
         self.auth_failures = Counter(
             AUTH_FAILURES_TOTAL,
-            "Calls refused as unauthenticated, by cause (missing_key, unknown_key).",
+            "Calls refused as unauthenticated, by cause (missing_key, repeated_key, unknown_key).",
             ["reason"],
             registry=registry,
         )
+        _export_at_zero(self.auth_failures, AUTH_FAILURE_REASONS)
+
+
+def _export_at_zero(counter: Counter, values: tuple[str, ...]) -> None:
+    """Make `counter`'s series for each of `values` now, at 0.
+
+    NOTE: a labelled series is exported only once made; made at its first event, it
+    appears at 1, and increase() and rate() see no increase in a series that starts
+    there: the one refused routes edit an alert exists for would never fire it."""
+    for value in values:
+        counter.labels(value)

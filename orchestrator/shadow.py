@@ -12,7 +12,8 @@ What the shadow call finds is counted, never returned:
 `agree` (same top label), `disagree` or `error` (the shadow call failed), and
 the largest score difference of any label both answers carry in
 `classify_shadow_score_difference`. A disagreement is logged with the request
-ID, which the capability servers' log lines for both calls carry too.
+ID, which the capability servers' log lines for both calls carry too, and the
+trace ID of the primary call.
 
 Shadow calls are bounded: at most `max_in_flight` at once in the process; a
 call that would exceed it is not made and is counted in
@@ -118,7 +119,9 @@ class ShadowTraffic:
         # it ends: a task cancelled before it ever ran leaves through the callback too.
         state.enter()
         task = asyncio.get_running_loop().create_task(
-            self._compare(state, route, forwarded, answer_scores(answer), answer.model.name),
+            self._compare(
+                state, route, forwarded, answer.trace_id, answer_scores(answer), answer.model.name
+            ),
             # NOTE: an empty context: the caller's trace and request-scoped state (its
             # nodes, its log line) must not see the shadow call.
             context=contextvars.Context(),
@@ -132,9 +135,12 @@ class ShadowTraffic:
         state: RoutingState,
         route: Route,
         request: pb.ClassifyRequest,
+        trace_id: str,
         primary: Scores,
         primary_model: str,
     ) -> None:
+        """Send `request` to the shadow and compare its answer with the primary call's
+        (in trace `trace_id`, `primary` scores from `primary_model`)."""
         assert route.shadow is not None
         backend = route.shadow.backend
         labels = (route.name, route.backend.name, backend.name)
@@ -168,7 +174,9 @@ class ShadowTraffic:
             log.warning(
                 "shadow disagreement",
                 extra={
+                    # The primary call's IDs: this task runs in a context of its own.
                     "request_id": request.request_id,
+                    "trace_id": trace_id,
                     "route": route.name,
                     "primary": route.backend.name,
                     "primary_model": primary_model,

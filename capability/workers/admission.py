@@ -110,11 +110,16 @@ def answered_from_cache(
     return TextResult(scores, bundle, len(encoded), encoded.truncated, cached=True)
 
 
-def record_cache_hit(request_trace: RequestTrace | None, worker: str) -> None:
+def record_cache_hit(request_trace: RequestTrace | None, replica: ModelReplica) -> None:
     """A cache hit's nodes: `queue_admit` at once, saying so, and the device nodes as
-    skipped (emit_skipped_nodes), so its trace still has all 17."""
+    skipped (emit_skipped_nodes), so its trace still has all 17; its log line names the
+    model that answered, as a computed answer's does."""
     if request_trace is None:
         return
+    worker = replica.worker.name
+    request_trace.log_fields.update(
+        model=replica.bundle.name, model_version=replica.bundle.version, worker=worker
+    )
     now = time.time_ns()
     attributes: dict[str, AttributeValue] | None = None
     if request_trace.makes_spans:
@@ -272,7 +277,7 @@ class Admitter:
             answered: asyncio.Future[TextResult] = asyncio.get_running_loop().create_future()
             answered.set_result(result)
             hits[index] = answered
-            record_cache_hit(text.trace, replica.worker.name)
+            record_cache_hit(text.trace, replica)
         return hits
 
     def _admit_remembered(

@@ -465,7 +465,7 @@ class WorkerPool:
                 else None
             )
             if cached is not None:
-                record_cache_hit(current_trace(), replica.worker.name)
+                record_cache_hit(current_trace(), replica)
                 return cached
             if not replica.is_resident:
                 await self._bring_onto_device(replica, len(encoded), deadline)

@@ -35,6 +35,15 @@ log = logging.getLogger(__name__)
 # When an overloaded server sends no RetryInfo, clients wait this long.
 DEFAULT_RETRY_AFTER_SECONDS = 1.0
 
+# What a code no capability server should answer the orchestrator says of this
+# deployment, for the error line (the caller is told only INTERNAL and its IDs).
+MISCONFIGURATION_CAUSES = {
+    grpc.StatusCode.UNAUTHENTICATED: (
+        "the capability server refused this orchestrator's internal token: "
+        "the two --internal-token-file files do not hold the same token"
+    ),
+}
+
 
 def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
     status = rpc_status.from_call(error)  # type: ignore[arg-type]
@@ -81,10 +90,20 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 def _translate(
     code: grpc.StatusCode, message: str, details: list[object], backend: str, target: str
 ) -> ServiceError:
-    log.warning(
-        "capability call failed",
-        extra={"backend": backend, "target": target, "code": code.name, "details": message},
-    )
+    error = _error_for(code, details, backend)
+    fields = {"backend": backend, "target": target, "code": code.name, "details": message}
+    if isinstance(error, InternalError):
+        # No exception of ours: the lifecycle logs no `unhandled error` line for it, so
+        # this is the line the INTERNAL answer's runbook steps find (RouteCaller counts
+        # it in classify_internal_errors_total).
+        cause = MISCONFIGURATION_CAUSES.get(code, "the capability answered a code it should not")
+        log.error("capability call failed unexpectedly", extra={**fields, "cause": cause})
+    else:
+        log.warning("capability call failed", extra=fields)
+    return error
+
+
+def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> ServiceError:
     where = {"backend": backend, "upstream_code": code.name}
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = [

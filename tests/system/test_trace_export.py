@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -17,7 +18,15 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from classify_common.span_export import SPANS_DROPPED_TOTAL
-from tests.conftest import STRIKER, ServerProcess, Stack, closed_port, wait_until
+from tests.conftest import (
+    STATIC_ONLY_FLAGS,
+    STRIKER,
+    ServerProcess,
+    Stack,
+    closed_port,
+    wait_until,
+)
+from tests.flaky_pod import FlakyPod
 from tests.status_details import refusal, trailers_of
 
 CLASSIFY_SPAN = "ai.classify.v1.ClassifyService/Classify"
@@ -281,6 +290,57 @@ async def test_with_sampling_off_a_flood_of_refused_calls_exports_nothing(
     await wait_for_spans(collected, failed, 1)
 
     assert {span.trace_id.hex() for _, span in collected.spans} == {failed}
+
+
+async def test_with_sampling_off_batch_items_cut_off_by_the_deadline_are_exported(
+    receiver: tuple[TraceReceiver, int],
+    start_stack: Callable[..., Stack],
+) -> None:
+    """Items of a ClassifyBatch, each in an unsampled trace of its own, held by a
+    stalled replica until the call's answer is due: each is answered DEADLINE_EXCEEDED,
+    a time-out, and the orchestrator's part of its trace is exported, as a single
+    call's would be. It was traced as CANCELLED, and none of it was exported."""
+    collected, port = receiver
+    endpoint = f"127.0.0.1:{port}"
+    pod = FlakyPod(closed_port(), failing=False)  # it never answers: the replica stalls
+    pod.answering.clear()
+    await pod.start()
+    trace_ids = [secrets.token_hex(16) for _ in range(4)]
+    try:
+        orchestrator = start_stack(
+            routes=lambda _: (
+                "version: 1\n"
+                f"backends:\n  pod: {{model: topic-static, targets: ['{pod.address}']}}\n"
+                "routes:\n  - {name: default, backend: pod}\n"
+            ),
+            capability_flags=(*STATIC_ONLY_FLAGS, "--otlp-endpoint", endpoint),
+            orchestrator_flags=("--otlp-endpoint", endpoint, "--trace-sample-ratio", "0"),
+        ).orchestrator
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            response = await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(
+                    items=[pb.ClassifyRequest(text=STRIKER)] * len(trace_ids),
+                    item_contexts=[
+                        pb.ItemContext(traceparent=f"00-{trace_id}-{secrets.token_hex(8)}-00")
+                        for trace_id in trace_ids
+                    ],
+                ),
+                timeout=2,
+            )
+    finally:
+        pod.answering.set()
+        await pod.stop()
+
+    assert {result.error.code for result in response.results} == {
+        grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    }
+    for trace_id in trace_ids:
+        await wait_for_spans(collected, trace_id, 4)  # item, route, attempt, client span
+        spans = {span.name: span for span in spans_of(collected, trace_id, "orchestrator")}
+        for name in ("batch_item", "upstream_call"):
+            assert spans[name].status.code == trace_pb2.Status.STATUS_CODE_ERROR, name
+            assert attributes(spans[name])["rpc.response.status_code"] == "DEADLINE_EXCEEDED"
 
 
 async def test_requests_succeed_while_the_collector_is_unreachable(

@@ -7,11 +7,13 @@ serves the other's, and the bounds hold."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -32,8 +34,9 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.result_cache import ENTRY_OVERHEAD_BYTES, ResultCache, WarmText
 from capability.server import CapabilityServer
+from classify_common import interceptor
 from classify_common.context import CACHE_SCOPE_HEADER
-from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+from tests.conftest import STRIKER, LineCollector, StartCapability, metric_sum, wait_until
 
 MODEL = "topic-static"
 # Bundle digests (SHA-256 of a manifest.json) for the ResultCache's own tests.
@@ -346,3 +349,29 @@ def test_a_swap_refills_each_text_into_its_scope_and_warm_texts_into_the_shared_
     cache.store(MODEL, SERVING_DIGEST, "a", striker, "x", None, (0.9, 0.1))
     assert cache.lookup(MODEL, SERVING_DIGEST, "a", striker) == (0.9, 0.1)
     assert cache.lookup(MODEL, SERVING_DIGEST, "b", striker) == (0.2, 0.8)
+
+
+async def test_a_cache_hits_log_line_names_the_model_that_answered(
+    start_capability: StartCapability,
+    interceptor_log: LineCollector,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A computed answer's `rpc` line names its model, version and worker; a cache hit's
+    named none of them."""
+    server = await cached_server(start_capability)
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        for request_id in ("computed-1", "cached-1"):
+            await stub.Classify(
+                pb.ClassifyRequest(text=STRIKER, model=MODEL, request_id=request_id)
+            )
+    lines = {
+        line["request_id"]: line
+        for line in map(json.loads, interceptor_log.lines)
+        if line["event"] == "rpc" and "request_id" in line
+    }
+    computed, cached = lines["computed-1"], lines["cached-1"]
+    for field in ("model", "model_version", "worker"):
+        assert cached[field] == computed[field], field
+    assert cached["model"] == MODEL

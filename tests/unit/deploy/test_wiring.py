@@ -556,6 +556,44 @@ def test_k8s_pods_are_annotated_for_scraping_on_the_metrics_port() -> None:
         assert int(annotations["prometheus.io/port"]) == container_port(spec, "metrics")
 
 
+def scrape_relabelling_setting_job() -> dict[str, Any]:
+    """The relabel rule deploy/README.md gives a pod-annotation scrape job to set `job`."""
+    readme = (DEPLOY_DIR / "README.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", readme, flags=re.MULTILINE | re.DOTALL)
+    (block,) = [body for body in blocks if "target_label: job" in body]
+    (scrape_job,) = yaml.safe_load(block)["scrape_configs"]
+    (rule,) = [r for r in scrape_job["relabel_configs"] if r.get("target_label") == "job"]
+    return dict(rule)
+
+
+def test_k8s_scrape_relabelling_gives_each_pod_the_job_the_rules_and_dashboard_select() -> None:
+    """They select on job="orchestrator" and "capability"; a pod-annotation scrape job
+    names every target after itself, so the README's rule is what makes the cluster's
+    pods seen at all."""
+    rule = scrape_relabelling_setting_job()
+    jobs = {}
+    for deployment, _ in (orchestrator_pod(), capability_pod()):
+        # What Prometheus's pod discovery offers: label names with `.`, `/`, `-` as `_`.
+        meta = {"__meta_kubernetes_namespace": deployment["metadata"]["namespace"]}
+        for label, value in deployment["spec"]["template"]["metadata"]["labels"].items():
+            meta["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)] = value
+        source = rule.get("separator", ";").join(meta[name] for name in rule["source_labels"])
+        match = re.fullmatch(rule["regex"], source)  # Prometheus anchors its regexes
+        assert match is not None, source
+        replacement = re.sub(r"\$(\d+)", r"\\\1", rule.get("replacement", "$1"))
+        jobs[deployment["metadata"]["name"]] = match.expand(replacement)
+
+    assert jobs == {"orchestrator": "orchestrator", "capability": "capability"}
+    selected = {
+        job
+        for name, text in monitoring_texts().items()
+        if name != "prometheus-adapter"  # it selects on namespace and pod instead
+        for jobs_matched in re.findall(r'\bjob=~?"([^"]+)"', text)
+        for job in jobs_matched.split("|")
+    }
+    assert selected == set(jobs.values())
+
+
 def test_kustomization_lists_every_manifest_in_its_folder() -> None:
     kustomization = yaml.safe_load((DEPLOY_DIR / "k8s" / "kustomization.yaml").read_text())
     manifests = {

@@ -486,3 +486,35 @@ async def test_an_edit_made_while_the_server_starts_is_applied(
     finally:
         await server.stop(grace_seconds=0)
     assert answer.model.name == "topic-static"
+
+
+def reload_series(registry: CollectorRegistry) -> dict[str, float]:
+    """The routes-reload series the registry exports now, by outcome (absent: not there)."""
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == ROUTES_RELOADS_TOTAL
+    }
+
+
+async def test_the_first_refused_edit_moves_an_exported_zero_to_one(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A series made at its first event appears at 1, and the increase() of the
+    ClassifyRoutesReloadFailed alert sees no increase in it: the first (most often the
+    only) refused edit never fired it. Both outcomes are exported at 0 from the start."""
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(routes_to("minilm", capability.port))
+    server = OrchestratorServer(
+        orchestrator_settings(port=0, routes_file=routes_file, routes_poll_seconds=0.05),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        assert reload_series(server.registry) == {"ok": 0, "failed": 0}
+        replace_file(routes_file, routes_to("no-such-backend", capability.port))
+        await wait_until(lambda: reload_series(server.registry)["failed"] == 1, "the edit refused")
+        assert reload_series(server.registry) == {"ok": 0, "failed": 1}
+    finally:
+        await server.stop(grace_seconds=0)

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from google.rpc.error_details_pb2 import ErrorInfo
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -26,11 +27,14 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
+from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
+from orchestrator.upstream import errors as upstream_errors
 from tests.conftest import (
     STRIKER,
+    LineCollector,
     StartCapability,
     closed_port,
     metric_sum,
@@ -39,7 +43,7 @@ from tests.conftest import (
     write_routes,
 )
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
-from tests.status_details import error_info, error_reason, refusal
+from tests.status_details import error_info, error_reason, refusal, trailers_of, unpack
 
 ACME_KEY, OTHER_KEY, ADMIN_KEY = new_key(), new_key(), new_key()
 TOKEN = "internal-token-for-tests"
@@ -56,11 +60,17 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
     started: list[Any] = []
 
     async def start(
-        tenants: str = "", acme_tenant: str = "acme", dead_replica: bool = False
+        tenants: str = "",
+        acme_tenant: str = "acme",
+        dead_replica: bool = False,
+        orchestrator_token: str = TOKEN,
     ) -> tuple[OrchestratorServer, CapabilityServer]:
-        """`dead_replica`: the backend lists, first, an address nothing listens on."""
+        """`dead_replica`: the backend lists, first, an address nothing listens on.
+        `orchestrator_token`: the internal token the orchestrator sends."""
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
+        sent_token_file = tmp_path / "sent-token"
+        sent_token_file.write_text(orchestrator_token + "\n")
         capability = await start_capability(
             models=("topic-static",), internal_token_file=token_file
         )
@@ -92,7 +102,7 @@ routes:
                 routes_file=routes,
                 auth="required",
                 api_keys_file=keys,
-                internal_token_file=token_file,
+                internal_token_file=sent_token_file,
             ),
             registry=CollectorRegistry(),
         )
@@ -139,6 +149,22 @@ async def test_missing_or_wrong_key_is_refused_before_any_model(
     assert (await call(orchestrator, metadata=bearer(ACME_KEY))).labels[0].name == "sports"
 
 
+async def test_every_auth_failure_cause_is_exported_at_zero_before_any_refusal(
+    secured: Start,
+) -> None:
+    """A series made at its first refusal appears at 1, where a panel's rate() (or an
+    alert's increase()) sees no increase: every cause the gate refuses for is there,
+    at 0, from the start."""
+    orchestrator, _ = await secured()
+    exported = {
+        sample.labels["reason"]: sample.value
+        for family in orchestrator.registry.collect()
+        for sample in family.samples
+        if sample.name == AUTH_FAILURES_TOTAL
+    }
+    assert exported == {"missing_key": 0, "repeated_key": 0, "unknown_key": 0}
+
+
 async def test_capability_refuses_callers_without_the_internal_token(secured: Start) -> None:
     _, capability = await secured()
     sent_twice = (("x-internal-token", "guess"), ("x-internal-token", TOKEN))
@@ -151,6 +177,53 @@ async def test_capability_refuses_callers_without_the_internal_token(secured: St
         health: Any = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_wrong_internal_token_is_answered_internal_counted_and_logged_saying_so(
+    secured: Start,
+) -> None:
+    """The capability refuses the orchestrator's token: UNAUTHENTICATED, which no
+    capability answers an orchestrator set up right. Callers get INTERNAL with their
+    IDs; each answer is counted where the ClassifyInternalErrors alert looks, and
+    logged at ERROR under its IDs, naming the backend, the code and the cause."""
+    orchestrator, _ = await secured(orchestrator_token="not-the-token")
+    collector = LineCollector()
+    upstream_log = logging.getLogger(upstream_errors.__name__)
+    upstream_log.addHandler(collector)
+    try:
+        error = await refusal(call(orchestrator, metadata=bearer(ACME_KEY), timeout=10))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            batch = await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
+                metadata=bearer(ACME_KEY),
+                timeout=10,
+            )
+    finally:
+        upstream_log.removeHandler(collector)
+
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == "backend static failed with UNAUTHENTICATED"
+    assert {result.error.code for result in batch.results} == {grpc.StatusCode.INTERNAL.value[0]}
+    assert metric_sum(orchestrator.registry, INTERNAL_ERRORS_TOTAL) == 3
+    await wait_until(
+        lambda: metric_sum(orchestrator.registry, RPC_REQUESTS_TOTAL, code="INTERNAL") == 1,
+        "the call counted",
+    )
+    lines = [json.loads(line) for line in collector.lines]
+    assert [line["level"] for line in lines] == ["error"] * 3
+    item_ids = [unpack(result.error, ErrorInfo)[0].metadata for result in batch.results]
+    assert [(line["request_id"], line["trace_id"]) for line in lines] == [
+        (trailers_of(error)["x-request-id"], trailers_of(error)["x-trace-id"]),
+        *((ids["x-request-id"], ids["x-trace-id"]) for ids in item_ids),
+    ]
+    for line in lines:
+        assert line["event"] == "capability call failed unexpectedly"
+        assert (line["backend"], line["code"]) == ("static", "UNAUTHENTICATED")
+        assert line["cause"] == (
+            "the capability server refused this orchestrator's internal token: "
+            "the two --internal-token-file files do not hold the same token"
+        )
 
 
 async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:

@@ -129,7 +129,7 @@ async def test_shadow_of_the_same_model_agrees_on_every_call(
     assert {(a.model.name, a.fallback) for a in answers} == {("topic-minilm", False)}
 
 
-async def test_shadow_of_a_different_model_counts_each_disagreement_and_logs_its_request_id(
+async def test_shadow_of_a_different_model_counts_each_disagreement_and_logs_its_ids(
     orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
     start_capability: StartCapability,
@@ -154,12 +154,13 @@ async def test_shadow_of_a_different_model_counts_each_disagreement_and_logs_its
     assert comparisons(server, "disagree") == len(differing)
     assert comparisons(server, "agree") == len(SHORT_TEXTS) - len(differing)
     assert [a.labels[0].name for a in answers] == primary  # never the shadow's answer
+    # The primary call's request and trace IDs: the shadow runs in a context of its own.
     logged = {
-        record.request_id  # type: ignore[attr-defined]
+        (record.request_id, record.trace_id)  # type: ignore[attr-defined]
         for record in caplog.records
         if record.getMessage() == "shadow disagreement"
     }
-    assert logged == {request_ids[i] for i in differing}
+    assert logged == {(request_ids[i], answers[i].trace_id) for i in differing}
 
 
 async def test_failing_shadow_is_counted_and_changes_nothing_for_the_caller(

@@ -1,0 +1,91 @@
+"""The orchestrator's `rpc` access-log line, through a real orchestrator in front of a
+real capability server (or a pod that fails its calls): the fields docs/observability.md
+lists are there on the outcomes an operator greps it for, not only on a plain answer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import grpc
+import pytest
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.server import CapabilityServer
+from classify_common import interceptor
+from tests.conftest import (
+    STRIKER,
+    LineCollector,
+    StartOrchestrator,
+    routes_text,
+)
+from tests.flaky_pod import FlakyPod
+from tests.status_details import refusal
+from tests.unit.capability.test_serving import device_occupied
+
+
+def rpc_line(log: LineCollector, request_id: str) -> dict[str, Any]:
+    """The one `rpc` line of the call `request_id`."""
+    entries: list[dict[str, Any]] = [json.loads(line) for line in log.lines]
+    (line,) = [e for e in entries if e["event"] == "rpc" and e.get("request_id") == request_id]
+    return line
+
+
+async def classify(port: int, request_id: str) -> pb.ClassifyResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        response: pb.ClassifyResponse = await stub.Classify(
+            pb.ClassifyRequest(text=STRIKER, request_id=request_id), timeout=30
+        )
+        return response
+
+
+async def test_a_failed_calls_line_names_the_backend_that_failed_and_the_attempts(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    interceptor_log: LineCollector,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """UNAVAILABLE after three attempts: the line said neither where nor how often."""
+    pod = FlakyPod(capability.port, failing=True)
+    await pod.start()
+    try:
+        server = await orchestrator_with(
+            "version: 1\n"
+            f"backends:\n  pod: {{model: topic-minilm, targets: ['{pod.address}']}}\n"
+            "routes:\n"
+            "  - name: default\n    backend: pod\n"
+            "    retry: {max_attempts: 3, initial_backoff: 1ms, max_backoff: 2ms}\n"
+        )
+        caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
+        error = await refusal(classify(server.port, "failing-1"))
+    finally:
+        await pod.stop()
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert pod.calls == 3
+    line = rpc_line(interceptor_log, "failing-1")
+    assert (line["code"], line["reason"]) == ("UNAVAILABLE", "MODEL_UNAVAILABLE")
+    assert (line["route"], line["backend"], line["attempts"]) == ("default", "pod", 3)
+
+
+async def test_a_processing_answers_line_says_the_budget_ran_out(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    interceptor_log: LineCollector,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Answered PROCESSING, the line was `code: OK` and nothing else said so; it says
+    `timeout: true`, as the call's spans do."""
+    routes = routes_text([f"127.0.0.1:{capability.port}"])
+    server = await orchestrator_with(routes + "    budget: 1ms\n")
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)
+    (worker,) = capability.pool.workers
+    async with device_occupied(worker):  # the model cannot answer within 1 ms
+        answered = await classify(server.port, "processing-1")
+    assert answered.status == pb.RESULT_STATUS_PROCESSING
+
+    line = rpc_line(interceptor_log, "processing-1")
+    assert (line["code"], line["route"], line["timeout"]) == ("OK", "default", True)
