@@ -142,11 +142,9 @@ class _MethodChecks:
         items = len(request.items)
         if not 1 <= items <= MAX_BATCH_ITEMS or len(request.item_contexts) not in (0, items):
             return 1
-        # A character takes at least a byte on the wire: only a message over the limit
-        # in bytes needs its characters counted.
-        if request.ByteSize() > MAX_BATCH_TOTAL_CHARS and (
-            sum(len(item.text) for item in request.items) > MAX_BATCH_TOTAL_CHARS
-        ):
+        # NOTE: not ByteSize() as a cheaper bound first: upb serialises the message to
+        # size it, three times the cost of this sum (780 against 260 µs at 1 MB).
+        if sum(len(item.text) for item in request.items) > MAX_BATCH_TOTAL_CHARS:
             return 1
         return items
 

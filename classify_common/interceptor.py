@@ -74,6 +74,7 @@ from classify_common.nodes import (
     USER_AGENT_ORIGINAL,
     RequestTrace,
     bind_trace,
+    mark_error,
     node,
     peer_attributes,
 )
@@ -411,17 +412,23 @@ def _receive(
         if request_trace.makes_spans
         else None
     )
+    refused: InvalidRequest | None = None
     with node(admission.receive_node, attributes) as span:
         try:
             request = parse(raw)
-        except DecodeError as exc:
+        except DecodeError:
             # NOTE: not the decoder's text, which names protobuf's internals.
             message = f"not a protobuf request message of {method.lstrip('/')}"
-            error = InvalidRequest([FieldViolation("", "wire_format", message)])
-            raise _Undecodable(error) from exc
-        if admission.on_receive is not None:
-            admission.on_receive(headers, request, span)
-        return request
+            refused = InvalidRequest([FieldViolation("", "wire_format", message)])
+            # Marked as the refusal it is; _Undecodable, raised in here, marked the node
+            # as a bug (error status), whose trace is kept whatever the sampling.
+            mark_error(span, refused)
+        else:
+            if admission.on_receive is not None:
+                admission.on_receive(headers, request, span)
+            return request
+    assert refused is not None
+    raise _Undecodable(refused)
 
 
 def _timed_serializer(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

@@ -277,7 +277,10 @@ def state_url_problem(url: str) -> str | None:
     port that parses (a bad port was a traceback from urllib at the first call)."""
     if not url.startswith(STATE_URL_SCHEMES):
         return "not a redis:// or rediss:// URL"
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # an unclosed IPv6 bracket
+        return "not a valid URL"
     try:
         parts.port  # noqa: B018 - parsing it is the check
     except ValueError:

@@ -15,9 +15,11 @@ internal token, which only the orchestrator holds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -39,6 +41,9 @@ from orchestrator.upstream.errors import translate_upstream_error
 from orchestrator.upstream.pool import BackendPool
 
 log = logging.getLogger(__name__)
+
+# How long GetModel waits for the other replicas once one has answered.
+STRAGGLER_SECONDS = 1.0
 
 ADMIN_ROLE = "admin"
 OPERATOR_CALL_TIMEOUT_SECONDS = 120.0
@@ -89,21 +94,30 @@ class FleetModels:
         return model_pb.ListModelsResponse(models=listed_models)
 
     async def get_model(self, request: model_pb.GetModelRequest) -> model_pb.GetModelResponse:
-        """The version most of the model's replicas serve, every replica asked in turn;
-        replicas that serve another are logged. One that does not answer (down, or out
-        of time) is passed over, and when none answers, the last one's error is the
-        answer."""
+        """The version most of the model's replicas serve, every replica asked at once;
+        replicas that serve another are logged. Those that have not answered
+        STRAGGLER_SECONDS after the first answer are left out (asked in turn, or all
+        waited for, one frozen replica held every call up to the backend's timeout).
+        One that does not answer (down, or out of time) is passed over; when none
+        answers, the answer is the first error that is not of that kind, else the
+        last replica's."""
         replicas = self._replicas(request.name)
         if not replicas:
             raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-        answers: list[model_pb.GetModelResponse] = []
-        for index, replica in enumerate(replicas):
-            try:
-                answers.append(await _describe(replica, request))
-            except (ModelUnavailable, DeadlineExpired):
-                if index == len(replicas) - 1 and not answers:
-                    raise
-        return _most_served(request.name, answers)
+        asked = [asyncio.ensure_future(_describe(replica, request)) for replica in replicas]
+        try:
+            await _first_answers(asked, STRAGGLER_SECONDS)
+        finally:
+            for task in asked:
+                task.cancel()
+            await asyncio.gather(*asked, return_exceptions=True)
+        answered = [t for t in asked if t.done() and not t.cancelled()]
+        answers = [t.result() for t in answered if t.exception() is None]
+        if answers:
+            return _most_served(request.name, answers)
+        errors = [error for t in answered if (error := t.exception()) is not None]
+        unanswered = (ModelUnavailable, DeadlineExpired)
+        raise next((e for e in errors if not isinstance(e, unanswered)), errors[-1])
 
     async def reload_model(
         self, request: model_pb.ReloadModelRequest
@@ -156,6 +170,16 @@ async def _describe(
         raise translate_upstream_error(error, pool.backend.name, target) from error
     _for_caller(response.model)
     return response
+
+
+async def _first_answers(asked: Sequence[asyncio.Future[Any]], straggler_seconds: float) -> None:
+    """Wait until one of `asked` has an answer (or all have failed), then up to
+    `straggler_seconds` more for the others."""
+    pending = set(asked)
+    while pending and not any(t.done() and t.exception() is None for t in asked):
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    if pending:
+        await asyncio.wait(pending, timeout=straggler_seconds)
 
 
 def _most_served(

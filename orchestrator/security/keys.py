@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import secrets
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from orchestrator.security.limits import TokenBucketSettings
 ROLES = ("user", "admin")
 KEY_PREFIX = "ck_"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+log = logging.getLogger(__name__)
 
 
 class KeysFileError(ValueError):
@@ -96,9 +99,12 @@ def _api_keys(document: Any) -> ApiKeys:
     with_keys = {caller.tenant for caller in callers.values()}
     for tenant in limits:
         if tenant not in with_keys:
-            # A misspelt name would leave the tenant it meant without its limit.
-            raise FieldRefused(
-                tenants.path(tenant), f"no key names the tenant {tenant!r}; is it misspelt?"
+            # A misspelt name leaves the tenant it meant without its limit. Not refused:
+            # a tenant whose last key was just revoked keeps its limit line, and a
+            # refused file would stop every orchestrator that restarts.
+            log.warning(
+                "a tenant limit names no key's tenant; is it misspelt?",
+                extra={"where": tenants.path(tenant), "tenant": tenant},
             )
     return ApiKeys(callers, limits)
 
@@ -127,7 +133,8 @@ def _not_a_tenant_name(value: object) -> str:
 
 def quoted_tenant(tenant: str) -> str:
     """`tenant` as a keys file must spell it: a YAML string, whatever it holds."""
-    return json.dumps(tenant)
+    # Not ASCII-escaped: YAML takes no JSON surrogate pair (an emoji) in a string.
+    return json.dumps(tenant, ensure_ascii=False)
 
 
 def _caller(entry: Fields) -> tuple[str, Caller]:

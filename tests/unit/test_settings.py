@@ -79,6 +79,7 @@ def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
         ("redis://:hunter2@r:99999/0", "its port is not a number from 0 to 65535"),
         ("redis://:hunter2@r:port/0", "its port is not a number from 0 to 65535"),
         ("redis://:hunter2@/0", "it names no host"),
+        ("redis://:hunter2@[::1:6379/0", "not a valid URL"),
         ("http://:hunter2@r:6379", "not a redis:// or rediss:// URL"),
     ],
 )

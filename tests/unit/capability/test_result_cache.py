@@ -371,6 +371,7 @@ async def test_a_cache_hits_log_line_names_the_model_that_answered(
         for line in map(json.loads, interceptor_log.lines)
         if line["event"] == "rpc" and "request_id" in line
     }
+    assert looked_up(server, CACHE_HIT) == 1  # the second call was the hit
     computed, cached = lines["computed-1"], lines["cached-1"]
     for field in ("model", "model_version", "worker"):
         assert cached[field] == computed[field], field

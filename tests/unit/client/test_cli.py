@@ -37,7 +37,14 @@ COMMAND = (sys.executable, "-m", "classify_client")
 @pytest.fixture(autouse=True)
 def bare_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No CLASSIFY_* variables and no `.run/api-key` of the repository's own stack."""
-    for name in ("CLASSIFY_API_KEY", "CLASSIFY_TARGET", "CLASSIFY_CA_FILE", "CLASSIFY_TLS"):
+    for name in (
+        "CLASSIFY_API_KEY",
+        "CLASSIFY_TARGET",
+        "CLASSIFY_CA_FILE",
+        "CLASSIFY_CERT_FILE",
+        "CLASSIFY_KEY_FILE",
+        "CLASSIFY_TLS",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
 
@@ -298,11 +305,16 @@ async def test_a_file_lines_control_characters_are_echoed_as_escapes(
     """Echoed raw, a vertical tab or U+2028 in a text broke "output line n answers input
     line n" for a reader that splits lines as Python does."""
     lines = tmp_path / "lines.txt"
-    lines.write_text(f"{SHORT}\x0bmore\u2028end\n{STRIKER[:40]}\n", encoding="utf-8")
+    lines.write_text(
+        f"{SHORT}\x0bmore\u2028end\n{STRIKER[:30]} \\x0b\u3000\u202eend\n", encoding="utf-8"
+    )
     status, out, err = await run_against(orchestrator, capsys, "--file", str(lines))
     assert (status, err) == (0, "")
     assert len(out.splitlines()) == 2
-    assert out.splitlines()[0].endswith(f"{SHORT}\\x0bmore\\u2028end")
+    first, second = out.splitlines()
+    assert first.endswith(f"{SHORT}\\x0bmore\\u2028end")
+    # A backslash of the text's own is doubled; an ideographic space is text, echoed.
+    assert second.endswith(f"{STRIKER[:30]} \\\\x0b\u3000\\u202eend")
 
 
 @pytest.mark.parametrize(

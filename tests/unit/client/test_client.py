@@ -460,6 +460,21 @@ async def test_a_text_over_the_batch_limit_fails_alone_and_errors_name_the_calle
     assert isinstance(first.error, InvalidRequest)
 
 
+async def test_a_text_over_grpcs_message_limit_fails_alone_too(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Over 8 MiB, gRPC itself refuses the text's call (RESOURCE_EXHAUSTED, not the
+    service's INVALID_ARGUMENT), and the texts after it were never sent."""
+    async with (
+        front_door(capability, tmp_path, model="topic-static") as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        huge, after = await client.classify_batch(["x" * 9_000_000, SHARES], timeout=30)
+    assert huge.error is not None
+    assert huge.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after.response is not None
+
+
 class ScriptedBatches(pb_grpc.ClassifyServiceServicer):
     """A server that answers ClassifyBatch calls as scripted, to see what the client
     sends: the first call's items refused with a short RetryInfo, every later call

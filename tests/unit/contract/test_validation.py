@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
@@ -12,8 +14,9 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum
+from tests.conftest import STRIKER, metric_sum, wait_until
 from tests.status_details import metadata_dict, refusal, trailers_of, violations_of
+from tests.unit.test_lifecycle_trace import trace_spans
 
 
 def texts_computed(server: CapabilityServer) -> float:
@@ -186,7 +189,7 @@ async def test_a_text_with_one_visible_character_is_not_blank(
 
 
 async def test_bytes_that_are_no_request_message_are_refused_without_the_decoders_text(
-    orchestrator: OrchestratorServer,
+    orchestrator: OrchestratorServer, span_exporter: InMemorySpanExporter
 ) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
         classify_raw: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
@@ -200,3 +203,11 @@ async def test_bytes_that_are_no_request_message_are_refused_without_the_decoder
     )
     assert violations_of(refused.value) == [("", "wire_format")]
     assert set(trailers_of(refused.value)) >= {"x-request-id", "x-trace-id"}
+    # A refusal, not a bug: no error status on its receive node (a trace with an error
+    # span is kept whatever the sampling, so any caller could have one exported).
+    trace_id = trailers_of(refused.value)["x-trace-id"]
+    await wait_until(lambda: len(trace_spans(span_exporter, trace_id)) >= 2, "its spans")
+    (receive,) = [s for s in trace_spans(span_exporter, trace_id) if s.name == "grpc_receive"]
+    assert receive.status.status_code is StatusCode.UNSET
+    assert receive.attributes is not None
+    assert receive.attributes["rpc.response.status_code"] == "INVALID_ARGUMENT"

@@ -3,12 +3,15 @@ versions shows in ListModels, and GetModel describes the version most replicas s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc
@@ -86,3 +89,59 @@ async def test_replicas_that_agree_are_one_model_at_the_front_door(
 
     assert [(m.name, m.version) for m in listed.models] == [(MODEL, "2")]
     assert described.model.version == "2"
+
+
+class HeldReplica(model_service_pb2_grpc.ModelServiceServicer):
+    """A replica whose GetModel answers only once released: a frozen pod, say."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.asked = 0
+
+    async def ListModels(  # noqa: N802 - the gRPC method's name
+        self, request: model_pb.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> model_pb.ListModelsResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not held")
+
+    async def ReloadModel(  # noqa: N802 - the gRPC method's name
+        self, request: model_pb.ReloadModelRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> model_pb.ReloadModelResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not held")
+
+    async def GetModel(  # noqa: N802 - the gRPC method's name
+        self, request: model_pb.GetModelRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> model_pb.GetModelResponse:
+        self.asked += 1
+        await self.release.wait()
+        return model_pb.GetModelResponse(model=model_pb.ModelInfo(name=request.name, version="9"))
+
+
+async def test_get_model_does_not_wait_for_a_replica_that_does_not_answer(
+    capability: CapabilityServer, orchestrator_with: StartOrchestrator
+) -> None:
+    """Every replica asked, in turn or all awaited: one frozen replica held GetModel up
+    to the backend's timeout (30 s here; the call's own is 15 s)."""
+    held = HeldReplica()
+    server = grpc.aio.server()
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(held, server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    for service in ("", "ai.classify.v1.ClassifyService"):  # what the channels check
+        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        orchestrator = await orchestrator_with(
+            "version: 1\nbackends:\n"
+            f"  static: {{model: {MODEL}, targets: ['127.0.0.1:{port}',"
+            f" '127.0.0.1:{capability.port}'], timeout: 30s}}\n"
+            "routes:\n  - name: default\n    backend: static\n"
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            described = await models.GetModel(model_pb.GetModelRequest(name=MODEL), timeout=15)
+        assert held.asked == 1
+        assert described.model.version == "1"
+    finally:
+        held.release.set()
+        await server.stop(grace=0)

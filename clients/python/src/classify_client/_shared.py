@@ -223,11 +223,12 @@ def refused_alone(
 ) -> bool:
     """Whether `error`, which refused the call of `chunk` whole, is its one text's own:
     a text over the batch's character limit goes alone (batch_chunks), and its call is
-    refused whole, but it is that item that is wrong, not the calls after it."""
+    refused whole (INVALID_ARGUMENT by the service; RESOURCE_EXHAUSTED by gRPC itself
+    past 8 MiB), but it is that item that is wrong, not the calls after it."""
     return (
         len(chunk) == 1
         and len(requests[chunk[0]].text) > BATCH_MAX_CHARS
-        and error.code == grpc.StatusCode.INVALID_ARGUMENT
+        and error.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
     )
 
 

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,23 @@ def format_item(item: BatchItem, text: str) -> str:
 
 
 def printable(text: str) -> str:
-    """`text` with each character a terminal or a line reader would act on (a vertical
-    tab, a carriage return, U+2028) written as its escape, so that output line n stays
-    the answer to input line n."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    """`text` with each character a terminal or a line reader would act on (a control
+    character such as a vertical tab or a carriage return, U+2028 and U+2029, a
+    direction override) written as its escape, so that output line n stays the answer
+    to input line n; a backslash is doubled, so an escape is never the text's own.
+    Other characters, CJK spaces and joiners included, are echoed as they are."""
+    return "".join(_ECHOED.get(c) or _escaped(c) for c in text)
+
+
+def _escaped(character: str) -> str:
+    if unicodedata.category(character) in ("Cc", "Zl", "Zp") or character in _DIRECTION_MARKS:
+        return repr(character)[1:-1] if character.isascii() else f"\\u{ord(character):04x}"
+    return character
+
+
+# Bidirectional embeddings, overrides and isolates: they reorder what follows on screen.
+_DIRECTION_MARKS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_ECHOED = {"\\": "\\\\"}
 
 
 def error_message(error: ClassifyError) -> str:
