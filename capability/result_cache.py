@@ -192,6 +192,12 @@ class ResultCache:
         entries and return its most hit texts (at most --result-cache-warm, most hit
         first, each with the scope it was hit in) for the new one to compute."""
         self._serving[model] = digest
+        if self.enabled:
+            # Both outcomes exported from the start, at 0: a `hit` series that appears
+            # only at the first hit leaves the hit ratio (and ClassifyResultCacheHitRatioLow)
+            # empty while nothing hits at all.
+            for outcome in (CACHE_HIT, CACHE_MISS):
+                self._metrics.cache_requests.labels(model, outcome)
         dropped = [(key, entry) for key, entry in self._entries.items() if key[0] == model]
         for key, entry in dropped:
             del self._entries[key]

@@ -376,3 +376,14 @@ async def test_a_cache_hits_log_line_names_the_model_that_answered(
     for field in ("model", "model_version", "worker"):
         assert cached[field] == computed[field], field
     assert cached["model"] == MODEL
+
+
+async def test_both_cache_outcomes_are_exported_at_zero_once_a_version_serves(
+    start_capability: StartCapability,
+) -> None:
+    """The `hit` series appeared at the first hit: with nothing hitting, the hit ratio
+    had no value and ClassifyResultCacheHitRatioLow could never fire."""
+    server = await cached_server(start_capability)
+    for outcome in (CACHE_HIT, CACHE_MISS):
+        labels = {"model": MODEL, "outcome": outcome}
+        assert server.registry.get_sample_value(CACHE_REQUESTS_TOTAL, labels) == 0
