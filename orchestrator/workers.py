@@ -12,7 +12,8 @@ One Python process is one event loop: about a core of serving. With
 - passes SIGTERM (and SIGINT) on, so each worker drains as a lone server does,
   and exits once they have, killing any still there after the grace period;
 - serves one /metrics for the set: at each scrape it reads every worker's own
-  /metrics (on a loopback port each reported at start) and adds the samples up.
+  /metrics (on a loopback port each reported at start) and adds the samples up;
+  a worker's counts stay in the set's after it exits (WorkerMetrics).
 
 Each worker gets its share (1/N, rounded up) of the per-backend adaptive
 concurrency limits and of the calls in flight per capability replica
@@ -114,8 +115,10 @@ class WorkerSupervisor:
         self.port = settings.port
         self.metrics_port = 0
 
-    def worker_metrics_ports(self) -> list[int]:
-        return [w.metrics_port for w in self._workers if w.metrics_port is not None]
+    def worker_metrics_sources(self) -> list[tuple[int, int | None, int | None]]:
+        """(slot, process ID, metrics port or None until it reports ready) of each
+        worker, for WorkerMetrics."""
+        return [(w.index, w.process.pid, w.metrics_port) for w in self._workers]
 
     async def start(self) -> None:
         self._reserve_port()
@@ -243,39 +246,85 @@ def share_of(total: int, workers: int) -> int:
     return max(1, -(-total // workers))
 
 
+# One sample of the merged /metrics: (family, sample name, sorted labels).
+SampleKey = tuple[str, str, tuple[tuple[str, str], ...]]
+# Families whose samples only grow within a process: a worker that goes takes them along.
+_CUMULATIVE_TYPES = frozenset({"counter", "histogram", "summary"})
+
+
 class WorkerMetrics(Collector):
-    """The workers' own /metrics, added up sample by sample (see the module docstring)."""
+    """The workers' own /metrics, added up sample by sample (see the module docstring).
+
+    Counts do not go backwards when a worker does: the last counts of a worker that
+    exited are carried into the set's from then on, and a worker that cannot be
+    scraped (restarting, slow) counts at its last scrape. Summed over the live
+    workers only, every merged counter dipped at a restart, which Prometheus takes
+    for a reset: increase() alerts (a refused routes edit, internal errors) fired
+    with no event. Gauges are the live workers' only."""
 
     def __init__(self, supervisor: WorkerSupervisor) -> None:
         self._supervisor = supervisor
+        # Slot -> (its process, that process's cumulative samples at its last scrape).
+        self._last: dict[int, tuple[int | None, dict[SampleKey, float]]] = {}
+        # Cumulative samples of the processes that have left their slots.
+        self._carried: dict[SampleKey, float] = {}
+        self._families: dict[str, tuple[str, str]] = {}
 
     def collect(self) -> Iterator[Metric]:
+        values: dict[SampleKey, float] = dict(self._carried)
+        for slot, process, port in self._supervisor.worker_metrics_sources():
+            last = self._last.get(slot)
+            if last is not None and last[0] != process:
+                for key, value in last[1].items():  # its process was replaced
+                    self._carried[key] = self._carried.get(key, 0.0) + value
+                    values[key] = values.get(key, 0.0) + value
+                del self._last[slot]
+                last = None
+            text = None if port is None else _scrape(port)
+            if text is None:
+                for key, value in (last[1] if last is not None else {}).items():
+                    values[key] = values.get(key, 0.0) + value
+                continue
+            self._last[slot] = (process, self._merge(text, values))
         merged: dict[str, Metric] = {}
-        values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
-        for port in self._supervisor.worker_metrics_ports():
-            try:
-                url = f"http://127.0.0.1:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as answer:
-                    text = answer.read().decode()
-            except OSError:
-                continue  # a worker restarting: its counts are back at its next scrape
-            for family in text_string_to_metric_families(text):
-                merged.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type)
-                )
-                merge = merge_rule(family)
-                for sample in family.samples:
-                    key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
-                    earlier = values.get(key)
-                    if earlier is None:
-                        values[key] = sample.value
-                    elif sample.name.endswith("_created"):  # the earliest start
-                        values[key] = min(earlier, sample.value)
-                    else:
-                        values[key] = merge(earlier, sample.value)
         for (family_name, sample_name, labels), value in values.items():
+            if family_name not in merged:
+                documentation, kind = self._families[family_name]
+                merged[family_name] = Metric(family_name, documentation, kind)
             merged[family_name].add_sample(sample_name, dict(labels), value)
         yield from merged.values()
+
+    def _merge(self, text: str, values: dict[SampleKey, float]) -> dict[SampleKey, float]:
+        """Merge one worker's /metrics into `values`; return its cumulative samples."""
+        cumulative: dict[SampleKey, float] = {}
+        for family in text_string_to_metric_families(text):
+            self._families.setdefault(family.name, (family.documentation, family.type))
+            merge = merge_rule(family)
+            counts = family.type in _CUMULATIVE_TYPES
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                created = sample.name.endswith("_created")
+                if counts and not created:
+                    cumulative[key] = sample.value
+                earlier = values.get(key)
+                if earlier is None:
+                    values[key] = sample.value
+                elif created:  # the earliest start
+                    values[key] = min(earlier, sample.value)
+                else:
+                    values[key] = merge(earlier, sample.value)
+        return cumulative
+
+
+def _scrape(port: int) -> str | None:
+    """A worker's own /metrics, or None when it does not answer."""
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as answer:
+            text: str = answer.read().decode()
+    except OSError:
+        return None
+    return text
 
 
 # Samples whose sum means nothing: a start time, a per-process limit, a share (0-1).

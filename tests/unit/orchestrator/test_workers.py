@@ -40,13 +40,14 @@ def test_a_single_call_in_flight_is_not_divided_to_none() -> None:
 
 
 class _Workers:
-    """What WorkerMetrics asks of its supervisor: the workers' /metrics ports."""
+    """What WorkerMetrics asks of its supervisor: each slot's process and /metrics port
+    (None while it is not serving)."""
 
-    def __init__(self, ports: list[int]) -> None:
-        self.ports = ports
+    def __init__(self, sources: list[tuple[int, int | None, int | None]]) -> None:
+        self.sources = sources
 
-    def worker_metrics_ports(self) -> list[int]:
-        return self.ports
+    def worker_metrics_sources(self) -> list[tuple[int, int | None, int | None]]:
+        return self.sources
 
 
 def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
@@ -63,9 +64,41 @@ def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
         ports.append(server.server_port)
     try:
         merged = CollectorRegistry()
-        merged.register(WorkerMetrics(_Workers(ports)))  # type: ignore[arg-type]
+        merged.register(WorkerMetrics(_Workers([(0, 100, ports[0]), (1, 101, ports[1])])))  # type: ignore[arg-type]
         assert merged.get_sample_value(LATE_ARRIVAL_SHARE) == 0.6
         assert merged.get_sample_value("classify_things_total") == 7
     finally:
         for server in servers:
             server.shutdown()
+
+
+def test_a_workers_counts_stay_in_the_sets_after_it_exits_or_stops_answering() -> None:
+    """Summed over the live workers only, every merged counter dipped when a worker
+    was restarted (or its scrape failed), which Prometheus takes for a counter reset:
+    increase() alerts fired with no event."""
+    servers = {}
+    for name, calls in (("first", 3), ("second", 4), ("replacement", 1)):
+        registry = CollectorRegistry()
+        Counter("classify_things", "count", registry=registry).inc(calls)
+        Gauge("classify_in_flight", "now", registry=registry).set(calls)
+        servers[name], _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    port = {name: server.server_port for name, server in servers.items()}
+    workers = _Workers([(0, 100, port["first"]), (1, 101, port["second"])])
+    merged = CollectorRegistry()
+    merged.register(WorkerMetrics(workers))  # type: ignore[arg-type]
+    try:
+        assert merged.get_sample_value("classify_things_total") == 7
+        # Slot 1 restarting: its new process has not reported its port yet.
+        workers.sources = [(0, 100, port["first"]), (1, 102, None)]
+        assert merged.get_sample_value("classify_things_total") == 7
+        assert merged.get_sample_value("classify_in_flight") == 3  # gauges: live only
+        # The new process serves, counting from 0 (1 so far).
+        workers.sources = [(0, 100, port["first"]), (1, 102, port["replacement"])]
+        assert merged.get_sample_value("classify_things_total") == 8
+        # Slot 0 does not answer a scrape: it counts at its last one.
+        servers["first"].shutdown()
+        servers["first"].server_close()
+        assert merged.get_sample_value("classify_things_total") == 8
+    finally:
+        for name in ("second", "replacement"):
+            servers[name].shutdown()
