@@ -104,6 +104,7 @@ from classify_common.nodes import (
     RPC_RESPONSE_STATUS_CODE,
     RPC_SYSTEM_GRPC,
     RPC_SYSTEM_NAME,
+    current_trace,
     server_attributes,
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
@@ -148,6 +149,11 @@ class CoalescingSettings:
             raise ValueError(f"max_items {self.max_items} is not within 1..1024")
         if not 1 <= self.max_in_flight <= 64:
             raise ValueError(f"max_in_flight {self.max_in_flight} is not within 1..64")
+
+
+# The request's log-line field naming the merged call (its request ID) that carried it
+# to the capability, which logs it under that ID.
+UPSTREAM_REQUEST_ID = "upstream_request_id"
 
 
 @dataclass(eq=False)
@@ -526,11 +532,18 @@ class ReplicaCoalescer:
             if item.expires_at < latest - OWN_DEADLINE_SLACK_SECONDS
         ]
         span = self._start_shared_span(items)
+        # The capability logs the merged call under an ID of its own: each request's log
+        # line names it, so that a grep finds the capability's side of a request.
+        shared_id = new_request_id()
+        for item in items:
+            request_trace = item.context.run(current_trace)
+            if request_trace is not None:
+                request_trace.log_fields[UPSTREAM_REQUEST_ID] = shared_id
         try:
             with trace.use_span(span, end_on_exit=False):
                 metadata = (
                     *inject_context(),
-                    (REQUEST_ID_HEADER, new_request_id()),
+                    (REQUEST_ID_HEADER, shared_id),
                     _EARLY_RESULTS_ASK,
                     *self._credentials,
                 )

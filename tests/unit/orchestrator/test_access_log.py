@@ -4,6 +4,7 @@ lists are there on the outcomes an operator greps it for, not only on a plain an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -20,6 +21,7 @@ from tests.conftest import (
     LineCollector,
     StartOrchestrator,
     routes_text,
+    wait_until,
 )
 from tests.flaky_pod import FlakyPod
 from tests.status_details import refusal
@@ -89,3 +91,33 @@ async def test_a_processing_answers_line_says_the_budget_ran_out(
 
     line = rpc_line(interceptor_log, "processing-1")
     assert (line["code"], line["route"], line["timeout"]) == ("OK", "default", True)
+
+
+async def test_a_merged_calls_line_names_the_capability_call_that_carried_it(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    interceptor_log: LineCollector,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The capability logs a merged call under a request ID of its own, which no line of
+    the requests it carried named: a grep by request ID found only the front door's."""
+    server = await orchestrator_with(routes_text([f"127.0.0.1:{capability.port}"]))
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)
+    (pool,) = server.dispatcher.state.upstream.pools()
+    (worker,) = capability.pool.workers
+    async with device_occupied(worker):
+        first = asyncio.ensure_future(classify(server.port, "alone-1"))
+        await wait_until(lambda: pool.in_flight == 1, "the first call in flight")
+        merged = [asyncio.ensure_future(classify(server.port, f"merged-{n}")) for n in range(3)]
+        await wait_until(
+            lambda: sum(c.waiting for c in pool.coalescers.values()) == 3, "three gathering"
+        )
+    await asyncio.gather(first, *merged)
+
+    shared = {rpc_line(interceptor_log, f"merged-{n}")["upstream_request_id"] for n in range(3)}
+    (shared_id,) = shared
+    assert rpc_line(interceptor_log, shared_id)["items"] == 3
+    # Sent alone, under its own request ID, which both servers' lines carry.
+    alone = [json.loads(line) for line in interceptor_log.lines if '"alone-1"' in line]
+    assert len(alone) == 2
+    assert all("upstream_request_id" not in line for line in alone)
