@@ -261,11 +261,14 @@ async def capability(
 
 @contextlib.asynccontextmanager
 async def orchestrator_for(
-    capability: CapabilityServer, directory: Path, **settings: Any
+    capability: CapabilityServer, directory: Path, backend_timeout: str = "5s", **settings: Any
 ) -> AsyncIterator[OrchestratorServer]:
-    """An orchestrator of its own in front of `capability`, with test settings plus
-    `settings`, and a fresh registry; stopped when the block ends."""
-    routes = write_routes(directory / "routes.yaml", [f"127.0.0.1:{capability.port}"])
+    """An orchestrator of its own in front of `capability` (a call to it times out after
+    `backend_timeout`), with test settings plus `settings`, and a fresh registry;
+    stopped when the block ends."""
+    routes = write_routes(
+        directory / "routes.yaml", [f"127.0.0.1:{capability.port}"], backend_timeout
+    )
     server = OrchestratorServer(
         orchestrator_settings(routes_file=routes, **settings), registry=CollectorRegistry()
     )

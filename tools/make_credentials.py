@@ -52,9 +52,15 @@ def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) ->
     )
 
 
-def write_private(path: Path, text: str, owner: tuple[int, int] | None) -> None:
-    # Created 0600 from the start, never briefly readable by others.
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def write_private(
+    path: Path, text: str, owner: tuple[int, int] | None = None, *, replace: bool = False
+) -> None:
+    """Write `text` to a new file `path` (with `replace`, a new or existing one), 0600
+    from the start: written and then narrowed, it was readable by others in between,
+    and for good if stopped there."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    descriptor = os.open(path, flags, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode through O_CREAT
     with os.fdopen(descriptor, "w") as stream:
         stream.write(text)
     if owner is not None:

@@ -29,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from orchestrator.security import hash_key, new_key  # noqa: E402
+from tools.make_credentials import write_private  # noqa: E402
 
 RUN_DIR = Path(".run")
 DEFAULT_CAPABILITY_PORT = "50052"
@@ -36,15 +37,6 @@ DEFAULT_ORCHESTRATOR_PORT = "50051"
 READY_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 20.0
 EXAMPLE_TEXT = "The striker scored twice in the final minutes of the cup match"
-
-
-def write_secret(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable by its owner only from the start (write_text
-    and then chmod left it readable by all in between, and for good if stopped there)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode through O_CREAT
-    with os.fdopen(descriptor, "w") as stream:
-        stream.write(text)
 
 
 def wait_until_serving(name: str, process: subprocess.Popen[bytes], target: str) -> None:
@@ -91,8 +83,8 @@ def ensure_local_credentials() -> dict[str, str]:
     )
     if not (key_file.is_file() and keys_file.is_file()):
         key = new_key()
-        write_secret(key_file, key + "\n")
-        write_secret(
+        write_private(key_file, key + "\n", replace=True)
+        write_private(
             keys_file,
             "# Made by `make run`; add keys with `python -m orchestrator.security new-key`.\n"
             "# Tenant `local` has no rate limit. To give it one (calls per second, and\n"
@@ -101,10 +93,11 @@ def ensure_local_credentials() -> dict[str, str]:
             "#     local: {rate_per_second: 200, burst: 400}\n"
             "keys:\n"
             f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n",
+            replace=True,
         )
         print(f"created a local API key in {key_file} (the client reads it from there)")
     if not token_file.is_file():
-        write_secret(token_file, secrets.token_urlsafe(32) + "\n")
+        write_private(token_file, secrets.token_urlsafe(32) + "\n", replace=True)
     for path in (key_file, keys_file, token_file):
         path.chmod(0o600)  # made by a version that wrote them readable
     signers = RUN_DIR / "bundle-signers"  # made by `make bundles`, which signs with its key

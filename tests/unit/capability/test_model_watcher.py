@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -80,9 +81,7 @@ def logged(caplog: pytest.LogCaptureFixture, message: str, **fields: str) -> boo
 async def test_a_version_copied_in_under_a_temporary_name_loads_only_once_renamed(
     model_root: Path, tmp_path: Path, start_capability: StartCapability
 ) -> None:
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
 
     # A finished copy still under its temporary name, then a numbered version the watcher
     # refuses: the refusal shows that the watcher looked while `2.tmp` was there.
@@ -113,10 +112,7 @@ async def test_a_rollback_by_reload_model_stays_until_a_reload_of_the_newest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger=LIFECYCLE_LOGGER)
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    deploy(model_root, root, "2")
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    server, root = await watching(model_root, tmp_path, start_capability, "1", "2")
     assert await serving_version(server) == "2"
 
     rolled_back = await reload_model(server, "1")
@@ -151,10 +147,7 @@ async def test_a_refused_reload_of_the_newest_leaves_the_model_pinned(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger=LIFECYCLE_LOGGER)
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    deploy(model_root, root, "2")
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    server, root = await watching(model_root, tmp_path, start_capability, "1", "2")
     await reload_model(server, "1")
     truncate_weights(deploy(model_root, root, "3"))
 
@@ -180,9 +173,7 @@ async def test_a_numbered_folder_linked_from_outside_the_root_is_refused_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger=LIFECYCLE_LOGGER)
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(model_root / MODEL / "1", elsewhere)
     (root / MODEL / "2").symlink_to(elsewhere)
@@ -208,9 +199,7 @@ async def test_a_numbered_folder_linked_from_outside_the_root_is_refused_once(
 async def test_a_refused_version_fixed_by_a_copy_that_keeps_times_is_tried_again(
     model_root: Path, tmp_path: Path, start_capability: StartCapability
 ) -> None:
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
     good = model_root / MODEL / "1" / "head.safetensors"
     staged = deploy(model_root, root, ".2.partial")  # each file keeps its source's times
     damaged = staged / "head.safetensors"
@@ -229,19 +218,40 @@ async def test_a_refused_version_fixed_by_a_copy_that_keeps_times_is_tried_again
     assert (reloads(server, "refused"), retries(server)) == (1, 1)
 
 
-async def test_a_version_refused_for_its_warm_texts_is_tried_again_once_they_are_fixed(
-    model_root: Path, tmp_path: Path, start_capability: StartCapability
-) -> None:
+async def watching(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    *versions: str,
+    **settings: Any,
+) -> tuple[CapabilityServer, Path]:
+    """A capability server watching (every 0.1 s) a model root of its own that holds
+    `versions` of the model: the server and the root."""
     root = tmp_path / "models"
-    deploy(model_root, root, "1")
+    for version in versions:
+        deploy(model_root, root, version)
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1, **settings)
+    return server, root
+
+
+async def watched_with_warm_texts(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> tuple[CapabilityServer, Path, Path]:
+    """A watched model root serving version 1, whose model reads the warm_texts file
+    `hot.txt` (good for now): the server, the root and that file."""
     hot = tmp_path / "hot.txt"
     hot.write_text(f"{STRIKER}\n")
     config = tmp_path / "models.yaml"
     config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
     per_model = CapabilitySettings(model_config=config).with_model_config().per_model
-    server = await start_capability(
-        model_root=root, models=(MODEL,), watch_seconds=0.1, per_model=per_model
-    )
+    server, root = await watching(model_root, tmp_path, start_capability, "1", per_model=per_model)
+    return server, root, hot
+
+
+async def test_a_version_refused_for_its_warm_texts_is_tried_again_once_they_are_fixed(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    server, root, hot = await watched_with_warm_texts(model_root, tmp_path, start_capability)
     hot.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     deploy(model_root, root, "2", staged_as=".2.partial")
     await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
@@ -258,16 +268,7 @@ async def test_a_warm_texts_file_that_is_not_utf8_is_refused_and_the_watcher_goe
     start_capability: StartCapability,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    root = tmp_path / "models"
-    deploy(model_root, root, "1")
-    hot = tmp_path / "hot.txt"
-    hot.write_text(f"{STRIKER}\n")
-    config = tmp_path / "models.yaml"
-    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
-    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
-    server = await start_capability(
-        model_root=root, models=(MODEL,), watch_seconds=0.1, per_model=per_model
-    )
+    server, root, hot = await watched_with_warm_texts(model_root, tmp_path, start_capability)
 
     hot.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     deploy(model_root, root, "2", staged_as=".2.partial")

@@ -332,7 +332,7 @@ async def test_classify_tls_is_read_as_on_or_off_and_the_flag_wins(
     """`CLASSIFY_TLS=false` (anything but empty or 0) turned TLS on, and nothing could
     turn it off again."""
     monkeypatch.setenv("CLASSIFY_TLS", setting)
-    status, _, _ = await run_against(orchestrator, capsys, *flag, "--timeout", "3", STRIKER)
+    status, _, _ = await run_against(orchestrator, capsys, *flag, "--timeout", "20", STRIKER)
     assert (status == 0) is answered
 
 

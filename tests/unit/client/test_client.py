@@ -244,11 +244,20 @@ async def test_wait_follows_a_processing_answer_with_get_result_to_done(
     assert (fetched.status, fetched.trace_id) == (pb.RESULT_STATUS_DONE, pending.trace_id)
 
 
+@pytest.mark.parametrize(
+    ("budget", "kept"),
+    [("200ms", None), ("20s", "true")],
+    ids=["polled-past-the-deadline", "deadline-before-the-budget"],
+)
 async def test_wait_past_the_deadline_raises_still_processing_with_the_request_id(
-    capability: CapabilityServer, tmp_path: Path
+    capability: CapabilityServer, tmp_path: Path, budget: str, kept: str | None
 ) -> None:
+    """The client's polls run out of time (a 200 ms budget answers PROCESSING), or the
+    server answers the call DEADLINE_EXCEEDED before its budget ends, with the result
+    kept (ErrorInfo `result_kept`): that was a plain DeadlineExpired, which said
+    nothing of fetching it."""
     async with (
-        front_door(capability, tmp_path, budget="200ms") as server,
+        front_door(capability, tmp_path, budget=budget) as server,
         AsyncClassifyClient(target(server), api_key=KEY) as client,
     ):
         async with device_occupied(capability.pool.workers[0]):
@@ -259,6 +268,7 @@ async def test_wait_past_the_deadline_raises_still_processing_with_the_request_i
         grpc.StatusCode.DEADLINE_EXCEEDED,
         "late-wait-1",
     )
+    assert late.value.metadata.get("result_kept") == kept
     assert done.labels[0].name == "sports"
 
 
@@ -413,27 +423,6 @@ async def test_classify_batch_refuses_one_str_rather_than_send_each_character(ki
             TypeError, match=r"^classify_batch takes a sequence of texts, not one str"
         ):
             await classify_batch("abc")
-
-
-async def test_a_deadline_shorter_than_the_budget_raises_still_processing_from_the_server(
-    capability: CapabilityServer, tmp_path: Path
-) -> None:
-    """The server answers such a call DEADLINE_EXCEEDED with the result kept (ErrorInfo
-    `result_kept`), which was a plain DeadlineExpired: nothing said to fetch it."""
-    async with (
-        front_door(capability, tmp_path, budget="20s") as server,
-        AsyncClassifyClient(target(server), api_key=KEY) as client,
-    ):
-        async with device_occupied(capability.pool.workers[0]):
-            with pytest.raises(StillProcessing) as late:
-                await client.classify(STRIKER, request_id="kept-1", wait=True, timeout=1)
-        done = await client.get_result("kept-1", wait=True, timeout=30)
-    assert (late.value.code, late.value.request_id, late.value.metadata["result_kept"]) == (
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        "kept-1",
-        "true",
-    )
-    assert done.labels[0].name == "sports"
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)

@@ -126,10 +126,10 @@ def test_make_run_secrets_are_never_readable_by_others(
     monkeypatch.chdir(tmp_path)
     previous = os.umask(0)
     try:
-        run_stack.write_secret(tmp_path / "new", "secret\n")
+        make_credentials.write_private(tmp_path / "new", "secret\n", replace=True)
         (tmp_path / "old").write_text("before\n")
         (tmp_path / "old").chmod(0o644)
-        run_stack.write_secret(tmp_path / "old", "after\n")
+        make_credentials.write_private(tmp_path / "old", "after\n", replace=True)
     finally:
         os.umask(previous)
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o600
