@@ -54,6 +54,43 @@ def retries(server: CapabilityServer) -> float:
     return metric_sum(server.registry, RELOAD_RETRIES_TOTAL, model=MODEL)
 
 
+async def watching(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    *versions: str,
+    **settings: Any,
+) -> tuple[CapabilityServer, Path]:
+    """A capability server watching (every 0.1 s) a model root of its own that holds
+    `versions` of the model: the server and the root."""
+    root = tmp_path / "models"
+    for version in versions:
+        deploy(model_root, root, version)
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1, **settings)
+    return server, root
+
+
+async def watched_with_warm_texts(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> tuple[CapabilityServer, Path, Path]:
+    """A watched model root serving version 1, whose model reads the warm_texts file
+    `hot.txt` (good for now): the server, the root and that file."""
+    hot = tmp_path / "hot.txt"
+    hot.write_text(f"{STRIKER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server, root = await watching(model_root, tmp_path, start_capability, "1", per_model=per_model)
+    return server, root, hot
+
+
+async def loaded_at_its_one_retry(server: CapabilityServer, version: str) -> None:
+    """`version`, refused once, loads when tried again: the server's one retry."""
+    await wait_until(lambda: reloads(server, "ok") == 1, f"version {version} loaded")
+    assert await serving_version(server) == version
+    assert (reloads(server, "refused"), retries(server)) == (1, 1)
+
+
 async def serving_version(server: CapabilityServer) -> str:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         models = model_service_pb2_grpc.ModelServiceStub(channel)
@@ -191,9 +228,7 @@ async def test_a_numbered_folder_linked_from_outside_the_root_is_refused_once(
     # A folder of its own in the link's place is tried again, and loads.
     (root / MODEL / "2").unlink()
     deploy(model_root, root, "2", staged_as=".2.partial")
-    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
-    assert await serving_version(server) == "2"
-    assert (reloads(server, "refused"), retries(server)) == (1, 1)
+    await loaded_at_its_one_retry(server, "2")
 
 
 async def test_a_refused_version_fixed_by_a_copy_that_keeps_times_is_tried_again(
@@ -213,39 +248,7 @@ async def test_a_refused_version_fixed_by_a_copy_that_keeps_times_is_tried_again
     # Fixed as `cp -p` (rsync -a, tar) fixes it: written through the same file, then its
     # modification time set back. Same name, size, modification time and inode.
     shutil.copy2(good, root / MODEL / "2" / "head.safetensors")
-    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
-    assert await serving_version(server) == "2"
-    assert (reloads(server, "refused"), retries(server)) == (1, 1)
-
-
-async def watching(
-    model_root: Path,
-    tmp_path: Path,
-    start_capability: StartCapability,
-    *versions: str,
-    **settings: Any,
-) -> tuple[CapabilityServer, Path]:
-    """A capability server watching (every 0.1 s) a model root of its own that holds
-    `versions` of the model: the server and the root."""
-    root = tmp_path / "models"
-    for version in versions:
-        deploy(model_root, root, version)
-    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1, **settings)
-    return server, root
-
-
-async def watched_with_warm_texts(
-    model_root: Path, tmp_path: Path, start_capability: StartCapability
-) -> tuple[CapabilityServer, Path, Path]:
-    """A watched model root serving version 1, whose model reads the warm_texts file
-    `hot.txt` (good for now): the server, the root and that file."""
-    hot = tmp_path / "hot.txt"
-    hot.write_text(f"{STRIKER}\n")
-    config = tmp_path / "models.yaml"
-    config.write_text(f"{MODEL}:\n  warm_texts: hot.txt\n")
-    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
-    server, root = await watching(model_root, tmp_path, start_capability, "1", per_model=per_model)
-    return server, root, hot
+    await loaded_at_its_one_retry(server, "2")
 
 
 async def test_a_version_refused_for_its_warm_texts_is_tried_again_once_they_are_fixed(
@@ -257,9 +260,7 @@ async def test_a_version_refused_for_its_warm_texts_is_tried_again_once_they_are
     await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
 
     hot.write_text(f"{STRIKER}\n")
-    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
-    assert await serving_version(server) == "2"
-    assert (reloads(server, "refused"), retries(server)) == (1, 1)
+    await loaded_at_its_one_retry(server, "2")
 
 
 async def test_a_warm_texts_file_that_is_not_utf8_is_refused_and_the_watcher_goes_on(
