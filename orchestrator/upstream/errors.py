@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 from classify_common.errors import (
     DeadlineExpired,
     DeadlineUnreachable,
+    DeviceMemoryPressure,
     FieldViolation,
     InternalError,
     InvalidRequest,
@@ -27,6 +28,7 @@ from classify_common.errors import (
     ModelNotFound,
     ModelUnavailable,
     Overloaded,
+    QueueFull,
     ServiceError,
 )
 
@@ -34,6 +36,17 @@ log = logging.getLogger(__name__)
 
 # When an overloaded server sends no RetryInfo, clients wait this long.
 DEFAULT_RETRY_AFTER_SECONDS = 1.0
+
+# The capability's own overload refusals keep their reason one layer up, so the
+# orchestrator's retry and fallback counters (and the caller) tell a full queue
+# from short device memory; any other RESOURCE_EXHAUSTED is plain Overloaded.
+_OVERLOADS: dict[str, tuple[type[Overloaded], str]] = {
+    QueueFull.reason: (QueueFull, "backend {backend}'s queue is full"),
+    DeviceMemoryPressure.reason: (
+        DeviceMemoryPressure,
+        "backend {backend} is short of device memory",
+    ),
+}
 
 # What a code no capability server should answer the orchestrator says of this
 # deployment, for the error line (the caller is told only INTERNAL and its IDs).
@@ -124,9 +137,10 @@ def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> Se
             ),
             DEFAULT_RETRY_AFTER_SECONDS,
         )
-        return Overloaded(
-            f"backend {backend} is overloaded", retry_after_seconds=retry_after, **where
+        kind, message = _OVERLOADS.get(
+            _reason(details), (Overloaded, "backend {backend} is overloaded")
         )
+        return kind(message.format(backend=backend), retry_after_seconds=retry_after, **where)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         if any(
             isinstance(d, error_details_pb2.ErrorInfo) and d.reason == DeadlineUnreachable.reason

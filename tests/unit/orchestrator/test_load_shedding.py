@@ -27,11 +27,19 @@ from orchestrator.metrics import (
     CONCURRENCY_LIMITED_TOTAL,
     DEADLINE_UNREACHABLE_TOTAL,
     MODEL_FALLBACK_TOTAL,
+    UPSTREAM_RETRIES_TOTAL,
 )
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    metric_sum,
+    orchestrator_settings,
+    wait_until,
+)
 from tests.flaky_pod import FlakyPod
 from tests.status_details import error_info, metadata_dict, refusal, retry_delay_seconds
+from tests.unit.capability.test_serving import device_occupied
 
 # What the busy pod says: 800 ms of queue ahead of a new text, then 5 ms of its own.
 LONG_QUEUE = pb.LoadReport(queue_depth=400, device_busy_share=1.0)
@@ -301,3 +309,71 @@ async def test_only_calls_that_run_out_of_time_engage_the_adaptive_limit(
         pod.answering.set()
         await pod.stop()
     assert (limit < DEFAULT_CONCURRENCY.max_limit) is engages, limit
+
+
+async def test_a_full_capability_queue_keeps_its_reason_in_retries_fallbacks_and_answers(
+    capability: CapabilityServer, start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """A capability whose queue is full answers RESOURCE_EXHAUSTED with QUEUE_FULL;
+    one layer up that stays QUEUE_FULL (it was counted as a plain OVERLOADED, so the
+    dashboards could not tell a full queue from any other overload)."""
+    full = await start_capability(models=("topic-minilm",), queue_capacity=1, max_batch_size=1)
+    spare = f"127.0.0.1:{capability.port}"
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  full: {{model: topic-minilm, targets: ['127.0.0.1:{full.port}']}}\n"
+        f"  spare: {{model: topic-static, targets: ['{spare}']}}\n"
+        "routes:\n"
+        "  - name: spilling\n"
+        "    match: {header: {name: x-route, values: [spilling]}}\n"
+        "    backend: full\n"
+        "    fallback: [spare]\n"
+        "    retry: {max_attempts: 2, initial_backoff: 1ms, max_backoff: 2ms}\n"
+        "  - name: default\n"
+        "    backend: full\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+    server = await orchestrator_with(routes)
+    registry = server.registry
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            # Its load report tells the orchestrator that one text fills a batch there,
+            # so a text may go beside a call in flight instead of gathering behind it.
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+            async with device_occupied(full.pool.workers[0]):
+                # The first text takes the queue's one place (and waits for the held
+                # device); every text after it is refused by the queue.
+                held = asyncio.ensure_future(
+                    stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+                )
+                await wait_until(
+                    lambda: len(full.pool.workers[0].replicas["topic-minilm"].queue) == 1
+                )
+                refused = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=5))
+                spilled = await stub.Classify(
+                    pb.ClassifyRequest(text=STRIKER),
+                    metadata=(("x-route", "spilling"),),
+                    timeout=5,
+                )
+            assert (await held).model.name == "topic-minilm"
+    finally:
+        await server.stop(grace_seconds=0)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    info = error_info(refused)
+    assert info.reason == "QUEUE_FULL"
+    assert (info.metadata["backend"], info.metadata["upstream_code"]) == (
+        "full",
+        "RESOURCE_EXHAUSTED",
+    )
+    assert info.metadata["x-request-id"]
+    assert info.metadata["x-trace-id"]
+    assert retry_delay_seconds(refused) > 0
+    assert (spilled.fallback, spilled.model.name) == (True, "topic-static")
+    fallback = {"route": "spilling", "from": "full", "to": "spare"}
+    assert metric_sum(registry, MODEL_FALLBACK_TOTAL, **fallback, reason="QUEUE_FULL") == 1
+    assert metric_sum(registry, MODEL_FALLBACK_TOTAL, **fallback, reason="OVERLOADED") == 0
+    retried = {"route": "spilling", "backend": "full"}
+    assert metric_sum(registry, UPSTREAM_RETRIES_TOTAL, **retried, reason="QUEUE_FULL") == 1
