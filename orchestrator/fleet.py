@@ -4,8 +4,9 @@ Listing and describing go to the capability replicas; any authenticated caller
 may use them. Replicas need not agree: a fleet reload some replica refused, or
 one under way, leaves a model served at two versions, and a bundle rebuilt under
 one version at two digests. ListModels then lists the model once per version
-served, so the split shows; GetModel, whose answer holds one version, describes
-the one most replicas serve and logs the split. ReloadModel needs the
+served, so the split shows; GetModel describes the version most replicas serve,
+counts the replicas at each version in `served_versions` (and how many it asked
+and heard from), and logs the split. ReloadModel needs the
 admin role and reaches every replica of every backend that serves the model,
 so a fleet switches versions with one call; when some replica does not take
 it, the answer says how many did and why each other did not
@@ -114,7 +115,7 @@ class FleetModels:
         answered = [t for t in asked if t.done() and not t.cancelled()]
         answers = [t.result() for t in answered if t.exception() is None]
         if answers:
-            return _most_served(request.name, answers)
+            return _most_served(request.name, answers, asked=len(asked))
         errors = [error for t in answered if (error := t.exception()) is not None]
         unanswered = (ModelUnavailable, DeadlineExpired)
         raise next((e for e in errors if not isinstance(e, unanswered)), errors[-1])
@@ -183,13 +184,24 @@ async def _first_answers(asked: Sequence[asyncio.Future[Any]], straggler_seconds
 
 
 def _most_served(
-    model: str, answers: Sequence[model_pb.GetModelResponse]
+    model: str, answers: Sequence[model_pb.GetModelResponse], *, asked: int
 ) -> model_pb.GetModelResponse:
     """The answer of the version (and digest) most replicas serve, the first asked among
-    equals; a replica whose model is still loading serves none. A split is logged."""
+    equals (a replica whose model is still loading serves none), with the replicas at
+    every version and state in `served_versions`, and `asked` replicas of which
+    `answers` answered. A split is logged."""
     serving = [a for a in answers if a.model.state != model_pb.MODEL_STATE_LOADING] or answers
     counts = Counter((a.model.version, a.model.digest) for a in serving)
-    chosen = max(serving, key=lambda a: counts[(a.model.version, a.model.digest)])
+    chosen = model_pb.GetModelResponse()
+    chosen.CopyFrom(max(serving, key=lambda a: counts[(a.model.version, a.model.digest)]))
+    # Counter keeps first-seen order among equal counts: the first asked comes first.
+    at = Counter((a.model.version, a.model.digest, a.model.state) for a in answers)
+    chosen.served_versions.extend(
+        model_pb.ServedVersion(version=version, digest=digest, state=state, replicas=replicas)
+        for (version, digest, state), replicas in at.most_common()
+    )
+    chosen.replicas_asked = asked
+    chosen.replicas_answered = len(answers)
     if len(counts) > 1:
         served = ", ".join(
             f"{version} ({digest[:12]}) on {replicas}"

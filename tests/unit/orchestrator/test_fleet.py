@@ -70,6 +70,13 @@ async def test_a_fleet_split_between_versions_shows_at_the_front_door(
     [split] = [r for r in caplog.records if r.getMessage().startswith("replicas serve different")]
     digest = described.model.digest[:12]
     assert getattr(split, "served", None) == f"1 ({digest}) on 2, 2 ({digest}) on 1"
+    # The split is in the answer too, for whoever rolls the fleet forward.
+    ready = model_pb.MODEL_STATE_READY
+    assert [(v.version, v.digest, v.state, v.replicas) for v in described.served_versions] == [
+        ("1", described.model.digest, ready, 2),
+        ("2", described.model.digest, ready, 1),
+    ]
+    assert (described.replicas_asked, described.replicas_answered) == (3, 3)
 
 
 async def test_replicas_that_agree_are_one_model_at_the_front_door(
@@ -89,6 +96,9 @@ async def test_replicas_that_agree_are_one_model_at_the_front_door(
 
     assert [(m.name, m.version) for m in listed.models] == [(MODEL, "2")]
     assert described.model.version == "2"
+    [served] = described.served_versions
+    assert (served.version, served.state, served.replicas) == ("2", model_pb.MODEL_STATE_READY, 2)
+    assert (described.replicas_asked, described.replicas_answered) == (2, 2)
 
 
 class HeldReplica(model_service_pb2_grpc.ModelServiceServicer):
@@ -142,6 +152,9 @@ async def test_get_model_does_not_wait_for_a_replica_that_does_not_answer(
             described = await models.GetModel(model_pb.GetModelRequest(name=MODEL), timeout=15)
         assert held.asked == 1
         assert described.model.version == "1"
+        # The frozen replica was asked and is in no entry.
+        assert [(v.version, v.replicas) for v in described.served_versions] == [("1", 1)]
+        assert (described.replicas_asked, described.replicas_answered) == (2, 1)
     finally:
         held.release.set()
         await server.stop(grace=0)
