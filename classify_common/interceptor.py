@@ -91,6 +91,20 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 log = logging.getLogger(__name__)
 
+# The message a handler's task is cancelled with when the server's grace runs out
+# (RequestLifecycleInterceptor.cut_off_calls).
+CUT_OFF_MESSAGE = "the server's grace period is over"
+
+
+def is_cut_off(cancelled: asyncio.CancelledError) -> bool:
+    """Whether `cancelled` is the server cutting its call off at the end of a stop's
+    grace, not the caller leaving. A handler that catches it, answers at once and
+    uncancels its task is answered as it says (ClassifyBatch: the items done, and the
+    others SERVER_DRAINING each); one that lets it through is answered SERVER_DRAINING.
+    """
+    return CUT_OFF_MESSAGE in cancelled.args
+
+
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 RawBehavior = Callable[[bytes, grpc.aio.ServicerContext[Any, Any]], Awaitable[bytes]]
 
@@ -153,10 +167,10 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         """Answer every call still in its handler SERVER_DRAINING, with its request and
         trace IDs, now: the server's grace is running out, and gRPC would otherwise
         cancel them itself, answering UNAVAILABLE "Cancelling all calls" with neither.
-        Returns how many calls it cut off."""
+        A handler may answer instead (see is_cut_off). Returns how many calls it cut off."""
         self._cutting_off = True
         for task in self._in_handlers:
-            task.cancel()
+            task.cancel(CUT_OFF_MESSAGE)
         return len(self._in_handlers)
 
     async def intercept_service(

@@ -33,10 +33,12 @@ from classify_common.errors import (
     DeadlineExpired,
     FieldViolation,
     InvalidRequest,
+    ServerDraining,
     ServiceError,
     internal_error,
 )
 from classify_common.intake import item_status
+from classify_common.interceptor import is_cut_off
 from classify_common.logs import log_event
 from classify_common.nodes import (
     ANSWER_DUE,
@@ -101,38 +103,46 @@ def refuse_repeated_request_ids(
 
 # What an item not answered when its call's answer is due is answered.
 _ANSWER_DUE = DeadlineExpired("the call's deadline came before this item was answered")
+# What an item not answered when the server's grace runs out is answered: the caller
+# sends it again (to another orchestrator), and only it.
+_CUT_OFF = ServerDraining("the server stopped before this item was answered; send it again")
 
 
 def answer_unstarted(
     results: Sequence[pb.ClassifyBatchResult],
     items: Sequence[pb.ClassifyRequest],
     call_ids: RequestContext,
+    *,
+    cut_off: bool = False,
 ) -> None:
-    """Answer DEADLINE_EXCEEDED each item whose task was cancelled before it ever ran
-    (the call's answer was due at once), so that every item has an outcome."""
+    """Answer each item whose task was cancelled before it ever ran, so that every item
+    has an outcome: DEADLINE_EXCEEDED (the call's answer was due at once), or
+    SERVER_DRAINING when the server cut the call off (`cut_off`)."""
+    error = _CUT_OFF if cut_off else _ANSWER_DUE
     for result, item in zip(results, items, strict=True):
         if result.WhichOneof("outcome") is None:
             own = item.request_id if is_valid_request_id(item.request_id) else ""
-            status = item_status(_ANSWER_DUE, own or new_request_id(), call_ids.trace_id)
+            status = item_status(error, own or new_request_id(), call_ids.trace_id)
             result.error.CopyFrom(status)
 
 
-async def answer_items_by(items: asyncio.Future[Any], seconds: float) -> bool:
-    """Wait up to `seconds` for every item of a call (`items`, their gather); True when
-    all were answered in time.
+async def answer_items_by(items: asyncio.Future[Any], seconds: float | None) -> bool:
+    """Wait up to `seconds` (None: for as long as they take) for every item of a call
+    (`items`, their gather); True when all were answered in time.
 
     Past it, the items still running are cancelled with ANSWER_DUE: each answers
     DEADLINE_EXCEEDED with its IDs (classify_item), and its spans and latency say
     DEADLINE_EXCEEDED, a time-out, not CANCELLED, a caller gone. When the call itself
-    is cancelled meanwhile (its caller went, the server stops), so are the items,
-    plainly. Either way every item task has ended when this returns or raises."""
+    is cancelled meanwhile (its caller went, the server stops), so are the items, with
+    the same message (so each item cut off by the server says so: classify_item).
+    Either way every item task has ended when this returns or raises."""
     # NOTE: not even a wait of 0 when none is left: the items would start meanwhile, and
     # a call of 1,000 items due at once would be answered late, cancelling them.
-    if seconds > 0 and not items.done():
+    if (seconds is None or seconds > 0) and not items.done():
         try:
             await asyncio.wait((items,), timeout=seconds)
-        except asyncio.CancelledError:
-            items.cancel()
+        except asyncio.CancelledError as cancelled:
+            items.cancel(*cancelled.args[:1])
             await asyncio.wait((items,))
             raise
     if items.done():
@@ -226,10 +236,13 @@ async def classify_item(
         result.error.CopyFrom(item_status(error, ids.request_id, trace_id))
     except asyncio.CancelledError as cancelled:
         # The call's answer is due (its deadline, less the time its items take to be
-        # answered: answer_items_by), or its caller has gone: this item says so with
-        # its own IDs.
-        failure = cancelled
-        result.error.CopyFrom(item_status(_ANSWER_DUE, ids.request_id, trace_id))
+        # answered: answer_items_by), the server's grace is over, or its caller has
+        # gone: this item says so with its own IDs.
+        cut_off = is_cut_off(cancelled)
+        # Its span: SERVER_DRAINING, or DEADLINE_EXCEEDED read from the cancellation.
+        failure = _CUT_OFF if cut_off else cancelled
+        answered = _CUT_OFF if cut_off else _ANSWER_DUE
+        result.error.CopyFrom(item_status(answered, ids.request_id, trace_id))
         raise
     except Exception:
         # As the request lifecycle answers a bug in a single call: the IDs for the

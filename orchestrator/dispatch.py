@@ -44,6 +44,7 @@ from classify_common.errors import (
     internal_error,
 )
 from classify_common.intake import current_batch_intake
+from classify_common.interceptor import is_cut_off
 from classify_common.nodes import (
     CLASSIFY_ROUTE,
     CLASSIFY_RULES_VERSION,
@@ -218,17 +219,28 @@ class Dispatcher:
         # When this call is cancelled (its caller left, the server stopped), Python
         # 3.11's gather ends as an error nobody reads, and asyncio logs it as such.
         items.add_done_callback(_read_outcome)
-        if client_remaining is None:
-            await items
-        else:
+        due = None
+        if client_remaining is not None:
             due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
             due -= BATCH_ANSWER_SECONDS_PER_ITEM * len(results)
-            # Past it, the items not yet answered are cancelled, and each answers
+            due = max(due, 0.0)
+        try:
+            # Past `due`, the items not yet answered are cancelled, and each answers
             # DEADLINE_EXCEEDED as it is (batch_items.classify_item), so the call's
             # answer carries every item.
-            if not await answer_items_by(items, max(due, 0.0)):
+            if not await answer_items_by(items, due):
                 # An item cancelled before its task first ran has no answer yet.
                 answer_unstarted(results, request.items, ids)
+        except asyncio.CancelledError as cancelled:
+            if not is_cut_off(cancelled):
+                raise  # the caller has gone: nobody reads an answer
+            # The server's grace is over: the items answered keep their answers, and
+            # each other one says SERVER_DRAINING, so the caller sends only those again
+            # (answered whole, it sent every item again). Answered now, not cancelled.
+            answer_unstarted(results, request.items, ids, cut_off=True)
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
         request_trace = current_trace()
         if request_trace is not None:
             failed = sum(1 for result in results if result.HasField("error"))

@@ -34,6 +34,7 @@ from orchestrator.server import OrchestratorServer
 from tests.conftest import (
     STRIKER,
     LineCollector,
+    StartCapability,
     StartOrchestrator,
     closed_port,
     metric_sum,
@@ -472,9 +473,10 @@ async def test_a_batch_cut_off_by_the_server_stopping_leaves_no_unread_error(
         )
         (pool,) = server.dispatcher.state.upstream.pools()
         await wait_until(lambda: pool.in_flight == 4, "the items in flight")
-        # Stopped in the background, while the call is read.
+        # Stopped in the background, while the call is read. Cut off at once, it is
+        # answered per item or, when gRPC's own cancel comes first, as a whole.
         stopping = asyncio.ensure_future(server.stop(grace_seconds=0))
-        with pytest.raises(grpc.aio.AioRpcError):
+        with contextlib.suppress(grpc.aio.AioRpcError):
             await call
     await stopping
     gc.collect()
@@ -482,9 +484,8 @@ async def test_a_batch_cut_off_by_the_server_stopping_leaves_no_unread_error(
     assert "never retrieved" not in caplog.text
 
 
-@pytest.mark.parametrize("method", ["Classify", "ClassifyBatch"])
 async def test_calls_still_in_flight_when_the_grace_ends_are_answered_with_their_ids(
-    capability: CapabilityServer, tmp_path: Path, method: str
+    capability: CapabilityServer, tmp_path: Path
 ) -> None:
     """gRPC cancels what is left when a stop's grace ends, answering UNAVAILABLE
     "Cancelling all calls" with no IDs; the server answers them first, SERVER_DRAINING
@@ -495,15 +496,7 @@ async def test_calls_still_in_flight_when_the_grace_ends_are_answered_with_their
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-        call = (
-            stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="held-1"), timeout=30)
-            if method == "Classify"
-            else stub.ClassifyBatch(
-                pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
-                metadata=(("x-request-id", "held-1"),),
-                timeout=30,
-            )
-        )
+        call = stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="held-1"), timeout=30)
         (pool,) = server.dispatcher.state.upstream.pools()
         await wait_until(lambda: pool.in_flight >= 1, "the call in flight")
         stopping = asyncio.ensure_future(server.stop(grace_seconds=0.5))  # as above
@@ -513,6 +506,57 @@ async def test_calls_still_in_flight_when_the_grace_ends_are_answered_with_their
     assert error_reason(cut_off) == "SERVER_DRAINING"
     assert trailers_of(cut_off)["x-request-id"] == "held-1"
     assert len(trailers_of(cut_off)["x-trace-id"]) == 32
+
+
+async def test_a_batch_cut_off_by_the_grace_keeps_its_answers_and_names_the_items_cut_off(
+    capability: CapabilityServer,
+    start_capability: StartCapability,
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    """One item answered, one held on a replica when the grace ends: the call is
+    answered, the first item with its result and the other SERVER_DRAINING with its
+    IDs, so the caller sends that one again. It was answered SERVER_DRAINING whole,
+    losing the answered item."""
+    held = await start_capability(models=("topic-minilm",))
+    server = await orchestrator_with(
+        "version: 1\n"
+        "backends:\n"
+        f"  quick: {{model: topic-static, targets: ['127.0.0.1:{capability.port}']}}\n"
+        f"  held: {{model: topic-minilm, targets: ['127.0.0.1:{held.port}'], timeout: 60s}}\n"
+        "routes:\n"
+        "  - name: quick\n"
+        "    match: {model: topic-static}\n"
+        "    backend: quick\n"
+        "  - name: default\n"
+        "    backend: held\n"
+    )
+    held_pool = next(
+        p for p in server.dispatcher.state.upstream.pools() if p.backend.name == "held"
+    )
+    items = [
+        pb.ClassifyRequest(text=STRIKER, model="topic-static", request_id="quick-1"),
+        pb.ClassifyRequest(text=STRIKER, request_id="held-1"),
+    ]
+    async with (
+        device_occupied(held.pool.workers[0]),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        call = stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
+        await wait_until(lambda: held_pool.in_flight == 1, "the held item in flight")
+        stopping = asyncio.ensure_future(server.stop(grace_seconds=0.5))
+        answer = await call
+        await asyncio.wait_for(stopping, timeout=30)
+    answered, cut_off = answer.results
+    assert (answered.response.request_id, answered.response.model.name) == (
+        "quick-1",
+        "topic-static",
+    )
+    assert cut_off.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    info = item_error_info(cut_off.error)
+    assert info.reason == "SERVER_DRAINING"
+    assert info.metadata["x-request-id"] == "held-1"
+    assert len(info.metadata["x-trace-id"]) == 32
 
 
 async def test_a_stop_does_not_wait_for_upstream_calls_whose_callers_are_gone(
