@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -276,13 +277,14 @@ class Dispatcher:
             return await asyncio.wait_for(asyncio.shield(work), timeout=max(wait, 0))
         except TimeoutError:
             pending = self._processing_response(route, ids)
-            if not await self.results.hold(ids.request_id, pending):
+            token = await self.results.hold(ids.request_id, pending)
+            if token is None:
                 return await self._answer_unstored(work, call)
             request_trace = current_trace()
             if request_trace is not None:
                 # The work goes on: its spans end later, marked, and are still exported.
                 request_trace.mark_timed_out()
-            self._store_when_done(work, ids)
+            self._store_when_done(work, ids, token)
             if client_remaining is not None and wait < route.budget_seconds:
                 # `result_kept`: the work goes on and GetResult will have its result,
                 # which a client tells from a deadline that ended the work.
@@ -294,7 +296,7 @@ class Dispatcher:
             self._metrics.processing.labels(route.name).inc()
             return pending
         except asyncio.CancelledError:
-            self._store_when_done(work, ids, hold_first=self._processing_response(route, ids))
+            self._store_when_done(work, ids, None, self._processing_response(route, ids))
             raise
 
     async def _answer_unstored(
@@ -332,14 +334,20 @@ class Dispatcher:
         self,
         work: asyncio.Task[pb.ClassifyResponse],
         ids: RequestContext,
+        token: str | None,
         hold_first: pb.ClassifyResponse | None = None,
     ) -> None:
-        """Store the work's outcome for GetResult once it is done (holding its place
-        first when `hold_first` is the pending answer), off the caller's path."""
+        """Store the work's outcome for GetResult once it is done, in the place `token`
+        holds (holding it first when `hold_first` is the pending answer), off the
+        caller's path."""
 
         async def store() -> None:
-            if hold_first is not None and not await self.results.hold(ids.request_id, hold_first):
+            held = token
+            if hold_first is not None:
+                held = await self.results.hold(ids.request_id, hold_first)
+            if held is None:
                 return  # nowhere to keep it; the store counted why
+            finish = functools.partial(self.results.finish, ids.request_id, held)
             await asyncio.wait([work])
             if work.cancelled():
                 # The server stopped with the work unfinished (close()): the held
@@ -350,22 +358,20 @@ class Dispatcher:
                     "send the call again",
                     result_trace_id=ids.trace_id,
                 )
-                await self.results.finish(ids.request_id, error=stopped)
+                await finish(error=stopped)
                 return
             error = work.exception()
             if error is None:
-                await self.results.finish(ids.request_id, response=work.result())
+                await finish(response=work.result())
             elif isinstance(error, ServiceError):
                 # A poll is a call of its own, in a trace of its own: the error it is
                 # answered with names the trace the failure happened in.
                 failed = error.with_context(result_trace_id=ids.trace_id)
-                await self.results.finish(ids.request_id, error=failed)
+                await finish(error=failed)
             else:
                 log.error("unhandled error", exc_info=error, extra={"request_id": ids.request_id})
                 self._on_internal_error()
-                await self.results.finish(
-                    ids.request_id, error=internal_error(ids.request_id, ids.trace_id)
-                )
+                await finish(error=internal_error(ids.request_id, ids.trace_id))
 
         task = asyncio.get_running_loop().create_task(store())
         self._storing.add(task)

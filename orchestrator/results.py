@@ -17,6 +17,11 @@ runs in, orchestrator.security.gate.current_caller). Another tenant's poll is
 answered exactly as an unknown ID is, so request IDs cannot be probed across
 tenants, and two tenants that pick the same request ID keep two results.
 
+A later call that reuses a request ID replaces the earlier one's entry, even
+while the earlier one is still running: `hold` hands each call a token, and
+`finish` writes only into the entry its own token names, so the earlier call's
+outcome, arriving later, cannot answer a poll for the later one.
+
 Two stores keep that contract: `LocalResultStore` in this process (the
 default), and orchestrator.state.RedisResultStore, shared by every
 orchestrator process that uses the same Redis, so a poll may land on any of
@@ -25,6 +30,7 @@ them.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,18 +49,21 @@ class ResultStore(Protocol):
     """Results kept for GetResult, by tenant and request ID: each method acts for
     `result_owner()`, the tenant of the call it runs in."""
 
-    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
-        """Keep a place for a result that is still being computed; False when the
-        store could not take it (the caller must then answer some other way)."""
+    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> str | None:
+        """Keep a place for a result that is still being computed, in place of any
+        earlier call's under the same ID; the token that `finish` needs, or None when
+        the store could not take it (the caller must then answer some other way)."""
         ...
 
     async def finish(
         self,
         request_id: str,
+        token: str,
         response: pb.ClassifyResponse | None = None,
         error: ServiceError | None = None,
     ) -> None:
-        """Store the outcome, if a place is still held for it."""
+        """Store the outcome, if the place `token` names (hold's) is still held for it:
+        not when it has expired, been pushed out, or been taken by a later call."""
         ...
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
@@ -82,6 +91,11 @@ def without_traceback(error: ServiceError | None) -> ServiceError | None:
     return error
 
 
+def new_hold_token() -> str:
+    """The token of one call's place in a store (see ResultStore.hold)."""
+    return secrets.token_hex(8)
+
+
 def result_not_found(request_id: str) -> ResultNotFound:
     return ResultNotFound(
         f"no result is stored for request {request_id!r} (unknown or expired)",
@@ -92,6 +106,7 @@ def result_not_found(request_id: str) -> ResultNotFound:
 @dataclass
 class _Entry:
     expires_at: float
+    token: str  # the holding call's (ResultStore.hold)
     pending: pb.ClassifyResponse  # what GetResult says while the work runs
     response: pb.ClassifyResponse | None = None
     error: ServiceError | None = None
@@ -123,17 +138,18 @@ class LocalResultStore:
     def held_by(self, tenant: str) -> int:
         return len(self._by_tenant.get(tenant, ()))
 
-    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
+    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> str | None:
         tenant = result_owner()
         self._remove(tenant, request_id)
         self._drop_expired()
-        entry = _Entry(expires_at=self._clock() + self._ttl, pending=pending)
+        token = new_hold_token()
+        entry = _Entry(expires_at=self._clock() + self._ttl, token=token, pending=pending)
         self._by_tenant.setdefault(tenant, OrderedDict())[request_id] = entry
         self._order[tenant, request_id] = None
         while len(self._order) > self._capacity:
             self._remove(*self._eviction_victim())
             self.dropped += 1  # a result still kept, not an expired one
-        return True
+        return token
 
     def _drop_expired(self) -> None:
         """Let go of the expired entries, oldest first (all entries live equally long, so
@@ -166,11 +182,12 @@ class LocalResultStore:
     async def finish(
         self,
         request_id: str,
+        token: str,
         response: pb.ClassifyResponse | None = None,
         error: ServiceError | None = None,
     ) -> None:
         entry = self._entry(result_owner(), request_id)
-        if entry is not None:
+        if entry is not None and entry.token == token:
             entry.response, entry.error = response, without_traceback(error)
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:

@@ -2,9 +2,11 @@
 
 The same contract as orchestrator.results.LocalResultStore, with the capacity
 and TTL across all processes: holding a result is one script (set the value
-with its TTL, index it, and past the capacity drop an expired result or the
-oldest of the tenant holding the most), finishing one is a SET that keeps the
-TTL and only replaces a value still there, and a poll is one GET. A result is
+with its TTL and its holding call's token, index it, and past the capacity
+drop an expired result or the oldest of the tenant holding the most),
+finishing one is a script that keeps the TTL and replaces the value only while
+it is there and the token is still the finishing call's (a later call with the
+same request ID took it over otherwise), and a poll is one GET. A result is
 keyed by its tenant and request ID (see result_key), as the local store keeps
 it.
 
@@ -29,10 +31,14 @@ from classify_common.errors import (
     ServiceError,
     StateUnavailable,
 )
-from orchestrator.results import result_not_found, result_owner
+from orchestrator.results import new_hold_token, result_not_found, result_owner
 from orchestrator.state.connection import KEY_PREFIX, RedisState
 
 RESULT_PREFIX = KEY_PREFIX + "result:"
+# Beside each result, the token of the call holding it (orchestrator.results). A key of
+# its own, not a part of the value, so orchestrators of the last version, sharing the
+# Redis during a rolling upgrade, still read every value.
+RESULT_TOKEN_PREFIX = KEY_PREFIX + "result-token:"
 RESULTS_INDEX = KEY_PREFIX + "results"
 TENANT_COUNTS = KEY_PREFIX + "results-by-tenant"
 TENANT_INDEX_PREFIX = KEY_PREFIX + "results:"
@@ -42,8 +48,9 @@ PENDING, DONE, ERROR = b"P", b"D", b"E"
 log = logging.getLogger(__name__)
 
 # KEYS[1] the result, KEYS[2] the index, KEYS[3] the tenants' counts, KEYS[4] this
-# tenant's index. ARGV: index member (result_key), value, TTL (ms), capacity, result
-# key prefix, tenant index prefix, tenant. Server time, so orchestrators' clocks need
+# tenant's index, KEYS[5] the result's token. ARGV: index member (result_key), value,
+# TTL (ms), capacity, result key prefix, tenant index prefix, tenant, token, token key
+# prefix. Server time, so orchestrators' clocks need
 # not agree. Expired members leave every index first; past the capacity, the oldest
 # result of the tenant holding the most goes (orchestrator.results says why).
 # NOTE: the keys of other tenants and of dropped results are built here, not passed in
@@ -65,6 +72,7 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - tt
   forget(member, string.match(member, '^(.*)/[^/]*$'))
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
+redis.call('SET', KEYS[5], ARGV[8], 'PX', ttl_ms)
 redis.call('ZADD', KEYS[2], now_ms, ARGV[1])
 if redis.call('ZADD', KEYS[4], now_ms, ARGV[1]) == 1 then
   redis.call('ZINCRBY', KEYS[3], 1, ARGV[7])
@@ -85,7 +93,7 @@ while redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[4]) and dropped < 64 do
   end
   if victim then
     forget(victim, owner)
-    redis.call('DEL', ARGV[5] .. victim)
+    redis.call('DEL', ARGV[5] .. victim, ARGV[9] .. victim)
   else  -- counted but holding none (indexes an older version left)
     redis.call('ZREM', KEYS[3], largest)
   end
@@ -95,6 +103,21 @@ redis.call('PEXPIRE', KEYS[2], ttl_ms)
 redis.call('PEXPIRE', KEYS[3], ttl_ms)
 redis.call('PEXPIRE', KEYS[4], ttl_ms)
 return dropped
+"""
+
+
+# KEYS[1] the result, KEYS[2] its token; ARGV[1] the finishing call's token, ARGV[2]
+# the value. 1: written; 0: the result is gone; -1: a later call holds it. A result
+# without a token (held by the last version) is written as that version did.
+_FINISH = """
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then
+  return -1
+end
+if redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL') then
+  return 1
+end
+return 0
 """
 
 
@@ -108,23 +131,27 @@ class RedisResultStore:
         self._capacity = capacity
         self._ttl_ms = int(ttl_seconds * 1000)
         self._hold_script = state.client.register_script(_HOLD)
+        self._finish_script = state.client.register_script(_FINISH)
 
-    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> bool:
+    async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> str | None:
         tenant = result_owner()
         member = result_key(tenant, request_id)
         keys = [RESULT_PREFIX + member, RESULTS_INDEX, TENANT_COUNTS, TENANT_INDEX_PREFIX + tenant]
+        keys.append(RESULT_TOKEN_PREFIX + member)
         value = PENDING + pending.SerializeToString()
+        token = new_hold_token()
         args: list[bytes | str | int] = [member, value, self._ttl_ms, self._capacity]
-        args += [RESULT_PREFIX, TENANT_INDEX_PREFIX, tenant]
+        args += [RESULT_PREFIX, TENANT_INDEX_PREFIX, tenant, token, RESULT_TOKEN_PREFIX]
         try:
             await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
         except StateUnavailable:
-            return False
-        return True
+            return None
+        return token
 
     async def finish(
         self,
         request_id: str,
+        token: str,
         response: pb.ClassifyResponse | None = None,
         error: ServiceError | None = None,
     ) -> None:
@@ -133,11 +160,11 @@ class RedisResultStore:
         else:
             assert response is not None, "finish needs a response or an error"
             value = DONE + response.SerializeToString()
-        key = RESULT_PREFIX + result_key(result_owner(), request_id)
-        client = self._state.client
+        member = result_key(result_owner(), request_id)
+        keys = [RESULT_PREFIX + member, RESULT_TOKEN_PREFIX + member]
         try:
             written = await self._state.run(
-                "result_finish", lambda: client.set(key, value, xx=True, keepttl=True)
+                "result_finish", lambda: self._finish_script(keys=keys, args=[token, value])
             )
         except StateUnavailable:
             log.warning(
@@ -145,7 +172,9 @@ class RedisResultStore:
                 extra={"request_id": request_id},
             )
             return
-        if not written:  # SET XX found no entry to replace
+        if written == -1:  # a later call with this request ID holds the place: its own
+            return
+        if not written:  # the result is gone
             log.warning(
                 "result not stored: its entry is gone (expired, pushed out past "
                 "--results-capacity, or lost by Redis: restarted empty, flushed, evicted)",

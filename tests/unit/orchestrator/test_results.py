@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,24 +20,35 @@ from orchestrator.results import LocalResultStore
 from orchestrator.security import gate
 from orchestrator.security.keys import Caller
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    metric_sum,
+    orchestrator_settings,
+    wait_until,
+)
 from tests.flaky_pod import FlakyPod
 from tests.status_details import error_info, error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
+
+PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
+SHARES = "Shares fell sharply after the bank cut its profit forecast"
 
 
 async def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() -> None:
     now = [0.0]
     store = LocalResultStore(capacity=2, ttl_seconds=10, clock=lambda: now[0])
     pending = pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_PROCESSING)
-    assert await store.hold("a", pending)
+    held_a = await store.hold("a", pending)
+    assert held_a is not None
     assert (await store.get("a")).status == pb.RESULT_STATUS_PROCESSING
     done = pb.ClassifyResponse(request_id="a", status=pb.RESULT_STATUS_DONE)
-    await store.finish("a", response=done)
+    await store.finish("a", held_a, response=done)
     assert (await store.get("a")).status == pb.RESULT_STATUS_DONE
 
-    await store.hold("b", pending)
-    await store.finish("b", error=ModelUnavailable("backend down"))
+    held_b = await store.hold("b", pending)
+    assert held_b is not None
+    await store.finish("b", held_b, error=ModelUnavailable("backend down"))
     with pytest.raises(ModelUnavailable):
         await store.get("b")
 
@@ -47,9 +59,24 @@ async def test_store_keeps_pending_then_final_results_within_capacity_and_ttl() 
     now[0] = 10.0  # "b" and "c" expire
     with pytest.raises(ResultNotFound):
         await store.get("c")
-    await store.finish("never-held", response=pending)  # an outcome nobody waits for
+    await store.finish("never-held", "token", response=pending)  # nobody waits for it
     with pytest.raises(ResultNotFound):
         await store.get("never-held")
+
+
+async def test_a_later_call_with_the_same_request_id_keeps_its_place_from_the_earlier() -> None:
+    """The earlier call's outcome, ready while the later one still runs, wrote into the
+    later one's place: a poll for the later call got the earlier call's labels."""
+    store = LocalResultStore(capacity=10, ttl_seconds=10)
+    earlier = await store.hold("r", pb.ClassifyResponse(trace_id="1", status=PROCESSING))
+    later = await store.hold("r", pb.ClassifyResponse(trace_id="2", status=PROCESSING))
+    assert earlier is not None
+    assert later is not None
+    assert earlier != later
+    await store.finish("r", earlier, response=pb.ClassifyResponse(trace_id="1", status=DONE))
+    assert ((await store.get("r")).trace_id, (await store.get("r")).status) == ("2", PROCESSING)
+    await store.finish("r", later, response=pb.ClassifyResponse(trace_id="2", status=DONE))
+    assert ((await store.get("r")).trace_id, (await store.get("r")).status) == ("2", DONE)
 
 
 @contextlib.contextmanager
@@ -156,6 +183,59 @@ async def test_budget_exceeded_answers_processing_then_get_result_returns_the_re
     assert error_reason(unknown.value) == "RESULT_NOT_FOUND"
 
 
+async def test_a_poll_for_a_reused_request_id_never_gets_the_earlier_calls_result(
+    capability: CapabilityServer, start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """Two calls with one request ID, both PROCESSING, each on a replica of its own:
+    the earlier one's result, ready first, was what polls for the later one got."""
+    other = await start_capability(models=("topic-minilm",))
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  one: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}'], timeout: 30s}}\n"
+        f"  two: {{model: topic-minilm, targets: ['127.0.0.1:{other.port}'], timeout: 30s}}\n"
+        "routes:\n"
+        "  - name: second\n"
+        "    match: {header: {name: x-route, values: [two]}}\n"
+        "    backend: two\n"
+        "    budget: 100ms\n"
+        "  - name: default\n"
+        "    backend: one\n"
+        "    budget: 100ms\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, routes_poll_seconds=0),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(other.pool.workers[0]):
+                async with device_occupied(capability.pool.workers[0]):
+                    earlier = await stub.Classify(
+                        pb.ClassifyRequest(text=SHARES, request_id="reused-1")
+                    )
+                    later = await stub.Classify(
+                        pb.ClassifyRequest(text=STRIKER, request_id="reused-1"),
+                        metadata=(("x-route", "two"),),
+                    )
+                # The earlier call's work is done (its replica is free again), and its
+                # outcome stored; the later one's is still held.
+                pools = server.dispatcher.state.upstream.pools()
+                one = next(p for p in pools if p.backend.name == "one")
+                await wait_until(lambda: one.in_flight == 0, "the earlier call's work done")
+                await asyncio.sleep(0.2)
+                polled = await stub.GetResult(pb.GetResultRequest(request_id="reused-1"))
+            done = await poll_until_done(stub, "reused-1")
+    finally:
+        await server.stop(grace_seconds=0)
+    assert (earlier.status, later.status) == (PROCESSING, PROCESSING)
+    assert (polled.status, polled.trace_id) == (PROCESSING, later.trace_id)
+    assert (done.trace_id, done.labels[0].name) == (later.trace_id, "sports")
+
+
 async def test_client_deadline_first_is_deadline_exceeded_but_the_result_is_kept(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
@@ -193,7 +273,8 @@ async def test_a_stored_error_keeps_no_traceback_and_so_no_request() -> None:
     """The frames of a traceback hold the call's request, its text up to 100,000
     characters, for as long as the result is kept."""
     store = LocalResultStore(capacity=10, ttl_seconds=10)
-    await store.hold("r", pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING))
+    held = await store.hold("r", pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING))
+    assert held is not None
 
     def fail(request: pb.ClassifyRequest) -> None:
         try:
@@ -204,7 +285,7 @@ async def test_a_stored_error_keeps_no_traceback_and_so_no_request() -> None:
     try:
         fail(pb.ClassifyRequest(text="x" * 100_000))
     except ModelUnavailable as error:
-        await store.finish("r", error=error)
+        await store.finish("r", held, error=error)
     with pytest.raises(ModelUnavailable) as stored:
         await store.get("r")
     # Raised again by get(): only get()'s own frame is on it now, and nothing before.

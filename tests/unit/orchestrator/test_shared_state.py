@@ -275,23 +275,47 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
 ) -> None:
     store = RedisResultStore(redis_state, capacity=2, ttl_seconds=60)
     pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
+    held = {}
     for request_id in ("e", "f", "g"):  # capacity 2: "e", the oldest, is dropped
-        assert await store.hold(request_id, pending)
+        token = await store.hold(request_id, pending)
+        assert token is not None
+        held[request_id] = token
     refused = QueueFull("the queue is full", retry_after_seconds=0.25, model="m")
-    await store.finish("g", error=refused)
+    await store.finish("g", held["g"], error=refused)
     with pytest.raises(QueueFull) as stored:
         await store.get("g")
     assert status_for(stored.value) == status_for(refused)
-    await store.finish("e", response=pending)  # dropped: not written back, and said so
+    await store.finish("e", held["e"], response=pending)  # dropped: not written, and said so
     assert "result not stored: its entry is gone" in caplog.text
     # Outside a call the tenant is the anonymous one; keys name tenant and request.
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
     assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
+    # The dropped result's token went with it.
+    assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/e") == ":0"
+    assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/g") == ":1"
     redis_server.stop()
-    assert not await store.hold("h", pending)
+    assert await store.hold("h", pending) is None
     with pytest.raises(StateUnavailable):
         await store.get("f")
+
+
+async def test_a_later_call_with_the_same_request_id_keeps_its_place_in_redis(
+    redis_state: RedisState, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As in the local store: the earlier call's outcome does not answer the later's
+    polls (nor is it logged as lost: it was replaced, as documented)."""
+    store = RedisResultStore(redis_state, capacity=10, ttl_seconds=60)
+    processing, done = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
+    earlier = await store.hold("r", pb.ClassifyResponse(trace_id="1", status=processing))
+    later = await store.hold("r", pb.ClassifyResponse(trace_id="2", status=processing))
+    assert earlier is not None
+    assert later is not None
+    await store.finish("r", earlier, response=pb.ClassifyResponse(trace_id="1", status=done))
+    assert ((await store.get("r")).trace_id, (await store.get("r")).status) == ("2", processing)
+    await store.finish("r", later, response=pb.ClassifyResponse(trace_id="2", status=done))
+    assert ((await store.get("r")).trace_id, (await store.get("r")).status) == ("2", done)
+    assert "result not stored" not in caplog.text
 
 
 async def held_counts(state: RedisState) -> dict[str, float]:
