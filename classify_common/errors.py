@@ -13,6 +13,7 @@
     │   ├── ModelNotReady         UNAVAILABLE: loading or warming up
     │   ├── ModelUnavailable      UNAVAILABLE: the capability server is unreachable
     │   ├── ModelFault            UNAVAILABLE: NaN output, failed batch, crashed worker
+    │   ├── ModelNotServed        UNAVAILABLE: a backend's replica lacks its model
     │   └── ServerDraining        UNAVAILABLE: shutting down, try another replica
     ├── StateUnavailable          UNAVAILABLE: the shared state store (Redis) did not answer
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
@@ -173,6 +174,14 @@ class ModelFault(ModelError):
     """The model produced no usable answer: non-finite output, a failed batch, a crash."""
 
     reason = "MODEL_FAULT"
+
+
+class ModelNotServed(ModelError):
+    """A replica of the route's backend does not serve the backend's model: a fault of
+    the deployment (routes.yaml names a model that replica was not started with), not
+    of the request. Another replica, or the route's fallback, may answer."""
+
+    reason = "MODEL_NOT_SERVED"
 
 
 class ServerDraining(ModelError):

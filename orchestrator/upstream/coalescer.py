@@ -563,7 +563,10 @@ class ReplicaCoalescer:
             span.end()
             for timer in timers:
                 timer.cancel()
-        round_trip = self._answered(len(items), sent_at)
+        # A replica that refused every item as not serving the model counts as one
+        # that did not answer (see _not_answered).
+        served = any(result.error.code != _NOT_FOUND for result in response.results)
+        round_trip = self._answered(len(items), sent_at, served or not response.results)
         await self._read_load(call, round_trip, timeout)
         if len(response.results) != len(items):
             log.error(
@@ -642,11 +645,15 @@ class ReplicaCoalescer:
                 )
             )
 
-    def _answered(self, items: int, sent_at: float) -> float:
-        """Record a call answered; its round trip in seconds."""
+    def _answered(self, items: int, sent_at: float, served: bool = True) -> float:
+        """Record a call answered (for outlier ejection, one the replica could not serve
+        unless `served`); its round trip in seconds."""
         round_trip = asyncio.get_running_loop().time() - sent_at
         self.call_time.record(items, round_trip)
-        self._on_answered()
+        if served:
+            self._on_answered()
+        else:
+            self._on_no_answer()
         return round_trip
 
     async def _read_load(
@@ -716,18 +723,22 @@ class ReplicaCoalescer:
 
 
 def _not_answered(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether a failed call says the replica did not answer: UNAVAILABLE, or our own
-    deadline passing with no status from it (a server's status carries its request
-    ID). A replica that is up but frozen (a stopped process, a wedged event loop)
-    fails only in the second way; counted, it is ejected like one that is down. A
+    """Whether a failed call says the replica did not answer: UNAVAILABLE, NOT_FOUND
+    (it does not serve the backend's model, so it cannot answer for the backend), or
+    our own deadline passing with no status from it (a server's status carries its
+    request ID). A replica that is up but frozen (a stopped process, a wedged event
+    loop) fails only in the last way; counted, it is ejected like one that is down. A
     replica slow from load answers some calls in time, and each answer resets its
     count."""
     code = exc.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
         return True
     if code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return False
     return not any(key == REQUEST_ID_HEADER for key, _ in exc.trailing_metadata() or ())
+
+
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

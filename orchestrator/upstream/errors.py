@@ -25,7 +25,7 @@ from classify_common.errors import (
     InternalError,
     InvalidRequest,
     ModelFault,
-    ModelNotFound,
+    ModelNotServed,
     ModelUnavailable,
     Overloaded,
     QueueFull,
@@ -54,6 +54,10 @@ MISCONFIGURATION_CAUSES = {
     grpc.StatusCode.UNAUTHENTICATED: (
         "the capability server refused this orchestrator's internal token: "
         "the two --internal-token-file files do not hold the same token"
+    ),
+    grpc.StatusCode.NOT_FOUND: (
+        "the replica does not serve the backend's model: routes.yaml names a model "
+        "that replica was not started with (its --models), or the name is misspelt"
     ),
 }
 
@@ -105,10 +109,11 @@ def _translate(
 ) -> ServiceError:
     error = _error_for(code, details, backend)
     fields = {"backend": backend, "target": target, "code": code.name, "details": message}
-    if isinstance(error, InternalError):
+    if isinstance(error, (InternalError, ModelNotServed)):
         # No exception of ours: the lifecycle logs no `unhandled error` line for it, so
         # this is the line the INTERNAL answer's runbook steps find (RouteCaller counts
-        # it in classify_internal_errors_total).
+        # it in classify_internal_errors_total). A replica without the backend's model
+        # is a deployment fault too, whatever its retry or fallback answers.
         cause = MISCONFIGURATION_CAUSES.get(code, "the capability answered a code it should not")
         log.error("capability call failed unexpectedly", extra={**fields, "cause": cause})
     else:
@@ -154,7 +159,11 @@ def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> Se
             )
         return DeadlineExpired(f"backend {backend} did not answer in time", **where)
     if code == grpc.StatusCode.NOT_FOUND:
-        return ModelNotFound(f"backend {backend} does not serve the requested model", **where)
+        # The orchestrator asks a replica for its backend's model only, so this is the
+        # deployment's fault, not the caller's: retried on another replica, and the
+        # route's fallback may answer (a NOT_FOUND did neither, and told the caller to
+        # fix a request that was right).
+        return ModelNotServed(f"a replica of backend {backend} does not serve its model", **where)
     if code == grpc.StatusCode.UNAVAILABLE and _reason(details) == ModelFault.reason:
         # The replica was reached and its model failed (a non-finite output, a failed
         # batch): the caller is told that, not that the backend could not be reached.

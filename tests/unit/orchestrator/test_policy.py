@@ -21,7 +21,7 @@ from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, b
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
-from tests.status_details import error_reason, refusal
+from tests.status_details import refusal
 from tests.unit.capability.test_serving import device_occupied
 
 
@@ -106,31 +106,6 @@ async def test_failing_primary_is_answered_by_the_fallback_model_and_counted(
     assert counted == 5
     # max_attempts 2: each call retried the dead primary once before falling back.
     assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL, backend="minilm") == 5
-
-
-async def test_client_errors_are_neither_retried_nor_sent_to_the_fallback(
-    orchestrator_with: StartOrchestrator, capability: CapabilityServer
-) -> None:
-    server = await orchestrator_with(
-        f"""version: 1
-backends:
-  missing:
-    model: no-such-model
-    targets: ["127.0.0.1:{capability.port}"]
-  static:
-    model: topic-static
-    targets: ["127.0.0.1:{capability.port}"]
-routes:
-  - name: default
-    backend: missing
-    fallback: [static]
-"""
-    )
-    error = await refusal(classify_many(server, 1))
-    assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert error_reason(error) == "MODEL_NOT_FOUND"
-    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
-    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL) == 0
 
 
 BASE = """version: 1

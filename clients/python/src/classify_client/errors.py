@@ -14,6 +14,7 @@
     │       ├── ModelNotReady
     │       ├── ModelUnavailable
     │       ├── ModelFault
+    │       ├── ModelNotServed    a replica lacks its route's model: the deployment is wrong
     │       └── ServerDraining
     ├── Overloaded                RESOURCE_EXHAUSTED: retried after `retry_after_seconds`
     │   ├── RateLimited           the tenant's rate is used up
@@ -151,6 +152,11 @@ class ModelFault(ModelError):
     """The model produced no usable answer."""
 
 
+class ModelNotServed(ModelError):
+    """A replica behind the front door does not serve the model its route names: the
+    service's deployment is wrong, not the request."""
+
+
 class ServerDraining(ModelError):
     """The server is shutting down; another replica can answer."""
 
@@ -220,6 +226,7 @@ ERROR_BY_REASON: Mapping[str, type[ClassifyError]] = {
     "MODEL_NOT_READY": ModelNotReady,
     "MODEL_UNAVAILABLE": ModelUnavailable,
     "MODEL_FAULT": ModelFault,
+    "MODEL_NOT_SERVED": ModelNotServed,
     "SERVER_DRAINING": ServerDraining,
     "OVERLOADED": Overloaded,
     "RATE_LIMITED": RateLimited,
