@@ -5,14 +5,19 @@
     python tools/build_images.py orchestrator [--prefix registry/path/] [--dry-run]
 
 Tags:
-    capability, bundles baked    <model>:<weights sha12>-cuda<major.minor>
-                                 (topic-minilm:3f1c0a9be2d4-cuda12.8)
+    capability, bundles baked    <model>:<weights sha12>-<git sha12>-cuda<major.minor>
+                                 (topic-minilm:3f1c0a9be2d4-a358aa892985-cuda12.8)
     capability, bundles mounted  classify-capability:<git sha12>-cuda<major.minor>
     orchestrator                 classify-orchestrator:<git sha12>
 
 The weights SHA is the digest of the model's bundle (the SHA-256 of its
-manifest.json, which the server reports), so one tag names one set of weights
-on one CUDA line. A baked image is built in two phases: the bundles stage is
+manifest.json, which the server reports), and the git SHA the commit of the
+code, so one tag names one set of weights and one version of the server on one
+CUDA line: the bundles build byte for byte the same from any commit, and a tag
+of the weights alone named every commit's image the same, so a code fix never
+rolled out. A build from a working tree that differs from its commit (changed
+or new files, which the build context carries) gets `-dirty` after the git
+SHA, in the tags and the revision label. A baked image is built in two phases: the bundles stage is
 built and exported first (`--target bundle-export`), its digest read, and
 then the image is built with `WEIGHTS_SHA` set; BuildKit reuses the cached
 bundles, and the Dockerfile refuses a bundle whose digest differs, so the
@@ -38,6 +43,7 @@ DEFAULT_CUDA_VERSION = "12.8.1"
 DEFAULT_MODEL = "topic-minilm"
 EXPORT_DIR = Path("build/image-bundles")
 SHORT_SHA = 12
+DIRTY_SUFFIX = "-dirty"
 
 
 def cuda_line(cuda_version: str) -> str:
@@ -54,26 +60,39 @@ def torch_index_for(cuda_version: str) -> str:
     return f"https://download.pytorch.org/whl/cu{major}{minor}"
 
 
-def capability_tag(model: str, weights_sha: str, cuda_version: str) -> str:
-    return f"{model}:{weights_sha[:SHORT_SHA]}-cuda{cuda_line(cuda_version)}"
+def capability_tag(model: str, weights_sha: str, revision: str, cuda_version: str) -> str:
+    weights = weights_sha[:SHORT_SHA]
+    return f"{model}:{weights}-{short_revision(revision)}-cuda{cuda_line(cuda_version)}"
 
 
-def mounted_capability_tag(git_sha: str, cuda_version: str) -> str:
-    return f"classify-capability:{git_sha[:SHORT_SHA]}-cuda{cuda_line(cuda_version)}"
+def mounted_capability_tag(revision: str, cuda_version: str) -> str:
+    return f"classify-capability:{short_revision(revision)}-cuda{cuda_line(cuda_version)}"
 
 
-def orchestrator_tag(git_sha: str) -> str:
-    return f"classify-orchestrator:{git_sha[:SHORT_SHA]}"
+def orchestrator_tag(revision: str) -> str:
+    return f"classify-orchestrator:{short_revision(revision)}"
+
+
+def short_revision(revision: str) -> str:
+    """`git_revision()` as a tag names it: the commit's first 12 hex digits, and
+    `-dirty` when it has it."""
+    sha, dirty, _ = revision.partition(DIRTY_SUFFIX)
+    return sha[:SHORT_SHA] + dirty
 
 
 def git_revision() -> str:
+    """HEAD's commit, with DIRTY_SUFFIX when the working tree has changes or new files
+    that git does not ignore: the build context carries them, so the image is not
+    that commit's."""
+    sha = _git("rev-parse", "HEAD").strip()
+    return sha + DIRTY_SUFFIX if _git("status", "--porcelain").strip() else sha
+
+
+def _git(*args: str) -> str:
     result = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
+        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True
     )
-    return result.stdout.strip()
+    return result.stdout
 
 
 def build_args(values: dict[str, str]) -> list[str]:
@@ -121,11 +140,12 @@ def build_capability(args: argparse.Namespace, revision: str) -> None:
     if args.dry_run:
         weights_sha = "<sha256 of " + str(manifest.relative_to(REPO_ROOT)) + ">"
         tag = (
-            f"{args.prefix}{args.model}:<its first {SHORT_SHA}>-cuda{cuda_line(args.cuda_version)}"
+            f"{args.prefix}{args.model}:<its first {SHORT_SHA}>-{short_revision(revision)}"
+            f"-cuda{cuda_line(args.cuda_version)}"
         )
     else:
         weights_sha = hashlib.sha256(manifest.read_bytes()).hexdigest()
-        tag = args.prefix + capability_tag(args.model, weights_sha, args.cuda_version)
+        tag = args.prefix + capability_tag(args.model, weights_sha, revision, args.cuda_version)
     final = {**common, "WEIGHTS_SHA": weights_sha, "GIT_REVISION": revision}
     run(["docker", "build", *dockerfile, *build_args(final), "-t", tag, "."], args.dry_run)
 

@@ -79,7 +79,7 @@ def test_make_lint_deploy_fails_on_an_unpinned_base_image(deploy_copy: Path) -> 
     [
         pytest.param(
             "k8s",
-            "k8s/capability.yaml",
+            "k8s/orchestrator.yaml",
             "replicas: 2",
             'replicas: "two"',
             "replicas",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -208,11 +209,46 @@ async def test_make_run_key_is_not_refused_a_burst_by_a_real_orchestrator(
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 0
 
 
-def test_capability_tag_names_model_weights_and_cuda_line() -> None:
-    tag = build_images.capability_tag("topic-minilm", WEIGHTS_SHA, "12.8.1")
+def test_capability_tag_names_model_weights_code_and_cuda_line() -> None:
+    """The bundles build byte for byte the same from any commit: a tag of the weights
+    alone named every commit's image the same, so a code fix never rolled out."""
+    revision = "a358aa892985" + "0" * 28
+    tag = build_images.capability_tag("topic-minilm", WEIGHTS_SHA, revision, "12.8.1")
+    dirty = build_images.capability_tag("topic-minilm", WEIGHTS_SHA, revision + "-dirty", "12.8.1")
 
-    assert tag == "topic-minilm:3f1c0a9be2d4-cuda12.8"
-    assert re.fullmatch(r"[\w][\w.-]{0,127}", tag.split(":")[1])  # a valid Docker tag
+    assert tag == "topic-minilm:3f1c0a9be2d4-a358aa892985-cuda12.8"
+    assert dirty == "topic-minilm:3f1c0a9be2d4-a358aa892985-dirty-cuda12.8"
+    for made in (tag, dirty):
+        assert re.fullmatch(r"[\w][\w.-]{0,127}", made.split(":")[1])  # a valid Docker tag
+    assert build_images.orchestrator_tag(revision + "-dirty") == (
+        "classify-orchestrator:a358aa892985-dirty"
+    )
+
+
+def test_a_working_tree_with_changes_is_built_as_dirty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build context carries the tree as it is: tagged and labelled as its commit,
+    an image with uncommitted changes looked like that commit's."""
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "server.py").write_text("print('v1')\n")
+    git("add", "server.py")
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "v1")
+    monkeypatch.setattr(build_images, "REPO_ROOT", tmp_path)
+
+    clean = build_images.git_revision()
+    (tmp_path / "server.py").write_text("print('v2')\n")
+    changed = build_images.git_revision()
+    git("checkout", "-q", "server.py")
+    (tmp_path / "new.py").write_text("")
+    added = build_images.git_revision()
+
+    assert re.fullmatch(r"[0-9a-f]{40}", clean)
+    assert changed == added == clean + "-dirty"
 
 
 def test_build_script_defaults_match_the_dockerfile() -> None:
@@ -236,4 +272,5 @@ def test_build_script_dry_run_builds_bundles_then_the_labelled_image(
     first, second = capsys.readouterr().out.splitlines()
     assert "--target bundle-export" in first
     assert "WEIGHTS_SHA=" in second
-    assert "-t 'topic-minilm:<its first 12>-cuda12.8'" in second
+    revision = build_images.short_revision(build_images.git_revision())
+    assert f"-t 'topic-minilm:<its first 12>-{revision}-cuda12.8'" in second

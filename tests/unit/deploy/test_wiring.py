@@ -549,6 +549,20 @@ def test_k8s_autoscaling_uses_custom_metrics_the_adapter_serves() -> None:
     assert {metric["pods"]["metric"]["name"] for metric in hpa["spec"]["metrics"]} == served
 
 
+def test_k8s_deployments_an_autoscaler_scales_leave_the_count_to_it() -> None:
+    """A `replicas` in the manifest of a Deployment the autoscaler scales sets the
+    fleet back to it at every `kubectl apply -k` (a routes edit), killing the pods
+    the autoscaler added."""
+    scaled = {
+        resource["spec"]["scaleTargetRef"]["name"]
+        for resource in k8s_resources()
+        if resource["kind"] == "HorizontalPodAutoscaler"
+    }
+    assert scaled
+    for name in scaled:
+        assert "replicas" not in k8s_resource("Deployment", name)["spec"], name
+
+
 def test_k8s_pods_are_annotated_for_scraping_on_the_metrics_port() -> None:
     for deployment, spec in (capability_pod(), orchestrator_pod()):
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
