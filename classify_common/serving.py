@@ -367,25 +367,50 @@ async def serve_until_signal(
     log: logging.Logger,
     *,
     event: str = "serving",
-    wait: Callable[[], Awaitable[None]] | None = None,
+    wait: Callable[[asyncio.Event], Awaitable[None]] | None = None,
 ) -> None:
     """Run `start` (which starts `server` and returns the fields of its `event` log
-    line), serve until SIGINT or SIGTERM (or until `wait()` returns), and stop
-    gracefully, even after a failed start."""
+    line), serve until SIGINT or SIGTERM (or until `wait(signalled)` returns; it is
+    handed the event the signals set), and stop gracefully, even after a failed start.
+
+    The signals are caught from the first moment, so one that comes while `start`
+    runs (loading and warming up models can take a minute on a GPU) cancels it and
+    stops the server. Uncaught, SIGTERM there was ignored by a server running as a
+    container's first process, which the kernel shields from signals it does not
+    handle: the pod sat out its whole grace period and was then killed.
+    """
+    signalled = shutdown_signals()
     try:
-        fields = await start()
+        starting = asyncio.ensure_future(start())
+        interrupted = asyncio.ensure_future(signalled.wait())
+        try:
+            await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            interrupted.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+            log.info("shutdown signal received while starting")
+            return
+        fields = starting.result()
         log.info(event, extra={**fields, "event_loop": running_loop_kind()})
-        await (wait or wait_for_shutdown_signal)()
+        await (wait or wait_for_signal)(signalled)
     finally:
         await server.stop()
         log.info("stopped")
 
 
-async def wait_for_shutdown_signal() -> None:
-    """Return on SIGINT or SIGTERM (Ctrl-C, `docker stop`, Kubernetes)."""
-    stop = asyncio.Event()
+def shutdown_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM (Ctrl-C, `docker stop`, Kubernetes) sets, from
+    now on."""
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, signalled.set)
+    return signalled
+
+
+async def wait_for_signal(signalled: asyncio.Event) -> None:
+    """Return once `signalled` (shutdown_signals) is set."""
+    await signalled.wait()
     log.info("shutdown signal received")

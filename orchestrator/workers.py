@@ -56,7 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from classify_common.metrics import MetricsEndpoint
-from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_shutdown_signal
+from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_signal
 from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
 
@@ -362,10 +362,10 @@ async def supervise(settings: OrchestratorSettings) -> None:
             "processes": settings.processes,
         }
 
-    async def serve_and_watch() -> None:
+    async def serve_and_watch(signalled: asyncio.Event) -> None:
         watching = asyncio.create_task(supervisor.watch(), name="worker-watch")
         try:
-            await wait_for_shutdown_signal()
+            await wait_for_signal(signalled)
         finally:
             watching.cancel()
             with contextlib.suppress(asyncio.CancelledError):

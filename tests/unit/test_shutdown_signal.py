@@ -1,0 +1,65 @@
+"""SIGTERM while a server is still starting (loading and warming up its models) stops
+it gracefully, over a real capability server process.
+
+Its signal handlers were installed only once it served: until then SIGTERM had its
+default action, which kills an ordinary process on the spot and is ignored by a
+container's first process (the kernel shields PID 1 from signals it does not
+handle), so a pod stopped during warm-up sat out its grace period and was killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT
+
+
+def log_events(path: Path) -> list[str]:
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line).get("event", ""))
+        except json.JSONDecodeError:
+            continue  # a line still being written, or not a log record
+    return events
+
+
+def test_sigterm_during_warm_up_stops_the_server_gracefully(
+    model_root: Path, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "capability.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "capability"),
+                *("--port", "0", "--metrics-port", "0", "--device", "cpu"),
+                *("--model-root", str(model_root), "--watch-seconds", "0"),
+                # The largest memory warm-up (the largest batch at the longest length)
+                # keeps the server starting for seconds after it listens.
+                *("--memory-warm-up", "largest", "--result-cache-entries", "0"),
+            ],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "listening, warming up" not in log_events(log_path):
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server never listened"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    events = log_events(log_path)
+    assert returncode == 0, log_path.read_text()  # not -15: killed by the signal
+    assert "shutdown signal received while starting" in events
+    assert "serving" not in events
+    assert events[-1] == "stopped"
