@@ -432,7 +432,10 @@ def _receive(
             request = parse(raw)
         except DecodeError:
             # NOTE: not the decoder's text, which names protobuf's internals.
-            message = f"not a protobuf request message of {method.lstrip('/')}"
+            message = (
+                f"not a protobuf request message of {method.lstrip('/')}, "
+                "or a string field in it is not valid UTF-8"
+            )
             refused = InvalidRequest([FieldViolation("", "wire_format", message)])
             # Marked as the refusal it is; _Undecodable, raised in here, marked the node
             # as a bug (error status), whose trace is kept whatever the sampling.

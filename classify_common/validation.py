@@ -40,10 +40,21 @@ def field_path_to_string(path: protovalidate.FieldPathPb | None) -> str:
 def _collect(message: Message) -> list[FieldViolation]:
     return [
         FieldViolation(
-            field=field_path_to_string(v.proto.field), rule=v.proto.rule_id, message=v.proto.message
+            field=field_path_to_string(v.proto.field) or _field_named_by(v.proto.rule_id, message),
+            rule=v.proto.rule_id,
+            message=v.proto.message,
         )
         for v in _validator.collect_violations(message)
     ]
+
+
+def _field_named_by(rule_id: str, message: Message) -> str:
+    """The field a rule on the whole message checks, as its ID names it first
+    (`item_contexts.count` checks `item_contexts`: a rule comparing two fields can only
+    be set on their message, which protovalidate reports with no field); "" when the
+    ID names none of the message's fields."""
+    named = rule_id.partition(".")[0]
+    return named if named in message.DESCRIPTOR.fields_by_name else ""
 
 
 def validate_request(message: Message) -> None:

@@ -199,7 +199,8 @@ async def test_bytes_that_are_no_request_message_are_refused_without_the_decoder
             await classify_raw(b"\xff\xff\xff", timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == (
-        "invalid request: not a protobuf request message of ai.classify.v1.ClassifyService/Classify"
+        "invalid request: not a protobuf request message of ai.classify.v1.ClassifyService/"
+        "Classify, or a string field in it is not valid UTF-8"
     )
     assert violations_of(refused.value) == [("", "wire_format")]
     assert set(trailers_of(refused.value)) >= {"x-request-id", "x-trace-id"}

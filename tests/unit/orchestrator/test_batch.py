@@ -134,7 +134,9 @@ async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
             item_contexts=[pb.ItemContext()],
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations_of(refused.value) == [("", "item_contexts.count")]
+    # Named on the field the rule checks (protovalidate reports a rule on the whole
+    # message with no field).
+    assert violations_of(refused.value) == [("item_contexts", "item_contexts.count")]
     assert refused.value.details() == (
         "invalid request: item_contexts must be empty or hold one entry per item"
     )
