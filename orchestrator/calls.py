@@ -56,10 +56,25 @@ class RoutingState:
     only after the calls that started on it have finished.
     """
 
-    def __init__(self, table: RouteTable, upstream: UpstreamPools) -> None:
+    def __init__(
+        self,
+        table: RouteTable,
+        upstream: UpstreamPools,
+        *,
+        carried_from: RoutingState | None = None,
+    ) -> None:
+        """`carried_from`: the state of the routes in force, when this one replaces it.
+        Its retry budget carries on if `table` sets the budget as before: the budget
+        counts the orchestrator's traffic, not one version of the file's, and an edit
+        made during a retry storm (even a comment) must not hand out a fresh window of
+        retries. Calls still running on the old state spend from the same budget."""
         self.table = table
         self.upstream = upstream
-        self.retry_budget = RetryBudget(table.retry_budget)
+        self.retry_budget: RetryBudget
+        if carried_from is not None and carried_from.retry_budget.settings == table.retry_budget:
+            self.retry_budget = carried_from.retry_budget
+        else:
+            self.retry_budget = RetryBudget(table.retry_budget)
         self.in_flight = 0
         self._drained = asyncio.Event()
         self._drained.set()

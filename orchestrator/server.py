@@ -94,8 +94,11 @@ class OrchestratorServer:
         return self.dispatcher.state.table
 
     def _routing_state(
-        self, table: RouteTable, carried_from: UpstreamPools | None = None
+        self, table: RouteTable, carried_from: RoutingState | None = None
     ) -> RoutingState:
+        """The state serving `table`; replacing `carried_from`, it keeps what the edit
+        left as it was (backends' pools, the retry budget)."""
+
         def count_ejection(backend: Backend, target: str, seconds: float) -> None:
             self.metrics.outlier_ejections.labels(backend.name, target).inc()
             log.warning(
@@ -112,9 +115,9 @@ class OrchestratorServer:
             coalescing=self.settings.coalescing(),
             metrics=self.metrics.upstream,
             concurrency=self.settings.concurrency(),
-            carried_from=carried_from,
+            carried_from=carried_from.upstream if carried_from is not None else None,
         )
-        return RoutingState(table, upstream)
+        return RoutingState(table, upstream, carried_from=carried_from)
 
     def _load_routes_at_start(self, path: Path) -> RouteTable:
         # The file as it was before this read: an edit that lands while the server is
@@ -123,7 +126,7 @@ class OrchestratorServer:
         return load_routes(path)
 
     def _apply_routes(self, table: RouteTable) -> None:
-        previous = self.dispatcher.state.upstream
+        previous = self.dispatcher.state
         self.dispatcher.replace(self._routing_state(table, previous))
         self.metrics.routes_reloads.labels("ok").inc()
         log.info(
@@ -131,7 +134,7 @@ class OrchestratorServer:
             extra={
                 "routes": [route.name for route in table.routes],
                 # Backends the edit left as they were keep their pools (UpstreamPools).
-                "backends_kept": sorted(previous.carried_over),
+                "backends_kept": sorted(previous.upstream.carried_over),
             },
         )
 

@@ -4,9 +4,14 @@ Every condition a route lists must hold (they combine with AND); a route that
 lists none matches everything, which is what the final default route does.
 `percent` sends a stable share of traffic to a route (a canary): a request ID
 always lands in the same one of 100 slots, so a retried or polled request
-follows the same route. A route's `shadow` share is chosen the same way from a
-hash of its own (`shadow_slot`), so which requests are shadowed does not depend
-on which route a canary share sent them to.
+follows the same route. Each percent route takes slots of its own, `percent`
+of them in a row after those of the percent routes before it in the file
+(RouteTable assigns them), so two canaries of 10% and 20% get 10% and 20% of
+the requests that meet their other conditions; were they to test the same
+slots, the second would get only what the first left of its share. A route's
+`shadow` share is chosen the same way from a hash of its own (`shadow_slot`),
+so which requests are shadowed does not depend on which route a canary share
+sent them to.
 """
 
 from __future__ import annotations
@@ -48,10 +53,33 @@ class RouteMatch:
     header: HeaderMatch | None = None
     # Share of requests, 1..100, chosen by a hash of the request ID; None: all.
     percent: int | None = None
+    # The first of the `percent` slots in a row (of 0..99) that the share takes; the
+    # route table places it after the slots of the percent routes before this one.
+    first_slot: int = 0
+
+    def __post_init__(self) -> None:
+        # The table refuses shares that do not fit, naming the file's line; this holds
+        # a table built in code to the same rule.
+        slots = self.slots
+        if slots is not None and not 0 <= slots.start < slots.stop <= 100:
+            raise ValueError(f"{self.percent}% from slot {self.first_slot} does not fit in 0..99")
 
     @property
     def is_catch_all(self) -> bool:
+        """No conditions: what the last route, the default, must be."""
         return self == RouteMatch()
+
+    @property
+    def matches_every_request(self) -> bool:
+        """Whether no request can pass this route by (no conditions, or all 100 slots)."""
+        return self.is_catch_all or self == RouteMatch(percent=100)
+
+    @property
+    def slots(self) -> range | None:
+        """The percent share's slots; None without a percent."""
+        if self.percent is None:
+            return None
+        return range(self.first_slot, self.first_slot + self.percent)
 
     def conditions(self) -> list[str]:
         """Each condition in words, for `explain`."""
@@ -66,8 +94,8 @@ class RouteMatch:
             words.append(f"text <= {self.max_chars} chars")
         if self.header is not None:
             words.append(f"header {self.header.name} in {sorted(self.header.values)}")
-        if self.percent is not None:
-            words.append(f"{self.percent}% of request IDs")
+        if self.slots is not None:
+            words.append(f"{self.percent}% of request IDs, {_spoken(self.slots)}")
         return words or ["everything"]
 
     def failed_conditions(self, facts: RequestFacts) -> list[str]:
@@ -85,9 +113,21 @@ class RouteMatch:
             value = facts.headers.get(self.header.name)
             if value not in self.header.values:
                 failed.append(f"header {self.header.name} is {value!r}")
-        if self.percent is not None and percent_slot(facts.request_id) >= self.percent:
-            failed.append(f"request ID falls outside the {self.percent}% share")
+        if self.slots is not None:
+            slot = percent_slot(facts.request_id)
+            if slot not in self.slots:
+                failed.append(
+                    f"request ID's slot {slot} is outside the {self.percent}% share "
+                    f"({_spoken(self.slots)})"
+                )
         return failed
+
+
+def _spoken(slots: range) -> str:
+    """`slots 10..29` (both ends included), or `slot 7` for a one-slot share."""
+    if len(slots) == 1:
+        return f"slot {slots.start}"
+    return f"slots {slots.start}..{slots.stop - 1}"
 
 
 def percent_slot(request_id: str) -> int:

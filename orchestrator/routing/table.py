@@ -37,10 +37,10 @@ from orchestrator.routing.match import (
 )
 
 SUPPORTED_VERSION = 1
-MIN_TIMEOUT_SECONDS = 0.001
-MAX_TIMEOUT_SECONDS = 60.0
 # A backend's per-call timeout when routes.yaml gives none.
 DEFAULT_TIMEOUT_SECONDS = 5.0
+# The slots a request ID falls in (match.percent_slot); percent routes share them out.
+PERCENT_SLOTS = 100
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
 # host:port, [ipv6]:port, dns:///name:port (a name looked up again and again, each
@@ -62,6 +62,39 @@ MAX_CONCURRENCY_LIMIT = 100_000
 class RoutesFileError(FieldRefused):
     """routes.yaml is malformed; the message starts with the file, line and path of the
     bad value."""
+
+
+@dataclass(frozen=True)
+class DurationBounds:
+    """The durations one field of routes.yaml allows: those the value it sets allows, so
+    a value is refused at its own line with the field's real bounds, never accepted
+    here and refused (or changed) by the settings it feeds."""
+
+    low_seconds: float
+    high_seconds: float
+    # Only whole seconds (a window of one-second buckets); otherwise any ms or s.
+    whole_seconds: bool = False
+
+    def __str__(self) -> str:
+        return f"{_spoken_duration(self.low_seconds)}..{_spoken_duration(self.high_seconds)}"
+
+
+def _spoken_duration(seconds: float) -> str:
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+# Backend.timeout_seconds: one call to a pool.
+TIMEOUT_BOUNDS = DurationBounds(0.001, 60.0)
+# Route.budget_seconds: what a client waits on a route, retries and fallbacks included.
+ROUTE_BUDGET_BOUNDS = DurationBounds(0.001, 60.0)
+# RetryPolicy.initial_backoff_seconds and max_backoff_seconds (also >= the initial).
+INITIAL_BACKOFF_BOUNDS = DurationBounds(0.001, 10.0)
+MAX_BACKOFF_BOUNDS = DurationBounds(0.001, 60.0)
+# OutlierSettings.base_ejection_seconds and max_ejection_seconds (also >= the base).
+BASE_EJECTION_BOUNDS = DurationBounds(0.001, 600.0)
+MAX_EJECTION_BOUNDS = DurationBounds(0.001, 3600.0)
+# RetryBudgetSettings.window_seconds: a whole number of one-second buckets.
+BUDGET_WINDOW_BOUNDS = DurationBounds(1, 300, whole_seconds=True)
 
 
 @dataclass(frozen=True)
@@ -145,22 +178,24 @@ def _model_name(value: Any, where: str) -> str:
     return str(value)
 
 
-def parse_duration(value: Any, where: str) -> float:
-    """'250ms' or '2s' (or '1.5s') to seconds, within the allowed range."""
+def parse_duration(value: Any, where: str, bounds: DurationBounds) -> float:
+    """'250ms' or '2s' (or '1.5s') to seconds, within the field's `bounds`."""
     match = _DURATION.fullmatch(value) if isinstance(value, str) else None
     if match is None:
         raise RoutesFileError(where, f"{value!r} is not a duration like 500ms or 2s")
     seconds = float(match[1]) / (1000 if match[2] == "ms" else 1)
-    if not MIN_TIMEOUT_SECONDS <= seconds <= MAX_TIMEOUT_SECONDS:
-        raise RoutesFileError(where, f"{value} is outside 1ms..60s")
+    if not bounds.low_seconds <= seconds <= bounds.high_seconds:
+        raise RoutesFileError(where, f"{value} is outside {bounds}")
+    if bounds.whole_seconds and not seconds.is_integer():
+        raise RoutesFileError(where, f"{value} is not a whole number of seconds ({bounds})")
     return seconds
 
 
-def _duration(spec: Fields, key: str, default_seconds: float) -> float:
-    """A duration like 250ms or 2s; absent: the default, already in seconds."""
+def _duration(spec: Fields, key: str, default_seconds: float, bounds: DurationBounds) -> float:
+    """A duration like 250ms or 2s within `bounds`; absent: the default, in seconds."""
     if key not in spec:
         return default_seconds
-    return parse_duration(spec.raw(key), spec.path(key))
+    return parse_duration(spec.raw(key), spec.path(key), bounds)
 
 
 def _section(spec: Fields, key: str, allowed: tuple[str, ...]) -> Fields:
@@ -182,8 +217,10 @@ def _retry_policy(spec: Fields) -> RetryPolicy:
         raise RoutesFileError(where, f"unknown status code {exc}") from None
     attempts = spec.integer("max_attempts", defaults.max_attempts)
     multiplier = spec.number("multiplier", defaults.multiplier)
-    initial = _duration(spec, "initial_backoff", defaults.initial_backoff_seconds)
-    longest = _duration(spec, "max_backoff", defaults.max_backoff_seconds)
+    initial = _duration(
+        spec, "initial_backoff", defaults.initial_backoff_seconds, INITIAL_BACKOFF_BOUNDS
+    )
+    longest = _duration(spec, "max_backoff", defaults.max_backoff_seconds, MAX_BACKOFF_BOUNDS)
     try:
         return RetryPolicy(
             max_attempts=attempts,
@@ -275,7 +312,7 @@ def _backend(name: str, document: Any) -> Backend:
         name=_name(name, spec.where),
         model=_model_name(model, spec.path("model")),
         targets=tuple(targets),
-        timeout_seconds=_duration(spec, "timeout", DEFAULT_TIMEOUT_SECONDS),
+        timeout_seconds=_duration(spec, "timeout", DEFAULT_TIMEOUT_SECONDS, TIMEOUT_BOUNDS),
         max_concurrency=limit,
     )
 
@@ -308,11 +345,23 @@ def _route_table(top: Fields) -> RouteTable:
     if not isinstance(route_specs, list) or not route_specs:
         raise RoutesFileError("routes", "expected a non-empty list of routes")
     routes: list[Route] = []
+    percent_slots_taken = 0
     for index, document in enumerate(route_specs):
         route = _route(Fields(document, f"routes[{index}]", allowed=_ROUTE_KEYS), backends)
         if any(route.name == earlier.name for earlier in routes):
             raise RoutesFileError(f"routes[{index}].name", f"duplicate route name {route.name!r}")
+        percent = route.match.percent
+        if percent is not None:
+            route = _take_percent_slots(route, percent_slots_taken, f"routes[{index}]")
+            percent_slots_taken += percent
         routes.append(route)
+    for index, route in enumerate(routes[:-1]):
+        if route.match.matches_every_request:
+            raise RoutesFileError(
+                f"routes[{index}]",
+                "matches everything; the routes after it are never used "
+                "(give it a match, or make it the last route)",
+            )
     if not routes[-1].match.is_catch_all:
         raise RoutesFileError(
             f"routes[{len(routes) - 1}].match",
@@ -331,6 +380,22 @@ def _route_table(top: Fields) -> RouteTable:
     return RouteTable(
         backends=backends, routes=tuple(routes), retry_budget=budget, outlier_ejection=outliers
     )
+
+
+def _take_percent_slots(route: Route, taken: int, where: str) -> Route:
+    """`route` with its percent share placed on the slots after the `taken` ones of the
+    percent routes before it, so that no two routes' shares overlap."""
+    percent = route.match.percent
+    assert percent is not None
+    if taken + percent > PERCENT_SLOTS:
+        raise RoutesFileError(
+            f"{where}.match.percent",
+            f"{percent}% does not fit: each percent route takes slots of its own, after "
+            f"those of the percent routes before it, and they have taken {taken} of the "
+            f"{PERCENT_SLOTS}, leaving {PERCENT_SLOTS - taken}",
+        )
+    match = dataclasses.replace(route.match, first_slot=taken)
+    return dataclasses.replace(route, match=match)
 
 
 def _backend_named(value: Any, where: str, backends: Mapping[str, Backend]) -> Backend:
@@ -365,7 +430,11 @@ def _route(spec: Fields, backends: Mapping[str, Backend]) -> Route:
         fallback.append(candidate)
     retry = _retry_policy(_section(spec, "retry", _RETRY_KEYS)) if "retry" in spec else None
     match = _route_match(_section(spec, "match", _MATCH_KEYS)) if "match" in spec else None
-    budget = parse_duration(spec.raw("budget"), spec.path("budget")) if "budget" in spec else None
+    budget = (
+        parse_duration(spec.raw("budget"), spec.path("budget"), ROUTE_BUDGET_BOUNDS)
+        if "budget" in spec
+        else None
+    )
     shadow = (
         _shadow(_section(spec, "shadow", _SHADOW_KEYS), backends, backend)
         if "shadow" in spec
@@ -396,8 +465,8 @@ def _outlier_settings(spec: Fields) -> OutlierSettings:
     defaults = OutlierSettings()
     failures = spec.integer("consecutive_failures", defaults.consecutive_failures)
     percent = spec.integer("max_ejected_percent", defaults.max_ejected_percent)
-    base = _duration(spec, "base_ejection", defaults.base_ejection_seconds)
-    longest = _duration(spec, "max_ejection", defaults.max_ejection_seconds)
+    base = _duration(spec, "base_ejection", defaults.base_ejection_seconds, BASE_EJECTION_BOUNDS)
+    longest = _duration(spec, "max_ejection", defaults.max_ejection_seconds, MAX_EJECTION_BOUNDS)
     try:
         return OutlierSettings(
             consecutive_failures=failures,
@@ -413,10 +482,10 @@ def _retry_budget(spec: Fields) -> RetryBudgetSettings:
     defaults = RetryBudgetSettings()
     ratio = spec.number("ratio", defaults.ratio)
     floor = spec.number("min_retries_per_second", defaults.min_retries_per_second)
-    window = _duration(spec, "window", defaults.window_seconds)
+    window = _duration(spec, "window", defaults.window_seconds, BUDGET_WINDOW_BOUNDS)
     try:
         return RetryBudgetSettings(
-            ratio=ratio, min_retries_per_second=floor, window_seconds=max(1, round(window))
+            ratio=ratio, min_retries_per_second=floor, window_seconds=int(window)
         )
     except ValueError as exc:
         raise RoutesFileError(spec.where, str(exc)) from None

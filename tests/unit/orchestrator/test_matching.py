@@ -15,6 +15,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.routing import RequestFacts, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.explain import explain
+from orchestrator.routing.match import percent_slot
 from orchestrator.server import OrchestratorServer
 from tests.conftest import REPO_ROOT, orchestrator_settings
 
@@ -98,6 +99,92 @@ def test_percent_split_takes_a_stable_share_of_request_ids(table: RouteTable) ->
     assert all(table.select(facts(request_id=f"request-{n}")).name == chosen[n] for n in range(200))
 
 
+CANARIES = """version: 1
+backends:
+  minilm: {model: topic-minilm, targets: ["127.0.0.1:50052"]}
+  static: {model: topic-static, targets: ["127.0.0.1:50052"]}
+routes:
+  - name: canary-a
+    match: {percent: 10}
+    backend: static
+  - name: tenant-canary
+    match: {header: {name: x-tenant, values: [acme]}, percent: 50}
+    backend: static
+  - name: canary-b
+    match: {percent: 20}
+    backend: static
+  - name: default
+    backend: minilm
+"""
+
+
+def canaries(tmp_path: Path, text: str = CANARIES) -> RouteTable:
+    path = tmp_path / "routes.yaml"
+    path.write_text(text)
+    return load_routes(path)
+
+
+def test_each_percent_route_takes_its_own_slots_after_the_earlier_ones(tmp_path: Path) -> None:
+    """10% then 20% once gave the second 10%: both compared the same slots from 0."""
+    table = canaries(tmp_path)
+    for n in range(2000):
+        request_id = f"request-{n}"
+        slot = percent_slot(request_id)
+        plain = table.select(facts(request_id=request_id)).name
+        tenant = table.select(facts(request_id=request_id, headers={"x-tenant": "acme"})).name
+        # The tenant canary takes slots 10..59 whether or not a request meets its header.
+        expected_plain = "canary-a" if slot < 10 else "canary-b" if 60 <= slot < 80 else "default"
+        expected_tenant = "tenant-canary" if 10 <= slot < 60 else expected_plain
+        assert (plain, tenant) == (expected_plain, expected_tenant), f"slot {slot}"
+
+
+def test_percent_routes_get_the_shares_they_name(tmp_path: Path) -> None:
+    table = canaries(tmp_path)
+    names = [table.select(facts(request_id=f"share-{n}")).name for n in range(20000)]
+    shares = {name: names.count(name) / len(names) for name in set(names)}
+    assert set(shares) == {"canary-a", "canary-b", "default"}
+    assert shares["canary-a"] == pytest.approx(0.10, abs=0.015)
+    assert shares["canary-b"] == pytest.approx(0.20, abs=0.015)
+
+
+def test_two_routes_of_the_same_percent_each_get_it(tmp_path: Path) -> None:
+    """The second of two 10% routes once got nothing: its slots were all the first's."""
+    table = canaries(tmp_path, CANARIES.replace("percent: 20", "percent: 10"))
+    names = [table.select(facts(request_id=f"same-{n}")).name for n in range(20000)]
+    assert names.count("canary-a") / len(names) == pytest.approx(0.10, abs=0.015)
+    assert names.count("canary-b") / len(names) == pytest.approx(0.10, abs=0.015)
+
+
+def test_percent_routes_taking_more_than_all_slots_are_refused_naming_the_one_over(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(CANARIES.replace("percent: 20", "percent: 41"))
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    line = CANARIES.splitlines().index("    match: {percent: 20}") + 1
+    assert str(caught.value) == (
+        f"{path}:{line}: routes[2].match.percent: 41% does not fit: each percent route "
+        "takes slots of its own, after those of the percent routes before it, and they "
+        "have taken 60 of the 100, leaving 40"
+    )
+    # Exactly all of them is allowed.
+    assert canaries(tmp_path, CANARIES.replace("percent: 20", "percent: 40"))
+
+
+def test_explain_names_the_slots_of_a_percent_share(tmp_path: Path) -> None:
+    table = canaries(tmp_path)
+    request_id = next(f"id-{n}" for n in range(1000) if 60 <= percent_slot(f"id-{n}") < 80)
+    slot = percent_slot(request_id)
+    assert explain(table, facts(request_id=request_id)).splitlines()[:3] == [
+        f"routes[0] canary-a: skipped, request ID's slot {slot} is outside the 10% share "
+        "(slots 0..9)",
+        "routes[1] tenant-canary: skipped, header x-tenant is None; request ID's slot "
+        f"{slot} is outside the 50% share (slots 10..59)",
+        "routes[2] canary-b: MATCHES (20% of request IDs, slots 60..79)",
+    ]
+
+
 def test_explain_names_the_route_why_others_were_skipped_and_the_backends(
     table: RouteTable,
 ) -> None:
@@ -135,6 +222,14 @@ def test_explain_names_the_route_why_others_were_skipped_and_the_backends(
         (
             ("match: {priority: batch}", "match: {}"),
             "routes[1].match: an empty match matches everything",
+        ),
+        (
+            ("  - name: batch\n    match: {priority: batch}\n", "  - name: batch\n"),
+            "routes[1]: matches everything; the routes after it are never used",
+        ),
+        (
+            ("match: {percent: 10}", "match: {percent: 100}"),
+            "routes[4]: matches everything; the routes after it are never used",
         ),
         (
             ("match: {priority: batch}", "match: {tenant: acme}"),

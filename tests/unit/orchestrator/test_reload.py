@@ -19,13 +19,14 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.serving import stop_watcher
-from orchestrator.metrics import ROUTES_RELOADS_TOTAL
+from orchestrator.metrics import ROUTES_RELOADS_TOTAL, UPSTREAM_RETRIES_TOTAL
 from orchestrator.routing import RouteTable
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, metric_sum, orchestrator_settings, wait_until
+from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings, wait_until
 from tests.flaky_pod import FlakyPod
 from tests.hostile_files import nested_aliases
+from tests.status_details import refusal
 
 
 def routes_to(default_backend: str, capability_port: int) -> str:
@@ -516,5 +517,72 @@ async def test_the_first_refused_edit_moves_an_exported_zero_to_one(
         replace_file(routes_file, routes_to("no-such-backend", capability.port))
         await wait_until(lambda: reload_series(server.registry)["failed"] == 1, "the edit refused")
         assert reload_series(server.registry) == {"ok": 0, "failed": 1}
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+def routes_on_dead_replicas(targets: list[str], retry_budget: str) -> str:
+    """One route to two replicas that refuse every connection, retried up to twice
+    (so each call wants one retry from `retry_budget` per failed attempt)."""
+    return (
+        "version: 1\n"
+        f"retry_budget: {retry_budget}\n"
+        "backends:\n"
+        f"  dead: {{model: topic-minilm, targets: {targets}}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: dead\n"
+        "    retry: {max_attempts: 3, initial_backoff: 1ms, max_backoff: 2ms}\n"
+    )
+
+
+async def test_an_edit_keeps_the_retry_budget_spent_unless_it_changes_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Every edit, a comment included, once made a fresh retry budget: an edit during a
+    retry storm gave the failing fleet a new window of retries."""
+    dead = [f"127.0.0.1:{closed_port()}", f"127.0.0.1:{closed_port()}"]
+    # No share of traffic, and a floor of 1.2 retries a minute: one retry, then none.
+    one_retry_a_minute = "{ratio: 0, min_retries_per_second: 0.02, window: 60s}"
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_on_dead_replicas(dead, one_retry_a_minute))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+
+    def reloads() -> float:
+        return metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok")
+
+    async def retries_of_one_call(
+        stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    ) -> float:
+        before = metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL)
+        error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        return metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) - before
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            assert await retries_of_one_call(stub) == 1
+            assert await retries_of_one_call(stub) == 0, "the budget is spent"
+
+            replace_file(routes, routes.read_text() + "# a comment, and nothing else\n")
+            await wait_until(lambda: reloads() == 1, "the comment edit applied")
+            assert await retries_of_one_call(stub) == 0, "the edit gave the budget back"
+
+            # A new budget starts empty: its floor allows a retry at once.
+            replace_file(
+                routes,
+                routes_on_dead_replicas(
+                    dead, "{ratio: 0, min_retries_per_second: 0.03, window: 60s}"
+                ),
+            )
+            await wait_until(lambda: reloads() == 2, "the budget edit applied")
+            assert await retries_of_one_call(stub) == 1
     finally:
         await server.stop(grace_seconds=0)

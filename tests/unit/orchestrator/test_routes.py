@@ -6,11 +6,12 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from orchestrator.routing import RoutesFileError, load_routes
+from orchestrator.routing import RoutesFileError, RouteTable, load_routes
 from tests.conftest import REPO_ROOT
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 
@@ -104,6 +105,117 @@ def test_bad_value_is_reported_with_its_path(
         load_text(tmp_path, VALID.replace(old, new))
     assert message in str(caught.value)
     assert str(tmp_path / "routes.yaml") in str(caught.value)
+
+
+def with_durations(top: str = "", retry: str = "") -> str:
+    """VALID with `top` lines above `backends:` and the route's `retry` mapping."""
+    text = VALID.replace("backends:\n", f"{top}backends:\n")
+    return text + (f"    retry: {{{retry}}}\n" if retry else "")
+
+
+@pytest.mark.parametrize(
+    ("text", "read", "seconds"),
+    [
+        pytest.param(
+            with_durations(top="retry_budget: {window: 120s}\n"),
+            lambda table: table.retry_budget.window_seconds,
+            120,
+            id="window-120s",
+        ),
+        pytest.param(
+            with_durations(top="retry_budget: {window: 2000ms}\n"),
+            lambda table: table.retry_budget.window_seconds,
+            2,
+            id="window-2000ms",
+        ),
+        pytest.param(
+            with_durations(top="outlier_ejection: {base_ejection: 600s, max_ejection: 3600s}\n"),
+            lambda table: table.outlier_ejection.max_ejection_seconds,
+            3600,
+            id="max_ejection-3600s",
+        ),
+        pytest.param(
+            with_durations(top="outlier_ejection: {max_ejection: 120s}\n"),
+            lambda table: table.outlier_ejection.max_ejection_seconds,
+            120,
+            id="max_ejection-120s",
+        ),
+        pytest.param(
+            with_durations(top="outlier_ejection: {base_ejection: 600s, max_ejection: 600s}\n"),
+            lambda table: table.outlier_ejection.base_ejection_seconds,
+            600,
+            id="base_ejection-600s",
+        ),
+        pytest.param(
+            with_durations(retry="initial_backoff: 10s, max_backoff: 60s"),
+            lambda table: table.default_route.retry.initial_backoff_seconds,
+            10,
+            id="initial_backoff-10s",
+        ),
+    ],
+)
+def test_a_duration_field_takes_every_value_its_setting_allows(
+    tmp_path: Path, text: str, read: Callable[[RouteTable], float], seconds: float
+) -> None:
+    """Every duration was once held to a backend timeout's 1ms..60s."""
+    path = tmp_path / "routes.yaml"
+    path.write_text(text)
+    assert read(load_routes(path)) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # Once accepted, and served as a 1 s window.
+        pytest.param(
+            with_durations(top="retry_budget: {window: 400ms}\n"),
+            "2: retry_budget.window: 400ms is outside 1s..300s",
+            id="window-400ms",
+        ),
+        # Once accepted, and served as a 2 s window.
+        pytest.param(
+            with_durations(top="retry_budget: {window: 1500ms}\n"),
+            "2: retry_budget.window: 1500ms is not a whole number of seconds (1s..300s)",
+            id="window-1500ms",
+        ),
+        pytest.param(
+            with_durations(top="retry_budget: {window: 301s}\n"),
+            "2: retry_budget.window: 301s is outside 1s..300s",
+            id="window-301s",
+        ),
+        pytest.param(
+            with_durations(top="outlier_ejection: {base_ejection: 601s}\n"),
+            "2: outlier_ejection.base_ejection: 601s is outside 1ms..600s",
+            id="base_ejection-601s",
+        ),
+        pytest.param(
+            with_durations(top="outlier_ejection: {max_ejection: 3601s}\n"),
+            "2: outlier_ejection.max_ejection: 3601s is outside 1ms..3600s",
+            id="max_ejection-3601s",
+        ),
+        pytest.param(
+            with_durations(retry="initial_backoff: 11s"),
+            "10: routes[0].retry.initial_backoff: 11s is outside 1ms..10s",
+            id="initial_backoff-11s",
+        ),
+        pytest.param(
+            with_durations(retry="max_backoff: 61s"),
+            "10: routes[0].retry.max_backoff: 61s is outside 1ms..60s",
+            id="max_backoff-61s",
+        ),
+        pytest.param(
+            VALID + "    budget: 61s\n",
+            "10: routes[0].budget: 61s is outside 1ms..60s",
+            id="budget-61s",
+        ),
+    ],
+)
+def test_a_duration_outside_its_field_bounds_is_refused_naming_them(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(RoutesFileError) as caught:
+        load_text(tmp_path, text)
+    assert str(caught.value) == f"{tmp_path / 'routes.yaml'}:{message}"
 
 
 def test_duplicate_route_names_are_refused(tmp_path: Path) -> None:
