@@ -21,6 +21,7 @@ ADMISSIONS_REFUSED_TOTAL = "classify_admissions_refused_total"
 EVICTIONS_TOTAL = "classify_queue_evictions_total"
 NEWEST_FIRST_BATCHES_TOTAL = "classify_queue_newest_first_batches_total"
 BATCH_FAILURES_TOTAL = "classify_batch_failures_total"
+UNSCORABLE_TEXTS_TOTAL = "classify_unscorable_texts_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
 RELOAD_RETRIES_TOTAL = "classify_model_reload_retries_total"
@@ -207,6 +208,13 @@ class CapabilityMetrics:
             BATCH_FAILURES_TOTAL,
             "Batches whose texts were answered with a model fault.",
             ["model", "worker"],
+            registry=registry,
+        )
+        self.unscorable_texts = Counter(
+            UNSCORABLE_TEXTS_TOTAL,
+            "Texts the model gave non-finite scores while it scored others "
+            "(answered UNSCORABLE_TEXT).",
+            ["model"],
             registry=registry,
         )
         self.worker_restarts = Counter(

@@ -26,6 +26,7 @@
     │   ├── DeadlineUnreachable   refused at admission: predicted service > time left
     │   └── ExpiredInQueue        evicted unseen by the model when its deadline passed
     ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
+    ├── UnscorableText            INTERNAL: the model scores others, not this text
     └── InternalError             INTERNAL: a bug
 
 Each error knows its machine-readable `reason` (sent as google.rpc.ErrorInfo)
@@ -285,6 +286,16 @@ class ReloadRefused(ServiceError):
     reason = "RELOAD_REFUSED"
 
 
+class UnscorableText(ServiceError):
+    """The model gave no usable scores (non-finite) for this text while it scores
+    others: the text fails, not the replica, so it fails alike on every replica of
+    the model. INTERNAL (a fault of the model, counted against the service's error
+    budget), never retried and never held against the replica; the route's fallback,
+    another model, may still score it (is_fallback_eligible)."""
+
+    reason = "UNSCORABLE_TEXT"
+
+
 class InternalError(ServiceError):
     """Something broke that is not the caller's fault: a bug to report."""
 
@@ -315,6 +326,7 @@ GRPC_CODE_BY_ERROR: Mapping[type[ServiceError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     ReloadRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    UnscorableText: grpc.StatusCode.INTERNAL,
     InternalError: grpc.StatusCode.INTERNAL,
     ServiceError: grpc.StatusCode.INTERNAL,
 }
@@ -343,10 +355,13 @@ FALLBACK_ELIGIBLE_CODES = frozenset(
 
 def is_fallback_eligible(error: ServiceError) -> bool:
     """Whether a route may try its next backend after `error`: the model could not
-    answer (UNAVAILABLE, RESOURCE_EXHAUSTED), or this backend could not answer in the
-    time left (DeadlineUnreachable, refused before any work), where a cheaper
-    fallback still may."""
-    return isinstance(error, DeadlineUnreachable) or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES
+    answer (UNAVAILABLE, RESOURCE_EXHAUSTED) or could not score this text
+    (UnscorableText), or this backend could not answer in the time left
+    (DeadlineUnreachable, refused before any work), where another model still may."""
+    return (
+        isinstance(error, (DeadlineUnreachable, UnscorableText))
+        or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES
+    )
 
 
 def grpc_code_for(error: ServiceError) -> grpc.StatusCode:

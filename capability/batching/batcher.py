@@ -60,7 +60,13 @@ from capability.metrics import (
     DEADLINE_STAGE_QUEUE,
     CapabilityMetrics,
 )
-from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault, ServiceError
+from classify_common.errors import (
+    DeadlineUnreachable,
+    ExpiredInQueue,
+    ModelFault,
+    ServiceError,
+    UnscorableText,
+)
 from classify_common.nodes import (
     CLASSIFY_WORKER,
     GPU_QUEUE_WAIT,
@@ -69,6 +75,10 @@ from classify_common.nodes import (
 )
 
 log = logging.getLogger(__name__)
+
+# Scored alone when every text of a batch got non-finite scores, to tell a model that
+# works and cannot score those texts from one that is broken (Batcher._non_finite_fault).
+PROBE_TEXT = "The committee will meet on Tuesday to discuss the new schedule."
 
 T = TypeVar("T")
 
@@ -164,6 +174,7 @@ class Batcher:
             for stage in (DEADLINE_STAGE_QUEUE, DEADLINE_STAGE_DEVICE)
         }
         self._batch_failures = metrics.batch_failures.labels(model, worker)
+        self._unscorable = metrics.unscorable_texts.labels(model)
         self._restarts = metrics.worker_restarts.labels(worker)
         # Batches finished in the last BUSY_WINDOW_SECONDS: (loop time, seconds computing),
         # and their sum, for the load report's busy share.
@@ -368,11 +379,14 @@ class Batcher:
             if computed:
                 self._record(computed, outcome)
                 trace_batch(computed, outcome, self.bundle, self._device.name)
+            non_finite = outcome.finite_rows.count(False)
+            fault = await self._non_finite_fault(non_finite, len(computed)) if non_finite else None
             for row, request in enumerate(computed):
                 if request.future.done():
                     continue  # the caller went away; the result has no one to go to
                 if not outcome.finite_rows[row]:
-                    request.future.set_exception(ModelFault("the model produced non-finite scores"))
+                    assert fault is not None
+                    request.future.set_exception(fault)
                     continue
                 request.future.set_result(
                     TextResult(
@@ -397,6 +411,34 @@ class Batcher:
                 batch,
                 ModelFault(f"the batch failed on {self._device.name}: {type(exc).__name__}"),
             )
+
+    async def _non_finite_fault(self, non_finite: int, computed: int) -> ServiceError:
+        """What the `non_finite` texts of a batch of `computed` that the model gave
+        non-finite scores are answered.
+
+        When it scored the batch's other texts, or scores a probe text alone now (one
+        more forward, on this path only), the model works and these texts are what it
+        cannot score (an overflow in half precision, say): UnscorableText, which is
+        neither retried on another replica nor held against this one, since the text
+        fails alike everywhere (an audit saw one text computed 12 times, and a healthy
+        replica ejected, when these were retried). Otherwise the model itself is broken
+        here: ModelFault, retried elsewhere, and the replica may be ejected."""
+        if non_finite < computed or await self._probe_scores():
+            self._unscorable.inc(non_finite)
+            return UnscorableText(
+                "the model gave non-finite scores for this text; it scores others"
+            )
+        return ModelFault("the model produced non-finite scores")
+
+    async def _probe_scores(self) -> bool:
+        """Whether the model gives finite scores for PROBE_TEXT alone, now."""
+        try:
+            probe = self.bundle.classifier.tokenize([PROBE_TEXT])
+            outcome: BatchOutcome = await self._device.execute(self._compute, probe, [None], None)
+        except Exception:
+            log.exception("the probe of a model that gave non-finite scores failed")
+            return False
+        return all(outcome.finite_rows)
 
     def _fail(self, batch: list[PendingRequest[TextResult]], error: Exception) -> None:
         """Answer whoever in `batch` has no answer yet with `error`; the batch is done."""

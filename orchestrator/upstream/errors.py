@@ -30,6 +30,7 @@ from classify_common.errors import (
     Overloaded,
     QueueFull,
     ServiceError,
+    UnscorableText,
 )
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,8 @@ def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> Se
         return ModelFault(f"backend {backend} failed to compute the text", **where)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return ModelUnavailable(f"backend {backend} is unavailable", **where)
+    if code == grpc.StatusCode.INTERNAL and _reason(details) == UnscorableText.reason:
+        return UnscorableText(f"backend {backend}'s model cannot score this text", **where)
     return InternalError(f"backend {backend} failed with {code.name}", **where)
 
 

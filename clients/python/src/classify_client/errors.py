@@ -27,6 +27,7 @@
     │   ├── ExpiredInQueue        evicted unseen when its deadline passed
     │   └── StillProcessing       the deadline passed while the work goes on; fetch it later
     ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
+    ├── UnscorableText            INTERNAL: the model cannot score this text; not retried
     └── InternalError             INTERNAL (and any code the service does not use): a bug
 
 The server names the outcome in a google.rpc.ErrorInfo `reason`, which picks the
@@ -208,6 +209,11 @@ class ReloadRefused(ClassifyError):
     """A model reload failed its checks; the previous version keeps serving."""
 
 
+class UnscorableText(ClassifyError):
+    """The model gave no usable scores for this text while it scores others: sending
+    it again fails alike, so it is not retried."""
+
+
 class InternalError(ClassifyError):
     """The server hit a bug (INTERNAL, or a code the service does not use)."""
 
@@ -238,6 +244,7 @@ ERROR_BY_REASON: Mapping[str, type[ClassifyError]] = {
     "DEADLINE_UNREACHABLE": DeadlineUnreachable,
     "EXPIRED_IN_QUEUE": ExpiredInQueue,
     "RELOAD_REFUSED": ReloadRefused,
+    "UNSCORABLE_TEXT": UnscorableText,
     "INTERNAL": InternalError,
 }
 
