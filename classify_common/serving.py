@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
@@ -135,6 +135,22 @@ class _HotMethodsRegistered:
             self._server.add_registered_method_handlers(service, hot)
 
 
+# Server reflection's stable name. grpcio-reflection serves only v1alpha; v1's messages
+# are the same on the wire (the service was renamed, not changed), so the same servicer
+# answers both, and tools that speak only v1 (grpcurl since 1.9 asks v1 first) work.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def reflection_v1_handler(servicer: Any) -> grpc.GenericRpcHandler:
+    """`servicer` (v1alpha's) served under REFLECTION_V1."""
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": info})
+
+
 class BoundedHealthServicer(health.aio.HealthServicer):
     """gRPC's health service, refusing a Watch beyond `max_watches` open at once with
     RESOURCE_EXHAUSTED (see MAX_HEALTH_WATCHES); Check is as before."""
@@ -202,12 +218,11 @@ class GrpcServing:
         )
         self.health = BoundedHealthServicer(MAX_HEALTH_WATCHES)
         self.add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health)
-        self.add_service(
-            reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
-            reflection.aio.ReflectionServicer(
-                (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-            ),
+        reflecting = reflection.aio.ReflectionServicer(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
         )
+        self.add_service(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflecting)
+        self.server.add_generic_rpc_handlers((reflection_v1_handler(reflecting),))
         self.port = 0
         self.metrics_port = 0
 

@@ -176,8 +176,19 @@ async def test_every_method_is_served_whether_registered_with_grpc_or_not(
         "ai.classify.v1.ModelService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     }
     assert answers[1].file_descriptor_response.file_descriptor_proto
+    # Reflection's stable v1, which tools that speak only it ask for (the messages are
+    # v1alpha's on the wire): it was UNIMPLEMENTED.
+    reflection_v1 = capability_channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    answers_v1 = [answer async for answer in reflection_v1(iter(asked))]
+    assert answers_v1[0].list_services_response == answers[0].list_services_response
+    assert answers_v1[1].file_descriptor_response == answers[1].file_descriptor_response
 
 
 async def test_capability_answers_with_model_version_and_sorted_labels(
