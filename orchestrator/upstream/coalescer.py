@@ -564,9 +564,12 @@ class ReplicaCoalescer:
             for timer in timers:
                 timer.cancel()
         # A replica that refused every item as not serving the model counts as one
-        # that did not answer (see _not_answered).
-        served = any(result.error.code != _NOT_FOUND for result in response.results)
-        round_trip = self._answered(len(items), sent_at, served or not response.results)
+        # that did not answer (see _not_answered). Stops at the first answered item.
+        unserved = bool(response.results) and all(
+            result.HasField("error") and result.error.code == _NOT_FOUND
+            for result in response.results
+        )
+        round_trip = self._answered(len(items), sent_at, not unserved)
         await self._read_load(call, round_trip, timeout)
         if len(response.results) != len(items):
             log.error(
