@@ -56,6 +56,7 @@ from classify_common.nodes import (
 )
 from classify_common.tracing import exemplar_for
 from orchestrator.batch_items import (
+    LateAnswerAllowance,
     answer_items_by,
     answer_unstarted,
     classify_item,
@@ -67,17 +68,6 @@ from orchestrator.results import ResultStore
 from orchestrator.routing import RequestFacts, Route
 from orchestrator.shadow import ShadowTraffic
 from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
-
-# A batch call's answer is due this long before its deadline, per item, besides
-# the safety margin: an item not answered by then is answered DEADLINE_EXCEEDED
-# with its IDs, which takes time of its own for each (its nodes and spans end).
-# Without it, a ClassifyBatch of 1,024 items with 0.2-1 s left spent the rest
-# failing its items one by one, answered after its caller had gone, and the
-# caller saw a bare DEADLINE_EXCEEDED with no result, not even for the items that
-# were computed. On the 2-core machine, answering the late items took 44 µs each
-# (1,003 of 1,024) against a capability in another process, and 130 µs each with
-# both servers in one process and every span exported (the tests).
-BATCH_ANSWER_SECONDS_PER_ITEM = 0.0002
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +109,8 @@ class Dispatcher:
         self._background: set[asyncio.Task[pb.ClassifyResponse]] = set()
         # Tasks that store a background call's outcome in the result store.
         self._storing: set[asyncio.Task[None]] = set()
+        # Time kept before a ClassifyBatch call's deadline to answer its late items.
+        self._late_answers = LateAnswerAllowance()
 
     def replace(self, state: RoutingState) -> None:
         """Serve new calls from `state`; the old one closes once its calls are done."""
@@ -223,8 +215,10 @@ class Dispatcher:
         due = None
         if client_remaining is not None:
             due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
-            due -= BATCH_ANSWER_SECONDS_PER_ITEM * len(results)
+            due -= self._late_answers.seconds_for(len(results))
             due = max(due, 0.0)
+        loop = asyncio.get_running_loop()
+        due_at = loop.time() + (due or 0.0)
         try:
             # Past `due`, the items not yet answered are cancelled, and each answers
             # DEADLINE_EXCEEDED as it is (batch_items.classify_item), so the call's
@@ -232,6 +226,7 @@ class Dispatcher:
             if not await answer_items_by(items, due):
                 # An item cancelled before its task first ran has no answer yet.
                 answer_unstarted(results, request.items, ids)
+                self._late_answers.record(len(results), loop.time() - due_at)
         except asyncio.CancelledError as cancelled:
             if not is_cut_off(cancelled):
                 raise  # the caller has gone: nobody reads an answer

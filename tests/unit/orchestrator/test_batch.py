@@ -138,7 +138,7 @@ async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
     # message with no field).
     assert violations_of(refused.value) == [("item_contexts", "item_contexts.count")]
     assert refused.value.details() == (
-        "invalid request: item_contexts must be empty or hold one entry per item"
+        "invalid request: item_contexts: must be empty or hold one entry per item"
     )
 
     with pytest.raises(grpc.aio.AioRpcError) as too_long:
@@ -581,3 +581,21 @@ async def test_a_stop_does_not_wait_for_upstream_calls_whose_callers_are_gone(
         # Still inside the hold: the replica has not answered, and will not before 60 s.
         await asyncio.wait_for(stopping, timeout=30)
         assert pool.in_flight == 0
+
+
+def test_the_time_kept_for_late_items_follows_what_answering_them_took() -> None:
+    """A fixed allowance measured on an idle machine was too little on a busy one: the
+    late items' answers ended after the caller's deadline, which then saw no result."""
+    allowance = batch_items.LateAnswerAllowance()
+    floor = batch_items.LATE_ANSWER_FLOOR_SECONDS_PER_ITEM
+    assert allowance.seconds_for(1000) == pytest.approx(1000 * floor)
+    allowance.record(1000, 1000 * 3 * floor)  # a busy machine: raised at once
+    assert allowance.seconds_for(1000) == pytest.approx(1000 * 3 * floor)
+    allowance.record(1000, 0.0)  # quick again: eased down, not dropped
+    assert 1000 * floor < allowance.seconds_for(1000) < 1000 * 3 * floor
+    for _ in range(100):
+        allowance.record(1000, 0.0)
+    assert allowance.seconds_for(1000) == pytest.approx(1000 * floor)  # never below
+    allowance.record(10, 60.0)  # a stall: held to the ceiling
+    ceiling = batch_items.LATE_ANSWER_CEILING_SECONDS_PER_ITEM
+    assert allowance.seconds_for(1000) == pytest.approx(1000 * ceiling)
