@@ -30,9 +30,11 @@ ARG BUNDLES=baked
 # Ubuntu 22.04 is the newest CUDA base that packages Python 3.11 (24.04 has 3.12 only).
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu22.04 AS python
 ENV DEBIAN_FRONTEND=noninteractive
+# openssh-client: ssh-keygen checks bundle signatures (--trusted-signers); without it a
+# server told to check them cannot start.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 \
+ && apt-get install -y --no-install-recommends python3.11 openssh-client \
  && rm -rf /var/lib/apt/lists/*
 
 # --- build: virtualenv from the lock, generated stubs --------------------------------
