@@ -45,7 +45,7 @@ from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
 from classify_common.errors import ModelNotFound, ReloadRefused
-from classify_common.model_names import is_model_name
+from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,33 @@ class ModelRoot:
         self.root = root.resolve()
 
     def model_names(self) -> list[str]:
+        """The model folders a server can serve: named by the model-name rule, with a
+        numbered version holding a manifest."""
+        return [path.name for path in self._folders() if self.skip_reason(path.name) is None]
+
+    def skipped_folders(self) -> list[tuple[Path, str]]:
+        """Every folder under the root that is not served, and why (skip_reason)."""
+        return [
+            (path, reason)
+            for path in self._folders()
+            if (reason := self.skip_reason(path.name)) is not None
+        ]
+
+    def skip_reason(self, name: str) -> str | None:
+        """Why the folder `name` under the root cannot be served; None when it can."""
+        if not is_model_name(name):
+            return f"{name!r} is not a model name ({MODEL_NAME_RULE})"
+        if not self.versions(name):
+            return (
+                "no numbered version folder (1, 2, ...) holding manifest.json; "
+                "named or hidden ones load only when ReloadModel names them"
+            )
+        return None
+
+    def _folders(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(
-            path.name
-            for path in self.root.iterdir()
-            if path.is_dir() and is_model_name(path.name) and self.versions(path.name)
-        )
+        return sorted(path for path in self.root.iterdir() if path.is_dir())
 
     def versions(self, name: str) -> list[str]:
         """Numbered version folders of `name` that hold a manifest, oldest first; named
@@ -151,6 +171,24 @@ class ModelRoot:
         return self.root / name
 
 
+def _refused_at_start(name: str, version: str, folder: Path, exc: Exception) -> ModelLoadError:
+    """`exc`, the refusal of a version the start chose, as the same kind of error,
+    still starting with the file at fault, then naming the model, the version and its
+    folder, and what to do. The start loads the highest numbered version of each model
+    whatever a running server made of it, and exits when that is refused (the
+    documented policy, docs/runbook.md), so the operator needs the folder to act on."""
+    message = (
+        f"{exc} (version {version} of model {name!r}, {folder}). A server starts on the "
+        "highest numbered version of each model, so it cannot start while this one is "
+        "refused: fix the cause, or move the folder out of the model root to start on "
+        "the version before it"
+    )
+    # The same class (each takes the one message), so a caller's except clauses still
+    # tell a budget refusal from a bundle one; an OSError becomes a bundle refusal.
+    kind = type(exc) if isinstance(exc, ModelLoadError) else BundleError
+    return kind(message)
+
+
 def _file_state(shown_as: str, path: Path) -> tuple[str, int, int, int, int]:
     stat = path.stat()
     return (shown_as, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
@@ -206,6 +244,10 @@ class ModelLifecycle:
     def models_to_serve(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """`names` (--models), or every model under the root when it is empty; refused
         when that is none."""
+        # NOTE: logged here, once at start, and not by model_names: a folder skipped in
+        # silence (`Sentiment-BYO`, say) is a model its team believes is served.
+        for folder, reason in self.root.skipped_folders():
+            log.warning("model folder skipped", extra={"folder": str(folder), "reason": reason})
         wanted = names or tuple(self.root.model_names())
         if not wanted:
             raise ModelNotFound(f"no model bundles under {self.root.root}; run `make bundles`")
@@ -222,7 +264,11 @@ class ModelLifecycle:
                     f"model {name!r} has no numbered version folder under {self.root.root}",
                     model=name,
                 )
-            await self._load(name, version)
+            try:
+                await self._load(name, version)
+            except (ModelLoadError, OSError) as exc:
+                folder = self.root.root / name / version
+                raise _refused_at_start(name, version, folder, exc) from exc
 
     async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
         """ModelService.ReloadModel: load `version` of a served model and pin the model to

@@ -20,7 +20,6 @@ so a file can be read on its own; keys inside the head file are the head's.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +31,7 @@ from capability.model import (
     LabelSpec,
     StaticEncoderConfig,
 )
+from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -60,8 +60,9 @@ POOLINGS: Mapping[str, tuple[str, ...]] = {
 ZERO_SHOT_HEAD = "zero-shot"
 LINEAR_HEAD = "linear"
 
-# Names become directory names, metric labels and log fields.
-_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# The fewest tokens a model may read: [CLS], [SEP] and one token of text, the least a
+# request's max_length is raised to (TextClassifier.token_budget).
+MIN_SEQ_LENGTH = 3
 
 
 @dataclass(frozen=True)
@@ -142,15 +143,19 @@ class BundleConfig:
         if version != FORMAT_VERSION:
             raise _invalid(f"format_version {version} is not supported; expected {FORMAT_VERSION}")
         name = top.string("name")
-        if not _NAME_PATTERN.fullmatch(name):
-            raise _invalid(f"name {name!r} must be letters, digits, '.', '_' or '-' (max 128)")
+        # The contract's rule: a bundle is served under its model folder's name, and
+        # requests, flags and routes.yaml can name no other.
+        if not is_model_name(name):
+            raise _invalid(f"name {name!r} is not a model name ({MODEL_NAME_RULE})")
         architecture = top.choice("architecture", ARCHITECTURES)
         pooling = top.choice("pooling", POOLINGS[architecture])
         encoder = _parse_dimensions(top.section("dimensions"), architecture, pooling)
         max_seq_length = top.integer("max_seq_length")
         limit = encoder.max_position_embeddings if isinstance(encoder, EncoderConfig) else None
-        if max_seq_length < 2 or (limit is not None and max_seq_length > limit):
-            raise _invalid(f"max_seq_length {max_seq_length} must be within [2, {limit}]")
+        if max_seq_length < MIN_SEQ_LENGTH or (limit is not None and max_seq_length > limit):
+            least = f"at least {MIN_SEQ_LENGTH} ([CLS], [SEP] and one token of text)"
+            most = "" if limit is None else f" and at most {limit} (max_position_embeddings)"
+            raise _invalid(f"max_seq_length {max_seq_length} must be {least}{most}")
         lowercase = top.boolean("lowercase")
         precision = top.choice("precision", tuple(PRECISION_DTYPES))
         labels = _parse_labels(top.array("labels"))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -56,7 +57,7 @@ from capability.bundle.errors import (
     UnexpectedBundleFile,
     UnsafeWeights,
 )
-from capability.bundle.files import BundleFolder
+from capability.bundle.files import BundleFolder, not_regular
 from capability.bundle.format import (
     CONFIG_FILE,
     LINEAR_HEAD,
@@ -73,8 +74,10 @@ from capability.bundle.manifest import (
     check_only_listed_files,
     read_listed_file,
     read_manifest,
+    write_manifest,
 )
 from capability.bundle.minilm import parse_tokenizer
+from capability.bundle.signing import SIGNATURE_FILE
 from capability.memory import LoadWatch, StageMemory
 from capability.model import (
     DEFAULT_GRAPH,
@@ -170,11 +173,7 @@ def load_bundle(
 
     with BundleFolder(directory) as folder:
         with stage("read_metadata"):
-            manifest = read_manifest(folder, trusted_signers)
-            check_only_listed_files(folder, manifest)
-            config = _read_config(folder, manifest)
-            tokenizer = _read_tokenizer(folder, manifest, config)
-            part_files = _locate_parts(directory, manifest, config)
+            manifest, config, tokenizer, part_files = _read_metadata(folder, trusted_signers)
             chosen_precision = precision or config.precision
 
         with stage("build_module"):
@@ -210,6 +209,83 @@ def load_bundle(
         memory_bytes=classifier.memory_bytes(),
         stage_memory=tuple(times.memory),
     )
+
+
+def check_bundle_metadata(directory: Path, trusted_signers: Path | None = None) -> BundleConfig:
+    """The first stage of a load on its own, reading no weight file: manifest.json
+    (and its signature, with `trusted_signers`), the folder holding exactly its files,
+    config.json and tokenizer.json parsed, and a weight file for every part of the model
+    config.json describes, none of another. Raises what load_bundle would."""
+    with BundleFolder(Path(directory)) as folder:
+        _, config, _, _ = _read_metadata(folder, trusted_signers)
+    return config
+
+
+def write_bundle_manifest(directory: Path) -> str:
+    """Write manifest.json for a folder holding a bundle's files, once they are all a
+    bundle may hold; return the new digest.
+
+    For a folder a team built themselves: write_manifest lists whatever the folder
+    holds, so this first refuses what a load would (UnexpectedBundleFile, naming the
+    file): an entry that is not a regular file, a weight file of no part of the model
+    config.json describes, a part stored twice; and what no bundle holds (a
+    tokenizer_config.json, a README). A part or file missing is BundleFileMissing,
+    a config.json the server would refuse is BundleConfigInvalid. A
+    manifest.json.sig present is refused: it signs the manifest about to be replaced.
+    """
+    directory = Path(directory)
+    with BundleFolder(directory) as folder:
+        names = _bundle_file_names(folder)
+        config = _parse_config(folder.read_bounded(CONFIG_FILE, MAX_DOCUMENT_BYTES))
+        if TOKENIZER_FILE not in names:
+            raise BundleFileMissing(f"{TOKENIZER_FILE}: not found in {directory}")
+        part_files = _locate_parts(directory, names, config, "in the folder")
+        known = {CONFIG_FILE, TOKENIZER_FILE, *part_files.values()}
+        others = sorted(set(names) - known)
+        if others:
+            more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+            raise UnexpectedBundleFile(
+                f"{others[0]}{more}: not a file of a bundle, which holds {CONFIG_FILE}, "
+                f"{TOKENIZER_FILE} and its weight files {sorted(part_files.values())}; "
+                "move it out of the folder before writing the manifest"
+            )
+    return write_manifest(directory)
+
+
+def _bundle_file_names(folder: BundleFolder) -> list[str]:
+    """The folder's files but manifest.json and write_manifest's own partial file,
+    refusing an entry that is not a regular file and a signature; config.json must be
+    there (BundleFileMissing)."""
+    names: list[str] = []
+    for name, mode in folder.entries():
+        if name in {MANIFEST_FILE, f".{MANIFEST_FILE}.partial"}:
+            continue
+        if not stat.S_ISREG(mode):
+            raise not_regular(name, mode)
+        if name == SIGNATURE_FILE:
+            raise UnexpectedBundleFile(
+                f"{SIGNATURE_FILE}: signs the {MANIFEST_FILE} about to be replaced; remove "
+                "it, write the manifest, then sign the bundle again"
+            )
+        names.append(name)
+    if CONFIG_FILE not in names:
+        raise BundleFileMissing(f"{CONFIG_FILE}: not found in {folder.path}")
+    return names
+
+
+def _read_metadata(
+    folder: BundleFolder, trusted_signers: Path | None
+) -> tuple[Manifest, BundleConfig, TextTokenizer, dict[str, str]]:
+    """The read_metadata stage: the manifest, config.json, the tokenizer, and each
+    weight part's file name."""
+    manifest = read_manifest(folder, trusted_signers)
+    check_only_listed_files(folder, manifest)
+    config = _read_config(folder, manifest)
+    tokenizer = _read_tokenizer(folder, manifest, config)
+    part_files = _locate_parts(
+        folder.path, manifest.files.keys(), config, f"listed in {MANIFEST_FILE}"
+    )
+    return manifest, config, tokenizer, part_files
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -297,6 +373,10 @@ def _read_config(folder: BundleFolder, manifest: Manifest) -> BundleConfig:
     data = read_listed_file(
         folder, CONFIG_FILE, manifest.files[CONFIG_FILE], max_bytes=MAX_DOCUMENT_BYTES
     )
+    return _parse_config(data)
+
+
+def _parse_config(data: bytes) -> BundleConfig:
     try:
         document: object = parse_json(data, CONFIG_FILE)
     except DocumentRefused as exc:  # too deep, duplicate keys, not JSON
@@ -322,11 +402,14 @@ def _read_tokenizer(
         raise BundleError(str(exc)) from exc
 
 
-def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> dict[str, str]:
-    """Each weight part's file name, refusing parts missing, stored twice, or not ours."""
+def _locate_parts(
+    directory: Path, names: Collection[str], config: BundleConfig, found: str
+) -> dict[str, str]:
+    """Each weight part's file name among `names` (`found` says where they are, for a
+    refusal), refusing parts missing, stored twice, or not ours."""
     chosen: dict[str, str] = {}
     for part in config.weight_parts():
-        candidates = [part.name + s for s in WEIGHT_SUFFIXES if part.name + s in manifest.files]
+        candidates = [part.name + s for s in WEIGHT_SUFFIXES if part.name + s in names]
         if not candidates:
             raise BundleFileMissing(
                 f"{part.name}{WEIGHT_SUFFIXES[0]}: not found in {directory} "
@@ -339,13 +422,13 @@ def _locate_parts(directory: Path, manifest: Manifest, config: BundleConfig) -> 
         chosen[part.name] = candidates[0]
     foreign = sorted(
         name
-        for name in manifest.files
+        for name in names
         # Any case: HEAD.PT is a weight file on a case-insensitive file system.
         if Path(name).suffix.lower() in WEIGHT_LIKE_SUFFIXES and name not in chosen.values()
     )
     if foreign:
         raise UnexpectedBundleFile(
-            f"{foreign[0]}: listed in {MANIFEST_FILE} but not a weight file of this "
+            f"{foreign[0]}: {found} but not a weight file of this "
             f"{config.architecture} model (expected {sorted(chosen.values())})"
         )
     return chosen

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from capability.bundle.errors import ModelLoadError
+from capability.bundle.format import MIN_SEQ_LENGTH
 from capability.model import (
     DEFAULT_LABELS,
     EncoderConfig,
@@ -92,17 +93,17 @@ def load_minilm_classifier(
 
 
 def _read_sentence_bert_config(path: Path, max_positions: int) -> tuple[int, bool]:
-    """The folder's `max_seq_length` (2..`max_positions`) and `do_lower_case`."""
+    """The folder's `max_seq_length` (MIN_SEQ_LENGTH..`max_positions`) and `do_lower_case`."""
     st_config = _read_json_object(path)
     max_seq_length = st_config.get("max_seq_length")
     if (
         not isinstance(max_seq_length, int)
         or isinstance(max_seq_length, bool)
-        or not 2 <= max_seq_length <= max_positions
+        or not MIN_SEQ_LENGTH <= max_seq_length <= max_positions
     ):
         raise ModelLoadError(
             f"{path.name}: max_seq_length must be an integer in "
-            f"[2, {max_positions}], got {max_seq_length!r}"
+            f"[{MIN_SEQ_LENGTH}, {max_positions}], got {max_seq_length!r}"
         )
     lowercase = st_config.get("do_lower_case", False)
     if not isinstance(lowercase, bool):
@@ -159,6 +160,13 @@ def parse_tokenizer(data: bytes, name: str, lowercase: bool, vocab_size: int) ->
         raise ModelLoadError(
             f"{name}: {tokenizer.vocab_size} tokens do not fit the "
             f"{vocab_size}-row embedding table in config.json"
+        )
+    # A post-processor template names its special tokens by id, so they can lie past
+    # the vocabulary the count above checks; so can a vocabulary with gaps in its ids.
+    if tokenizer.highest_id >= vocab_size:
+        raise ModelLoadError(
+            f"{name}: token id {tokenizer.highest_id} (a vocabulary or post-processor id) "
+            f"does not fit the {vocab_size}-row embedding table in config.json"
         )
     return tokenizer
 

@@ -47,6 +47,9 @@ PRECISION_DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": to
 GRAPHS = ("torchscript", "eager")
 # What serving uses unless told otherwise.
 DEFAULT_GRAPH = "torchscript"
+# Tokens per text of the example a graph is traced on (fewer for a model that reads
+# fewer): sizes are traced as sizes, so any short length serves every length.
+TRACE_TOKENS = 8
 
 
 class Lanes(Protocol):
@@ -95,8 +98,11 @@ class TextClassifier:
                 f"returns {encoder.hidden_size}"
             )
         limit = encoder.max_tokens
-        if max_seq_length < 2 or (limit is not None and max_seq_length > limit):
-            raise ValueError(f"max_seq_length {max_seq_length} must be within [2, {limit}]")
+        # token_budget never goes below the special tokens plus one token of text, so a
+        # model must read at least that many, or a small max_length would overrun it.
+        least = tokenizer.special_tokens_per_text + 1
+        if max_seq_length < least or (limit is not None and max_seq_length > limit):
+            raise ValueError(f"max_seq_length {max_seq_length} must be within [{least}, {limit}]")
         if precision not in PRECISION_DTYPES:
             raise ValueError(
                 f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}"
@@ -121,7 +127,11 @@ class TextClassifier:
         if graph not in GRAPHS:
             raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
         scoring = ScoringModel(self.encoder, self.head)
-        self._score = scoring if graph == "eager" else trace_scoring(scoring)
+        if graph == "eager":
+            self._score = scoring
+        else:
+            example = [self.tokenizer.stand_in(min(TRACE_TOKENS, self.max_seq_length))] * 2
+            self._score = trace_scoring(scoring, self.tokenizer.collate(example))
         self.graph = graph
 
     def token_budget(self, max_length: int | None) -> int:
@@ -240,8 +250,9 @@ class ScoringModel(nn.Module):
         return probabilities
 
 
-def trace_scoring(scoring: ScoringModel) -> Callable[[Tensor, Tensor], Tensor]:
-    """Encoder and head as one TorchScript graph, traced once on a small example.
+def trace_scoring(scoring: ScoringModel, example: TokenBatch) -> Callable[[Tensor, Tensor], Tensor]:
+    """Encoder and head as one TorchScript graph, traced once on `example`, a small
+    batch of the model's own token ids (any id past its vocabulary fails the trace).
 
     The forwards have no data-dependent control flow, and sizes are traced as sizes,
     so the graph serves any batch size and length with the eager outputs. Tracing
@@ -250,11 +261,12 @@ def trace_scoring(scoring: ScoringModel) -> Callable[[Tensor, Tensor], Tensor]:
     toolchain at run time; the warnings are silenced here.
     """
     device = next(scoring.parameters()).device
-    example = torch.full((2, 8), 1000, dtype=torch.int64, device=device)  # (B, T)
+    input_ids = example.input_ids.to(device)  # (B, T)
+    attention_mask = example.attention_mask.to(device)  # (B, T)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced: Callable[[Tensor, Tensor], Tensor] = torch.jit.trace(  # type: ignore[no-untyped-call]
-            scoring, (example, torch.ones_like(example)), check_trace=False
+            scoring, (input_ids, attention_mask), check_trace=False
         )
     return traced
 

@@ -1,10 +1,13 @@
 """Classification heads over sentence embeddings: the linear head, and the set of head kinds.
 
 `ZeroShotHead` (zero_shot.py) needs no training: each label is a prototype embedding.
-`LinearHead` is what a fine-tuned BERT-family sequence classifier ends in: one weight row
-and one bias per label, softmax over the logits. Its parameters carry that classifier's
-checkpoint names (`classifier.weight`, `classifier.bias`), so such a head drops in as a
-bundle's `head.safetensors` with no renaming.
+`LinearHead` is one weight row and one bias per label over the encoder's sentence
+embedding, softmax over the logits. Its parameters carry the names a Hugging Face
+sequence classifier's head has (`classifier.weight`, `classifier.bias`), but NOTE: the
+names fit, the inputs do not. A `BertForSequenceClassification` head reads the [CLS]
+token through a pooler (dense + tanh); this head reads the mean of every token's vector
+scaled to unit length. Such a head loads without complaint and scores wrongly: only a
+head trained on this encoder's mean-pooled, normalised embeddings belongs here.
 
 A zero-shot head is a linear head with W = scale * prototypes and b = 0, which
 `linear_head_from_zero_shot` writes out; a trained head can later replace it without

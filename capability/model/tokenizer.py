@@ -17,6 +17,9 @@ from tokenizers import Tokenizer
 # (words over 100 characters, each one [UNK]; long runs of spaces) can hold fewer
 # tokens than the budget within the cut, and then the model reads fewer of them.
 MAX_CHARS_PER_TOKEN = 16
+# The word stand-in texts repeat (TextTokenizer.stand_in): any word will do, as long as
+# it is the tokenizer's own id and not one fixed for MiniLM's 30,522-token vocabulary.
+STAND_IN_WORD = "text"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,14 @@ class TextTokenizer:
         self._lowercase = lowercase
         self.pad_token_id: int = pad_id
         self.special_tokens_per_text = 2
+        # The ids the post-processor wraps every text in ([CLS] and [SEP] for BERT).
+        # A template names them by id, so they may lie outside the vocabulary.
+        self.opening_id, self.closing_id = empty.ids
+        # Any id of the tokenizer's own that stands for text, for stand-in texts: the
+        # first word of STAND_IN_WORD (whatever [UNK] or pieces it becomes), or [PAD]
+        # for a tokenizer that makes no tokens of it.
+        words = tokenizer.encode(STAND_IN_WORD, add_special_tokens=False).ids
+        self._stand_in_id: int = words[0] if words else pad_id
 
     @property
     def lowercase(self) -> bool:
@@ -89,6 +100,24 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def highest_id(self) -> int:
+        """The highest token id this tokenizer can emit: an embedding table needs one
+        more row than this."""
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        return max(self.opening_id, self.closing_id, self.pad_token_id, *vocabulary)
+
+    def stand_in(self, tokens: int) -> EncodedText:
+        """A text of exactly `tokens` ids, opening and closing tokens included, made of
+        this tokenizer's own ids: for tracing and warming up a model of any vocabulary."""
+        if tokens < self.special_tokens_per_text:
+            raise ValueError(
+                f"a stand-in text of {tokens} tokens leaves no room for the "
+                f"{self.special_tokens_per_text} special tokens"
+            )
+        words = (self._stand_in_id,) * (tokens - self.special_tokens_per_text)
+        return EncodedText(ids=(self.opening_id, *words, self.closing_id), truncated=False)
 
     def encode(self, texts: Sequence[str], max_length: int) -> TokenBatch:
         """Tokenize `texts`, cutting each to `max_length` tokens including [CLS] and [SEP]."""

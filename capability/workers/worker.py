@@ -86,11 +86,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Shapes timed at warm-up to seed the service-time fit: (texts, tokens each).
+# Shapes timed at warm-up to seed the service-time fit: (texts, tokens each), the
+# tokens capped at what the model reads (warm_up_shapes).
 WARM_UP_SHAPES = ((1, 16), (4, 64), (16, 32))
 # The ledger's measured warm-up (--memory-warm-up): the largest batch of the longest
 # texts the model reads (its max_seq_length, whatever the length buckets), or (faster
-# starts) the last of WARM_UP_SHAPES.
+# starts) the last of the model's warm_up_shapes.
 MEMORY_WARM_UPS = ("largest", "small")
 # The evictor looks this often, at most, for on_demand models idle long enough (and
 # a quarter of the shortest idle_seconds, when that is less).
@@ -100,9 +101,10 @@ EVICTION_POLL_SECONDS = 1.0
 ROOM_WAIT_SECONDS = 10.0
 
 
-def warm_up_text(tokens: int) -> EncodedText:
-    """A stand-in text of exactly `tokens` tokens, [CLS] and [SEP] included."""
-    return EncodedText(ids=(101, *([1000] * (tokens - 2)), 102), truncated=False)
+def warm_up_shapes(max_seq_length: int) -> tuple[tuple[int, int], ...]:
+    """WARM_UP_SHAPES for a model that reads at most `max_seq_length` tokens a text:
+    a longer stand-in text would be refused before it reached the model."""
+    return tuple((texts, min(tokens, max_seq_length)) for texts, tokens in WARM_UP_SHAPES)
 
 
 class BudgetedLoad:
@@ -320,9 +322,14 @@ class ModelReplica:
     async def warm_up(self) -> None:
         """Time a few batch shapes on the device to seed the service-time fit, and refuse
         a version whose scores are not finite."""
-        for texts, tokens in WARM_UP_SHAPES:
-            outcome = await self.worker.run_on_device(self._compute, [warm_up_text(tokens)] * texts)
+        for texts, tokens in warm_up_shapes(self.bundle.classifier.max_seq_length):
+            outcome = await self.worker.run_on_device(self._compute, self._stand_ins(texts, tokens))
             self._require_finite(outcome)
+
+    def _stand_ins(self, texts: int, tokens: int) -> list[EncodedText]:
+        """`texts` texts of `tokens` ids each, from the model's own tokenizer: another
+        vocabulary's ids may lie past this model's embedding table."""
+        return [self.bundle.classifier.tokenizer.stand_in(tokens)] * texts
 
     def _require_finite(self, outcome: BatchOutcome) -> None:
         if not all(outcome.finite_rows):
@@ -334,7 +341,7 @@ class ModelReplica:
     def measured_shape(self, memory_warm_up: str) -> tuple[int, int]:
         """(texts, tokens) of the warm-up the ledger measures (see MEMORY_WARM_UPS)."""
         if memory_warm_up == "small":
-            return WARM_UP_SHAPES[-1]
+            return warm_up_shapes(self.bundle.classifier.max_seq_length)[-1]
         # NOTE: not the last length bucket's bound: a text longer than it still joins
         # that bucket (BatchingSettings.bucket_of), padded up to the model's own limit,
         # so with `length_buckets: [8]` a batch of max_seq_length texts still runs,
@@ -345,7 +352,7 @@ class ModelReplica:
         """Warm up at the measured shape; memory after it, and the peak during it."""
         texts, tokens = self.measured_shape(memory_warm_up)
         outcome, after, peak = await self.worker.run_on_device(
-            self._measure, [warm_up_text(tokens)] * texts
+            self._measure, self._stand_ins(texts, tokens)
         )
         self._require_finite(outcome)
         return after, peak
