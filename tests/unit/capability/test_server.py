@@ -171,8 +171,8 @@ async def test_every_method_is_served_whether_registered_with_grpc_or_not(
         ),
     ]
     answers = [answer async for answer in reflection.ServerReflectionInfo(iter(asked))]
-    listed = {service.name for service in answers[0].list_services_response.service}
-    assert listed == {
+    services = {service.name for service in answers[0].list_services_response.service}
+    assert services == {
         "ai.classify.v1.ClassifyService",
         "ai.classify.v1.ModelService",
         "grpc.health.v1.Health",
@@ -186,7 +186,7 @@ async def test_every_method_is_served_whether_registered_with_grpc_or_not(
         async for answer in reflection.ServerReflectionInfo(
             iter(
                 reflection_pb2.ServerReflectionRequest(file_containing_symbol=name)
-                for name in sorted(listed)
+                for name in sorted(services)
             )
         )
     ]
