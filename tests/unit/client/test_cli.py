@@ -402,3 +402,20 @@ def test_the_local_key_file_is_sent_only_to_a_target_on_this_machine(tmp_path: P
     for elsewhere in ("classify.example.com:443", "10.0.0.7:50051", "dns:///classify:50051"):
         assert api_key(None, elsewhere) is None
     assert api_key("ck_given", "classify.example.com:443") == "ck_given"
+
+
+async def test_a_call_refused_for_want_of_a_key_says_where_a_key_comes_from(
+    capability: CapabilityServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Run outside the checkout, the command finds no `.run/api-key` and sent none: the
+    refusal alone did not say so. A wrong key gets no hint (one was sent)."""
+    async with front_door(capability, tmp_path) as server:
+        status, _, err = await run_against(server, capsys, STRIKER)
+        wrong_status, _, wrong_err = await run_against(
+            server, capsys, "--api-key", "ck_wrong", STRIKER
+        )
+    assert status == wrong_status == 1
+    lines = err.splitlines()
+    assert lines[0].startswith("error: UNAUTHENTICATED")
+    assert lines[-1].startswith("hint: no API key was sent: pass --api-key or set CLASSIFY_API_KEY")
+    assert "hint:" not in wrong_err

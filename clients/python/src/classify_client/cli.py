@@ -49,11 +49,18 @@ from classify_client import (
     ClassifyClient,
     ClassifyError,
     StillProcessing,
+    Unauthenticated,
     pb,
 )
 from classify_client._shared import STILL_PROCESSING, checked_batch_request_id
 
 LOCAL_KEY_FILE = Path(".run/api-key")
+# After an UNAUTHENTICATED answer to a call that sent no key: run outside the checkout,
+# the command finds no `.run/api-key` and says nothing of it otherwise.
+NO_KEY_HINT = (
+    f"hint: no API key was sent: pass --api-key or set CLASSIFY_API_KEY ({LOCAL_KEY_FILE} "
+    "is read from the current directory, for a target on this machine only)"
+)
 BAR_WIDTH = 30
 PRIORITIES = ("batch", "interactive")
 # Characters of each text echoed on its `--file` output line.
@@ -419,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             indent = None if args.file is not None else 2  # as the answers print
             print(json.dumps(error_json(error), indent=indent, ensure_ascii=False))
         print(format_error(error), file=sys.stderr)
+        if isinstance(error, Unauthenticated) and api_key(args.api_key, args.target) is None:
+            print(NO_KEY_HINT, file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
