@@ -32,7 +32,8 @@ def load_as_server(directory: Path, trusted_signers: Path | None = None) -> Load
     """Load the version in `directory` (`<model root>/<model>/<version>`) as a server
     started on its model root would, on one CPU worker, and release it; the loaded
     version, or the server's refusal (a ModelLoadError naming the file at fault)."""
-    return asyncio.run(_load_and_release(Path(directory), trusted_signers))
+    # Resolved: a relative `1` or `.` has no parent folder name to check the model's by.
+    return asyncio.run(_load_and_release(Path(directory).resolve(), trusted_signers))
 
 
 async def _load_and_release(directory: Path, trusted_signers: Path | None) -> LoadedBundle:

@@ -63,6 +63,7 @@ from classify_common.nodes import (
     CLASSIFY_REQUEST_BYTES,
     CLASSIFY_REQUEST_ID,
     CLASSIFY_RESPONSE_BYTES,
+    CUT_OFF,
     ERROR_TYPE,
     OUTPUT_SERIALIZE,
     RESPONSE_SEND,
@@ -91,10 +92,6 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 log = logging.getLogger(__name__)
 
-# The message a handler's task is cancelled with when the server's grace runs out
-# (RequestLifecycleInterceptor.cut_off_calls).
-CUT_OFF_MESSAGE = "the server's grace period is over"
-
 
 def is_cut_off(cancelled: asyncio.CancelledError) -> bool:
     """Whether `cancelled` is the server cutting its call off at the end of a stop's
@@ -102,7 +99,7 @@ def is_cut_off(cancelled: asyncio.CancelledError) -> bool:
     uncancels its task is answered as it says (ClassifyBatch: the items done, and the
     others SERVER_DRAINING each); one that lets it through is answered SERVER_DRAINING.
     """
-    return CUT_OFF_MESSAGE in cancelled.args
+    return CUT_OFF in cancelled.args
 
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
@@ -170,7 +167,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         A handler may answer instead (see is_cut_off). Returns how many calls it cut off."""
         self._cutting_off = True
         for task in self._in_handlers:
-            task.cancel(CUT_OFF_MESSAGE)
+            task.cancel(CUT_OFF)
         return len(self._in_handlers)
 
     async def intercept_service(

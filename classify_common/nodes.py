@@ -114,6 +114,10 @@ TIMEOUT_ATTRIBUTE = "timeout"
 # is answered DEADLINE_EXCEEDED, and its spans and latency say so (cancelled_code); a
 # cancel without it is a caller that went away, CANCELLED.
 ANSWER_DUE = "classify: answer due"
+# The message a call's task is cancelled with when the server's grace runs out
+# (classify_common.interceptor.RequestLifecycleInterceptor.cut_off_calls): it is
+# answered UNAVAILABLE (SERVER_DRAINING).
+CUT_OFF = "classify: the server's grace is over"
 # What mark_error records for a cancel with ANSWER_DUE; never raised.
 _ANSWER_DUE_ERROR = DeadlineExpired("the answer was due before this request had one")
 # Any node may carry these besides its own: a failed node's status code and error
@@ -312,9 +316,12 @@ def status_code_name(error: BaseException, kind: SpanKind = SpanKind.INTERNAL) -
 
 def cancelled_code(error: asyncio.CancelledError) -> grpc.StatusCode:
     """What a request whose task was cancelled with `error` was answered: DEADLINE_EXCEEDED
-    when its answer was due (ANSWER_DUE), else CANCELLED (its caller went away)."""
+    when its answer was due (ANSWER_DUE), UNAVAILABLE when the server cut it off at the
+    end of its grace (CUT_OFF), else CANCELLED (its caller went away)."""
     if error.args == (ANSWER_DUE,):
         return grpc.StatusCode.DEADLINE_EXCEEDED
+    if error.args == (CUT_OFF,):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.CANCELLED
 
 

@@ -403,6 +403,11 @@ async def serve_until_signal(
         interrupted = asyncio.ensure_future(signalled.wait())
         try:
             await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Cancelled itself: the start goes with it, before the server stops.
+            starting.cancel()
+            await asyncio.wait({starting})
+            raise
         finally:
             interrupted.cancel()
         if not starting.done():

@@ -110,6 +110,10 @@ LATE_ANSWER_FLOOR_SECONDS_PER_ITEM = 0.0002
 LATE_ANSWER_CEILING_SECONDS_PER_ITEM = 0.002
 # How fast a lower measure brings the allowance down (a higher one raises it at once).
 LATE_ANSWER_EASING = 0.1
+# Calls of fewer items are not measured: a small call's late time is mostly a fixed
+# cost (the loop's lag, the wake-up), which per item would be read as a slow machine
+# and keep whole seconds of the next large call's time.
+LATE_ANSWER_LEARNS_FROM_ITEMS = 64
 
 
 class LateAnswerAllowance:
@@ -123,8 +127,11 @@ class LateAnswerAllowance:
     DEADLINE_EXCEEDED with no result, not even for the items that were computed. A
     fixed allowance measured on an idle machine was too little on a busy one (the
     tests saw it on the 2-core machine under load), so it follows what answering
-    them took: a longer time raises it at once, shorter ones bring it down slowly,
-    within LATE_ANSWER_FLOOR and CEILING per item."""
+    them took in calls of LATE_ANSWER_LEARNS_FROM_ITEMS items or more: a longer time
+    raises it at once, shorter ones bring it down slowly, within LATE_ANSWER_FLOOR and
+    CEILING per item. A call whose allowance is all the time it has is answered at
+    once, no item started: started, its items would be answered after its caller's
+    deadline, and the caller would see none of them."""
 
     def __init__(self) -> None:
         self.seconds_per_item = LATE_ANSWER_FLOOR_SECONDS_PER_ITEM
@@ -135,7 +142,9 @@ class LateAnswerAllowance:
 
     def record(self, items: int, seconds: float) -> None:
         """A call of `items` items took `seconds` from being due to its answer."""
-        measured = seconds / max(items, 1)
+        if items < LATE_ANSWER_LEARNS_FROM_ITEMS:
+            return
+        measured = seconds / items
         if measured < self.seconds_per_item:
             measured = self.seconds_per_item + LATE_ANSWER_EASING * (
                 measured - self.seconds_per_item

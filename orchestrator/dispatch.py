@@ -163,8 +163,9 @@ class Dispatcher:
             code = grpc_code_for(error).name
             raise
         except asyncio.CancelledError as cancelled:
-            # The client went away (CANCELLED), or a batch item's answer is due before it
-            # has one (DEADLINE_EXCEEDED, as it is answered: batch_items.answer_items_by).
+            # The client went away (CANCELLED), a batch item's answer is due before it has
+            # one (DEADLINE_EXCEEDED, as it is answered: batch_items.answer_items_by), or
+            # the server's grace ran out (UNAVAILABLE, SERVER_DRAINING as it is answered).
             code = cancelled_code(cancelled).name
             raise
         finally:

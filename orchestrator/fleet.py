@@ -84,7 +84,9 @@ class FleetModels:
                     metadata=_call_metadata(pool.credentials),
                 )
             except grpc.aio.AioRpcError as error:
-                translate_upstream_error(error, pool.backend.name, target)  # logs it
+                translate_upstream_error(
+                    error, pool.backend.name, target, classifying=False
+                )  # logs it
                 continue
             for info in listed.models:
                 served.setdefault((info.name, info.version, info.digest), []).append(info)
@@ -141,7 +143,9 @@ class FleetModels:
                     )
                 )
             except grpc.aio.AioRpcError as error:
-                translate_upstream_error(error, pool.backend.name, target)  # logs it
+                translate_upstream_error(
+                    error, pool.backend.name, target, classifying=False
+                )  # logs it
                 failures.append((pool.backend.name, error))
         log.info(
             "fleet reload",
@@ -168,7 +172,9 @@ async def _describe(
             metadata=_call_metadata(pool.credentials),
         )
     except grpc.aio.AioRpcError as error:
-        raise translate_upstream_error(error, pool.backend.name, target) from error
+        raise translate_upstream_error(
+            error, pool.backend.name, target, classifying=False
+        ) from error
     _for_caller(response.model)
     return response
 

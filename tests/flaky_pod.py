@@ -3,7 +3,8 @@
 A pod whose port refuses connections, or that reports NOT_SERVING, is passed
 by without a failed call (its channel is in TRANSIENT_FAILURE), so it cannot
 show outlier ejection. This one accepts connections and reports SERVING,
-answers every ClassifyService call UNAVAILABLE while `failing`, and after that
+answers every ClassifyService call UNAVAILABLE while `failing` (INVALID_ARGUMENT
+naming a field while `refusing_field` is set), and after that
 passes each call on as it came (raw bytes and metadata) to a real capability
 server, so its answers are real ones; with `load_report` set, it sends that
 LoadReport with them instead of the capability's (a pod reporting a long queue);
@@ -16,7 +17,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from classify_common.context import LOAD_REPORT_TRAILER
 
@@ -35,6 +39,9 @@ class FlakyPod(grpc.GenericRpcHandler):
         # When set, the LoadReport trailer the pod sends with every answer in place of
         # the capability's own (a pod that reports a long queue, say).
         self.load_report: bytes | None = None
+        # When set, every ClassifyService call is refused INVALID_ARGUMENT with one field
+        # violation on this field (a capability that finds the request itself wrong).
+        self.refusing_field: str | None = None
         # Cleared: calls wait here (the pod stalls) until it is set.
         self.answering = asyncio.Event()
         self.answering.set()
@@ -84,6 +91,8 @@ class FlakyPod(grpc.GenericRpcHandler):
             await self.answering.wait()
             if self.failing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this pod is failing")
+            if self.refusing_field is not None:
+                await context.abort_with_status(rpc_status.to_status(self._refusal()))
             metadata = [
                 (key, value)
                 for key, value in context.invocation_metadata() or ()
@@ -101,3 +110,15 @@ class FlakyPod(grpc.GenericRpcHandler):
             return response
 
         return handle
+
+    def _refusal(self) -> status_pb2.Status:
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=self.refusing_field, reason="planted.rule", description="planted refusal"
+        )
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        return status_pb2.Status(
+            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            message="planted refusal",
+            details=[detail],
+        )

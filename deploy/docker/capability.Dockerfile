@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # Capability server (python -m capability) on a CUDA base. Build from the repository root:
 #
-#   python tools/build_images.py capability          # two phases; tags topic-minilm:<sha12>-cuda12.8
+#   python tools/build_images.py capability    # two phases; topic-minilm:<weights>-<git>-cuda12.8
 #   docker build -f deploy/docker/capability.Dockerfile .   # by hand: no weights label check
 #
 # Build arguments (defaults in brackets):

@@ -1,8 +1,8 @@
 """Outlier ejection: a replica that keeps failing is taken out of rotation for a while.
 
-After `consecutive_failures` calls in a row that it did not answer (UNAVAILABLE,
-or out of time with no status from it: orchestrator.upstream.coalescer's
-`_not_answered`), a replica is ejected
+After `consecutive_failures` calls in a row that it did not answer (UNAVAILABLE;
+NOT_FOUND, the backend's model not served there; or out of time with no status
+from it: orchestrator.upstream.coalescer's `_not_answered`), a replica is ejected
 for `base_ejection · 2^(times ejected before)`, capped at `max_ejection`, and
 readmitted when that time is up; a success resets its count. At most
 `max_ejected_percent` of a backend's replicas are out at once, and never all of

@@ -20,6 +20,10 @@ Keys, all under `classify:v1:` (v1 changes whenever a value's format does):
                                      or D (done) and a serialized ClassifyResponse, or E
                                      and the error as JSON; expires --results-ttl-seconds
                                      after it was held
+    classify:v1:result-token:<tenant>/<request id>
+                                     string: the token of the call holding that result
+                                     (orchestrator.results), so only its outcome fills it;
+                                     expires with the result
     classify:v1:results              sorted set of the held results' `<tenant>/<request
                                      id>` by when they were held (ms): --results-capacity
                                      bounds it

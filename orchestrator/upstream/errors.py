@@ -25,6 +25,7 @@ from classify_common.errors import (
     InternalError,
     InvalidRequest,
     ModelFault,
+    ModelNotFound,
     ModelNotServed,
     ModelUnavailable,
     Overloaded,
@@ -84,15 +85,22 @@ def _unpack(status: status_pb2.Status) -> list[object]:
 
 
 def translate_upstream_error(
-    error: grpc.aio.AioRpcError, backend: str, target: str
+    error: grpc.aio.AioRpcError, backend: str, target: str, *, classifying: bool = True
 ) -> ServiceError:
-    """The client-facing error for a failed capability call.
+    """The client-facing error for a failed capability call: a ClassifyService call
+    for the backend's model, or (`classifying` False) an operator's ModelService call,
+    whose NOT_FOUND names a model or version the caller asked for.
 
     NOTE: the upstream's own message and the replica's address are logged here
     and never copied into the client's error: they can name internal hosts.
     """
     return _translate(
-        error.code(), error.details() or "", _upstream_details(error), backend, target
+        error.code(),
+        error.details() or "",
+        _upstream_details(error),
+        backend,
+        target,
+        classifying=classifying,
     )
 
 
@@ -106,15 +114,22 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _translate(
-    code: grpc.StatusCode, message: str, details: list[object], backend: str, target: str
+    code: grpc.StatusCode,
+    message: str,
+    details: list[object],
+    backend: str,
+    target: str,
+    *,
+    classifying: bool = True,
 ) -> ServiceError:
-    error = _error_for(code, details, backend)
+    error = _error_for(code, details, backend, classifying)
     fields = {"backend": backend, "target": target, "code": code.name, "details": message}
     if isinstance(error, (InternalError, ModelNotServed)):
         # No exception of ours: the lifecycle logs no `unhandled error` line for it, so
         # this is the line the INTERNAL answer's runbook steps find (RouteCaller counts
-        # it in classify_internal_errors_total). A replica without the backend's model
-        # is a deployment fault too, whatever its retry or fallback answers.
+        # an InternalError in classify_internal_errors_total). A replica without the
+        # backend's model is a deployment fault too, logged here whatever its retry or
+        # fallback answers, and counted only as its reason (MODEL_NOT_SERVED).
         cause = MISCONFIGURATION_CAUSES.get(code, "the capability answered a code it should not")
         log.error("capability call failed unexpectedly", extra={**fields, "cause": cause})
     else:
@@ -122,7 +137,9 @@ def _translate(
     return error
 
 
-def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> ServiceError:
+def _error_for(
+    code: grpc.StatusCode, details: list[object], backend: str, classifying: bool
+) -> ServiceError:
     where = {"backend": backend, "upstream_code": code.name}
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = [
@@ -159,8 +176,10 @@ def _error_for(code: grpc.StatusCode, details: list[object], backend: str) -> Se
                 upstream_code=code.name,
             )
         return DeadlineExpired(f"backend {backend} did not answer in time", **where)
+    if code == grpc.StatusCode.NOT_FOUND and not classifying:
+        return ModelNotFound(f"backend {backend} has no such model or version", **where)
     if code == grpc.StatusCode.NOT_FOUND:
-        # The orchestrator asks a replica for its backend's model only, so this is the
+        # A classify call asks a replica for its backend's model only, so this is the
         # deployment's fault, not the caller's: retried on another replica, and the
         # route's fallback may answer (a NOT_FOUND did neither, and told the caller to
         # fix a request that was right).

@@ -8,13 +8,18 @@ handle), so a pod stopped during warm-up sat out its grace period and was killed
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from classify_common.serving import serve_until_signal
 from tests.conftest import REPO_ROOT
 
 
@@ -63,3 +68,35 @@ def test_sigterm_during_warm_up_stops_the_server_gracefully(
     assert "shutdown signal received while starting" in events
     assert "serving" not in events
     assert events[-1] == "stopped"
+
+
+class _Recorded:
+    """A server that only records its stop, beside a start that waits."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        self.events.append("stopped")
+
+    async def start(self) -> dict[str, object]:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.events.append("start cancelled")
+            raise
+        return {}
+
+
+async def test_a_cancelled_serve_cancels_its_start_before_the_server_stops() -> None:
+    """Its own cancellation (an embedding program's, a test's) left the start running:
+    the server stopped, then the start went on and finished after it."""
+    server = _Recorded()
+    serving = asyncio.ensure_future(
+        serve_until_signal(server, server.start, logging.getLogger(__name__))
+    )
+    await asyncio.sleep(0.05)
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    assert server.events == ["start cancelled", "stopped"]

@@ -21,7 +21,8 @@ from orchestrator.policy import RetryBudget, RetryBudgetSettings, RetryPolicy, b
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
-from tests.status_details import refusal
+from tests.flaky_pod import FlakyPod
+from tests.status_details import refusal, violations_of
 from tests.unit.capability.test_serving import device_occupied
 
 
@@ -106,6 +107,42 @@ async def test_failing_primary_is_answered_by_the_fallback_model_and_counted(
     assert counted == 5
     # max_attempts 2: each call retried the dead primary once before falling back.
     assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL, backend="minilm") == 5
+
+
+async def test_client_errors_are_neither_retried_nor_sent_to_the_fallback(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """A capability that finds the request itself wrong (INVALID_ARGUMENT with its
+    field violations): the caller is told so, with the violation, and no other replica
+    or model is asked."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.refusing_field = "text"
+    await pod.start()
+    try:
+        server = await orchestrator_with(
+            f"""version: 1
+backends:
+  strict:
+    model: topic-minilm
+    targets: ["{pod.address}", "{pod.address}"]
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: strict
+    fallback: [static]
+    retry: {{max_attempts: 3}}
+"""
+        )
+        error = await refusal(classify_many(server, 1))
+    finally:
+        await pod.stop()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(error) == [("text", "planted.rule")]
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL) == 0
+    assert pod.calls == 1
 
 
 BASE = """version: 1
