@@ -164,12 +164,16 @@ async def test_a_start_refusing_the_newest_version_names_model_version_and_folde
 
 
 def test_verify_load_passes_a_bundle_a_server_serves(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bundle = write_own_bundle(tmp_path / MODEL / "1")
     assert bundle_cli(["verify", "--quiet", "--load", str(bundle)]) == 0
     digest = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
     assert capsys.readouterr().out.strip() == digest
+    # Named from inside the model folder: `1` has no parent folder name of its own, and
+    # the bundle was refused as sitting under ''.
+    monkeypatch.chdir(bundle.parent)
+    assert bundle_cli(["verify", "--quiet", "--load", "1"]) == 0
 
 
 def more_labels_than_the_head_scores(bundle: Path) -> None:
