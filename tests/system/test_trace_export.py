@@ -281,15 +281,16 @@ async def test_with_sampling_off_a_flood_of_refused_calls_exports_nothing(
     )
     for _ in range(20):
         await failed_call_trace_id(orchestrator, text="")  # INVALID_ARGUMENT
-    # Refused by the capability server (NOT_FOUND): neither process keeps it, though
-    # the orchestrator's upstream_call has error status (a client span's failed call).
-    await failed_call_trace_id(orchestrator, model="no-such-model")
+    # A replica without its backend's model: a fault of the deployment
+    # (MODEL_NOT_SERVED, UNAVAILABLE), kept like any server fault.
+    not_served = await failed_call_trace_id(orchestrator, model="no-such-model")
     # A server fault after them: once its spans arrive, the refused calls' spans,
     # queued before it in the same process, would have too.
     failed = await failed_call_trace_id(orchestrator, model="dead")
     await wait_for_spans(collected, failed, 1)
+    await wait_for_spans(collected, not_served, 1)
 
-    assert {span.trace_id.hex() for _, span in collected.spans} == {failed}
+    assert {span.trace_id.hex() for _, span in collected.spans} == {failed, not_served}
 
 
 async def test_with_sampling_off_batch_items_cut_off_by_the_deadline_are_exported(

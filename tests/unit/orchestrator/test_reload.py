@@ -47,6 +47,22 @@ def replace_file(path: Path, text: str) -> None:
     staging.replace(path)
 
 
+async def watching_orchestrator(routes: Path) -> OrchestratorServer:
+    """An orchestrator started on `routes`, looking for edits every 50 ms."""
+    server = OrchestratorServer(
+        orchestrator_settings(
+            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    return server
+
+
+def applied_reloads(server: OrchestratorServer) -> float:
+    return metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok")
+
+
 class LoadedOrchestrator:
     """An orchestrator on a routes file, and clients calling it without pause."""
 
@@ -283,16 +299,7 @@ async def test_a_call_outlives_two_edits_of_the_backend_it_is_on(
     replica = f"127.0.0.1:{capability.port}"
     routes = tmp_path / "routes.yaml"
     routes.write_text(routes_on([pod.address, replica]))
-    server = OrchestratorServer(
-        orchestrator_settings(
-            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-
-    def reloads() -> float:
-        return metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok")
+    server = await watching_orchestrator(routes)
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -300,9 +307,9 @@ async def test_a_call_outlives_two_edits_of_the_backend_it_is_on(
             held = stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
             await wait_until(lambda: pod.calls == 1, "the call reached the pod")
             replace_file(routes, routes_on([pod.address, replica], spare=replica))
-            await wait_until(lambda: reloads() == 1)
+            await wait_until(lambda: applied_reloads(server) == 1)
             replace_file(routes, routes_on([replica], spare=replica))
-            await wait_until(lambda: reloads() == 2)
+            await wait_until(lambda: applied_reloads(server) == 2)
             pod.answering.set()  # UNAVAILABLE; the retry goes to the other replica
             response = await held
     finally:
@@ -345,13 +352,7 @@ async def test_stop_after_a_refused_edit_drains_the_call_in_flight(
     pod.answering.clear()  # calls wait at the pod: in flight until it answers
     routes = tmp_path / "routes.yaml"
     routes.write_text(routes_on([pod.address]))
-    server = OrchestratorServer(
-        orchestrator_settings(
-            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
+    server = await watching_orchestrator(routes)
     stopping: asyncio.Future[None] | None = None
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -546,16 +547,7 @@ async def test_an_edit_keeps_the_retry_budget_spent_unless_it_changes_the_budget
     one_retry_a_minute = "{ratio: 0, min_retries_per_second: 0.02, window: 60s}"
     routes = tmp_path / "routes.yaml"
     routes.write_text(routes_on_dead_replicas(dead, one_retry_a_minute))
-    server = OrchestratorServer(
-        orchestrator_settings(
-            port=0, metrics_port=-1, routes_file=routes, routes_poll_seconds=0.05
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-
-    def reloads() -> float:
-        return metric_sum(server.registry, ROUTES_RELOADS_TOTAL, outcome="ok")
+    server = await watching_orchestrator(routes)
 
     async def retries_of_one_call(
         stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
@@ -572,7 +564,7 @@ async def test_an_edit_keeps_the_retry_budget_spent_unless_it_changes_the_budget
             assert await retries_of_one_call(stub) == 0, "the budget is spent"
 
             replace_file(routes, routes.read_text() + "# a comment, and nothing else\n")
-            await wait_until(lambda: reloads() == 1, "the comment edit applied")
+            await wait_until(lambda: applied_reloads(server) == 1, "the comment edit applied")
             assert await retries_of_one_call(stub) == 0, "the edit gave the budget back"
 
             # A new budget starts empty: its floor allows a retry at once.
@@ -582,7 +574,7 @@ async def test_an_edit_keeps_the_retry_budget_spent_unless_it_changes_the_budget
                     dead, "{ratio: 0, min_retries_per_second: 0.03, window: 60s}"
                 ),
             )
-            await wait_until(lambda: reloads() == 2, "the budget edit applied")
+            await wait_until(lambda: applied_reloads(server) == 2, "the budget edit applied")
             assert await retries_of_one_call(stub) == 1
     finally:
         await server.stop(grace_seconds=0)
