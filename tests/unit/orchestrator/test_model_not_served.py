@@ -51,7 +51,8 @@ async def test_a_replica_without_the_model_is_passed_over_and_ejected(
             answers = [await stub.Classify(pb.ClassifyRequest(text=STRIKER)) for _ in range(6)]
     assert {(a.model.name, a.fallback) for a in answers} == {("topic-minilm", False)}
     ejected = metric_sum(server.registry, OUTLIER_EJECTIONS_TOTAL, backend="minilm", target=lacking)
-    assert ejected == 1
+    # At least once: on a slow machine its ejection (1 s) can end within the six calls.
+    assert ejected >= 1
     causes = [
         getattr(record, "cause", "") for record in caplog.records if record.levelname == "ERROR"
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from orchestrator.server import OrchestratorServer
 from tests.conftest import (
     STRIKER,
     StartCapability,
+    StartOrchestrator,
     metric_sum,
     orchestrator_settings,
     wait_until,
@@ -184,13 +184,14 @@ async def test_budget_exceeded_answers_processing_then_get_result_returns_the_re
 
 
 async def test_a_poll_for_a_reused_request_id_never_gets_the_earlier_calls_result(
-    capability: CapabilityServer, start_capability: StartCapability, tmp_path: Path
+    capability: CapabilityServer,
+    start_capability: StartCapability,
+    orchestrator_with: StartOrchestrator,
 ) -> None:
     """Two calls with one request ID, both PROCESSING, each on a replica of its own:
     the earlier one's result, ready first, was what polls for the later one got."""
     other = await start_capability(models=("topic-minilm",))
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
+    server = await orchestrator_with(
         "version: 1\n"
         "backends:\n"
         f"  one: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}'], timeout: 30s}}\n"
@@ -204,33 +205,23 @@ async def test_a_poll_for_a_reused_request_id_never_gets_the_earlier_calls_resul
         "    backend: one\n"
         "    budget: 100ms\n"
     )
-    server = OrchestratorServer(
-        orchestrator_settings(routes_file=routes, routes_poll_seconds=0),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            async with device_occupied(other.pool.workers[0]):
-                async with device_occupied(capability.pool.workers[0]):
-                    earlier = await stub.Classify(
-                        pb.ClassifyRequest(text=SHARES, request_id="reused-1")
-                    )
-                    later = await stub.Classify(
-                        pb.ClassifyRequest(text=STRIKER, request_id="reused-1"),
-                        metadata=(("x-route", "two"),),
-                    )
-                # The earlier call's work is done (its replica is free again), and its
-                # outcome stored; the later one's is still held.
-                pools = server.dispatcher.state.upstream.pools()
-                one = next(p for p in pools if p.backend.name == "one")
-                await wait_until(lambda: one.in_flight == 0, "the earlier call's work done")
-                await asyncio.sleep(0.2)
-                polled = await stub.GetResult(pb.GetResultRequest(request_id="reused-1"))
-            done = await poll_until_done(stub, "reused-1")
-    finally:
-        await server.stop(grace_seconds=0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(other.pool.workers[0]):
+            async with device_occupied(capability.pool.workers[0]):
+                earlier = await stub.Classify(
+                    pb.ClassifyRequest(text=SHARES, request_id="reused-1")
+                )
+                later = await stub.Classify(
+                    pb.ClassifyRequest(text=STRIKER, request_id="reused-1"),
+                    metadata=(("x-route", "two"),),
+                )
+            # The earlier call's outcome has been through the store (its storing task
+            # is done); the later one's is still held.
+            storing = server.dispatcher._storing
+            await wait_until(lambda: len(storing) == 1, "the earlier call's outcome stored")
+            polled = await stub.GetResult(pb.GetResultRequest(request_id="reused-1"))
+        done = await poll_until_done(stub, "reused-1")
     assert (earlier.status, later.status) == (PROCESSING, PROCESSING)
     assert (polled.status, polled.trace_id) == (PROCESSING, later.trace_id)
     assert (done.trace_id, done.labels[0].name) == (later.trace_id, "sports")
