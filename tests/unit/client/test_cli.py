@@ -9,6 +9,7 @@ test session's event loop; Ctrl-C is sent to it as its own process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -16,12 +17,17 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from capability.server import CapabilityServer
+from classify_client import pb
 from classify_client.cli import api_key, main
+from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, wait_until
@@ -131,7 +137,7 @@ def test_a_file_without_lines_is_an_error(
     )
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "1e10", "31536001"])
 def test_a_timeout_that_is_not_finite_and_above_zero_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], value: str
 ) -> None:
@@ -139,18 +145,24 @@ def test_a_timeout_that_is_not_finite_and_above_zero_is_a_usage_error(
         main(["--target", nowhere(), "--timeout", value, STRIKER])
     assert refused.value.code == 2
     assert capsys.readouterr().err.endswith(
-        f"error: argument --timeout: {value!r} must be a finite number of seconds above 0\n"
+        f"error: argument --timeout: {value!r} must be a number of seconds above 0 and at "
+        "most 31536000 (one year)\n"
     )
 
 
 def test_a_call_no_server_answered_shows_the_request_id_it_was_sent_under(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    status, out, err = run(capsys, "--target", nowhere(), "--timeout", "5", STRIKER)
+    status, out, err = run(capsys, "--target", nowhere(), "--timeout", "1", STRIKER)
     assert (status, out) == (1, "")
-    assert err.startswith("error: UNAVAILABLE: ")
     (request_id,) = re.findall(r"^request   (\S+)$", err, re.MULTILINE)
     assert CLIENT_MADE_REQUEST_ID.fullmatch(request_id)
+    # The retry waited for the server until the deadline; what each attempt met is shown.
+    assert err.startswith("error: DEADLINE_EXCEEDED: ")
+    assert re.search(r"^retries   gave up after 2 attempts in [01]\.\d\d s$", err, re.M)
+    assert re.search(
+        r"^retries   an earlier attempt failed: UNAVAILABLE: .*\(request " + request_id, err, re.M
+    )
 
 
 async def test_a_file_line_ends_at_newline_only_so_each_line_is_one_text(
@@ -397,9 +409,22 @@ def test_the_local_key_file_is_sent_only_to_a_target_on_this_machine(tmp_path: P
     the command was pointed at from a checkout, in plaintext by default."""
     (tmp_path / ".run").mkdir()
     (tmp_path / ".run" / "api-key").write_text("ck_local\n")
-    for here in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", "dns:///localhost:1"):
+    for here in (
+        "127.0.0.1:50051",
+        "localhost:50051",
+        "[::1]:50051",
+        "dns:///localhost:1",
+        "ipv4:127.0.0.1:50051",
+        "ipv6:[::1]:50051",
+        "unix:/tmp/classify.sock",
+    ):
         assert api_key(None, here) == "ck_local"
-    for elsewhere in ("classify.example.com:443", "10.0.0.7:50051", "dns:///classify:50051"):
+    for elsewhere in (
+        "classify.example.com:443",
+        "10.0.0.7:50051",
+        "dns:///classify:50051",
+        "ipv4:127.0.0.1:50051,10.0.0.7:50051",
+    ):
         assert api_key(None, elsewhere) is None
     assert api_key("ck_given", "classify.example.com:443") == "ck_given"
 
@@ -419,3 +444,103 @@ async def test_a_call_refused_for_want_of_a_key_says_where_a_key_comes_from(
     assert lines[0].startswith("error: UNAUTHENTICATED")
     assert lines[-1].startswith("hint: no API key was sent: pass --api-key or set CLASSIFY_API_KEY")
     assert "hint:" not in wrong_err
+
+
+def test_tls_files_that_cannot_work_are_one_error_line_before_any_call(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """gRPC logged native errors in the handshake and the call failed UNAVAILABLE."""
+    make_certificates(tmp_path)
+    not_pem = tmp_path / "not-pem.txt"
+    not_pem.write_text("not a certificate\n")
+    status, out, err = run(capsys, "--target", nowhere(), "--ca-file", str(not_pem), STRIKER)
+    assert (status, out) == (1, "")
+    assert err.startswith(f"error: ca_file {not_pem} holds no usable PEM CA certificate")
+    assert len(err.splitlines()) == 1
+    pair = ("--cert-file", str(tmp_path / "client.pem"), "--key-file", str(tmp_path / "ca.key"))
+    status, out, err = run(capsys, "--target", nowhere(), "--tls", *pair, STRIKER)
+    assert (status, out) == (1, "")
+    assert "are not a PEM certificate and its private key" in err
+    assert len(err.splitlines()) == 1
+
+
+class SlowBatches(pb_grpc.ClassifyServiceServicer):
+    """Answers each ClassifyBatch call after the next of `delays` (seconds), every item
+    DONE with one label."""
+
+    def __init__(self, delays: list[float]) -> None:
+        self.delays = delays
+        self.calls = 0
+
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def GetResult(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GetResultRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        delay = self.delays[min(self.calls, len(self.delays) - 1)]
+        self.calls += 1
+        await asyncio.sleep(delay)
+        done = pb.ClassifyResponse(
+            status=pb.RESULT_STATUS_DONE, labels=[pb.Label(name="sports", score=0.9)]
+        )
+        return pb.ClassifyBatchResponse(
+            results=[pb.ClassifyBatchResult(response=done) for _ in request.items]
+        )
+
+
+@contextlib.asynccontextmanager
+async def slow_batches(delays: list[float]) -> AsyncIterator[str]:
+    """The address of a SlowBatches server."""
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(SlowBatches(delays), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_the_timeout_of_a_file_is_each_batch_calls_so_a_long_file_is_not_cut_short(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Three calls of 0.4 s each under `--timeout 1`: one deadline for the whole file
+    failed the third call's line DEADLINE_EXCEEDED, without a word of why."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n" * 2049)
+    async with slow_batches([0.4]) as address:
+        status = await asyncio.to_thread(
+            main, ["--target", address, "--timeout", "1", "--file", str(lines)]
+        )
+    out, err = capsys.readouterr()
+    assert (status, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()] == ["sports"] * 2049
+
+
+async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n" * 1025)
+    async with slow_batches([0, 5]) as address:
+        status = await asyncio.to_thread(
+            main, ["--target", address, "--timeout", "0.5", "--file", str(lines)]
+        )
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert [line.split()[:2] for line in out.splitlines()[1023:]] == [
+        ["sports", "0.900"],
+        ["error", "DEADLINE_EXCEEDED:"],
+    ]
+    assert err == (
+        "hint: 1 text failed past the deadline: --timeout (0.5 s) is given to each "
+        "ClassifyBatch call of up to 1,024 lines; raise it for a slow service\n"
+    )

@@ -25,6 +25,7 @@ from classify_client import (
     AsyncClassifyClient,
     BatchItem,
     ClassifyClient,
+    DeadlineExpired,
     InvalidRequest,
     RateLimited,
     ResultNotFound,
@@ -77,9 +78,11 @@ async def front_door(
     limit: str = "",
     budget: str = "",
     model: str = "topic-minilm",
+    port: int = 0,
 ) -> AsyncIterator[OrchestratorServer]:
     """An orchestrator before `capability` that accepts KEY (tenant TENANT, rate `limit`);
-    its one route goes to `model` and has the time `budget` when given."""
+    its one route goes to `model` and has the time `budget` when given. It listens on
+    `port` (0: any free one)."""
     keys = directory / "keys.yaml"
     keys.write_text(
         f"keys:\n  - {{id: test, sha256: {hash_key(KEY)}, tenant: {TENANT}, role: user}}\n"
@@ -95,7 +98,11 @@ async def front_door(
     )
     server = OrchestratorServer(
         orchestrator_settings(
-            routes_file=routes, routes_poll_seconds=0, auth="required", api_keys_file=keys
+            routes_file=routes,
+            routes_poll_seconds=0,
+            auth="required",
+            api_keys_file=keys,
+            port=port,
         ),
         registry=CollectorRegistry(),
     )
@@ -203,6 +210,8 @@ async def test_a_retry_info_delay_past_the_deadline_is_not_waited_for(
 
 
 def test_an_unreachable_server_is_tried_max_attempts_times_then_raises_unavailable() -> None:
+    """Without a deadline nothing bounds a wait for the server, so retries stay
+    fail-fast; the error raised names its attempts and carries the earlier ones'."""
     retries: list[RetryEvent] = []
     policy = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
     with (
@@ -211,10 +220,15 @@ def test_an_unreachable_server_is_tried_max_attempts_times_then_raises_unavailab
         ) as client,
         pytest.raises(Unavailable) as failed,
     ):
-        client.classify(STRIKER, timeout=10)
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        client.classify(STRIKER, timeout=None)
+    error = failed.value
+    assert error.code == grpc.StatusCode.UNAVAILABLE
     assert [(r.method, r.attempt) for r in retries] == [("Classify", 1), ("Classify", 2)]
     assert all(0 <= r.delay_seconds <= 0.02 for r in retries)
+    assert error.attempts == 3
+    assert list(error.attempt_errors) == [r.error for r in retries]
+    assert error.__notes__[0].startswith("gave up after 3 attempts in ")
+    assert error.__notes__[1:] == [f"an earlier attempt failed: {r.error}" for r in retries]
 
 
 async def test_wait_follows_a_processing_answer_with_get_result_to_done(
@@ -355,9 +369,9 @@ async def test_a_call_no_server_answered_names_the_request_id_it_was_sent_under(
         f"127.0.0.1:{closed_port()}", retry=policy, on_retry=retries.append
     ) as client:
         with pytest.raises(Unavailable) as made_up:
-            await client.classify(STRIKER, timeout=10)
+            await client.classify(STRIKER, timeout=None)
         with pytest.raises(Unavailable) as named:
-            await client.classify(STRIKER, request_id="caller-named-1", timeout=10)
+            await client.classify(STRIKER, request_id="caller-named-1", timeout=None)
     assert CLIENT_MADE_REQUEST_ID.fullmatch(made_up.value.request_id)
     assert [r.error.request_id for r in retries] == [made_up.value.request_id] * 2 + [
         "caller-named-1"
@@ -547,3 +561,124 @@ async def test_a_client_certificate_gets_through_a_front_door_that_asks_for_one(
     assert response.labels[0].name == "sports"
     with pytest.raises(ValueError, match="needs both cert_file and key_file"):
         ClassifyClient(target(server), cert_file=tmp_path / "client.pem")
+
+
+async def classify_with(kind: str, address: str, *args: Any, **kwargs: Any) -> pb.ClassifyResponse:
+    """`classify` of a fresh client of `kind` (see CLIENT_KINDS) with the client options
+    in `kwargs` under "options"; the sync client's in a worker thread."""
+    options = kwargs.pop("options", {})
+    if kind == "asyncio":
+        async with AsyncClassifyClient(address, **options) as aio_client:
+            return await aio_client.classify(*args, **kwargs)
+    with ClassifyClient(address, **options) as client:
+        return await asyncio.to_thread(client.classify, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_call_made_while_the_front_door_restarts_is_answered_once_it_is_back(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    """Its retries were sent fail-fast: each failed at once inside gRPC's own reconnect
+    backoff, so four attempts were spent in 0.2 s of a 10 s deadline."""
+    port = closed_port()
+    retries: list[RetryEvent] = []
+    options = {"api_key": KEY, "on_retry": retries.append}
+    calling = asyncio.ensure_future(
+        classify_with(kind, f"127.0.0.1:{port}", STRIKER, timeout=10, options=options)
+    )
+    await asyncio.sleep(1.5)
+    assert not calling.done()
+    async with front_door(capability, tmp_path, port=port):
+        response = await calling
+    assert response.labels[0].name == "sports"
+    assert [(r.attempt, r.error.code, r.error.reason) for r in retries] == [
+        (1, grpc.StatusCode.UNAVAILABLE, "")
+    ]
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_server_still_down_at_the_deadline_ends_the_call_there_naming_each_attempt(
+    kind: str,
+) -> None:
+    """The retry waits for the server until the deadline, and the error says what the
+    attempt before it met: no server could be connected to."""
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(DeadlineExpired) as down:
+        await classify_with(kind, f"127.0.0.1:{closed_port()}", STRIKER, timeout=1.5)
+    waited = asyncio.get_running_loop().time() - started
+    error = down.value
+    assert 1.4 <= waited <= 1.7
+    assert (error.code, error.reason, error.trace_id, error.attempts) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "",
+        "",
+        2,
+    )
+    (unreachable,) = error.attempt_errors
+    assert (type(unreachable), unreachable.reason) == (Unavailable, "")
+    assert re.fullmatch(r"gave up after 2 attempts in 1\.\d\d s", error.__notes__[0])
+    assert error.__notes__[1] == f"an earlier attempt failed: {unreachable}"
+
+
+def test_tls_files_that_cannot_work_are_refused_when_the_client_is_made(
+    tmp_path: Path,
+) -> None:
+    """gRPC read them only in the handshake: it logged native errors and each attempt
+    failed UNAVAILABLE, as if no server were there."""
+    make_certificates(tmp_path)
+    not_pem = tmp_path / "not-pem.txt"
+    not_pem.write_text("not a certificate\n")
+    address = f"127.0.0.1:{closed_port()}"
+    with pytest.raises(ValueError, match=f"^ca_file {not_pem} holds no usable PEM CA cert"):
+        ClassifyClient(address, ca_file=not_pem)
+    with pytest.raises(ValueError, match="holds no usable PEM CA certificate"):
+        AsyncClassifyClient(address, ca_file=tmp_path / "client.key")
+    with pytest.raises(ValueError, match=r"are not a PEM certificate and its private key \("):
+        ClassifyClient(
+            address,
+            ca_file=tmp_path / "ca.pem",
+            cert_file=tmp_path / "client.pem",
+            key_file=tmp_path / "ca.key",
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_text_utf8_cannot_carry_is_refused_naming_it(kind: str) -> None:
+    """protobuf's bare UnicodeEncodeError named neither the text nor the argument."""
+    address = f"127.0.0.1:{closed_port()}"
+    with pytest.raises(ValueError, match=r"^text holds '\\ud800' at 4, a lone surrogate"):
+        await classify_with(kind, address, "abc \ud800")
+    async with batch_client(kind, address) as classify_batch:
+        with pytest.raises(ValueError, match=r"^texts\[1\] holds '\\udc00' at 0"):
+            await classify_batch(["fine", "\udc00 x"])
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_call_on_a_closed_client_raises_value_error_saying_so(kind: str) -> None:
+    """The asyncio client raised gRPC's UsageError, which is no ValueError."""
+    address = f"127.0.0.1:{closed_port()}"
+    if kind == "asyncio":
+        aio_client = AsyncClassifyClient(address)
+        await aio_client.close()
+        with pytest.raises(ValueError, match=r"^the client is closed"):
+            await aio_client.classify(STRIKER)
+        return
+    client = ClassifyClient(address)
+    client.close()
+    with pytest.raises(ValueError, match=r"^the client is closed"):
+        client.get_result("any-1")
+
+
+async def test_an_api_key_is_sent_without_surrounding_whitespace_and_a_blank_one_refused(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A key read from a file ends in a newline (refused as a header value); a blank key
+    was sent as no key, to be refused UNAUTHENTICATED."""
+    with pytest.raises(ValueError, match=r"^the API key is blank"):
+        ClassifyClient(api_key="   ")
+    async with (
+        front_door(capability, tmp_path) as server,
+        AsyncClassifyClient(target(server), api_key=f"  {KEY}\n") as client,
+    ):
+        response = await client.classify(STRIKER)
+    assert response.labels[0].name == "sports"

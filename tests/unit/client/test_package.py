@@ -84,3 +84,16 @@ def test_the_common_protos_lower_bound_is_the_locked_release_that_allows_protobu
     )
     assert declared()["googleapis-common-protos"] == f">={locked}"
     assert declared("build-system", "requires")["googleapis-common-protos"] == f">={locked}"
+
+
+def test_the_package_names_its_version_and_a_typing_extra_with_the_locked_stubs() -> None:
+    """Without types-grpcio and types-protobuf, mypy --strict saw a response's fields and
+    ClassifyError.code as Any; nothing said to install them."""
+    import classify_client
+
+    config = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())
+    assert classify_client.__version__ == config["project"]["version"]
+    locked = (REQUIREMENTS_DIR / "dev.lock").read_text()
+    extra = config["project"]["optional-dependencies"]["typing"]
+    pinned = dict(re.findall(r"^(types-grpcio|types-protobuf)==(\S+) ", locked, re.M))
+    assert extra == [f"{name}>={version}" for name, version in sorted(pinned.items())]

@@ -15,7 +15,6 @@ from classify_client import (
     ClassifyError,
     PollPolicy,
     RetryPolicy,
-    pb,
 )
 from classify_client._shared import BATCH_MAX_CHARS, BATCH_MAX_ITEMS, batch_chunks
 from classify_client.retry import MIN_SECONDS_FOR_A_CALL, Deadline
@@ -75,18 +74,21 @@ def test_polls_start_short_and_grow_to_the_longest_interval() -> None:
 
 
 def test_batches_are_cut_at_the_item_limit_and_at_the_character_limit() -> None:
-    short = [pb.ClassifyRequest(text="x")] * (BATCH_MAX_ITEMS + 1)
+    short = ["x"] * (BATCH_MAX_ITEMS + 1)
     assert [len(chunk) for chunk in batch_chunks(short)] == [BATCH_MAX_ITEMS, 1]
-    long = [pb.ClassifyRequest(text="x" * (BATCH_MAX_CHARS // 2))] * 3
+    long = ["x" * (BATCH_MAX_CHARS // 2)] * 3
     assert list(batch_chunks(long)) == [[0, 1], [2]]
 
 
-@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, -5.0])
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0.0, -5.0, 1e10, 31_536_001.0])
 async def test_a_timeout_that_is_not_finite_and_above_zero_is_refused_when_given(
     seconds: float,
 ) -> None:
     """Async: an AsyncClassifyClient is made inside a running event loop."""
-    named = re.escape(f"timeout {seconds!r} must be a finite number of seconds above 0, or None")
+    named = re.escape(
+        f"timeout {seconds!r} must be a number of seconds above 0 and at most 31536000 "
+        "(one year), or None for no deadline"
+    )
     with pytest.raises(ValueError, match=f"^{named}$"):
         ClassifyClient(timeout=seconds)
     with pytest.raises(ValueError, match=f"^{named}$"):

@@ -37,6 +37,9 @@ from classify_client.errors import (
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.retry import PollPolicy, RetryEvent, RetryPolicy
 
+# The distribution's version (pyproject.toml's; tests/unit/client/test_package.py).
+__version__ = "0.3.0"
+
 __all__ = [
     "DEFAULT_TARGET",
     "DEFAULT_TIMEOUT_SECONDS",
@@ -60,5 +63,6 @@ __all__ = [
     "StillProcessing",
     "Unauthenticated",
     "Unavailable",
+    "__version__",
     "pb",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import ssl
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,17 @@ class _UseClientTimeout:
 
 CLIENT_TIMEOUT = _UseClientTimeout()
 
+# gRPC channel arguments the clients start from (a caller's channel_options win). After a
+# lost connection gRPC waits 1 s, then x1.6 each time up to 120 s, before it tries to
+# connect again; a retry that waits for the server to come back (retry.py) would thus
+# find it up to 4 s late within a 10 s deadline. At most 1 s between tries, instead.
+DEFAULT_CHANNEL_OPTIONS: dict[str, object] = {"grpc.max_reconnect_backoff_ms": 1000}
+
+
+def channel_arguments(channel_options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+    """DEFAULT_CHANNEL_OPTIONS, with the caller's `channel_options` added or in their place."""
+    return list({**DEFAULT_CHANNEL_OPTIONS, **dict(channel_options)}.items())
+
 
 def channel_credentials(
     tls: bool,
@@ -65,19 +77,63 @@ def channel_credentials(
         raise ValueError("a client certificate needs both cert_file and key_file")
     if ca_file is None and cert_file is None and not tls:
         return None
+    root_certificates = None if ca_file is None else Path(ca_file).read_bytes()
+    private_key = None if key_file is None else Path(key_file).read_bytes()
+    certificate_chain = None if cert_file is None else Path(cert_file).read_bytes()
+    # NOTE: gRPC reads these only in the handshake: there a CA file that is not PEM or
+    # a key that is not the certificate's only logged native errors and failed every
+    # attempt UNAVAILABLE, as if no server were there.
+    if ca_file is not None and root_certificates is not None:
+        check_ca_bundle(ca_file, root_certificates)
+    if cert_file is not None and key_file is not None:
+        check_certificate_and_key(cert_file, key_file)
     return grpc.ssl_channel_credentials(
-        root_certificates=None if ca_file is None else Path(ca_file).read_bytes(),
-        private_key=None if key_file is None else Path(key_file).read_bytes(),
-        certificate_chain=None if cert_file is None else Path(cert_file).read_bytes(),
+        root_certificates=root_certificates,
+        private_key=private_key,
+        certificate_chain=certificate_chain,
     )
 
 
+def check_ca_bundle(ca_file: str | Path, data: bytes) -> None:
+    """Refuse a CA file that holds no PEM certificate gRPC could trust."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # A str is read as PEM (bytes would be DER, which gRPC does not read).
+        context.load_verify_locations(cadata=data.decode("latin-1"))
+    except ssl.SSLError as error:
+        raise ValueError(
+            f"ca_file {ca_file} holds no usable PEM CA certificate ({error.reason or error})"
+        ) from None
+
+
+def check_certificate_and_key(cert_file: str | Path, key_file: str | Path) -> None:
+    """Refuse a client certificate and key that are not PEM, or not a pair."""
+
+    def refuse_encrypted_key() -> bytes:
+        # NOTE: without a callback OpenSSL would prompt on the terminal for a password.
+        raise ValueError(f"key_file {key_file} is encrypted: gRPC needs an unencrypted PEM key")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert_file, key_file, password=refuse_encrypted_key)
+    except ssl.SSLError as error:
+        raise ValueError(
+            f"cert_file {cert_file} and key_file {key_file} are not a PEM certificate "
+            f"and its private key ({error.reason or error})"
+        ) from None
+
+
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The header that carries `api_key`. A key with a character a header value cannot
-    hold (a newline, a non-ASCII letter) is refused here: gRPC failed such a call as
-    INTERNAL, which says a bug."""
+    """The header that carries `api_key` (None or "": no key), without the whitespace
+    around it, as the CLI sends it: a key read from a file or a variable often ends in
+    a newline. A blank key is refused rather than sent as none without a word; a key
+    with a character a header value cannot hold (a newline, a non-ASCII letter) is
+    refused here: gRPC failed such a call as INTERNAL, which says a bug."""
     if not api_key:
         return ()
+    api_key = api_key.strip()
+    if not api_key:
+        raise ValueError("the API key is blank: pass None to send no key")
     if not (api_key.isascii() and api_key.isprintable()):
         raise ValueError(
             "the API key holds a character a header cannot carry (not printable ASCII)"
@@ -126,16 +182,26 @@ class RequestOptions:
     model: str = ""
     priority: Priority = "interactive"
 
-    def request(self, text: str, request_id: str = "") -> pb.ClassifyRequest:
+    def request(self, text: str, request_id: str = "", what: str = "text") -> pb.ClassifyRequest:
+        """The ClassifyRequest of `text` (named `what` in an error)."""
         try:
             priority = PRIORITIES[self.priority]
         except KeyError:
             raise ValueError(
                 f"priority {self.priority!r} must be one of {sorted(PRIORITIES)}"
             ) from None
-        request = pb.ClassifyRequest(
-            text=text, model=self.model, priority=priority, request_id=request_id
-        )
+        try:
+            request = pb.ClassifyRequest(
+                text=text, model=self.model, priority=priority, request_id=request_id
+            )
+        except UnicodeEncodeError as error:
+            # NOTE: protobuf's own error names neither the argument nor what to do.
+            fields = ((what, text), ("model", self.model), ("request_id", request_id))
+            culprit = next((name for name, value in fields if value == error.object), what)
+            raise ValueError(
+                f"{culprit} holds {error.object[error.start]!r} at {error.start}, a lone "
+                "surrogate, which UTF-8 cannot carry: the contract's strings are UTF-8"
+            ) from error
         if self.top_k is not None:
             request.top_k = self.top_k
         if self.max_length is not None:
@@ -232,6 +298,9 @@ def refused_alone(
     )
 
 
+CLIENT_CLOSED = "the client is closed: make a new one"
+
+
 def refuse_single_text(texts: Sequence[str]) -> None:
     """A str is a Sequence[str] of its characters; classifying each one is never meant."""
     if isinstance(texts, str):
@@ -240,14 +309,14 @@ def refuse_single_text(texts: Sequence[str]) -> None:
         )
 
 
-def batch_chunks(requests: Sequence[pb.ClassifyRequest]) -> Iterator[list[int]]:
-    """Indices of `requests` in groups that each fit one ClassifyBatch call (items and
+def batch_chunks(texts: Sequence[str]) -> Iterator[list[int]]:
+    """Indices of `texts` in groups that each fit one ClassifyBatch call (items and
     characters); a single text over the character limit goes alone, for the server
     to refuse by name."""
     chunk: list[int] = []
     chars = 0
-    for index, request in enumerate(requests):
-        size = len(request.text)
+    for index, text in enumerate(texts):
+        size = len(text)
         if chunk and (len(chunk) == BATCH_MAX_ITEMS or chars + size > BATCH_MAX_CHARS):
             yield chunk
             chunk, chars = [], 0

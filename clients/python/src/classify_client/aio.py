@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import Message
 
 from classify_client._shared import (
+    CLIENT_CLOSED,
     CLIENT_TIMEOUT,
     DEFAULT_TARGET,
     DEFAULT_TIMEOUT_SECONDS,
@@ -33,6 +34,7 @@ from classify_client._shared import (
     _UseClientTimeout,
     batch_chunks,
     call_metadata,
+    channel_arguments,
     channel_credentials,
     checked_batch_request_id,
     new_request_id,
@@ -52,6 +54,7 @@ from classify_client.retry import (
     RetryEvent,
     RetryPolicy,
     checked_timeout,
+    is_connection_failure,
 )
 
 Response = TypeVar("Response", bound=Message)
@@ -86,10 +89,12 @@ class AsyncClassifyClient:
         # Before the channel, which a refused key would leave open.
         self._metadata = call_metadata(api_key)
         credentials = channel_credentials(tls, ca_file, cert_file, key_file)
+        options = channel_arguments(channel_options)
+        self._closed = False
         self._channel = (
-            grpc.aio.secure_channel(target, credentials, options=channel_options)
+            grpc.aio.secure_channel(target, credentials, options=options)
             if credentials is not None
-            else grpc.aio.insecure_channel(target, options=channel_options)
+            else grpc.aio.insecure_channel(target, options=options)
         )
         self._stub = pb_grpc.ClassifyServiceStub(self._channel)
         self._retry = retry or RetryPolicy()
@@ -108,6 +113,7 @@ class AsyncClassifyClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def classify(
@@ -126,7 +132,7 @@ class AsyncClassifyClient:
         route's time budget ran out first; with `wait=True` a PROCESSING answer is
         followed with GetResult until DONE (StillProcessing if the deadline comes
         first). Without a `request_id` the client makes one."""
-        deadline = self._deadline(timeout)
+        deadline = self._start_call(timeout)
         request_id = request_id or new_request_id()
         request = RequestOptions(top_k, max_length, model, priority).request(text, request_id)
         response = await self._call("Classify", self._stub.Classify, request, deadline, request_id)
@@ -141,7 +147,7 @@ class AsyncClassifyClient:
     ) -> pb.ClassifyResponse:
         """The result kept for an earlier PROCESSING answer: DONE, or still PROCESSING
         (with `wait=True`, polled until DONE). ResultNotFound once it has expired."""
-        deadline = self._deadline(timeout)
+        deadline = self._start_call(timeout)
         request = pb.GetResultRequest(request_id=request_id)
         response = await self._call(
             "GetResult", self._stub.GetResult, request, deadline, request_id
@@ -171,12 +177,14 @@ class AsyncClassifyClient:
         `request_id` names the ClassifyBatch calls (the client makes one without it);
         each item gets its own from the server, in its answer or error."""
         refuse_single_text(texts)
-        deadline = self._deadline(timeout)
+        deadline = self._start_call(timeout)
         request_id = checked_batch_request_id(request_id) or new_request_id()
         options = RequestOptions(top_k, max_length, model, priority)
-        requests = [options.request(text) for text in texts]
+        requests = [
+            options.request(text, what=f"texts[{index}]") for index, text in enumerate(texts)
+        ]
         items: list[BatchItem] = [BatchItem() for _ in requests]
-        chunks = list(batch_chunks(requests))
+        chunks = list(batch_chunks([request.text for request in requests]))
         for number, chunk in enumerate(chunks):
             try:
                 await self._classify_chunk(requests, chunk, items, deadline, request_id)
@@ -277,21 +285,36 @@ class AsyncClassifyClient:
         the tries already made of it (see Attempts)."""
         metadata = with_request_id(self._metadata, request_id)
         attempts = attempts or Attempts()
+        wait_for_ready = False
         while True:
             attempts.made += 1
             try:
-                return await rpc(request, timeout=deadline.remaining(), metadata=metadata)
+                return await rpc(
+                    request,
+                    timeout=deadline.remaining(),
+                    metadata=metadata,
+                    wait_for_ready=wait_for_ready,
+                )
             except grpc.RpcError as failure:
                 error = error_from_rpc(failure, request_id)
+                attempts.record_failure(error)
                 delay = self._retry.delay_before_retry(error, attempts.made)
                 if delay is None or not deadline.allows_wait(delay):
-                    raise error from failure
+                    raise attempts.give_up(error) from failure
             self._notify(RetryEvent(method, attempts.made, error, delay))
             await asyncio.sleep(delay)
+            # No server answered: gRPC fails a fail-fast call at once until it has
+            # connected again, so the retry waits for that, within the deadline (a call
+            # without one stays fail-fast, never to wait for ever on a server gone).
+            wait_for_ready = is_connection_failure(error) and deadline.remaining() is not None
 
     def _notify(self, event: RetryEvent) -> None:
         if self._on_retry is not None:
             self._on_retry(event)
 
-    def _deadline(self, timeout: float | _UseClientTimeout | None) -> Deadline:
+    def _start_call(self, timeout: float | _UseClientTimeout | None) -> Deadline:
+        """The deadline of a call that starts now; first of all, a closed client refuses
+        it (gRPC's own refusal differs: ValueError, or the asyncio channel's UsageError)."""
+        if self._closed:
+            raise ValueError(CLIENT_CLOSED)
         return Deadline(self._timeout if isinstance(timeout, _UseClientTimeout) else timeout)

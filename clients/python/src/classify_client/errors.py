@@ -32,7 +32,9 @@
 
 The server names the outcome in a google.rpc.ErrorInfo `reason`, which picks the
 class (`ERROR_BY_REASON`); a status without one (a connection that failed before
-any server answered, say) gets its code's class (`ERROR_BY_CODE`). Every error
+any server answered, say) gets its code's class (`ERROR_BY_CODE`). An error that
+ended a call after retries carries `attempts` and the earlier attempts'
+errors (`attempt_errors`). Every error
 carries the request and trace IDs from the call's `x-request-id` and
 `x-trace-id` trailers (or, for a batch item, its ErrorInfo), so a failure can be
 found in the server's logs and traces.
@@ -93,6 +95,10 @@ class ClassifyError(Exception):
         # The server's RetryInfo delay, where it sent one.
         self.retry_after_seconds = retry_after_seconds
         self.violations = tuple(violations)
+        # Attempts the call made, the first included, and the errors of the earlier
+        # ones that failed (oldest first); set when retries ran out (retry.Attempts).
+        self.attempts = 1
+        self.attempt_errors: tuple[ClassifyError, ...] = ()
 
     def __str__(self) -> str:
         return (

@@ -15,11 +15,20 @@ attempt n+1 the client waits:
   refused callers do not return at the same instant;
 - else `random(0, min(initial_backoff * multiplier**(n-1), max_backoff))`.
 
+A retry that follows a connection-level UNAVAILABLE (no ErrorInfo: gRPC itself
+found no server to send to, say while the front door restarts) is sent with
+`wait_for_ready`, so it waits for the channel to connect again, within the
+call's deadline: sent fail-fast, every retry failed at once inside gRPC's own
+reconnect backoff and never reached the network. A call without a deadline
+keeps retrying fail-fast, so that no call waits for ever on a server that is gone.
+
 The call's deadline bounds everything: a retry (or a GetResult poll) is made
 only if, after its wait, at least MIN_SECONDS_FOR_A_CALL are left; else the
 last error is raised. A call sent with less could not be answered (the server
 keeps 20 ms to send an answer), and the front door counts calls that reach it
-with under 10 ms left against the tenant (FRONT_DOOR_BUSY).
+with under 10 ms left against the tenant (FRONT_DOOR_BUSY). The error raised
+names how many attempts were made and carries the earlier ones' errors
+(`ClassifyError.attempts`, `attempt_errors`).
 
 While a Classify answer is PROCESSING, `PollPolicy` spaces the GetResult polls:
 the service sends no poll interval, so the client starts at
@@ -40,6 +49,10 @@ from classify_client.errors import RESULT_TRACE_ID, ClassifyError
 
 # The least time a retry or a poll must have left once sent (see the module docstring).
 MIN_SECONDS_FOR_A_CALL = 0.05
+# The longest timeout a call takes, seconds: one year. NOTE: gRPC turns a timeout into
+# an absolute deadline in int64 nanoseconds, which overflows past about 7.4e9 s from
+# now, and such a call then ends at once with DEADLINE_EXCEEDED. None is no deadline.
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600
 # A6 defaults a client may keep: 4 tries in all, 0.1 s growing to 5 s.
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.1
@@ -158,11 +171,21 @@ class RetryEvent:
 
 
 def checked_timeout(seconds: float | None) -> float | None:
-    """`seconds` if it can be a call's deadline: None (no deadline), or finite and above
-    0. Anything else would only end every call at once with DEADLINE_EXCEEDED."""
-    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"timeout {seconds!r} must be a finite number of seconds above 0, or None")
+    """`seconds` if it can be a call's deadline: None (no deadline), or above 0 and at
+    most MAX_TIMEOUT_SECONDS. Anything else would only end every call at once with
+    DEADLINE_EXCEEDED (see MAX_TIMEOUT_SECONDS)."""
+    if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_SECONDS):
+        raise ValueError(
+            f"timeout {seconds!r} must be a number of seconds above 0 and at most "
+            f"{MAX_TIMEOUT_SECONDS} (one year), or None for no deadline"
+        )
     return seconds
+
+
+def is_connection_failure(error: ClassifyError) -> bool:
+    """Whether `error` is gRPC's own UNAVAILABLE: no server answered the attempt (none
+    could be connected to, or the connection broke), so the server sent no ErrorInfo."""
+    return error.code == grpc.StatusCode.UNAVAILABLE and not error.reason
 
 
 class Deadline:
@@ -189,3 +212,24 @@ class Attempts:
 
     def __init__(self) -> None:
         self.made = 0
+        self._started = time.monotonic()
+        # The errors of the tries that failed as a whole, oldest first.
+        self._errors: list[ClassifyError] = []
+
+    def record_failure(self, error: ClassifyError) -> None:
+        self._errors.append(error)
+
+    def give_up(self, error: ClassifyError) -> ClassifyError:
+        """`error`, the last try's (recorded last), as the call's outcome: it names how
+        many tries were made and carries the earlier ones' errors, which would
+        otherwise be lost (a note on each says what it was, for tracebacks and the CLI)."""
+        earlier = tuple(e for e in self._errors if e is not error)
+        error.attempts = self.made
+        error.attempt_errors = earlier
+        if self.made > 1:
+            spent = time.monotonic() - self._started
+            tries = f"{self.made} attempt{'s' if self.made != 1 else ''}"
+            error.add_note(f"gave up after {tries} in {spent:.2f} s")
+            for failed in earlier:
+                error.add_note(f"an earlier attempt failed: {failed}")
+        return error
