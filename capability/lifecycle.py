@@ -16,6 +16,20 @@ ReloadModel with a version pins the model to it: the watcher leaves a pinned
 model alone, however new the folders that appear, so a rollback stays rolled
 back. ReloadModel without a version (the newest) lets the watcher follow again.
 
+At start each model serves its highest numbered version that loads: a newer one
+refused (a damaged copy left in the root, refused while a running server kept
+serving the version before it) is logged at ERROR and counted as a refused reload,
+as the watcher counts one, and the version before it is tried. The start is refused
+only when no version of a model loads: one model's bad folder does not take the
+others down with it at the next restart.
+
+A version folder is immutable once it serves: the watcher looks at the serving
+version's manifest.json on every poll (one stat; the file is hashed only when the
+stat changed) and, when the folder is gone or holds another bundle, logs a WARNING
+and counts it. It does not reload the folder under the same version number (a
+version name would then stand for two bundles); the loaded bundle serves on, and
+the change is there for the next restart to load.
+
 A version the watcher saw refused (say, caught half-copied) is not tried again
 every poll, nor refused for good: it is remembered with a fingerprint of its
 files (and of the model's warm_texts file, which its load reads too), and tried
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -55,6 +70,10 @@ VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # take '²', which int() refuses.)
 NUMBERED_VERSION = re.compile(r"^[0-9]+$")
 MANIFEST = "manifest.json"
+# The `change` of classify_model_folder_changes_total: the serving version's folder (or
+# its manifest.json) is gone, or holds another bundle under the same version name.
+FOLDER_REMOVED = "removed"
+FOLDER_REPLACED = "replaced"
 
 # (path, size in bytes, mtime in ns, ctime in ns, inode) of each file: the version
 # folder's, sorted by their path relative to it, then those its load reads elsewhere.
@@ -171,17 +190,20 @@ class ModelRoot:
         return self.root / name
 
 
-def _refused_at_start(name: str, version: str, folder: Path, exc: Exception) -> ModelLoadError:
-    """`exc`, the refusal of a version the start chose, as the same kind of error,
-    still starting with the file at fault, then naming the model, the version and its
-    folder, and what to do. The start loads the highest numbered version of each model
-    whatever a running server made of it, and exits when that is refused (the
-    documented policy, docs/runbook.md), so the operator needs the folder to act on."""
+def _refused_at_start(
+    name: str, version: str, folder: Path, exc: Exception, refused: Sequence[str]
+) -> ModelLoadError:
+    """`exc`, the refusal of a model's newest version when every version of it was
+    refused at start (`refused`, newest first), as the same kind of error, still
+    starting with the file at fault, then naming the model, the version and its
+    folder, and what to do. The start serves each model's highest numbered version
+    that loads (docs/runbook.md), so it exits only here, and the operator needs the
+    folder to act on."""
     message = (
-        f"{exc} (version {version} of model {name!r}, {folder}). A server starts on the "
-        "highest numbered version of each model, so it cannot start while this one is "
-        "refused: fix the cause, or move the folder out of the model root to start on "
-        "the version before it"
+        f"{exc} (version {version} of model {name!r}, {folder}). A server starts each "
+        "model on its highest numbered version that loads, and no version of this one "
+        f"does (refused: {', '.join(refused)}; each refusal is logged): fix the cause, "
+        "or deploy a version that loads"
     )
     # The same class (each takes the one message), so a caller's except clauses still
     # tell a budget refusal from a bundle one; an OSError becomes a bundle refusal.
@@ -192,6 +214,35 @@ def _refused_at_start(name: str, version: str, folder: Path, exc: Exception) -> 
 def _file_state(shown_as: str, path: Path) -> tuple[str, int, int, int, int]:
     stat = path.stat()
     return (shown_as, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+
+
+def _manifest_state(manifest: Path) -> tuple[int, int, int, int] | None:
+    """manifest.json's size, modification and change times and inode; None when it
+    (or its folder) is gone or cannot be read."""
+    try:
+        stat = manifest.stat()
+    except OSError:
+        return None
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+
+
+def _folder_change(manifest: Path, digest: str) -> str | None:
+    """How the folder whose manifest.json is `manifest` differs from the bundle of
+    `digest` loaded from it: FOLDER_REMOVED, FOLDER_REPLACED, or None (the same)."""
+    try:
+        raw = manifest.read_bytes()
+    except OSError:
+        return FOLDER_REMOVED
+    return None if hashlib.sha256(raw).hexdigest() == digest else FOLDER_REPLACED
+
+
+@dataclass
+class ServedFolder:
+    """What the watcher last saw of a serving version's folder."""
+
+    digest: str  # the digest of the bundle loaded from it: which load this looks after
+    manifest: tuple[int, int, int, int] | None  # _manifest_state at the latest look
+    change: str | None  # FOLDER_REMOVED or FOLDER_REPLACED as last found; None: as loaded
 
 
 @dataclass
@@ -229,6 +280,8 @@ class ModelLifecycle:
         self._held_back: set[tuple[str, str]] = set()
         # The models the start loads (load_initial); each is loading until it serves.
         self._starting: frozenset[str] = frozenset()
+        # The serving version's folder of each model, as the watcher last saw it.
+        self._served_folders: dict[str, ServedFolder] = {}
 
     def settings_for(self, name: str) -> ModelServingSettings:
         return self._settings.get(name, self._default_settings)
@@ -254,21 +307,62 @@ class ModelLifecycle:
         return wanted
 
     async def load_initial(self, names: tuple[str, ...]) -> None:
-        """Load the newest version of each model (all under the root when `names` is empty)."""
+        """Load each model's highest numbered version that loads (every model under the
+        root when `names` is empty); refused when a model has none that does."""
         wanted = self.models_to_serve(names)
         self._starting = frozenset(wanted)
         for name in wanted:
-            version = self.root.newest(name)
-            if version is None:
-                raise ModelNotFound(
-                    f"model {name!r} has no numbered version folder under {self.root.root}",
-                    model=name,
-                )
+            # Exported at 0 before any load: a counter first scraped at 1 shows no
+            # increase, and ClassifyModelVersionRefused would miss a live refusal.
+            for outcome in ("ok", "refused"):
+                self._metrics.reloads.labels(name, outcome)
+        for name in wanted:
+            await self._start_on_newest_that_loads(name)
+
+    async def _start_on_newest_that_loads(self, name: str) -> None:
+        """Load `name`'s numbered versions, newest first, until one loads. Each refused
+        one is logged at ERROR, counted as a refused reload and remembered as the
+        watcher remembers its refusals (tried again once its files change), so a bad
+        folder left in the root costs this model its newest version, not the start."""
+        versions = self.root.versions(name)
+        if not versions:
+            raise ModelNotFound(
+                f"model {name!r} has no numbered version folder under {self.root.root}",
+                model=name,
+            )
+        refusals: list[tuple[str, Exception]] = []
+        for version in reversed(versions):
+            files = await self._read_fingerprint(name, version)
             try:
                 await self._load(name, version)
             except (ModelLoadError, OSError) as exc:
-                folder = self.root.root / name / version
-                raise _refused_at_start(name, version, folder, exc) from exc
+                self._refused[(name, version)] = RefusedVersion(files, files)
+                self._metrics.reloads.labels(name, "refused").inc()
+                log.error(
+                    "version refused at start; trying the version before it",
+                    extra={
+                        "model": name,
+                        "version": version,
+                        "folder": str(self.root.root / name / version),
+                        "error": str(exc),
+                    },
+                )
+                refusals.append((version, exc))
+                continue
+            if refusals:
+                log.error(
+                    "model started on an older version: every newer one was refused",
+                    extra={
+                        "model": name,
+                        "version": version,
+                        "refused": [refused for refused, _ in refusals],
+                    },
+                )
+            return
+        newest, newest_refusal = refusals[0]
+        folder = self.root.root / name / newest
+        refused = [version for version, _ in refusals]
+        raise _refused_at_start(name, newest, folder, newest_refusal, refused) from newest_refusal
 
     async def reload(self, name: str, version: str | None) -> tuple[LoadedBundle, str]:
         """ModelService.ReloadModel: load `version` of a served model and pin the model to
@@ -368,6 +462,7 @@ class ModelLifecycle:
             await asyncio.sleep(interval_seconds)
             for name, serving in self.pool.models().items():
                 try:
+                    await self._check_serving_folder(name, serving)
                     await self._follow_newest(name, serving.version)
                 except Exception as exc:  # any other: a bug; see the module docstring
                     self._metrics.reloads.labels(name, "refused").inc()
@@ -376,6 +471,35 @@ class ModelLifecycle:
                         "the next poll looks again",
                         extra={"model": name, "serving": serving.version, "error": repr(exc)},
                     )
+
+    async def _check_serving_folder(self, name: str, serving: LoadedBundle) -> None:
+        """Log a WARNING, and count it, when the serving version's folder has gone or
+        holds another bundle since it was loaded (once per change, not every poll).
+        One stat of its manifest.json a poll; the file is hashed only when the stat
+        changed, or once for each version that starts serving."""
+        manifest = serving.directory / MANIFEST
+        state = await asyncio.to_thread(_manifest_state, manifest)
+        seen = self._served_folders.get(name)
+        if seen is not None and seen.digest != serving.digest:
+            seen = None  # another version serves since: look afresh
+        if seen is not None and seen.manifest == state:
+            return
+        change = await asyncio.to_thread(_folder_change, manifest, serving.digest)
+        self._served_folders[name] = ServedFolder(serving.digest, state, change)
+        was = None if seen is None else seen.change
+        fields = {"model": name, "version": serving.version, "folder": str(serving.directory)}
+        if change is None:
+            if was is not None:
+                log.info("serving version's folder holds the served bundle again", extra=fields)
+            return
+        if change == was:
+            return
+        self._metrics.model_folder_changes.labels(name, change).inc()
+        log.warning(
+            f"serving version's folder {change}: the loaded bundle serves on; a version "
+            "folder must not change once it serves (deploy a new version number)",
+            extra={**fields, "change": change, "digest": serving.digest},
+        )
 
     async def _follow_newest(self, name: str, serving: str) -> None:
         newest = self.root.newest(name)
@@ -405,7 +529,17 @@ class ModelLifecycle:
                 serving = self.pool.serving(name).version
                 if name in self._pinned or not is_newer(newest, serving):
                     return
-                await self._reload_locked(name, newest, serving)
+                try:
+                    await self._reload_locked(name, newest, serving)
+                except asyncio.CancelledError:
+                    # Only the server's stop cancels the watcher. The load's next stage
+                    # never starts (WorkerPool.load); say so, or the version found
+                    # above seems to have vanished.
+                    log.warning(
+                        "load abandoned: shutting down",
+                        extra={"model": name, "version": newest, "serving": serving},
+                    )
+                    raise
 
     async def _worth_retrying(self, name: str, version: str) -> bool:
         """Whether a refused version's files changed since the refusal and then held

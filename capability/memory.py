@@ -112,6 +112,10 @@ class MemoryLedger:
     warm_up_peak_bytes: int
     warm_up_batch_size: int
     warm_up_tokens: int
+    # The version whose warm-up measured the overhead beyond the weights that this
+    # entry's peak carries (a live reload of a version that computes alike skips the
+    # largest warm-up: capability/workers/worker.py); None: measured on this one.
+    carried_from: str | None = None
 
     @property
     def before_load(self) -> MemoryReading:

@@ -25,6 +25,7 @@ UNSCORABLE_TEXTS_TOTAL = "classify_unscorable_texts_total"
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 RELOADS_TOTAL = "classify_model_reloads_total"
 RELOAD_RETRIES_TOTAL = "classify_model_reload_retries_total"
+MODEL_FOLDER_CHANGES_TOTAL = "classify_model_folder_changes_total"
 WORKER_BUSY_SECONDS_TOTAL = "classify_worker_busy_seconds_total"
 DEVICE_MEMORY_BYTES = "classify_device_memory_bytes"
 DEVICE_UTILISATION = "classify_device_utilisation"
@@ -235,6 +236,14 @@ class CapabilityMetrics:
             "Times the watcher tried a refused version folder again because its files "
             "changed (names, sizes or modification times) since the refusal.",
             ["model"],
+            registry=registry,
+        )
+        # `change`: capability.lifecycle.FOLDER_REMOVED or FOLDER_REPLACED.
+        self.model_folder_changes = Counter(
+            MODEL_FOLDER_CHANGES_TOTAL,
+            "Times the watcher found the serving version's folder removed, or replaced "
+            "by another bundle under the same version name, while it served.",
+            ["model", "change"],
             registry=registry,
         )
         self.device_memory_budget = Gauge(

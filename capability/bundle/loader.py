@@ -121,11 +121,19 @@ class LoadedBundle:
     precision: str  # "fp32" | "bf16": what the encoder computes in
     graph: str  # "torchscript" | "eager": how the encoder's forward runs
     classifier: TextClassifier
-    load_seconds: float  # the whole load, verification and warm-up included
+    # This loader's part, verification and its warm-up included; the worker's warm-up
+    # and memory measurement follow (WorkerPool.load_seconds is the whole load).
+    load_seconds: float
     stage_seconds: Mapping[str, float]  # seconds per stage, keys in STAGES order
     memory_bytes: int  # parameters + buffers on the device
     # Device memory before and after each stage, in STAGES order (with a LoadWatch).
     stage_memory: tuple[StageMemory, ...] = ()
+    # What a forward's memory beyond the weights depends on, the batch aside: two
+    # versions alike here need the same activations and workspaces, so a live reload
+    # carries the serving version's measured overhead over (workers/worker.py). Label
+    # names, descriptions and the head's scale are left out: they change no tensor's
+    # size. Empty: unknown, always measured.
+    compute_shape: tuple[object, ...] = ()
 
 
 def _load_parts(
@@ -208,6 +216,16 @@ def load_bundle(
         stage_seconds=times.seconds,
         memory_bytes=classifier.memory_bytes(),
         stage_memory=tuple(times.memory),
+        compute_shape=(
+            config.architecture,
+            config.encoder,
+            config.max_seq_length,
+            config.pooling,
+            config.head.type,
+            len(config.labels),
+            chosen_precision,
+            graph,
+        ),
     )
 
 

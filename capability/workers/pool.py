@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -206,8 +207,10 @@ class WorkerPool:
             len(self.workers), thread_name_prefix="load", initializer=compute_inline
         )
         self.draining = False
-        # When each model's serving version went live on every worker.
+        # When each model's serving version went live on every worker, and how long
+        # from the start of its load until then.
         self._live_since: dict[str, datetime] = {}
+        self._load_seconds: dict[str, float] = {}
 
     def models(self) -> Mapping[str, LoadedBundle]:
         """The version each model serves now (the same on every worker)."""
@@ -237,7 +240,9 @@ class WorkerPool:
         hit texts, and `warm_texts`.
 
         What a refused version left on the devices is released before the refusal
-        is raised."""
+        is raised. Its load time runs from here until every worker serves it: reading,
+        verifying and warming up (the workers' warm-ups and memory measurement too)."""
+        started = time.perf_counter()
         try:
             bundles, replicas = await self._load_everywhere(
                 directory, settings, precision, graph, expected_name, (residency, idle_seconds)
@@ -248,9 +253,11 @@ class WorkerPool:
             for worker in self.workers:
                 await worker.release_cached(CACHE_RELEASE_REFUSED)
             raise
+        load_seconds = time.perf_counter() - started
         for replica in replicas:
-            await replica.worker.activate(replica)
+            await replica.worker.activate(replica, load_seconds)
         self._live_since[bundles[0].name] = datetime.now(UTC)
+        self._load_seconds[bundles[0].name] = load_seconds
         serving = bundles[0]
         carried = self.cache.switch_bundle(serving.name, serving.digest)
         # The old version's most hit texts, then the model's warm_texts file.
@@ -264,7 +271,7 @@ class WorkerPool:
                 "digest": bundles[0].digest,
                 "graph": bundles[0].graph,
                 "workers": [w.name for w in self.workers],
-                "load_seconds": round(max(b.load_seconds for b in bundles), 3),
+                "load_seconds": round(load_seconds, 3),
             },
         )
         return bundles[0]
@@ -288,7 +295,7 @@ class WorkerPool:
         # Loaded beside the serving version, on loader threads, so serving goes on
         # meanwhile; each worker's replica lives on that worker's device. Every load
         # ends before any refusal is raised, so none is left running.
-        loaded = await asyncio.gather(
+        loading = asyncio.gather(
             *(
                 loop.run_in_executor(
                     self._loaders,
@@ -304,6 +311,15 @@ class WorkerPool:
             ),
             return_exceptions=True,
         )
+        try:
+            loaded = await loading
+        except asyncio.CancelledError:
+            # The server stops: a loader thread ends at its next stage boundary rather
+            # than reading and warming up a version nobody will serve (the process
+            # waits for its loader threads before it exits).
+            for watch in watches:
+                watch.abandon()
+            raise
         for outcome in loaded:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -403,6 +419,11 @@ class WorkerPool:
 
     def live_since(self, name: str) -> datetime:
         return self._live_since[name]
+
+    def load_seconds(self, name: str) -> float:
+        """How long the serving version of `name` took from the start of its load until
+        every worker served it."""
+        return self._load_seconds[name]
 
     def _least_loaded(self, model: str) -> ModelReplica:
         replicas = [w.replicas[model] for w in self.workers if model in w.replicas]

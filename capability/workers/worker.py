@@ -14,6 +14,13 @@ worker refuses a version whose predicted (before its weights are read) or measur
 (after that warm-up) footprint, with what the versions resident on it already
 hold, would exceed its device memory budget; the serving version stays.
 
+That warm-up holds the device for one forward of the measured shape (seconds for
+the MiniLM's 64 x 256 tokens on a CPU), and every model on the worker waits for it.
+So a live reload measures it only when the version computes unlike the one it
+replaces (LoadedBundle.compute_shape, the batch size, the residency): a version
+that computes alike needs the same memory beyond its weights, so its ledger carries
+that measured overhead over (`carried_from`), and serving goes on meanwhile.
+
 An on_demand replica (capability/workers/residency.py) is loaded and measured like
 any other, then its weights wait in host memory: the first request copies them onto
 the device (after evicting idle on_demand models, least recently used first, if the
@@ -28,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar, overload
@@ -107,11 +115,17 @@ def warm_up_shapes(max_seq_length: int) -> tuple[tuple[int, int], ...]:
     return tuple((texts, min(tokens, max_seq_length)) for texts, tokens in WARM_UP_SHAPES)
 
 
+class LoadAbandoned(Exception):
+    """The load was given up (the server stops); raised on the loader thread at the
+    next stage boundary, to a caller that has already gone."""
+
+
 class BudgetedLoad:
     """A LoadWatch for one version on one worker: readings of its device, and the
     budget check of the footprint predicted from the weights' bytes, made before
     any weight is read. `held` and `overhead` are taken on the event loop when the
-    load starts (the loader thread reads no worker state)."""
+    load starts (the loader thread reads no worker state). Once `abandon`ed, the
+    next reading (a stage boundary) raises LoadAbandoned."""
 
     def __init__(self, worker: DeviceWorker, model: str, version: str) -> None:
         self._worker = worker
@@ -125,8 +139,15 @@ class BudgetedLoad:
         if serving is not None and serving.ledger is not None:
             self._overhead = serving.ledger.footprint_bytes - serving.ledger.weights_bytes
         self.predicted_bytes = 0
+        self._abandoned = threading.Event()
+
+    def abandon(self) -> None:
+        """From the event loop: end the load at its next stage boundary."""
+        self._abandoned.set()
 
     def read(self) -> MemoryReading:
+        if self._abandoned.is_set():
+            raise LoadAbandoned(f"load of version {self._version} of {self._model} abandoned")
         return read_memory(self._worker.device)
 
     def admit_weights(self, weights_bytes: int) -> None:
@@ -577,30 +598,64 @@ class DeviceWorker:
         if residency == SHARDED:
             await self.run_on_device(replica.shard, shard_devices or [self.device])
         await replica.warm_up()
-        after, peak = await replica.measure_warm_up(self._memory_warm_up)
         texts, tokens = replica.measured_shape(self._memory_warm_up)
-        ledger = MemoryLedger(
-            source=memory_source(self.device),
-            weights_bytes=bundle.memory_bytes,
-            predicted_bytes=predicted_bytes or bundle.memory_bytes,
-            stages=bundle.stage_memory,
-            after_warm_up=after,
-            warm_up_peak_bytes=peak,
-            warm_up_batch_size=texts,
-            warm_up_tokens=tokens,
-        )
+        serving = self.replicas.get(bundle.name)
+        measured = None if serving is None else self._measured_alike(replica, serving)
+        if serving is None or measured is None:
+            after, peak = await replica.measure_warm_up(self._memory_warm_up)
+            how = f"measured: warm-up peak at {texts} texts x {tokens} tokens"
+            ledger = MemoryLedger(
+                source=memory_source(self.device),
+                weights_bytes=bundle.memory_bytes,
+                predicted_bytes=predicted_bytes or bundle.memory_bytes,
+                stages=bundle.stage_memory,
+                after_warm_up=after,
+                warm_up_peak_bytes=peak,
+                warm_up_batch_size=texts,
+                warm_up_tokens=tokens,
+            )
+        else:
+            ledger = carry_ledger(
+                measured, serving.bundle.version, bundle, predicted_bytes, read_memory(self.device)
+            )
+            how = (
+                f"measured on version {ledger.carried_from}: warm-up peak at {texts} texts "
+                f"x {tokens} tokens, beyond its weights"
+            )
+            log.info(
+                "memory measurement carried over: the version computes alike",
+                extra={
+                    "model": bundle.name,
+                    "version": bundle.version,
+                    "worker": self.name,
+                    "carried_from": ledger.carried_from,
+                    "footprint_bytes": ledger.footprint_bytes,
+                },
+            )
         replica.ledger = ledger
         self.refuse_over_budget(
-            bundle.name,
-            bundle.version,
-            ledger.footprint_bytes,
-            f"measured: warm-up peak at {texts} texts x {tokens} tokens",
-            self.held_bytes(),
+            bundle.name, bundle.version, ledger.footprint_bytes, how, self.held_bytes()
         )
         if residency == ON_DEMAND:
             await self.run_on_device(replica.keep_on_host)
             await self.release_cached(CACHE_RELEASE_EVICTED)
         return replica
+
+    def _measured_alike(self, replica: ModelReplica, serving: ModelReplica) -> MemoryLedger | None:
+        """The serving version's ledger entry when `replica` would measure the same
+        overhead beyond its weights: the same compute shape (dimensions, precision,
+        graph), measured at the same batch and length, kept the same way. None: it
+        must be measured itself."""
+        ledger = serving.ledger
+        if ledger is None or not replica.bundle.compute_shape:
+            return None
+        alike = (
+            replica.bundle.compute_shape == serving.bundle.compute_shape
+            and replica.residency == serving.residency
+            and replica.measured_shape(self._memory_warm_up)
+            == (ledger.warm_up_batch_size, ledger.warm_up_tokens)
+        )
+        return ledger if alike else None
 
     async def ensure_resident(self, replica: ModelReplica, deadline: float | None = None) -> None:
         """Copy an on_demand replica's weights onto the device if they are not there
@@ -705,8 +760,9 @@ class DeviceWorker:
         await self.run_on_device(release_cached, self.device)
         self._metrics.cache_releases.labels(self.name, reason).inc()
 
-    async def activate(self, replica: ModelReplica) -> None:
-        """Make `replica` the one new requests join; the previous version retires."""
+    async def activate(self, replica: ModelReplica, load_seconds: float) -> None:
+        """Make `replica` the one new requests join; the previous version retires.
+        `load_seconds`: from the start of its load until now (WorkerPool.load)."""
         bundle = replica.bundle
         replica.start()
         previous = self.replicas.get(bundle.name)
@@ -714,7 +770,7 @@ class DeviceWorker:
         self._metrics.model_info.labels(
             bundle.name, bundle.version, self.name, bundle.precision
         ).set(1)
-        self._metrics.model_load_seconds.labels(bundle.name, self.name).set(bundle.load_seconds)
+        self._metrics.model_load_seconds.labels(bundle.name, self.name).set(load_seconds)
         if replica.ledger is not None:
             self._metrics.show_ledger(bundle.name, bundle.version, self.name, replica.ledger)
         self._metrics.model_resident.labels(bundle.name, self.name).set(int(replica.is_resident))
@@ -766,6 +822,34 @@ class DeviceWorker:
         self._device_thread.close()
         if self.lanes is not None:
             self.lanes.close()
+
+
+def carry_ledger(
+    measured: MemoryLedger,
+    measured_version: str,
+    bundle: LoadedBundle,
+    predicted_bytes: int,
+    now: MemoryReading,
+) -> MemoryLedger:
+    """A ledger entry for `bundle` from `measured`, the entry of `measured_version`, a
+    version that computes alike: its own weights and load stages, and the overhead
+    beyond the weights that `measured`'s warm-up found (footprint = weights + that
+    overhead). `now`: memory after `bundle`'s own (small) warm-up."""
+    overhead = measured.footprint_bytes - measured.weights_bytes
+    before = bundle.stage_memory[0].before if bundle.stage_memory else now
+    return MemoryLedger(
+        source=measured.source,
+        weights_bytes=bundle.memory_bytes,
+        predicted_bytes=predicted_bytes or bundle.memory_bytes,
+        stages=bundle.stage_memory,
+        after_warm_up=now,
+        # The peak such a warm-up reaches above this version's start: what
+        # footprint_bytes reads.
+        warm_up_peak_bytes=before.allocated_bytes + bundle.memory_bytes + overhead,
+        warm_up_batch_size=measured.warm_up_batch_size,
+        warm_up_tokens=measured.warm_up_tokens,
+        carried_from=measured.carried_from or measured_version,
+    )
 
 
 async def _one_goes_idle(replicas: Sequence[ModelReplica], seconds: float) -> bool:

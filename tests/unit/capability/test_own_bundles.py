@@ -21,7 +21,6 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.bundle import (
     BundleConfigInvalid,
     BundleError,
-    BundleHashMismatch,
     load_bundle,
     write_manifest,
 )
@@ -139,25 +138,6 @@ async def test_every_folder_the_server_skips_is_logged_with_the_reason(
     assert skipped.keys() == {"Sentiment-BYO", "staged-model"}
     assert skipped["Sentiment-BYO"].startswith("'Sentiment-BYO' is not a model name")
     assert skipped["staged-model"].startswith("no numbered version folder")
-
-
-# A refused newest version at start.
-
-
-async def test_a_start_refusing_the_newest_version_names_model_version_and_folder(
-    model_root: Path, tmp_path: Path, start_capability: StartCapability
-) -> None:
-    root = tmp_path / "models"
-    shutil.copytree(model_root / STATIC / "1", root / STATIC / "1")
-    broken = Path(shutil.copytree(model_root / STATIC / "1", root / STATIC / "2"))
-    weights = broken / "embeddings.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
-    with pytest.raises(BundleHashMismatch) as refused:
-        await start_capability(model_root=root, default_model=STATIC)
-    message = str(refused.value)
-    assert message.startswith("embeddings.safetensors: SHA-256 ")
-    assert f"(version 2 of model '{STATIC}', {broken})" in message
-    assert "move the folder out of the model root" in message
 
 
 # verify --load: what a server would refuse.
