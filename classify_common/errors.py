@@ -15,7 +15,7 @@
     │   ├── ModelFault            UNAVAILABLE: NaN output, failed batch, crashed worker
     │   ├── ModelNotServed        UNAVAILABLE: a backend's replica lacks its model
     │   └── ServerDraining        UNAVAILABLE: shutting down, try another replica
-    ├── StateUnavailable          UNAVAILABLE: the shared state store (Redis) did not answer
+    ├── StateUnavailable          UNAVAILABLE: the shared state store (Redis) failed; RetryInfo
     ├── Overloaded                RESOURCE_EXHAUSTED, with a retry-after hint
     │   ├── RateLimited           the tenant's token bucket is empty
     │   ├── QueueFull             the worker's bounded queue has no room
@@ -192,9 +192,26 @@ class ServerDraining(ModelError):
 
 
 class StateUnavailable(ServiceError):
-    """The shared state store (Redis) did not answer in time; retrying later may work."""
+    """The shared state store (Redis) did not answer in time, or refused the command;
+    retrying after `retry_after_seconds` (sent as a RetryInfo) may work.
+
+    The hint is the time left before the orchestrator asks Redis again
+    (orchestrator.state.connection): a retry sooner is failed unasked."""
 
     reason = "STATE_UNAVAILABLE"
+
+    def __init__(
+        self, message: str, *, retry_after_seconds: float | None = None, **context: object
+    ) -> None:
+        super().__init__(message, **context)
+        self.retry_after_seconds = retry_after_seconds
+
+    def details(self) -> list[Message]:
+        if self.retry_after_seconds is None:
+            return super().details()
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
+        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
 
 
 class Overloaded(ServiceError):

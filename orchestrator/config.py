@@ -150,6 +150,19 @@ class OrchestratorSettings(ServerSettings):
         low=1,
         high=MAX_PROCESSES,
     )
+    # Every orchestrator process that shares --state-url's Redis, on every host: while
+    # Redis does not answer, each limits a tenant to 1/N of its rate and burst
+    # (orchestrator/state/limits.py). 0 (the default): --processes, this host's. A
+    # worker's settings say --processes 1 (orchestrator/workers.py), so 0 is replaced
+    # by the set's count when the supervisor's settings are built (check_together).
+    state_processes: int = setting(
+        0,
+        "orchestrator processes sharing --state-url's Redis, on all hosts (0: --processes); "
+        "while it does not answer, each grants a tenant 1/N of its rate and burst",
+        int,
+        low=0,
+        high=100_000,
+    )
     # 1 sends every request on its own (see orchestrator/upstream/coalescer.py).
     upstream_batch_max_items: int = setting(
         DEFAULT_UPSTREAM_BATCH_MAX_ITEMS,
@@ -236,6 +249,10 @@ class OrchestratorSettings(ServerSettings):
                 "set --state-url / ORCHESTRATOR_STATE_URL to a redis:// URL (each process "
                 "would otherwise keep its own results and rate limits)"
             )
+        if self.state_processes == 0:
+            # NOTE: resolved once, here: replace() builds a worker's settings from these,
+            # keeping the resolved count while setting its --processes to 1.
+            object.__setattr__(self, "state_processes", self.processes)
         if self.state_ca_file is not None and not (self.state_url or "").startswith("rediss://"):
             raise SettingsError(
                 "--state-ca-file / ORCHESTRATOR_STATE_CA_FILE needs a rediss:// (TLS) "

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -577,6 +578,15 @@ class RedisServer:
             self._process.kill()
             self._process.wait(timeout=10)
         self._process = None
+
+    def pause(self) -> None:
+        """Stall it (SIGSTOP): connections stay open, commands go unanswered."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
 
     def command(self, *words: str) -> str:
         """One command's first reply line (inline protocol), or "" when nothing answers."""

@@ -44,6 +44,15 @@ class TokenBucketSettings:
             raise ValueError(f"burst {self.burst!r} must be an integer, at least 1")
 
 
+def share_of_bucket(settings: TokenBucketSettings, processes: int) -> TokenBucketSettings:
+    """One of `processes` processes' part of a tenant's bucket: 1/N of the rate, 1/N of
+    the burst rounded up (at least 1), so that N of them together grant about what the
+    whole bucket does (at most N - 1 calls more of the burst)."""
+    return TokenBucketSettings(
+        settings.rate_per_second / processes, max(1, -(-settings.burst // processes))
+    )
+
+
 def seconds_to_next_token(tokens: float, settings: TokenBucketSettings) -> float:
     """How long a bucket holding `tokens` (fewer than one) takes to hold one."""
     return (1 - tokens) / settings.rate_per_second
@@ -67,6 +76,10 @@ class _Bucket:
         if granted == calls:
             return granted, 0.0
         return granted, seconds_to_next_token(self.tokens, self.settings)
+
+    def charge(self, now: float, calls: int) -> None:
+        """Take a token for each of `calls` granted elsewhere, down to none left."""
+        self.take(now, calls)
 
 
 class TenantRateLimits:
@@ -92,3 +105,11 @@ class TenantRateLimits:
             return None, calls, 0.0
         granted, wait = bucket.take(self._clock(), calls)
         return bucket.tokens, granted, wait
+
+    def charge(self, tenant: str, calls: int) -> None:
+        """Draw `calls` tokens that another bucket granted (down to none left), so that
+        this one, standing in for it (orchestrator.state.RedisRateLimits), starts from
+        what this process has used rather than full."""
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            bucket.charge(self._clock(), calls)

@@ -45,7 +45,12 @@ from dataclasses import dataclass
 
 from orchestrator.config import OrchestratorSettings
 from orchestrator.results import LocalResultStore, ResultStore
-from orchestrator.security.limits import RateLimits, TenantRateLimits, TokenBucketSettings
+from orchestrator.security.limits import (
+    RateLimits,
+    TenantRateLimits,
+    TokenBucketSettings,
+    share_of_bucket,
+)
 from orchestrator.state.connection import KEY_PREFIX, RedisState, StateMetrics
 from orchestrator.state.limits import RedisRateLimits
 from orchestrator.state.results import RedisResultStore
@@ -70,6 +75,8 @@ class SharedState:
     redis: RedisState | None = None  # None: in this process
 
     async def close(self) -> None:
+        if isinstance(self.results, RedisResultStore):
+            await self.results.close()  # one more try for outcomes Redis did not take
         if self.redis is not None:
             await self.redis.close()
 
@@ -80,15 +87,21 @@ def open_shared_state(
     metrics: StateMetrics,
 ) -> SharedState:
     """In-process state, or Redis's where --state-url names one (nothing is sent yet)."""
-    local_limits = TenantRateLimits(tenant_limits)
     if settings.state_url is None:
         return SharedState(
             LocalResultStore(settings.results_capacity, settings.results_ttl_seconds),
-            local_limits,
+            TenantRateLimits(tenant_limits),
         )
     redis = RedisState.from_settings(settings, metrics)
-    return SharedState(
-        RedisResultStore(redis, settings.results_capacity, settings.results_ttl_seconds),
-        RedisRateLimits(redis, tenant_limits, fallback=local_limits),
-        redis,
+    # While Redis does not answer, each of the processes sharing it grants its share.
+    sharers = settings.state_processes
+    fallback = TenantRateLimits(
+        {tenant: share_of_bucket(bucket, sharers) for tenant, bucket in tenant_limits.items()}
     )
+    results = RedisResultStore(
+        redis,
+        settings.results_capacity,
+        settings.results_ttl_seconds,
+        retry_max_seconds=settings.state_retry_seconds,
+    )
+    return SharedState(results, RedisRateLimits(redis, tenant_limits, fallback=fallback), redis)

@@ -4,37 +4,48 @@ Every command runs under `--state-timeout-ms`, so a slow Redis costs a call at
 most that long, never the event loop. After a command fails (refused, reset,
 timed out), commands are not sent for `--state-retry-seconds`: they fail at once
 as skipped, so a Redis that is down costs nothing per call while it is down,
-and one command per retry period finds out when it is back. Each outcome is
-counted in `classify_state_operations_total{operation,outcome}`, and answered
-commands' latency in `classify_state_operation_seconds`.
+and one command per retry period finds out when it is back. A command that
+fails unasked carries the time left in that period as its retry hint. Each
+outcome is counted in `classify_state_operations_total{operation,outcome}`, and
+answered commands' latency in `classify_state_operation_seconds`.
+
+A probe task PINGs Redis every `--state-retry-seconds`, rest or not, and sets
+`classify_state_up` (1: answered, 0: not): the alert reads it, because commands
+alone say nothing while no call needs Redis (only unlimited tenants calling).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from classify_common.errors import StateUnavailable
 from classify_common.metrics import LabelledHistogram
-from classify_common.settings import read_secret
+from classify_common.settings import SettingsError, read_secret
 from orchestrator.config import OrchestratorSettings
 
 # Every key the orchestrator writes starts with this (see orchestrator.state).
 KEY_PREFIX = "classify:v1:"
 STATE_OPERATIONS_TOTAL = "classify_state_operations_total"
 STATE_OPERATION_SECONDS = "classify_state_operation_seconds"
+STATE_UP = "classify_state_up"
 # Connections one process keeps to Redis; calls beyond that wait (within the timeout).
 MAX_CONNECTIONS = 64
+
+# Redis answered, with an error: a wrong password or user, a database number it does
+# not have, a command it refuses. Waiting does not help these (see check_at_start).
+REFUSALS = (AuthenticationError, AuthorizationError, ResponseError)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -60,6 +71,12 @@ class StateMetrics:
             registry=registry,
         )
         self._counters: dict[tuple[str, str], Counter] = {}
+        self.up = Gauge(
+            STATE_UP,
+            "1 while the shared state store (Redis) answers the probe's PING (one every "
+            "--state-retry-seconds), 0 while it does not; summed over --processes workers.",
+            registry=registry,
+        )
 
     def count(self, operation: str, outcome: str) -> None:
         key = (operation, outcome)
@@ -92,6 +109,7 @@ class RedisState:
         self._clock = clock
         self._resting_until = float("-inf")
         self._failing = False
+        self._probe: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: OrchestratorSettings, metrics: StateMetrics) -> RedisState:
@@ -128,13 +146,22 @@ class RedisState:
             retry_seconds=settings.state_retry_seconds,
         )
 
-    async def run(self, operation: str, command: Callable[[], Awaitable[T]]) -> T:
+    async def run(
+        self,
+        operation: str,
+        command: Callable[[], Awaitable[T]],
+        *,
+        skip_while_resting: bool = True,
+    ) -> T:
         """`command()`'s answer; StateUnavailable when Redis fails, is slower than the
-        timeout, or failed less than the retry period ago (then nothing is sent)."""
-        if self._clock() < self._resting_until:
+        timeout, or failed less than the retry period ago (then nothing is sent, unless
+        `skip_while_resting` is False: the probe, and outcomes stored again)."""
+        now = self._clock()
+        if skip_while_resting and now < self._resting_until:
             self._metrics.count(operation, "skipped")
             raise StateUnavailable(
                 "the shared state store failed moments ago; not asked again yet",
+                retry_after_seconds=self._resting_until - now,
                 operation=operation,
             )
         started = time.perf_counter()
@@ -158,18 +185,68 @@ class RedisState:
             self._failing = True
             log.warning(
                 "shared state store failed",
-                extra={"operation": operation, "outcome": outcome, "error": repr(cause)},
+                extra={"operation": operation, "outcome": outcome, "error": describe(cause)},
             )
+        answered = "refused the command" if isinstance(cause, REFUSALS) else "did not answer"
         return StateUnavailable(
-            f"the shared state store did not answer ({outcome})", operation=operation
+            f"the shared state store {answered} ({outcome})",
+            retry_after_seconds=self._retry,
+            operation=operation,
         )
 
     async def ping(self) -> bool:
+        """Whether Redis answers a PING now, rest or not; sets classify_state_up."""
         try:
-            await self.run("ping", self.client.ping)
+            await self.run("ping", self.client.ping, skip_while_resting=False)
         except StateUnavailable:
+            self._metrics.up.set(0)
             return False
+        self._metrics.up.set(1)
         return True
 
+    async def check_at_start(self) -> bool:
+        """Whether Redis answers at start-up (False: serve without it until it does).
+
+        SettingsError when it answers with a refusal (a wrong password, a database
+        number it lacks): that never mends itself, so start-up stops and says which
+        settings to fix, rather than serving degraded for as long as it runs."""
+        try:
+            await self.run("ping", self.client.ping, skip_while_resting=False)
+        except StateUnavailable as exc:
+            self._metrics.up.set(0)
+            if isinstance(exc.__cause__, REFUSALS):
+                raise SettingsError(
+                    "--state-url / ORCHESTRATOR_STATE_URL: Redis refused the connection "
+                    f"({describe(exc.__cause__)}); check the password (in the URL or "
+                    "--state-password-file / ORCHESTRATOR_STATE_PASSWORD_FILE) and the "
+                    "database number (the URL's path)"
+                ) from exc.__cause__
+            return False
+        self._metrics.up.set(1)
+        return True
+
+    def start_probe(self) -> None:
+        """PING Redis every --state-retry-seconds, in one task, until close()."""
+        if self._probe is None:
+            self._probe = asyncio.create_task(self._probe_forever(), name="state-probe")
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._retry)
+            await self.ping()
+
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
         await self.client.aclose()
+
+
+def describe(cause: BaseException) -> str:
+    """`Type: message` of a failure, for logs (repr() of redis-py's errors drops the
+    message: `AuthenticationError()` says nothing of which credentials failed)."""
+    message = str(cause)
+    name = type(cause).__name__
+    return f"{name}: {message}" if message else name

@@ -5,10 +5,17 @@ for the time since it was last touched, by Redis's own clock, take up to the
 calls asked for, and keep the bucket until it would be full again anyway.
 
 When Redis does not answer, the check falls back to this process's own bucket
-for the tenant (orchestrator.security.TenantRateLimits): limiting stays on, but
-each process grants the tenant its whole rate, so N processes admit up to N
-times the rate while Redis is away. Each such check counts as a failed (or
-skipped) `rate_limit` operation, and the SharedStateUnavailable alert fires.
+for the tenant (orchestrator.security.TenantRateLimits), which holds its share
+of the tenant's: 1/N of the rate and of the burst (rounded up), N being
+--state-processes, the orchestrator processes that share the Redis. That
+bucket is also charged for every call Redis granted this process, so a stall
+does not find it full after a busy spell: with calls spread evenly, the N
+processes together grant about the tenant's rate while Redis is away. The
+bound, however Redis flaps: in any span of T seconds, the fallback buckets
+grant at most rate x T + burst + N - 1 calls, on top of at most rate x T +
+burst from Redis's bucket. A process that gets more than 1/N of a tenant's
+calls refuses some sooner while Redis is away. Each such check counts as a
+failed (or skipped) `rate_limit` operation.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class RedisRateLimits:
         limits: Mapping[str, TokenBucketSettings],
         fallback: TenantRateLimits,
     ) -> None:
+        """`fallback`: this process's share of each tenant's bucket (share_of_bucket)."""
         self._state = state
         self._limits = dict(limits)
         self._fallback = fallback
@@ -76,6 +84,8 @@ class RedisRateLimits:
             )
         except StateUnavailable:
             return self._fallback.take(tenant, calls)
+        if granted:
+            self._fallback.charge(tenant, int(granted))
         tokens = float(left)
         if granted == calls:
             return tokens, calls, 0.0

@@ -13,16 +13,27 @@ it.
 When Redis does not answer:
 - hold: False, and the dispatcher answers the call when it is done, within the
   client's deadline, instead of PROCESSING (no one could poll for it);
-- finish: the outcome is lost; polls see PROCESSING until the entry expires
-  (logged and counted as a failed result_finish);
+- finish: the outcome is kept in this process and stored again, with backoff
+  (gRPC A6's: random(0, min(initial * 2^(n-1), --state-retry-seconds))), not
+  held back by the rest after a failure, until Redis takes it or the entry has
+  expired; meanwhile polls see PROCESSING. At most MAX_UNSTORED_RESULTS
+  outcomes (MAX_UNSTORED_BYTES in all) wait so: past that the oldest is let go
+  (logged). A graceful stop tries each once more. Every try is counted as a
+  result_finish;
 - get: StateUnavailable (UNAVAILABLE), and the client polls again later.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import json
 import logging
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.errors import (
@@ -44,6 +55,14 @@ TENANT_COUNTS = KEY_PREFIX + "results-by-tenant"
 TENANT_INDEX_PREFIX = KEY_PREFIX + "results:"
 # The first byte of a stored value says what follows it.
 PENDING, DONE, ERROR = b"P", b"D", b"E"
+
+# Outcomes that Redis did not take, kept to store again: at most this many, and this
+# many bytes of values in all (the oldest goes first past either). A value is one
+# serialized response, a few hundred bytes to a few KiB.
+MAX_UNSTORED_RESULTS = 10_000
+MAX_UNSTORED_BYTES = 64 * 1024 * 1024
+# First retry's backoff ceiling (s); it doubles per failed try up to --state-retry-seconds.
+UNSTORED_RETRY_INITIAL_SECONDS = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +140,46 @@ return 0
 """
 
 
+@dataclass(frozen=True)
+class UnstoredOutcome:
+    """A finished call's outcome that Redis did not take, waiting to be stored again."""
+
+    request_id: str
+    keys: list[str]  # the result's and its token's (the tenant is in them)
+    token: str
+    value: bytes
+    give_up_at: float  # monotonic seconds: the held entry has expired by then
+
+
 class RedisResultStore:
     """A ResultStore (orchestrator.results) in Redis."""
 
-    def __init__(self, state: RedisState, capacity: int, ttl_seconds: float) -> None:
+    def __init__(
+        self,
+        state: RedisState,
+        capacity: int,
+        ttl_seconds: float,
+        *,
+        retry_max_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`retry_max_seconds`: the longest backoff between tries to store an outcome
+        again (--state-retry-seconds)."""
         if capacity < 1 or ttl_seconds <= 0:
             raise ValueError("the result store needs a capacity of 1 or more and a positive TTL")
         self._state = state
         self._capacity = capacity
         self._ttl_ms = int(ttl_seconds * 1000)
+        self._ttl_seconds = ttl_seconds
+        self._retry_max = retry_max_seconds
+        self._clock = clock
         self._hold_script = state.client.register_script(_HOLD)
         self._finish_script = state.client.register_script(_FINISH)
+        # By `<tenant>/<request id>`, oldest first; a later outcome of the same name
+        # (a later call's) takes the earlier's place.
+        self._unstored: dict[str, UnstoredOutcome] = {}
+        self._unstored_bytes = 0
+        self._storing_again: asyncio.Task[None] | None = None
 
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> str | None:
         tenant = result_owner()
@@ -161,24 +209,116 @@ class RedisResultStore:
             assert response is not None, "finish needs a response or an error"
             value = DONE + response.SerializeToString()
         member = result_key(result_owner(), request_id)
-        keys = [RESULT_PREFIX + member, RESULT_TOKEN_PREFIX + member]
+        outcome = UnstoredOutcome(
+            request_id,
+            [RESULT_PREFIX + member, RESULT_TOKEN_PREFIX + member],
+            token,
+            value,
+            give_up_at=self._clock() + self._ttl_seconds,
+        )
         try:
-            written = await self._state.run(
-                "result_finish", lambda: self._finish_script(keys=keys, args=[token, value])
-            )
+            await self._store(outcome, skip_while_resting=True)
         except StateUnavailable:
-            log.warning(
-                "result not stored; polls see PROCESSING until it expires",
-                extra={"request_id": request_id},
-            )
-            return
+            self._keep_unstored(member, outcome)
+
+    async def _store(self, outcome: UnstoredOutcome, *, skip_while_resting: bool) -> None:
+        """One try at writing `outcome` into its held entry; StateUnavailable when Redis
+        did not take it."""
+        written = await self._state.run(
+            "result_finish",
+            lambda: self._finish_script(keys=outcome.keys, args=[outcome.token, outcome.value]),
+            skip_while_resting=skip_while_resting,
+        )
         if written == -1:  # a later call with this request ID holds the place: its own
             return
         if not written:  # the result is gone
             log.warning(
                 "result not stored: its entry is gone (expired, pushed out past "
                 "--results-capacity, or lost by Redis: restarted empty, flushed, evicted)",
-                extra={"request_id": request_id},
+                extra={"request_id": outcome.request_id},
+            )
+
+    def _keep_unstored(self, member: str, outcome: UnstoredOutcome) -> None:
+        """Keep `outcome` to store again (see the module docstring), within the bounds."""
+        log.warning(
+            "result not stored yet; trying again until it expires (polls see PROCESSING)",
+            extra={"request_id": outcome.request_id},
+        )
+        replaced = self._unstored.pop(member, None)
+        if replaced is not None:
+            self._unstored_bytes -= len(replaced.value)
+        self._unstored[member] = outcome
+        self._unstored_bytes += len(outcome.value)
+        while len(self._unstored) > MAX_UNSTORED_RESULTS or (
+            self._unstored_bytes > MAX_UNSTORED_BYTES and len(self._unstored) > 1
+        ):
+            oldest = self._unstored.pop(next(iter(self._unstored)))
+            self._unstored_bytes -= len(oldest.value)
+            log.warning(
+                "result not stored: too many results wait to be stored again; polls see "
+                "PROCESSING until it expires",
+                extra={"request_id": oldest.request_id},
+            )
+        if self._storing_again is None:
+            # NOTE: in a context of its own, not the call's that failed first: the task
+            # outlives that call and stores other tenants' outcomes.
+            self._storing_again = asyncio.get_running_loop().create_task(
+                self._store_again_with_backoff(),
+                name="results-store-again",
+                context=contextvars.Context(),
+            )
+
+    @property
+    def unstored(self) -> int:
+        """Outcomes waiting to be stored again."""
+        return len(self._unstored)
+
+    async def _store_again_with_backoff(self) -> None:
+        """The one task that stores kept outcomes again, until none is left."""
+        failed_tries = 0
+        try:
+            while self._unstored:
+                ceiling = min(UNSTORED_RETRY_INITIAL_SECONDS * 2**failed_tries, self._retry_max)
+                await asyncio.sleep(random.uniform(0, ceiling))
+                if await self._store_unstored_once():
+                    failed_tries = 0
+                else:
+                    failed_tries += 1
+        finally:
+            self._storing_again = None
+
+    async def _store_unstored_once(self) -> bool:
+        """Try each kept outcome, oldest first, until Redis fails one; False if it did."""
+        for member, outcome in list(self._unstored.items()):
+            if self._clock() >= outcome.give_up_at:
+                log.warning(
+                    "result not stored: its entry expired while Redis did not take it",
+                    extra={"request_id": outcome.request_id},
+                )
+            else:
+                try:
+                    await self._store(outcome, skip_while_resting=False)
+                except StateUnavailable:
+                    return False
+                log.info("result stored on a later try", extra={"request_id": outcome.request_id})
+            # A later outcome of the same name may have taken its place meanwhile.
+            if self._unstored.get(member) is outcome:
+                del self._unstored[member]
+                self._unstored_bytes -= len(outcome.value)
+        return True
+
+    async def close(self) -> None:
+        """At a graceful stop: one more try for each outcome still kept; the rest
+        are lost (logged)."""
+        if self._storing_again is not None:
+            self._storing_again.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._storing_again
+        if self._unstored and not await self._store_unstored_once():
+            log.warning(
+                "results not stored at stop: Redis did not take them; polls see "
+                "PROCESSING until they expire",
+                extra={"request_ids": [outcome.request_id for outcome in self._unstored.values()]},
             )
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:

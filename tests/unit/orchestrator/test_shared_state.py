@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,15 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.errors import QueueFull, ResultNotFound, StateUnavailable, status_for
+from classify_common.settings import SettingsError
 from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
-from orchestrator.server import OrchestratorServer
+from orchestrator.server import START_ERRORS, OrchestratorServer
 from orchestrator.state import RedisResultStore, RedisState, StateMetrics
-from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
+from orchestrator.state import results as state_results
+from orchestrator.state.connection import STATE_OPERATIONS_TOTAL, STATE_UP
 from orchestrator.state.results import TENANT_COUNTS
+from orchestrator.workers import one_worker_of
 from tests.conftest import (
     STRIKER,
     RedisServer,
@@ -30,7 +35,7 @@ from tests.conftest import (
     orchestrator_settings,
     wait_until,
 )
-from tests.status_details import error_info, error_reason, refusal
+from tests.status_details import error_info, error_reason, refusal, retry_delay_seconds
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_results import as_tenant
 
@@ -198,9 +203,10 @@ async def test_redis_stopped_calls_are_answered_counted_and_state_returns_with_i
     assert error_reason(away) == "STATE_UNAVAILABLE"
     assert state_failures(server, "result_get") == 1
 
-    # Rate limits: the process's own bucket (it was full: 4 tokens) stands in for Redis's.
+    # Rate limits: the process's own bucket stands in for Redis's. It holds 4 tokens
+    # less the call Redis granted (charged to it too) and the poll: 2, not a full 4.
     codes = [await code_of(classify(server)) for _ in range(4)]
-    assert codes == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert codes == [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
     assert state_failures(server, "rate_limit") == 5
 
     redis_server.start()  # back, empty: the tenant's bucket in Redis is full again
@@ -405,3 +411,178 @@ async def test_first_command_after_redis_returns_is_answered_by_it(
         server.registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="ok"
     )
     assert answered == 2
+
+
+# Short and long outages, and a Redis that refuses: what is kept, said and counted.
+
+PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
+
+
+async def stored_status(state: RedisState, request_id: str) -> pb.ResultStatus.ValueType:
+    """The status in Redis of the anonymous tenant's result, read past the rest window."""
+    value = await state.client.get(f"classify:v1:result:anonymous/{request_id}")
+    assert isinstance(value, bytes)
+    return pb.ClassifyResponse.FromString(value[1:]).status
+
+
+async def finish_while_stalled(
+    redis_server: RedisServer, store: RedisResultStore, request_ids: list[str]
+) -> None:
+    """Hold each result, then finish each while Redis is stalled (the first finish times
+    out, the others are skipped), and let Redis answer again."""
+    tokens = [
+        await store.hold(request_id, pb.ClassifyResponse(status=PROCESSING))
+        for request_id in request_ids
+    ]
+    redis_server.pause()
+    try:
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            assert token is not None
+            done = pb.ClassifyResponse(request_id=request_id, status=DONE)
+            await store.finish(request_id, token, response=done)
+    finally:
+        redis_server.resume()
+
+
+async def test_an_outcome_finished_during_a_stall_is_stored_once_redis_answers(
+    redis_server: RedisServer, redis_state: RedisState
+) -> None:
+    """The audit's lost finish: without the retry, polls saw PROCESSING for the TTL."""
+    store = RedisResultStore(redis_state, capacity=10, ttl_seconds=60, retry_max_seconds=0.2)
+    await finish_while_stalled(redis_server, store, ["r-1", "r-2"])
+    assert store.unstored == 2
+    # Stored within the 1 s rest after the failure: the retries do not wait it out.
+    loop = asyncio.get_running_loop()
+    resumed = loop.time()
+    await wait_until(lambda: store.unstored == 0, "both outcomes stored", limit_seconds=5)
+    assert loop.time() - resumed < 0.9
+    assert [await stored_status(redis_state, r) for r in ("r-1", "r-2")] == [DONE, DONE]
+    await store.close()
+
+
+async def test_a_graceful_stop_tries_once_more_to_store_kept_outcomes(
+    redis_server: RedisServer, redis_state: RedisState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_results, "UNSTORED_RETRY_INITIAL_SECONDS", 3600.0)
+    store = RedisResultStore(redis_state, capacity=10, ttl_seconds=60, retry_max_seconds=3600)
+    await finish_while_stalled(redis_server, store, ["s-1"])
+    assert store.unstored == 1  # the retry task sleeps for up to an hour
+    await store.close()
+    assert store.unstored == 0
+    assert await stored_status(redis_state, "s-1") == DONE
+
+
+async def test_kept_outcomes_are_bounded_the_oldest_let_go_first(
+    redis_server: RedisServer,
+    redis_state: RedisState,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(state_results, "MAX_UNSTORED_RESULTS", 2)
+    store = RedisResultStore(redis_state, capacity=10, ttl_seconds=60, retry_max_seconds=0.2)
+    await finish_while_stalled(redis_server, store, ["b-1", "b-2", "b-3"])
+    assert store.unstored == 2
+    assert "too many results wait to be stored again" in caplog.text
+    await wait_until(lambda: store.unstored == 0, "the kept outcomes stored", limit_seconds=5)
+    statuses = [await stored_status(redis_state, r) for r in ("b-1", "b-2", "b-3")]
+    assert statuses == [PROCESSING, DONE, DONE]
+    await store.close()
+
+
+async def test_state_unavailable_carries_the_time_left_before_redis_is_asked_again(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """A client that honours RetryInfo polls again when the server will ask Redis,
+    not into the rest window, where it would fail unasked."""
+    server = await start_shared(capability, burst=100, state_retry_seconds=5)
+    redis_server.stop()
+    failed = await refusal(get_result(server, "anything"))  # the rate limit failed first
+    assert error_reason(failed) == "STATE_UNAVAILABLE"
+    assert 4 < retry_delay_seconds(failed) <= 5
+    await asyncio.sleep(0.5)
+    skipped = await refusal(get_result(server, "anything"))
+    assert error_reason(skipped) == "STATE_UNAVAILABLE"
+    assert 3.5 < retry_delay_seconds(skipped) < retry_delay_seconds(failed) - 0.4
+
+
+async def test_while_redis_is_away_each_process_grants_its_share_of_a_tenants_bucket(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """Two processes share the Redis: each falls back to half the burst (and rate), so
+    together they grant about what the one bucket would, not twice it."""
+    server = await start_shared(capability, burst=4, state_processes=2)
+    redis_server.stop()
+    codes = [await code_of(classify(server)) for _ in range(3)]
+    assert codes == [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+
+def test_the_processes_sharing_redis_default_to_the_sets_count_in_each_worker() -> None:
+    settings = orchestrator_settings(state_url="redis://127.0.0.1:6379/0", processes=3)
+    assert settings.state_processes == 3
+    worker = one_worker_of(settings, port=50051)
+    assert (worker.processes, worker.state_processes) == (1, 3)
+    across_hosts = replace(settings, state_processes=12)
+    assert one_worker_of(across_hosts, port=50051).state_processes == 12
+
+
+async def test_state_up_follows_the_probe_while_no_call_needs_redis(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """No call is made: the gauge alone says Redis went and came back."""
+    server = await start_shared(capability, state_retry_seconds=0.05)
+    assert metric_sum(server.registry, STATE_UP) == 1
+    redis_server.stop()
+    await wait_until(lambda: metric_sum(server.registry, STATE_UP) == 0, "state_up 0")
+    redis_server.start()
+    await wait_until(lambda: metric_sum(server.registry, STATE_UP) == 1, "state_up 1 again")
+
+
+def unstarted_orchestrator(tmp_path: Path, state_url: str) -> OrchestratorServer:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\nbackends:\n  model: {model: topic-static, targets: ['127.0.0.1:1']}\n"
+        "routes:\n  - name: default\n    backend: model\n"
+    )
+    settings = orchestrator_settings(routes_file=routes, state_url=state_url)
+    return OrchestratorServer(settings, registry=CollectorRegistry())
+
+
+@pytest.mark.parametrize(
+    ("credentials", "database", "cause"),
+    [
+        (":wrong@", "0", "AuthenticationError: invalid username-password pair"),
+        (":sekret@", "99", "ResponseError: DB index is out of range"),
+    ],
+)
+async def test_a_redis_that_refuses_the_connection_stops_start_up_naming_the_settings(
+    tmp_path: Path, redis_server: RedisServer, credentials: str, database: str, cause: str
+) -> None:
+    """A wrong password or database number never mends itself: not served degraded."""
+    assert redis_server.command("CONFIG", "SET", "requirepass", "sekret") == "+OK"
+    url = f"redis://{credentials}127.0.0.1:{redis_server.port}/{database}"
+    server = unstarted_orchestrator(tmp_path, url)
+    try:
+        with pytest.raises(SettingsError) as refused:
+            await server.start()
+    finally:
+        await server.state.close()
+    assert SettingsError in START_ERRORS  # one line on stderr and exit status 2
+    message = str(refused.value)
+    assert message.startswith("--state-url / ORCHESTRATOR_STATE_URL: Redis refused")
+    assert cause in message
+    assert "--state-password-file" in message
+    assert "sekret" not in message
+    assert "wrong" not in message
+
+
+async def test_a_refused_command_says_so_and_its_cause_is_logged_with_its_message(
+    redis_state: RedisState, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "orchestrator.state.connection")
+    client = redis_state.client
+    await client.set("classify:v1:a-string", "v")
+    with pytest.raises(StateUnavailable) as refused:  # a hash command on a string
+        await redis_state.run("result_get", lambda: client.hgetall("classify:v1:a-string"))
+    assert refused.value.message == "the shared state store refused the command (error)"
+    (record,) = [r for r in caplog.records if r.getMessage() == "shared state store failed"]
+    assert record.__dict__["error"].startswith("ResponseError: WRONGTYPE Operation against a key")
