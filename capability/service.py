@@ -7,6 +7,7 @@ methods by classify_common.interceptor.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -39,12 +40,14 @@ from classify_common.context import (
     is_valid_request_id,
     new_request_id,
 )
-from classify_common.errors import MethodNotServed, ServiceError
+from classify_common.errors import MethodNotServed, ServiceError, grpc_code_for
 from classify_common.intake import current_batch_intake, item_status
 from classify_common.nodes import RequestTrace, current_trace
 from classify_common.tracing import format_trace_id
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+log = logging.getLogger(__name__)
 
 
 class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
@@ -102,9 +105,13 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         load = self._pool.load_report(texts[0].model, receipt.seconds_since())
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
         answer = pb.ClassifyBatchResponse()
+        failed = 0
         for index, (item, text, outcome) in enumerate(
             zip(request.items, texts, outcomes, strict=True)
         ):
+            if isinstance(outcome, ServiceError):
+                failed += 1
+                _log_failed_item(text, outcome, ids.request_id)
             _fill_batch_result(
                 answer.results.add(),
                 item,
@@ -113,6 +120,8 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
                 ids.trace_id,
                 end_trace=index not in answered_early,
             )
+        if call_trace is not None:
+            call_trace.log_fields["items_failed"] = failed
         return answer
 
     def _text_of(
@@ -273,6 +282,24 @@ def _early_answer(
     return answer
 
 
+def _log_failed_item(text: TextRequest, error: ServiceError, call_request_id: str) -> None:
+    """A line for a batch item that failed, under the item's own request ID (and trace
+    ID, when it has a trace of its own), naming the call it came in. The call's `rpc`
+    line names only the call, which the orchestrator merged from many requests: a
+    failure of one of them, logged as a single Classify's would be, must be found by
+    that request's ID. Items answered are not logged one by one."""
+    fields: dict[str, object] = {
+        "request_id": text.request_id,
+        "code": grpc_code_for(error).name,
+        "reason": error.reason,
+        "error": error.message,
+        "call_request_id": call_request_id,
+    }
+    if text.trace is not None:
+        fields["trace_id"] = format_trace_id(text.trace.server_span)
+    log.warning("batch item failed", extra=fields)
+
+
 def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:
     """The item's own trace ID; the call's when the item has no trace."""
     return format_trace_id(text.trace.server_span) if text.trace else call_trace_id
@@ -309,7 +336,7 @@ def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
     loaded_at = timestamp_pb2.Timestamp()
     loaded_at.FromDatetime(pool.live_since(bundle.name))
     load_duration = duration_pb2.Duration()
-    load_duration.FromNanoseconds(int(bundle.load_seconds * 1e9))
+    load_duration.FromNanoseconds(int(pool.load_seconds(bundle.name) * 1e9))
     classifier = bundle.classifier
     return model_pb.ModelInfo(
         name=bundle.name,

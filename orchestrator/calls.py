@@ -29,13 +29,12 @@ from classify_common.nodes import (
     CLASSIFY_ATTEMPT,
     CLASSIFY_BACKEND,
     CLASSIFY_FALLBACK_REASON,
-    CLASSIFY_METHOD_NAME,
     CLASSIFY_MODEL,
     CLASSIFY_MODEL_VERSION,
     CLASSIFY_REPLICA,
     CLASSIFY_RETRY_REASON,
+    CLASSIFY_SENT,
     UPSTREAM_CALL,
-    client_call,
     current_trace,
     emit_node,
     node,
@@ -219,7 +218,11 @@ class RouteCaller:
                 return await self._attempt(call, pool, tried, forwarded)
             except ServiceError as error:
                 decision = route.retry.decide(
-                    error, attempt_on_backend, call.time_left(), call.state.retry_budget
+                    error,
+                    attempt_on_backend,
+                    call.time_left(),
+                    call.state.retry_budget,
+                    untried_replica=any(replica not in tried for replica in pool.replicas),
                 )
                 if decision is GiveUp.BUDGET_EXHAUSTED:
                     self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()
@@ -241,7 +244,13 @@ class RouteCaller:
         forwarded: pb.ClassifyRequest,
     ) -> pb.ClassifyResponse:
         """One call to a replica not yet tried, as the `upstream_call` node; its
-        `backend_select` node is recorded once the answer names the model version."""
+        `backend_select` node is recorded once the answer names the model version.
+
+        The node's client span, the child the capability's spans hang under, is the
+        replica's coalescer's to start when the call leaves: a call refused before it
+        is sent (at the backend's limit, short of time), or out of time while it
+        gathers, never reached the capability, and a client span would say it did.
+        The node starts as not sent (CLASSIFY_SENT) and the coalescer marks it sent."""
         backend = pool.backend
         select_started = time.time_ns()
         target = pool.pick(avoid=tried)
@@ -254,18 +263,15 @@ class RouteCaller:
             CLASSIFY_FALLBACK_REASON: call.fallback_reason,
         }
         try:
-            with (
-                node(
-                    UPSTREAM_CALL,
-                    {
-                        CLASSIFY_ATTEMPT: call.attempts,
-                        CLASSIFY_BACKEND: backend.name,
-                        **{key: value for key, value in reasons.items() if value},
-                    },
-                    current=True,
-                ),
-                # The capability server's spans hang under the attempt's client span.
-                client_call(CLASSIFY_METHOD_NAME, target),
+            with node(
+                UPSTREAM_CALL,
+                {
+                    CLASSIFY_ATTEMPT: call.attempts,
+                    CLASSIFY_BACKEND: backend.name,
+                    CLASSIFY_SENT: False,
+                    **{key: value for key, value in reasons.items() if value},
+                },
+                current=True,
             ):
                 response = await pool.classify(forwarded, target=target, client_remaining=remaining)
                 version = response.model.version

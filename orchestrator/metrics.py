@@ -35,6 +35,20 @@ SHADOW_DROPPED_TOTAL = "classify_shadow_dropped_total"
 ROUTES_RELOAD_OUTCOMES = ("ok", "failed")
 # The causes orchestrator.security.gate refuses a caller for.
 AUTH_FAILURE_REASONS = ("missing_key", "repeated_key", "unknown_key")
+# The limit a call refused CONCURRENCY_LIMITED met (the `kind` of
+# classify_concurrency_limited_total): the backend's max_concurrency in routes.yaml,
+# or its adaptive limit.
+LIMIT_STATIC = "static"
+LIMIT_ADAPTIVE = "adaptive"
+LIMIT_KINDS = (LIMIT_STATIC, LIMIT_ADAPTIVE)
+# Why a call was refused DEADLINE_UNREACHABLE unsent (the `cause` of
+# classify_upstream_deadline_unreachable_total): the replica's reported wait, the
+# time calls of its size have been taking there, or a deadline shorter than the
+# margin the orchestrator keeps to answer (the caller's doing, not the backend's load).
+UNREACHABLE_REPORTED_WAIT = "reported_wait"
+UNREACHABLE_CALL_TIME = "call_time"
+UNREACHABLE_MARGIN = "margin"
+UNREACHABLE_CAUSES = (UNREACHABLE_REPORTED_WAIT, UNREACHABLE_CALL_TIME, UNREACHABLE_MARGIN)
 
 
 class BackendLoad(Protocol):
@@ -44,6 +58,8 @@ class BackendLoad(Protocol):
 
     @property
     def concurrency(self) -> AdaptiveConcurrencyLimit | None: ...
+
+    def concurrency_limit(self) -> float | None: ...
 
 
 class UpstreamMetrics:
@@ -67,20 +83,23 @@ class UpstreamMetrics:
         self._limited = Counter(
             CONCURRENCY_LIMITED_TOTAL,
             "Calls refused at once because the backend had as many in flight as its "
-            "adaptive concurrency limit.",
-            ["backend"],
+            "concurrency limit, by kind: static (max_concurrency) or adaptive.",
+            ["backend", "kind"],
             registry=registry,
         )
         self._unreachable = Counter(
             DEADLINE_UNREACHABLE_TOTAL,
-            "Calls not sent to a backend because its reported wait was longer than their "
-            "remaining deadline (sent to a fallback, or refused DEADLINE_EXCEEDED).",
-            ["backend"],
+            "Calls not sent to a backend because they could not make their deadline there "
+            "(sent to a fallback, or refused DEADLINE_EXCEEDED), by cause: reported_wait "
+            "(the replica's), call_time (calls of their size), margin (the deadline was "
+            "shorter than the time the orchestrator keeps to answer).",
+            ["backend", "cause"],
             registry=registry,
         )
         self._limit = Gauge(
             BACKEND_CONCURRENCY_LIMIT,
-            "The backend's adaptive concurrency limit (calls in flight); absent when off.",
+            "The backend's concurrency limit in force (calls in flight): the lower of its "
+            "max_concurrency and its adaptive limit; absent when it has neither.",
             ["backend"],
             registry=registry,
         )
@@ -88,19 +107,26 @@ class UpstreamMetrics:
             BACKEND_IN_FLIGHT, "Calls in flight to the backend.", ["backend"], registry=registry
         )
 
-    def concurrency_limited(self, backend: str) -> Counter:
-        return self._limited.labels(backend)
+    def concurrency_limited(self, backend: str) -> dict[str, Counter]:
+        """The backend's refusal counters by LIMIT_KINDS, each exported at 0 from now:
+        the ClassifyLoadShedding alert reads them with rate(), which sees no increase
+        in a series that first appears at 1."""
+        return {kind: self._limited.labels(backend, kind) for kind in LIMIT_KINDS}
 
-    def deadline_unreachable(self, backend: str) -> Counter:
-        return self._unreachable.labels(backend)
+    def deadline_unreachable(self, backend: str) -> dict[str, Counter]:
+        """The backend's counters by UNREACHABLE_CAUSES, each exported at 0 from now (as
+        concurrency_limited's)."""
+        return {cause: self._unreachable.labels(backend, cause) for cause in UNREACHABLE_CAUSES}
 
     def watch_concurrency(self, backend: str, pool: BackendLoad) -> None:
-        """Read the backend's limit and calls in flight at each scrape (the pool of the
-        routes in force: a reload points the series at its new pool)."""
+        """Read the backend's limit in force and calls in flight at each scrape (the pool
+        of the routes in force: a reload points the series at its new pool, and takes
+        the limit's series away when the new one has no limit)."""
         self._in_flight.labels(backend).set_function(lambda: pool.in_flight)
-        limit = pool.concurrency
-        if limit is not None:
-            self._limit.labels(backend).set_function(lambda: limit.limit)
+        if pool.concurrency_limit() is None:
+            self._limit.remove(backend)
+            return
+        self._limit.labels(backend).set_function(lambda: pool.concurrency_limit() or 0.0)
 
     def items_per_call(self, backend: str) -> Histogram:
         return self._items.labels(backend)

@@ -9,8 +9,10 @@ waves. Only the listed status codes are retried, never a client error.
 backend: `RetryAfter(seconds)` or a `GiveUp` naming what stopped it, checked in
 this order — the attempts are spent or the status is not retryable; the backend
 refused at its concurrency limit (another replica of it cannot help, a fallback
-may); the backoff would end past the caller's deadline; the retry budget has no
-token left (Linkerd/Envoy budgets: retries are a share of recent requests).
+may); the replica does not serve the backend's model and every replica has been
+tried (asked again, it answers the same); the backoff would end past the
+caller's deadline; the retry budget has no token left (Linkerd/Envoy budgets:
+retries are a share of recent requests).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from classify_common.errors import ConcurrencyLimited, ServiceError, grpc_code_for
+from classify_common.errors import (
+    ConcurrencyLimited,
+    ModelNotServed,
+    ServiceError,
+    grpc_code_for,
+)
 from orchestrator.policy.budget import RetryBudget
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -79,9 +86,12 @@ class RetryPolicy:
         time_left: float | None,
         budget: RetryBudget,
         rng: random.Random | None = None,
+        *,
+        untried_replica: bool = True,
     ) -> RetryDecision:
         """What follows attempt `attempt` (1-based, on one backend) failing with `failure`,
-        `time_left` seconds before the caller's deadline (None: it set none).
+        `time_left` seconds before the caller's deadline (None: it set none), with a
+        replica of the backend not yet tried (`untried_replica`) or none.
 
         A `RetryAfter` has taken its token from `budget`.
         """
@@ -93,6 +103,10 @@ class RetryPolicy:
             # The whole backend is at its limit: another replica of it cannot help,
             # and waiting here only holds the caller; a fallback may.
             return GiveUp.BACKEND_AT_LIMIT
+        if isinstance(failure, ModelNotServed) and not untried_replica:
+            # The replica lacks the model: the same one answers the same every time,
+            # so only another replica is worth a retry; without one, a fallback may.
+            return GiveUp.NO_REPLICA_SERVES
         wait = backoff_seconds(self, attempt, rng)
         if time_left is not None and wait >= time_left:
             return GiveUp.DEADLINE_TOO_NEAR
@@ -114,6 +128,7 @@ class GiveUp(enum.Enum):
     ATTEMPTS_SPENT = "attempts_spent"
     NOT_RETRYABLE = "not_retryable"
     BACKEND_AT_LIMIT = "backend_at_limit"
+    NO_REPLICA_SERVES = "no_replica_serves"
     DEADLINE_TOO_NEAR = "deadline_too_near"
     BUDGET_EXHAUSTED = "budget_exhausted"
 

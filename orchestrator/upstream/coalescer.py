@@ -50,9 +50,13 @@ Each item keeps its own deadline, trace and outcome:
   its size have been (orchestrator.upstream.call_time) is refused
   DEADLINE_UNREACHABLE as it arrives, not when its turn to be sent comes,
 - each item's `ItemContext.traceparent` is its own client span (the child of
-  its `upstream_call` node, renamed after ClassifyBatch when merged), so the
+  its `upstream_call` node, named after ClassifyBatch when merged), so the
   capability's spans for that item join the item's trace; the shared call gets
-  its own client span, linked both ways with the items' client spans,
+  its own client span, linked both ways with the items' client spans. An item's
+  client span starts when its call leaves, not when it arrives: one answered
+  here unsent (refused, or out of time while it gathered) has none, and its
+  `upstream_call` node says so (`classify.sent` false) and how long it
+  gathered (`classify.gather_ms`, as a sent one's does),
 - each item gets its own answer or error, so retry and fallback decisions
   (orchestrator.dispatch) stay per request; an item the capability refuses
   while others are still to be computed (at intake or admission, or else
@@ -99,15 +103,22 @@ from classify_common.nodes import (
     CLASSIFY_BACKEND,
     CLASSIFY_BATCH_METHOD_NAME,
     CLASSIFY_BATCH_SIZE,
+    CLASSIFY_GATHER_MS,
+    CLASSIFY_METHOD_NAME,
+    CLASSIFY_SENT,
     ERROR_TYPE,
     RPC_METHOD,
     RPC_RESPONSE_STATUS_CODE,
     RPC_SYSTEM_GRPC,
     RPC_SYSTEM_NAME,
+    TIMEOUT_ATTRIBUTE,
+    RequestTrace,
     current_trace,
+    mark_error,
     server_attributes,
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
+from orchestrator.metrics import UNREACHABLE_CALL_TIME, UNREACHABLE_REPORTED_WAIT
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 from orchestrator.upstream.load import ReplicaLoad
@@ -166,11 +177,16 @@ class UpstreamItem:
     # which it must have been sent.
     timeout: float
     expires_at: float
-    # Metadata that carries the item's trace (its `upstream_call` span).
+    # Metadata that carries the item's trace: its client span's once it is sent.
     trace_metadata: Sequence[tuple[str, str]]
-    # The item's `upstream_call` span, linked to the shared call's span.
+    # The item's `upstream_call` node span (the current span of its caller).
     span: trace.Span
     future: asyncio.Future[pb.ClassifyResponse] = field(repr=False)
+    # The request's trace when it makes spans: the item then gets a client span when
+    # it is sent. None for a shadow call, or a request whose spans nobody receives.
+    request_trace: RequestTrace | None = None
+    # From when its call leaves until it is answered; linked to the shared call's span.
+    client_span: trace.Span = field(default=trace.INVALID_SPAN, repr=False)
     # The capability's result-cache scope for it (its caller's tenant's).
     cache_scope: str = ""
     # The caller's context (its bound request and trace IDs): what a lone call runs in,
@@ -191,7 +207,7 @@ class ReplicaCoalescer:
         settings: CoalescingSettings,
         on_sent: Callable[[int], None] = lambda items: None,
         on_expired: Callable[[], None] = lambda: None,
-        on_unreachable: Callable[[], None] = lambda: None,
+        on_unreachable: Callable[[str], None] = lambda cause: None,
         on_answered: Callable[[], None] = lambda: None,
         on_no_answer: Callable[[], None] = lambda: None,
         on_load: Callable[[bytes], ReplicaLoad | None] = lambda report: None,
@@ -200,8 +216,9 @@ class ReplicaCoalescer:
         retry_after: Callable[[], float] = lambda: 0.05,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
-        out before it could be sent, and `on_unreachable()` each refused because it could
-        not make its deadline there (shed, never sent); `on_answered()` and
+        out before it could be sent, and `on_unreachable(cause)` each refused because it
+        could not make its deadline there (shed, never sent), by what said so
+        (UNREACHABLE_REPORTED_WAIT or UNREACHABLE_CALL_TIME); `on_answered()` and
         `on_no_answer()` report a call the replica answered, or one it did not answer
         (UNAVAILABLE, or out of time with no status from it: for outlier ejection);
         `on_load(report)` gets the load report trailer of each answered call, and gives
@@ -284,6 +301,7 @@ class ReplicaCoalescer:
         in and stored under the result-cache scope `cache_scope`; failures come back as
         ServiceErrors."""
         loop = asyncio.get_running_loop()
+        request_trace = current_trace()
         item = UpstreamItem(
             request=request,
             timeout=seconds,
@@ -292,6 +310,9 @@ class ReplicaCoalescer:
             span=trace.get_current_span(),
             future=loop.create_future(),
             cache_scope=cache_scope,
+            request_trace=(
+                request_trace if request_trace is not None and request_trace.makes_spans else None
+            ),
         )
         passes = request.priority != pb.PRIORITY_BATCH and self._beside_batch_calls_only()
         if not passes and not self._may_leave(len(self._waiting) + 1):
@@ -306,7 +327,15 @@ class ReplicaCoalescer:
             # items of a ClassifyBatch, a burst of calls) go in the same call.
             self._send_scheduled = True
             loop.call_soon(self._send_waiting)
-        return await item.future
+        try:
+            response = await item.future
+        except BaseException as error:
+            if item.client_span is not trace.INVALID_SPAN:
+                _end_client_span(item, error)
+            raise
+        if item.client_span is not trace.INVALID_SPAN:
+            _end_client_span(item, None)
+        return response
 
     def _may_leave(self, items: int) -> bool:
         """Whether `items` gathered may leave now: with no call in flight, whatever has
@@ -378,10 +407,11 @@ class ReplicaCoalescer:
             max(len(self._waiting) + 1, round(self.call_time.items_per_call())),
             self._settings.max_items,
         )
-        needed = max(self._predicted_wait(), self.call_time.predict(items))
+        wait = self._predicted_wait()
+        needed = max(wait, self.call_time.predict(items))
         if item.expires_at - sent_at >= needed:
             return
-        self._on_unreachable()
+        self._on_unreachable(UNREACHABLE_REPORTED_WAIT if wait >= needed else UNREACHABLE_CALL_TIME)
         raise DeadlineUnreachable(
             f"backend {self._backend} is busy for about {(sent_at - now) * 1000:.0f} ms "
             f"and then needs about {needed * 1000:.0f} ms for a call of {items} items, but "
@@ -418,6 +448,7 @@ class ReplicaCoalescer:
             needed = max(wait, self.call_time.predict(len(live), idle))
             for item in live:
                 if item.expires_at <= now:
+                    _record_gathered(item, now)
                     self._on_expired()
                     item.future.set_exception(
                         DeadlineExpired(
@@ -426,7 +457,10 @@ class ReplicaCoalescer:
                         )
                     )
                 elif item.expires_at - now < needed:
-                    self._on_unreachable()
+                    _record_gathered(item, now)
+                    self._on_unreachable(
+                        UNREACHABLE_REPORTED_WAIT if wait >= needed else UNREACHABLE_CALL_TIME
+                    )
                     judged_by = (
                         f"reports a wait of about {wait * 1000:.0f} ms"
                         if wait >= needed
@@ -443,6 +477,7 @@ class ReplicaCoalescer:
             live = [item for item in live if not item.future.done()]
             if not live:
                 continue
+            self._start_client_spans(live, now)
             self.call_time.sent(len(live))
             self._in_flight += 1
             self._items_in_flight += len(live)
@@ -626,6 +661,7 @@ class ReplicaCoalescer:
             if item.expires_at > now:
                 waiting.append(item)
             elif not item.future.done():  # else its caller has gone
+                _record_gathered(item, now)
                 self._on_expired()
                 item.future.set_exception(
                     DeadlineExpired(
@@ -674,11 +710,37 @@ class ReplicaCoalescer:
                     self.trip.record(round_trip, load.handled, longest)
                 return
 
+    def _start_client_spans(self, items: list[UpstreamItem], now: float) -> None:
+        """Each traced item's client span, from now, as its call leaves: named after the
+        method the call goes with, a child of its `upstream_call` node, and what its
+        traceparent names, so the capability's spans hang under it. Its node says it
+        was sent, and how long it gathered."""
+        method = CLASSIFY_METHOD_NAME if len(items) == 1 else CLASSIFY_BATCH_METHOD_NAME
+        attributes = {
+            RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC,
+            RPC_METHOD: method,
+            **self._server_attributes,
+        }
+        for item in items:
+            if item.request_trace is None:
+                continue
+            item.span.set_attribute(CLASSIFY_SENT, True)
+            _record_gathered(item, now)
+            client_span = get_tracer().start_span(
+                method,
+                context=trace.set_span_in_context(item.span),
+                kind=SpanKind.CLIENT,
+                attributes=attributes,
+            )
+            item.client_span = client_span
+            with trace.use_span(client_span, end_on_exit=False):
+                item.trace_metadata = inject_context()
+
     def _start_shared_span(self, items: list[UpstreamItem]) -> trace.Span:
         """The shared call's client span, in a trace of its own, linked both ways with
         the items' own client spans (as the capability's batch span is with its
         requests), when spans are exported."""
-        traced = [item.span for item in items if item.span.is_recording()]
+        traced = [item.client_span for item in items if item.client_span.is_recording()]
         if not traced or not spans_are_exported():
             return trace.INVALID_SPAN
         span = get_tracer().start_span(
@@ -696,10 +758,6 @@ class ReplicaCoalescer:
         )
         for item_span in traced:
             item_span.add_link(span.get_span_context())
-            # The item left inside a batch call: its own client span says so.
-            if getattr(item_span, "kind", None) is SpanKind.CLIENT:
-                item_span.update_name(CLASSIFY_BATCH_METHOD_NAME)
-                item_span.set_attribute(RPC_METHOD, CLASSIFY_BATCH_METHOD_NAME)
         return span
 
     def _fail_all(self, items: list[UpstreamItem], exc: grpc.aio.AioRpcError) -> None:
@@ -742,6 +800,28 @@ def _not_answered(exc: grpc.aio.AioRpcError) -> bool:
 
 
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def _record_gathered(item: UpstreamItem, now: float) -> None:
+    """On a traced item's `upstream_call` node: the milliseconds it gathered here until
+    `now` (loop time), when it left or was answered unsent."""
+    if item.request_trace is not None:
+        arrived = item.expires_at - item.timeout
+        item.span.set_attribute(CLASSIFY_GATHER_MS, round((now - arrived) * 1e4) / 10)
+
+
+def _end_client_span(item: UpstreamItem, error: BaseException | None) -> None:
+    """End a sent item's client span with what its caller got: the code the replica
+    answered (or OK), error status on any failure (a client span's convention), and
+    the timeout mark when its request was answered PROCESSING meanwhile."""
+    span = item.client_span
+    if error is None:
+        span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
+    else:
+        mark_error(span, error, SpanKind.CLIENT)
+    if item.request_trace is not None and item.request_trace.timed_out:
+        span.set_attribute(TIMEOUT_ATTRIBUTE, True)
+    span.end()
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

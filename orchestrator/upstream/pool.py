@@ -27,7 +27,13 @@ from classify_common.errors import (
 )
 from classify_common.tls import ClientTls
 from classify_common.tracing import inject_context
-from orchestrator.metrics import UpstreamMetrics
+from orchestrator.metrics import (
+    LIMIT_ADAPTIVE,
+    LIMIT_STATIC,
+    UNREACHABLE_MARGIN,
+    UNREACHABLE_REPORTED_WAIT,
+    UpstreamMetrics,
+)
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit, ConcurrencySettings
 from orchestrator.routing import Backend
@@ -154,11 +160,20 @@ class BackendPool:
         self.concurrency = AdaptiveConcurrencyLimit(concurrency) if concurrency.adaptive else None
         # The latest load report of each replica.
         self.loads: dict[str, ReplicaLoad] = {}
-        self._limited: Callable[[], None] = lambda: None
-        self._unreachable: Callable[[], None] = lambda: None
+        # Counters of calls refused unsent, their label children made once here (a
+        # labels() look-up per refusal costs what the refusal saves).
+        self._count_refused_at_max: Callable[[], None] = lambda: None
+        self._count_refused_at_adaptive: Callable[[], None] = lambda: None
+        self._count_unreachable: Callable[[str], None] = lambda cause: None
         if metrics is not None:
-            self._limited = metrics.concurrency_limited(backend.name).inc
-            self._unreachable = metrics.deadline_unreachable(backend.name).inc
+            limited = metrics.concurrency_limited(backend.name)
+            self._count_refused_at_max = limited[LIMIT_STATIC].inc
+            self._count_refused_at_adaptive = limited[LIMIT_ADAPTIVE].inc
+            unreachable = {
+                cause: counter.inc
+                for cause, counter in metrics.deadline_unreachable(backend.name).items()
+            }
+            self._count_unreachable = lambda cause: unreachable[cause]()
             metrics.watch_concurrency(backend.name, self)
         self._credentials: tuple[tuple[str, str], ...] = (
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
@@ -228,7 +243,7 @@ class BackendPool:
             settings=settings,
             on_sent=(lambda n: None) if metrics is None else metrics.items_per_call(name).observe,
             on_expired=(lambda: None) if metrics is None else metrics.expired_unsent(name).inc,
-            on_unreachable=self._unreachable,
+            on_unreachable=self._count_unreachable,
             on_answered=partial(self.outliers.record_success, target),
             on_no_answer=partial(self.outliers.record_failure, target),
             on_load=partial(self._record_load, target),
@@ -302,7 +317,7 @@ class BackendPool:
         the call may take: sending it would only queue it to miss its deadline."""
         wait = self.predicted_wait(target)
         if wait > timeout:
-            self._unreachable()
+            self._count_unreachable(UNREACHABLE_REPORTED_WAIT)
             raise DeadlineUnreachable(
                 f"backend {self.backend.name} reports a wait of about {wait * 1000:.0f} ms, "
                 f"but only {timeout * 1000:.0f} ms are left",
@@ -318,12 +333,22 @@ class BackendPool:
             return self.concurrency.retry_after_seconds()
         return CONCURRENCY_RETRY_AFTER_SECONDS
 
+    def concurrency_limit(self) -> float | None:
+        """The limit on calls in flight in force now: the lower of the backend's
+        max_concurrency and its adaptive limit; None when it has neither."""
+        static = self.backend.max_concurrency
+        adaptive = None if self.concurrency is None else self.concurrency.limit
+        if static is None:
+            return adaptive
+        return float(static) if adaptive is None else min(float(static), adaptive)
+
     def _admit(self) -> None:
         """Take a slot under the backend's limits, or raise ConcurrencyLimited at once:
         refused before any work, and not retried on this backend (its retry would meet
         the same limit), so the fallback takes it at once."""
         limit = self.backend.max_concurrency
         if limit is not None and self.in_flight >= limit:
+            self._count_refused_at_max()
             raise ConcurrencyLimited(
                 f"backend {self.backend.name} is at its concurrency limit (max_concurrency)",
                 retry_after_seconds=CONCURRENCY_RETRY_AFTER_SECONDS,
@@ -332,7 +357,7 @@ class BackendPool:
             )
         adaptive = self.concurrency
         if adaptive is not None and not adaptive.try_acquire():
-            self._limited()
+            self._count_refused_at_adaptive()
             raise ConcurrencyLimited(
                 f"backend {self.backend.name} has {adaptive.in_flight} calls in flight, "
                 f"its adaptive limit",
@@ -356,7 +381,13 @@ class BackendPool:
         (DeadlineUnreachable). A `shadow` call takes no slot under the backend's limits
         and teaches the adaptive one nothing: it must never turn away a caller of this
         backend (shadow calls have a cap of their own, --shadow-max-in-flight)."""
-        timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+        try:
+            timeout = call_timeout(self.backend.timeout_seconds, client_remaining)
+        except DeadlineUnreachable:
+            # Shed like the others, though the caller's short deadline, not the
+            # backend's load, is why: the cause tells them apart.
+            self._count_unreachable(UNREACHABLE_MARGIN)
+            raise
         if client_remaining is not None:
             self._refuse_unreachable(target, timeout)
         if not shadow:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import random
 import threading
 from collections.abc import Sequence
@@ -626,3 +627,37 @@ async def test_requests_evicted_while_waiting_for_the_device_do_not_keep_it_from
             pb.ClassifyRequest(text=STRIKER, model="topic-static"), timeout=20
         )
     assert response.labels[0].name == "sports"
+
+
+async def test_a_failed_item_of_a_batch_call_is_logged_under_its_own_ids(
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The orchestrator merges many requests into one call: the call's `rpc` line says
+    how many items failed, and each failed item gets a WARNING line under its own
+    request and trace IDs with its reason and message, as a single Classify's failure
+    is logged; the item answered gets none."""
+    traceparent, trace_id, _ = new_traceparent()
+    items = [
+        pb.ClassifyRequest(text=STRIKER, request_id="item-answered"),
+        pb.ClassifyRequest(text=STRIKER, model="no-such-model", request_id="item-unserved"),
+    ]
+    contexts = [pb.ItemContext(), pb.ItemContext(traceparent=traceparent)]
+    with caplog.at_level(logging.INFO):
+        answer, trailers = await classify_batch(capability_stub, items, contexts)
+        await wait_until(
+            lambda: any(r.getMessage() == "rpc" for r in caplog.records), "the call's rpc line"
+        )
+    assert answer.results[0].HasField("response")
+    (info,) = unpack(answer.results[1].error, error_details_pb2.ErrorInfo)
+    failed = [r for r in caplog.records if r.getMessage() == "batch item failed"]
+    assert [(r.levelname, vars(r)["request_id"]) for r in failed] == [("WARNING", "item-unserved")]
+    line = vars(failed[0])
+    assert line["trace_id"] == trace_id
+    assert line["reason"] == info.reason
+    assert line["code"] == grpc.StatusCode.NOT_FOUND.name
+    assert answer.results[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert line["error"] == answer.results[1].error.message
+    assert line["call_request_id"] == trailers["x-request-id"]
+    (rpc,) = [r for r in caplog.records if r.getMessage() == "rpc"]
+    assert (vars(rpc)["items"], vars(rpc)["items_failed"]) == (2, 1)

@@ -25,6 +25,8 @@ from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import (
     DEADLINE_UNREACHABLE_TOTAL,
+    UNREACHABLE_CALL_TIME,
+    UNREACHABLE_REPORTED_WAIT,
     UPSTREAM_CALL_ITEMS,
     UPSTREAM_ITEMS_EXPIRED_TOTAL,
 )
@@ -63,7 +65,7 @@ def coalescer_on(
     capability: CapabilityServer,
     settings: CoalescingSettings | None = None,
     on_expired: Callable[[], None] = lambda: None,
-    on_unreachable: Callable[[], None] = lambda: None,
+    on_unreachable: Callable[[str], None] = lambda cause: None,
     predicted_wait: Callable[[], float] = lambda: 0.0,
     replica_batch_size: Callable[[], int] = lambda: 0,
 ) -> ReplicaCoalescer:
@@ -444,13 +446,13 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
     """The replica reports a 1 s wait: the call in flight is expected back in 1 s, and
     an item with 1.5 s left would need 2 s. It is refused at once, not after waiting for
     its turn; one with 3 s left gathers and is answered."""
-    shed: list[int] = []
+    shed: list[str] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            on_unreachable=lambda: shed.append(1),
+            on_unreachable=shed.append,
             predicted_wait=lambda: 1.0,
         )
         computed_before = texts_computed(capability)
@@ -458,7 +460,7 @@ async def test_an_item_that_cannot_make_it_behind_busy_calls_is_refused_as_it_ar
             coalescer, capability.pool.workers[0], hurried=1.5, patient=3.0
         )
     assert "busy for about" in str(refused)
-    assert shed == [1]
+    assert shed == [UNREACHABLE_REPORTED_WAIT]
     assert texts_computed(capability) - computed_before == 2
 
 
@@ -468,14 +470,14 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
     """The replica reports no wait, but its last call took at least 0.5 s (the device was
     held that long). Behind the next such call, an item with 0.8 s left would need about
     1 s: it is refused as it arrives. Trusting the report alone, it would be sent."""
-    shed: list[int] = []
+    shed: list[str] = []
     worker = capability.pool.workers[0]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            on_unreachable=lambda: shed.append(1),
+            on_unreachable=shed.append,
         )
         async with device_occupied(worker):
             slow = asyncio.ensure_future(
@@ -486,7 +488,7 @@ async def test_a_replica_that_reports_no_wait_is_judged_by_how_long_its_calls_ta
         assert (await slow).request_id == "slow"
         refused = await refused_behind_a_busy_call(coalescer, worker, hurried=0.8, patient=10.0)
     assert "for a call of 1 items" in str(refused)
-    assert shed == [1]
+    assert shed == [UNREACHABLE_CALL_TIME]
 
 
 async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in(
@@ -496,13 +498,13 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
     item. The first item to gather behind a busy call leaves with the 19 or so that
     gather after it: it needs about 0.5 s, not the 0.12 s of a call of one, and with
     0.45 s left it is refused at once. One with 5 s left gathers and is answered."""
-    shed: list[int] = []
+    shed: list[str] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            on_unreachable=lambda: shed.append(1),
+            on_unreachable=shed.append,
         )
         # What the coalescer would have learned from calls of 10 and 30 items, and
         # from sending calls of 25 (the lone call "a" brings the count to 20).
@@ -514,7 +516,7 @@ async def test_an_item_that_gathers_first_is_judged_by_the_call_it_will_leave_in
             coalescer, capability.pool.workers[0], hurried=0.45, patient=5.0
         )
     assert "for a call of 20 items" in str(refused)
-    assert shed == [1]
+    assert shed == [UNREACHABLE_CALL_TIME]
 
 
 async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
@@ -525,14 +527,14 @@ async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
     it gathers. The device is held 1.6 s, so "a" comes back late and "b" has about
     0.9 s left as it would leave, less than the 1 s or more its call takes: it is
     refused then, never sent. Judged by the report alone it would have been sent."""
-    shed: list[int] = []
+    shed: list[str] = []
     worker = capability.pool.workers[0]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            on_unreachable=lambda: shed.append(1),
+            on_unreachable=shed.append,
         )
         for items in (1, 5) * 10:
             coalescer.call_time.record(items, 1.0)
@@ -559,7 +561,7 @@ async def test_an_item_whose_call_comes_back_late_is_judged_again_as_it_leaves(
     needed_ms, left_ms = int(judged.group(1)), int(judged.group(2))
     assert needed_ms >= 1000
     assert 0 < left_ms < needed_ms
-    assert shed == [1]
+    assert shed == [UNREACHABLE_CALL_TIME]
     assert texts_computed(capability) - computed_before == 1
 
 
@@ -571,13 +573,13 @@ async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
     queueing the fit learned has drained: the next item with 1 s left is sent and
     answered. A fit that did not count down would refuse every such item, send
     nothing, and never learn otherwise."""
-    shed: list[int] = []
+    shed: list[str] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
         coalescer = coalescer_on(
             channel,
             capability,
             CoalescingSettings(max_in_flight=1),
-            on_unreachable=lambda: shed.append(1),
+            on_unreachable=shed.append,
         )
         first = await coalescer.classify(minilm_request("a"), seconds=30, trace_metadata=())
         assert first.request_id == "a"
@@ -593,7 +595,7 @@ async def test_a_fit_learned_under_load_counts_down_while_the_replica_is_idle(
         await asyncio.sleep(1.3)
         later = await coalescer.classify(minilm_request("later"), seconds=1.0, trace_metadata=())
     assert later.request_id == "later"
-    assert shed == [1]
+    assert shed == [UNREACHABLE_CALL_TIME]
     assert texts_computed(capability) - computed_before == 1
 
 

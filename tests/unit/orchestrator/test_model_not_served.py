@@ -18,7 +18,12 @@ import pytest
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from orchestrator.metrics import MODEL_FALLBACK_TOTAL, OUTLIER_EJECTIONS_TOTAL
+from classify_common.metrics import RPC_REQUESTS_TOTAL
+from orchestrator.metrics import (
+    MODEL_FALLBACK_TOTAL,
+    OUTLIER_EJECTIONS_TOTAL,
+    UPSTREAM_RETRIES_TOTAL,
+)
 from tests.conftest import STRIKER, StartCapability, StartOrchestrator, metric_sum
 from tests.status_details import error_info, refusal
 
@@ -99,3 +104,33 @@ async def test_a_misspelt_model_falls_back_and_without_a_fallback_is_unavailable
     assert (info.reason, info.metadata["backend"]) == ("MODEL_NOT_SERVED", "misspelt")
     assert info.metadata["x-request-id"]
     assert info.metadata["x-trace-id"]
+
+
+async def test_a_lone_replica_without_the_model_is_not_asked_again(
+    start_capability: StartCapability, orchestrator_with: StartOrchestrator
+) -> None:
+    """A replica that does not serve the model answers the same every time: with no
+    other replica to try, the call goes on at once (here, to the caller: UNAVAILABLE,
+    MODEL_NOT_SERVED) after one attempt, not after three to the same replica."""
+    static_only = await start_capability(models=("topic-static",))
+    server = await orchestrator_with(
+        "version: 1\n"
+        "backends:\n"
+        f"  minilm: {{model: topic-minilm, targets: ['127.0.0.1:{static_only.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: minilm\n"
+        "    retry: {max_attempts: 3, initial_backoff: 1ms, max_backoff: 2ms}\n"
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        refused = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10))
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused).reason == "MODEL_NOT_SERVED"
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL, backend="minilm") == 0
+    asked = metric_sum(
+        static_only.registry,
+        RPC_REQUESTS_TOTAL,
+        method="/ai.classify.v1.ClassifyService/Classify",
+    )
+    assert asked == 1
