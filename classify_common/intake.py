@@ -22,6 +22,9 @@ from classify_common.errors import ServiceError, status_for
 
 # The gRPC methods whose requests are batches of items.
 BATCH_METHODS = frozenset({"/ai.classify.v1.ClassifyService/ClassifyBatch"})
+# The methods whose requests ask for texts to be classified: each request (a call,
+# or one item of a batch call) is counted by its outcome (classify_requests_total).
+CLASSIFYING_METHODS = frozenset({"/ai.classify.v1.ClassifyService/Classify", *BATCH_METHODS})
 # Most characters of text in one batch, over all items (rule `items.total_chars`).
 MAX_BATCH_TOTAL_CHARS = 1_000_000
 # Most items in one batch: the contract's rule, read from it.

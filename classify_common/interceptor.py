@@ -56,8 +56,9 @@ from classify_common.errors import (
     internal_error,
     status_for,
 )
+from classify_common.intake import BATCH_METHODS, CLASSIFYING_METHODS
 from classify_common.logs import log_event
-from classify_common.metrics import RpcMetrics
+from classify_common.metrics import RequestOutcomes, RpcMetrics
 from classify_common.nodes import (
     CLASSIFY_ERROR_REASON,
     CLASSIFY_REQUEST_BYTES,
@@ -145,10 +146,17 @@ def _deadline_passed(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
 
 
 class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: RpcMetrics, admission_for: Callable[[str], Admission]) -> None:
+    def __init__(
+        self,
+        metrics: RpcMetrics,
+        admission_for: Callable[[str], Admission],
+        outcomes: RequestOutcomes | None = None,
+    ) -> None:
         """`admission_for`: the server's admission of a contract method, asked once per
-        method (classify_common.admission)."""
+        method (classify_common.admission); `outcomes`: where the front door counts
+        each request's outcome (None on a capability server)."""
         self._metrics = metrics
+        self._outcomes = outcomes
         self._admission_for = admission_for
         # Looked up once: get_tracer builds a new tracer object on every call.
         self._tracer = get_tracer()
@@ -220,6 +228,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         encode = _timed_serializer(serialize) if times_output else serialize
 
         in_handlers = self._in_handlers
+        outcomes = self._outcomes if method in CLASSIFYING_METHODS else None
+        is_batch = method in BATCH_METHODS
 
         async def run_lifecycle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             started = time.perf_counter()
@@ -238,6 +248,8 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             time_left = context.time_remaining()
             bind_time_left_on_arrival(time_left)
             code = grpc.StatusCode.OK
+            reason = ""
+            request: Any = None
             this_call = asyncio.current_task()
             if this_call is not None:
                 in_handlers.add(this_call)
@@ -257,7 +269,7 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 if _deadline_passed(context):
                     raise DeadlineExpired("the answer was ready after the deadline; not sent")
             except ServiceError as error:
-                code = grpc_code_for(error)
+                code, reason = grpc_code_for(error), error.reason
                 try:
                     await self._abort(context, server_span, error, ids, request_trace)
                 except _DeadlinePassed:
@@ -270,18 +282,24 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 if this_call is not None:
                     this_call.uncancel()  # answered, not cancelled: later awaits run as usual
                 cut_off = ServerDraining("the server stopped before this call was answered")
-                code = grpc_code_for(cut_off)
+                code, reason = grpc_code_for(cut_off), cut_off.reason
                 await self._abort(context, server_span, cut_off, ids, request_trace)
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
-                code = grpc.StatusCode.INTERNAL
+                code, reason = grpc.StatusCode.INTERNAL, InternalError.reason
                 await self._answer_bug(method, context, server_span, ids, request_trace)
             finally:
                 in_handlers.discard(this_call)
                 elapsed = time.perf_counter() - started
                 exemplar = exemplar_for(ids.trace_id, server_span, code.name)
                 self._metrics.observe(method, code.name, elapsed, exemplar)
+                if outcomes is not None and not request_trace.outcome_counted_elsewhere:
+                    # A call refused whole, before its items were served, is a refusal
+                    # of every text it carried.
+                    requests = max(len(request.items), 1) if is_batch and request is not None else 1
+                    route = str(request_trace.log_fields.get("route", ""))
+                    outcomes.count(route, code.name, reason, requests)
                 self._log_request(method, code, elapsed, time_left, request_trace)
                 if times_output or request_trace.makes_spans:
                     self._end_when_done(context, server_span, code, request_trace, times_output)

@@ -20,6 +20,7 @@ from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
 RPC_REQUESTS_TOTAL = "classify_rpc_requests_total"
+REQUESTS_TOTAL = "classify_requests_total"
 INTERNAL_ERRORS_TOTAL = "classify_internal_errors_total"
 RPC_DURATION_SECONDS = "classify_rpc_duration_seconds"
 NODE_DURATION_SECONDS = "classify_node_duration_seconds"
@@ -90,6 +91,37 @@ class RpcMetrics:
             requests = self._requests[key] = self.requests.labels(method, code)
         requests.inc()
         self.duration.observe(key, seconds, exemplar)
+
+
+class RequestOutcomes:
+    """Requests by the outcome their caller got, at the front door: one per Classify
+    call and one per ClassifyBatch item, each counted once, when its outcome is final.
+
+    The availability objective reads this and not classify_rpc_requests_total, which
+    counts RPCs: a ClassifyBatch call whose items all failed is one RPC answered OK,
+    and one GetResult poll per failed PROCESSING call would count its failure once a
+    poll (or never, with no poll). A PROCESSING answer is counted when its work ends,
+    with the work's outcome (orchestrator.dispatch)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            REQUESTS_TOTAL,
+            "Requests (a Classify call, or one item of a ClassifyBatch call) by route "
+            "(empty when refused before routing), final gRPC status code, and the "
+            "ErrorInfo reason (empty for an answer); a PROCESSING answer is counted "
+            "when its work ends, with that outcome.",
+            ["route", "code", "reason"],
+            registry=registry,
+        )
+        # Looked up once each: a labels() call per request costs more than the count.
+        self._children: dict[tuple[str, str, str], Counter] = {}
+
+    def count(self, route: str, code: str, reason: str = "", requests: int = 1) -> None:
+        key = (route, code, reason)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(*key)
+        child.inc(requests)
 
 
 class MetricsEndpoint:

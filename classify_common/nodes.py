@@ -90,6 +90,14 @@ CLASSIFY_MODEL_VERSION = "classify.model_version"
 CLASSIFY_ATTEMPT = "classify.attempt"
 CLASSIFY_RETRY_REASON = "classify.retry_reason"
 CLASSIFY_FALLBACK_REASON = "classify.fallback_reason"
+# On an `upstream_call` node: whether the attempt went on the wire. False: it was
+# refused (its classify.error_reason says why) or ran out of time before it was sent,
+# and has no client span: the capability never saw it.
+CLASSIFY_SENT = "classify.sent"
+# On an `upstream_call` node: milliseconds the request waited in its replica's
+# coalescer (orchestrator.upstream.coalescer) before its call left, or before it was
+# answered there unsent.
+CLASSIFY_GATHER_MS = "classify.gather_ms"
 CLASSIFY_TOKENS = "classify.tokens"
 CLASSIFY_TRUNCATED = "classify.truncated"
 CLASSIFY_WORKER = "classify.worker"
@@ -181,10 +189,11 @@ NODES: tuple[Node, ...] = (
          (CLASSIFY_ROUTE, CLASSIFY_RULES_VERSION)),
     Node(6, BACKEND_SELECT, "orchestrator", "picking a replica of the attempt's backend",
          (CLASSIFY_BACKEND, CLASSIFY_REPLICA, CLASSIFY_MODEL, CLASSIFY_MODEL_VERSION)),
-    # Its child is the attempt's client span (UPSTREAM_CLIENT_ATTRIBUTES).
+    # Its child is the attempt's client span (UPSTREAM_CLIENT_ATTRIBUTES), from when
+    # the call left for the replica: an attempt refused before it has none.
     Node(7, UPSTREAM_CALL, "orchestrator", "the call to the capability server, wire included",
          (CLASSIFY_ATTEMPT, CLASSIFY_BACKEND, CLASSIFY_RETRY_REASON,
-          CLASSIFY_FALLBACK_REASON)),
+          CLASSIFY_FALLBACK_REASON, CLASSIFY_SENT, CLASSIFY_GATHER_MS)),
     # An item of a ClassifyBatch has its own: its index, no peer, size or user agent.
     Node(8, CAPABILITY_RECEIVE, "capability",
          "parsing, internal-token check and validation on the capability server",
@@ -243,6 +252,10 @@ class RequestTrace:
     # of its own that counts its nodes, so the call's own nodes stay out of the
     # histogram (they still time the call's log line).
     observes_own_nodes: bool = True
+    # Whether the request's outcome is counted (classify_requests_total) elsewhere than
+    # where its call ends: a ClassifyBatch call's items count one each, and a call
+    # answered PROCESSING counts when its work ends (classify_common.metrics).
+    outcome_counted_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         # Node spans cost tens of microseconds each: they are made only when

@@ -28,7 +28,7 @@ from classify_common.admission import Gate, admission_for
 from classify_common.event_loop import loop_factory, running_loop_kind
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import LOG_DROPS, configure_logging
-from classify_common.metrics import MetricsEndpoint, RpcMetrics
+from classify_common.metrics import MetricsEndpoint, RequestOutcomes, RpcMetrics
 from classify_common.server_settings import DEFAULT_CORE_WAIT_LIMIT_SECONDS, ServerSettings
 from classify_common.settings import SettingsError
 from classify_common.span_export import EXPORT_DROPS
@@ -193,9 +193,11 @@ class GrpcServing:
         tls: ServerTls | None = None,
         core_wait_limit_seconds: int = DEFAULT_CORE_WAIT_LIMIT_SECONDS,
         shares_port: bool = False,
+        outcomes: RequestOutcomes | None = None,
     ) -> None:
         """`edge`: the public front door (see classify_common.admission); `shares_port`:
-        one of several worker processes listening on the same port."""
+        one of several worker processes listening on the same port; `outcomes`: where
+        the front door counts each request's outcome."""
         self.service_names = tuple(service_names)
         self._tls = tls
         self.registry = registry
@@ -210,7 +212,7 @@ class GrpcServing:
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.rpc_metrics = RpcMetrics(registry)
         self._lifecycle = RequestLifecycleInterceptor(
-            self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge)
+            self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge), outcomes
         )
         self.server = grpc.aio.server(
             interceptors=[self._lifecycle],
@@ -238,6 +240,7 @@ class GrpcServing:
         gate: Gate | None,
         edge: bool,
         shares_port: bool = False,
+        outcomes: RequestOutcomes | None = None,
     ) -> GrpcServing:
         """The contract's services as a layer serves them, where its settings say."""
         return cls(
@@ -251,6 +254,7 @@ class GrpcServing:
             tls=settings.server_tls(),
             core_wait_limit_seconds=settings.core_wait_limit_seconds,
             shares_port=shares_port,
+            outcomes=outcomes,
         )
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:

@@ -35,11 +35,13 @@ from classify_common.errors import (
     InvalidRequest,
     ServerDraining,
     ServiceError,
+    grpc_code_for,
     internal_error,
 )
 from classify_common.intake import item_status
 from classify_common.interceptor import is_cut_off
 from classify_common.logs import log_event
+from classify_common.metrics import RequestOutcomes
 from classify_common.nodes import (
     ANSWER_DUE,
     CLASSIFY_BATCH_INDEX,
@@ -47,6 +49,7 @@ from classify_common.nodes import (
     RPC_RESPONSE_STATUS_CODE,
     RequestTrace,
     bind_trace,
+    cancelled_code,
     mark_error,
 )
 from classify_common.tracing import (
@@ -173,18 +176,23 @@ def answer_unstarted(
     results: Sequence[pb.ClassifyBatchResult],
     items: Sequence[pb.ClassifyRequest],
     call_ids: RequestContext,
+    outcomes: RequestOutcomes,
     *,
     cut_off: bool = False,
 ) -> None:
     """Answer each item whose task was cancelled before it ever ran, so that every item
     has an outcome: DEADLINE_EXCEEDED (the call's answer was due at once), or
-    SERVER_DRAINING when the server cut the call off (`cut_off`)."""
+    SERVER_DRAINING when the server cut the call off (`cut_off`). Counted in `outcomes`."""
     error = _CUT_OFF if cut_off else _ANSWER_DUE
+    unstarted = 0
     for result, item in zip(results, items, strict=True):
         if result.WhichOneof("outcome") is None:
             own = item.request_id if is_valid_request_id(item.request_id) else ""
             status = item_status(error, own or new_request_id(), call_ids.trace_id)
             result.error.CopyFrom(status)
+            unstarted += 1
+    if unstarted:
+        outcomes.count("", grpc_code_for(error).name, error.reason, unstarted)
 
 
 async def answer_items_by(items: asyncio.Future[Any], seconds: float | None) -> bool:
@@ -264,12 +272,15 @@ async def classify_item(
     call_remaining: float | None,
     headers: Mapping[str, str],
     call_trace: RequestTrace | None,
+    outcomes: RequestOutcomes,
     index: int | None = None,
 ) -> None:
     """One item of a batch call, in a task of its own: its own request ID, nodes and
     outcome, written into `result`, its slot of the call's answer (an error becomes
     the item's Status, never the call's). Written in place: a message passed to a
-    constructor is copied into it. `index`: the item's place in its call."""
+    constructor is copied into it. Its outcome is counted in `outcomes` (unless its
+    work goes on past a PROCESSING answer: counted when it ends). `index`: the item's
+    place in its call."""
     remaining = item_time_left(item_context, call_remaining)
     # As a single call's: its own request_id when valid, else a fresh one (an invalid
     # one is reported in its violations, not echoed back as its ID).
@@ -313,11 +324,30 @@ async def classify_item(
         failure = internal_error(ids.request_id, trace_id)
         result.error.CopyFrom(item_status(failure, ids.request_id, trace_id))
     finally:
+        if trace is None or not trace.outcome_counted_elsewhere:
+            _count_outcome(outcomes, trace, failure)
         if result.HasField("error"):
             _log_failed_item(result.error, call_ids)
         # Only an item span of its own is ended here; the call's ends with the call.
         if trace is not None and trace.makes_spans:
             _end_item_span(trace.server_span, failure)
+
+
+def _count_outcome(
+    outcomes: RequestOutcomes, trace: RequestTrace | None, failure: BaseException | None
+) -> None:
+    """Count an item's outcome as its caller sees it, under the route it took ("" when
+    refused before routing)."""
+    route = str(trace.log_fields.get("route", "")) if trace is not None else ""
+    if failure is None:
+        outcomes.count(route, "OK")
+    elif isinstance(failure, ServiceError):
+        outcomes.count(route, grpc_code_for(failure).name, failure.reason)
+    elif isinstance(failure, asyncio.CancelledError):
+        # Due (DEADLINE_EXCEEDED, as answered) or its caller gone (CANCELLED).
+        code = cancelled_code(failure)
+        reason = _ANSWER_DUE.reason if code is grpc.StatusCode.DEADLINE_EXCEEDED else ""
+        outcomes.count(route, code.name, reason)
 
 
 def _end_item_span(span: Span, failure: BaseException | None) -> None:

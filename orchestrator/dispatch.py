@@ -39,6 +39,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import RequestContext
 from classify_common.errors import (
     DeadlineExpired,
+    InternalError,
     ServerDraining,
     ServiceError,
     grpc_code_for,
@@ -46,6 +47,7 @@ from classify_common.errors import (
 )
 from classify_common.intake import current_batch_intake
 from classify_common.interceptor import is_cut_off
+from classify_common.metrics import RequestOutcomes
 from classify_common.nodes import (
     CLASSIFY_ROUTE,
     CLASSIFY_RULES_VERSION,
@@ -71,6 +73,10 @@ from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
 log = logging.getLogger(__name__)
 
+# The ErrorInfo key of a deadline answered while the work goes on (GetResult will have
+# its result).
+RESULT_KEPT = "result_kept"
+
 
 def request_facts(
     request: pb.ClassifyRequest, ids: RequestContext, headers: Mapping[str, str]
@@ -90,17 +96,22 @@ class Dispatcher:
         state: RoutingState,
         metrics: OrchestratorMetrics,
         results: ResultStore,
+        outcomes: RequestOutcomes,
         on_internal_error: Callable[[], None] = lambda: None,
         shadow: ShadowTraffic | None = None,
     ) -> None:
-        """`on_internal_error()` counts a bug answered INTERNAL here rather than by the
-        request lifecycle (a batch item's, a background call's). `shadow` sends routes'
-        shadow shares (default: a ShadowTraffic with its default cap)."""
+        """`outcomes` counts each request's outcome where this dispatcher ends it (a
+        batch item's, a PROCESSING call's when its work ends); the request lifecycle
+        counts the others. `on_internal_error()` counts a bug answered INTERNAL here
+        rather than by the request lifecycle (a batch item's, a background call's).
+        `shadow` sends routes' shadow shares (default: a ShadowTraffic with its
+        default cap)."""
         self.state = state
         self.shadow = shadow if shadow is not None else ShadowTraffic(metrics.shadow)
         self._on_internal_error = on_internal_error
         self.results = results
         self._metrics = metrics
+        self._outcomes = outcomes
         self._caller = RouteCaller(metrics, on_internal_error)
         # Looked up once per (route, model, code): a labels() call per request costs more.
         self._durations: dict[tuple[str, str, str], Histogram] = {}
@@ -151,16 +162,22 @@ class Dispatcher:
             deadline = asyncio.get_running_loop().time() + client_remaining
         call = UpstreamCall(state, route, request, ids, deadline)
         model, code = "", "OK"
+        # Whether the caller was answered before the work ended (PROCESSING, or a
+        # deadline with the result kept): the work's outcome and time are then
+        # recorded when it ends (_record_when_done), not this answer's.
+        answered_early = False
         try:
             if route.budget_seconds is None:
                 response = await self._run(call)
             else:
-                response = await self._classify_within_budget(call, client_remaining)
+                response = await self._classify_within_budget(call, client_remaining, started)
+                answered_early = response.status == pb.RESULT_STATUS_PROCESSING
             model = response.model.name
             self.shadow.after_answer(state, route, request, response)
             return response
         except ServiceError as error:
             code = grpc_code_for(error).name
+            answered_early = error.context.get(RESULT_KEPT) == "true"
             raise
         except asyncio.CancelledError as cancelled:
             # The client went away (CANCELLED), a batch item's answer is due before it has
@@ -169,14 +186,31 @@ class Dispatcher:
             code = cancelled_code(cancelled).name
             raise
         finally:
-            key = (route.name, model, code)
-            duration = self._durations.get(key)
-            if duration is None:
-                duration = self._durations[key] = self._metrics.request_duration.labels(*key)
-            duration.observe(
-                time.perf_counter() - started,
-                exemplar=exemplar_for(ids.trace_id, trace.get_current_span(), code),
-            )
+            if answered_early:
+                if request_trace is not None:
+                    request_trace.outcome_counted_elsewhere = True
+            else:
+                self._observe_duration(
+                    route.name,
+                    model,
+                    code,
+                    time.perf_counter() - started,
+                    exemplar_for(ids.trace_id, trace.get_current_span(), code),
+                )
+
+    def _observe_duration(
+        self,
+        route: str,
+        model: str,
+        code: str,
+        seconds: float,
+        exemplar: dict[str, str] | None = None,
+    ) -> None:
+        key = (route, model, code)
+        duration = self._durations.get(key)
+        if duration is None:
+            duration = self._durations[key] = self._metrics.request_duration.labels(*key)
+        duration.observe(seconds, exemplar=exemplar)
 
     async def classify_batch(
         self,
@@ -190,6 +224,8 @@ class Dispatcher:
         refused = refuse_repeated_request_ids(request.items, current_batch_intake().refused)
         contexts = request.item_contexts
         call_trace = current_trace()
+        if call_trace is not None:
+            call_trace.outcome_counted_elsewhere = True  # one per item, not the call's
         answer = pb.ClassifyBatchResponse()
         results = [answer.results.add() for _ in request.items]
         items = asyncio.gather(
@@ -205,6 +241,7 @@ class Dispatcher:
                     client_remaining,
                     headers,
                     call_trace,
+                    self._outcomes,
                     index,
                 )
                 for index, item in enumerate(request.items)
@@ -226,7 +263,7 @@ class Dispatcher:
             # answer carries every item.
             if not await answer_items_by(items, due):
                 # An item cancelled before its task first ran has no answer yet.
-                answer_unstarted(results, request.items, ids)
+                answer_unstarted(results, request.items, ids, self._outcomes)
                 self._late_answers.record(len(results), loop.time() - due_at)
         except asyncio.CancelledError as cancelled:
             if not is_cut_off(cancelled):
@@ -234,7 +271,7 @@ class Dispatcher:
             # The server's grace is over: the items answered keep their answers, and
             # each other one says SERVER_DRAINING, so the caller sends only those again
             # (answered whole, it sent every item again). Answered now, not cancelled.
-            answer_unstarted(results, request.items, ids, cut_off=True)
+            answer_unstarted(results, request.items, ids, self._outcomes, cut_off=True)
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
@@ -252,7 +289,7 @@ class Dispatcher:
             call.state.leave()
 
     async def _classify_within_budget(
-        self, call: UpstreamCall, client_remaining: float | None
+        self, call: UpstreamCall, client_remaining: float | None, started: float
     ) -> pb.ClassifyResponse:
         """Wait for the answer up to the route's budget; past it, answer PROCESSING and keep
         the work going so GetResult can return its result.
@@ -281,13 +318,14 @@ class Dispatcher:
                 # The work goes on: its spans end later, marked, and are still exported.
                 request_trace.mark_timed_out()
             self._store_when_done(work, ids, token)
+            self._record_when_done(work, route, started)
             if client_remaining is not None and wait < route.budget_seconds:
                 # `result_kept`: the work goes on and GetResult will have its result,
                 # which a client tells from a deadline that ended the work.
                 raise DeadlineExpired(
                     "the deadline passed while the model was working; poll GetResult",
                     request_id=ids.request_id,
-                    result_kept="true",
+                    **{RESULT_KEPT: "true"},
                 ) from None
             self._metrics.processing.labels(route.name).inc()
             return pending
@@ -317,6 +355,30 @@ class Dispatcher:
         except asyncio.CancelledError:
             work.cancel()  # the client left and no store would keep the result
             raise
+
+    def _record_when_done(
+        self, work: asyncio.Task[pb.ClassifyResponse], route: Route, started: float
+    ) -> None:
+        """Once `work`, a call answered before it ended, ends: count its outcome and
+        observe its time from routing, as any other request's are when answered. The
+        PROCESSING answer itself is not an outcome: counted as one, a route whose
+        background work all failed looked healthy, and its latency looked like the
+        budget's."""
+
+        def record(_: asyncio.Task[pb.ClassifyResponse]) -> None:
+            model, code, reason = "", "OK", ""
+            if work.cancelled():  # the orchestrator stopped first (close())
+                code, reason = "UNAVAILABLE", ServerDraining.reason
+            elif (error := work.exception()) is None:
+                model = work.result().model.name
+            elif isinstance(error, ServiceError):
+                code, reason = grpc_code_for(error).name, error.reason
+            else:
+                code, reason = "INTERNAL", InternalError.reason
+            self._outcomes.count(route.name, code, reason)
+            self._observe_duration(route.name, model, code, time.perf_counter() - started)
+
+        work.add_done_callback(record)
 
     def _processing_response(self, route: Route, ids: RequestContext) -> pb.ClassifyResponse:
         return pb.ClassifyResponse(

@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
-from classify_common.metrics import MetricsEndpoint
+from classify_common.metrics import MetricsEndpoint, RequestOutcomes
 from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
 from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
@@ -51,6 +51,7 @@ class OrchestratorServer:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = OrchestratorMetrics(self.registry)
+        self.request_outcomes = RequestOutcomes(self.registry)
         # Bad keys or routes files stop start-up here, with the bad value named.
         keys = (
             load_api_keys(settings.api_keys_file)
@@ -67,6 +68,7 @@ class OrchestratorServer:
             self._routing_state(self._load_routes_at_start(settings.routes_file)),
             self.metrics,
             self.state.results,
+            outcomes=self.request_outcomes,
             on_internal_error=lambda: self.serving.rpc_metrics.internal_errors.inc(),
             shadow=ShadowTraffic(self.metrics.shadow, settings.shadow_max_in_flight),
         )
@@ -78,6 +80,7 @@ class OrchestratorServer:
             gate=CallerGate(keys, self.metrics, self.state.limits, self.backlog),
             edge=True,
             shares_port=shares_port,
+            outcomes=self.request_outcomes,
         )
         self.serving.add_service(
             classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server,
@@ -154,9 +157,14 @@ class OrchestratorServer:
         return self.serving.port
 
     async def start(self) -> None:
-        if self.state.redis is not None and not await self.state.redis.ping():
-            # Serving anyway: calls are answered without it (docs/deploy.md#shared-state-redis).
-            log.warning("shared state store unreachable at start", extra={"url": self._state_host})
+        if self.state.redis is not None:
+            # A refusal (wrong password, database number) stops start-up: SettingsError.
+            if not await self.state.redis.check_at_start():
+                # Serving anyway: calls are answered without it (docs/deploy.md#shared-state-redis).
+                log.warning(
+                    "shared state store did not answer at start", extra={"url": self._state_host}
+                )
+            self.state.redis.start_probe()
         await self.serving.start()
         await self.serving.set_serving(True)
         if self.settings.routes_poll_seconds > 0:

@@ -19,6 +19,7 @@ import yaml
 
 import capability.config as capability_config
 import capability.metrics as capability_metrics
+import classify_common.logs as common_logs
 import classify_common.metrics as common_metrics
 import classify_common.span_export as common_span_export
 import classify_common.tracing as common_tracing
@@ -625,6 +626,7 @@ def test_kustomization_lists_every_manifest_in_its_folder() -> None:
 def exported_metric_names() -> set[str]:
     """Every metric name the code declares as a module constant."""
     modules = (
+        common_logs,
         common_metrics,
         common_tracing,
         common_span_export,
