@@ -191,6 +191,15 @@ class ServerDraining(ModelError):
     reason = "SERVER_DRAINING"
 
 
+def with_retry_info(details: list[Message], retry_after_seconds: float | None) -> list[Message]:
+    """`details` and, with a delay, a RetryInfo saying when to try again."""
+    if retry_after_seconds is None:
+        return details
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(retry_after_seconds * 1e9))
+    return [*details, error_details_pb2.RetryInfo(retry_delay=delay)]
+
+
 class StateUnavailable(ServiceError):
     """The shared state store (Redis) did not answer in time, or refused the command;
     retrying after `retry_after_seconds` (sent as a RetryInfo) may work.
@@ -207,11 +216,7 @@ class StateUnavailable(ServiceError):
         self.retry_after_seconds = retry_after_seconds
 
     def details(self) -> list[Message]:
-        if self.retry_after_seconds is None:
-            return super().details()
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
-        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
+        return with_retry_info(super().details(), self.retry_after_seconds)
 
 
 class Overloaded(ServiceError):
@@ -224,9 +229,7 @@ class Overloaded(ServiceError):
         self.retry_after_seconds = retry_after_seconds
 
     def details(self) -> list[Message]:
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
-        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
+        return with_retry_info(super().details(), self.retry_after_seconds)
 
 
 class RateLimited(Overloaded):
@@ -284,11 +287,7 @@ class DeadlineUnreachable(DeadlineExpired):
         self.retry_after_seconds = retry_after_seconds
 
     def details(self) -> list[Message]:
-        if self.retry_after_seconds is None:
-            return super().details()
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(self.retry_after_seconds * 1e9))
-        return [*super().details(), error_details_pb2.RetryInfo(retry_delay=delay)]
+        return with_retry_info(super().details(), self.retry_after_seconds)
 
 
 class ExpiredInQueue(DeadlineExpired):
