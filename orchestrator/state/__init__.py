@@ -24,6 +24,15 @@ Keys, all under `classify:v1:` (v1 changes whenever a value's format does):
                                      string: the token of the call holding that result
                                      (orchestrator.results), so only its outcome fills it;
                                      expires with the result
+    classify:v1:result-process:<tenant>/<request id>
+                                     string: "<token> <process ID>", the holding call's
+                                     token and its process (results.py here); expires
+                                     with the result; absent for an older version's results
+    classify:v1:process-lease:<process ID>
+                                     string: the Redis time (ms) the process's lease runs
+                                     to: renewed while it lives; a pending result whose
+                                     process's lease lapsed is answered "send again";
+                                     expires --results-ttl-seconds after the last renewal
     classify:v1:results              sorted set of the held results' `<tenant>/<request
                                      id>` by when they were held (ms): --results-capacity
                                      bounds it

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, result_hold,
-    result_finish, result_get, ping) and outcome (ok, error, timeout, skipped)."""
+    result_finish, result_get, result_lease, ping) and outcome (ok, error, timeout,
+    skipped)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._operations = Counter(
@@ -71,12 +72,21 @@ class StateMetrics:
             registry=registry,
         )
         self._counters: dict[tuple[str, str], Counter] = {}
-        self.up = Gauge(
-            STATE_UP,
-            "1 while the shared state store (Redis) answers the probe's PING (one every "
-            "--state-retry-seconds), 0 while it does not; summed over --processes workers.",
-            registry=registry,
-        )
+        self._registry = registry
+        self._up: Gauge | None = None
+
+    def set_up(self, answered: bool) -> None:
+        """classify_state_up, made at the first PING: only an orchestrator with a Redis
+        exports it. Made with the others, it read 0 on every orchestrator without one,
+        and ClassifySharedStateUnavailable paged for them all."""
+        if self._up is None:
+            self._up = Gauge(
+                STATE_UP,
+                "1 while the shared state store (Redis) answers the probe's PING (one every "
+                "--state-retry-seconds), 0 while it does not; summed over --processes workers.",
+                registry=self._registry,
+            )
+        self._up.set(1 if answered else 0)
 
     def count(self, operation: str, outcome: str) -> None:
         key = (operation, outcome)
@@ -199,9 +209,9 @@ class RedisState:
         try:
             await self.run("ping", self.client.ping, skip_while_resting=False)
         except StateUnavailable:
-            self._metrics.up.set(0)
+            self._metrics.set_up(False)
             return False
-        self._metrics.up.set(1)
+        self._metrics.set_up(True)
         return True
 
     async def check_at_start(self) -> bool:
@@ -213,7 +223,7 @@ class RedisState:
         try:
             await self.run("ping", self.client.ping, skip_while_resting=False)
         except StateUnavailable as exc:
-            self._metrics.up.set(0)
+            self._metrics.set_up(False)
             if isinstance(exc.__cause__, REFUSALS):
                 raise SettingsError(
                     "--state-url / ORCHESTRATOR_STATE_URL: Redis refused the connection "
@@ -222,7 +232,7 @@ class RedisState:
                     "database number (the URL's path)"
                 ) from exc.__cause__
             return False
-        self._metrics.up.set(1)
+        self._metrics.set_up(True)
         return True
 
     def start_probe(self) -> None:

@@ -6,9 +6,23 @@ with its TTL and its holding call's token, index it, and past the capacity
 drop an expired result or the oldest of the tenant holding the most),
 finishing one is a script that keeps the TTL and replaces the value only while
 it is there and the token is still the finishing call's (a later call with the
-same request ID took it over otherwise), and a poll is one GET. A result is
-keyed by its tenant and request ID (see result_key), as the local store keeps
-it.
+same request ID took it over otherwise), and a poll is one script that reads
+it. A result is keyed by its tenant and request ID (see result_key), as the
+local store keeps it.
+
+A process that dies holding results (SIGKILL, the OOM killer) leaves them
+PROCESSING with nothing running behind them; no outcome will ever be written.
+So a held result also names the process holding it, and each process keeps a
+lease in Redis that it renews every PROCESS_LEASE_RENEW_SECONDS while it runs
+(the hold itself starts it): a poll that finds a result still pending whose
+process's lease has lapsed (PROCESS_LEASE_SECONDS without a renewal) answers
+ServerDraining with the result's trace ID, as the entry a graceful stop writes
+does: send the call again. Leases are in Redis's clock (TIME in the scripts),
+so the orchestrators' clocks need not agree. A renewed lease, not a deadline
+for the work: the store is not told how long a route's work may take, and a
+renewed lease lets go of a dead process's results sooner than the longest
+work would. The local store (orchestrator.results.LocalResultStore) needs
+none: a crash loses it with the process, and its polls with it.
 
 When Redis does not answer:
 - hold: False, and the dispatcher answers the call when it is done, within the
@@ -20,7 +34,20 @@ When Redis does not answer:
   outcomes (MAX_UNSTORED_BYTES in all) wait so: past that the oldest is let go
   (logged). A graceful stop tries each once more. Every try is counted as a
   result_finish;
-- get: StateUnavailable (UNAVAILABLE), and the client polls again later.
+- get: StateUnavailable (UNAVAILABLE), and the client polls again later;
+- the lease: not renewed. After an outage longer than PROCESS_LEASE_SECONDS -
+  PROCESS_LEASE_RENEW_SECONDS, a poll in the moments before the next renewal
+  may answer ServerDraining for work still running: the call is sent again and
+  computed twice, never answered wrongly (the earlier call's outcome does not
+  replace the later's, see orchestrator.results).
+
+Orchestrators of the last version sharing the Redis (a rolling upgrade) read
+every value this one writes: the values are as they were, and who holds a
+result is in keys of its own, which they neither read nor write. Their pending
+results name no process, so polls answer them PROCESSING until the TTL, as
+that version did; the result-process key names the holding call's token, so
+one that an older orchestrator held again under the same request ID is not
+taken for this one's.
 """
 
 from __future__ import annotations
@@ -30,7 +57,10 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 import random
+import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +69,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.errors import (
     InternalError,
     InvalidRequest,
+    ServerDraining,
     ServiceError,
     StateUnavailable,
 )
@@ -50,6 +81,14 @@ RESULT_PREFIX = KEY_PREFIX + "result:"
 # its own, not a part of the value, so orchestrators of the last version, sharing the
 # Redis during a rolling upgrade, still read every value.
 RESULT_TOKEN_PREFIX = KEY_PREFIX + "result-token:"
+# Beside each result held by this version: "<token> <process>", the holding call's token
+# and the ID of the process it runs in (process_id()). A key of its own, for the same
+# reason as the token's.
+RESULT_PROCESS_PREFIX = KEY_PREFIX + "result-process:"
+# One per process that holds results: the Redis time (ms) its lease runs to. It expires
+# with the results TTL, not with the lease, so under maxmemory it is evicted no sooner
+# than the results that name it (docs/deploy.md: every key expires).
+PROCESS_LEASE_PREFIX = KEY_PREFIX + "process-lease:"
 RESULTS_INDEX = KEY_PREFIX + "results"
 TENANT_COUNTS = KEY_PREFIX + "results-by-tenant"
 TENANT_INDEX_PREFIX = KEY_PREFIX + "results:"
@@ -64,12 +103,32 @@ MAX_UNSTORED_BYTES = 64 * 1024 * 1024
 # First retry's backoff ceiling (s); it doubles per failed try up to --state-retry-seconds.
 UNSTORED_RETRY_INITIAL_SECONDS = 0.05
 
+
+def backoff_ceiling(failed_tries: int, longest: float) -> float:
+    """The longest wait before the next try after `failed_tries` failed in a row: the
+    first wait's ceiling doubled per failure, up to `longest`.
+
+    NOTE: the doublings stop at 30 (0.05 s x 2^30 is over a year): uncapped, 2**n grew
+    with the outage, and past about 1,024 failed tries the float overflowed, which
+    ended the task and left the kept outcomes never stored."""
+    doubled: float = UNSTORED_RETRY_INITIAL_SECONDS * 2 ** min(failed_tries, 30)
+    return min(doubled, longest)
+
+
+# A process's lease on the results it holds (s): renewed every PROCESS_LEASE_RENEW_SECONDS,
+# so three renewals in a row may fail (a Redis blip, a stalled event loop) before polls
+# give up on its results. A dead process's results answer "send again" at most this long
+# after it died.
+PROCESS_LEASE_SECONDS = 10.0
+PROCESS_LEASE_RENEW_SECONDS = 2.5
+
 log = logging.getLogger(__name__)
 
 # KEYS[1] the result, KEYS[2] the index, KEYS[3] the tenants' counts, KEYS[4] this
-# tenant's index, KEYS[5] the result's token. ARGV: index member (result_key), value,
-# TTL (ms), capacity, result key prefix, tenant index prefix, tenant, token, token key
-# prefix. Server time, so orchestrators' clocks need
+# tenant's index, KEYS[5] the result's token, KEYS[6] the result's process, KEYS[7] the
+# holding process's lease. ARGV: index member (result_key), value, TTL (ms), capacity,
+# result key prefix, tenant index prefix, tenant, token, token key prefix, result process
+# key prefix, process ID, lease (ms). Server time, so orchestrators' clocks need
 # not agree. Expired members leave every index first; past the capacity, the oldest
 # result of the tenant holding the most goes (orchestrator.results says why).
 # NOTE: the keys of other tenants and of dropped results are built here, not passed in
@@ -92,6 +151,8 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms - tt
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
 redis.call('SET', KEYS[5], ARGV[8], 'PX', ttl_ms)
+redis.call('SET', KEYS[6], ARGV[8] .. ' ' .. ARGV[11], 'PX', ttl_ms)
+redis.call('SET', KEYS[7], string.format('%d', now_ms + tonumber(ARGV[12])), 'PX', ttl_ms)
 redis.call('ZADD', KEYS[2], now_ms, ARGV[1])
 if redis.call('ZADD', KEYS[4], now_ms, ARGV[1]) == 1 then
   redis.call('ZINCRBY', KEYS[3], 1, ARGV[7])
@@ -112,7 +173,7 @@ while redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[4]) and dropped < 64 do
   end
   if victim then
     forget(victim, owner)
-    redis.call('DEL', ARGV[5] .. victim, ARGV[9] .. victim)
+    redis.call('DEL', ARGV[5] .. victim, ARGV[9] .. victim, ARGV[10] .. victim)
   else  -- counted but holding none (indexes an older version left)
     redis.call('ZREM', KEYS[3], largest)
   end
@@ -138,6 +199,49 @@ if redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL') then
 end
 return 0
 """
+
+
+# KEYS[1] this process's lease; ARGV[1] the lease (ms), ARGV[2] the results TTL (ms).
+_RENEW_LEASE = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('SET', KEYS[1], string.format('%d', now_ms + tonumber(ARGV[1])), 'PX', ARGV[2])
+"""
+
+
+# KEYS[1] the result, KEYS[2] its token, KEYS[3] its process; ARGV[1] the process lease
+# key prefix. The value (nil: not there); or {value, process} for a pending result whose
+# process's lease has lapsed. A pending result without a process (held by the last
+# version), or whose token is not the holding call's (an older version held it again),
+# is the value: the TTL alone bounds it, as before.
+_GET = """
+local value = redis.call('GET', KEYS[1])
+if not value or string.sub(value, 1, 1) ~= 'P' then
+  return value
+end
+local held = redis.call('GET', KEYS[3])
+if not held then
+  return value
+end
+local token, process = string.match(held, '^(%S+) (.+)$')
+if not token or token ~= redis.call('GET', KEYS[2]) then
+  return value
+end
+local lease = redis.call('GET', ARGV[1] .. process)
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if lease and tonumber(lease) > now_ms then
+  return value
+end
+return {value, process}
+"""
+
+
+def process_id() -> str:
+    """`<host>:<pid>:<random>`: this process, in the keys that say who holds a result.
+    The random part tells a restarted process (a new worker, a container restarted
+    with the same pid) from the one that died."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)
@@ -175,6 +279,12 @@ class RedisResultStore:
         self._clock = clock
         self._hold_script = state.client.register_script(_HOLD)
         self._finish_script = state.client.register_script(_FINISH)
+        self._renew_lease_script = state.client.register_script(_RENEW_LEASE)
+        self._get_script = state.client.register_script(_GET)
+        self.process_id = process_id()
+        self._lease_ms = int(PROCESS_LEASE_SECONDS * 1000)
+        self._renewing_lease: asyncio.Task[None] | None = None
+        self._closed = False
         # By `<tenant>/<request id>`, oldest first; a later outcome of the same name
         # (a later call's) takes the earlier's place.
         self._unstored: dict[str, UnstoredOutcome] = {}
@@ -185,16 +295,44 @@ class RedisResultStore:
         tenant = result_owner()
         member = result_key(tenant, request_id)
         keys = [RESULT_PREFIX + member, RESULTS_INDEX, TENANT_COUNTS, TENANT_INDEX_PREFIX + tenant]
-        keys.append(RESULT_TOKEN_PREFIX + member)
+        keys += [RESULT_TOKEN_PREFIX + member, RESULT_PROCESS_PREFIX + member]
+        keys.append(PROCESS_LEASE_PREFIX + self.process_id)
         value = PENDING + pending.SerializeToString()
         token = new_hold_token()
         args: list[bytes | str | int] = [member, value, self._ttl_ms, self._capacity]
         args += [RESULT_PREFIX, TENANT_INDEX_PREFIX, tenant, token, RESULT_TOKEN_PREFIX]
+        args += [RESULT_PROCESS_PREFIX, self.process_id, self._lease_ms]
         try:
             await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
         except StateUnavailable:
             return None
+        self._start_renewing_lease_if_needed()
         return token
+
+    def _start_renewing_lease_if_needed(self) -> None:
+        """Renew this process's lease from now until close(): the hold wrote it, and
+        the process's results are polled as its own for as long as it stays renewed."""
+        if self._renewing_lease is None and not self._closed:
+            # NOTE: in a context of its own, as the task storing outcomes again is.
+            self._renewing_lease = asyncio.get_running_loop().create_task(
+                self._renew_lease_until_closed(),
+                name="results-renew-lease",
+                context=contextvars.Context(),
+            )
+
+    async def _renew_lease_until_closed(self) -> None:
+        keys = [PROCESS_LEASE_PREFIX + self.process_id]
+        args = [self._lease_ms, self._ttl_ms]
+        while True:
+            await asyncio.sleep(PROCESS_LEASE_RENEW_SECONDS)
+            # Sent even while Redis rests after a failure, as the probe is: once Redis
+            # answers again, the lease must be back before polls find it lapsed.
+            with contextlib.suppress(StateUnavailable):  # counted; the next one may do
+                await self._state.run(
+                    "result_lease",
+                    lambda: self._renew_lease_script(keys=keys, args=args),
+                    skip_while_resting=False,
+                )
 
     async def finish(
         self,
@@ -278,12 +416,14 @@ class RedisResultStore:
         failed_tries = 0
         try:
             while self._unstored:
-                ceiling = min(UNSTORED_RETRY_INITIAL_SECONDS * 2**failed_tries, self._retry_max)
+                ceiling = backoff_ceiling(failed_tries, self._retry_max)
                 await asyncio.sleep(random.uniform(0, ceiling))
-                if await self._store_unstored_once():
-                    failed_tries = 0
-                else:
-                    failed_tries += 1
+                try:
+                    stored = await self._store_unstored_once()
+                except Exception:  # a bug: log it, and keep the outcomes and the task
+                    log.exception("storing kept results again failed unexpectedly")
+                    stored = False
+                failed_tries = 0 if stored else failed_tries + 1
         finally:
             self._storing_again = None
 
@@ -309,7 +449,13 @@ class RedisResultStore:
 
     async def close(self) -> None:
         """At a graceful stop: one more try for each outcome still kept; the rest
-        are lost (logged)."""
+        are lost (logged), and the lease lapses, so polls stop waiting for them."""
+        self._closed = True  # a hold after this one (none is expected) starts no renewal
+        if self._renewing_lease is not None:
+            self._renewing_lease.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing_lease
+            self._renewing_lease = None
         if self._storing_again is not None:
             self._storing_again.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -322,15 +468,45 @@ class RedisResultStore:
             )
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
-        key = RESULT_PREFIX + result_key(result_owner(), request_id)
-        client = self._state.client
-        value = await self._state.run("result_get", lambda: client.get(key))
+        member = result_key(result_owner(), request_id)
+        keys = [
+            RESULT_PREFIX + member,
+            RESULT_TOKEN_PREFIX + member,
+            RESULT_PROCESS_PREFIX + member,
+        ]
+        args = [PROCESS_LEASE_PREFIX]
+        answer = await self._state.run("result_get", lambda: self._get_script(keys=keys, args=args))
+        lapsed_process = None
+        if isinstance(answer, list):  # pending, and its process's lease has lapsed
+            value, lapsed_process = answer
+        else:
+            value = answer
         if not isinstance(value, bytes):  # None: not there (the client never decodes)
             raise result_not_found(request_id)
         kind, payload = value[:1], value[1:]
         if kind == ERROR:
             raise decode_error(payload)
-        return pb.ClassifyResponse.FromString(payload)
+        pending_or_done = pb.ClassifyResponse.FromString(payload)
+        # This process's own results are never given up on here: it runs their work,
+        # and its lease lapsed only because Redis did not take the renewals.
+        if lapsed_process is not None and lapsed_process.decode() != self.process_id:
+            raise self._abandoned(request_id, lapsed_process.decode(), pending_or_done)
+        return pending_or_done
+
+    @staticmethod
+    def _abandoned(request_id: str, process: str, pending: pb.ClassifyResponse) -> ServerDraining:
+        """The answer to a poll for a result whose process died holding it: as the
+        entry a graceful stop writes (orchestrator.dispatch), send the call again."""
+        log.warning(
+            "result given up: the orchestrator process holding it stopped renewing its "
+            "lease (killed, or stalled); polls are told to send the call again",
+            extra={"request_id": request_id, "holding_process": process},
+        )
+        return ServerDraining(
+            "the orchestrator process running this call stopped before it finished; "
+            "send the call again",
+            result_trace_id=pending.trace_id,
+        )
 
 
 def result_key(tenant: str, request_id: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -18,7 +19,14 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
-from classify_common.errors import QueueFull, ResultNotFound, StateUnavailable, status_for
+from classify_common.errors import (
+    QueueFull,
+    ResultNotFound,
+    ServerDraining,
+    StateUnavailable,
+    grpc_code_for,
+    status_for,
+)
 from classify_common.settings import SettingsError
 from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key, new_key
@@ -26,10 +34,17 @@ from orchestrator.server import START_ERRORS, OrchestratorServer
 from orchestrator.state import RedisResultStore, RedisState, StateMetrics
 from orchestrator.state import results as state_results
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL, STATE_UP
-from orchestrator.state.results import TENANT_COUNTS
+from orchestrator.state.results import (
+    PENDING,
+    RESULT_PREFIX,
+    RESULT_TOKEN_PREFIX,
+    TENANT_COUNTS,
+    backoff_ceiling,
+)
 from orchestrator.workers import one_worker_of
 from tests.conftest import (
     STRIKER,
+    ProcessStarter,
     RedisServer,
     metric_sum,
     orchestrator_settings,
@@ -41,6 +56,32 @@ from tests.unit.orchestrator.test_results import as_tenant
 
 ACME_KEY = new_key()
 StartShared = Callable[..., Awaitable[OrchestratorServer]]
+PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
+
+
+def write_shared_files(
+    directory: Path, capability: CapabilityServer, model: str, burst: int
+) -> tuple[Path, Path]:
+    """The API keys file (tenant `acme`, ACME_KEY, `burst` calls and next to no refill)
+    and the routes file (one route to `model` on `capability`, a 200 ms budget) of the
+    orchestrators that share a Redis."""
+    keys = directory / "keys.yaml"
+    keys.write_text(
+        f"keys:\n  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
+        f"tenants:\n  acme: {{rate_per_second: 0.001, burst: {burst}}}\n"
+    )
+    routes = directory / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+backends:
+  model: {{model: {model}, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
+routes:
+  - name: default
+    backend: model
+    budget: 200ms
+"""
+    )
+    return keys, routes
 
 
 @pytest_asyncio.fixture
@@ -56,22 +97,7 @@ async def start_shared(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
         burst: int = 5,
         **settings: Any,
     ) -> OrchestratorServer:
-        keys = tmp_path / "keys.yaml"
-        keys.write_text(
-            f"keys:\n  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
-            f"tenants:\n  acme: {{rate_per_second: 0.001, burst: {burst}}}\n"
-        )
-        routes = tmp_path / "routes.yaml"
-        routes.write_text(
-            f"""version: 1
-backends:
-  model: {{model: {model}, targets: ["127.0.0.1:{capability.port}"], timeout: 30s}}
-routes:
-  - name: default
-    backend: model
-    budget: 200ms
-"""
-        )
+        keys, routes = write_shared_files(tmp_path, capability, model, burst)
         values = {"state_url": redis_server.url, "state_retry_seconds": 0.05, **settings}
         server = OrchestratorServer(
             orchestrator_settings(
@@ -169,6 +195,58 @@ async def test_a_result_whose_orchestrator_stopped_is_not_left_processing(
         await wait_until(not_processing, "the result no longer PROCESSING")
         polled = await refusal(get_result(second, "orphan-1"))
     await stopping
+    assert polled.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(polled) == "SERVER_DRAINING"
+    assert error_info(polled).metadata["result_trace_id"] == answer.trace_id
+
+
+async def test_a_result_whose_orchestrator_process_was_killed_is_not_left_processing(
+    capability: CapabilityServer,
+    start_shared: StartShared,
+    start_process: ProcessStarter,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    """The process that answered PROCESSING is killed (SIGKILL, as the OOM killer does),
+    so it writes nothing: once its lease lapses, a poll on another orchestrator answers
+    SERVER_DRAINING (call again), not PROCESSING for the rest of the TTL (300 s)."""
+    keys, routes = write_shared_files(tmp_path, capability, "topic-minilm", burst=1000)
+    doomed = start_process(
+        "orchestrator",
+        *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes)),
+        *("--auth", "required", "--api-keys-file", str(keys)),
+        *("--state-url", redis_server.url, "--state-retry-seconds", "0.05"),
+    )
+    survivor = await start_shared(capability, model="topic-minilm", burst=1000)
+    async with device_occupied(capability.pool.workers[0]):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{doomed.port}") as channel:
+            answer = await stub_for(channel).Classify(
+                pb.ClassifyRequest(text=STRIKER, request_id="killed-1"),
+                metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+            )
+        assert answer.status == pb.RESULT_STATUS_PROCESSING
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=10)
+        killed_at = time.monotonic()
+        # Within the lease, the result may still be on its way: PROCESSING.
+        polled_in_lease = await get_result(survivor, "killed-1")
+        assert polled_in_lease.status == pb.RESULT_STATUS_PROCESSING
+
+        async def not_processing() -> bool:
+            try:
+                await get_result(survivor, "killed-1")
+            except grpc.aio.AioRpcError:
+                return True
+            await asyncio.sleep(0.2)  # a client's pace: each poll takes a token
+            return False
+
+        await wait_until(
+            not_processing,
+            "the killed process's result no longer PROCESSING",
+            limit_seconds=state_results.PROCESS_LEASE_SECONDS + 5,
+        )
+        polled = await refusal(get_result(survivor, "killed-1"))
+    assert time.monotonic() - killed_at <= state_results.PROCESS_LEASE_SECONDS + 5
     assert polled.code() == grpc.StatusCode.UNAVAILABLE
     assert error_reason(polled) == "SERVER_DRAINING"
     assert error_info(polled).metadata["result_trace_id"] == answer.trace_id
@@ -276,10 +354,28 @@ async def redis_state(redis_server: RedisServer) -> AsyncIterator[RedisState]:
     await state.close()
 
 
+NewStore = Callable[..., RedisResultStore]
+
+
+@pytest_asyncio.fixture
+async def new_store(redis_state: RedisState) -> AsyncIterator[NewStore]:
+    """RedisResultStores on `redis_state`, as many processes' would be, each closed after
+    the test (which stops the task renewing its process's lease)."""
+    stores: list[RedisResultStore] = []
+
+    def new(**settings: Any) -> RedisResultStore:
+        stores.append(RedisResultStore(redis_state, **settings))
+        return stores[-1]
+
+    yield new
+    for store in stores:
+        await store.close()
+
+
 async def test_stored_error_is_answered_with_its_class_and_retry_hint(
-    redis_server: RedisServer, redis_state: RedisState, caplog: pytest.LogCaptureFixture
+    redis_server: RedisServer, new_store: NewStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = RedisResultStore(redis_state, capacity=2, ttl_seconds=60)
+    store = new_store(capacity=2, ttl_seconds=60)
     pending = pb.ClassifyResponse(request_id="e", status=pb.RESULT_STATUS_PROCESSING)
     held = {}
     for request_id in ("e", "f", "g"):  # capacity 2: "e", the oldest, is dropped
@@ -297,9 +393,11 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/e") == ":0"
     assert redis_server.command("EXISTS", "classify:v1:result:anonymous/g") == ":1"
     assert redis_server.command("ZCARD", "classify:v1:results") == ":2"
-    # The dropped result's token went with it.
+    # The dropped result's token and process went with it.
     assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/e") == ":0"
     assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/g") == ":1"
+    assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/e") == ":0"
+    assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/g") == ":1"
     redis_server.stop()
     assert await store.hold("h", pending) is None
     with pytest.raises(StateUnavailable):
@@ -307,11 +405,11 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
 
 
 async def test_a_later_call_with_the_same_request_id_keeps_its_place_in_redis(
-    redis_state: RedisState, caplog: pytest.LogCaptureFixture
+    new_store: NewStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As in the local store: the earlier call's outcome does not answer the later's
     polls (nor is it logged as lost: it was replaced, as documented)."""
-    store = RedisResultStore(redis_state, capacity=10, ttl_seconds=60)
+    store = new_store(capacity=10, ttl_seconds=60)
     processing, done = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
     earlier = await store.hold("r", pb.ClassifyResponse(trace_id="1", status=processing))
     later = await store.hold("r", pb.ClassifyResponse(trace_id="2", status=processing))
@@ -324,6 +422,90 @@ async def test_a_later_call_with_the_same_request_id_keeps_its_place_in_redis(
     assert "result not stored" not in caplog.text
 
 
+# Leases: each process renews its own, so the results of one that died are given up.
+
+LEASE_SECONDS = 0.4
+
+
+@pytest.fixture
+def short_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leases of LEASE_SECONDS, renewed every quarter of that (the stores made after)."""
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_SECONDS", LEASE_SECONDS)
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEW_SECONDS", LEASE_SECONDS / 4)
+
+
+@pytest.mark.usefixtures("short_leases")
+async def test_a_living_process_keeps_its_results_processing_past_its_lease(
+    new_store: NewStore,
+) -> None:
+    holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    token = await holder.hold("alive", pb.ClassifyResponse(trace_id="t", status=PROCESSING))
+    assert token is not None
+    await asyncio.sleep(LEASE_SECONDS * 4)  # the lease renewed, not lapsed
+    assert (await poller.get("alive")).status == PROCESSING
+    await holder.finish("alive", token, response=pb.ClassifyResponse(status=DONE))
+    assert (await poller.get("alive")).status == DONE
+
+
+@pytest.mark.usefixtures("short_leases")
+async def test_a_result_whose_process_stopped_renewing_is_answered_send_again(
+    new_store: NewStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The holder stops (here closed, renewing no more) with the result unwritten: its
+    own polls still say PROCESSING, but another process's answer SERVER_DRAINING with
+    the trace the work ran in, and log which process held it."""
+    holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    pending = pb.ClassifyResponse(trace_id="abc", status=PROCESSING)
+    assert await holder.hold("orphan", pending) is not None
+    await holder.close()
+    assert (await poller.get("orphan")).status == PROCESSING  # still within the lease
+    await asyncio.sleep(LEASE_SECONDS + 0.1)
+    assert (await holder.get("orphan")).status == PROCESSING
+    with pytest.raises(ServerDraining) as given_up:
+        await poller.get("orphan")
+    assert given_up.value.context == {"result_trace_id": "abc"}
+    assert grpc_code_for(given_up.value) == grpc.StatusCode.UNAVAILABLE
+    given_up_lines = [r for r in caplog.records if r.message.startswith("result given up")]
+    assert [vars(r)["holding_process"] for r in given_up_lines] == [holder.process_id]
+
+
+async def hold_as_the_last_version(state: RedisState, request_id: str, token: str) -> None:
+    """What an orchestrator of the last version writes for a held result of the
+    anonymous tenant (its value and token; no process)."""
+    member = f"anonymous/{request_id}"
+    pending = pb.ClassifyResponse(trace_id=token, status=PROCESSING).SerializeToString()
+    await state.client.set(RESULT_PREFIX + member, PENDING + pending, px=60_000)
+    await state.client.set(RESULT_TOKEN_PREFIX + member, token, px=60_000)
+
+
+@pytest.mark.usefixtures("short_leases")
+async def test_the_last_versions_pending_results_stay_processing_until_their_ttl(
+    redis_state: RedisState, new_store: NewStore
+) -> None:
+    """A rolling upgrade: a result the last version holds names no process, and one it
+    held again after this version did names another call's token; neither is given up,
+    whatever the leases (the TTL bounds them, as before)."""
+    store, stopped = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    await hold_as_the_last_version(redis_state, "old", "o")
+    assert await stopped.hold("again", pb.ClassifyResponse(status=PROCESSING)) is not None
+    await stopped.close()
+    await hold_as_the_last_version(redis_state, "again", "later")
+    await asyncio.sleep(LEASE_SECONDS + 0.1)  # the stopped process's lease lapses
+    assert [(await store.get(r)).status for r in ("old", "again")] == [PROCESSING] * 2
+
+
+async def test_the_last_version_reads_the_pending_value_this_one_writes(
+    redis_state: RedisState, new_store: NewStore
+) -> None:
+    """The value is still the kind byte and the serialized pending response, as the last
+    version's GET parses it: who holds it is in keys of their own."""
+    pending = pb.ClassifyResponse(request_id="v", trace_id="t", status=PROCESSING, route="r")
+    assert await new_store(capacity=10, ttl_seconds=60).hold("v", pending) is not None
+    value = await redis_state.client.get(RESULT_PREFIX + "anonymous/v")
+    assert isinstance(value, bytes)
+    assert (value[:1], pb.ClassifyResponse.FromString(value[1:])) == (PENDING, pending)
+
+
 async def held_counts(state: RedisState) -> dict[str, float]:
     """How many results each tenant holds, as the Redis store counts them."""
     held: list[tuple[bytes, float]] = await state.client.zrange(
@@ -333,9 +515,9 @@ async def held_counts(state: RedisState) -> dict[str, float]:
 
 
 async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_oldest(
-    redis_server: RedisServer, redis_state: RedisState
+    redis_server: RedisServer, redis_state: RedisState, new_store: NewStore
 ) -> None:
-    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=1)
+    store = new_store(capacity=3, ttl_seconds=1)
     pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
 
     with as_tenant("zenith"):
@@ -355,7 +537,7 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
         assert (await store.get("a-2")).status == pb.RESULT_STATUS_PROCESSING
     assert await held_counts(redis_state) == {"acme": 2, "zenith": 1}
     # A result an older version held is in the shared index only: it goes first.
-    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=60)
+    store = new_store(capacity=3, ttl_seconds=60)
     redis_server.command("FLUSHALL")
     held_at_ms = str(int(time.time() * 1000) - 100)  # before the holds below
     redis_server.command("ZADD", "classify:v1:results", held_at_ms, "old/o-1")
@@ -368,12 +550,12 @@ async def test_redis_store_drops_expired_results_first_then_the_largest_tenants_
 
 
 async def test_a_tenant_whose_results_expired_is_not_counted_as_still_holding_them(
-    redis_server: RedisServer, redis_state: RedisState
+    redis_server: RedisServer, redis_state: RedisState, new_store: NewStore
 ) -> None:
     """A tenant's own index expires with its last result, before the shared index lets
     go of that result: its count must go down all the same, or its next result is the
     first pushed out by another tenant's burst."""
-    store = RedisResultStore(redis_state, capacity=3, ttl_seconds=2)
+    store = new_store(capacity=3, ttl_seconds=2)
     pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
 
     with as_tenant("zenith"):
@@ -414,8 +596,6 @@ async def test_first_command_after_redis_returns_is_answered_by_it(
 
 
 # Short and long outages, and a Redis that refuses: what is kept, said and counted.
-
-PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
 
 
 async def stored_status(state: RedisState, request_id: str) -> pb.ResultStatus.ValueType:
@@ -537,7 +717,7 @@ async def test_state_up_follows_the_probe_while_no_call_needs_redis(
     await wait_until(lambda: metric_sum(server.registry, STATE_UP) == 1, "state_up 1 again")
 
 
-def unstarted_orchestrator(tmp_path: Path, state_url: str) -> OrchestratorServer:
+def unstarted_orchestrator(tmp_path: Path, state_url: str | None) -> OrchestratorServer:
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         "version: 1\nbackends:\n  model: {model: topic-static, targets: ['127.0.0.1:1']}\n"
@@ -545,6 +725,21 @@ def unstarted_orchestrator(tmp_path: Path, state_url: str) -> OrchestratorServer
     )
     settings = orchestrator_settings(routes_file=routes, state_url=state_url)
     return OrchestratorServer(settings, registry=CollectorRegistry())
+
+
+def test_an_orchestrator_without_redis_exports_no_state_up(tmp_path: Path) -> None:
+    """Exported at 0 by every orchestrator, it paged ClassifySharedStateUnavailable for
+    each one that has no Redis at all."""
+    server = unstarted_orchestrator(tmp_path, None)
+    names = {sample.name for family in server.registry.collect() for sample in family.samples}
+    assert STATE_UP not in names
+
+
+def test_the_backoff_between_tries_to_store_again_stops_growing_at_its_longest() -> None:
+    """2**n of the failed tries in a row, uncapped, overflowed a float after about 1,024
+    (an outage of minutes), and the task storing kept outcomes again died."""
+    assert [backoff_ceiling(tries, 1.0) for tries in (0, 1, 3, 5)] == [0.05, 0.1, 0.4, 1.0]
+    assert backoff_ceiling(5_000, 1.0) == 1.0
 
 
 @pytest.mark.parametrize(
