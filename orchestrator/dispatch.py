@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 # The ErrorInfo key of a deadline answered while the work goes on (GetResult will have
 # its result).
 RESULT_KEPT = "result_kept"
+# The `code` of classify_request_duration_seconds for a PROCESSING answer: an OK of
+# gRPC's, but no answer, and out of the latency objective's code="OK".
+PROCESSING_CODE = "PROCESSING"
 
 
 def request_facts(
@@ -163,14 +166,14 @@ class Dispatcher:
         call = UpstreamCall(state, route, request, ids, deadline)
         model, code = "", "OK"
         # Whether the caller was answered before the work ended (PROCESSING, or a
-        # deadline with the result kept): the work's outcome and time are then
-        # recorded when it ends (_record_when_done), not this answer's.
+        # deadline with the result kept): the work's outcome is then counted when it
+        # ends (_count_when_done), not this answer.
         answered_early = False
         try:
             if route.budget_seconds is None:
                 response = await self._run(call)
             else:
-                response = await self._classify_within_budget(call, client_remaining, started)
+                response = await self._classify_within_budget(call, client_remaining)
                 answered_early = response.status == pb.RESULT_STATUS_PROCESSING
             model = response.model.name
             self.shadow.after_answer(state, route, request, response)
@@ -186,31 +189,20 @@ class Dispatcher:
             code = cancelled_code(cancelled).name
             raise
         finally:
+            exemplar = exemplar_for(ids.trace_id, trace.get_current_span(), code)
             if answered_early:
                 if request_trace is not None:
                     request_trace.outcome_counted_elsewhere = True
-            else:
-                self._observe_duration(
-                    route.name,
-                    model,
-                    code,
-                    time.perf_counter() - started,
-                    exemplar_for(ids.trace_id, trace.get_current_span(), code),
-                )
-
-    def _observe_duration(
-        self,
-        route: str,
-        model: str,
-        code: str,
-        seconds: float,
-        exemplar: dict[str, str] | None = None,
-    ) -> None:
-        key = (route, model, code)
-        duration = self._durations.get(key)
-        if duration is None:
-            duration = self._durations[key] = self._metrics.request_duration.labels(*key)
-        duration.observe(seconds, exemplar=exemplar)
+                if code == "OK":
+                    # What its caller waited, apart from the answers: the latency
+                    # objective reads code="OK", and a PROCESSING answer comes at
+                    # the route's budget whatever the work then takes.
+                    code = PROCESSING_CODE
+            key = (route.name, model, code)
+            duration = self._durations.get(key)
+            if duration is None:
+                duration = self._durations[key] = self._metrics.request_duration.labels(*key)
+            duration.observe(time.perf_counter() - started, exemplar=exemplar)
 
     async def classify_batch(
         self,
@@ -289,7 +281,7 @@ class Dispatcher:
             call.state.leave()
 
     async def _classify_within_budget(
-        self, call: UpstreamCall, client_remaining: float | None, started: float
+        self, call: UpstreamCall, client_remaining: float | None
     ) -> pb.ClassifyResponse:
         """Wait for the answer up to the route's budget; past it, answer PROCESSING and keep
         the work going so GetResult can return its result.
@@ -318,7 +310,7 @@ class Dispatcher:
                 # The work goes on: its spans end later, marked, and are still exported.
                 request_trace.mark_timed_out()
             self._store_when_done(work, ids, token)
-            self._record_when_done(work, route, started)
+            self._count_when_done(work, route)
             if client_remaining is not None and wait < route.budget_seconds:
                 # `result_kept`: the work goes on and GetResult will have its result,
                 # which a client tells from a deadline that ended the work.
@@ -356,29 +348,24 @@ class Dispatcher:
             work.cancel()  # the client left and no store would keep the result
             raise
 
-    def _record_when_done(
-        self, work: asyncio.Task[pb.ClassifyResponse], route: Route, started: float
-    ) -> None:
-        """Once `work`, a call answered before it ended, ends: count its outcome and
-        observe its time from routing, as any other request's are when answered. The
-        PROCESSING answer itself is not an outcome: counted as one, a route whose
-        background work all failed looked healthy, and its latency looked like the
-        budget's."""
+    def _count_when_done(self, work: asyncio.Task[pb.ClassifyResponse], route: Route) -> None:
+        """Once `work`, a call answered before it ended, ends: count its outcome, as any
+        other request's is when answered. The early answer itself is not an outcome:
+        counted as one, a route whose background work all failed looked healthy."""
 
-        def record(_: asyncio.Task[pb.ClassifyResponse]) -> None:
-            model, code, reason = "", "OK", ""
+        def count(_: asyncio.Task[pb.ClassifyResponse]) -> None:
+            code, reason = "OK", ""
             if work.cancelled():  # the orchestrator stopped first (close())
                 code, reason = "UNAVAILABLE", ServerDraining.reason
-            elif (error := work.exception()) is None:
-                model = work.result().model.name
-            elif isinstance(error, ServiceError):
-                code, reason = grpc_code_for(error).name, error.reason
             else:
-                code, reason = "INTERNAL", InternalError.reason
+                error = work.exception()
+                if isinstance(error, ServiceError):
+                    code, reason = grpc_code_for(error).name, error.reason
+                elif error is not None:
+                    code, reason = "INTERNAL", InternalError.reason
             self._outcomes.count(route.name, code, reason)
-            self._observe_duration(route.name, model, code, time.perf_counter() - started)
 
-        work.add_done_callback(record)
+        work.add_done_callback(count)
 
     def _processing_response(self, route: Route, ids: RequestContext) -> pb.ClassifyResponse:
         return pb.ClassifyResponse(
