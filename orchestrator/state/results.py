@@ -35,11 +35,16 @@ When Redis does not answer:
   (logged). A graceful stop tries each once more. Every try is counted as a
   result_finish;
 - get: StateUnavailable (UNAVAILABLE), and the client polls again later;
-- the lease: not renewed. After an outage longer than PROCESS_LEASE_SECONDS -
-  PROCESS_LEASE_RENEW_SECONDS, a poll in the moments before the next renewal
-  may answer ServerDraining for work still running: the call is sent again and
-  computed twice, never answered wrongly (the earlier call's outcome does not
-  replace the later's, see orchestrator.results).
+- the lease: not renewed, and tried again every PROCESS_LEASE_RETRY_SECONDS.
+  After an outage longer than the lease, a poll in the moments (up to that
+  retry) before a process's lease is back may answer ServerDraining for work
+  still running: the call is sent again and computed twice, never answered
+  wrongly (the earlier call's outcome does not replace the later's, see
+  orchestrator.results).
+
+A graceful stop ends the process's lease (after its last try at storing the
+outcomes it kept), so polls for any result it still held answer ServerDraining
+at once.
 
 Orchestrators of the last version sharing the Redis (a rolling upgrade) read
 every value this one writes: the values are as they were, and who holds a
@@ -121,6 +126,8 @@ def backoff_ceiling(failed_tries: int, longest: float) -> float:
 # after it died.
 PROCESS_LEASE_SECONDS = 10.0
 PROCESS_LEASE_RENEW_SECONDS = 2.5
+# After a renewal failed, the next try comes this soon.
+PROCESS_LEASE_RETRY_SECONDS = 0.25
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +193,22 @@ return dropped
 """
 
 
-# KEYS[1] the result, KEYS[2] its token; ARGV[1] the finishing call's token, ARGV[2]
-# the value. 1: written; 0: the result is gone; -1: a later call holds it. A result
-# without a token (held by the last version) is written as that version did.
+# KEYS[1] the result, KEYS[2] its token, KEYS[3] its process; ARGV[1] the finishing
+# call's token, ARGV[2] the value. 1: written; 0: the result is gone; -1: a later call
+# holds it. A result without a token (held by the last version) is written as that
+# version did. Written, it names no process any more: an orchestrator from before the
+# hold tokens, holding the same request ID again, writes no token, and the token and
+# process keys left here would still match, and give its live work up once this
+# process's lease lapsed. (The last version passes two keys: no process to forget.)
 _FINISH = """
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[1] then
   return -1
 end
 if redis.call('SET', KEYS[1], ARGV[2], 'XX', 'KEEPTTL') then
+  if KEYS[3] then
+    redis.call('DEL', KEYS[3])
+  end
   return 1
 end
 return 0
@@ -210,10 +224,11 @@ redis.call('SET', KEYS[1], string.format('%d', now_ms + tonumber(ARGV[1])), 'PX'
 
 
 # KEYS[1] the result, KEYS[2] its token, KEYS[3] its process; ARGV[1] the process lease
-# key prefix. The value (nil: not there); or {value, process} for a pending result whose
-# process's lease has lapsed. A pending result without a process (held by the last
-# version), or whose token is not the holding call's (an older version held it again),
-# is the value: the TTL alone bounds it, as before.
+# key prefix. NOTE: the lease key is built here, not passed in (as _HOLD builds other
+# tenants' keys): not for Redis Cluster. The value (nil: not there); or {value,
+# process} for a pending result whose process's lease has lapsed. A pending result
+# without a process (held by the last version), or whose token is not the holding
+# call's (an older version held it again), is the value: the TTL alone bounds it.
 _GET = """
 local value = redis.call('GET', KEYS[1])
 if not value or string.sub(value, 1, 1) ~= 'P' then
@@ -323,16 +338,26 @@ class RedisResultStore:
     async def _renew_lease_until_closed(self) -> None:
         keys = [PROCESS_LEASE_PREFIX + self.process_id]
         args = [self._lease_ms, self._ttl_ms]
+        wait = PROCESS_LEASE_RENEW_SECONDS
         while True:
-            await asyncio.sleep(PROCESS_LEASE_RENEW_SECONDS)
-            # Sent even while Redis rests after a failure, as the probe is: once Redis
-            # answers again, the lease must be back before polls find it lapsed.
-            with contextlib.suppress(StateUnavailable):  # counted; the next one may do
+            await asyncio.sleep(wait)
+            # Sent even while Redis rests after a failure, as the probe is, and tried
+            # again soon after a failure: once Redis answers again after an outage
+            # longer than the lease, every process's lease has lapsed, and until each
+            # is renewed polls answer "send again" for work still running.
+            try:
                 await self._state.run(
                     "result_lease",
                     lambda: self._renew_lease_script(keys=keys, args=args),
                     skip_while_resting=False,
                 )
+            except StateUnavailable:  # counted
+                wait = PROCESS_LEASE_RETRY_SECONDS
+            except Exception:  # a bug: log it; the lease must go on
+                log.exception("renewing the results lease failed unexpectedly")
+                wait = PROCESS_LEASE_RETRY_SECONDS
+            else:
+                wait = PROCESS_LEASE_RENEW_SECONDS
 
     async def finish(
         self,
@@ -349,7 +374,7 @@ class RedisResultStore:
         member = result_key(result_owner(), request_id)
         outcome = UnstoredOutcome(
             request_id,
-            [RESULT_PREFIX + member, RESULT_TOKEN_PREFIX + member],
+            [RESULT_PREFIX + member, RESULT_TOKEN_PREFIX + member, RESULT_PROCESS_PREFIX + member],
             token,
             value,
             give_up_at=self._clock() + self._ttl_seconds,
@@ -449,8 +474,9 @@ class RedisResultStore:
 
     async def close(self) -> None:
         """At a graceful stop: one more try for each outcome still kept; the rest
-        are lost (logged), and the lease lapses, so polls stop waiting for them."""
+        are lost (logged), and the lease ends, so polls stop waiting for them."""
         self._closed = True  # a hold after this one (none is expected) starts no renewal
+        leased = self._renewing_lease is not None
         if self._renewing_lease is not None:
             self._renewing_lease.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -462,10 +488,20 @@ class RedisResultStore:
                 await self._storing_again
         if self._unstored and not await self._store_unstored_once():
             log.warning(
-                "results not stored at stop: Redis did not take them; polls see "
-                "PROCESSING until they expire",
+                "results not stored at stop: Redis did not take them; polls are "
+                "answered to send the calls again",
                 extra={"request_ids": [outcome.request_id for outcome in self._unstored.values()]},
             )
+        if leased:
+            # Ended now, not PROCESS_LEASE_SECONDS later: any result still pending here
+            # has nothing running behind it any more.
+            lease = PROCESS_LEASE_PREFIX + self.process_id
+            with contextlib.suppress(StateUnavailable):
+                await self._state.run(
+                    "result_lease",
+                    lambda: self._state.client.delete(lease),
+                    skip_while_resting=False,
+                )
 
     async def get(self, request_id: str) -> pb.ClassifyResponse:
         member = result_key(result_owner(), request_id)

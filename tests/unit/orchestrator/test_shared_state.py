@@ -36,6 +36,7 @@ from orchestrator.state import results as state_results
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL, STATE_UP
 from orchestrator.state.results import (
     PENDING,
+    PROCESS_LEASE_PREFIX,
     RESULT_PREFIX,
     RESULT_TOKEN_PREFIX,
     TENANT_COUNTS,
@@ -397,7 +398,9 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
     assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/e") == ":0"
     assert redis_server.command("EXISTS", "classify:v1:result-token:anonymous/g") == ":1"
     assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/e") == ":0"
-    assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/g") == ":1"
+    assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/f") == ":1"
+    # A finished result names no process any more (_FINISH says why).
+    assert redis_server.command("EXISTS", "classify:v1:result-process:anonymous/g") == ":0"
     redis_server.stop()
     assert await store.hold("h", pending) is None
     with pytest.raises(StateUnavailable):
@@ -434,14 +437,16 @@ def short_leases(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEW_SECONDS", LEASE_SECONDS / 4)
 
 
-@pytest.mark.usefixtures("short_leases")
 async def test_a_living_process_keeps_its_results_processing_past_its_lease(
-    new_store: NewStore,
+    new_store: NewStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Renewed 15 times a lease: a stall of the shared machine must not lapse it here.
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_SECONDS", 1.5)
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEW_SECONDS", 0.1)
     holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
     token = await holder.hold("alive", pb.ClassifyResponse(trace_id="t", status=PROCESSING))
     assert token is not None
-    await asyncio.sleep(LEASE_SECONDS * 4)  # the lease renewed, not lapsed
+    await asyncio.sleep(3.5)  # past two leases: renewed, not lapsed
     assert (await poller.get("alive")).status == PROCESSING
     await holder.finish("alive", token, response=pb.ClassifyResponse(status=DONE))
     assert (await poller.get("alive")).status == DONE
@@ -451,22 +456,32 @@ async def test_a_living_process_keeps_its_results_processing_past_its_lease(
 async def test_a_result_whose_process_stopped_renewing_is_answered_send_again(
     new_store: NewStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The holder stops (here closed, renewing no more) with the result unwritten: its
-    own polls still say PROCESSING, but another process's answer SERVER_DRAINING with
-    the trace the work ran in, and log which process held it."""
+    """The holder stops renewing with the result unwritten: its own polls still say
+    PROCESSING, but another process's answer SERVER_DRAINING with the trace the work
+    ran in, and log which process held it."""
     holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
     pending = pb.ClassifyResponse(trace_id="abc", status=PROCESSING)
     assert await holder.hold("orphan", pending) is not None
-    await holder.close()
+    assert holder._renewing_lease is not None
+    holder._renewing_lease.cancel()  # as a process that died: its lease stays, unrenewed
     assert (await poller.get("orphan")).status == PROCESSING  # still within the lease
-    await asyncio.sleep(LEASE_SECONDS + 0.1)
+
+    async def lease_lapsed() -> bool:
+        try:
+            await poller.get("orphan")
+        except ServerDraining:
+            return True
+        return False
+
+    await wait_until(lease_lapsed, "the result given up once the lease lapsed")
     assert (await holder.get("orphan")).status == PROCESSING
     with pytest.raises(ServerDraining) as given_up:
         await poller.get("orphan")
     assert given_up.value.context == {"result_trace_id": "abc"}
     assert grpc_code_for(given_up.value) == grpc.StatusCode.UNAVAILABLE
     given_up_lines = [r for r in caplog.records if r.message.startswith("result given up")]
-    assert [vars(r)["holding_process"] for r in given_up_lines] == [holder.process_id]
+    assert given_up_lines
+    assert {vars(r)["holding_process"] for r in given_up_lines} == {holder.process_id}
 
 
 async def hold_as_the_last_version(state: RedisState, request_id: str, token: str) -> None:
@@ -490,8 +505,38 @@ async def test_the_last_versions_pending_results_stay_processing_until_their_ttl
     assert await stopped.hold("again", pb.ClassifyResponse(status=PROCESSING)) is not None
     await stopped.close()
     await hold_as_the_last_version(redis_state, "again", "later")
-    await asyncio.sleep(LEASE_SECONDS + 0.1)  # the stopped process's lease lapses
+    # The stopped process's lease ended with it (close).
+    assert await redis_state.client.get(PROCESS_LEASE_PREFIX + stopped.process_id) is None
     assert [(await store.get(r)).status for r in ("old", "again")] == [PROCESSING] * 2
+
+
+async def test_a_finished_result_names_no_process_for_an_older_hold_to_inherit(
+    redis_state: RedisState, new_store: NewStore
+) -> None:
+    """An orchestrator from before the hold tokens writes only the value: holding a
+    request ID again after this one finished it, its live work must not be taken for
+    this process's, given up once this process's lease has gone."""
+    finished, poller = (
+        new_store(capacity=10, ttl_seconds=60),
+        new_store(capacity=10, ttl_seconds=60),
+    )
+    token = await finished.hold("r", pb.ClassifyResponse(status=PROCESSING))
+    assert token is not None
+    await finished.finish("r", token, response=pb.ClassifyResponse(status=DONE))
+    await finished.close()  # its lease ends
+    again = pb.ClassifyResponse(trace_id="older", status=PROCESSING).SerializeToString()
+    await redis_state.client.set(RESULT_PREFIX + "anonymous/r", PENDING + again, px=60_000)
+    assert (await poller.get("r")).status == PROCESSING
+
+
+async def test_a_graceful_stop_ends_the_lease_at_once(new_store: NewStore) -> None:
+    """A result still pending when its process stops gracefully (Redis did not take
+    its outcome) has nothing behind it: polls say so at once, not a lease later."""
+    holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    assert await holder.hold("left", pb.ClassifyResponse(trace_id="x", status=PROCESSING))
+    await holder.close()
+    with pytest.raises(ServerDraining):
+        await poller.get("left")
 
 
 async def test_the_last_version_reads_the_pending_value_this_one_writes(
@@ -727,7 +772,7 @@ def unstarted_orchestrator(tmp_path: Path, state_url: str | None) -> Orchestrato
     return OrchestratorServer(settings, registry=CollectorRegistry())
 
 
-def test_an_orchestrator_without_redis_exports_no_state_up(tmp_path: Path) -> None:
+async def test_an_orchestrator_without_redis_exports_no_state_up(tmp_path: Path) -> None:
     """Exported at 0 by every orchestrator, it paged ClassifySharedStateUnavailable for
     each one that has no Redis at all."""
     server = unstarted_orchestrator(tmp_path, None)
