@@ -150,6 +150,26 @@ async def test_a_broken_batch_fails_whole_naming_the_batch_rule(
     assert violations_of(empty.value) == [("items", "repeated.min_items")]
 
 
+async def test_an_oversized_batch_is_refused_before_any_item_is_checked(
+    orchestrator: OrchestratorServer,
+) -> None:
+    """Under gRPC's 8 MiB a call holds over a million tiny items: checked one by one
+    against the contract, they held the event loop for 6 s before the count refused
+    the call. The size rules now come first, alone: nothing else of the call is
+    looked at (its mismatched item_contexts and empty texts go unreported)."""
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await classify_batch(
+            orchestrator.port,
+            [pb.ClassifyRequest(text="")] * 200_000,
+            item_contexts=[pb.ItemContext()],
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(refused.value) == [("items", "repeated.max_items")]
+    assert (
+        refused.value.details() == "invalid request: items: must contain no more than 1024 item(s)"
+    )
+
+
 async def test_items_take_their_own_routes_and_one_falls_back(
     orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
