@@ -100,6 +100,12 @@ METRICS_DISABLED = -1
 # an orchestrator from 78 to 146 MB); probes use Check, and each orchestrator channel
 # to a capability server holds one Watch, so a fleet stays far below this.
 MAX_HEALTH_WATCHES = 1000
+# Of those, the most one host may hold (every connection from one address counts):
+# without it one caller able to reach a capability's port held all 1,000, and the
+# orchestrators' own channels, which health-check over a Watch, were refused theirs
+# at their next connection and took the replica out of rotation. An orchestrator
+# host holds one per process, backend and replica it names: far below this.
+MAX_HEALTH_WATCHES_PER_HOST = 100
 # How long before the end of a stop's grace the calls still in their handlers are
 # answered SERVER_DRAINING, so that the answer is written before gRPC cancels them.
 CUT_OFF_MARGIN_SECONDS = 0.1
@@ -152,13 +158,16 @@ def reflection_v1_handler(servicer: Any) -> grpc.GenericRpcHandler:
 
 
 class BoundedHealthServicer(health.aio.HealthServicer):
-    """gRPC's health service, refusing a Watch beyond `max_watches` open at once with
-    RESOURCE_EXHAUSTED (see MAX_HEALTH_WATCHES); Check is as before."""
+    """gRPC's health service, refusing a Watch beyond `max_watches` open at once, or
+    beyond `max_per_host` from one caller's address, with RESOURCE_EXHAUSTED (see
+    MAX_HEALTH_WATCHES); Check is as before."""
 
-    def __init__(self, max_watches: int) -> None:
+    def __init__(self, max_watches: int, max_per_host: int | None = None) -> None:
         super().__init__()
         self._max_watches = max_watches
+        self._max_per_host = max_per_host if max_per_host is not None else max_watches
         self._watches = 0
+        self._by_host: dict[str, int] = {}
 
     @property
     def open_watches(self) -> int:
@@ -167,16 +176,36 @@ class BoundedHealthServicer(health.aio.HealthServicer):
     async def Watch(  # noqa: N802 - the gRPC method's name
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
+        host = peer_host(context.peer())
         if self._watches >= self._max_watches:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._max_watches} health watches are open on this server; use Check",
             )
+        if self._by_host.get(host, 0) >= self._max_per_host:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_per_host} health watches are open from {host}; use Check",
+            )
         self._watches += 1
+        self._by_host[host] = self._by_host.get(host, 0) + 1
         try:
             await super().Watch(request, context)
         finally:
             self._watches -= 1
+            left = self._by_host[host] - 1
+            if left:
+                self._by_host[host] = left
+            else:
+                del self._by_host[host]
+
+
+def peer_host(peer: str) -> str:
+    """gRPC's peer string without its port: "ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7",
+    "ipv6:[::1]:5123" -> "ipv6:[::1]"; any other kind ("unix:...") as it is."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
 
 
 class GrpcServing:
@@ -218,7 +247,7 @@ class GrpcServing:
             interceptors=[self._lifecycle],
             options=server_options(core_wait_limit_seconds, shares_port),
         )
-        self.health = BoundedHealthServicer(MAX_HEALTH_WATCHES)
+        self.health = BoundedHealthServicer(MAX_HEALTH_WATCHES, MAX_HEALTH_WATCHES_PER_HOST)
         self.add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health)
         # NOTE: v1 is served but not listed: a listed service must have its descriptor
         # to give (`buf curl --list-methods` asks for each one's), and only v1alpha's is
