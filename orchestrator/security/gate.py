@@ -19,6 +19,7 @@ from classify_common.context import (
     time_left_on_arrival,
 )
 from classify_common.errors import FrontDoorBusy, RateLimited, Unauthenticated
+from classify_common.nodes import current_trace
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.security.keys import ApiKeys, Caller
@@ -64,6 +65,11 @@ class CallerGate:
             self._metrics.auth_failures.labels(refused.context["cause"]).inc()
             raise
         _caller.set(caller)
+        request_trace = current_trace()
+        if request_trace is not None:
+            # Who made the call, on its access line (neither is a secret): without them
+            # a ReloadModel, or a run of calls, could not be traced to a key.
+            request_trace.log_fields.update(tenant=caller.tenant, key_id=caller.key_id)
         return caller.tenant
 
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
@@ -76,8 +82,8 @@ class CallerGate:
         tokens_left, granted, wait = await self._limits.try_acquire(tenant, calls)
         if granted == calls:
             return RateAllowance(tokens_left, granted)
-        # Calls refused whole are what the SLO leaves out of its errors (counted as
-        # classify_rpc_requests_total counts calls); items, the tenant's usage.
+        # Calls refused whole, and items: the tenant's usage (the SLO leaves both out of
+        # its errors by their reason, RATE_LIMITED).
         self._metrics.rate_limited_items.labels(tenant).inc(calls - granted)
         if granted == 0:
             self._metrics.rate_limited.labels(tenant).inc()

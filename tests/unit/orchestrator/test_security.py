@@ -27,6 +27,7 @@ from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
+from classify_common import interceptor
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
@@ -564,3 +565,19 @@ async def test_a_quoted_numeric_tenant_name_limits_the_keys_of_that_tenant(
     error = await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="123") == 1
+
+
+async def test_the_access_line_names_the_key_and_tenant_of_the_call(
+    secured: Start, interceptor_log: LineCollector, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator tracing a run of calls, or a ReloadModel, to who made it found neither
+    on the line (key IDs and tenants are no secrets; the key itself never appears)."""
+    orchestrator, _ = await secured()
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
+    await call(orchestrator, metadata=(*bearer(ACME_KEY), ("x-request-id", "who-1")))
+    entries = [json.loads(line) for line in interceptor_log.lines]
+    lines = [e for e in entries if e["event"] == "rpc" and e.get("request_id") == "who-1"]
+    # The capability's line (no route: it routes nothing) has no caller of its own.
+    (line,) = [e for e in lines if "route" in e]
+    assert (line["code"], line["tenant"], line["key_id"]) == ("OK", "acme", "a")
+    assert ACME_KEY not in "\n".join(interceptor_log.lines)
