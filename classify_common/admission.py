@@ -237,7 +237,10 @@ class InternalAdmission(_MethodChecks):
 def _ignore_callers_cache_scopes(request: Any) -> None:
     """Clear what a public caller put in ItemContext.cache_scope: the orchestrator sets
     each item's scope from the caller's tenant, so the value is ignored, and must not
-    get the item refused for its length either."""
+    get the item refused for its length either. Not in a batch the size rules refuse
+    (validate_batch): a caller could send millions of contexts to walk."""
+    if len(request.item_contexts) > MAX_BATCH_ITEMS:
+        return
     for context in request.item_contexts:
         if context.cache_scope:
             context.ClearField("cache_scope")

@@ -20,6 +20,7 @@ DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_CORE_WAIT_LIMIT_SECONDS = 1
+DEFAULT_HEALTH_WATCHES_PER_ADDRESS = 100
 
 
 def port_setting(default: int) -> Any:
@@ -96,6 +97,17 @@ class ServerSettings(Settings):
         low=1,
         high=3600,
         unit="s",
+    )
+    # Health needs no credentials: one address may hold at most this many of the
+    # server's 1,000 Watch streams (classify_common.serving). 0: no share per address,
+    # for callers that all come from one address (a service mesh's sidecar, NAT).
+    health_watches_per_address: int = setting(
+        DEFAULT_HEALTH_WATCHES_PER_ADDRESS,
+        "health Watch streams one caller address may hold open",
+        int,
+        low=1,
+        high=1000,
+        off=0,
     )
 
     def check_together(self) -> None:

@@ -29,7 +29,11 @@ from classify_common.event_loop import loop_factory, running_loop_kind
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import LOG_DROPS, configure_logging
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes, RpcMetrics
-from classify_common.server_settings import DEFAULT_CORE_WAIT_LIMIT_SECONDS, ServerSettings
+from classify_common.server_settings import (
+    DEFAULT_CORE_WAIT_LIMIT_SECONDS,
+    DEFAULT_HEALTH_WATCHES_PER_ADDRESS,
+    ServerSettings,
+)
 from classify_common.settings import SettingsError
 from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
@@ -100,12 +104,14 @@ METRICS_DISABLED = -1
 # an orchestrator from 78 to 146 MB); probes use Check, and each orchestrator channel
 # to a capability server holds one Watch, so a fleet stays far below this.
 MAX_HEALTH_WATCHES = 1000
-# Of those, the most one host may hold (every connection from one address counts):
-# without it one caller able to reach a capability's port held all 1,000, and the
-# orchestrators' own channels, which health-check over a Watch, were refused theirs
-# at their next connection and took the replica out of rotation. An orchestrator
-# host holds one per process, backend and replica it names: far below this.
-MAX_HEALTH_WATCHES_PER_HOST = 100
+# Of those, one address holds at most --health-watches-per-address (every connection
+# from it counts): without a share, one caller able to reach a capability's port held
+# all 1,000, and the orchestrators' own channels, which health-check over a Watch,
+# were refused theirs at their next connection and took the replica out of rotation.
+# An orchestrator process holds one per capability replica it calls (its channels to
+# one target share a subchannel), so an address holds one per orchestrator process
+# behind it: a host of over 100 processes, or callers that all come from one address
+# (a service mesh's sidecar, NAT), need the share raised or off (0).
 # How long before the end of a stop's grace the calls still in their handlers are
 # answered SERVER_DRAINING, so that the answer is written before gRPC cancels them.
 CUT_OFF_MARGIN_SECONDS = 0.1
@@ -223,6 +229,7 @@ class GrpcServing:
         core_wait_limit_seconds: int = DEFAULT_CORE_WAIT_LIMIT_SECONDS,
         shares_port: bool = False,
         outcomes: RequestOutcomes | None = None,
+        health_watches_per_address: int = DEFAULT_HEALTH_WATCHES_PER_ADDRESS,
     ) -> None:
         """`edge`: the public front door (see classify_common.admission); `shares_port`:
         one of several worker processes listening on the same port; `outcomes`: where
@@ -247,7 +254,9 @@ class GrpcServing:
             interceptors=[self._lifecycle],
             options=server_options(core_wait_limit_seconds, shares_port),
         )
-        self.health = BoundedHealthServicer(MAX_HEALTH_WATCHES, MAX_HEALTH_WATCHES_PER_HOST)
+        self.health = BoundedHealthServicer(
+            MAX_HEALTH_WATCHES, health_watches_per_address or MAX_HEALTH_WATCHES
+        )
         self.add_service(health_pb2_grpc.add_HealthServicer_to_server, self.health)
         # NOTE: v1 is served but not listed: a listed service must have its descriptor
         # to give (`buf curl --list-methods` asks for each one's), and only v1alpha's is
@@ -284,6 +293,7 @@ class GrpcServing:
             core_wait_limit_seconds=settings.core_wait_limit_seconds,
             shares_port=shares_port,
             outcomes=outcomes,
+            health_watches_per_address=settings.health_watches_per_address,
         )
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:

@@ -79,8 +79,7 @@ def validate_batch(message: Message) -> dict[int, InvalidRequest]:
     8 MiB a call holds over a million tiny items, and checking each took 6 s of the
     event loop, every other caller's call waiting, to refuse the call anyway.
     """
-    items: Sequence[Any] = getattr(message, "items")  # noqa: B009 - any batch message type
-    oversized = _oversized_batch(items)
+    oversized = _oversized_batch(message)
     if oversized:
         raise InvalidRequest(oversized)
     by_item: defaultdict[int, list[FieldViolation]] = defaultdict(list)
@@ -96,17 +95,23 @@ def validate_batch(message: Message) -> dict[int, InvalidRequest]:
     return {index: InvalidRequest(violations) for index, violations in by_item.items()}
 
 
-def _oversized_batch(items: Sequence[Any]) -> list[FieldViolation]:
-    """The batch size rules `items` break: the contract's item count (worded as
-    protovalidate words it) and the total characters."""
-    if len(items) > MAX_BATCH_ITEMS:
-        return [
-            FieldViolation(
-                field="items",
-                rule="repeated.max_items",
-                message=f"must contain no more than {MAX_BATCH_ITEMS} item(s)",
-            )
-        ]
+def _oversized_batch(message: Message) -> list[FieldViolation]:
+    """The batch size rules a batch request breaks: the contract's counts of items and
+    of item_contexts (worded as protovalidate words them; each ItemContext has rules
+    of its own too, and a million empty ones fit in 2 MB) and the total characters."""
+    items: Sequence[Any] = getattr(message, "items")  # noqa: B009 - any batch message type
+    contexts: Sequence[Any] = getattr(message, "item_contexts")  # noqa: B009 - as items
+    too_many = [
+        FieldViolation(
+            field=name,
+            rule="repeated.max_items",
+            message=f"must contain no more than {MAX_BATCH_ITEMS} item(s)",
+        )
+        for name, repeated in (("items", items), ("item_contexts", contexts))
+        if len(repeated) > MAX_BATCH_ITEMS
+    ]
+    if too_many:
+        return too_many
     total_chars = sum(len(item.text) for item in items)
     if total_chars > MAX_BATCH_TOTAL_CHARS:
         return [

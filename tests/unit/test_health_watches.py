@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from classify_common.serving import BoundedHealthServicer, peer_host
-from tests.conftest import wait_until
+from tests.conftest import StartCapability, wait_until
 from tests.status_details import refusal
 
 
@@ -82,3 +83,27 @@ def test_a_peer_is_counted_by_its_address_without_the_port() -> None:
     assert peer_host("ipv4:10.0.0.7:5123") == "ipv4:10.0.0.7"
     assert peer_host("ipv6:[::1]:5123") == "ipv6:[::1]"
     assert peer_host("unix:/run/classify.sock") == "unix:/run/classify.sock"
+
+
+@pytest.mark.parametrize(("per_address", "second_refused"), [(1, True), (0, False)])
+async def test_a_servers_share_per_address_is_its_setting_and_0_turns_it_off(
+    start_capability: StartCapability, per_address: int, second_refused: bool
+) -> None:
+    """Callers that all come from one address (a service mesh's sidecar, NAT) would
+    share one address's part: the operator sets it, or turns it off."""
+    server = await start_capability(
+        models=("topic-static",), health_watches_per_address=per_address
+    )
+    request = health_pb2.HealthCheckRequest()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub: Any = health_pb2_grpc.HealthStub(channel)
+        first = stub.Watch(request)
+        assert (await first.read()).status == health_pb2.HealthCheckResponse.SERVING
+        second = stub.Watch(request)
+        if second_refused:
+            refused = await refusal(second.read())
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        else:
+            assert (await second.read()).status == health_pb2.HealthCheckResponse.SERVING
+        first.cancel()
+        second.cancel()

@@ -165,6 +165,15 @@ async def test_an_oversized_batch_is_refused_before_any_item_is_checked(
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violations_of(refused.value) == [("items", "repeated.max_items")]
+    # The same for item_contexts: each has rules of its own, and a million empty ones
+    # fit in 2 MB; one item beside them passed the items' count.
+    with pytest.raises(grpc.aio.AioRpcError) as contexts:
+        await classify_batch(
+            orchestrator.port,
+            [pb.ClassifyRequest(text=STRIKER)],
+            item_contexts=[pb.ItemContext(cache_scope="x")] * 200_000,
+        )
+    assert violations_of(contexts.value) == [("item_contexts", "repeated.max_items")]
     assert (
         refused.value.details() == "invalid request: items: must contain no more than 1024 item(s)"
     )
