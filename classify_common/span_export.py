@@ -14,13 +14,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from classify_common.errors import SERVER_FAULT_CODES
 
@@ -37,22 +37,25 @@ HELD_TRACES = 2048
 HELD_SPANS_PER_TRACE = 64
 KEPT_TRACES = 4096
 SPANS_DROPPED_TOTAL = "classify_trace_spans_dropped_total"
+HELD_TRACES_NOW = "classify_trace_held_traces"
 SERVER_FAULT_NAMES = frozenset(code.name for code in SERVER_FAULT_CODES)
 
 
 class ExportDrops:
     """Spans lost on the way to the collector, by reason (queue_full, export_failed,
-    held_overflow)."""
+    held_overflow), and the unsampled traces held now (`held_traces`, set by the
+    exporter that holds them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.by_reason: collections.Counter[str] = collections.Counter()
+        self.held_traces: Callable[[], int] = lambda: 0
 
     def add(self, reason: str, count: int) -> None:
         with self._lock:
             self.by_reason[reason] += count
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """A prometheus_client collector: register it on a server's registry."""
         family = CounterMetricFamily(
             SPANS_DROPPED_TOTAL,
@@ -64,6 +67,15 @@ class ExportDrops:
             for reason in ("queue_full", "export_failed", "held_overflow"):
                 family.add_metric([reason], self.by_reason[reason])
         yield family
+        # A span that ends after its part of the trace did (work a cancelled call left
+        # running) starts an entry nothing lets go of but the cap's eviction: this
+        # says how close to HELD_TRACES the process runs.
+        yield GaugeMetricFamily(
+            HELD_TRACES_NOW,
+            f"Unsampled traces whose spans are held in case the trace is kept (at most "
+            f"{HELD_TRACES}, {HELD_SPANS_PER_TRACE} spans each).",
+            value=self.held_traces(),
+        )
 
 
 # One exporter per process, so one count per process.
@@ -138,6 +150,7 @@ class KeepingBatchExport(SpanProcessor):
         self._overflowed: dict[int, int] = {}
         self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._held_lock = threading.Lock()
+        drops.held_traces = lambda: len(self._held)
         self._thread = threading.Thread(target=self._export_loop, name="span-export", daemon=True)
         self._thread.start()
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from classify_common.nodes import RPC_RESPONSE_STATUS_CODE, TIMEOUT_ATTRIBUTE
 from classify_common.span_export import (
     HELD_SPANS_PER_TRACE,
+    HELD_TRACES_NOW,
     SPANS_DROPPED_TOTAL,
     ExportDrops,
     KeepingBatchExport,
@@ -88,3 +89,29 @@ def test_spans_held_past_a_traces_cap_are_counted_when_it_is_kept() -> None:
     registry.register(drops)
     dropped = registry.get_sample_value(SPANS_DROPPED_TOTAL, {"reason": "held_overflow"})
     assert dropped == 80 - HELD_SPANS_PER_TRACE
+
+
+def test_the_unsampled_traces_held_are_a_gauge() -> None:
+    """A span that ends after its trace's part in this process did (work a cancelled
+    call left running) starts an entry only the cap's eviction lets go of: the soak
+    audit could not see from /metrics how close to the cap a process runs."""
+    drops = ExportDrops()
+    processor = KeepingBatchExport(InMemorySpanExporter(), drops=drops)
+    provider = TracerProvider(sampler=AlwaysRecordSampler(ALWAYS_OFF))
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    registry = CollectorRegistry()
+    registry.register(drops)
+
+    for _ in range(3):
+        with tracer.start_as_current_span("server", kind=SpanKind.SERVER):
+            late = tracer.start_span("late")  # a child that outlives its server span
+        late.end()
+    with (
+        tracer.start_as_current_span("server", kind=SpanKind.SERVER),
+        tracer.start_as_current_span("in-time"),
+    ):
+        pass
+    held = registry.get_sample_value(HELD_TRACES_NOW)
+    provider.shutdown()
+    assert held == 3
