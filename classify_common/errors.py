@@ -200,14 +200,9 @@ def with_retry_info(details: list[Message], retry_after_seconds: float | None) -
     return [*details, error_details_pb2.RetryInfo(retry_delay=delay)]
 
 
-class StateUnavailable(ServiceError):
-    """The shared state store (Redis) did not answer in time, or refused the command;
-    retrying after `retry_after_seconds` (sent as a RetryInfo) may work.
-
-    The hint is the time left before the orchestrator asks Redis again
-    (orchestrator.state.connection): a retry sooner is failed unasked."""
-
-    reason = "STATE_UNAVAILABLE"
+class MayRetryAfter(ServiceError):
+    """An error that may say when to try again: with `retry_after_seconds`, its status
+    carries a RetryInfo. Listed first among a class's bases."""
 
     def __init__(
         self, message: str, *, retry_after_seconds: float | None = None, **context: object
@@ -217,6 +212,16 @@ class StateUnavailable(ServiceError):
 
     def details(self) -> list[Message]:
         return with_retry_info(super().details(), self.retry_after_seconds)
+
+
+class StateUnavailable(MayRetryAfter, ServiceError):
+    """The shared state store (Redis) did not answer in time, or refused the command;
+    retrying after `retry_after_seconds` (sent as a RetryInfo) may work.
+
+    The hint is the time left before the orchestrator asks Redis again
+    (orchestrator.state.connection): a retry sooner is failed unasked."""
+
+    reason = "STATE_UNAVAILABLE"
 
 
 class Overloaded(ServiceError):
@@ -271,7 +276,7 @@ class DeadlineExpired(ServiceError):
     reason = "DEADLINE_EXPIRED"
 
 
-class DeadlineUnreachable(DeadlineExpired):
+class DeadlineUnreachable(MayRetryAfter, DeadlineExpired):
     """Refused at admission: the time left is less than the predicted service time.
 
     With `retry_after_seconds`, the refusal came from load (a queue too long for the
@@ -279,15 +284,6 @@ class DeadlineUnreachable(DeadlineExpired):
     RetryInfo as an overload refusal does."""
 
     reason = "DEADLINE_UNREACHABLE"
-
-    def __init__(
-        self, message: str, *, retry_after_seconds: float | None = None, **context: object
-    ) -> None:
-        super().__init__(message, **context)
-        self.retry_after_seconds = retry_after_seconds
-
-    def details(self) -> list[Message]:
-        return with_retry_info(super().details(), self.retry_after_seconds)
 
 
 class ExpiredInQueue(DeadlineExpired):

@@ -206,13 +206,17 @@ class RedisState:
 
     async def ping(self) -> bool:
         """Whether Redis answers a PING now, rest or not; sets classify_state_up."""
+        return await self._ping() is None
+
+    async def _ping(self) -> StateUnavailable | None:
+        """PING Redis, rest or not, and set classify_state_up: the failure, or None."""
         try:
             await self.run("ping", self.client.ping, skip_while_resting=False)
-        except StateUnavailable:
+        except StateUnavailable as failure:
             self._metrics.set_up(False)
-            return False
+            return failure
         self._metrics.set_up(True)
-        return True
+        return None
 
     async def check_at_start(self) -> bool:
         """Whether Redis answers at start-up (False: serve without it until it does).
@@ -220,20 +224,15 @@ class RedisState:
         SettingsError when it answers with a refusal (a wrong password, a database
         number it lacks): that never mends itself, so start-up stops and says which
         settings to fix, rather than serving degraded for as long as it runs."""
-        try:
-            await self.run("ping", self.client.ping, skip_while_resting=False)
-        except StateUnavailable as exc:
-            self._metrics.set_up(False)
-            if isinstance(exc.__cause__, REFUSALS):
-                raise SettingsError(
-                    "--state-url / ORCHESTRATOR_STATE_URL: Redis refused the connection "
-                    f"({describe(exc.__cause__)}); check the password (in the URL or "
-                    "--state-password-file / ORCHESTRATOR_STATE_PASSWORD_FILE) and the "
-                    "database number (the URL's path)"
-                ) from exc.__cause__
-            return False
-        self._metrics.set_up(True)
-        return True
+        failure = await self._ping()
+        if failure is not None and isinstance(failure.__cause__, REFUSALS):
+            raise SettingsError(
+                "--state-url / ORCHESTRATOR_STATE_URL: Redis refused the connection "
+                f"({describe(failure.__cause__)}); check the password (in the URL or "
+                "--state-password-file / ORCHESTRATOR_STATE_PASSWORD_FILE) and the "
+                "database number (the URL's path)"
+            ) from failure.__cause__
+        return failure is None
 
     def start_probe(self) -> None:
         """PING Redis every --state-retry-seconds, in one task, until close()."""

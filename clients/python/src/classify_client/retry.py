@@ -228,8 +228,7 @@ class Attempts:
         error.attempt_errors = earlier
         if self.made > 1:
             spent = time.monotonic() - self._started
-            tries = f"{self.made} attempt{'s' if self.made != 1 else ''}"
-            error.add_note(f"gave up after {tries} in {spent:.2f} s")
+            error.add_note(f"gave up after {self.made} attempts in {spent:.2f} s")
             for failed in earlier:
                 error.add_note(f"an earlier attempt failed: {failed}")
         return error
