@@ -216,7 +216,7 @@ async def test_a_replica_whose_model_fails_is_reported_as_a_model_fault_with_ids
 async def test_each_failed_upstream_item_is_logged_under_its_own_request_id(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
-    """Eight callers while the one call a replica may have in flight is held: seven
+    """Eight callers while the one call a replica may have in flight is held: the rest
     gather and leave in one merged call, which fails; each failure's log line names
     its own request, not the caller's whose turn happened to send the call."""
     pod = FlakyPod(capability.port, failing=True)
@@ -252,7 +252,10 @@ async def test_each_failed_upstream_item_is_logged_under_its_own_request_id(
             await wait_until(lambda: pod.calls == 1, "the first call held at the pod")
             (pool,) = server.dispatcher.state.upstream.pools()
             (coalescer,) = pool.coalescers.values()
-            await wait_until(lambda: coalescer.waiting == 7, "the other seven gathering")
+            # NOTE: all eight, held or gathering: callers that reach the coalescer in the
+            # same turn of the event loop leave together, so on a busy machine the held
+            # call may carry more than the first (waiting for exactly 7 then timed out).
+            await wait_until(lambda: coalescer.outstanding == 8, "the other calls gathering")
             pod.answering.set()
             errors = await asyncio.gather(*calls)
     finally:
@@ -260,7 +263,7 @@ async def test_each_failed_upstream_item_is_logged_under_its_own_request_id(
         await server.stop(grace_seconds=0)
         await pod.stop()
     assert {error.code() for error in errors} == {grpc.StatusCode.UNAVAILABLE}
-    assert pod.calls == 2  # the first alone, the other seven merged
+    assert pod.calls <= 2  # eight items in two calls at most: merged
     failed = [
         entry["request_id"]
         for entry in map(json.loads, collector.lines)
