@@ -52,6 +52,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from capability.bundle import BundleError, LoadedBundle, ModelLoadError
@@ -247,10 +248,16 @@ class ServedFolder:
 
 @dataclass
 class RefusedVersion:
-    """A version folder whose load was refused, and what its files looked like."""
+    """A version folder whose load was refused, why, and what its files looked like."""
 
     refused_as: Fingerprint | None  # when it was refused; None: could not be read
     last_seen: Fingerprint | None  # at the watcher's latest look
+    reason: str  # as logged; GetModel reports it
+    refused_at: datetime  # UTC
+
+    @classmethod
+    def now(cls, files: Fingerprint | None, reason: str) -> RefusedVersion:
+        return cls(files, files, reason, datetime.now(UTC))
 
 
 class ModelLifecycle:
@@ -289,6 +296,16 @@ class ModelLifecycle:
     def pinned(self, name: str) -> str | None:
         """The version a ReloadModel pinned `name` to; None: the watcher follows the newest."""
         return self._pinned.get(name)
+
+    def refusals(self, name: str) -> list[tuple[str, RefusedVersion]]:
+        """The numbered versions of `name` in the model root whose load was refused and
+        not since loaded, newest first: those the watcher holds back until their files
+        change. A folder removed since leaves the list."""
+        return [
+            (version, self._refused[(name, version)])
+            for version in reversed(self.root.versions(name))
+            if (name, version) in self._refused
+        ]
 
     def loading(self, name: str) -> bool:
         """Whether `name` is a model the start is loading and that serves no version yet."""
@@ -336,7 +353,7 @@ class ModelLifecycle:
             try:
                 await self._load(name, version)
             except (ModelLoadError, OSError) as exc:
-                self._refused[(name, version)] = RefusedVersion(files, files)
+                self._refused[(name, version)] = RefusedVersion.now(files, str(exc))
                 self._metrics.reloads.labels(name, "refused").inc()
                 log.error(
                     "version refused at start; trying the version before it",
@@ -412,7 +429,7 @@ class ModelLifecycle:
         try:
             bundle = await self._load(name, target)
         except (ModelLoadError, OSError) as exc:
-            self._refused[(name, target)] = RefusedVersion(files, files)
+            self._refused[(name, target)] = RefusedVersion.now(files, str(exc))
             self._metrics.reloads.labels(name, "refused").inc()
             log.warning(
                 "reload refused",
@@ -429,7 +446,9 @@ class ModelLifecycle:
             # Not a refusal but a bug, raised as it is (INTERNAL to a ReloadModel caller;
             # logged and counted by the watcher). Remembered like a refusal all the same,
             # so that the watcher does not try the version again every poll.
-            self._refused[(name, target)] = RefusedVersion(files, files)
+            self._refused[(name, target)] = RefusedVersion.now(
+                files, "internal error while loading (logged with its traceback)"
+            )
             raise
         self._refused.pop((name, target), None)
         self._metrics.reloads.labels(name, "ok").inc()

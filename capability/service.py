@@ -27,7 +27,7 @@ from capability.item_trace import (
     end_item_trace,
     start_item_trace,
 )
-from capability.lifecycle import ModelLifecycle
+from capability.lifecycle import ModelLifecycle, RefusedVersion
 from capability.memory import MemoryLedger, MemoryReading
 from capability.workers import TextRequest, WorkerPool
 from capability.workers.admission import CACHE_BYPASS, CACHE_USE
@@ -332,7 +332,9 @@ def _fill_batch_result(
     )
 
 
-def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
+def describe(
+    bundle: LoadedBundle, pool: WorkerPool, lifecycle: ModelLifecycle
+) -> model_pb.ModelInfo:
     loaded_at = timestamp_pb2.Timestamp()
     loaded_at.FromDatetime(pool.live_since(bundle.name))
     load_duration = duration_pb2.Duration()
@@ -360,7 +362,18 @@ def describe(bundle: LoadedBundle, pool: WorkerPool) -> model_pb.ModelInfo:
             for worker, ledger, budget, resident in pool.ledgers(bundle.name)
         ],
         residency=pool.residency(bundle.name),
+        pinned_version=lifecycle.pinned(bundle.name) or "",
+        refused_versions=[
+            _refused_version(version, refused)
+            for version, refused in lifecycle.refusals(bundle.name)
+        ],
     )
+
+
+def _refused_version(version: str, refused: RefusedVersion) -> model_pb.RefusedVersion:
+    refused_at = timestamp_pb2.Timestamp()
+    refused_at.FromDatetime(refused.refused_at)
+    return model_pb.RefusedVersion(version=version, reason=refused.reason, refused_at=refused_at)
 
 
 def _reading(reading: MemoryReading) -> model_pb.MemoryReading:
@@ -403,7 +416,10 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
         self, request: model_pb.ListModelsRequest, context: Context
     ) -> model_pb.ListModelsResponse:
         return model_pb.ListModelsResponse(
-            models=[describe(bundle, self._pool) for bundle in self._pool.models().values()]
+            models=[
+                describe(bundle, self._pool, self._lifecycle)
+                for bundle in self._pool.models().values()
+            ]
         )
 
     async def GetModel(
@@ -415,7 +431,7 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
                 model=model_pb.ModelInfo(name=request.name, state=model_pb.MODEL_STATE_LOADING)
             )
         return model_pb.GetModelResponse(
-            model=describe(self._pool.serving(request.name), self._pool)
+            model=describe(self._pool.serving(request.name), self._pool, self._lifecycle)
         )
 
     async def ReloadModel(
@@ -423,5 +439,5 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
     ) -> model_pb.ReloadModelResponse:
         bundle, previous = await self._lifecycle.reload(request.name, request.version or None)
         return model_pb.ReloadModelResponse(
-            model=describe(bundle, self._pool), previous_version=previous
+            model=describe(bundle, self._pool, self._lifecycle), previous_version=previous
         )

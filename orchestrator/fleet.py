@@ -258,10 +258,11 @@ def _call_metadata(credentials: Sequence[tuple[str, str]]) -> tuple[tuple[str, s
 
 
 def _for_caller(info: model_pb.ModelInfo) -> None:
-    """What a caller who is not an admin is told of a model: no server path (`source`)
-    and no device memory readings; the rest (name, version, labels, digest) is the
-    contract a client needs."""
+    """What a caller who is not an admin is told of a model: no server path (`source`),
+    no device memory readings, and no refused versions (their reasons name server
+    paths); the rest (name, version, labels, digest) is the contract a client needs."""
     if current_caller().role == ADMIN_ROLE:
         return
     info.ClearField("source")
     info.ClearField("memory")
+    info.ClearField("refused_versions")

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -324,3 +325,47 @@ async def test_batches_after_a_reload_are_not_part_of_the_reload_calls_trace(
         assert batch.context.trace_id != reload_span.context.trace_id
         assert batch.parent is None
     assert answer.trace_id != format(reload_span.context.trace_id, "032x")
+
+
+async def described(server: CapabilityServer) -> model_pb.ModelInfo:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        answer = await models.GetModel(model_pb.GetModelRequest(name=MODEL))
+    return answer.model
+
+
+async def test_get_model_names_the_refused_versions_and_the_pinned_one(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """An operator asks why the newest version is not serving: GetModel says which
+    versions were refused, why and when, and which version a ReloadModel pinned."""
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    truncate_weights(deploy(model_root, root, "2"))
+    before = datetime.now(UTC)
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=0.1)
+    after = datetime.now(UTC)
+
+    info = await described(server)
+    assert (info.version, info.pinned_version) == ("1", "")
+    [refused] = info.refused_versions
+    assert refused.version == "2"
+    assert "embeddings.safetensors" in refused.reason
+    assert before <= refused.refused_at.ToDatetime(UTC) <= after
+
+    # A third version damaged the same way joins the list, newest first; a rollback by
+    # ReloadModel pins the model.
+    truncate_weights(deploy(model_root, root, "3", staged_as=".3.partial"))
+    await wait_until(lambda: reloads(server, "refused") == 2, "version 3 refused")
+    await reload_model(server, "1")
+    info = await described(server)
+    assert [r.version for r in info.refused_versions] == ["3", "2"]
+    assert info.pinned_version == "1"
+
+    # A refused folder removed leaves the list; one that loads leaves it too.
+    shutil.rmtree(root / MODEL / "3")
+    shutil.rmtree(root / MODEL / "2")
+    deploy(model_root, root, "2", staged_as=".2.partial")
+    await reload_model(server)  # the newest, unpinned
+    info = await described(server)
+    assert (info.version, info.pinned_version, list(info.refused_versions)) == ("2", "", [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -65,15 +66,19 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
         acme_tenant: str = "acme",
         dead_replica: bool = False,
         orchestrator_token: str = TOKEN,
+        model_root: Path | None = None,
     ) -> tuple[OrchestratorServer, CapabilityServer]:
         """`dead_replica`: the backend lists, first, an address nothing listens on.
-        `orchestrator_token`: the internal token the orchestrator sends."""
+        `orchestrator_token`: the internal token the orchestrator sends. `model_root`:
+        the capability's, instead of the session's."""
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         sent_token_file = tmp_path / "sent-token"
         sent_token_file.write_text(orchestrator_token + "\n")
         capability = await start_capability(
-            models=("topic-static",), internal_token_file=token_file
+            models=("topic-static",),
+            internal_token_file=token_file,
+            **({"model_root": model_root} if model_root else {}),
         )
         keys = tmp_path / "keys.yaml"
         keys.write_text(
@@ -464,6 +469,28 @@ async def test_only_an_admin_is_told_where_a_model_was_loaded_from(secured: Star
     assert (listed.source, list(listed.memory)) == ("", [])
     assert user.model.digest == admin.model.digest
     assert user.model.version == admin.model.version == "1"
+
+
+async def test_only_an_admin_is_told_of_refused_versions(
+    secured: Start, model_root: Path, tmp_path: Path
+) -> None:
+    """A refused version's reason can name server paths (a folder linked from outside
+    the root): an admin's GetModel carries it, a user's leaves the list out."""
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "2")
+    (root / "topic-static" / "2" / "head.safetensors").write_bytes(b"not the weights")
+    orchestrator, _ = await secured(model_root=root)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        request = model_pb.GetModelRequest(name="topic-static")
+        user = await models.GetModel(request, metadata=bearer(ACME_KEY))
+        admin = await models.GetModel(request, metadata=bearer(ADMIN_KEY))
+    assert admin.model.version == user.model.version == "1"
+    [refused] = admin.model.refused_versions
+    assert refused.version == "2"
+    assert refused.reason.startswith("head.safetensors: 15 bytes, but manifest.json records")
+    assert list(user.model.refused_versions) == []
 
 
 async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_processes(
