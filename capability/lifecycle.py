@@ -323,10 +323,9 @@ class ModelLifecycle:
             raise ModelNotFound(f"no model bundles under {self.root.root}; run `make bundles`")
         return wanted
 
-    async def load_initial(self, names: tuple[str, ...]) -> None:
-        """Load each model's highest numbered version that loads (every model under the
-        root when `names` is empty); refused when a model has none that does."""
-        wanted = self.models_to_serve(names)
+    async def load_initial(self, wanted: tuple[str, ...]) -> None:
+        """Load each model of `wanted` (as models_to_serve resolved --models) at its
+        highest numbered version that loads; refused when a model has none that does."""
         self._starting = frozenset(wanted)
         for name in wanted:
             # Exported at 0 before any load: a counter first scraped at 1 shows no

@@ -141,7 +141,8 @@ async def serve(settings: CapabilitySettings) -> None:
         await server.warm_up()
         return {
             "port": server.port,
-            "metrics_port": server.serving.metrics_port,
+            # null with --metrics-port -1: 0 would read as "any free port".
+            "metrics_port": server.serving.metrics_port or None,
             "models": {name: b.version for name, b in server.pool.models().items()},
             "workers": [worker.name for worker in server.pool.workers],
             "cpu_threads_per_worker": server.pool.cpu_threads,

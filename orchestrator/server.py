@@ -194,7 +194,8 @@ async def serve(settings: OrchestratorSettings) -> None:
         await server.start()
         return {
             "port": server.port,
-            "metrics_port": server.serving.metrics_port,
+            # null with --metrics-port -1: 0 would read as "any free port".
+            "metrics_port": server.serving.metrics_port or None,
             "routes_file": str(settings.routes_file),
             "routes": [route.name for route in server.routes.routes],
         }

@@ -6,7 +6,7 @@ drains its in-flight calls, and this script waits for them to exit.
 Ports and paths come from the same environment variables the servers read
 (CAPABILITY_PORT, ORCHESTRATOR_PORT, ORCHESTRATOR_ROUTES_FILE, ...). With
 CAPABILITY_PORT set and no routes file named, the orchestrator reads a copy of
-routes.yaml whose targets name that port (.run/routes.yaml); the commands
+routes.yaml whose targets name that port (.run/routes-PORT.yaml); the commands
 printed once ready name ORCHESTRATOR_PORT.
 """
 
@@ -121,11 +121,13 @@ def interrupt_once(signum: int, frame: object) -> None:
 def routes_for(capability_port: str) -> dict[str, str]:
     """The routes file setting for a capability on `capability_port`: none (routes.yaml,
     whose targets name the default port) unless that port is another and no routes
-    file is named, and then a copy of routes.yaml with the port replaced."""
+    file is named, and then a copy of routes.yaml with the port replaced, one per port:
+    a running orchestrator follows its routes file, and a second stack started on other
+    ports would otherwise point the first one's routes at its own capability."""
     if capability_port == DEFAULT_CAPABILITY_PORT or "ORCHESTRATOR_ROUTES_FILE" in os.environ:
         return {}
     text = Path("routes.yaml").read_text(encoding="utf-8")
-    copy = RUN_DIR / "routes.yaml"
+    copy = RUN_DIR / f"routes-{capability_port}.yaml"
     RUN_DIR.mkdir(exist_ok=True)
     copy.write_text(
         text.replace(f"127.0.0.1:{DEFAULT_CAPABILITY_PORT}", f"127.0.0.1:{capability_port}"),

@@ -66,6 +66,10 @@ def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: P
         printed_call = [*readme_call[:3], "--target", f"127.0.0.1:{orchestrator_port}"]
         printed_call += readme_call[3:]
         assert " ".join(printed_call) in stack_log.read_text().replace('"', "")
+        # One copy per capability port: a second stack on other ports keeps to its own.
+        assert sorted(path.name for path in (tmp_path / ".run").glob("routes*.yaml")) == [
+            f"routes-{capability_port}.yaml"
+        ]
 
         result = subprocess.run(
             [sys.executable, *printed_call[1:]],

@@ -112,6 +112,8 @@ async def test_a_server_started_on_asyncios_loop_serves_and_says_so(
         *("--metrics-port", "-1", "--routes-file", str(routes)),
     )
     assert server.ready["event_loop"] == ASYNCIO
+    # Metrics off: null, not 0, which reads as "any free port".
+    assert server.ready["metrics_port"] is None
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ready['port']}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as failure:

@@ -168,6 +168,28 @@ def format_error(error: ClassifyError) -> str:
     return "\n".join(lines)
 
 
+def never_reached_a_server(error: ClassifyError) -> bool:
+    """Whether no attempt of the call reached a server: every one failed to connect
+    (UNAVAILABLE from gRPC itself, no trace ID), the last perhaps still waiting for the
+    server when the deadline passed. Every answer of this service carries a trace ID."""
+    attempts = (*error.attempt_errors, error)
+    return (
+        not any(attempt.trace_id for attempt in attempts)
+        and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        and any(attempt.code == grpc.StatusCode.UNAVAILABLE for attempt in attempts)
+        and all(attempt.code == grpc.StatusCode.UNAVAILABLE for attempt in error.attempt_errors)
+    )
+
+
+def unreachable_hint(target: str) -> str:
+    """After a call that never reached a server."""
+    return (
+        f"hint: no server answered at {target}: nothing listens there, or it cannot be "
+        "reached (DNS, firewall, load balancer, TLS); the client waited for it to come up "
+        "until the deadline"
+    )
+
+
 def deadline_hint(what_failed: str, timeout: float) -> str:
     """After `--file` texts failed because the deadline passed."""
     return (
@@ -488,6 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_error(error), file=sys.stderr)
         if isinstance(error, Unauthenticated) and api_key(args.api_key, args.target) is None:
             print(NO_KEY_HINT, file=sys.stderr)
+        if never_reached_a_server(error):
+            print(unreachable_hint(args.target), file=sys.stderr)
         if args.file is not None and failed_past_the_deadline(error):
             print(deadline_hint("the first call", args.timeout), file=sys.stderr)
         return EXIT_FAILED
