@@ -26,7 +26,8 @@ and those that do not (a backend's adaptive concurrency limit reads as the sum
 of the workers' limits: about the flags' value while none is engaged). Only the
 few samples whose sum means nothing are merged otherwise: each `*_created` and
 `process_start_time_seconds` is the earliest worker's, `process_max_fds` and
-`classify_late_arrival_share` (a share of calls, 0 to 1) the largest worker's.
+`classify_late_arrival_share` (a share of calls, 0 to 1) the largest worker's,
+`classify_state_up` (1 or 0) the lowest: 0 when any worker cannot reach Redis.
 Health is per worker: a probe lands on one of them.
 
 Workers share results and rate limits only through Redis (orchestrator.state),
@@ -59,6 +60,7 @@ from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_signal
 from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
+from orchestrator.state.connection import STATE_UP
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 WORKERS = "classify_workers"
@@ -327,15 +329,18 @@ def _scrape(port: int) -> str | None:
     return text
 
 
-# Samples whose sum means nothing: a start time, a per-process limit, a share (0-1).
+# Samples whose sum means nothing: a start time, a per-process limit, a share (0-1),
+# a yes or no (summed, classify_state_up read 2 with two workers, and the alert's
+# `== 0` fired only once every worker had lost Redis).
 _EARLIEST = {"process_start_time_seconds"}
 _LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE}
+_LOWEST = {STATE_UP}
 
 
 def merge_rule(family: Metric) -> Callable[[float, float], float]:
     """How one sample of `family` from two workers becomes the set's: added up,
     except for the few whose sum means nothing (see the module docstring)."""
-    if family.name in _EARLIEST:
+    if family.name in _EARLIEST or family.name in _LOWEST:
         return min
     if family.name in _LARGEST:
         return max

@@ -96,8 +96,8 @@ def test_make_lint_deploy_fails_on_an_unpinned_base_image(deploy_copy: Path) -> 
         pytest.param(
             "compose",
             "compose.yaml",
-            "stop_grace_period: 20s\n    restart: unless-stopped",
-            "stop_grace_perod: 20s\n    restart: unless-stopped",
+            "stop_grace_period: 25s\n    restart: unless-stopped",
+            "stop_grace_perod: 25s\n    restart: unless-stopped",
             "stop_grace_perod",
             id="compose-unknown-key",
         ),

@@ -75,12 +75,22 @@ class RecordingEnviron(dict[str, str]):
 
 
 def capability_settings(environ: Mapping[str, str]) -> CapabilitySettings:
-    """Parse a deployment's environment as the server does; every variable must be known."""
+    """Parse a deployment's environment as the server does; every variable must be known.
+
+    A CUDA device is checked against this machine's devices, and this machine has
+    none: it is parsed as `cpu`, and the tests of GPU deployments read the raw value
+    (capability_device)."""
+    if capability_device(environ).startswith("cuda"):
+        environ = {**environ, "CAPABILITY_DEVICE": "cpu"}
     recorded = RecordingEnviron(environ)
     settings = CapabilitySettings.from_args([], environ=recorded)
     unknown = {name for name in environ if name.startswith("CAPABILITY_")} - recorded.asked
     assert not unknown, f"the capability server reads no {sorted(unknown)}"
     return settings
+
+
+def capability_device(environ: Mapping[str, str]) -> str:
+    return environ.get("CAPABILITY_DEVICE", capability_config.CapabilitySettings().device)
 
 
 def orchestrator_settings(environ: Mapping[str, str]) -> OrchestratorSettings:
@@ -191,6 +201,8 @@ def test_compose_gpu_replicas_each_reserve_their_own_gpu() -> None:
         assert "count" not in device  # count: 1 would put both on the first GPU
         device_ids += [interpolate(d) for d in device["device_ids"]]
         assert spec["profiles"] == ["gpu"]
+        # Named, not `auto`, which serves on the CPU when the GPU is not visible.
+        assert capability_device(compose_environment(service)) == "cuda:0"
     assert device_ids == ["0", "1"]
 
 
@@ -224,7 +236,15 @@ def test_compose_stop_grace_outlasts_the_servers_drain(service: str) -> None:
     )
     stop_grace = parse_duration_seconds(compose_services()[service]["stop_grace_period"])
 
-    assert stop_grace > settings.grace_seconds
+    assert stop_grace > worst_stop_seconds(settings)
+
+
+def worst_stop_seconds(settings: CapabilitySettings | OrchestratorSettings) -> float:
+    """The longest a server takes to stop after SIGTERM: its drain, and for an
+    orchestrator of several processes the supervisor's slack before it kills them."""
+    if isinstance(settings, OrchestratorSettings) and settings.processes > 1:
+        return settings.grace_seconds + worker_metrics.STOP_SLACK_SECONDS
+    return settings.grace_seconds
 
 
 def test_compose_credentials_are_the_files_the_servers_read_and_no_more(
@@ -356,7 +376,11 @@ def test_k8s_redis_password_is_read_from_a_file_not_the_environment_or_arguments
     assert "env" not in redis
     assert "--requirepass" not in script
     assert "$(cat /var/run/secrets/classify/redis/password)" in script
-    assert "| exec redis-server -" in script
+    # Exec'd with a here-document: through a pipe, the shell stayed PID 1 and ignored
+    # SIGTERM, so every stop ended in SIGKILL at the grace period.
+    assert script.startswith("exec redis-server - ")
+    assert "<<EOF\n" in script
+    assert "|" not in script
     (mount,) = [m for m in redis["volumeMounts"] if m["name"] == "redis-password"]
     assert mount["readOnly"] is True
     assert f"$(cat {mount['mountPath']}/password)" in script
@@ -389,15 +413,15 @@ def test_k8s_probes_are_grpc_health_on_the_default_grpc_port(pod: Any) -> None:
 def test_k8s_termination_grace_outlasts_prestop_and_drain(pod: Any) -> None:
     deployment, spec = pod()
     environment = resolve_env(env_values(spec))
-    grace = (
+    settings = (
         capability_settings(environment)
         if spec["name"] == "capability"
         else orchestrator_settings(environment)
-    ).grace_seconds
+    )
     pre_stop = spec["lifecycle"]["preStop"]["sleep"]["seconds"]
 
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
-        pre_stop + grace
+        pre_stop + worst_stop_seconds(settings)
     )
 
 
@@ -507,6 +531,8 @@ def test_k8s_capability_pod_takes_one_gpu_of_a_selected_model() -> None:
 
     assert spec["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Its one GPU, named: `auto` would turn ready on the CPU when the GPU is not visible.
+    assert capability_device(resolve_env(env_values(spec))) == "cuda:0"
     (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
     assert expression["key"] == "nvidia.com/gpu.product"
     assert expression["values"]

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from classify_common.serving import METRICS_DISABLED
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
+from orchestrator.state.connection import STATE_UP
 from orchestrator.workers import WorkerMetrics, one_worker_of
 from tests.conftest import orchestrator_settings
 
@@ -52,11 +53,12 @@ class _Workers:
 
 def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
     """Two workers' /metrics, each served over HTTP as a worker serves its own: a share
-    of calls (0 to 1) summed read as 1.2; counts still add up."""
+    of calls (0 to 1) summed read as 1.2, and a yes-or-no as 2; counts still add up."""
     registries, servers, ports = [], [], []
-    for share, calls in ((0.6, 3), (0.4, 4)):
+    for share, calls, state_up in ((0.6, 3, 1), (0.4, 4, 0)):
         registry = CollectorRegistry()
         Gauge(LATE_ARRIVAL_SHARE, "share", registry=registry).set(share)
+        Gauge(STATE_UP, "up", registry=registry).set(state_up)
         Counter("classify_things", "count", registry=registry).inc(calls)
         server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
         registries.append(registry)
@@ -66,6 +68,8 @@ def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
         merged = CollectorRegistry()
         merged.register(WorkerMetrics(_Workers([(0, 100, ports[0]), (1, 101, ports[1])])))  # type: ignore[arg-type]
         assert merged.get_sample_value(LATE_ARRIVAL_SHARE) == 0.6
+        # One worker without Redis: the set's state is down (summed, it read 1: up).
+        assert merged.get_sample_value(STATE_UP) == 0
         assert merged.get_sample_value("classify_things_total") == 7
     finally:
         for server in servers:
