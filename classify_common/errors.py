@@ -24,7 +24,8 @@
     │   └── DeviceMemoryPressure  device memory use is past its threshold
     ├── DeadlineExpired           DEADLINE_EXCEEDED
     │   ├── DeadlineUnreachable   refused at admission: predicted service > time left
-    │   └── ExpiredInQueue        evicted unseen by the model when its deadline passed
+    │   ├── ExpiredInQueue        evicted unseen by the model when its deadline passed
+    │   └── BackendTimedOut       a backend's own timeout ran out, the caller's has not
     ├── ReloadRefused             FAILED_PRECONDITION: the old model keeps serving
     ├── UnscorableText            INTERNAL: the model scores others, not this text
     └── InternalError             INTERNAL: a bug
@@ -292,6 +293,13 @@ class ExpiredInQueue(DeadlineExpired):
     reason = "EXPIRED_IN_QUEUE"
 
 
+class BackendTimedOut(DeadlineExpired):
+    """A backend did not answer within its own timeout (routes.yaml), which ran out
+    before the caller's deadline: a replica hung or too slow, while a fallback may
+    still answer in the time left. Its reason is DeadlineExpired's: to a caller who
+    gets it, the call ran out of time."""
+
+
 class ReloadRefused(ServiceError):
     """A model reload failed its checks; the previous version keeps serving."""
 
@@ -369,9 +377,10 @@ def is_fallback_eligible(error: ServiceError) -> bool:
     """Whether a route may try its next backend after `error`: the model could not
     answer (UNAVAILABLE, RESOURCE_EXHAUSTED) or could not score this text
     (UnscorableText), or this backend could not answer in the time left
-    (DeadlineUnreachable, refused before any work), where another model still may."""
+    (DeadlineUnreachable, refused before any work) or within its own timeout
+    (BackendTimedOut), where another model still may."""
     return (
-        isinstance(error, (DeadlineUnreachable, UnscorableText))
+        isinstance(error, (DeadlineUnreachable, UnscorableText, BackendTimedOut))
         or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES
     )
 

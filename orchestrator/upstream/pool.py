@@ -20,6 +20,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import model_service_pb2_grpc as model_pb_grpc
 from classify_common.context import INTERNAL_TOKEN_HEADER, cache_scope_of
 from classify_common.errors import (
+    BackendTimedOut,
     ConcurrencyLimited,
     DeadlineExpired,
     DeadlineUnreachable,
@@ -60,6 +61,8 @@ DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
 # (the time left is read just before the call starts; the cancel arrives at or after it).
 DEADLINE_CANCEL_MARGIN_SECONDS = 0.01
 
+# (first, longest) wait before dialling a replica that could not be reached again.
+RECONNECT_BACKOFF_MS = (500, 2_000)
 CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -70,6 +73,12 @@ CHANNEL_OPTIONS: Sequence[tuple[str, int]] = (
     # limit is 8 KiB, past which it fails calls at random.
     ("grpc.max_metadata_size", 64 * 1024),
     ("grpc.absolute_max_metadata_size", 96 * 1024),
+    # gRPC's reconnect backoff grows 1.6x a try up to 120 s: a replica back after a
+    # 150 s outage got its first call 40 s later (8 s after one of 60 s), its route's
+    # fallback answering all the while. Capped, a replica back in the same place (a
+    # container restarted in its pod) is used again within about this long.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
 )
 
 
@@ -312,6 +321,13 @@ class BackendPool:
         load = self.loads.get(target)
         return 0 if load is None else load.max_batch_size
 
+    def _timed_out_first(self, timeout: float, client_remaining: float | None) -> bool:
+        """Whether a call given `timeout` (call_timeout's) ran out on the backend's own
+        timeout with time still left on the caller's deadline, rather than on it."""
+        return timeout == self.backend.timeout_seconds and (
+            client_remaining is None or client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS > timeout
+        )
+
     def _refuse_unreachable(self, target: str, timeout: float) -> None:
         """DeadlineUnreachable when the replica's reported wait is longer than the time
         the call may take: sending it would only queue it to miss its deadline."""
@@ -405,8 +421,18 @@ class BackendPool:
             )
             latency = time.perf_counter() - started
             return response
-        except (DeadlineExpired, Overloaded):
-            # Out of time here, or refused by the backend for load.
+        except DeadlineExpired as expired:
+            # Out of time here.
+            overloaded = True
+            if self._timed_out_first(timeout, client_remaining):
+                raise BackendTimedOut(
+                    f"backend {self.backend.name} did not answer within its "
+                    f"{timeout * 1000:.0f} ms timeout",
+                    backend=self.backend.name,
+                ) from expired
+            raise
+        except Overloaded:
+            # Refused by the backend for load.
             overloaded = True
             raise
         except asyncio.CancelledError:

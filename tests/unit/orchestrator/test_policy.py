@@ -286,3 +286,59 @@ routes:
     # Not retried on the full backend first (a second of backoff a retry, here): the
     # fallback took it at once.
     assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+
+
+async def test_a_hung_primary_falls_back_when_its_own_timeout_runs_out(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """A replica that takes calls and never answers (a stopped process, a wedged
+    device): the backend's 300 ms timeout runs out with seconds left on the caller's
+    deadline, and the fallback answers in them. Without a fallback, the caller is told
+    how long the backend had."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.answering.clear()
+    await pod.start()
+    try:
+        server = await orchestrator_with(
+            f"""version: 1
+backends:
+  hung: {{model: topic-minilm, targets: ["{pod.address}"], timeout: 300ms}}
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+routes:
+  - name: alone
+    match: {{model: [topic-minilm]}}
+    backend: hung
+  - name: default
+    backend: hung
+    fallback: [static]
+"""
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            started = asyncio.get_running_loop().time()
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+            took = asyncio.get_running_loop().time() - started
+            alone = await refusal(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-minilm"), timeout=10)
+            )
+        assert (answer.fallback, answer.model.name, answer.labels[0].name) == (
+            True,
+            "topic-static",
+            "sports",
+        )
+        assert took < 5  # the backend's timeout, not the caller's 10 s deadline
+        assert (
+            metric_sum(
+                server.registry,
+                MODEL_FALLBACK_TOTAL,
+                route="default",
+                reason="DEADLINE_EXPIRED",
+                **{"from": "hung", "to": "static"},
+            )
+            == 1
+        )
+        assert alone.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert alone.details() == "backend hung did not answer within its 300 ms timeout"
+    finally:
+        pod.answering.set()
+        await pod.stop()
