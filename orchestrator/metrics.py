@@ -13,6 +13,7 @@ MODEL_FALLBACK_TOTAL = "model_fallback_total"
 RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
+ROUTES_FILE_REFUSED = "classify_routes_file_refused"
 PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 RATE_LIMITED_TOTAL = "classify_rate_limited_total"
@@ -197,6 +198,14 @@ class OrchestratorMetrics:
             registry=registry,
         )
         _export_at_zero(self.routes_reloads, ROUTES_RELOAD_OUTCOMES)
+        # A refused edit is counted once; the file stays refused until it changes, and
+        # a restart then fails on it. This says so for as long as it lasts.
+        self.routes_file_refused = Gauge(
+            ROUTES_FILE_REFUSED,
+            "1 while the routes file on disk is one the orchestrator refused (it serves "
+            "the routes before it, and a restart would fail on it); 0 once it applies.",
+            registry=registry,
+        )
 
     def _add_request_metrics(self, registry: CollectorRegistry) -> None:
         """What callers got: latency, PROCESSING, fallbacks, refusals at the door."""

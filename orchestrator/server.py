@@ -132,6 +132,7 @@ class OrchestratorServer:
         previous = self.dispatcher.state
         self.dispatcher.replace(self._routing_state(table, previous))
         self.metrics.routes_reloads.labels("ok").inc()
+        self.metrics.routes_file_refused.set(0)
         log.info(
             "routes reloaded",
             extra={
@@ -144,6 +145,7 @@ class OrchestratorServer:
     def _refuse_routes(self, error: Exception) -> None:
         # The watcher has logged it (a refusal with the file, line and path).
         self.metrics.routes_reloads.labels("failed").inc()
+        self.metrics.routes_file_refused.set(1)
 
     @property
     def _state_host(self) -> str:

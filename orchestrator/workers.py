@@ -26,7 +26,8 @@ and those that do not (a backend's adaptive concurrency limit reads as the sum
 of the workers' limits: about the flags' value while none is engaged). Only the
 few samples whose sum means nothing are merged otherwise: each `*_created` and
 `process_start_time_seconds` is the earliest worker's, `process_max_fds` and
-`classify_late_arrival_share` (a share of calls, 0 to 1) the largest worker's,
+`classify_late_arrival_share` (a share of calls, 0 to 1) and
+`classify_routes_file_refused` (1 or 0) the largest worker's,
 `classify_state_up` (1 or 0) the lowest: 0 when any worker cannot reach Redis.
 Health is per worker: a probe lands on one of them.
 
@@ -59,7 +60,7 @@ from prometheus_client.registry import Collector
 from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_signal
 from orchestrator.config import OrchestratorSettings
-from orchestrator.metrics import LATE_ARRIVAL_SHARE
+from orchestrator.metrics import LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED
 from orchestrator.state.connection import STATE_UP
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
@@ -333,7 +334,7 @@ def _scrape(port: int) -> str | None:
 # a yes or no (summed, classify_state_up read 2 with two workers, and the alert's
 # `== 0` fired only once every worker had lost Redis).
 _EARLIEST = {"process_start_time_seconds"}
-_LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE}
+_LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED}
 _LOWEST = {STATE_UP}
 
 

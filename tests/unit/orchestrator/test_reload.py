@@ -19,7 +19,11 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.serving import stop_watcher
-from orchestrator.metrics import ROUTES_RELOADS_TOTAL, UPSTREAM_RETRIES_TOTAL
+from orchestrator.metrics import (
+    ROUTES_FILE_REFUSED,
+    ROUTES_RELOADS_TOTAL,
+    UPSTREAM_RETRIES_TOTAL,
+)
 from orchestrator.routing import RouteTable
 from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.server import OrchestratorServer
@@ -126,11 +130,18 @@ async def test_edit_moving_the_default_route_applies_under_load_and_a_broken_edi
         await wait_until(lambda: loaded.models[-8:] == ["topic-static"] * 8)
         assert loaded.reloads("ok") == 1
 
+        assert metric_sum(loaded.server.registry, ROUTES_FILE_REFUSED) == 0
         replace_file(routes, routes_to("no-such-backend", capability.port))
         await wait_until(lambda: loaded.reloads("failed") == 1)
         served_before = len(loaded.models)
         await wait_until(lambda: len(loaded.models) >= served_before + 8)
         assert set(loaded.models[served_before:]) == {"topic-static"}
+        # Counted once, and said for as long as the refused file stays.
+        assert metric_sum(loaded.server.registry, ROUTES_FILE_REFUSED) == 1
+
+        replace_file(routes, routes_to("minilm", capability.port))
+        await wait_until(lambda: loaded.reloads("ok") == 2)
+        assert metric_sum(loaded.server.registry, ROUTES_FILE_REFUSED) == 0
     assert loaded.failures == []
 
 
