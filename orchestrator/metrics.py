@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -107,6 +108,8 @@ class UpstreamMetrics:
         self._in_flight = Gauge(
             BACKEND_IN_FLIGHT, "Calls in flight to the backend.", ["backend"], registry=registry
         )
+        # The pool each backend's series read (watch_concurrency).
+        self._watched: dict[str, BackendLoad] = {}
 
     def concurrency_limited(self, backend: str) -> dict[str, Counter]:
         """The backend's refusal counters by LIMIT_KINDS, each exported at 0 from now:
@@ -123,11 +126,22 @@ class UpstreamMetrics:
         """Read the backend's limit in force and calls in flight at each scrape (the pool
         of the routes in force: a reload points the series at its new pool, and takes
         the limit's series away when the new one has no limit)."""
+        self._watched[backend] = pool
         self._in_flight.labels(backend).set_function(lambda: pool.in_flight)
         if pool.concurrency_limit() is None:
             self._limit.remove(backend)
             return
         self._limit.labels(backend).set_function(lambda: pool.concurrency_limit() or 0.0)
+
+    def unwatch_concurrency(self, backend: str, pool: BackendLoad) -> None:
+        """Take the backend's series away when `pool`, the one they read, has closed: an
+        edit removed the backend (one that replaced its pool pointed them elsewhere)."""
+        if self._watched.get(backend) is not pool:
+            return
+        del self._watched[backend]
+        for gauge in (self._in_flight, self._limit):
+            with contextlib.suppress(KeyError):
+                gauge.remove(backend)
 
     def items_per_call(self, backend: str) -> Histogram:
         return self._items.labels(backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ _TARGET = re.compile(
 # and every dotted quad: checked for range, which the pattern above cannot say.
 _PORT = re.compile(r":(\d{1,5})(?:,|$)")
 _DOTTED_QUAD = re.compile(r"(?:^|[:/,])(\d{1,3}(?:\.\d{1,3}){3})(?=:)")
+# Every bracketed IPv6 address: checked as one, which the pattern above cannot do
+# (`[:::]` passed, and every call to it failed UNAVAILABLE).
+_BRACKETED = re.compile(r"\[([^\]]*)\]")
 MAX_CONCURRENCY_LIMIT = 100_000
 
 
@@ -308,6 +312,13 @@ def _backend(name: str, document: Any) -> Backend:
         for quad in _DOTTED_QUAD.findall(target):
             if any(int(octet) > 255 for octet in quad.split(".")):
                 raise RoutesFileError(where, f"{target!r}: {quad} is not an IPv4 address")
+        for address in _BRACKETED.findall(target):
+            try:
+                ipaddress.IPv6Address(address)
+            except ValueError:
+                raise RoutesFileError(
+                    where, f"{target!r}: [{address}] is not an IPv6 address"
+                ) from None
     return Backend(
         name=_name(name, spec.where),
         model=_model_name(model, spec.path("model")),

@@ -459,6 +459,8 @@ class BackendPool:
             await self.close()
 
     async def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.unwatch_concurrency(self.backend.name, self)
         await self._addresses.close()
         for coalescer in self.coalescers.values():
             await coalescer.close()

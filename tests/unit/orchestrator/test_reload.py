@@ -20,6 +20,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.serving import stop_watcher
 from orchestrator.metrics import (
+    BACKEND_IN_FLIGHT,
     ROUTES_FILE_REFUSED,
     ROUTES_RELOADS_TOTAL,
     UPSTREAM_RETRIES_TOTAL,
@@ -587,5 +588,29 @@ async def test_an_edit_keeps_the_retry_budget_spent_unless_it_changes_the_budget
             )
             await wait_until(lambda: applied_reloads(server) == 2, "the budget edit applied")
             assert await retries_of_one_call(stub) == 1
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+async def test_a_backend_an_edit_removes_leaves_no_series_behind(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Its in-flight gauge read the closed pool, at 0, for the rest of the process."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    server = await watching_orchestrator(routes)
+    try:
+
+        def in_flight(backend: str) -> float | None:
+            return server.registry.get_sample_value(BACKEND_IN_FLIGHT, {"backend": backend})
+
+        assert (in_flight("minilm"), in_flight("static")) == (0, 0)
+        only_static = routes_to("static", capability.port).replace(
+            f'  minilm: {{model: topic-minilm, targets: ["127.0.0.1:{capability.port}"]}}\n', ""
+        )
+        replace_file(routes, only_static)
+        await wait_until(lambda: in_flight("minilm") is None, "minilm's series gone")
+        # The backend the edit kept still reads its pool.
+        assert in_flight("static") == 0
     finally:
         await server.stop(grace_seconds=0)

@@ -53,6 +53,13 @@ def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> No
     assert backend.timeout_seconds == 0.25
 
 
+def test_ipv6_targets_in_either_form_are_taken(tmp_path: Path) -> None:
+    targets = '["[::1]:50052", "ipv6:[2001:db8::7]:50052,[fe80::1]:50053"]'
+    text = VALID.replace('["127.0.0.1:50052", "10.0.0.7:50052"]', targets)
+    backend = load_text(tmp_path, text).default_route.backend  # type: ignore[attr-defined]
+    assert backend.targets == ("[::1]:50052", "ipv6:[2001:db8::7]:50052,[fe80::1]:50053")
+
+
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
@@ -89,6 +96,17 @@ def test_valid_file_parses_targets_and_millisecond_timeout(tmp_path: Path) -> No
             '"10.0.0.7:50052"',
             '"999.0.0.7:50052"',
             "targets[1]: '999.0.0.7:50052': 999.0.0.7 is not an IPv4 address",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"[:::]:50052"',
+            "targets[1]: '[:::]:50052': [:::] is not an IPv6 address",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"ipv6:[::1]:50052,[fe80::1::2]:50052"',
+            "targets[1]: 'ipv6:[::1]:50052,[fe80::1::2]:50052': [fe80::1::2] is not an IPv6 "
+            "address",
         ),
         (
             "  - name: default\n",
