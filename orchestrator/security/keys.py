@@ -9,6 +9,8 @@ The keys file (YAML) holds only SHA-256 hashes of the keys, never the keys:
         role: user            # user or admin
     tenants:                  # optional rate limits, token bucket per tenant
       local: {rate_per_second: 50, burst: 100}   # a tenant some key names
+    default_tenant_limit: {rate_per_second: 20, burst: 40}   # optional: every other
+                              # tenant a key names, each with a bucket of its own
 
 Keys are long random tokens, so one unsalted SHA-256 is enough to keep a
 leaked file from revealing them. A presented key is looked up by its hash, in
@@ -36,6 +38,8 @@ from classify_common.fields import FieldRefused, Fields, read_yaml, type_name
 from orchestrator.security.limits import TokenBucketSettings
 
 ROLES = ("user", "admin")
+# The keys file's limit for each tenant that `tenants` does not list.
+DEFAULT_TENANT_LIMIT = "default_tenant_limit"
 KEY_PREFIX = "ck_"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -80,8 +84,15 @@ def load_api_keys(path: Path) -> ApiKeys:
 
 
 def _api_keys(document: Any) -> ApiKeys:
-    if not isinstance(document, dict) or set(document) - {"keys", "tenants"}:
-        raise FieldRefused("", "expected a mapping with `keys` and optional `tenants`")
+    if not isinstance(document, dict) or set(document) - {
+        "keys",
+        "tenants",
+        DEFAULT_TENANT_LIMIT,
+    }:
+        raise FieldRefused(
+            "",
+            f"expected a mapping with `keys` and optional `tenants` and `{DEFAULT_TENANT_LIMIT}`",
+        )
     top = Fields(document)
     callers: dict[str, Caller] = {}
     first_entry: dict[str, int] = {}
@@ -97,6 +108,12 @@ def _api_keys(document: Any) -> ApiKeys:
     tenants = top.mapping("tenants")
     limits = {tenant: _tenant_limit(tenants, tenant) for tenant in _tenant_names(tenants)}
     with_keys = {caller.tenant for caller in callers.values()}
+    if DEFAULT_TENANT_LIMIT in document:
+        # Every tenant is known here, by its keys: each unlisted one gets a bucket of
+        # its own of this size, not one bucket shared by all of them.
+        default = _tenant_limit(top, DEFAULT_TENANT_LIMIT)
+        for tenant in sorted(with_keys):
+            limits.setdefault(tenant, default)
     for tenant in limits:
         if tenant not in with_keys:
             # A misspelt name leaves the tenant it meant without its limit. Not refused:

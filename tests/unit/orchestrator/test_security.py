@@ -246,6 +246,27 @@ async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 1
 
 
+async def test_a_default_limit_gives_each_unlisted_tenant_a_bucket_of_its_own(
+    secured: Start,
+) -> None:
+    """Without it, a tenant the file does not list is not limited at all: one new
+    team's load test could take the whole service."""
+    orchestrator, _ = await secured(
+        "tenants:\n  acme: {rate_per_second: 0.01, burst: 4}\n"
+        "default_tenant_limit: {rate_per_second: 0.01, burst: 2}\n"
+    )
+    for _ in range(2):
+        await call(orchestrator, metadata=bearer(OTHER_KEY))
+        await call(orchestrator, metadata=bearer(ADMIN_KEY))
+    other = await refusal(call(orchestrator, metadata=bearer(OTHER_KEY)))
+    admin = await refusal(call(orchestrator, metadata=bearer(ADMIN_KEY)))
+    for _ in range(4):  # a listed tenant keeps its own limit
+        await call(orchestrator, metadata=bearer(ACME_KEY))
+    assert (error_reason(other), error_info(other).metadata["tenant"]) == ("RATE_LIMITED", "other")
+    assert (error_reason(admin), error_info(admin).metadata["tenant"]) == ("RATE_LIMITED", "ops")
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 2
+
+
 async def test_routes_see_the_authenticated_tenant_not_a_claimed_one(secured: Start) -> None:
     orchestrator, _ = await secured()
     spoofed = await call(orchestrator, metadata=(*bearer(OTHER_KEY), ("x-tenant", "acme")))
