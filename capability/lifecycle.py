@@ -297,13 +297,20 @@ class ModelLifecycle:
         """The version a ReloadModel pinned `name` to; None: the watcher follows the newest."""
         return self._pinned.get(name)
 
-    def refusals(self, name: str) -> list[tuple[str, RefusedVersion]]:
+    async def refusals(self, name: str) -> list[tuple[str, RefusedVersion]]:
         """The numbered versions of `name` in the model root whose load was refused and
-        not since loaded, newest first: those the watcher holds back until their files
-        change. A folder removed since leaves the list."""
+        not since loaded, newest first. A folder removed since leaves the list. The root
+        is listed off the event loop (a network volume can be slow); a root that cannot
+        be listed lists none."""
+        if not any(model == name for model, _ in self._refused):
+            return []
+        try:
+            present = await asyncio.to_thread(self.root.versions, name)
+        except OSError:
+            return []
         return [
             (version, self._refused[(name, version)])
-            for version in reversed(self.root.versions(name))
+            for version in reversed(present)
             if (name, version) in self._refused
         ]
 

@@ -332,7 +332,7 @@ def _fill_batch_result(
     )
 
 
-def describe(
+async def describe(
     bundle: LoadedBundle, pool: WorkerPool, lifecycle: ModelLifecycle
 ) -> model_pb.ModelInfo:
     loaded_at = timestamp_pb2.Timestamp()
@@ -365,7 +365,7 @@ def describe(
         pinned_version=lifecycle.pinned(bundle.name) or "",
         refused_versions=[
             _refused_version(version, refused)
-            for version, refused in lifecycle.refusals(bundle.name)
+            for version, refused in await lifecycle.refusals(bundle.name)
         ],
     )
 
@@ -417,7 +417,7 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
     ) -> model_pb.ListModelsResponse:
         return model_pb.ListModelsResponse(
             models=[
-                describe(bundle, self._pool, self._lifecycle)
+                await describe(bundle, self._pool, self._lifecycle)
                 for bundle in self._pool.models().values()
             ]
         )
@@ -431,7 +431,7 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
                 model=model_pb.ModelInfo(name=request.name, state=model_pb.MODEL_STATE_LOADING)
             )
         return model_pb.GetModelResponse(
-            model=describe(self._pool.serving(request.name), self._pool, self._lifecycle)
+            model=await describe(self._pool.serving(request.name), self._pool, self._lifecycle)
         )
 
     async def ReloadModel(
@@ -439,5 +439,5 @@ class ModelServicer(model_pb_grpc.ModelServiceServicer):
     ) -> model_pb.ReloadModelResponse:
         bundle, previous = await self._lifecycle.reload(request.name, request.version or None)
         return model_pb.ReloadModelResponse(
-            model=describe(bundle, self._pool, self._lifecycle), previous_version=previous
+            model=await describe(bundle, self._pool, self._lifecycle), previous_version=previous
         )

@@ -42,6 +42,9 @@ class FlakyPod(grpc.GenericRpcHandler):
         # When set, every ClassifyService call is refused INVALID_ARGUMENT with one field
         # violation on this field (a capability that finds the request itself wrong).
         self.refusing_field: str | None = None
+        # When set, every ClassifyService call is refused DEADLINE_UNREACHABLE before any
+        # work (a capability whose queue is too long for the call's time).
+        self.refusing_unreachable = False
         # Cleared: calls wait here (the pod stalls) until it is set.
         self.answering = asyncio.Event()
         self.answering.set()
@@ -93,6 +96,8 @@ class FlakyPod(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this pod is failing")
             if self.refusing_field is not None:
                 await context.abort_with_status(rpc_status.to_status(self._refusal()))
+            if self.refusing_unreachable:
+                await context.abort_with_status(rpc_status.to_status(_unreachable()))
             metadata = [
                 (key, value)
                 for key, value in context.invocation_metadata() or ()
@@ -122,3 +127,13 @@ class FlakyPod(grpc.GenericRpcHandler):
             message="planted refusal",
             details=[detail],
         )
+
+
+def _unreachable() -> status_pb2.Status:
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason="DEADLINE_UNREACHABLE", domain="classify"))
+    return status_pb2.Status(
+        code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+        message="planted: the queue is too long for the time left",
+        details=[info],
+    )

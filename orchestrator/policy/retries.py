@@ -9,8 +9,9 @@ waves. Only the listed status codes are retried, never a client error.
 backend: `RetryAfter(seconds)` or a `GiveUp` naming what stopped it, checked in
 this order — the attempts are spent or the status is not retryable; the backend
 refused at its concurrency limit (another replica of it cannot help, a fallback
-may); the replica does not serve the backend's model and every replica has been
-tried (asked again, it answers the same); the backoff would end past the
+may); the replica does not serve the backend's model, or did not answer within the
+backend's timeout, and every replica has been tried (asked again, it answers the
+same, or spends the fallback's time); the backoff would end past the
 caller's deadline; the retry budget has no token left (Linkerd/Envoy budgets:
 retries are a share of recent requests).
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from classify_common.errors import (
+    BackendTimedOut,
     ConcurrencyLimited,
     ModelNotServed,
     ServiceError,
@@ -107,6 +109,11 @@ class RetryPolicy:
             # The replica lacks the model: the same one answers the same every time,
             # so only another replica is worth a retry; without one, a fallback may.
             return GiveUp.NO_REPLICA_SERVES
+        if isinstance(failure, BackendTimedOut) and not untried_replica:
+            # Hung or slow past its timeout: asked again, the same replica would spend
+            # the time a fallback could answer in (and the last try, cut by the
+            # caller's deadline, would end in a failure no fallback may take).
+            return GiveUp.NO_REPLICA_ANSWERS
         wait = backoff_seconds(self, attempt, rng)
         if time_left is not None and wait >= time_left:
             return GiveUp.DEADLINE_TOO_NEAR
@@ -129,6 +136,7 @@ class GiveUp(enum.Enum):
     NOT_RETRYABLE = "not_retryable"
     BACKEND_AT_LIMIT = "backend_at_limit"
     NO_REPLICA_SERVES = "no_replica_serves"
+    NO_REPLICA_ANSWERS = "no_replica_answers"
     DEADLINE_TOO_NEAR = "deadline_too_near"
     BUDGET_EXHAUSTED = "budget_exhausted"
 

@@ -421,6 +421,11 @@ class BackendPool:
             )
             latency = time.perf_counter() - started
             return response
+        except DeadlineUnreachable:
+            # Refused before any work (by the coalescer's prediction, or the replica's):
+            # its reason and RetryInfo stand; it is no timeout of the backend's.
+            overloaded = True
+            raise
         except DeadlineExpired as expired:
             # Out of time here.
             overloaded = True
@@ -429,6 +434,7 @@ class BackendPool:
                     f"backend {self.backend.name} did not answer within its "
                     f"{timeout * 1000:.0f} ms timeout",
                     backend=self.backend.name,
+                    backend_timeout_ms=round(timeout * 1000),
                 ) from expired
             raise
         except Overloaded:

@@ -23,10 +23,13 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from capability.server import CapabilityServer
-from classify_client import pb
-from classify_client.cli import api_key, main
+from classify_client import ClassifyError, pb
+from classify_client.cli import api_key, failed_past_the_deadline, main
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
@@ -553,3 +556,61 @@ async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
         "hint: 1 text failed past the deadline: --timeout (0.5 s) is given to each "
         "ClassifyBatch call of up to 1,024 lines; raise it for a slow service\n"
     )
+
+
+class RefusingFrontDoor(pb_grpc.ClassifyServiceServicer):
+    """Answers every Classify UNAVAILABLE with an ErrorInfo reason and no trace ID, as a
+    server (or a proxy that speaks the service's errors) that was reached does."""
+
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason="MODEL_UNAVAILABLE", domain="test"))
+        status = status_pb2.Status(
+            code=grpc.StatusCode.UNAVAILABLE.value[0], message="no model", details=[info]
+        )
+        await context.abort_with_status(rpc_status.to_status(status))
+        raise AssertionError("abort_with_status returns only by raising")
+
+    async def GetResult(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GetResultRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+
+async def test_a_server_that_answered_gets_no_hint_that_none_did(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(RefusingFrontDoor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        status = await asyncio.to_thread(
+            main, ["--target", f"127.0.0.1:{port}", "--timeout", "1", STRIKER]
+        )
+    finally:
+        await server.stop(grace=0)
+    out, err = capsys.readouterr()
+    assert (status, out) == (1, "")
+    assert err.startswith("error: UNAVAILABLE: no model\n")
+    assert "hint:" not in err
+
+
+def test_a_backend_timeout_in_the_services_routes_gets_no_hint_to_raise_the_timeout() -> None:
+    """The service says so in the ErrorInfo (`backend_timeout_ms`): raising --timeout
+    would change nothing."""
+    own = ClassifyError("deadline", code=grpc.StatusCode.DEADLINE_EXCEEDED)
+    backends = ClassifyError(
+        "backend hung did not answer within its 300 ms timeout",
+        code=grpc.StatusCode.DEADLINE_EXCEEDED,
+        reason="DEADLINE_EXPIRED",
+        metadata={"backend": "hung", "backend_timeout_ms": "300"},
+    )
+    assert (failed_past_the_deadline(own), failed_past_the_deadline(backends)) == (True, False)

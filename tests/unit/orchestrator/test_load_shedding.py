@@ -182,6 +182,44 @@ async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failu
     assert fallbacks == 1  # the refused fallback is no fallback served
 
 
+async def test_a_fallback_refused_under_its_own_timeout_is_no_timeout_of_its_own(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The fallback's replica refuses the call DEADLINE_UNREACHABLE, before any work,
+    with seconds left on the caller's deadline and a backend timeout shorter than that:
+    a refusal, as above, not the fallback failing to answer within its timeout
+    (reported as DEADLINE_EXCEEDED, it replaced the primary's UNAVAILABLE)."""
+    down = FlakyPod(capability.port, failing=True)
+    refusing = FlakyPod(capability.port, failing=False)
+    refusing.refusing_unreachable = True
+    await down.start()
+    await refusing.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  down: {{model: topic-minilm, targets: ['{down.address}'], timeout: 600ms}}\n"
+        f"  full: {{model: topic-minilm, targets: ['{refusing.address}'], timeout: 600ms}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: down\n"
+        "    fallback: [full]\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            refused = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=5))
+    finally:
+        await server.stop(grace_seconds=0)
+        await down.stop()
+        await refusing.stop()
+    assert refusing.calls == 1
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused).reason == "MODEL_UNAVAILABLE"
+
+
 async def test_without_a_fallback_the_call_is_refused_at_once_with_a_retry_hint(
     capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
 ) -> None:

@@ -22,7 +22,7 @@ from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
 from tests.flaky_pod import FlakyPod
-from tests.status_details import refusal, violations_of
+from tests.status_details import error_info, refusal, violations_of
 from tests.unit.capability.test_serving import device_occupied
 
 
@@ -339,6 +339,41 @@ routes:
         )
         assert alone.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert alone.details() == "backend hung did not answer within its 300 ms timeout"
+        # What tells a client (the CLI's --timeout hint) it was no deadline of its own.
+        assert error_info(alone).metadata["backend_timeout_ms"] == "300"
+    finally:
+        pod.answering.set()
+        await pod.stop()
+
+
+async def test_a_hung_lone_replica_is_not_retried_into_the_fallbacks_time(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """DEADLINE_EXCEEDED retryable, three attempts, one replica: asked again, the hung
+    replica spent the caller's time, and the last attempt, cut by the caller's
+    deadline, ended in a failure no fallback may take (DEADLINE_EXCEEDED at 2.5 s)."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.answering.clear()
+    await pod.start()
+    try:
+        server = await orchestrator_with(
+            f"""version: 1
+backends:
+  hung: {{model: topic-minilm, targets: ["{pod.address}"], timeout: 500ms}}
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+routes:
+  - name: default
+    backend: hung
+    fallback: [static]
+    retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
+"""
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
+        assert (answer.fallback, answer.model.name) == (True, "topic-static")
+        assert pod.calls == 1
+        assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
     finally:
         pod.answering.set()
         await pod.stop()

@@ -57,7 +57,7 @@ from classify_client import (
     pb,
 )
 from classify_client._shared import STILL_PROCESSING, batch_chunks, checked_batch_request_id
-from classify_client.retry import MAX_TIMEOUT_SECONDS
+from classify_client.retry import MAX_TIMEOUT_SECONDS, is_connection_failure
 
 LOCAL_KEY_FILE = Path(".run/api-key")
 # After an UNAUTHENTICATED answer to a call that sent no key: run outside the checkout,
@@ -70,6 +70,8 @@ NO_KEY_HINT = (
 ADDRESS_SCHEMES = ("dns:", "ipv4:", "ipv6:")
 LOCAL_SCHEMES = ("unix:", "unix-abstract:")
 BAR_WIDTH = 30
+# ErrorInfo metadata of a call a backend did not answer within its routes.yaml timeout.
+BACKEND_TIMEOUT_METADATA = "backend_timeout_ms"
 PRIORITIES = ("batch", "interactive")
 # Characters of each text echoed on its `--file` output line.
 ECHO_CHARS = 60
@@ -170,23 +172,28 @@ def format_error(error: ClassifyError) -> str:
 
 def never_reached_a_server(error: ClassifyError) -> bool:
     """Whether no attempt of the call reached a server: every one failed to connect
-    (UNAVAILABLE from gRPC itself, no trace ID), the last perhaps still waiting for the
-    server when the deadline passed. Every answer of this service carries a trace ID."""
+    (gRPC's own UNAVAILABLE: no ErrorInfo, no trace ID), the last perhaps still waiting
+    for the server when the deadline passed. Every answer of this service carries a
+    trace ID and an ErrorInfo reason."""
     attempts = (*error.attempt_errors, error)
     return (
         not any(attempt.trace_id for attempt in attempts)
-        and error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        and any(attempt.code == grpc.StatusCode.UNAVAILABLE for attempt in attempts)
-        and all(attempt.code == grpc.StatusCode.UNAVAILABLE for attempt in error.attempt_errors)
+        and (is_connection_failure(error) or error.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+        and any(is_connection_failure(attempt) for attempt in attempts)
+        and all(is_connection_failure(attempt) for attempt in error.attempt_errors)
     )
 
 
-def unreachable_hint(target: str) -> str:
+def unreachable_hint(target: str, error: ClassifyError) -> str:
     """After a call that never reached a server."""
+    waited = (
+        "; the client waited for it to come up until the deadline"
+        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        else ""
+    )
     return (
         f"hint: no server answered at {target}: nothing listens there, or it cannot be "
-        "reached (DNS, firewall, load balancer, TLS); the client waited for it to come up "
-        "until the deadline"
+        f"reached (DNS, firewall, load balancer, TLS){waited}"
     )
 
 
@@ -201,11 +208,13 @@ def deadline_hint(what_failed: str, timeout: float) -> str:
 
 def failed_past_the_deadline(error: ClassifyError | None) -> bool:
     """A deadline that passed, not a result that is kept (StillProcessing says how to
-    fetch that)."""
+    fetch that), nor a backend's own timeout in the service's routes (ErrorInfo
+    `backend_timeout_ms`), which no --timeout raises."""
     return (
         error is not None
         and error.code == grpc.StatusCode.DEADLINE_EXCEEDED
         and not isinstance(error, StillProcessing)
+        and BACKEND_TIMEOUT_METADATA not in error.metadata
     )
 
 
@@ -511,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error, Unauthenticated) and api_key(args.api_key, args.target) is None:
             print(NO_KEY_HINT, file=sys.stderr)
         if never_reached_a_server(error):
-            print(unreachable_hint(args.target), file=sys.stderr)
+            print(unreachable_hint(args.target, error), file=sys.stderr)
         if args.file is not None and failed_past_the_deadline(error):
             print(deadline_hint("the first call", args.timeout), file=sys.stderr)
         return EXIT_FAILED
