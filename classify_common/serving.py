@@ -428,11 +428,11 @@ async def serve_until_signal(
     log: logging.Logger,
     *,
     event: str = "serving",
-    wait: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+    wait: Callable[[ShutdownSignal], Awaitable[None]] | None = None,
 ) -> None:
     """Run `start` (which starts `server` and returns the fields of its `event` log
-    line), serve until SIGINT or SIGTERM (or until `wait(signalled)` returns; it is
-    handed the event the signals set), and stop gracefully, even after a failed start.
+    line), serve until SIGINT, SIGTERM or SIGHUP (or until `wait(signalled)` returns; it
+    is handed the event the signals set), and stop gracefully, even after a failed start.
 
     The signals are caught from the first moment, so one that comes while `start`
     runs (loading and warming up models can take a minute on a GPU) cancels it and
@@ -456,7 +456,7 @@ async def serve_until_signal(
         if not starting.done():
             starting.cancel()
             await asyncio.wait({starting})
-            log.info("shutdown signal received while starting")
+            log.info("shutdown signal received while starting", extra={"signal": signalled.name})
             return
         fields = starting.result()
         log.info(event, extra={**fields, "event_loop": running_loop_kind()})
@@ -466,17 +466,37 @@ async def serve_until_signal(
         log.info("stopped")
 
 
-def shutdown_signals() -> asyncio.Event:
-    """An event that SIGINT or SIGTERM (Ctrl-C, `docker stop`, Kubernetes) sets, from
-    now on."""
-    signalled = asyncio.Event()
+class ShutdownSignal(asyncio.Event):
+    """Set by the first shutdown signal; `name` says which ("SIGTERM"), for the log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str | None = None
+
+    def received(self, sig: signal.Signals) -> None:
+        if self.name is None:
+            self.name = sig.name
+        self.set()
+
+
+# SIGHUP too: its default action kills the process on the spot. A terminal's hangup (an
+# ssh session that drops) then killed a server without a word and cut its calls in
+# flight; and it killed a --processes supervisor alone, leaving its workers serving the
+# port unsupervised. A hangup drains, as a stop does; nothing here reloads on it.
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def shutdown_signals() -> ShutdownSignal:
+    """An event that SIGINT, SIGTERM or SIGHUP (Ctrl-C, `docker stop`, Kubernetes, a
+    terminal's hangup) sets, from now on."""
+    signalled = ShutdownSignal()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, signalled.set)
+    for sig in SHUTDOWN_SIGNALS:
+        loop.add_signal_handler(sig, signalled.received, sig)
     return signalled
 
 
-async def wait_for_signal(signalled: asyncio.Event) -> None:
+async def wait_for_signal(signalled: ShutdownSignal) -> None:
     """Return once `signalled` (shutdown_signals) is set."""
     await signalled.wait()
-    log.info("shutdown signal received")
+    log.info("shutdown signal received", extra={"signal": signalled.name})

@@ -4,16 +4,25 @@
 
 One Python process is one event loop: about a core of serving. With
 `--processes N` this process becomes a supervisor that
-- reserves the port (when it is 0, picks one) and starts N worker processes,
-  each a whole orchestrator bound to that port with SO_REUSEPORT (gRPC sets it
-  on Linux), so the kernel spreads new connections over them;
-- restarts a worker that exits without being asked to, counted in
-  `classify_worker_restarts_total`, after a pause if it had just started;
-- passes SIGTERM (and SIGINT) on, so each worker drains as a lone server does,
-  and exits once they have, killing any still there after the grace period;
+- reserves the port (when it is 0, picks one; a fixed port something already
+  listens on is refused) and starts N worker processes, each a whole
+  orchestrator bound to that port with SO_REUSEPORT (gRPC sets it on Linux), so
+  the kernel spreads new connections over them;
+- restarts a worker that exits without being asked to, each slot on its own,
+  counted in `classify_worker_restarts_total`: at once after a worker that had
+  served a while, otherwise after a pause that doubles with each quick exit in a
+  row (a worker that cannot start does not spin); a replacement that does not
+  report ready in WORKER_START_SECONDS is killed and started again;
+- kills a worker whose /metrics stops answering (a stopped or frozen process),
+  which is then restarted;
+- passes SIGTERM (and SIGINT, SIGHUP) on, so each worker drains as a lone server
+  does, and exits once they have, killing any still there after the grace
+  period; a worker drains by itself when the supervisor dies (killed), so none
+  serves unsupervised;
 - serves one /metrics for the set: at each scrape it reads every worker's own
   /metrics (on a loopback port each reported at start) and adds the samples up;
-  a worker's counts stay in the set's after it exits (WorkerMetrics).
+  a worker's counts up to its last scrape stay in the set's after it exits
+  (WorkerMetrics); what it counted after that scrape is lost with it.
 
 Each worker gets its share (1/N, rounded up) of the per-backend adaptive
 concurrency limits and of the calls in flight per capability replica
@@ -39,15 +48,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import operator
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -58,24 +71,43 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from classify_common.metrics import MetricsEndpoint
-from classify_common.serving import METRICS_DISABLED, serve_until_signal, wait_for_signal
+from classify_common.serving import (
+    METRICS_DISABLED,
+    ShutdownSignal,
+    serve_until_signal,
+    wait_for_signal,
+)
 from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED
 from orchestrator.state.connection import STATE_UP
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
 WORKERS = "classify_workers"
-# How long a new worker may take to serve (imports, routes, keys) before start fails.
+# How long a new worker may take to serve (imports, routes, keys); one that takes longer
+# is killed (a failed start: the set does not start, or its slot is started again).
 WORKER_START_SECONDS = 120.0
-# A worker that exits sooner than this after starting is restarted after a pause,
-# so a worker that cannot start does not spin.
+# A worker that exits before it has served this long is restarted after a pause, so a
+# worker that cannot start (a refused routes file on disk) does not spin: the first
+# pause is RESTART_PAUSE_SECONDS, each next one in a row twice the last, up to
+# RESTART_PAUSE_MAX_SECONDS. One that served longer is restarted at once.
 QUICK_EXIT_SECONDS = 5.0
 RESTART_PAUSE_SECONDS = 1.0
+RESTART_PAUSE_MAX_SECONDS = 30.0
 # How often the supervisor looks for exited workers.
 WATCH_SECONDS = 0.1
+# How often the supervisor asks each serving worker's /metrics whether it still answers,
+# how long it waits, and after how many unanswered checks in a row it kills the worker
+# (a stopped or frozen process: it holds its connections, and the calls on them hang).
+LIVENESS_SECONDS = 5.0
+LIVENESS_TIMEOUT_SECONDS = 3.0
+LIVENESS_FAILURES = 3
+# How long an exited (or killed) worker may take to be reaped, for its exit status.
+REAP_SECONDS = 5.0
 # Beyond --grace-seconds, how long a worker has to exit after SIGTERM before it is killed.
 STOP_SLACK_SECONDS = 10.0
 SCRAPE_TIMEOUT_SECONDS = 5.0
+# prctl(2): the signal this process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +120,16 @@ class WorkerStartFailed(RuntimeError):
 class Worker:
     index: int
     process: BaseProcess
-    started: float
     metrics_port: int | None = None  # known once it reports ready
+    serving_since: float | None = None  # time.monotonic() when it reported ready
+    unanswered: int = 0  # liveness checks in a row its /metrics did not answer
+
+    def served_long(self) -> bool:
+        """Whether it served QUICK_EXIT_SECONDS or longer (so its exit was no quick one)."""
+        return (
+            self.serving_since is not None
+            and time.monotonic() - self.serving_since >= QUICK_EXIT_SECONDS
+        )
 
 
 class WorkerSupervisor:
@@ -112,6 +152,8 @@ class WorkerSupervisor:
         self._workers: list[Worker] = []
         # The receiving end of each worker's ready pipe, by worker index.
         self._pipes: dict[int, Connection] = {}
+        # Each slot's last pause before a restart (0: its last worker served long).
+        self._pauses: dict[int, float] = {}
         self._reserved: socket.socket | None = None
         self._metrics: MetricsEndpoint | None = None
         self._stopping = False
@@ -135,70 +177,201 @@ class WorkerSupervisor:
             self.metrics_port = self._metrics.port
 
     def _reserve_port(self) -> None:
-        """Port 0: pick a free port and hold it (bound, not listening, SO_REUSEPORT)
-        so the workers can all bind it and nothing else takes it meanwhile."""
+        """Hold the port (bound, not listening, SO_REUSEPORT) so that the workers can
+        all bind it and nothing else takes it meanwhile; port 0 picks a free one.
+
+        A fixed port something already listens on is refused, as a lone server refuses
+        it: the workers bind with SO_REUSEPORT, which a port's other SO_REUSEPORT
+        listeners allow, so a second supervisor started on the port served beside the
+        first without a word, the kernel splitting connections between the two. The
+        probe binds without SO_REUSEPORT, which any listener there refuses."""
+        host = self.settings.host
+        in_use = OSError(
+            f"cannot listen on {host}:{self.port}: the port is in use, or the host is not "
+            "an address of this machine"
+        )
+        family, kind, protocol, _, address = socket.getaddrinfo(
+            host.strip("[]"), self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         if self.port != 0:
-            return
-        reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            with socket.socket(family, kind, protocol) as probe:
+                # The last run's connections in TIME_WAIT do not count as in use.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(address)
+                except OSError as exc:
+                    raise in_use from exc
+        reserved = socket.socket(family, kind, protocol)
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        reserved.bind((self.settings.host, 0))
+        try:
+            reserved.bind(address)
+        except OSError as exc:
+            reserved.close()
+            raise in_use from exc
         self._reserved = reserved
         self.port = reserved.getsockname()[1]
 
     def _spawn(self, index: int) -> Worker:
+        """Start worker `index`.
+
+        NOTE: call it on the event loop's thread (the main thread), never from an
+        executor: the kernel sends a worker its parent-death signal (run_worker) when
+        the *thread* that forked it exits, so a worker forked by an executor thread
+        would be stopped when that idle thread is retired."""
         worker_settings = one_worker_of(self.settings, self.port)
         receive, send = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=run_worker,
-            args=(worker_settings, index, send),
+            args=(worker_settings, index, send, os.getpid()),
             name=f"orchestrator-worker-{index}",
         )
         process.start()
         send.close()  # the worker holds the only sending end: its exit closes the pipe
-        worker = Worker(index, process, time.monotonic())
+        worker = Worker(index, process)
         self._pipes[index] = receive
         return worker
 
     async def _wait_ready(self, worker: Worker) -> None:
-        pipe = self._pipes[worker.index]
-        loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(None, pipe.poll, WORKER_START_SECONDS)
+        """Wait for `worker` to report ready. WorkerStartFailed when it exits first, or
+        does not report within WORKER_START_SECONDS: then it is killed, so that a hung
+        start neither holds its slot nor outlives the set."""
+        pipe = self._pipes.pop(worker.index)
+        process = worker.process
+        hung = False
         try:
-            message = pipe.recv() if ready else None
+            message = await _receive(pipe, WORKER_START_SECONDS)
+        except TimeoutError:
+            message, hung = None, True
         except EOFError:
             message = None
-        pipe.close()
-        if not isinstance(message, dict):
+        finally:
+            pipe.close()
+        if isinstance(message, dict):
+            worker.metrics_port = int(message["metrics_port"])
+            worker.serving_since = time.monotonic()
+            return
+        loop = asyncio.get_running_loop()
+        if hung:
+            process.kill()
+        # Its end of the pipe closes as it exits, before it can be reaped: read at once,
+        # its exit status was None.
+        await loop.run_in_executor(None, process.join, REAP_SECONDS)
+        if hung:
             raise WorkerStartFailed(
-                f"orchestrator worker {worker.index} did not start "
-                f"(exit status {worker.process.exitcode}); its log says why"
+                f"orchestrator worker {worker.index} did not report ready in "
+                f"{WORKER_START_SECONDS:g}s and was killed; its log says how far it got"
             )
-        worker.metrics_port = int(message["metrics_port"])
+        raise WorkerStartFailed(
+            f"orchestrator worker {worker.index} did not start "
+            f"(exit status {process.exitcode}); its log says why"
+        )
 
     async def watch(self) -> None:
-        """Restart workers that exit unasked, until stop() is called."""
+        """Restart workers that exit unasked, and kill those that stop answering, until
+        stop() is called or this is cancelled.
+
+        Each exited worker is restarted by a task of its own, so that a replacement
+        that is slow to start (up to WORKER_START_SECONDS) does not keep the others'
+        exits unnoticed meanwhile."""
+        restarting: dict[int, asyncio.Task[None]] = {}
+        liveness = asyncio.create_task(self._check_liveness(), name="worker-liveness")
+        try:
+            while True:
+                await asyncio.sleep(WATCH_SECONDS)
+                if self._stopping:
+                    return
+                for worker in self._workers:
+                    task = restarting.get(worker.index)
+                    if (task is not None and not task.done()) or worker.process.is_alive():
+                        continue
+                    if task is None or task.cancelled() or task.exception() is None:
+                        log.warning(
+                            "worker exited",
+                            extra={
+                                "worker": worker.index,
+                                "pid": worker.process.pid,
+                                "exit_status": worker.process.exitcode,
+                            },
+                        )
+                    else:  # an error starting its replacement (a failed fork): once more
+                        log.error("worker restart failed", exc_info=task.exception())
+                    restarting[worker.index] = asyncio.create_task(
+                        self._restart(worker), name=f"worker-restart-{worker.index}"
+                    )
+        finally:
+            tasks = [liveness, *restarting.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _restart(self, exited: Worker) -> None:
+        """Start `exited`'s slot again, after its pause (_restart_pause), until a
+        replacement reports ready; one that does not is replaced in turn."""
+        index = exited.index
+        while True:
+            pause = self._restart_pause(exited)
+            log.warning("worker restarting", extra={"worker": index, "pause_seconds": pause})
+            await asyncio.sleep(pause)
+            if self._stopping:
+                return
+            self._restarts.inc()
+            replacement = self._spawn(index)
+            self._workers[index] = replacement
+            try:
+                await self._wait_ready(replacement)
+            except WorkerStartFailed as exc:
+                log.error("worker restart failed", extra={"worker": index, "error": str(exc)})
+                exited = replacement
+                continue
+            return
+
+    def _restart_pause(self, exited: Worker) -> float:
+        """How long to wait before starting `exited`'s slot again: none after a worker
+        that served long; otherwise RESTART_PAUSE_SECONDS, doubled for each quick exit
+        in a row, up to RESTART_PAUSE_MAX_SECONDS. A worker that cannot start (a refused
+        routes file stays on disk) failed over and over at a fixed 1 s pause: 6 restarts
+        in 7 s, each a whole start's CPU."""
+        if exited.served_long():
+            pause = 0.0
+        else:
+            pause = min(
+                max(2 * self._pauses.get(exited.index, 0.0), RESTART_PAUSE_SECONDS),
+                RESTART_PAUSE_MAX_SECONDS,
+            )
+        self._pauses[exited.index] = pause
+        return pause
+
+    async def _check_liveness(self) -> None:
+        """Every LIVENESS_SECONDS, ask each serving worker's /metrics, all at once; kill
+        a worker that has not answered LIVENESS_FAILURES times in a row (the watch loop
+        then restarts it). A stopped or frozen worker was never noticed: it went on
+        counting in classify_workers, and the calls and health checks the kernel gave
+        its connections hung to their deadlines."""
+        loop = asyncio.get_running_loop()
+        next_check = loop.time()
         while not self._stopping:
-            await asyncio.sleep(WATCH_SECONDS)
-            for position, worker in enumerate(self._workers):
-                if worker.process.is_alive() or self._stopping:
+            next_check += LIVENESS_SECONDS
+            await asyncio.sleep(max(next_check - loop.time(), 0.0))
+            serving = [
+                (worker, worker.metrics_port)
+                for worker in self._workers
+                if worker.metrics_port is not None and worker.process.is_alive()
+            ]
+            answers = await asyncio.gather(*(_answers(port) for _, port in serving))
+            for (worker, _), answered in zip(serving, answers, strict=True):
+                worker.unanswered = 0 if answered else worker.unanswered + 1
+                if worker.unanswered < LIVENESS_FAILURES or self._stopping:
                     continue
-                log.warning(
-                    "worker exited",
-                    extra={
-                        "worker": worker.index,
-                        "pid": worker.process.pid,
-                        "exit_status": worker.process.exitcode,
-                    },
-                )
-                self._restarts.inc()
-                if time.monotonic() - worker.started < QUICK_EXIT_SECONDS:
-                    await asyncio.sleep(RESTART_PAUSE_SECONDS)
-                replacement = self._spawn(worker.index)
-                self._workers[position] = replacement
-                try:
-                    await self._wait_ready(replacement)
-                except WorkerStartFailed as exc:
-                    log.error("worker restart failed", extra={"error": str(exc)})
+                if worker.process.is_alive():
+                    log.error(
+                        "worker not answering; killed",
+                        extra={
+                            "worker": worker.index,
+                            "pid": worker.process.pid,
+                            "checks": worker.unanswered,
+                        },
+                    )
+                    worker.process.kill()
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """SIGTERM to every worker (each drains), then wait; kill what is left after the
@@ -221,6 +394,45 @@ class WorkerSupervisor:
             self._metrics.close()
         if self._reserved is not None:
             self._reserved.close()
+
+
+async def _receive(pipe: Connection, seconds: float) -> object:
+    """The next message on `pipe`, waited for on the event loop rather than on an
+    executor thread: slots restarting at once would each hold one of the few executor
+    threads for up to WORKER_START_SECONDS, and stop()'s joins would queue behind
+    them. EOFError once the sending end has closed; TimeoutError after `seconds`."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(pipe.fileno(), ready)
+    try:
+        async with asyncio.timeout(seconds):
+            await readable
+    finally:
+        loop.remove_reader(pipe.fileno())
+    # Readable: the whole message (a few bytes, written at once) or the end of the pipe.
+    return pipe.recv()
+
+
+async def _answers(port: int) -> bool:
+    """Whether a worker's /metrics (on loopback `port`) answers 200, all of it, within
+    LIVENESS_TIMEOUT_SECONDS; asked without blocking the event loop."""
+    try:
+        async with asyncio.timeout(LIVENESS_TIMEOUT_SECONDS):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                status = await reader.readline()
+                await reader.read()  # to the end: the worker wrote all of it
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False
+    return status.split()[1:2] == [b"200"]
 
 
 def one_worker_of(settings: OrchestratorSettings, port: int) -> OrchestratorSettings:
@@ -263,10 +475,18 @@ class WorkerMetrics(Collector):
     scraped (restarting, slow) counts at its last scrape. Summed over the live
     workers only, every merged counter dipped at a restart, which Prometheus takes
     for a reset: increase() alerts (a refused routes edit, internal errors) fired
-    with no event. Gauges are the live workers' only."""
+    with no event. Gauges are the live workers' only.
+
+    What no pull can keep: the counts a worker made after the last scrape before it
+    exited (the set's counters miss them from then on)."""
 
     def __init__(self, supervisor: WorkerSupervisor) -> None:
         self._supervisor = supervisor
+        # prometheus_client's HTTP server runs each scrape on a thread of its own, and
+        # two at once (Prometheus and a person's curl) interleaved the bookkeeping below
+        # while a slot's process changed: merged counters dipped, a worker's counts were
+        # carried twice (for good), or the scrape failed (KeyError, HTTP 500).
+        self._lock = threading.Lock()
         # Slot -> (its process, that process's cumulative samples at its last scrape).
         self._last: dict[int, tuple[int | None, dict[SampleKey, float]]] = {}
         # Cumulative samples of the processes that have left their slots.
@@ -274,8 +494,16 @@ class WorkerMetrics(Collector):
         self._families: dict[str, tuple[str, str]] = {}
 
     def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            merged = self._merged()
+        yield from merged
+
+    def _merged(self) -> list[Metric]:
+        """The set's metrics now; the caller holds the lock."""
+        sources = self._supervisor.worker_metrics_sources()
+        texts = _scrape_all([port for _, _, port in sources])
         values: dict[SampleKey, float] = dict(self._carried)
-        for slot, process, port in self._supervisor.worker_metrics_sources():
+        for (slot, process, _), text in zip(sources, texts, strict=True):
             last = self._last.get(slot)
             if last is not None and last[0] != process:
                 for key, value in last[1].items():  # its process was replaced
@@ -283,7 +511,6 @@ class WorkerMetrics(Collector):
                     values[key] = values.get(key, 0.0) + value
                 del self._last[slot]
                 last = None
-            text = None if port is None else _scrape(port)
             if text is None:
                 for key, value in (last[1] if last is not None else {}).items():
                     values[key] = values.get(key, 0.0) + value
@@ -295,7 +522,7 @@ class WorkerMetrics(Collector):
                 documentation, kind = self._families[family_name]
                 merged[family_name] = Metric(family_name, documentation, kind)
             merged[family_name].add_sample(sample_name, dict(labels), value)
-        yield from merged.values()
+        return list(merged.values())
 
     def _merge(self, text: str, values: dict[SampleKey, float]) -> dict[SampleKey, float]:
         """Merge one worker's /metrics into `values`; return its cumulative samples."""
@@ -317,6 +544,18 @@ class WorkerMetrics(Collector):
                 else:
                     values[key] = merge(earlier, sample.value)
         return cumulative
+
+
+def _scrape_all(ports: list[int | None]) -> list[str | None]:
+    """Each worker's own /metrics (None for a port that is None), asked all at once: in
+    turn, each worker that did not answer cost SCRAPE_TIMEOUT_SECONDS, and two stuck
+    ones took the set's scrape past Prometheus's 10 s timeout."""
+    asked = sorted({port for port in ports if port is not None})
+    if not asked:
+        return [None] * len(ports)
+    with ThreadPoolExecutor(len(asked), thread_name_prefix="worker-scrape") as scraping:
+        texts = dict(zip(asked, scraping.map(_scrape, asked), strict=True))
+    return [None if port is None else texts[port] for port in ports]
 
 
 def _scrape(port: int) -> str | None:
@@ -348,13 +587,34 @@ def merge_rule(family: Metric) -> Callable[[float, float], float]:
     return operator.add
 
 
-def run_worker(settings: OrchestratorSettings, index: int, ready: Connection) -> None:
+def run_worker(
+    settings: OrchestratorSettings, index: int, ready: Connection, supervisor: int
+) -> None:
     """A worker process's main: one orchestrator on the shared port; reports its
-    metrics port to the supervisor once serving."""
+    metrics port to the supervisor (process `supervisor`) once serving, and drains
+    when the supervisor dies."""
+    stop_with_parent(supervisor)
     # Imported here: the supervisor itself never builds a server.
     from orchestrator.server import main_worker
 
     main_worker(settings, index, ready)
+
+
+def stop_with_parent(parent: int) -> None:
+    """Have the kernel send this process SIGTERM (it drains) when its parent dies, or
+    exit now if process `parent` is no longer its parent (it died before this ran).
+
+    A supervisor that died (SIGKILL, the OOM killer; SIGHUP, before it was handled)
+    left its workers serving the port unsupervised, with no /metrics for the set and
+    nothing to restart them. Linux only (prctl); elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
+    if os.getppid() != parent:
+        sys.exit(f"orchestrator worker: its supervisor (process {parent}) has exited")
 
 
 async def supervise(settings: OrchestratorSettings) -> None:
@@ -364,11 +624,12 @@ async def supervise(settings: OrchestratorSettings) -> None:
         await supervisor.start()
         return {
             "port": supervisor.port,
-            "metrics_port": supervisor.metrics_port,
+            # null with --metrics-port -1: 0 would read as "any free port".
+            "metrics_port": supervisor.metrics_port or None,
             "processes": settings.processes,
         }
 
-    async def serve_and_watch(signalled: asyncio.Event) -> None:
+    async def serve_and_watch(signalled: ShutdownSignal) -> None:
         watching = asyncio.create_task(supervisor.watch(), name="worker-watch")
         try:
             await wait_for_signal(signalled)

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+    start_http_server,
+)
 
 from classify_common.serving import METRICS_DISABLED
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
 from orchestrator.state.connection import STATE_UP
 from orchestrator.workers import WorkerMetrics, one_worker_of
-from tests.conftest import orchestrator_settings
+from tests.conftest import REPO_ROOT, orchestrator_settings
 
 
 def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> None:
@@ -106,3 +122,135 @@ def test_a_workers_counts_stay_in_the_sets_after_it_exits_or_stops_answering() -
     finally:
         for name in ("second", "replacement"):
             servers[name].shutdown()
+
+
+def serve_held_metrics(
+    registry: CollectorRegistry, before_answering: Callable[[], object]
+) -> ThreadingHTTPServer:
+    """`registry` served over HTTP as a worker serves its /metrics (a thread per
+    request), each request first calling `before_answering`, which may hold it; one
+    that raises is answered with a closed connection."""
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            before_answering()
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def counting(calls: int) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    Counter("classify_things", "count", registry=registry).inc(calls)
+    return registry
+
+
+def test_the_workers_are_scraped_at_once_not_in_turn() -> None:
+    """In turn, each worker that did not answer cost the set's scrape SCRAPE_TIMEOUT_SECONDS
+    (5 s), and two stuck workers took it past Prometheus's 10 s timeout. Here each worker
+    answers only once the other has been asked too: asked in turn, the first waits for
+    the second in vain and neither answers."""
+    both_asked = threading.Barrier(2, timeout=4)  # under SCRAPE_TIMEOUT_SECONDS
+    servers = [serve_held_metrics(counting(calls), both_asked.wait) for calls in (3, 4)]
+    try:
+        merged = CollectorRegistry()
+        sources = [(slot, 100 + slot, server.server_port) for slot, server in enumerate(servers)]
+        merged.register(WorkerMetrics(_Workers(sources)))  # type: ignore[arg-type]
+        assert merged.get_sample_value("classify_things_total") == 7
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_scrapes_at_once_while_a_slot_changes_process_neither_dip_nor_count_twice() -> None:
+    """prometheus_client serves each scrape on a thread of its own. A scrape still reading
+    the old process of a slot finished after one that had seen its replacement, and
+    carried the replacement's counts into the set's for good (double counting); in other
+    interleavings merged counters dipped, or a scrape failed with KeyError (HTTP 500)."""
+    asked = itertools.count()
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_second_scrape() -> None:
+        if next(asked) == 1:
+            held.set()
+            release.wait(timeout=10)
+
+    servers = {
+        "steady": serve_held_metrics(counting(3), hold_the_second_scrape),
+        "old": serve_held_metrics(counting(4), lambda: None),
+        "replacement": serve_held_metrics(counting(1), lambda: None),
+    }
+    port = {name: server.server_port for name, server in servers.items()}
+    workers = _Workers([(0, 100, port["steady"]), (1, 101, port["old"])])
+    merged = CollectorRegistry()
+    merged.register(WorkerMetrics(workers))  # type: ignore[arg-type]
+    totals: dict[str, float | None] = {}
+
+    def scrape(name: str) -> threading.Thread:
+        def read() -> None:
+            totals[name] = merged.get_sample_value("classify_things_total")
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        return thread
+
+    try:
+        assert merged.get_sample_value("classify_things_total") == 7
+        # A scrape that saw slot 1's old process is held reading slot 0...
+        first = scrape("first")
+        assert held.wait(timeout=10)
+        # ...when slot 1's process is replaced, and a second scrape comes.
+        workers.sources = [(0, 100, port["steady"]), (1, 102, port["replacement"])]
+        second = scrape("second")
+        second.join(timeout=1)  # unserialised, it finished meanwhile
+        release.set()
+        first.join(timeout=10)
+        second.join(timeout=10)
+        assert totals == {"first": 7, "second": 8}
+        assert merged.get_sample_value("classify_things_total") == 8
+    finally:
+        release.set()
+        for server in servers.values():
+            server.shutdown()
+
+
+# A worker's first step, in a process of its own: then the signal it gets when its
+# parent dies, as prctl(PR_GET_PDEATHSIG) reads it.
+STOP_WITH_PARENT = """
+import ctypes, sys
+from orchestrator.workers import stop_with_parent
+stop_with_parent(int(sys.argv[1]))
+signal = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(signal))
+print(signal.value)
+"""
+
+
+def test_a_worker_stops_with_its_supervisor_or_at_once_when_it_is_gone() -> None:
+    """Its supervisor killed, a worker served on unsupervised. The kernel now sends it
+    SIGTERM when its parent dies; a parent that died before that was set leaves a
+    worker whose parent is no longer the supervisor, and it exits before starting."""
+    command = [sys.executable, "-c", STOP_WITH_PARENT]
+    with_parent = subprocess.run(
+        [*command, str(os.getpid())], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (with_parent.returncode, with_parent.stdout) == (0, f"{int(signal.SIGTERM)}\n")
+    orphaned = subprocess.run(
+        [*command, str(os.getpid() + 1)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert orphaned.returncode == 1
+    assert orphaned.stdout == ""
+    assert orphaned.stderr == (
+        f"orchestrator worker: its supervisor (process {os.getpid() + 1}) has exited\n"
+    )
