@@ -492,6 +492,10 @@ def shutdown_signals() -> ShutdownSignal:
     signalled = ShutdownSignal()
     loop = asyncio.get_running_loop()
     for sig in SHUTDOWN_SIGNALS:
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            # Started under nohup (or by anything else that ignores hangups on purpose):
+            # a handler here would undo that, and the hangup nohup is for would stop it.
+            continue
         loop.add_signal_handler(sig, signalled.received, sig)
     return signalled
 

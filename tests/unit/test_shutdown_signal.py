@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -100,3 +101,41 @@ async def test_a_cancelled_serve_cancels_its_start_before_the_server_stops() -> 
     with pytest.raises(asyncio.CancelledError):
         await serving
     assert server.events == ["start cancelled", "stopped"]
+
+
+class _Serving:
+    """A server that starts at once and records its stop."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        self.stopped = True
+
+    async def start(self) -> dict[str, object]:
+        return {}
+
+
+async def test_a_hangup_stops_a_server_unless_it_was_started_to_ignore_hangups() -> None:
+    """SIGHUP drains a server as SIGTERM does (a dropped terminal killed it on the
+    spot); but one started under nohup, which ignores SIGHUP on purpose, keeps
+    serving: a handler would have undone what nohup is for."""
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        for ignored in (True, False):
+            signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+            server = _Serving()
+            serving = asyncio.ensure_future(
+                serve_until_signal(server, server.start, logging.getLogger(__name__))
+            )
+            await asyncio.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGHUP)
+            await asyncio.sleep(0.2)
+            assert serving.done() is not ignored
+            if ignored:
+                serving.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await serving
+            assert server.stopped
+    finally:
+        signal.signal(signal.SIGHUP, previous)
