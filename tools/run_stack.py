@@ -3,6 +3,7 @@
 The capability server starts first; the orchestrator starts once the model
 reports SERVING through gRPC health. Ctrl-C (or SIGTERM) stops both: each
 drains its in-flight calls, and this script waits for them to exit.
+A closed terminal (SIGHUP) stops both the same way, unless this runs under nohup.
 Ports and paths come from the same environment variables the servers read
 (CAPABILITY_PORT, ORCHESTRATOR_PORT, ORCHESTRATOR_ROUTES_FILE, ...). With
 CAPABILITY_PORT set and no routes file named, the orchestrator reads a copy of
@@ -110,11 +111,19 @@ def ensure_local_credentials() -> dict[str, str]:
     }
 
 
+def stop_signals() -> list[signal.Signals]:
+    """SIGINT, SIGTERM, and SIGHUP unless this was started to ignore it (nohup): the
+    servers run in sessions of their own, so a closed terminal's hangup reaches this
+    script alone, whose default action for it left both servers running unstopped."""
+    hangup = [] if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGINT, signal.SIGTERM, *hangup]
+
+
 def interrupt_once(signum: int, frame: object) -> None:
-    """Stop on the first SIGINT or SIGTERM and ignore the rest: Ctrl-C reaches make
-    too, and make passes on what it gets, so a second one would cut the stop short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Stop on the first stop signal and ignore the rest: Ctrl-C reaches make too, and
+    make passes on what it gets, so a second one would cut the stop short."""
+    for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -154,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     environment = {**os.environ, **ensure_local_credentials(), **routes_for(capability_port)}
     processes: list[subprocess.Popen[bytes]] = []
     # Children run in their own sessions, out of reach of the terminal's
-    # Ctrl-C; this script turns Ctrl-C or SIGTERM into one orderly SIGTERM each.
-    signal.signal(signal.SIGINT, interrupt_once)
-    signal.signal(signal.SIGTERM, interrupt_once)
+    # Ctrl-C; this script turns Ctrl-C, SIGTERM or a hangup into one orderly SIGTERM each.
+    for stop_signal in stop_signals():
+        signal.signal(stop_signal, interrupt_once)
     try:
         print(f"starting capability server on :{capability_port} (loading the model)...")
         capability = subprocess.Popen(

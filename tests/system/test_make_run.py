@@ -6,10 +6,13 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO_ROOT, closed_port
 from tests.unit.test_readme import MAKEFILE, README, VENV_PYTHON, make_prerequisites, shell_commands
@@ -84,6 +87,12 @@ def test_make_run_serves_the_call_the_readme_shows(tmp_path: Path, model_root: P
         assert first_line.split()[0] == "sports"
         assert any(line.startswith("model     topic-minilm") for line in rest)
     finally:
-        stack.send_signal(signal.SIGTERM)
+        # As a closed terminal stops it (Ctrl-C and SIGTERM take the same path): the
+        # servers run in sessions of their own, so the hangup reaches this script only,
+        # which it killed, leaving both servers running.
+        stack.send_signal(signal.SIGHUP)
         stack.wait(timeout=60)
     assert stack.returncode == 0, stack_log.read_text()
+    for port in (capability_port, orchestrator_port):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
