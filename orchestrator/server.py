@@ -7,11 +7,12 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes
@@ -30,7 +31,12 @@ from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
 from orchestrator.state import StateMetrics, open_shared_state
 from orchestrator.upstream import UpstreamPools
-from orchestrator.workers import WorkerStartFailed, supervise
+from orchestrator.workers import (
+    LOOP_HEARTBEAT,
+    LOOP_HEARTBEAT_SECONDS,
+    WorkerStartFailed,
+    supervise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +215,25 @@ async def serve_worker(settings: OrchestratorSettings, index: int, ready: Connec
     """One of several processes on the port (orchestrator.workers): its /metrics on a
     loopback port of its own, which it sends the supervisor once serving."""
     server = OrchestratorServer(settings, shares_port=True)
+    heartbeat = Gauge(
+        LOOP_HEARTBEAT,
+        "Unix time of this worker's event loop's last beat (every second): the supervisor "
+        "stops a worker whose loop has not beaten for a while (orchestrator.workers).",
+        registry=server.registry,
+    )
+
+    # Held here: the loop keeps only a weak reference to a task. It runs until the
+    # process's loop ends (asyncio.run cancels it).
+    beating: list[asyncio.Task[None]] = []
+
+    async def beat() -> None:
+        while True:
+            heartbeat.set(time.time())
+            await asyncio.sleep(LOOP_HEARTBEAT_SECONDS)
 
     async def start() -> dict[str, object]:
         await server.start()
+        beating.append(asyncio.create_task(beat(), name="loop-heartbeat"))
         metrics = MetricsEndpoint(server.registry, "127.0.0.1", 0)
         ready.send({"pid": os.getpid(), "metrics_port": metrics.port})
         ready.close()

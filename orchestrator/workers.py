@@ -13,9 +13,10 @@ One Python process is one event loop: about a core of serving. With
   served a while, otherwise after a pause that doubles with each quick exit in a
   row (a worker that cannot start does not spin); a replacement that does not
   report ready in WORKER_START_SECONDS is killed and started again;
-- kills a worker whose /metrics stops answering (a stopped or frozen process),
-  which is then restarted;
-- passes SIGTERM (and SIGINT, SIGHUP) on, so each worker drains as a lone server
+- stops a worker whose /metrics stops answering (a stopped or frozen process) or
+  whose event loop stops beating (stuck in a blocking call): SIGCONT and SIGTERM, so
+  it drains if it can, SIGKILL after the grace period; it is then restarted;
+- on SIGTERM (SIGINT, SIGHUP) sends each worker SIGTERM, so each drains as a lone server
   does, and exits once they have, killing any still there after the grace
   period; a worker drains by itself when the supervisor dies (killed), so none
   serves unsupervised;
@@ -34,7 +35,8 @@ the difference between gauges that add up (calls in flight: the set's total)
 and those that do not (a backend's adaptive concurrency limit reads as the sum
 of the workers' limits: about the flags' value while none is engaged). Only the
 few samples whose sum means nothing are merged otherwise: each `*_created` and
-`process_start_time_seconds` is the earliest worker's, `process_max_fds` and
+`process_start_time_seconds` and `classify_event_loop_heartbeat_timestamp_seconds`
+the earliest worker's, `process_max_fds` and
 `classify_late_arrival_share` (a share of calls, 0 to 1) and
 `classify_routes_file_refused` (1 or 0) the largest worker's,
 `classify_state_up` (1 or 0) the lowest: 0 when any worker cannot reach Redis.
@@ -49,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import http.client
 import logging
 import multiprocessing
 import operator
@@ -64,6 +67,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
@@ -95,12 +99,21 @@ RESTART_PAUSE_SECONDS = 1.0
 RESTART_PAUSE_MAX_SECONDS = 30.0
 # How often the supervisor looks for exited workers.
 WATCH_SECONDS = 0.1
-# How often the supervisor asks each serving worker's /metrics whether it still answers,
-# how long it waits, and after how many unanswered checks in a row it kills the worker
-# (a stopped or frozen process: it holds its connections, and the calls on them hang).
+# How often the supervisor asks each serving worker's /metrics whether it still answers
+# and its event loop still beats, how long it waits, and after how many failed checks in
+# a row it stops the worker (a stopped or frozen process, or a loop stuck in a blocking
+# call: it holds its connections, and the calls and health checks on them hang).
 LIVENESS_SECONDS = 5.0
 LIVENESS_TIMEOUT_SECONDS = 3.0
 LIVENESS_FAILURES = 3
+# A worker's event loop sets LOOP_HEARTBEAT (Unix time) every LOOP_HEARTBEAT_SECONDS;
+# one older than LOOP_STALL_SECONDS fails a liveness check. /metrics is served by a
+# thread of its own, which answers while the loop is stuck; the heartbeat does not.
+# Far above any lag of a loop that is merely overloaded (a worker that is only busy
+# must not be restarted into more load).
+LOOP_HEARTBEAT = "classify_event_loop_heartbeat_timestamp_seconds"
+LOOP_HEARTBEAT_SECONDS = 1.0
+LOOP_STALL_SECONDS = 20.0
 # How long an exited (or killed) worker may take to be reaped, for its exit status.
 REAP_SECONDS = 5.0
 # Beyond --grace-seconds, how long a worker has to exit after SIGTERM before it is killed.
@@ -122,12 +135,17 @@ class Worker:
     process: BaseProcess
     metrics_port: int | None = None  # known once it reports ready
     serving_since: float | None = None  # time.monotonic() when it reported ready
-    unanswered: int = 0  # liveness checks in a row its /metrics did not answer
+    unanswered: int = 0  # liveness checks in a row it failed
+    # time.monotonic() when the supervisor stopped it for failing them; None: it did not.
+    retired_at: float | None = None
 
     def served_long(self) -> bool:
-        """Whether it served QUICK_EXIT_SECONDS or longer (so its exit was no quick one)."""
+        """Whether it served QUICK_EXIT_SECONDS or longer (so its exit was no quick one).
+        One stopped for failing its liveness checks did not: whatever froze it may
+        freeze the next, which then waits its pause."""
         return (
             self.serving_since is not None
+            and self.retired_at is None
             and time.monotonic() - self.serving_since >= QUICK_EXIT_SECONDS
         )
 
@@ -190,17 +208,17 @@ class WorkerSupervisor:
             f"cannot listen on {host}:{self.port}: the port is in use, or the host is not "
             "an address of this machine"
         )
-        family, kind, protocol, _, address = socket.getaddrinfo(
+        found = socket.getaddrinfo(
             host.strip("[]"), self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        )
         if self.port != 0:
-            with socket.socket(family, kind, protocol) as probe:
-                # The last run's connections in TIME_WAIT do not count as in use.
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind(address)
-                except OSError as exc:
-                    raise in_use from exc
+            # Every address the host names: gRPC binds each (`localhost`: ::1 and
+            # 127.0.0.1), so a listener on any one of them shares the port.
+            for family, kind, protocol, _, address in dict.fromkeys(
+                (f, k, p, "", a) for f, k, p, _, a in found
+            ):
+                _refuse_if_listened_on(family, kind, protocol, address, in_use)
+        family, kind, protocol, _, address = found[0]
         reserved = socket.socket(family, kind, protocol)
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
@@ -212,7 +230,7 @@ class WorkerSupervisor:
         self.port = reserved.getsockname()[1]
 
     def _spawn(self, index: int) -> Worker:
-        """Start worker `index`.
+        """Start worker `index`; OSError when no process could be started.
 
         NOTE: call it on the event loop's thread (the main thread), never from an
         executor: the kernel sends a worker its parent-death signal (run_worker) when
@@ -314,8 +332,15 @@ class WorkerSupervisor:
             await asyncio.sleep(pause)
             if self._stopping:
                 return
+            try:
+                replacement = self._spawn(index)
+            except OSError as exc:
+                # No process (EAGAIN, ENOMEM, EMFILE): nothing started, nothing counted,
+                # and the next try waits longer, as after a quick exit.
+                log.error("worker restart failed", extra={"worker": index, "error": str(exc)})
+                exited = Worker(index, exited.process)
+                continue
             self._restarts.inc()
-            replacement = self._spawn(index)
             self._workers[index] = replacement
             try:
                 await self._wait_ready(replacement)
@@ -342,13 +367,20 @@ class WorkerSupervisor:
         return pause
 
     async def _check_liveness(self) -> None:
-        """Every LIVENESS_SECONDS, ask each serving worker's /metrics, all at once; kill
-        a worker that has not answered LIVENESS_FAILURES times in a row (the watch loop
-        then restarts it). A stopped or frozen worker was never noticed: it went on
-        counting in classify_workers, and the calls and health checks the kernel gave
-        its connections hung to their deadlines."""
+        """Every LIVENESS_SECONDS, ask each serving worker's /metrics, all at once, whether
+        it answers and its loop still beats (_alive); stop a worker that has failed
+        LIVENESS_FAILURES checks in a row (the watch loop then restarts it). A stopped or
+        frozen worker was never noticed: it went on counting in classify_workers, and
+        the calls and health checks the kernel gave its connections hung to their
+        deadlines.
+
+        Stopped as a stop stops it: SIGCONT (a stopped process runs again) and SIGTERM,
+        so the calls it holds drain if it can; killed only if it is still there after
+        the grace period and STOP_SLACK_SECONDS (a loop stuck for good never runs its
+        SIGTERM handler)."""
         loop = asyncio.get_running_loop()
         next_check = loop.time()
+        grace = self.settings.grace_seconds + STOP_SLACK_SECONDS
         while not self._stopping:
             next_check += LIVENESS_SECONDS
             await asyncio.sleep(max(next_check - loop.time(), 0.0))
@@ -357,21 +389,23 @@ class WorkerSupervisor:
                 for worker in self._workers
                 if worker.metrics_port is not None and worker.process.is_alive()
             ]
-            answers = await asyncio.gather(*(_answers(port) for _, port in serving))
+            answers = await asyncio.gather(*(_alive(port) for _, port in serving))
             for (worker, _), answered in zip(serving, answers, strict=True):
                 worker.unanswered = 0 if answered else worker.unanswered + 1
-                if worker.unanswered < LIVENESS_FAILURES or self._stopping:
+                if self._stopping or not worker.process.is_alive():
                     continue
-                if worker.process.is_alive():
+                fields = {"worker": worker.index, "pid": worker.process.pid}
+                if worker.retired_at is not None:
+                    if time.monotonic() - worker.retired_at > grace:
+                        log.error("worker killed after the grace period", extra=fields)
+                        worker.process.kill()
+                elif worker.unanswered >= LIVENESS_FAILURES:
                     log.error(
-                        "worker not answering; killed",
-                        extra={
-                            "worker": worker.index,
-                            "pid": worker.process.pid,
-                            "checks": worker.unanswered,
-                        },
+                        "worker not answering; stopping it",
+                        extra={**fields, "checks": worker.unanswered},
                     )
-                    worker.process.kill()
+                    worker.retired_at = time.monotonic()
+                    _stop_process(worker.process)
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """SIGTERM to every worker (each drains), then wait; kill what is left after the
@@ -396,6 +430,23 @@ class WorkerSupervisor:
             self._reserved.close()
 
 
+def _refuse_if_listened_on(
+    family: int, kind: int, protocol: int, address: Any, in_use: OSError
+) -> None:
+    """Raise `in_use` when something is bound to `address` (a probe bound without
+    SO_REUSEPORT, which any listener there refuses, its SO_REUSEPORT included)."""
+    with socket.socket(family, kind, protocol) as probe:
+        # The last run's connections in TIME_WAIT do not count as in use.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # As gRPC binds [::]: both stacks, so an IPv4 listener is found too.
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise in_use from exc
+
+
 async def _receive(pipe: Connection, seconds: float) -> object:
     """The next message on `pipe`, waited for on the event loop rather than on an
     executor thread: slots restarting at once would each hold one of the few executor
@@ -418,21 +469,47 @@ async def _receive(pipe: Connection, seconds: float) -> object:
     return pipe.recv()
 
 
-async def _answers(port: int) -> bool:
-    """Whether a worker's /metrics (on loopback `port`) answers 200, all of it, within
-    LIVENESS_TIMEOUT_SECONDS; asked without blocking the event loop."""
+def _stop_process(process: BaseProcess) -> None:
+    """SIGCONT, then SIGTERM: a stopped process runs again, and drains."""
+    if process.pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGCONT)
+        os.kill(process.pid, signal.SIGTERM)
+
+
+async def _alive(port: int) -> bool:
+    """Whether a worker's /metrics (on loopback `port`) answers, all of it, within
+    LIVENESS_TIMEOUT_SECONDS, and its event loop's heartbeat (LOOP_HEARTBEAT) is no
+    older than LOOP_STALL_SECONDS; asked without blocking the event loop. Any HTTP
+    answer counts (a collector that raises makes /metrics answer 500: a bug to fix,
+    not a reason to restart every worker); so does one without a heartbeat."""
     try:
         async with asyncio.timeout(LIVENESS_TIMEOUT_SECONDS):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
                 writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-                status = await reader.readline()
-                await reader.read()  # to the end: the worker wrote all of it
+                answer = await reader.read()  # to the end: the worker wrote all of it
             finally:
                 writer.close()
     except (OSError, TimeoutError):
         return False
-    return status.split()[1:2] == [b"200"]
+    if not answer.startswith(b"HTTP/"):
+        return False
+    beat = _heartbeat(answer)
+    return beat is None or time.time() - beat <= LOOP_STALL_SECONDS
+
+
+def _heartbeat(answer: bytes) -> float | None:
+    """The LOOP_HEARTBEAT value in an HTTP answer holding /metrics text, or None."""
+    start = answer.find(b"\n" + LOOP_HEARTBEAT.encode() + b" ")
+    if start < 0:
+        return None
+    line = answer[start + 1 :].split(b"\n", 1)[0]
+    try:
+        return float(line.split()[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def one_worker_of(settings: OrchestratorSettings, port: int) -> OrchestratorSettings:
@@ -558,13 +635,19 @@ def _scrape_all(ports: list[int | None]) -> list[str | None]:
     return [None if port is None else texts[port] for port in ports]
 
 
+# No proxy for loopback scrapes: with http_proxy set (and 127.0.0.1 not in no_proxy),
+# urlopen sent every worker's scrape to the proxy, and the set's /metrics had none.
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _scrape(port: int) -> str | None:
-    """A worker's own /metrics, or None when it does not answer."""
+    """A worker's own /metrics, or None when it does not answer, or not all of it (a
+    worker that dies mid-answer raised IncompleteRead, which failed the set's scrape)."""
     try:
         url = f"http://127.0.0.1:{port}/metrics"
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as answer:
+        with _LOOPBACK.open(url, timeout=SCRAPE_TIMEOUT_SECONDS) as answer:
             text: str = answer.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException, ValueError):
         return None
     return text
 
@@ -572,7 +655,7 @@ def _scrape(port: int) -> str | None:
 # Samples whose sum means nothing: a start time, a per-process limit, a share (0-1),
 # a yes or no (summed, classify_state_up read 2 with two workers, and the alert's
 # `== 0` fired only once every worker had lost Redis).
-_EARLIEST = {"process_start_time_seconds"}
+_EARLIEST = {"process_start_time_seconds", LOOP_HEARTBEAT}  # the heartbeat: the stalest
 _LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED}
 _LOWEST = {STATE_UP}
 

@@ -14,6 +14,7 @@ printed once ready name ORCHESTRATOR_PORT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import signal
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"a server exited with code {failed.returncode}; stopping the other", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nstopping...", flush=True)
+        # After a hangup the terminal is gone, and writing to it fails: stop all the same.
+        with contextlib.suppress(OSError):
+            print("\nstopping...", flush=True)
         return 0
     finally:
         stop(processes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from orchestrator.config import DEFAULT_CONCURRENCY
 from orchestrator.metrics import BACKEND_CONCURRENCY_LIMIT, RATE_LIMITED_TOTAL
 from orchestrator.security import hash_key
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
-from orchestrator.workers import WORKERS
+from orchestrator.workers import LOOP_HEARTBEAT, WORKERS
 from tests.conftest import (
     REPO_ROOT,
     STACK_API_KEY,
@@ -122,6 +123,11 @@ async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     starts = [value(own, "process_start_time_seconds") for own in workers]
     assert value(scrape, "process_start_time_seconds") == min(starts)
     assert value(scrape, "process_max_fds") == value(workers[0], "process_max_fds")
+    # Each worker's loop beats (the supervisor's liveness check reads it); the set's is
+    # the stalest worker's.
+    beats = [value(own, LOOP_HEARTBEAT) for own in workers]
+    assert all(time.time() - beat < 30 for beat in beats)
+    assert value(scrape, LOOP_HEARTBEAT) <= max(beats)
 
 
 def worker_samples(metrics_port: int) -> Scrape:

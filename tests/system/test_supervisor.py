@@ -197,9 +197,12 @@ async def test_a_worker_that_stops_answering_is_killed_and_started_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A stopped (or frozen) worker was never noticed: classify_workers still counted
-    it, and the calls and health checks that landed on its connections hung."""
+    it, and the calls and health checks that landed on its connections hung. It is
+    stopped as a stop stops it (SIGCONT, SIGTERM: it drains, exit status 0), not
+    killed with the calls it holds, and its slot waits a pause before the restart."""
     monkeypatch.setattr(workers, "LIVENESS_SECONDS", 0.3)
     monkeypatch.setattr(workers, "LIVENESS_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr(workers, "RESTART_PAUSE_SECONDS", 0.1)
     caplog.set_level(logging.INFO, logger=workers.__name__)
     async with supervising(redis_server, tmp_path / "routes.yaml") as supervisor:
         steady, frozen = pid_of(supervisor, 0), pid_of(supervisor, 1)
@@ -208,12 +211,14 @@ async def test_a_worker_that_stops_answering_is_killed_and_started_again(
         await wait_until(
             lambda: serving_pid(supervisor, 1) not in (None, frozen), "worker 1 serving again", 60
         )
-        killed = logged(caplog, "worker not answering; killed")
-        assert [(r.worker, r.pid, r.checks) for r in killed] == [  # type: ignore[attr-defined]
+        stopped = logged(caplog, "worker not answering; stopping it")
+        assert [(r.worker, r.pid, r.checks) for r in stopped] == [  # type: ignore[attr-defined]
             (1, frozen, workers.LIVENESS_FAILURES)
         ]
         exited = logged(caplog, "worker exited")
-        assert [(r.worker, r.exit_status) for r in exited] == [(1, -signal.SIGKILL)]  # type: ignore[attr-defined]
+        assert [(r.worker, r.exit_status) for r in exited] == [(1, 0)]  # type: ignore[attr-defined]
+        pauses = [r.pause_seconds for r in logged(caplog, "worker restarting")]  # type: ignore[attr-defined]
+        assert pauses == [0.1]  # whatever froze it may freeze the next
         assert restarts(supervisor) == 1
         assert pid_of(supervisor, 0) == steady  # the one that answered is left alone
         assert not running(frozen)
@@ -310,3 +315,38 @@ async def test_a_slot_whose_worker_cannot_start_waits_longer_each_time(
         os.kill(replacement, signal.SIGKILL)
         await wait_until(lambda: len(pauses()) > restarted, "the next restart", 30)
         assert pauses()[restarted] == 0.0
+
+
+async def test_a_restart_that_cannot_start_a_process_waits_and_is_not_counted(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No process could be started (EAGAIN: out of processes): the slot was tried again
+    every 0.1 s, a traceback and a counted restart each time (the alert fired)."""
+    monkeypatch.setattr(workers, "RESTART_PAUSE_SECONDS", 0.1)
+    monkeypatch.setattr(workers, "QUICK_EXIT_SECONDS", 0.0)  # a worker that served served long
+    caplog.set_level(logging.INFO, logger=workers.__name__)
+    async with supervising(redis_server, tmp_path / "routes.yaml") as supervisor:
+        spawn = supervisor._spawn
+        refusals = iter([OSError(11, "Resource temporarily unavailable")] * 2)
+
+        def spawn_or_fail(index: int) -> workers.Worker:
+            refusal = next(refusals, None)
+            if refusal is not None:
+                raise refusal
+            return spawn(index)
+
+        monkeypatch.setattr(supervisor, "_spawn", spawn_or_fail)
+        killed = pid_of(supervisor, 1)
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        await wait_until(
+            lambda: serving_pid(supervisor, 1) not in (None, killed), "worker 1 serving", 60
+        )
+        pauses = [r.pause_seconds for r in logged(caplog, "worker restarting")]  # type: ignore[attr-defined]
+        assert pauses == [0.0, 0.1, 0.2]  # at once after one that served, then backing off
+        failed = [r.error for r in logged(caplog, "worker restart failed")]  # type: ignore[attr-defined]
+        assert failed == ["[Errno 11] Resource temporarily unavailable"] * 2
+        assert restarts(supervisor) == 1  # the one process started

@@ -138,4 +138,7 @@ async def test_a_hangup_stops_a_server_unless_it_was_started_to_ignore_hangups()
                     await serving
             assert server.stopped
     finally:
+        # The loop's handler first: closing the loop would otherwise remove it later,
+        # setting SIGHUP to its default for the rest of this process and its children.
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, previous)

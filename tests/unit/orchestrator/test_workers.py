@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -21,10 +23,11 @@ from prometheus_client import (
 )
 
 from classify_common.serving import METRICS_DISABLED
+from orchestrator import workers
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
 from orchestrator.state.connection import STATE_UP
-from orchestrator.workers import WorkerMetrics, one_worker_of
-from tests.conftest import REPO_ROOT, orchestrator_settings
+from orchestrator.workers import LOOP_HEARTBEAT, WorkerMetrics, one_worker_of
+from tests.conftest import REPO_ROOT, closed_port, orchestrator_settings
 
 
 def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> None:
@@ -254,3 +257,73 @@ def test_a_worker_stops_with_its_supervisor_or_at_once_when_it_is_gone() -> None
     assert orphaned.stderr == (
         f"orchestrator worker: its supervisor (process {os.getpid() + 1}) has exited\n"
     )
+
+
+class _Answering(BaseHTTPRequestHandler):
+    """Answers /metrics with the class's `status` and `body`; with `short`, promises more
+    bytes than it sends and hangs up (a worker dying mid-answer)."""
+
+    status = 200
+    body = b""
+    short = False
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        length = len(self.body) + (100 if self.short else 0)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def answering(status: int, body: bytes, *, short: bool = False) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Answering,), {"status": status, "body": body, "short": short})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+async def test_a_worker_is_alive_while_its_loop_beats_and_its_metrics_answer_at_all() -> None:
+    """/metrics is served by a thread of its own: it answered while the worker's event
+    loop was stuck, so the heartbeat the loop sets is what tells. Any HTTP answer
+    counts as one (a collector that raises makes it answer 500: every worker was to
+    be restarted for one metrics bug)."""
+    now = time.time()
+    fresh = f"# TYPE {LOOP_HEARTBEAT} gauge\n{LOOP_HEARTBEAT} {now - 1}\n".encode()
+    stale = f"# TYPE {LOOP_HEARTBEAT} gauge\n{LOOP_HEARTBEAT} {now - 60}\n".encode()
+    servers = {
+        "fresh": answering(200, fresh),
+        "stale": answering(200, stale),
+        "no heartbeat": answering(200, b"classify_things_total 3\n"),
+        "collector raised": answering(500, b"error"),
+    }
+    try:
+        alive = {
+            name: await workers._alive(server.server_address[1]) for name, server in servers.items()
+        }
+    finally:
+        for server in servers.values():
+            server.shutdown()
+            server.server_close()
+    assert alive == {"fresh": True, "stale": False, "no heartbeat": True, "collector raised": True}
+    assert not await workers._alive(closed_port())
+
+
+def test_a_worker_scraped_through_no_proxy_and_cut_short_counts_as_unanswered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """urlopen sent loopback scrapes to $http_proxy (every worker unscraped), and an
+    answer cut short (IncompleteRead, no OSError) failed the set's whole scrape."""
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    whole, cut = answering(200, b"classify_things_total 3\n"), answering(200, b"x", short=True)
+    try:
+        assert workers._scrape(whole.server_address[1]) == "classify_things_total 3\n"
+        assert workers._scrape(cut.server_address[1]) is None
+    finally:
+        for server in (whole, cut):
+            server.shutdown()
+            server.server_close()
