@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # How long GetModel waits for the other replicas once one has answered.
 STRAGGLER_SECONDS = 1.0
+# How long the check of a backend's model (check_backend_models) waits for a replica.
+MODEL_CHECK_SECONDS = 5.0
 
 ADMIN_ROLE = "admin"
 OPERATOR_CALL_TIMEOUT_SECONDS = 120.0
@@ -177,6 +179,42 @@ async def _describe(
         ) from error
     _for_caller(response.model)
     return response
+
+
+async def check_backend_models(pools: Sequence[BackendPool]) -> None:
+    """Ask each replica of `pools` whether it serves its backend's `model`, and log at
+    WARNING each backend whose replicas say they do not (NOT_FOUND), naming them. A
+    misspelt `model` in routes.yaml passes `check` and a reload (no file says what a
+    replica serves), and then every call of its routes failed MODEL_NOT_SERVED or
+    fell back, with no word at the edit. A replica still loading the model serves it;
+    one that does not answer says nothing (down, or not started yet)."""
+
+    async def serves(pool: BackendPool, target: str) -> bool | None:
+        request = model_pb.GetModelRequest(name=pool.backend.model)
+        try:
+            await pool.model_service(target).GetModel(
+                request, timeout=MODEL_CHECK_SECONDS, metadata=pool.credentials
+            )
+        except grpc.aio.AioRpcError as error:
+            return False if error.code() == grpc.StatusCode.NOT_FOUND else None
+        return True
+
+    for pool in pools:
+        targets = pool.replicas
+        answers = await asyncio.gather(*(serves(pool, target) for target in targets))
+        without = [
+            target for target, served in zip(targets, answers, strict=True) if served is False
+        ]
+        if without:
+            log.warning(
+                "backend names a model its replicas do not serve",
+                extra={
+                    "backend": pool.backend.name,
+                    "model": pool.backend.model,
+                    "targets": without,
+                    "replicas": len(targets),
+                },
+            )
 
 
 async def _first_answers(asked: Sequence[asyncio.Future[Any]], straggler_seconds: float) -> None:

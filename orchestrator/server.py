@@ -21,7 +21,7 @@ from classify_common.settings import SettingsError, read_secret
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
-from orchestrator.fleet import FleetModels
+from orchestrator.fleet import FleetModels, check_backend_models
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
@@ -30,7 +30,7 @@ from orchestrator.security import CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
 from orchestrator.state import StateMetrics, open_shared_state
-from orchestrator.upstream import UpstreamPools
+from orchestrator.upstream import BackendPool, UpstreamPools
 from orchestrator.workers import (
     LOOP_HEARTBEAT,
     LOOP_HEARTBEAT_SECONDS,
@@ -97,6 +97,8 @@ class OrchestratorServer:
             ModelServicer(FleetModels(self.dispatcher)),
         )
         self._watcher: asyncio.Task[None] | None = None
+        # Background checks of the backends' models, held until they end.
+        self._model_checks: set[asyncio.Task[None]] = set()
 
     @property
     def routes(self) -> RouteTable:
@@ -139,6 +141,14 @@ class OrchestratorServer:
         self.dispatcher.replace(self._routing_state(table, previous))
         self.metrics.routes_reloads.labels("ok").inc()
         self.metrics.routes_file_refused.set(0)
+        kept = previous.upstream.carried_over
+        self._check_models(
+            [
+                pool
+                for pool in self.dispatcher.state.upstream.pools()
+                if pool.backend.name not in kept
+            ]
+        )
         log.info(
             "routes reloaded",
             extra={
@@ -185,8 +195,19 @@ class OrchestratorServer:
             )
             self._watcher = asyncio.create_task(watcher.run(), name="routes-watcher")
 
+    def _check_models(self, pools: list[BackendPool]) -> None:
+        """Check, in the background, that the replicas of `pools` serve their backends'
+        models (fleet.check_backend_models: a misspelt model name is logged)."""
+        if not pools:
+            return
+        check = asyncio.create_task(check_backend_models(pools), name="backend-model-check")
+        self._model_checks.add(check)
+        check.add_done_callback(self._model_checks.discard)
+
     async def stop(self, grace_seconds: float | None = None) -> None:
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
+        for check in list(self._model_checks):
+            check.cancel()
         if self._watcher is not None:
             await stop_watcher(self._watcher, "routes watcher")
             self._watcher = None

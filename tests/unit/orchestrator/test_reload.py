@@ -614,3 +614,34 @@ async def test_a_backend_an_edit_removes_leaves_no_series_behind(
         assert in_flight("static") == 0
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_an_edit_naming_a_model_no_replica_serves_is_applied_and_logged(
+    capability: CapabilityServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Applied (a file cannot know what replicas serve, and a replica may be added
+    later), but said at once, with the backend and its replicas, instead of only by
+    each call that then failed or fell back."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    caplog.set_level(logging.WARNING, logger="orchestrator.fleet")
+    server = await watching_orchestrator(routes)
+    try:
+        replace_file(
+            routes, routes_to("minilm", capability.port).replace("topic-minilm", "topic-minlm")
+        )
+        await wait_until(
+            lambda: any(
+                r.getMessage() == "backend names a model its replicas do not serve"
+                for r in caplog.records
+            ),
+            "the misspelt model logged",
+        )
+        (line,) = [r for r in caplog.records if r.name == "orchestrator.fleet"]
+        assert (line.backend, line.model, line.targets) == (  # type: ignore[attr-defined]
+            "minilm",
+            "topic-minlm",
+            [f"127.0.0.1:{capability.port}"],
+        )
+    finally:
+        await server.stop(grace_seconds=0)
