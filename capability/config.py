@@ -141,7 +141,12 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     spec.refuse_unknown()
     if warm_texts is not None and not isinstance(warm_texts, str):
         raise SettingsError(f"warm_texts {warm_texts!r} is not a file name")
-    batching = BatchingSettings(max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets)
+    try:
+        batching = BatchingSettings(
+            max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets
+        )
+    except SettingsError as exc:
+        raise _refused_batching_key(spec, str(exc), max_wait_ms) from exc
     return ModelServingSettings(
         batching,
         precision,
@@ -151,6 +156,18 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
         None if warm_texts is None else Path(warm_texts),
         cache_hit_floor,
     )
+
+
+def _refused_batching_key(spec: Fields, message: str, max_wait_ms: float) -> FieldRefused:
+    """A BatchingSettings refusal, put to the key of the file that set it (its line, not
+    the model's), in the file's words: `max_wait_ms` in milliseconds, where the
+    setting's own message speaks of max_wait_seconds."""
+    field = message.split(" ", 1)[0]
+    if field == "max_wait_seconds":
+        return FieldRefused(
+            spec.path("max_wait_ms"), f"max_wait_ms {max_wait_ms:g} is outside 0..1000"
+        )
+    return FieldRefused(spec.path(field) if field in spec.raw_keys() else spec.where, message)
 
 
 def check_cuda_devices(names: Sequence[str]) -> None:

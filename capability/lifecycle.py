@@ -308,10 +308,13 @@ class ModelLifecycle:
             present = await asyncio.to_thread(self.root.versions, name)
         except OSError:
             return []
+        # A reload of the serving version refused (its folder damaged since, or no room
+        # for a second copy) leaves the loaded one serving: not a version refused.
+        serving = self.pool.models().get(name)
         return [
             (version, self._refused[(name, version)])
             for version in reversed(present)
-            if (name, version) in self._refused
+            if (name, version) in self._refused and (serving is None or version != serving.version)
         ]
 
     def loading(self, name: str) -> bool:

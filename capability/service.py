@@ -235,6 +235,7 @@ def _fill_response(
     response.trace_id = trace_id
     response.status = pb.RESULT_STATUS_DONE
     response.cached = result.cached
+    response.truncated = result.truncated
 
 
 def _early_answer(

@@ -362,10 +362,24 @@ async def test_get_model_names_the_refused_versions_and_the_pinned_one(
     assert [r.version for r in info.refused_versions] == ["3", "2"]
     assert info.pinned_version == "1"
 
+    # A reload of the serving version refused (its folder damaged since) leaves the
+    # loaded copy serving: it is not listed as refused beside it.
+    truncate_weights(root / MODEL / "1")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        error = await refusal(
+            models.ReloadModel(model_pb.ReloadModelRequest(name=MODEL, version="1"))
+        )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    info = await described(server)
+    assert (info.version, [r.version for r in info.refused_versions]) == ("1", ["3", "2"])
+
     # A refused folder removed leaves the list; one that loads leaves it too.
     shutil.rmtree(root / MODEL / "3")
     shutil.rmtree(root / MODEL / "2")
     deploy(model_root, root, "2", staged_as=".2.partial")
     await reload_model(server)  # the newest, unpinned
     info = await described(server)
-    assert (info.version, info.pinned_version, list(info.refused_versions)) == ("2", "", [])
+    # Version 1's damaged folder is refused, now that another version serves.
+    assert (info.version, info.pinned_version) == ("2", "")
+    assert [r.version for r in info.refused_versions] == ["1"]

@@ -504,6 +504,36 @@ async def test_metrics_scrape_reports_queue_model_and_process_memory_series_on_c
 MISSPELT_CONFIG = "topic-static:\n  max_batch_size: 8\ntopic-minlm:\n  residency: on_demand\n"
 
 
+@pytest.mark.parametrize(
+    ("entry", "refusal"),
+    [
+        (
+            "  queue_capacity: 8\n  max_batch_size: 5000\n",
+            ":3: topic-static.max_batch_size: max_batch_size 5000 is outside 1..1024",
+        ),
+        # In the file's unit and key, not max_wait_seconds 5.0 (no such key in it).
+        (
+            "  max_wait_ms: 5000\n",
+            ":2: topic-static.max_wait_ms: max_wait_ms 5000 is outside 0..1000",
+        ),
+        (
+            "  queue_capacity: 8\n  length_buckets: [64, 32]\n",
+            ":3: topic-static.length_buckets: length_buckets (64, 32) must be ascending positive "
+            "integers",
+        ),
+    ],
+)
+def test_a_batching_value_out_of_range_is_refused_at_its_own_line_and_key(
+    tmp_path: Path, entry: str, refusal: str
+) -> None:
+    """It was put at the model's line (1), naming neither key nor file's unit."""
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-static:\n" + entry)
+    with pytest.raises(SettingsError) as refused:
+        CapabilitySettings(model_config=config).with_model_config()
+    assert str(refused.value) == f"--model-config / CAPABILITY_MODEL_CONFIG: {config}{refusal}"
+
+
 async def test_a_model_config_entry_for_a_model_not_served_stops_the_start(
     start_capability: StartCapability, tmp_path: Path
 ) -> None:

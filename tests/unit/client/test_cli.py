@@ -614,3 +614,14 @@ def test_a_backend_timeout_in_the_services_routes_gets_no_hint_to_raise_the_time
         metadata={"backend": "hung", "backend_timeout_ms": "300"},
     )
     assert (failed_past_the_deadline(own), failed_past_the_deadline(backends)) == (True, False)
+
+
+async def test_a_cut_text_is_said_to_be_truncated(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = await run_against(orchestrator, capsys, " ".join([STRIKER] * 250))
+    assert status == 0
+    said = "\ntext      truncated: longer than the model reads; its beginning was classified\n"
+    assert said in out
+    status, out, _ = await run_against(orchestrator, capsys, STRIKER)
+    assert (status, "truncated" in out) == (0, False)

@@ -69,8 +69,8 @@ def test_buf_breaking_accepts_an_added_field(tmp_path: Path) -> None:
     root = copy_contract(tmp_path)
     plant(
         root,
-        "  bool cached = 9;\n",
-        "  bool cached = 9;\n  // A new field.\n  string note = 10;\n",
+        "  bool truncated = 10;\n",
+        "  bool truncated = 10;\n  // A new field.\n  string note = 11;\n",
     )
 
     result = run_make(

@@ -106,6 +106,10 @@ def format_response(response: pb.ClassifyResponse) -> str:
     lines.append("")
     if response.status != pb.RESULT_STATUS_PROCESSING:
         lines.append(f"model     {response.model.name} (version {response.model.version})")
+        if response.truncated:
+            lines.append(
+                "text      truncated: longer than the model reads; its beginning was classified"
+            )
     lines += [
         f"route     {response.route}{'  [fallback]' if response.fallback else ''}",
         f"request   {response.request_id}",
