@@ -261,8 +261,12 @@ def parse_byte_size(text: str) -> int:
     number, unit = cleaned, ""
     if cleaned and cleaned[-1] in units:
         number, unit = cleaned[:-1], cleaned[-1]
+    example = "e.g. 1073741824, 512MiB, 2GiB"
     try:
         return int(float(number) * units[unit])
     except ValueError:
-        example = "e.g. 1073741824, 512MiB, 2GiB"
         raise ValueError(f"{text!r} is not a size in bytes ({example})") from None
+    except OverflowError:
+        # float("inf"), 1e400: int() of it raised OverflowError, which the settings
+        # parser does not expect, and the server died with a traceback.
+        raise ValueError(f"{text!r} is not a finite size in bytes ({example})") from None

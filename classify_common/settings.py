@@ -164,7 +164,7 @@ class Settings:
             parser.add_argument(
                 each.flag,
                 dest=each.name,
-                type=each.spec.parse,
+                type=_flag_parser(each),
                 default=_from_environment(each, environ),
                 # argparse formats help with %: a literal one (say "80%") must be doubled.
                 help=f"{each.spec.help} [env {each.env}; default {each.default}]".replace(
@@ -172,6 +172,22 @@ class Settings:
                 ),
             )
         return cls(**vars(parser.parse_args(argv)))
+
+
+def _flag_parser(each: Declared) -> Callable[[str], Any]:
+    """The flag's parser for argparse: its refusal in its own words, naming the
+    variable too (argparse said "invalid parse_byte_size value", the function's name,
+    and dropped the parser's message)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return each.spec.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not valid: {exc} (also settable as {each.env})"
+            ) from exc
+
+    return parse
 
 
 def _from_environment(each: Declared, environ: Mapping[str, str]) -> Any:

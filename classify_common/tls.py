@@ -8,6 +8,7 @@ their own certificate where the server asks for one.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def server_tls(
         return None
     if cert is None or key is None:
         raise SettingsError(f"{flags}: give both the certificate and the key")
+    _check_pair(cert, key, flags)
+    if client_ca is not None:
+        _check_ca(client_ca, flags)
     return ServerTls(cert, key, client_ca)
 
 
@@ -76,4 +80,34 @@ def client_tls(
         return None
     if (cert is None) != (key is None):
         raise SettingsError(f"{flags}: give both the client certificate and its key")
+    _check_ca(ca, flags)
+    if cert is not None and key is not None:
+        _check_pair(cert, key, flags)
     return ClientTls(ca, cert, key)
+
+
+# The files are checked when the settings are: gRPC itself said only "Invalid cert
+# chain file" on its own stderr, and the server's refusal read as a port in use; a CA
+# file of garbage was taken, and every call to the backends failed its handshake.
+
+
+def _check_pair(cert: Path, key: Path, flags: str) -> None:
+    """Refuse a certificate and key that are not PEM, or not a pair."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:  # ssl.SSLError is an OSError too
+        reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
+        raise SettingsError(
+            f"{flags}: {cert} and {key} are not a PEM certificate and its key ({reason})"
+        ) from exc
+
+
+def _check_ca(ca: Path, flags: str) -> None:
+    """Refuse a CA file that holds no PEM certificate."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=ca)
+    except OSError as exc:
+        reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
+        raise SettingsError(f"{flags}: {ca} holds no PEM CA certificate ({reason})") from exc

@@ -148,7 +148,8 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
     with pytest.raises(SettingsError, match=r"topic-static\.max_batch: unknown key"):
         CapabilitySettings(model_config=config).with_model_config()
     config.write_text("topic-static:\n  max_batch_size: 0\n")
-    with pytest.raises(SettingsError, match=r"topic-static: max_batch_size 0 is outside 1\.\.1024"):
+    refused = r"topic-static\.max_batch_size: max_batch_size 0 is outside 1\.\.1024"
+    with pytest.raises(SettingsError, match=refused):
         CapabilitySettings(model_config=config).with_model_config()
 
 
@@ -257,3 +258,21 @@ def test_a_secret_file_it_cannot_use_is_refused_naming_its_flag_and_variable(
     ):
         read_secret(capability, "internal_token_file")
     assert read_secret(CapabilitySettings.from_args([], environ={}), "internal_token_file") is None
+
+
+def test_a_byte_size_that_is_not_finite_is_refused_by_flag_and_variable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`inf` raised OverflowError past both parsers: a traceback, exit status 1. And a
+    flag's refusal named the parsing function ("invalid parse_byte_size value")."""
+    with pytest.raises(SettingsError, match=r"^--device-memory-budget / CAPABILITY_DEVICE_MEM"):
+        CapabilitySettings.from_args([], environ={"CAPABILITY_DEVICE_MEMORY_BUDGET": "inf"})
+    with pytest.raises(SystemExit) as exited:
+        CapabilitySettings.from_args(["--result-cache-bytes", "1e400"], environ={})
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.endswith(
+        "error: argument --result-cache-bytes: '1e400' is not valid: '1e400' is not a finite "
+        "size in bytes (e.g. 1073741824, 512MiB, 2GiB) (also settable as "
+        "CAPABILITY_RESULT_CACHE_BYTES)\n"
+    )

@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from classify_common.settings import SettingsError
+from classify_common.tls import client_tls, server_tls
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartCapability, orchestrator_settings, static_routes
 from tests.status_details import refusal
@@ -177,3 +180,28 @@ async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_to
     assert told[1].split()[0] == "sports"
     assert plaintext[0] == 1
     assert "UNAVAILABLE" in plaintext[1]
+
+
+def test_tls_files_that_cannot_work_are_refused_with_the_settings(tmp_path: Path) -> None:
+    """gRPC said only "Invalid cert chain file" on its own stderr, and the start was
+    refused as a port in use; a CA file of garbage was taken, and every call to the
+    backends failed its handshake."""
+    make_certificates(tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    server, client = tmp_path / "server.pem", tmp_path / "client.key"
+    cases = {
+        "garbage certificate": (garbage, tmp_path / "server.key"),
+        "another's key": (server, client),
+    }
+    for case, (cert, key) in cases.items():
+        with pytest.raises(SettingsError, match=r"are not a PEM certificate and its key") as no:
+            server_tls(cert, key, None, "--tls-cert-file, --tls-key-file")
+        assert str(no.value).startswith(f"--tls-cert-file, --tls-key-file: {cert} and {key}"), case
+    with pytest.raises(SettingsError, match=r"garbage\.pem holds no PEM CA certificate"):
+        client_tls(garbage, None, None, "--upstream-ca-file")
+    with pytest.raises(SettingsError, match=r"garbage\.pem holds no PEM CA certificate"):
+        server_tls(server, tmp_path / "server.key", garbage, "--tls-client-ca-file")
+    # The real set passes.
+    assert server_tls(server, tmp_path / "server.key", tmp_path / "ca.pem", "flags") is not None
+    assert client_tls(tmp_path / "ca.pem", tmp_path / "client.pem", client, "flags") is not None

@@ -625,3 +625,15 @@ async def test_a_cut_text_is_said_to_be_truncated(
     assert said in out
     status, out, _ = await run_against(orchestrator, capsys, STRIKER)
     assert (status, "truncated" in out) == (0, False)
+
+
+def test_a_number_no_request_can_carry_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--top-k 99999999999 crashed the command with protobuf's "Value out of range"."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--target", nowhere(), "--top-k", "99999999999", STRIKER])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: argument --top-k: 99999999999 does not fit a 32-bit integer\n"
+    )

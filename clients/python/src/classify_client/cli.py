@@ -174,6 +174,19 @@ def format_error(error: ClassifyError) -> str:
     return "\n".join(lines)
 
 
+def request_int(text: str) -> int:
+    """--top-k, --max-length: an integer the request's int32 field can hold (a larger
+    one crashed the command with protobuf's "Value out of range"); the service checks
+    the rest of its bounds and names them."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{text} does not fit a 32-bit integer")
+    return value
+
+
 def never_reached_a_server(error: ClassifyError) -> bool:
     """Whether no attempt of the call reached a server: every one failed to connect
     (gRPC's own UNAVAILABLE: no ErrorInfo, no trace ID), the last perhaps still waiting
@@ -328,8 +341,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.environ.get("CLASSIFY_TARGET", DEFAULT_TARGET),
         help=f"orchestrator host:port [env CLASSIFY_TARGET; default {DEFAULT_TARGET}]",
     )
-    parser.add_argument("--top-k", type=int, help="only the k best labels")
-    parser.add_argument("--max-length", type=int, help="token budget (default 512)")
+    parser.add_argument("--top-k", type=request_int, help="only the k best labels")
+    parser.add_argument("--max-length", type=request_int, help="token budget (default 512)")
     parser.add_argument("--model", default="", help="model name hint for routing")
     parser.add_argument("--priority", choices=PRIORITIES, default="interactive")
     parser.add_argument("--request-id", default="", help="your own request ID")
