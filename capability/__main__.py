@@ -1,5 +1,9 @@
 import os
 
+from classify_common.early_stop import stop_on_signals_until_serving
+
+stop_on_signals_until_serving()
+
 # How long torch's idle OpenMP threads spin before they sleep, read once when torch
 # loads. GNU OpenMP's default (300,000 spins) keeps them burning a core for a while
 # after every forward, which the serving loops need. Too few spins, and they sleep
@@ -23,6 +27,6 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # A/B, docs/benchmark.md). Set it to override.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from capability.server import main
+from capability.server import main  # noqa: E402 - after the handlers and variables above
 
 main()

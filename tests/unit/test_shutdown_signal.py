@@ -142,3 +142,26 @@ async def test_a_hangup_stops_a_server_unless_it_was_started_to_ignore_hangups()
         # setting SIGHUP to its default for the rest of this process and its children.
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("server", ["capability", "orchestrator"])
+def test_a_stop_while_the_server_imports_ends_it_at_once_with_status_0(
+    server: str, tmp_path: Path
+) -> None:
+    """Its handlers came after its imports (seconds: torch, CUDA): a SIGTERM in them
+    killed it without a word (status -15), and a container's first process, shielded
+    from signals it does not handle, ignored it and went on to serve."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", server, "--port", "0", "--metrics-port", "-1"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.3)  # importing: torch alone takes longer than this
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

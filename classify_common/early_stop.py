@@ -1,0 +1,31 @@
+"""Stop signals before a server's own handlers exist: imported first by each server's
+`__main__`, before anything heavy.
+
+A server installs its handlers when it starts serving (classify_common.serving), but
+its imports come first and take seconds (torch; CUDA on a GPU). A SIGTERM or Ctrl-C in
+them killed the process without a word, or, for a container's first process, which
+the kernel shields from signals it does not handle, was ignored: the server went on
+to start and serve, and the pod waited out its grace period to be killed. Here they
+end it at once, with exit status 0, as a stop during the rest of the start does.
+Only the standard library: this must be quick to import.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
+def stop_on_signals_until_serving() -> None:
+    """Exit on SIGINT, SIGTERM or SIGHUP from now until the server installs its own
+    handlers (which replace these). A SIGHUP the process was started to ignore
+    (nohup) stays ignored."""
+    for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if stop_signal == signal.SIGHUP and signal.getsignal(stop_signal) == signal.SIG_IGN:
+            continue
+        signal.signal(stop_signal, _stop)
