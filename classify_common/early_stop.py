@@ -12,13 +12,18 @@ Only the standard library: this must be quick to import.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
-    sys.exit(0)
+    # NOTE: not sys.exit: its SystemExit, raised inside whatever runs, can be caught and
+    # cleared there (torch's C++ start-up swallows errors from importing numpy), and
+    # the server then went on to serve. Nothing is bound or started yet to clean up.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def stop_on_signals_until_serving() -> None:

@@ -4,7 +4,7 @@ stop_on_signals_until_serving()
 
 from orchestrator.server import main  # noqa: E402 - after the handlers above
 
-# Guarded: worker processes (--processes, orchestrator.workers) are spawned, and a
-# spawned process imports the main module again.
+# Guarded all the same: a process spawned from a script run by path (not `-m`, whose
+# `__main__` multiprocessing leaves alone) imports the main module again.
 if __name__ == "__main__":
     main()

@@ -197,14 +197,26 @@ async def check_backend_models(pools: Sequence[BackendPool]) -> None:
             )
         except grpc.aio.AioRpcError as error:
             return False if error.code() == grpc.StatusCode.NOT_FOUND else None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the check itself was cancelled (the server stops)
+            # The replica's channel was closed under the call: a name's first look-up
+            # replaced it with a channel per address, or a later edit closed the pool.
+            return None
+        except (grpc.aio.UsageError, KeyError):
+            return None  # the pool (or this replica's channel) was closed meanwhile
         return True
 
-    for pool in pools:
+    async def check(pool: BackendPool) -> None:
         targets = pool.replicas
         answers = await asyncio.gather(*(serves(pool, target) for target in targets))
-        without = [
-            target for target, served in zip(targets, answers, strict=True) if served is False
-        ]
+        if targets != pool.replicas and None in answers:
+            # A name looked up while it was asked (its first look-up, on Kubernetes):
+            # ask the addresses it stands for.
+            targets = pool.replicas
+            answers = await asyncio.gather(*(serves(pool, target) for target in targets))
+        without = [t for t, served in zip(targets, answers, strict=True) if served is False]
         if without:
             log.warning(
                 "backend names a model its replicas do not serve",
@@ -215,6 +227,8 @@ async def check_backend_models(pools: Sequence[BackendPool]) -> None:
                     "replicas": len(targets),
                 },
             )
+
+    await asyncio.gather(*(check(pool) for pool in pools))
 
 
 async def _first_answers(asked: Sequence[asyncio.Future[Any]], straggler_seconds: float) -> None:

@@ -205,3 +205,22 @@ def test_tls_files_that_cannot_work_are_refused_with_the_settings(tmp_path: Path
     # The real set passes.
     assert server_tls(server, tmp_path / "server.key", tmp_path / "ca.pem", "flags") is not None
     assert client_tls(tmp_path / "ca.pem", tmp_path / "client.pem", client, "flags") is not None
+
+
+def test_a_weak_certificate_grpc_serves_is_taken_and_an_encrypted_key_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The check followed this OpenSSL's default policy, which refused RSA-1024 (gRPC
+    serves it), and an encrypted key (gRPC cannot use one) was prompted for on the
+    terminal, holding the start."""
+    openssl(
+        "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-keyout", "weak.key",
+        "-out", "weak.pem", "-days", "1", "-subj", "/CN=weak", cwd=tmp_path,
+    )  # fmt: skip
+    assert server_tls(tmp_path / "weak.pem", tmp_path / "weak.key", None, "flags") is not None
+    openssl(
+        "pkey", "-in", "weak.key", "-aes256", "-passout", "pass:secret",
+        "-out", "locked.key", cwd=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(SettingsError, match=r"are not a PEM certificate and its key"):
+        server_tls(tmp_path / "weak.pem", tmp_path / "locked.key", None, "flags")

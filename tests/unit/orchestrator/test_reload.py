@@ -645,3 +645,28 @@ async def test_an_edit_naming_a_model_no_replica_serves_is_applied_and_logged(
         )
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_the_model_check_follows_a_name_target_to_its_addresses(
+    capability: CapabilityServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A name's first look-up replaced its channel while the check asked it (the
+    Kubernetes routes name a Service): the call was cancelled, and the whole check
+    ended without a word."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
+    caplog.set_level(logging.WARNING, logger="orchestrator.fleet")
+    server = await watching_orchestrator(routes)
+    try:
+        misspelt = routes_to("minilm", capability.port).replace("topic-minilm", "topic-minlm")
+        replace_file(routes, misspelt.replace("127.0.0.1:", "localhost:"))
+        await wait_until(
+            lambda: any(r.name == "orchestrator.fleet" for r in caplog.records),
+            "the misspelt model logged",
+            20,
+        )
+        (line,) = [r for r in caplog.records if r.name == "orchestrator.fleet"]
+        assert line.backend == "minilm"  # type: ignore[attr-defined]
+        assert f"127.0.0.1:{capability.port}" in line.targets  # type: ignore[attr-defined]
+    finally:
+        await server.stop(grace_seconds=0)
