@@ -29,7 +29,8 @@ from grpc_status import rpc_status
 
 from capability.server import CapabilityServer
 from classify_client import ClassifyError, pb
-from classify_client.cli import api_key, failed_past_the_deadline, main
+from classify_client._shared import BatchItem
+from classify_client.cli import api_key, failed_past_the_deadline, format_item, main
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
@@ -625,6 +626,31 @@ async def test_a_cut_text_is_said_to_be_truncated(
     assert said in out
     status, out, _ = await run_against(orchestrator, capsys, STRIKER)
     assert (status, "truncated" in out) == (0, False)
+
+
+async def test_file_lines_mark_a_cut_text_and_leave_the_text_last(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{' '.join([STRIKER] * 250)}\n{STRIKER}\n", encoding="utf-8")
+    status, out, err = await run_against(orchestrator, capsys, "--file", str(lines))
+    assert (status, err) == (0, "")
+    cut, whole = out.split("\n")[:-1]
+    assert cut.split("  ")[-2:] == ["[truncated]", STRIKER[:59] + "…"]
+    assert "[" not in whole
+    assert whole.split("  ")[-1] == STRIKER[:59] + "…"
+
+
+def test_a_file_line_answered_by_a_fallback_says_so() -> None:
+    answer = pb.ClassifyResponse(
+        status=pb.RESULT_STATUS_DONE,
+        labels=[pb.Label(name="sports", score=0.5)],
+        fallback=True,
+        truncated=True,
+    )
+    assert format_item(BatchItem(response=answer), "text") == (
+        "sports      0.500  [truncated]  [fallback]  text"
+    )
 
 
 def test_a_number_no_request_can_carry_is_a_usage_error(

@@ -119,7 +119,8 @@ def format_response(response: pb.ClassifyResponse) -> str:
 
 
 def format_item(item: BatchItem, text: str) -> str:
-    """One `--file` output line: best label and score, PROCESSING, or the error."""
+    """One `--file` output line: best label and score (marked when the text was cut or
+    a fallback answered), PROCESSING, or the error."""
     echo = text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 1] + "…"
     if item.error is not None:
         error = item.error
@@ -132,7 +133,13 @@ def format_item(item: BatchItem, text: str) -> str:
     if response.status == pb.RESULT_STATUS_PROCESSING:
         return f"processing  fetch with --result {response.request_id}  {echo!r}"
     best = response.labels[0]
-    return f"{best.name:<10}  {best.score:5.3f}  {printable(echo)}"
+    # The marks stand before the text, so that the text stays the line's last column.
+    marks = "".join(
+        f"[{mark}]  "
+        for mark, shown in (("truncated", response.truncated), ("fallback", response.fallback))
+        if shown
+    )
+    return f"{best.name:<10}  {best.score:5.3f}  {marks}{printable(echo)}"
 
 
 def printable(text: str) -> str:
