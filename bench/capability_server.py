@@ -61,7 +61,7 @@ CONCURRENCY = (1, 8, 32, 128)
 PROBE_SECONDS = 2.0
 # The saturation figure alternates short ceiling and server windows, so the host's
 # drift (its speed moved by a third within minutes) falls on both alike.
-SATURATION_ROUNDS = 7
+SATURATION_ROUNDS = 5
 SATURATION_SECONDS = 3.0
 STEPS = 2 + 1 + len(CONCURRENCY) + 1 + len(CONCURRENCY)
 
@@ -120,7 +120,7 @@ def saturation_rounds(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=6.0, help="load per concurrency level")
+    parser.add_argument("--seconds", type=float, default=4.0, help="load per concurrency level")
     args = parser.parse_args()
     progress = Progress(STEPS)
 

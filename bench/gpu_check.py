@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from bench.load_clients import percentile  # noqa: E402
 from capability.batching import BatchingSettings  # noqa: E402
 from capability.bundle import load_bundle  # noqa: E402
 from capability.memory import format_bytes, read_memory, split_memory  # noqa: E402
@@ -125,7 +126,7 @@ async def main() -> bool:
                 print(
                     f"{worker.name:>8}: {size:5d} | {size * len(timings) / sum(timings):7.0f} | "
                     f"{statistics.median(timings) * 1000:20.2f} | "
-                    f"{timings[int(0.99 * (len(timings) - 1))] * 1000:6.2f} | {memory_text}"
+                    f"{percentile(timings, 0.99) * 1000:6.2f} | {memory_text}"
                 )
             await print_stages(worker.name, worker.device, classifier)
         print_ledger(pool, bundle.name)

@@ -37,6 +37,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
+from bench.load_clients import percentile  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
 from capability.workers.threads import CpuLanes  # noqa: E402
 from classify_common.metrics import RPC_DURATION_SECONDS  # noqa: E402
@@ -332,8 +333,9 @@ async def drive(
 ) -> dict[str, Any]:
     """`concurrency` clients in closed loop for `seconds`: each sends its next call as
     soon as the last one is answered. Throughput (calls, and texts answered without
-    an error), call latency, and errors (texts that failed, a failed call counting
-    all its texts), with the first failure's code and message.
+    an error), call latency (of every call, failed ones included), and errors
+    (texts that failed, a failed call counting all its texts, warm-up calls
+    included), with the first failure's code and message.
 
     One warm-up call per client comes first, so connection set-up is not measured.
     A warm-up call answered UNIMPLEMENTED is raised: the server does not offer the
@@ -357,6 +359,9 @@ async def drive(
                 answered += items_per_call - failed
                 first_error = first_error or failure
             except grpc.aio.AioRpcError as refused:
+                # A failed call counts in the latencies and the call rate too: left out,
+                # a call that ran into its timeout flattered both.
+                latencies.append(time.perf_counter() - call_started)
                 errors += items_per_call
                 first_error = first_error or f"{refused.code().name}: {refused.details()}"
             n += concurrency
@@ -377,6 +382,8 @@ async def drive(
             if isinstance(outcome, grpc.aio.AioRpcError):
                 if outcome.code() == grpc.StatusCode.UNIMPLEMENTED:
                     raise outcome
+                # Outside the measured window, but an error all the same: it counts.
+                errors += items_per_call
                 first_error = first_error or f"{outcome.code().name}: {outcome.details()}"
             elif isinstance(outcome, BaseException):
                 raise outcome
@@ -396,7 +403,7 @@ async def drive(
         "requests_per_second": len(latencies) / elapsed,
         "texts_per_second": answered / elapsed,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000 if latencies else float("nan"),
+        "p99_ms": percentile(latencies, 0.99) * 1000,
         "errors": errors,
         "first_error": first_error,
         "calls": len(latencies),

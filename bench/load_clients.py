@@ -24,6 +24,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -40,8 +41,15 @@ CALLERS_PER_PROCESS = 128
 CALLERS_PER_CONNECTION = 32
 # Calls without a deadline still get one, long enough never to matter.
 NO_DEADLINE_SECONDS = 30.0
-# A call is late when it ends more than this past its deadline.
+# A call is late when it ends more than this past its deadline. gRPC ends a call at
+# its deadline on the caller's side, whatever the server does, so a late call is one
+# whose caller's own event loop fell behind (on a machine the servers share); a call
+# the service let run out without an answer or a refusal is UNANSWERED_REASON.
 LATE_BY_SECONDS = 0.05
+# The outcome's reason for a call that ended at its deadline with no status details:
+# neither answered nor refused in time (the caller's deadline, or the server's gRPC
+# ending it at the same deadline).
+UNANSWERED_REASON = "(no reason: client deadline)"
 # Seconds the processes get to start and connect before the phase begins together.
 START_MARGIN_SECONDS = 3.0
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -127,7 +135,7 @@ async def _caller(
             outcome = "OK"
         except grpc.aio.AioRpcError as error:
             reason, wait = status_details(error)
-            outcome = f"{error.code().name}: {reason or '(no reason: client deadline)'}"
+            outcome = f"{error.code().name}: {reason or UNANSWERED_REASON}"
         took = loop.time() - started
         record.calls += 1
         record.outcomes[outcome] += 1
@@ -289,8 +297,10 @@ def run_phase(
     ).result()
 
 
-def percentile(values: list[float], share: float) -> float:
+def percentile(values: Sequence[float], share: float) -> float:
+    """The nearest-rank percentile: the smallest value that `share` of `values` are at
+    or below (the 99th of 100 for p99). Every bench computes its percentiles here."""
     if not values:
         return math.nan
     ordered = sorted(values)
-    return ordered[min(int(share * len(ordered)), len(ordered) - 1)]
+    return ordered[max(math.ceil(share * len(ordered)) - 1, 0)]

@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
-        "--seconds", type=float, default=4.0, help="measuring time per throughput figure"
+        "--seconds", type=float, default=2.0, help="measuring time per throughput figure"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -69,8 +69,8 @@ class NaiveServicer(pb_grpc.ClassifyServiceServicer):
 
 async def serve(port: int, bundle: Path, device: str) -> None:
     if device == "cpu" or not torch.cuda.is_available():
-        # The same threads as ours; its forwards run on the event loop, the only thread
-        # that computes.
+        # The same threads as ours; its forwards run one at a time on a single executor
+        # thread, the only thread that computes.
         torch.set_num_threads(cpu_threads_per_worker(cpu_workers=1))
     server = grpc.aio.server()
     pb_grpc.add_ClassifyServiceServicer_to_server(NaiveServicer(bundle, device), server)
