@@ -229,20 +229,23 @@ class Admitter:
         now = asyncio.get_running_loop().time()
         outcome = list(encoded)
         waiting = []
+        # When each waiting text's cold start must begin at the latest (None: no deadline).
+        starts: list[float | None] = []
         for index, (text, tokens) in enumerate(zip(texts, encoded, strict=True)):
             if index in hits or not isinstance(tokens, EncodedText):
                 continue
             refusal = replica.cold_start_refusal(len(tokens), text.deadline, now)
             if refusal is None:
                 waiting.append(index)
+                starts.append(replica.latest_cold_start(len(tokens), text.deadline))
             else:
                 outcome[index] = refusal
                 if text.count_refusal:
                     self._count_refusal(replica.name, refusal)
         if waiting:
-            # Room for the cold start is waited for as long as the latest text can wait.
-            deadlines = [texts[index].deadline for index in waiting]
-            latest = None if None in deadlines else max(d for d in deadlines if d is not None)
+            # Room for the cold start is waited for as long as the latest text can wait
+            # and still be answered in time.
+            latest = None if None in starts else max(s for s in starts if s is not None)
             try:
                 await replica.worker.ensure_resident(replica, latest)
             except ServiceError as failed:

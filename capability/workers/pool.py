@@ -9,7 +9,8 @@ admitted in one step (capability.workers.admission), and every text is answered
 on its own. Loading a model version loads one replica per worker, each on its
 own device, and switches all workers only when every replica loaded: a version
 that fails anywhere (a bad file, a footprint over a worker's device memory budget)
-serves nowhere, and the previous version keeps serving.
+serves nowhere, and the previous version keeps serving. A load refills the result
+cache; an on_demand model's refill waits until a caller brings it onto a device.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from capability.workers.admission import (
     remember_result,
     run_each,
 )
-from capability.workers.residency import DEFAULT_IDLE_SECONDS, RESIDENT, SHARDED
+from capability.workers.residency import DEFAULT_IDLE_SECONDS, ON_DEMAND, RESIDENT, SHARDED
 from capability.workers.threads import compute_inline, cpu_threads_per_worker
 from capability.workers.worker import DeviceWorker, ModelReplica
 from classify_common.context import new_request_id
@@ -193,6 +194,7 @@ class WorkerPool:
                 memory_warm_up=memory_warm_up,
                 cpu_compute_nice=cpu_compute_nice,
                 cpu_threads=self.cpu_threads,
+                on_cold_start=self._refill_after_cold_start,
             )
             for device, name in zip(devices, worker_names(devices), strict=True)
         ]
@@ -201,6 +203,9 @@ class WorkerPool:
         self._admitter = Admitter(self._count_refusal, self.cache)
         # Refilling the cache after a swap, at batch priority; cancelled at close.
         self._warming: set[asyncio.Task[None]] = set()
+        # The texts of an on_demand model's refill, by model, until a caller brings it
+        # onto a device: a load copies no model there for the cache's sake.
+        self._refill_waiting: dict[str, list[WarmText]] = {}
         # A loader's warm-up computes inline: a loader thread keeping torch threads of
         # its own would slow every forward on the device threads (threads.py).
         self._loaders = ThreadPoolExecutor(
@@ -260,8 +265,10 @@ class WorkerPool:
         self._load_seconds[bundles[0].name] = load_seconds
         serving = bundles[0]
         carried = self.cache.switch_bundle(serving.name, serving.digest)
-        # The old version's most hit texts, then the model's warm_texts file.
-        refill = list(dict.fromkeys([*carried, *warm_texts]))
+        # The old version's most hit texts, those of its refill still waiting for a cold
+        # start (an on_demand version never called), then the model's warm_texts file.
+        waiting = self._refill_waiting.pop(serving.name, [])
+        refill = list(dict.fromkeys([*carried, *waiting, *warm_texts]))
         self._refill_cache(serving.name, refill if self.cache.enabled else [])
         log.info(
             "model version serving",
@@ -354,26 +361,60 @@ class WorkerPool:
         ]
 
     def _refill_cache(self, model: str, texts: list[WarmText]) -> None:
-        """Compute the old version's most hit texts on the new one, in the background."""
+        """Compute the old version's most hit texts on the new one, in the background;
+        for an on_demand model, once a caller has brought it onto a device (a cold
+        start only for the cache would take another model's room, or wait for it)."""
         if not texts:
             return
-        task = asyncio.create_task(self._warm_cache(model, texts), name=f"warm-cache-{model}")
+        if self.residency(model) == ON_DEMAND:
+            self._refill_waiting[model] = texts
+            log.info(
+                "result cache refill waits for the model's next cold start",
+                extra={"model": model, "texts": len(texts)},
+            )
+            return
+        self._start_refill(model, texts, None)
+
+    def _refill_after_cold_start(self, replica: ModelReplica) -> None:
+        """A worker has brought `replica` onto its device for a caller: refill the
+        cache on it with the texts its model's refill left waiting, while it is there."""
+        if replica.worker.replicas.get(replica.name) is not replica:
+            return  # a version replaced since: the waiting texts are the serving one's
+        texts = self._refill_waiting.pop(replica.name, None)
+        if texts:
+            self._start_refill(replica.name, texts, replica)
+
+    def _start_refill(self, model: str, texts: list[WarmText], onto: ModelReplica | None) -> None:
+        task = asyncio.create_task(self._warm_cache(model, texts, onto), name=f"warm-cache-{model}")
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    async def _warm_cache(self, model: str, texts: list[WarmText]) -> None:
-        """Compute `texts` into the cache, one chunk at a time, each waited for.
+    async def _warm_cache(
+        self, model: str, texts: list[WarmText], onto: ModelReplica | None
+    ) -> None:
+        """Compute `texts` into the cache, one chunk at a time, each waited for, on the
+        model's least-loaded replica, or all on `onto` (an on_demand replica on its
+        device).
 
         A chunk is at most the free room of the queue it joins, and at most one full
         batch: a warm_texts file may hold 10,000 texts, and admitted all at once all
         but a queue's worth would be refused. One batch at a time leaves the rest of
         the queue to callers. When callers' texts fill the queue, the refill stops
-        there: the cache then fills from their texts anyway. Refusals of refill texts
-        are not counted as admissions refused: no caller was refused."""
+        there: the cache then fills from their texts anyway. When `onto` leaves its
+        device, the rest waits for the model's next cold start rather than bringing
+        it back. Refusals of refill texts are not counted as admissions refused: no
+        caller was refused."""
         computed = 0
         offered = 0
         while offered < len(texts) and not self.draining:
-            replica = self._least_loaded(model)
+            replica = self._least_loaded(model) if onto is None else onto
+            # NOTE: checked in the same step as _classify_many marks the chunk arriving
+            # (no await between), and an eviction skips a replica with texts arriving:
+            # so a chunk admitted here never needs a cold start.
+            if onto is not None and not onto.is_resident:
+                if onto.worker.replicas.get(model) is onto:
+                    self._refill_waiting.setdefault(model, texts[offered:])
+                break
             batching = replica.settings
             room = min(batching.queue_capacity - len(replica.queue), batching.max_batch_size)
             if room <= 0:
@@ -394,7 +435,7 @@ class WorkerPool:
                 )
                 for warm in chunk
             ]
-            outcomes = await self._classify_many(requests, None)
+            outcomes = await self._classify_many(requests, None, replica)
             done = sum(isinstance(outcome, TextResult) for outcome in outcomes)
             computed += done
             self._metrics.result_cache_warmed.labels(model).inc(done)
@@ -409,7 +450,8 @@ class WorkerPool:
         )
 
     async def wait_cache_refilled(self) -> None:
-        """Return once every refill of the cache after a swap has finished."""
+        """Return once every refill of the cache after a swap has finished (one waiting
+        for an on_demand model's cold start has not begun)."""
         while self._warming:
             await asyncio.gather(*self._warming, return_exceptions=True)
 
@@ -541,7 +583,10 @@ class WorkerPool:
         self,
         texts: Sequence[TextRequest],
         on_refused: Callable[[dict[int, ServiceError]], Awaitable[None]] | None,
+        onto: ModelReplica | None = None,
     ) -> list[TextResult | ServiceError]:
+        """classify_many, each model's texts sent to its least-loaded replica, or (the
+        cache's refill, texts of one model) all to `onto`."""
         outcomes: list[TextResult | ServiceError | None] = [text.refusal for text in texts]
         by_model: dict[str, list[int]] = {}
         for index, text in enumerate(texts):
@@ -552,7 +597,7 @@ class WorkerPool:
             try:
                 if self.draining:
                     raise ServerDraining("the server is shutting down; send the request elsewhere")
-                routed.append((self._least_loaded(model), indexes))
+                routed.append((onto or self._least_loaded(model), indexes))
             except ServiceError as refused:
                 for index in indexes:
                     outcomes[index] = refused
@@ -606,7 +651,8 @@ class WorkerPool:
         try:
             if refusal is not None:
                 raise refusal
-            await replica.worker.ensure_resident(replica, deadline)
+            start_by = replica.latest_cold_start(tokens, deadline)
+            await replica.worker.ensure_resident(replica, start_by)
         except ServiceError as refused:
             self._count_refusal(replica.name, refused)
             raise

@@ -12,7 +12,8 @@ Every replica keeps a ledger entry (capability.memory.MemoryLedger): memory arou
 each load stage and around a warm-up at its largest batch of its longest texts. The
 worker refuses a version whose predicted (before its weights are read) or measured
 (after that warm-up) footprint, with what the versions resident on it already
-hold, would exceed its device memory budget; the serving version stays.
+hold, would exceed its device memory budget once idle on_demand versions have left
+to make room; the serving version stays.
 
 That warm-up holds the device for one forward of the measured shape (seconds for
 the MiniLM's 64 x 256 tokens on a CPU), and every model on the worker waits for it.
@@ -24,14 +25,17 @@ that measured overhead over (`carried_from`), and serving goes on meanwhile.
 An on_demand replica (capability/workers/residency.py) is loaded and measured like
 any other, then its weights wait in host memory: the first request copies them onto
 the device (after evicting idle on_demand models, least recently used first, if the
-budget needs room), and the worker's evictor takes them off again once unused for
-the model's `idle_seconds`. Residency changes are serialised by one lock per worker
-and run on the device thread in its turn.
+budget needs room), and the worker's evictor takes them off again once it has not
+used the device for the model's `idle_seconds` (a result-cache hit does not). A
+request gives up waiting for room while a cold start could still answer it in
+time, so that its caller can still fall back. Residency changes are serialised by
+one lock per worker and run on the device thread in its turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -123,15 +127,18 @@ class LoadAbandoned(Exception):
 class BudgetedLoad:
     """A LoadWatch for one version on one worker: readings of its device, and the
     budget check of the footprint predicted from the weights' bytes, made before
-    any weight is read. `held` and `overhead` are taken on the event loop when the
-    load starts (the loader thread reads no worker state). Once `abandon`ed, the
-    next reading (a stage boundary) raises LoadAbandoned."""
+    any weight is read. The loader thread reads no worker state: `overhead` is taken
+    on the event loop when the load starts, and room for the weights is made there
+    (DeviceWorker.make_room_for_load) while the loader thread waits. Once `abandon`ed,
+    the next reading (a stage boundary) raises LoadAbandoned, as does a wait for room."""
 
     def __init__(self, worker: DeviceWorker, model: str, version: str) -> None:
         self._worker = worker
         self._model = model
         self._version = version
-        self._held = worker.held_bytes()
+        self._loop = asyncio.get_running_loop()
+        # The event loop's making room for the weights, once admit_weights asks.
+        self._room: concurrent.futures.Future[int] | None = None
         # What the serving version of this model needed beyond its weights
         # (activations, workspaces), measured: the best guess for the next one.
         serving = worker.replicas.get(model)
@@ -142,8 +149,11 @@ class BudgetedLoad:
         self._abandoned = threading.Event()
 
     def abandon(self) -> None:
-        """From the event loop: end the load at its next stage boundary."""
+        """From the event loop: end the load at its next stage boundary, or its wait
+        for room."""
         self._abandoned.set()
+        if self._room is not None:
+            self._room.cancel()
 
     def read(self) -> MemoryReading:
         if self._abandoned.is_set():
@@ -151,13 +161,25 @@ class BudgetedLoad:
         return read_memory(self._worker.device)
 
     def admit_weights(self, weights_bytes: int) -> None:
+        """On the loader thread: wait while the event loop makes room for the predicted
+        footprint, then refuse it if it still does not fit."""
         self.predicted_bytes = weights_bytes + self._overhead
         how = f"predicted: {format_bytes(weights_bytes)} of weights"
         if self._overhead:
             how += f" + {format_bytes(self._overhead)} measured beyond the serving version's"
-        self._worker.refuse_over_budget(
-            self._model, self._version, self.predicted_bytes, how, self._held
+        self._room = asyncio.run_coroutine_threadsafe(
+            self._worker.make_room_for_load(self.predicted_bytes), self._loop
         )
+        # NOTE: `abandon` may have run before `_room` was set, and then cancelled nothing.
+        if self._abandoned.is_set():
+            self._room.cancel()
+        try:
+            held = self._room.result()
+        except concurrent.futures.CancelledError:
+            raise LoadAbandoned(
+                f"load of version {self._version} of {self._model} abandoned"
+            ) from None
+        self._worker.refuse_over_budget(self._model, self._version, self.predicted_bytes, how, held)
 
 
 class ModelReplica:
@@ -182,7 +204,10 @@ class ModelReplica:
         self.idle_seconds = idle_seconds
         # The host copy of an on_demand replica's weights, once it is serving.
         self.on_demand: OnDemandWeights | None = None
-        # When a text last arrived or was answered (time.monotonic, the loop's clock).
+        # When the model last used the device (time.monotonic, the loop's clock): its
+        # cold start, or its queue settling (texts answered, or evicted unseen). What
+        # its idle_seconds count from; a result-cache hit does no device work and
+        # keeps no model on the device.
         self.last_used = time.monotonic()
         # The latest cold start's seconds: the wait predicted for the next one.
         self.cold_start_seconds: float | None = None
@@ -201,7 +226,7 @@ class ModelReplica:
             self._compute,
             metrics,
             retry_after=self.predictor.drain_seconds,
-            on_settled=self._set_idle_if_nothing_left,
+            on_settled=self._settle,
             predictor=self.predictor,
         )
         # What this version costs on the device; set by DeviceWorker.prepare.
@@ -252,6 +277,18 @@ class ModelReplica:
         stages = self.bundle.stage_seconds
         return stages.get("load_weights", 0.0) + stages.get("trace_graph", 0.0)
 
+    def predicted_cold_answer_seconds(self, tokens: int) -> float:
+        """How long a text of `tokens` takes from the start of a cold start: copying the
+        weights onto the device, then its computation."""
+        return self.predicted_cold_start_seconds() + self.predictor.service_seconds(tokens)
+
+    def latest_cold_start(self, tokens: int, deadline: float | None) -> float | None:
+        """The last moment (event-loop time) a cold start may begin and still answer a
+        text of `tokens` by `deadline`; None without a deadline."""
+        if deadline is None:
+            return None
+        return deadline - self.predicted_cold_answer_seconds(tokens)
+
     def cold_start_refusal(
         self, tokens: int, deadline: float | None, now: float
     ) -> DeadlineUnreachable | None:
@@ -260,7 +297,7 @@ class ModelReplica:
         if deadline is None or self.is_resident:
             return None
         remaining = deadline - now
-        needed = self.predicted_cold_start_seconds() + self.predictor.service_seconds(tokens)
+        needed = self.predicted_cold_answer_seconds(tokens)
         if remaining >= needed:
             return None
         return DeadlineUnreachable(
@@ -285,8 +322,13 @@ class ModelReplica:
         self.on_demand = OnDemandWeights(self.bundle.classifier, self.bundle.graph)
         self.on_demand.evict()
 
-    def _set_idle_if_nothing_left(self) -> None:
+    def _settle(self) -> None:
+        """The batcher's work may have run out (a device turn ended, a text was evicted
+        from the queue): the model used the device until now."""
         self.last_used = time.monotonic()
+        self._set_idle_if_nothing_left()
+
+    def _set_idle_if_nothing_left(self) -> None:
         if not (self.arriving or self.queue or self.in_flight):
             self._idle.set()
 
@@ -478,9 +520,11 @@ class DeviceWorker:
         memory_warm_up: str = "largest",
         cpu_compute_nice: int = 0,
         cpu_threads: int = 1,
+        on_cold_start: Callable[[ModelReplica], None] = lambda replica: None,
     ) -> None:
         """`cpu_threads`: torch intra-op threads of a CPU worker's device thread (a CUDA
-        worker's runs on one: capability.workers.threads)."""
+        worker's runs on one: capability.workers.threads); `on_cold_start(replica)`:
+        told once an on_demand replica has been copied onto the device."""
         self.device = device
         self.name = name
         self._metrics = metrics
@@ -511,6 +555,7 @@ class DeviceWorker:
         self._residency = asyncio.Lock()
         # Takes idle on_demand replicas off the device; started with the first one.
         self._evictor: asyncio.Task[None] | None = None
+        self._on_cold_start = on_cold_start
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -565,6 +610,14 @@ class DeviceWorker:
         """The LoadWatch for loading `version` of `model` onto this worker now."""
         return BudgetedLoad(self, model, version)
 
+    async def make_room_for_load(self, needed: int) -> int:
+        """Make room for a version loading here that needs `needed` bytes, as a cold
+        start does (`_make_room`); the bytes held then, which the caller refuses the
+        version against (refuse_over_budget) if they still leave no room."""
+        loop = asyncio.get_running_loop()
+        async with self._residency:
+            return await self._evict_for_room(needed, loop.time() + ROOM_WAIT_SECONDS)
+
     def refuse_over_budget(
         self, model: str, version: str, needed: int, how: str, held: int
     ) -> None:
@@ -592,8 +645,9 @@ class DeviceWorker:
     ) -> ModelReplica:
         """A warmed-up replica of `bundle` on this device, with its ledger entry, not
         yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
-        not fit beside the resident versions. An on_demand one then waits in host
-        memory; a sharded one has its layers split across `shard_devices` first."""
+        not fit beside the resident versions, once idle on_demand ones have left to
+        make room. An on_demand one then waits in host memory; a sharded one has its
+        layers split across `shard_devices` first."""
         replica = ModelReplica(bundle, self, settings, self._metrics, residency, idle_seconds)
         if residency == SHARDED:
             await self.run_on_device(replica.shard, shard_devices or [self.device])
@@ -633,9 +687,8 @@ class DeviceWorker:
                 },
             )
         replica.ledger = ledger
-        self.refuse_over_budget(
-            bundle.name, bundle.version, ledger.footprint_bytes, how, self.held_bytes()
-        )
+        held = await self.make_room_for_load(ledger.footprint_bytes)
+        self.refuse_over_budget(bundle.name, bundle.version, ledger.footprint_bytes, how, held)
         if residency == ON_DEMAND:
             await self.run_on_device(replica.keep_on_host)
             await self.release_cached(CACHE_RELEASE_EVICTED)
@@ -657,19 +710,38 @@ class DeviceWorker:
         )
         return ledger if alike else None
 
-    async def ensure_resident(self, replica: ModelReplica, deadline: float | None = None) -> None:
+    async def ensure_resident(self, replica: ModelReplica, give_up_at: float | None = None) -> None:
         """Copy an on_demand replica's weights onto the device if they are not there
         (a cold start, counted and timed), making room first by evicting idle on_demand
         replicas, least recently used first; when every one is busy, waiting for one to
-        go idle until `deadline` (event-loop time; None: ROOM_WAIT_SECONDS).
-        DeviceMemoryPressure when none can go by then."""
+        go idle until `give_up_at` (event-loop time: the latest the cold start may begin
+        and still answer in time, ModelReplica.latest_cold_start; None:
+        ROOM_WAIT_SECONDS from now). DeviceMemoryPressure when none can go by then, or
+        when the cold starts and loads ahead of this one hold the residency lock until
+        then: refused while the caller still has time to fall back."""
         if replica.is_resident:
             return
-        async with self._residency:
+        loop = asyncio.get_running_loop()
+        if give_up_at is None:
+            give_up_at = loop.time() + ROOM_WAIT_SECONDS
+        # The lock is waited for until then too: behind a cold start that waits for room,
+        # this one would otherwise wait past its caller's deadline.
+        try:
+            async with asyncio.timeout_at(give_up_at):
+                await self._residency.acquire()
+        except TimeoutError:
+            raise DeviceMemoryPressure(
+                f"model {replica.name} is not on {self.name}, and the cold starts and loads "
+                "making room there ahead of it left no time to copy it there and answer "
+                "in time",
+                retry_after_seconds=1.0,
+                worker=self.name,
+            ) from None
+        try:
             weights = replica.on_demand
             if weights is None or weights.resident:
                 return
-            await self._make_room(replica, deadline)
+            await self._make_room(replica, give_up_at)
             started = time.perf_counter()
             try:
                 await self.run_on_device(weights.restore)
@@ -680,7 +752,10 @@ class DeviceWorker:
                     worker=self.name,
                 ) from exc
             seconds = time.perf_counter() - started
+        finally:
+            self._residency.release()
         replica.cold_start_seconds = seconds
+        replica.last_used = time.monotonic()
         self._metrics.model_cold_starts.labels(replica.name, self.name).inc()
         self._metrics.model_cold_start_seconds.labels(replica.name).observe(seconds)
         self._metrics.model_resident.labels(replica.name, self.name).set(1)
@@ -688,35 +763,47 @@ class DeviceWorker:
             "model copied onto the device",
             extra={"model": replica.name, "worker": self.name, "seconds": round(seconds, 3)},
         )
+        self._on_cold_start(replica)
 
-    async def _make_room(self, replica: ModelReplica, deadline: float | None) -> None:
-        """Evict idle on_demand replicas, least recently used first, until `replica`'s
-        footprint fits the budget; while every evictable one is busy, wait for one to go
-        idle (until `deadline`). The caller holds the residency lock, so cold starts
-        queue behind this one while the resident models keep serving."""
+    async def _make_room(self, replica: ModelReplica, give_up_at: float) -> None:
+        """Make room for `replica`'s footprint (`_evict_for_room`), or raise
+        DeviceMemoryPressure. The caller holds the residency lock, so cold starts queue
+        behind this one while the resident models keep serving."""
         assert replica.ledger is not None, "a serving replica has its ledger entry"
         needed = replica.ledger.footprint_bytes
+        held = await self._evict_for_room(needed, give_up_at, replica)
+        if held + needed > self.memory_budget_bytes:
+            raise DeviceMemoryPressure(
+                f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
+                f"the models on the device hold {format_bytes(held)} of the "
+                f"{format_bytes(self.memory_budget_bytes)} budget and none went idle "
+                "in time to make room",
+                retry_after_seconds=1.0,
+                worker=self.name,
+            )
+
+    async def _evict_for_room(
+        self, needed: int, give_up_at: float, keep: ModelReplica | None = None
+    ) -> int:
+        """Evict idle on_demand replicas (but `keep`), least recently used first, until
+        `needed` more bytes fit the budget; while every evictable one is busy, wait for
+        one to go idle, until `give_up_at` (event-loop time). The bytes held then (with
+        `needed`, over the budget when no room was made in time). The caller holds the
+        residency lock."""
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + ROOM_WAIT_SECONDS if deadline is None else deadline
         while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
             evictable = [
                 other
                 for other in self.replicas.values()
-                if other.on_demand is not None and other.is_resident and other is not replica
+                if other.on_demand is not None and other.is_resident and other is not keep
             ]
             idle = [other for other in evictable if not other.load]
             if idle:
                 await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
                 continue
             if not evictable or not await _one_goes_idle(evictable, give_up_at - loop.time()):
-                raise DeviceMemoryPressure(
-                    f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
-                    f"the models on the device hold {format_bytes(held)} of the "
-                    f"{format_bytes(self.memory_budget_bytes)} budget and none went idle "
-                    "in time to make room",
-                    retry_after_seconds=1.0,
-                    worker=self.name,
-                )
+                break
+        return held
 
     async def _evict(self, replica: ModelReplica, reason: str) -> None:
         """Take an idle on_demand replica's weights off the device, in the device's

@@ -2,7 +2,10 @@
 weights wait in host memory, the first request copies them onto the device (a cold
 start, counted and timed), an idle model leaves again and gives its memory back, a
 deadline shorter than the cold start is refused so a fallback can answer, twenty
-models share a budget that holds five under round-robin load; and sharding is
+models share a budget that holds five under round-robin load, a load makes room by
+evicting idle models and copies none onto the device to refill the result cache, a
+cold start that finds no room in time is refused for memory while its caller can
+still fall back, and result-cache hits keep no model on the device; and sharding is
 refused where it cannot run."""
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import BundleConfigInvalid, write_manifest
+from capability.config import CapabilitySettings
 from capability.metrics import (
+    ADMISSIONS_REFUSED_TOTAL,
     DEVICE_CACHE_RELEASES_TOTAL,
     DEVICE_MEMORY_BYTES,
     MODEL_COLD_START_SECONDS,
@@ -32,6 +37,7 @@ from capability.metrics import (
     MODEL_EVICTIONS_TOTAL,
     MODEL_FORWARD_TOTAL,
     MODEL_RESIDENT,
+    RESULT_CACHE_WARMED_TOTAL,
 )
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
@@ -44,7 +50,7 @@ from tests.conftest import (
     metric_sum,
     wait_until,
 )
-from tests.status_details import refusal
+from tests.status_details import error_info, refusal
 from tests.unit.capability.test_serving import device_occupied
 
 MODEL = "topic-static"
@@ -395,3 +401,181 @@ async def test_a_model_without_layers_is_not_sharded(start_capability: StartCapa
         "config.json: a static-embedding model has no layers to shard (residency: sharded); "
         f"use resident or on_demand (version 1 of model '{MODEL}', "
     )
+
+
+async def on_demand_in_room_for_one(
+    start_capability: StartCapability,
+    model_root: Path,
+    tmp_path: Path,
+    names: Sequence[str] = ("static-a", "static-b"),
+    **settings: Any,
+) -> CapabilityServer:
+    """`names`, all on_demand, in a budget that holds one of them."""
+    copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
+    return await start_capability(
+        model_root=tmp_path / "models",
+        default_model=names[0],
+        residency="on_demand",
+        idle_seconds=3600,
+        # NOTE: not 1.5: on the CPU the first load in a process measures a footprint
+        # of about 1.5 times its weights (the process's own first-use growth counts).
+        device_memory_budget=int(1.9 * STATIC_WEIGHT_BYTES),
+        **settings,
+    )
+
+
+async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    shutil.copytree(tmp_path / "models" / "static-b" / "1", tmp_path / "models" / "static-b" / "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))  # a, idle now
+        reloaded = await models.ReloadModel(model_pb.ReloadModelRequest(name="static-b"))
+        assert reloaded.model.version == "2"
+        # a left the device for b's load, and b then waits in host memory.
+        evicted = {"model": "static-a", "reason": "budget"}
+        assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL, **evicted) == 1
+        assert metric_sum(server.registry, MODEL_RESIDENT) == 0
+        assert metric_sum(server.registry, MODEL_COLD_STARTS_TOTAL, model="static-b") == 0
+        for name in ("static-b", "static-a"):
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=name))
+            assert (answer.model.name, answer.labels[0].name) == (name, "sports")
+    worker = server.pool.workers[0]
+    assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_on_demand_models_with_warm_texts_start_in_room_for_one_and_warm_at_first_call(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "hot.txt").write_text("\n".join(TOPICAL_TEXTS) + "\n")
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        "".join(
+            f"{name}:\n  residency: on_demand\n  idle_seconds: 3600\n  warm_texts: hot.txt\n"
+            for name in ("static-a", "static-b")
+        )
+    )
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await on_demand_in_room_for_one(
+        start_capability, model_root, tmp_path, result_cache_entries=1000, per_model=per_model
+    )
+    # Loading wakes no model: the refill waits for each model's first call.
+    await server.pool.wait_cache_refilled()
+    assert metric_sum(server.registry, MODEL_COLD_STARTS_TOTAL) == 0
+    assert metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL) == 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        first = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        assert not first.cached
+        await server.pool.wait_cache_refilled()
+        warmed = metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL, model="static-a")
+        assert warmed == len(TOPICAL_TEXTS)
+        again = await stub.Classify(pb.ClassifyRequest(text=TOPICAL_TEXTS[1], model="static-a"))
+        assert again.cached
+    assert metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL, model="static-b") == 0
+    assert metric_sum(server.registry, MODEL_COLD_STARTS_TOTAL) == 1
+
+
+async def test_a_cold_start_without_room_in_time_is_refused_for_memory_and_the_call_falls_back(
+    start_capability: StartCapability,
+    capability: CapabilityServer,
+    orchestrator_with: StartOrchestrator,
+    model_root: Path,
+    tmp_path: Path,
+) -> None:
+    cold = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    # No backend timeout shorter than the caller's deadline: the capability's deadline
+    # is the caller's, less the orchestrator's margin. No retry: the refusal goes
+    # straight to the fallback.
+    front = await orchestrator_with(
+        f"""version: 1
+backends:
+  cold:
+    model: static-b
+    targets: ["127.0.0.1:{cold.port}"]
+    timeout: 30s
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: cold
+    retry: {{max_attempts: 1}}
+    fallback: [static]
+"""
+    )
+    worker = cold.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{cold.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        async with device_occupied(worker):
+            # a is busy (queued behind the held device) for longer than the call's deadline.
+            busy = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"), timeout=30)
+            )
+            await wait_until(lambda: worker.replicas["static-a"].load == 1)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as front_channel:
+                front_stub = classify_service_pb2_grpc.ClassifyServiceStub(front_channel)
+                answer = await front_stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
+        await busy
+    assert answer.fallback
+    assert (answer.model.name, answer.labels[0].name) == ("topic-static", "sports")
+    fell_back = metric_sum(
+        front.registry, MODEL_FALLBACK_TOTAL, reason="DEVICE_MEMORY_PRESSURE", route="default"
+    )
+    assert fell_back == 1
+    refused = {"model": "static-b", "reason": "DEVICE_MEMORY_PRESSURE"}
+    assert metric_sum(cold.registry, ADMISSIONS_REFUSED_TOTAL, **refused) == 1
+    assert metric_sum(cold.registry, MODEL_COLD_STARTS_TOTAL, model="static-b") == 0
+
+
+async def test_a_cold_start_queued_behind_one_waiting_for_room_is_refused_for_memory_in_time(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    names = ("static-a", "static-b", "static-c")
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path, names)
+    worker = server.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+        def classify(name: str, timeout: float) -> Any:
+            return asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model=name), timeout=timeout)
+            )
+
+        await classify("static-a", 30)
+        async with device_occupied(worker):
+            busy = classify("static-a", 30)
+            await wait_until(lambda: worker.replicas["static-a"].load == 1)
+            waiting = classify("static-b", 30)  # holds the residency lock, waiting for room
+            await wait_until(lambda: worker._residency.locked())
+            # c's cold start queues behind b's: refused once it could no longer answer in
+            # time, before its deadline (at it, the caller would read DEADLINE_EXCEEDED).
+            refused = await refusal(classify("static-c", 1.0))
+        await asyncio.gather(busy, waiting)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_info(refused).reason == "DEVICE_MEMORY_PRESSURE"
+
+
+async def test_result_cache_hits_do_not_keep_an_on_demand_model_on_the_device(
+    start_capability: StartCapability,
+) -> None:
+    server = await start_capability(
+        models=(MODEL,), residency="on_demand", idle_seconds=0.5, result_cache_entries=1000
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        # Hit after hit for three idle periods: no device work, so the model goes idle.
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 1.5
+        while loop.time() < until:
+            hit = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+            assert hit.cached
+            await asyncio.sleep(0.05)
+    assert counted(server, MODEL_EVICTIONS_TOTAL, reason="idle", **ON_CPU) == 1
+    assert not await resident_now(server)
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 1
