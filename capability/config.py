@@ -55,7 +55,13 @@ from classify_common.server_settings import (
     metrics_port_setting,
     port_setting,
 )
-from classify_common.settings import SettingsError, comma_list, setting
+from classify_common.settings import (
+    SettingsError,
+    comma_list,
+    path_value,
+    setting,
+    setting_file,
+)
 
 DEFAULT_PORT = 50052
 DEFAULT_METRICS_PORT = 9102
@@ -190,7 +196,9 @@ class CapabilitySettings(ServerSettings):
     port: int = port_setting(DEFAULT_PORT)
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     # Built by `make bundles`.
-    model_root: Path = setting(DEFAULT_MODEL_ROOT, "bundle folder `<root>/<model>/<version>`", Path)
+    model_root: Path = setting(
+        DEFAULT_MODEL_ROOT, "bundle folder `<root>/<model>/<version>`", path_value
+    )
     models: tuple[str, ...] = setting(
         (),
         "comma-separated models to serve (empty: all under the root)",
@@ -243,7 +251,7 @@ class CapabilitySettings(ServerSettings):
     graph: str = setting(DEFAULT_GRAPH, "how encoders run", choices=GRAPHS)
     # See the module docstring.
     model_config: Path | None = setting(
-        None, "YAML of per-model batching, precision and graph", Path
+        None, "YAML of per-model batching, precision and graph", path_value
     )
     memory_threshold: float = setting(
         DEFAULT_MEMORY_THRESHOLD,
@@ -326,14 +334,14 @@ class CapabilitySettings(ServerSettings):
         None,
         "token required from callers, x-internal-token (none: any caller, dev only; "
         "`make run`: .run/internal-token)",
-        Path,
+        path_value,
     )
     # None loads unsigned bundles (development); see docs/models.md, "Signed bundles".
     trusted_signers: Path | None = setting(
         None,
         "OpenSSH allowed-signers file; every bundle's manifest.json must be signed by one "
         "of its keys (none: unsigned bundles load; `make run`: .run/bundle-signers)",
-        Path,
+        path_value,
     )
     # Read from model_config by from_args() / with_model_config().
     per_model: Mapping[str, ModelServingSettings] = field(default_factory=dict, repr=False)
@@ -347,11 +355,7 @@ class CapabilitySettings(ServerSettings):
             )
         if self.device not in ("auto", "cpu"):
             check_cuda_devices(device_names)
-        if self.trusted_signers is not None and not self.trusted_signers.is_file():
-            raise SettingsError(
-                f"--trusted-signers / CAPABILITY_TRUSTED_SIGNERS: {self.trusted_signers} "
-                "is not a file"
-            )
+        setting_file(self, "trusted_signers")
         try:
             self.default_serving()
         except SettingsError as exc:
@@ -368,16 +372,15 @@ class CapabilitySettings(ServerSettings):
 
     def with_model_config(self) -> Self:
         """These settings with `per_model` read from --model-config (none: unchanged)."""
-        if self.model_config is None:
+        config = setting_file(self, "model_config")  # refused unless a regular file
+        if config is None:
             return self
         defaults = self.default_serving()
         try:
-            per_model = read_yaml(
-                self.model_config, lambda document: parse_model_config(document, defaults)
-            )
+            per_model = read_yaml(config, lambda document: parse_model_config(document, defaults))
         except (OSError, DocumentRefused, FieldRefused) as exc:
             raise SettingsError(f"--model-config / CAPABILITY_MODEL_CONFIG: {exc}") from exc
-        folder = self.model_config.parent
+        folder = config.parent
         for name, serving in per_model.items():
             if serving.warm_texts is None:
                 continue

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from classify_common.documents import compose_yaml, line_of_path, parse_yaml, read_document
+from classify_common.settings import spoken_number
 
 T = TypeVar("T")
 
@@ -181,6 +182,9 @@ class Fields:
 
     def _within(self, key: str, value: float, low: float | None, high: float | None) -> float:
         if (low is not None and value < low) or (high is not None and value > high):
-            span = f"{'' if low is None else f'{low:g}'}..{'' if high is None else f'{high:g}'}"
-            raise FieldRefused(self.path(key), f"{value:g} is outside {span}")
+            span = (
+                f"{'' if low is None else spoken_number(low)}.."
+                f"{'' if high is None else spoken_number(high)}"
+            )
+            raise FieldRefused(self.path(key), f"{spoken_number(value)} is outside {span}")
         return value

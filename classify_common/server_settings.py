@@ -7,12 +7,18 @@ stay declared here).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from classify_common.event_loop import EVENT_LOOPS, UVLOOP
-from classify_common.settings import Settings, setting
+from classify_common.settings import (
+    Settings,
+    SettingsError,
+    path_value,
+    setting,
+)
 from classify_common.tls import ServerTls, server_tls
 
 DEFAULT_HOST = "127.0.0.1"
@@ -46,8 +52,27 @@ def metrics_port_setting(default: int) -> Any:
         high=65535,
         off=-1,
         noun="port ",
-        note="0 picks a free port, -1 disables it",
+        note="0 picks a free port",
     )
+
+
+def bind_host(text: str) -> str:
+    """--host: a name or an address, an IPv6 one with or without its brackets (`::1`,
+    `[::1]`), kept bare. gRPC is given it bracketed and the /metrics endpoint bare
+    (classify_common.serving.listen_address); one spelling failed one or the other."""
+    host = text.strip()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in bare or bare != host:
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            raise ValueError(
+                "not a host name or address (an IPv6 address is written ::1 or [::1]; "
+                "the port is --port)"
+            ) from None
+    if not bare:
+        raise ValueError("an empty host names no interface")
+    return bare
 
 
 @dataclass(frozen=True)
@@ -56,16 +81,18 @@ class ServerSettings(Settings):
 
     # Interface to bind. 127.0.0.1 keeps the server off the network; containers
     # set 0.0.0.0.
-    host: str = setting(DEFAULT_HOST, "interface to bind")
+    host: str = setting(DEFAULT_HOST, "interface to bind (IPv6: ::1 or [::1])", bind_host)
     # Each layer declares its own default ports with port_setting()/metrics_port_setting().
     port: int = port_setting(0)
     metrics_port: int = metrics_port_setting(-1)
     # TLS: PEM certificate and key to serve with; with a client CA, callers must
     # present a certificate it signed (mTLS). None of them: plaintext.
-    tls_cert_file: Path | None = setting(None, "PEM certificate to serve with (TLS)", Path)
-    tls_key_file: Path | None = setting(None, "PEM private key of that certificate (TLS)", Path)
+    tls_cert_file: Path | None = setting(None, "PEM certificate to serve with (TLS)", path_value)
+    tls_key_file: Path | None = setting(
+        None, "PEM private key of that certificate (TLS)", path_value
+    )
     tls_client_ca_file: Path | None = setting(
-        None, "CA that client certificates must be signed by (mTLS)", Path
+        None, "CA that client certificates must be signed by (mTLS)", path_value
     )
     # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None: the SDK's
     # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without it no export.
@@ -112,7 +139,15 @@ class ServerSettings(Settings):
 
     def check_together(self) -> None:
         super().check_together()
+        object.__setattr__(self, "host", self._bare_host())
         self.server_tls()  # refuses an incomplete set of TLS files now, not at bind time
+
+    def _bare_host(self) -> str:
+        """The host as bind_host keeps it, for settings built in code (`[::1]`)."""
+        try:
+            return bind_host(self.host)
+        except ValueError as exc:
+            raise SettingsError(f"{self.names('host')}: {self.host!r} is not valid: {exc}") from exc
 
     def server_tls(self) -> ServerTls | None:
         return server_tls(

@@ -206,6 +206,39 @@ class BoundedHealthServicer(health.aio.HealthServicer):
                 del self._by_host[host]
 
 
+def listen_address(host: str, port: int) -> str:
+    """`host:port` as gRPC binds it, an IPv6 address in brackets (`[::1]:50051`); `host`
+    with or without them. gRPC reads `::1:50051` as a name, and refused it."""
+    bare = bare_host(host)
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def bare_host(host: str) -> str:
+    """`host` without an IPv6 address's brackets, as sockets take it (the /metrics
+    endpoint looked `[::1]` up as a name, and failed)."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def not_bound(names: str, address: str) -> OSError:
+    """The refusal of a port that cannot be bound; `names` says which setting sets it."""
+    return OSError(
+        f"{names}: cannot listen on {address}: the port is in use, or the host is not an "
+        "address of this machine"
+    )
+
+
+def open_metrics_endpoint(
+    registry: CollectorRegistry, host: str, port: int, names: str
+) -> MetricsEndpoint:
+    """The /metrics endpoint on `host` and `port`; a port it cannot bind is an OSError
+    naming the setting (`names`), as a gRPC port's is (it said only "[Errno 98] Address
+    already in use")."""
+    try:
+        return MetricsEndpoint(registry, bare_host(host), port)
+    except OSError as exc:
+        raise not_bound(names, listen_address(host, port)) from exc
+
+
 def peer_host(peer: str) -> str:
     """gRPC's peer string without its port: "ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7",
     "ipv6:[::1]:5123" -> "ipv6:[::1]"; any other kind ("unix:...") as it is."""
@@ -230,10 +263,14 @@ class GrpcServing:
         shares_port: bool = False,
         outcomes: RequestOutcomes | None = None,
         health_watches_per_address: int = DEFAULT_HEALTH_WATCHES_PER_ADDRESS,
+        port_names: str = "--port",
+        metrics_port_names: str = "--metrics-port",
     ) -> None:
         """`edge`: the public front door (see classify_common.admission); `shares_port`:
         one of several worker processes listening on the same port; `outcomes`: where
-        the front door counts each request's outcome."""
+        the front door counts each request's outcome; `port_names` and
+        `metrics_port_names`: the settings a port that cannot be bound is refused by
+        (`--port / CAPABILITY_PORT`)."""
         self.service_names = tuple(service_names)
         self._tls = tls
         self.registry = registry
@@ -242,9 +279,11 @@ class GrpcServing:
         # process_cpu_seconds_total, process_resident_memory_bytes, ...: the CPU a call
         # costs each layer is the figure that carries over to a GPU machine.
         ProcessCollector(registry=registry)
-        self._address = f"{host}:{port}"
+        self._address = listen_address(host, port)
+        self._port_names = port_names
         self._metrics_host = host
         self._metrics_port = metrics_port
+        self._metrics_port_names = metrics_port_names
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.rpc_metrics = RpcMetrics(registry)
         self._lifecycle = RequestLifecycleInterceptor(
@@ -294,6 +333,8 @@ class GrpcServing:
             shares_port=shares_port,
             outcomes=outcomes,
             health_watches_per_address=settings.health_watches_per_address,
+            port_names=settings.names("port"),
+            metrics_port_names=settings.names("metrics_port"),
         )
 
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:
@@ -303,23 +344,19 @@ class GrpcServing:
 
     async def start(self) -> None:
         await self.set_serving(False)
-        not_bound = OSError(
-            f"cannot listen on {self._address}: the port is in use, or the host is not an "
-            "address of this machine"
-        )
         try:
             if self._tls is not None:
                 self.port = self.server.add_secure_port(self._address, self._tls.credentials())
             else:
                 self.port = self.server.add_insecure_port(self._address)
         except RuntimeError as exc:  # grpcio's "Failed to bind to address ..."
-            raise not_bound from exc
+            raise not_bound(self._port_names, self._address) from exc
         if self.port == 0:
-            raise not_bound
+            raise not_bound(self._port_names, self._address)
         await self.server.start()
         if self._metrics_port != METRICS_DISABLED:
-            self._metrics_endpoint = MetricsEndpoint(
-                self.registry, self._metrics_host, self._metrics_port
+            self._metrics_endpoint = open_metrics_endpoint(
+                self.registry, self._metrics_host, self._metrics_port, self._metrics_port_names
             )
             self.metrics_port = self._metrics_endpoint.port
 

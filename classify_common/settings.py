@@ -16,15 +16,21 @@ environment variable, a bounds check and a docs row.
         OrchestratorSettings   (orchestrator/config.py)
 
 Settings hold values only: files they name are read by whoever builds the
-server (or by `from_args`), never while the object is constructed.
+server (or by `from_args`), never while the object is constructed. Whoever reads one
+first takes it through `setting_file`, which refuses anything but a regular file,
+naming the flag and variable (a named pipe given as a file held the start forever).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from decimal import Decimal
+from pathlib import Path
 from typing import Any, ClassVar, Self
 
 SPEC = "classify.setting"  # the field-metadata key that holds a setting's Spec
@@ -37,6 +43,14 @@ class SettingsError(ValueError):
 def comma_list(text: str) -> tuple[str, ...]:
     """`a, b,` -> ('a', 'b'): a list setting's value from one flag or variable."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def path_value(text: str) -> Path:
+    """A file or folder setting's value. An empty one is refused: Path("") is the
+    current folder, and `--routes-file ""` (or an empty variable) was read as `.`."""
+    if not text.strip():
+        raise ValueError("an empty path names no file")
+    return Path(text)
 
 
 @dataclass(frozen=True)
@@ -79,12 +93,11 @@ class Spec:
             raise SettingsError(f"{flag} / {env}: {value!r} is not {allowed}")
         if (self.low is None and self.high is None) or value == self.off:
             return
-        low = float("-inf") if self.low is None else self.low
-        high = float("inf") if self.high is None else self.high
-        if not low <= value <= high:
+        if not _within(value, self.low, self.high):
+            off = "" if self.off is None else f", or {spoken_number(self.off)} for off"
             note = f" ({self.note})" if self.note else ""
             raise SettingsError(
-                f"{flag} / {env}: {self.noun}{value} is outside {low:g}..{high:g}{note}"
+                f"{flag} / {env}: {self.noun}{_outside(value, self.low, self.high)}{off}{note}"
             )
 
     def bounds_text(self) -> str:
@@ -95,15 +108,37 @@ class Spec:
             return self.rule
         if self.low is None and self.high is None:
             return ""
-        low = "" if self.low is None else _number(self.low)
-        high = "" if self.high is None else _number(self.high)
+        low = "" if self.low is None else spoken_number(self.low)
+        high = "" if self.high is None else spoken_number(self.high)
         text = f"{low}..{high}" + (f" {self.unit}" if self.unit else "")
-        return text if self.off is None else f"{_number(self.off)} (off) or {text}"
+        return text if self.off is None else f"{spoken_number(self.off)} (off) or {text}"
 
 
-def _number(value: float) -> str:
-    """1000000 rather than :g's 1e+06, 0.05 as it is."""
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+def spoken_number(value: float) -> str:
+    """A number as a person writes it: 1000000 rather than :g's 1e+06, 0.00001 rather
+    than 1e-05, 0.05 as it is (inf and nan as Python spells them)."""
+    if isinstance(value, int) or value.is_integer():
+        return str(int(value))
+    if not math.isfinite(value):
+        return str(value)
+    shortest = repr(float(value))  # the shortest text that reads back as this value
+    return format(Decimal(shortest), "f") if "e" in shortest else shortest
+
+
+def _within(value: float, low: float | None, high: float | None) -> bool:
+    # NOTE: NaN compares false with everything, so it is never within.
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _outside(value: float, low: float | None, high: float | None) -> str:
+    """`70000 is outside 0..65535`, or against one bound, `0 is below 1`."""
+    shown = spoken_number(value)
+    if low is not None and high is not None:
+        return f"{shown} is outside {spoken_number(low)}..{spoken_number(high)}"
+    if low is not None:
+        return f"{shown} is below {spoken_number(low)}"
+    assert high is not None  # a value with neither bound is never outside them
+    return f"{shown} is above {spoken_number(high)}"
 
 
 def setting(default: Any, help: str, parse: Callable[[str], Any] = str, **bounds: Any) -> Any:
@@ -146,6 +181,12 @@ class Settings:
                 env = cls.ENV_PREFIX + item.name.upper()
                 yield Declared(item.name, flag, env, item.default, spec)
 
+    @classmethod
+    def names(cls, name: str) -> str:
+        """`--flag / VARIABLE` of the setting `name`: how a refusal of it begins."""
+        each = next(each for each in cls.declared() if each.name == name)
+        return f"{each.flag} / {each.env}"
+
     def __post_init__(self) -> None:
         for each in self.declared():
             each.spec.check(getattr(self, each.name), each.flag, each.env)
@@ -165,13 +206,24 @@ class Settings:
                 each.flag,
                 dest=each.name,
                 type=_flag_parser(each),
-                default=_from_environment(each, environ),
+                # Left out of the result unless the flag is given: the variable is read
+                # only for a setting no flag gave, so a flag wins even over a variable
+                # that cannot be parsed (which stopped the start, though unused).
+                default=argparse.SUPPRESS,
                 # argparse formats help with %: a literal one (say "80%") must be doubled.
                 help=f"{each.spec.help} [env {each.env}; default {each.default}]".replace(
                     "%", "%%"
                 ),
             )
-        return cls(**vars(parser.parse_args(argv)))
+        given = vars(parser.parse_args(argv))
+        return cls(
+            **{
+                each.name: given[each.name]
+                if each.name in given
+                else _from_environment(each, environ)
+                for each in cls.declared()
+            }
+        )
 
 
 def _flag_parser(each: Declared) -> Callable[[str], Any]:
@@ -201,25 +253,59 @@ def _from_environment(each: Declared, environ: Mapping[str, str]) -> Any:
         raise SettingsError(f"{each.flag} / {each.env}: {text!r} is not valid: {exc}") from exc
 
 
+def setting_file(settings: Settings, name: str) -> Path | None:
+    """The file the setting `name` names, or None when it names none, once it is known
+    to be a regular file (or a link to one): anything else is a SettingsError naming
+    the flag and variable (see file_problem)."""
+    path: Path | None = getattr(settings, name)
+    if path is not None and (problem := file_problem(path)):
+        raise SettingsError(f"{settings.names(name)}: {problem}")
+    return path
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a settings file, or None when it is a regular file
+    (or a link to one). A named pipe or a device is refused before it is opened: its
+    opening waited for a writer, and held the start forever."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    return f"{path} is {_file_kind(mode)}, not a regular file"
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"
+
+
 def read_secret(settings: Settings, name: str) -> str | None:
     """The token in the file the setting `name` names (surrounding whitespace dropped),
     or None when it names none; a file it cannot use is a SettingsError naming the
     flag and variable, as a bad value is."""
-    path = getattr(settings, name)
+    path = setting_file(settings, name)
     if path is None:
         return None
-    each = next(each for each in settings.declared() if each.name == name)
     try:
         secret: str = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeError) as exc:
         problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise SettingsError(f"{each.flag} / {each.env}: cannot read {path}: {problem}") from exc
+        raise SettingsError(f"{settings.names(name)}: cannot read {path}: {problem}") from exc
     if not secret:
-        raise SettingsError(f"{each.flag} / {each.env}: {path} is empty")
+        raise SettingsError(f"{settings.names(name)}: {path} is empty")
     return secret
 
 
 def check_range(value: float, low: float, high: float, flag: str, env: str) -> None:
     """For bounds that depend on another setting; declared bounds go in `setting()`."""
-    if not low <= value <= high:
-        raise SettingsError(f"{flag} / {env}: {value} is outside {low:g}..{high:g}")
+    if not _within(value, low, high):
+        raise SettingsError(f"{flag} / {env}: {_outside(value, low, high)}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from classify_common.settings import SettingsError
+from classify_common.settings import SettingsError, file_problem
 
 
 def _read(path: Path) -> bytes:
@@ -66,7 +66,7 @@ def server_tls(
         raise SettingsError(f"{flags}: give both the certificate and the key")
     _check_pair(cert, key, flags)
     if client_ca is not None:
-        _check_ca(client_ca, flags)
+        check_ca_file(client_ca, flags)
     return ServerTls(cert, key, client_ca)
 
 
@@ -80,7 +80,7 @@ def client_tls(
         return None
     if (cert is None) != (key is None):
         raise SettingsError(f"{flags}: give both the client certificate and its key")
-    _check_ca(ca, flags)
+    check_ca_file(ca, flags)
     if cert is not None and key is not None:
         _check_pair(cert, key, flags)
     return ClientTls(ca, cert, key)
@@ -93,6 +93,8 @@ def client_tls(
 
 def _check_pair(cert: Path, key: Path, flags: str) -> None:
     """Refuse a certificate and key that are not PEM, or not a pair."""
+    _check_file(cert, flags)
+    _check_file(key, flags)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     # What gRPC serves, not what this OpenSSL's default policy likes (RSA-1024 and
     # SHA-1 certificates were refused here and served by gRPC).
@@ -108,8 +110,9 @@ def _check_pair(cert: Path, key: Path, flags: str) -> None:
         ) from exc
 
 
-def _check_ca(ca: Path, flags: str) -> None:
-    """Refuse a CA file that holds no PEM certificate."""
+def check_ca_file(ca: Path, flags: str) -> None:
+    """Refuse a CA file that holds no PEM certificate; `flags` names its setting."""
+    _check_file(ca, flags)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.set_ciphers("DEFAULT:@SECLEVEL=0")
     try:
@@ -117,3 +120,10 @@ def _check_ca(ca: Path, flags: str) -> None:
     except OSError as exc:
         reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
         raise SettingsError(f"{flags}: {ca} holds no PEM CA certificate ({reason})") from exc
+
+
+def _check_file(path: Path, flags: str) -> None:
+    """Refuse anything but a regular file before OpenSSL opens it: a named pipe's
+    opening waited for a writer, forever, and held the start."""
+    if problem := file_problem(path):
+        raise SettingsError(f"{flags}: {problem}")

@@ -18,8 +18,13 @@ from classify_common.server_settings import (
     metrics_port_setting,
     port_setting,
 )
-from classify_common.settings import SettingsError, check_range, setting
-from classify_common.tls import ClientTls, client_tls
+from classify_common.settings import (
+    SettingsError,
+    check_range,
+    path_value,
+    setting,
+)
+from classify_common.tls import ClientTls, check_ca_file, client_tls
 from orchestrator.policy.backlog import BacklogSettings
 from orchestrator.policy.concurrency import ConcurrencySettings
 from orchestrator.shadow import DEFAULT_MAX_IN_FLIGHT as DEFAULT_SHADOW_MAX_IN_FLIGHT
@@ -62,7 +67,7 @@ class OrchestratorSettings(ServerSettings):
     port: int = port_setting(DEFAULT_PORT)
     metrics_port: int = metrics_port_setting(DEFAULT_METRICS_PORT)
     # The route table (see routes.yaml for its format).
-    routes_file: Path = setting(DEFAULT_ROUTES_FILE, "routes.yaml to load", Path)
+    routes_file: Path = setting(DEFAULT_ROUTES_FILE, "routes.yaml to load", path_value)
     # Seconds between looks at the routes file for edits, 0 (off) or 0.05..60.
     routes_poll_seconds: float = setting(
         DEFAULT_ROUTES_POLL_SECONDS,
@@ -80,21 +85,23 @@ class OrchestratorSettings(ServerSettings):
     # YAML of hashed API keys, tenants, roles and tenant rate limits; needed when auth
     # is required (see orchestrator/security/keys.py).
     api_keys_file: Path | None = setting(
-        None, "YAML of hashed API keys and tenant limits (`make run`: .run/api-keys.yaml)", Path
+        None,
+        "YAML of hashed API keys and tenant limits (`make run`: .run/api-keys.yaml)",
+        path_value,
     )
     # File holding the token capability servers require from the orchestrator; None sends none.
     internal_token_file: Path | None = setting(
-        None, "token sent to capability servers (`make run`: .run/internal-token)", Path
+        None, "token sent to capability servers (`make run`: .run/internal-token)", path_value
     )
     # TLS to capability servers: the CA their certificates are signed by, and the
     # orchestrator's own certificate and key where they require mTLS. None: plaintext.
     upstream_ca_file: Path | None = setting(
-        None, "CA of the capability servers' certificates (none: plaintext)", Path
+        None, "CA of the capability servers' certificates (none: plaintext)", path_value
     )
     upstream_cert_file: Path | None = setting(
-        None, "certificate shown to capability servers (mTLS)", Path
+        None, "certificate shown to capability servers (mTLS)", path_value
     )
-    upstream_key_file: Path | None = setting(None, "key of that certificate", Path)
+    upstream_key_file: Path | None = setting(None, "key of that certificate", path_value)
     # Results kept for GetResult after a PROCESSING answer; past the capacity, the
     # oldest of the tenant holding the most goes (orchestrator.results).
     results_capacity: int = setting(
@@ -117,11 +124,11 @@ class OrchestratorSettings(ServerSettings):
     )
     # Wins over a password in the URL, which would show in process listings.
     state_password_file: Path | None = setting(
-        None, "file holding the password of --state-url's Redis", Path
+        None, "file holding the password of --state-url's Redis", path_value
     )
     # For rediss:// with a private CA; None: the system's CAs.
     state_ca_file: Path | None = setting(
-        None, "CA of the Redis server's certificate (rediss:// only)", Path
+        None, "CA of the Redis server's certificate (rediss:// only)", path_value
     )
     # Longest a call waits for Redis (each command) before going on without it.
     state_timeout_ms: int = setting(
@@ -258,6 +265,10 @@ class OrchestratorSettings(ServerSettings):
                 "--state-ca-file / ORCHESTRATOR_STATE_CA_FILE needs a rediss:// (TLS) "
                 "--state-url / ORCHESTRATOR_STATE_URL"
             )
+        if self.state_ca_file is not None:
+            # As the other TLS files are: a CA file that is missing or holds no
+            # certificate was taken here and failed only at the first rediss:// connection.
+            check_ca_file(self.state_ca_file, self.names("state_ca_file"))
         if self.auth == "required" and self.api_keys_file is None:
             raise SettingsError(
                 "--api-keys-file / ORCHESTRATOR_API_KEYS_FILE is needed while --auth is required "

@@ -10,14 +10,13 @@ import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes
 from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
-from classify_common.settings import SettingsError, read_secret
+from classify_common.settings import SettingsError, read_secret, setting_file
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
@@ -26,7 +25,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
 from orchestrator.routing.watcher import RoutesWatcher, file_identity
-from orchestrator.security import CallerGate, KeysFileError, load_api_keys
+from orchestrator.security import ApiKeys, CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
 from orchestrator.state import StateMetrics, open_shared_state
@@ -59,11 +58,7 @@ class OrchestratorServer:
         self.metrics = OrchestratorMetrics(self.registry)
         self.request_outcomes = RequestOutcomes(self.registry)
         # Bad keys or routes files stop start-up here, with the bad value named.
-        keys = (
-            load_api_keys(settings.api_keys_file)
-            if settings.auth == "required" and settings.api_keys_file is not None
-            else None
-        )
+        keys = _load_api_keys_at_start(settings) if settings.auth == "required" else None
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
         self._internal_token = read_secret(settings, "internal_token_file")
@@ -71,7 +66,7 @@ class OrchestratorServer:
             settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
         )
         self.dispatcher = Dispatcher(
-            self._routing_state(self._load_routes_at_start(settings.routes_file)),
+            self._routing_state(self._load_routes_at_start(settings)),
             self.metrics,
             self.state.results,
             outcomes=self.request_outcomes,
@@ -130,11 +125,18 @@ class OrchestratorServer:
         )
         return RoutingState(table, upstream, carried_from=carried_from)
 
-    def _load_routes_at_start(self, path: Path) -> RouteTable:
+    def _load_routes_at_start(self, settings: OrchestratorSettings) -> RouteTable:
+        """The routes file's table; a file it cannot use is a SettingsError naming the
+        flag and variable, then the file, line and path of the bad value."""
+        path = setting_file(settings, "routes_file")
+        assert path is not None  # the setting has a default, never None
         # The file as it was before this read: an edit that lands while the server is
         # still starting (a ConfigMap update, a worker process of many) is seen as one.
         self._routes_loaded = file_identity(path)
-        return load_routes(path)
+        try:
+            return load_routes(path)
+        except RoutesFileError as exc:
+            raise SettingsError(f"{settings.names('routes_file')}: {exc}") from exc
 
     def _apply_routes(self, table: RouteTable) -> None:
         previous = self.dispatcher.state
@@ -214,6 +216,17 @@ class OrchestratorServer:
         await self.serving.stop(grace)
         await self.dispatcher.close()
         await self.state.close()
+
+
+def _load_api_keys_at_start(settings: OrchestratorSettings) -> ApiKeys:
+    """The keys file's keys; a file it cannot use is a SettingsError naming the flag and
+    variable, then the file, line and path of the bad value."""
+    path = setting_file(settings, "api_keys_file")
+    assert path is not None  # required with --auth required (OrchestratorSettings)
+    try:
+        return load_api_keys(path)
+    except KeysFileError as exc:
+        raise SettingsError(f"{settings.names('api_keys_file')}: {exc}") from exc
 
 
 async def serve(settings: OrchestratorSettings) -> None:

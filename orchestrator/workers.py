@@ -78,6 +78,10 @@ from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import (
     METRICS_DISABLED,
     ShutdownSignal,
+    bare_host,
+    listen_address,
+    not_bound,
+    open_metrics_endpoint,
     serve_until_signal,
     wait_for_signal,
 )
@@ -189,8 +193,11 @@ class WorkerSupervisor:
         for worker in self._workers:
             await self._wait_ready(worker)
         if self.settings.metrics_port != METRICS_DISABLED:
-            self._metrics = MetricsEndpoint(
-                self.registry, self.settings.host, self.settings.metrics_port
+            self._metrics = open_metrics_endpoint(
+                self.registry,
+                self.settings.host,
+                self.settings.metrics_port,
+                self.settings.names("metrics_port"),
             )
             self.metrics_port = self._metrics.port
 
@@ -203,13 +210,10 @@ class WorkerSupervisor:
         listeners allow, so a second supervisor started on the port served beside the
         first without a word, the kernel splitting connections between the two. The
         probe binds without SO_REUSEPORT, which any listener there refuses."""
-        host = self.settings.host
-        in_use = OSError(
-            f"cannot listen on {host}:{self.port}: the port is in use, or the host is not "
-            "an address of this machine"
-        )
+        host = bare_host(self.settings.host)
+        in_use = not_bound(self.settings.names("port"), listen_address(host, self.port))
         found = socket.getaddrinfo(
-            host.strip("[]"), self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
         if self.port != 0:
             # Every address the host names: gRPC binds each (`localhost`: ::1 and

@@ -23,6 +23,7 @@ machine and create the Secrets from the folder (deploy/README.md). More keys:
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
 import sys
@@ -32,7 +33,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from orchestrator.security import hash_key, new_key, quoted_tenant  # noqa: E402
+from classify_common.settings import spoken_number  # noqa: E402
+from orchestrator.security import (  # noqa: E402
+    TokenBucketSettings,
+    hash_key,
+    new_key,
+    quoted_tenant,
+)
 
 API_KEY_FILE = "api-key"
 API_KEYS_FILE = "api-keys.yaml"
@@ -41,6 +48,8 @@ INTERNAL_TOKEN_FILE = "internal-token"
 
 def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) -> str:
     name = quoted_tenant(tenant)
+    # NOTE: not :g, whose 1e-07 YAML reads as a string and 1.23457e+06 rounds the rate.
+    rate = spoken_number(rate_per_second)
     return (
         "# Made by tools/make_credentials.py; add keys with "
         "`python -m orchestrator.security new-key`.\n"
@@ -48,7 +57,7 @@ def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) ->
         f"  - id: {quoted_tenant(tenant + '-1')}\n    sha256: {hash_key(key)}\n"
         f"    tenant: {name}\n    role: user\n"
         "tenants:\n"
-        f"  {name}: {{rate_per_second: {rate_per_second:g}, burst: {burst}}}\n"
+        f"  {name}: {{rate_per_second: {rate}, burst: {burst}}}\n"
     )
 
 
@@ -75,6 +84,9 @@ def make_credentials(
     owner: tuple[int, int] | None = None,
 ) -> list[str]:
     """Create the missing files; returns the names created."""
+    if directory.exists() and not directory.is_dir():
+        # mkdir's own refusal of it says "File exists", which reads as if all were done.
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(directory))
     directory.mkdir(parents=True, exist_ok=True)
     created = []
     if not (directory / API_KEY_FILE).is_file() or not (directory / API_KEYS_FILE).is_file():
@@ -106,7 +118,10 @@ def copy_token(directory: Path, token_folder: Path, owner: tuple[int, int] | Non
 
 def parse_owner(value: str) -> tuple[int, int]:
     user, _, group = value.partition(":")
-    return int(user), int(group or user)
+    try:
+        return int(user), int(group or user)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not UID[:GID]") from None
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -119,17 +134,29 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--token-copy", type=Path, help="a folder to hold a copy of the internal token alone"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        # The orchestrator's own rule for a tenant's limit: a keys file it would refuse
+        # (a rate of -5, say) is never written.
+        TokenBucketSettings(args.rate, args.burst)
+    except ValueError as exc:
+        parser.error(f"--rate / --burst: {exc}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_arguments(argv)
-    created = make_credentials(args.directory, args.tenant, args.rate, args.burst, args.owner)
-    for name in created:
-        print(f"created {args.directory / name}")
-    if args.token_copy is not None and copy_token(args.directory, args.token_copy, args.owner):
-        created.append(INTERNAL_TOKEN_FILE)
-        print(f"created {args.token_copy / INTERNAL_TOKEN_FILE}")
+    try:
+        created = make_credentials(args.directory, args.tenant, args.rate, args.burst, args.owner)
+        for name in created:
+            print(f"created {args.directory / name}")
+        if args.token_copy is not None and copy_token(args.directory, args.token_copy, args.owner):
+            created.append(INTERNAL_TOKEN_FILE)
+            print(f"created {args.token_copy / INTERNAL_TOKEN_FILE}")
+    except OSError as exc:  # a file or folder in the way, or one it may not write
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
     if not created:
         print(f"{args.directory}: credentials already there; nothing changed")
     return 0

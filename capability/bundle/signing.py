@@ -27,12 +27,14 @@ from pathlib import Path
 
 from capability.bundle.errors import (
     BundleError,
+    BundleFileMissing,
     BundleSignatureInvalid,
     BundleSignerUntrusted,
     BundleUnsigned,
 )
 from capability.bundle.files import BundleFolder
 from capability.bundle.format import MANIFEST_FILE
+from classify_common.documents import MAX_DOCUMENT_BYTES
 
 SIGNATURE_FILE = f"{MANIFEST_FILE}.sig"
 # Bytes a manifest.json.sig may hold; an SSH signature by any key type is under 2 KiB.
@@ -48,14 +50,26 @@ def sign_manifest(directory: Path, key: Path) -> Path:
     """Sign `directory/manifest.json` with the private key file `key`; returns the
     manifest.json.sig written beside it (replacing any older one)."""
     directory = Path(directory)
-    raw = (directory / MANIFEST_FILE).read_bytes()
+    # Read as the loader reads it (files.py: never through a link), and refused in its
+    # words: a missing folder or manifest was a traceback.
+    with BundleFolder(directory) as folder:
+        try:
+            raw = folder.read_bounded(MANIFEST_FILE, MAX_DOCUMENT_BYTES)
+        except FileNotFoundError as exc:
+            raise BundleFileMissing(f"{MANIFEST_FILE}: not found in {directory}") from exc
     # Signing stdin writes the signature to stdout, so an older .sig is never asked about.
     done = _ssh_keygen(["-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE], raw)
     if done.returncode != 0:
         raise BundleError(f"{MANIFEST_FILE}: cannot be signed with {key}: {_reason(done)}")
     partial = directory / f".{SIGNATURE_FILE}.partial"
-    partial.write_bytes(done.stdout)
-    os.replace(partial, directory / SIGNATURE_FILE)
+    try:
+        partial.write_bytes(done.stdout)
+        os.replace(partial, directory / SIGNATURE_FILE)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise BundleError(
+            f"{SIGNATURE_FILE}: cannot be written in {directory}: {exc.strerror or exc}"
+        ) from exc
     return directory / SIGNATURE_FILE
 
 

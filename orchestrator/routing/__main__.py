@@ -5,19 +5,41 @@
         [--model topic-static] [--priority batch] [--header x-tenant=acme] [--request-id ID]
 
 `check` exits 1 and names the file, line and path of the first bad value of
-each file that fails; use it in CI on every change to routes.yaml.
+each file that fails; use it in CI on every change to routes.yaml. `explain` refuses
+(exit status 2) a request the server would refuse, with the server's own rules.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
+from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import new_request_id
+from classify_common.errors import InvalidRequest
+from classify_common.validation import validate_request
 from orchestrator.routing.explain import explain, summarize
 from orchestrator.routing.match import PRIORITIES, RequestFacts
 from orchestrator.routing.table import RoutesFileError, load_routes
+
+# The flag that sets each field of the ClassifyRequest `explain` checks.
+FLAGS = {"text": "--text", "model": "--model", "request_id": "--request-id"}
+# What gRPC sends as metadata: a key of these characters, and a text value of printable
+# ASCII. Routes see text values only, so a binary (-bin) key never matches one.
+_METADATA_KEY = re.compile(r"^[0-9a-z_.-]+$")
+
+
+def metadata_problem(name: str, value: str) -> str | None:
+    """Why a call could not carry `name: value` for a route to match, or None."""
+    if not _METADATA_KEY.fullmatch(name):
+        return "a metadata key holds only letters, digits, '-', '_' and '.'"
+    if name.endswith("-bin"):
+        return "a binary (-bin) value is never matched by a route"
+    if not all(" " <= char <= "~" for char in value):
+        return "a metadata value holds only printable ASCII"
+    return None
 
 
 def main() -> int:
@@ -55,8 +77,25 @@ def main() -> int:
     for header in args.header:
         name, separator, value = header.partition("=")
         if not separator:
-            parser.error(f"--header {header!r} is not NAME=VALUE")
+            why.error(f"--header {header!r} is not NAME=VALUE")
+        if problem := metadata_problem(name.lower(), value):
+            why.error(f"--header {header!r}: {problem}")
         headers[name.lower()] = value
+    request = pb.ClassifyRequest(
+        text=args.text,
+        model=args.model,
+        priority=pb.PRIORITY_BATCH if args.priority == "batch" else pb.PRIORITY_INTERACTIVE,
+        request_id=args.request_id,
+    )
+    try:
+        # The server's own rules: a request it would refuse is never routed, so where
+        # it would go is no answer (an empty text was explained as routed).
+        validate_request(request)
+    except InvalidRequest as refused:
+        why.error(
+            "the server would refuse this request: "
+            + "; ".join(f"{FLAGS.get(v.field, v.field)}: {v.message}" for v in refused.violations)
+        )
     facts = RequestFacts(
         text_chars=len(args.text),
         model=args.model,

@@ -78,7 +78,7 @@ def load_api_keys(path: Path) -> ApiKeys:
     try:
         return read_yaml(path, _api_keys)
     except OSError as exc:
-        raise KeysFileError(f"{path}: {exc}") from exc
+        raise KeysFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     except (DocumentRefused, FieldRefused) as exc:  # already names the file (and line)
         raise KeysFileError(str(exc)) from exc
 

@@ -137,7 +137,7 @@ def test_a_second_supervisor_on_a_port_in_use_refuses_to_start(
     assert second.returncode == 2, second.stderr
     lines = [json.loads(line) for line in second.stderr.splitlines() if line.startswith("{")]
     assert [line["error"] for line in lines if line["event"] == "cannot start"] == [
-        f"cannot listen on 127.0.0.1:{first.port}: {PORT_IN_USE}"
+        f"--port / ORCHESTRATOR_PORT: cannot listen on 127.0.0.1:{first.port}: {PORT_IN_USE}"
     ]
     assert not [line for line in lines if line["event"] == "worker serving"]
 

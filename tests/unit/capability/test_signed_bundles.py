@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from capability.config import CapabilitySettings
 from capability.metrics import RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
-from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+from tests.conftest import REPO_ROOT, STRIKER, StartCapability, metric_sum, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
 
@@ -192,3 +193,31 @@ def test_verify_command_refuses_an_unsigned_bundle_given_trusted_signers(
 
     assert status == 1
     assert f"error: {SIGNATURE_FILE}: not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["missing-folder", "no-manifest"])
+def test_sign_command_refuses_a_folder_without_a_manifest_in_one_line(
+    tmp_path: Path, keys: Keys, made: bool
+) -> None:
+    """It read manifest.json by its path unguarded: a traceback, FileNotFoundError."""
+    folder = tmp_path / "topic-static" / "2"
+    if made:
+        folder.mkdir(parents=True)
+    signed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capability.bundle",
+            "sign",
+            str(folder),
+            "--key",
+            str(keys.trusted),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert signed.returncode == 1
+    assert signed.stderr == f"error: manifest.json: not found in {folder}\n"
+    assert not (folder / SIGNATURE_FILE).exists()

@@ -28,8 +28,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from capability.server import CapabilityServer
-from classify_client import ClassifyError, pb
+from classify_client import ClassifyClient, ClassifyError, pb
 from classify_client._shared import BatchItem
+from classify_client.aio import AsyncClassifyClient
 from classify_client.cli import api_key, failed_past_the_deadline, format_item, main
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL
@@ -663,3 +664,29 @@ def test_a_number_no_request_can_carry_is_a_usage_error(
     assert capsys.readouterr().err.endswith(
         "error: argument --top-k: 99999999999 does not fit a 32-bit integer\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("target", "port"),
+    [
+        ("127.0.0.1:99999", "99999"),
+        ("[::1]:65536", "65536"),
+        ("dns:///localhost:70000", "70000"),
+        ("ipv4:127.0.0.1:50051,127.0.0.1:0", "0"),
+    ],
+    ids=["host", "ipv6", "dns", "list"],
+)
+def test_a_target_port_out_of_range_is_refused_naming_the_target(target: str, port: str) -> None:
+    """gRPC takes the port modulo 65536: 127.0.0.1:99999 was dialled as 127.0.0.1:34463,
+    and the command waited out its deadline on a port nobody named."""
+    refused = subprocess.run(
+        [*COMMAND, "--target", target, "--timeout", "30", STRIKER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1
+    assert refused.stderr == f"error: target {target!r}: port {port} is outside 1..65535\n"
+    for client in (ClassifyClient, AsyncClassifyClient):
+        with pytest.raises(ValueError, match=r"^target .*: port \d+ is outside 1\.\.65535$"):
+            client(target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -21,7 +22,13 @@ from capability.server import CapabilityServer
 from orchestrator.metrics import RATE_LIMITED_TOTAL
 from orchestrator.security.keys import load_api_keys
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, closed_port, metric_sum, orchestrator_settings
+from tests.conftest import (
+    REPO_ROOT,
+    STRIKER,
+    closed_port,
+    metric_sum,
+    orchestrator_settings,
+)
 from tests.status_details import unpack
 from tests.unit.deploy.manifests import DOCKER_DIR, dockerfile_instructions
 from tools import build_images, grpc_health_check, make_credentials, run_stack
@@ -117,6 +124,63 @@ def test_credentials_name_the_tenant_as_given(tmp_path: Path, tenant: str) -> No
     assert caller is not None
     assert caller.tenant == tenant
     assert list(keys.tenant_limits) == [tenant]
+
+
+def make_credentials_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_credentials.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("in_the_way", ["folder", "api-key"])
+def test_credentials_over_a_file_in_the_way_are_refused_in_one_line(
+    tmp_path: Path, in_the_way: str
+) -> None:
+    """A file where the folder goes, or a folder where a file goes: a traceback."""
+    if in_the_way == "folder":
+        blocked = tmp_path / "credentials"
+        blocked.write_text("")
+        expected = f"error: {blocked}: Not a directory\n"
+    else:
+        blocked = tmp_path / make_credentials.API_KEY_FILE
+        blocked.mkdir()
+        expected = f"error: {blocked}: Is a directory\n"
+    made = make_credentials_command(str(blocked if in_the_way == "folder" else tmp_path))
+    assert made.returncode == 1
+    assert made.stderr == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--rate", "-5"], "rate_per_second -5.0 must be a finite number above 0"),
+        (["--rate", "nan"], "rate_per_second nan must be a finite number above 0"),
+        (["--burst", "0"], "burst 0 must be an integer, at least 1"),
+    ],
+    ids=["negative-rate", "nan-rate", "no-burst"],
+)
+def test_credentials_with_a_limit_the_orchestrator_refuses_are_never_written(
+    tmp_path: Path, flags: list[str], problem: str
+) -> None:
+    """`--rate -5` wrote a keys file the orchestrator then refused at its start."""
+    made = make_credentials_command(str(tmp_path / "credentials"), *flags)
+    assert made.returncode == 2
+    assert (
+        made.stderr.splitlines()[-1] == f"make_credentials.py: error: --rate / --burst: {problem}"
+    )
+    assert not (tmp_path / "credentials").exists()
+
+
+@pytest.mark.parametrize("rate", [0.0000001, 1234567.0, 0.25])
+def test_credentials_keep_the_rate_as_given(tmp_path: Path, rate: float) -> None:
+    """Written with :g, 1e-07 was a string to YAML (the orchestrator refused the file) and
+    1234567 became 1.23457e+06."""
+    assert make_credentials_command(str(tmp_path), "--rate", repr(rate)).returncode == 0
+    limit = load_api_keys(tmp_path / make_credentials.API_KEYS_FILE).tenant_limits["local"]
+    assert limit.rate_per_second == rate
 
 
 def test_make_run_secrets_are_never_readable_by_others(

@@ -264,6 +264,59 @@ def test_check_command_passes_the_shipped_file_and_fails_a_broken_one(tmp_path: 
     assert f"{broken}:{line}: routes[5].fallback[0]: unknown backend 'bow'" in bad.stderr
 
 
+EXPLAIN = (sys.executable, "-m", "orchestrator.routing", "explain", "--routes", "routes.yaml")
+EXPLAIN_REFUSES = "python -m orchestrator.routing explain: error: "
+
+
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["--text", ""], "the server would refuse this request: --text: value is required"),
+        (
+            ["--text", " \u200b "],
+            "the server would refuse this request: --text: must contain at least one "
+            "non-whitespace character",
+        ),
+        (
+            ["--text", "goal", "--model", "Topic Static"],
+            "the server would refuse this request: --model: does not match regex pattern "
+            "`^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$`",
+        ),
+        (
+            ["--text", "goal", "--request-id", "id with spaces"],
+            "the server would refuse this request: --request-id: does not match regex pattern "
+            "`^[A-Za-z0-9][A-Za-z0-9._:-]*$`",
+        ),
+        (
+            ["--text", "goal", "--header", "x tenant=acme"],
+            "--header 'x tenant=acme': a metadata key holds only letters, digits, '-', '_' and '.'",
+        ),
+    ],
+    ids=["empty-text", "blank-text", "model", "request-id", "header"],
+)
+def test_explain_refuses_a_request_the_server_would_refuse(argv: list[str], refusal: str) -> None:
+    """It explained where an empty text or a malformed model name would be routed,
+    though the server refuses such a request before any route is chosen."""
+    explained = subprocess.run(
+        [*EXPLAIN, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert explained.returncode == 2
+    assert explained.stdout == ""
+    assert explained.stderr.splitlines()[-1] == EXPLAIN_REFUSES + refusal
+
+
+def test_explain_routes_a_request_the_server_takes() -> None:
+    explained = subprocess.run(
+        [*EXPLAIN, "--text", "goal", "--model", "topic-static", "--header", "X-Tenant=acme"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert explained.returncode == 0, explained.stderr
+    assert "MATCHES" in explained.stdout
+
+
 async def test_tenant_header_routes_to_its_backend_through_real_servers(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:

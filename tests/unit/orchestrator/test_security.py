@@ -30,6 +30,7 @@ from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common import interceptor
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
+from classify_common.settings import SettingsError
 from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.server import OrchestratorServer
@@ -587,18 +588,22 @@ def test_a_tenant_limit_that_would_not_limit_stops_start_up_naming_file_and_line
     tmp_path: Path, tenants: str, message: str
 ) -> None:
     """`.nan` passed the `<= 0` check and switched the tenant's limit off; `123:` was
-    refused as "missing required key '123'", naming a key that is there."""
+    refused as "missing required key '123'", naming a key that is there. The refusal
+    names the flag and variable first, as every start-up refusal of a setting does."""
     keys = tmp_path / "keys.yaml"
     keys.write_text(
         f"keys:\n  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n" + tenants
     )
     routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:50052"])
-    with pytest.raises(KeysFileError) as caught:
+    with pytest.raises(SettingsError) as caught:
         OrchestratorServer(
             orchestrator_settings(routes_file=routes, auth="required", api_keys_file=keys),
             registry=CollectorRegistry(),
         )
-    assert str(caught.value) == message.format(path=keys)
+    assert str(caught.value) == "--api-keys-file / ORCHESTRATOR_API_KEYS_FILE: " + message.format(
+        path=keys
+    )
+    assert isinstance(caught.value.__cause__, KeysFileError)
 
 
 async def test_a_quoted_numeric_tenant_name_limits_the_keys_of_that_tenant(

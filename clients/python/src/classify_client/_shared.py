@@ -36,6 +36,33 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # The start of a StillProcessing message; the rest says how to fetch the result.
 STILL_PROCESSING = "the result was still PROCESSING when the deadline came"
 
+# gRPC target schemes whose addresses carry no port, and those that list addresses.
+_PORTLESS_SCHEMES = ("unix:", "unix-abstract:")
+_ADDRESS_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+_PORTS = range(1, 65536)
+
+
+def checked_target(target: str) -> str:
+    """`target` (host:port, [v6]:port, or a gRPC URI such as dns:///host:port or
+    ipv4:a.b.c.d:port,...) unless a port it names is outside 1..65535: gRPC takes such a
+    port modulo 65536 and dials another (127.0.0.1:99999 is 127.0.0.1:34463)."""
+    if target.startswith(_PORTLESS_SCHEMES):
+        return target
+    addresses = target.rsplit("/", 1)[-1]  # dns:///host:port, dns://resolver/host:port
+    for scheme in _ADDRESS_SCHEMES:
+        addresses = addresses.removeprefix(scheme)
+    for address in addresses.split(","):
+        if address.startswith("["):
+            _, _, port = address.partition("]:")
+        elif address.count(":") == 1:
+            port = address.split(":", 1)[1]
+        else:
+            port = ""  # no port (gRPC's default), or an IPv6 address without brackets
+        if port.isdigit() and int(port) not in _PORTS:
+            raise ValueError(f"target {target!r}: port {port} is outside 1..65535")
+    return target
+
+
 Priority = Literal["interactive", "batch"]
 PRIORITIES: dict[str, pb.Priority.ValueType] = {
     "interactive": pb.PRIORITY_INTERACTIVE,

@@ -37,6 +37,7 @@ from classify_client._shared import (
     channel_arguments,
     channel_credentials,
     checked_batch_request_id,
+    checked_target,
     new_request_id,
     record_batch,
     record_failed_call,
@@ -85,6 +86,7 @@ class ClassifyClient:
         each call's deadline in seconds, retries and polls included (None: none).
         `on_retry` is told of every retry."""
         self._timeout = checked_timeout(timeout)
+        target = checked_target(target)
         # Before the channel, which a refused key would leave open.
         self._metadata = call_metadata(api_key)
         credentials = channel_credentials(tls, ca_file, cert_file, key_file)
