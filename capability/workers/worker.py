@@ -797,6 +797,9 @@ class DeviceWorker:
                 for other in self.replicas.values()
                 if other.on_demand is not None and other.is_resident and other is not keep
             ]
+            movable = sum(o.ledger.footprint_bytes for o in evictable if o.ledger is not None)
+            if held - movable + needed > self.memory_budget_bytes:
+                break  # not even with all of them off: evict none for nothing, wait for none
             idle = [other for other in evictable if not other.load]
             if idle:
                 await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)

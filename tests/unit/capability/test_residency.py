@@ -447,6 +447,25 @@ async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
     assert worker.held_bytes() <= worker.memory_budget_bytes
 
 
+async def test_a_load_that_cannot_fit_even_with_every_on_demand_model_off_evicts_none(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    shutil.copytree(tmp_path / "models" / "static-b" / "1", tmp_path / "models" / "static-b" / "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))  # a, idle now
+        # A budget smaller than the new version alone: no eviction can make its room.
+        server.pool.workers[0].memory_budget_bytes = STATIC_WEIGHT_BYTES // 2
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await models.ReloadModel(model_pb.ReloadModelRequest(name="static-b"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # a stayed on the device: taking it off would have made no room.
+    assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 0
+    assert metric_sum(server.registry, MODEL_RESIDENT, model="static-a") == 1
+
+
 async def test_on_demand_models_with_warm_texts_start_in_room_for_one_and_warm_at_first_call(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
