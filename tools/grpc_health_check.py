@@ -27,9 +27,16 @@ DEFAULT_TIMEOUT_SECONDS = 2.0
 
 
 def target_from(host: str, port: int, port_env: str, environ: Mapping[str, str]) -> str:
-    """host:port, the port taken from `environ[port_env]` when that is set and not empty."""
+    """host:port, the port taken from `environ[port_env]` when that is set and not empty;
+    an IPv6 host in brackets (gRPC reads `::1:50052` as a name). ValueError for a port
+    that is not one."""
     value = environ.get(port_env, "") if port_env else ""
-    return f"{host}:{int(value) if value else port}"
+    number = int(value) if value else port
+    if not 1 <= number <= 65535:
+        raise ValueError(f"port {number} is outside 1..65535")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{number}"
 
 
 def check(target: str, service: str, timeout_seconds: float) -> str:
@@ -51,7 +58,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.envi
     parser.add_argument("--service", default="", help='health service name ("": whole server)')
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="seconds")
     args = parser.parse_args(argv)
-    target = target_from(args.host, args.port, args.port_env, environ)
+    try:
+        target = target_from(args.host, args.port, args.port_env, environ)
+    except ValueError as error:
+        where = f" ({args.port_env})" if args.port_env and environ.get(args.port_env) else ""
+        print(f"health check: bad port{where}: {error}", file=sys.stderr)
+        return 1
     try:
         status = check(target, args.service, args.timeout)
     except grpc.RpcError as error:

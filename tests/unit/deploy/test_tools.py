@@ -72,6 +72,30 @@ def test_health_check_reads_the_port_from_the_servers_variable(
     assert grpc_health_check.main(argv, environ={}) == 1
 
 
+def test_health_check_probes_an_ipv6_host() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("[::1]:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for host in ("::1", "[::1]"):
+            assert grpc_health_check.main(["--host", host, "--port", str(port)], environ={}) == 0
+    finally:
+        server.stop(grace=None)
+
+
+@pytest.mark.parametrize("value", ["abc", "99999", "0"])
+def test_health_check_fails_on_a_port_variable_that_is_no_port(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--port-env", "CAPABILITY_PORT", "--port", "50052"]
+
+    assert grpc_health_check.main(argv, environ={"CAPABILITY_PORT": value}) == 1
+    assert capsys.readouterr().err.startswith("health check: bad port (CAPABILITY_PORT): ")
+
+
 def test_health_check_fails_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--port", str(closed_port()), "--timeout", "0.5"]
 
