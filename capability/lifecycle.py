@@ -56,7 +56,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from capability.bundle import BundleError, LoadedBundle, ModelLoadError
-from capability.config import ModelServingSettings
+from capability.config import CapabilitySettings, ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
@@ -330,7 +330,10 @@ class ModelLifecycle:
             log.warning("model folder skipped", extra={"folder": str(folder), "reason": reason})
         wanted = names or tuple(self.root.model_names())
         if not wanted:
-            raise ModelNotFound(f"no model bundles under {self.root.root}; run `make bundles`")
+            raise ModelNotFound(
+                f"{CapabilitySettings.names('model_root')}: no model bundles under "
+                f"{self.root.root}; run `make bundles`"
+            )
         return wanted
 
     async def load_initial(self, wanted: tuple[str, ...]) -> None:

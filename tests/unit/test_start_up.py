@@ -139,6 +139,14 @@ def test_a_grpc_port_in_use_is_refused_naming_its_flag(routes: Path, held_port: 
     )
 
 
+def test_a_model_root_without_bundles_is_refused_naming_its_flag(tmp_path: Path) -> None:
+    flags = ("--model-root", str(tmp_path), "--port", "0", "--metrics-port", "-1")
+    assert start_refusal("capability", *flags) == (
+        f"--model-root / CAPABILITY_MODEL_ROOT: no model bundles under {tmp_path}; "
+        "run `make bundles`"
+    )
+
+
 def test_missing_routes_and_keys_files_are_refused_naming_their_flags(
     tmp_path: Path, routes: Path
 ) -> None:
