@@ -103,9 +103,10 @@ def saturation_rounds(
     probe_size: int,
     runner: asyncio.Runner,
     progress: Progress,
+    errors: list[int],
 ) -> list[float]:
     """Ours at the highest concurrency over the ceiling probed right before and after,
-    one ratio per round."""
+    one ratio per round; each round's failed texts appended to `errors`."""
     clients = max(CONCURRENCY)
     progress.step(f"{server.name}: {SATURATION_ROUNDS} alternating saturation rounds")
     ceilings = [forward_rate(probe, probe_size, SATURATION_SECONDS)]
@@ -113,6 +114,7 @@ def saturation_rounds(
     for round_number in range(SATURATION_ROUNDS):
         progress.show(f"round {round_number + 1}/{SATURATION_ROUNDS}")
         served = runner.run(drive(server.target, clients, SATURATION_SECONDS, unary_call()))
+        errors.append(served["errors"])
         ceilings.append(forward_rate(probe, probe_size, SATURATION_SECONDS))
         ratios.append(served["requests_per_second"] / ((ceilings[-2] + ceilings[-1]) / 2))
     return ratios
@@ -153,7 +155,10 @@ def main() -> None:
             "ours", capability_command("--models", "topic-minilm", "--device", "cpu")
         ) as ours_server:
             ours = run_load(ours_server, adjacent, args.seconds, runner, progress)
-            rounds = saturation_rounds(ours_server, probe, probe_size, runner, progress)
+            round_errors: list[int] = []
+            rounds = saturation_rounds(
+                ours_server, probe, probe_size, runner, progress, round_errors
+            )
         with start_server("naive", naive_command("cpu")) as naive_server:
             naive = run_load(naive_server, adjacent, args.seconds, runner, progress)
     progress.clear()
@@ -215,8 +220,8 @@ def main() -> None:
             for c in CONCURRENCY
         )
     )
-    errors = sum(r["errors"] for r in (*ours.values(), *naive.values()))
-    print(f"errors: {errors}")
+    errors = sum(r["errors"] for r in (*ours.values(), *naive.values())) + sum(round_errors)
+    print(f"errors: {errors} (saturation rounds: {sum(round_errors)})")
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
@@ -232,6 +237,7 @@ def main() -> None:
                 "ceiling_all_cores": ceiling_all_cores,
                 "ceiling_with_busy_neighbour_texts_per_second": contended,
                 "saturation_rounds_ours_over_ceiling": rounds,
+                "saturation_rounds_errors": round_errors,
                 "ours": ours,
                 "naive": naive,
             },

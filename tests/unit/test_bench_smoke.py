@@ -64,8 +64,8 @@ async def test_closed_loop_client_counts_every_answered_call(naive_target: str) 
 
 async def test_failed_calls_count_in_the_latencies_and_the_warm_up_as_an_error() -> None:
     """Against a front hop whose back hop is gone every call fails UNAVAILABLE: each is
-    a call with a latency (a timed-out call once vanished from both), and the failed
-    warm-up call is an error too."""
+    a call with a latency (a timed-out call once vanished from the percentiles), not
+    an answered one, and the failed warm-up call is an error too."""
     front, front_port = await echo_server.start_echo(0, f"127.0.0.1:{closed_port()}")
     try:
         result = await drive(f"127.0.0.1:{front_port}", 1, 0.3, unary_call())
@@ -75,6 +75,9 @@ async def test_failed_calls_count_in_the_latencies_and_the_warm_up_as_an_error()
     assert result["calls"] > 0
     assert result["texts"] == 0
     assert result["errors"] == result["calls"] + 1
+    # The request rate is of answered calls; every call is in calls_per_second.
+    assert result["requests_per_second"] == 0
+    assert result["calls_per_second"] > 0
     assert result["first_error"].startswith("UNAVAILABLE")
     assert 0 < result["p50_ms"] <= result["p99_ms"]
     assert percentile([10.0, 50.0], 0.5) == 10.0
