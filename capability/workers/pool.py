@@ -411,7 +411,10 @@ class WorkerPool:
             # NOTE: checked in the same step as _classify_many marks the chunk arriving
             # (no await between), and an eviction skips a replica with texts arriving:
             # so a chunk admitted here never needs a cold start.
-            if onto is not None and not onto.is_resident:
+            # Nor does a refill keep its replica on the device while a cold start or a
+            # load there waits for room: it stops after the chunk in flight, and the
+            # rest waits for the model's next cold start.
+            if onto is not None and (not onto.is_resident or onto.worker.room_wanted):
                 if onto.worker.replicas.get(model) is onto:
                     self._refill_waiting.setdefault(model, texts[offered:])
                 break

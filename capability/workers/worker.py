@@ -163,6 +163,8 @@ class BudgetedLoad:
     def admit_weights(self, weights_bytes: int) -> None:
         """On the loader thread: wait while the event loop makes room for the predicted
         footprint, then refuse it if it still does not fit."""
+        if self._abandoned.is_set():
+            raise LoadAbandoned(f"load of version {self._version} of {self._model} abandoned")
         self.predicted_bytes = weights_bytes + self._overhead
         how = f"predicted: {format_bytes(weights_bytes)} of weights"
         if self._overhead:
@@ -556,6 +558,8 @@ class DeviceWorker:
         # Takes idle on_demand replicas off the device; started with the first one.
         self._evictor: asyncio.Task[None] | None = None
         self._on_cold_start = on_cold_start
+        # Cold starts and loads waiting for an on_demand replica here to go idle.
+        self.room_wanted = 0
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -687,7 +691,12 @@ class DeviceWorker:
                 },
             )
         replica.ledger = ledger
-        held = await self.make_room_for_load(ledger.footprint_bytes)
+        if residency == ON_DEMAND:
+            # Its weights leave the device next, and its cold starts make their own room:
+            # it need only fit beside what cannot leave (evicting now would be for nothing).
+            held = self.held_bytes() - self._movable_bytes(replica)
+        else:
+            held = await self.make_room_for_load(ledger.footprint_bytes)
         self.refuse_over_budget(bundle.name, bundle.version, ledger.footprint_bytes, how, held)
         if residency == ON_DEMAND:
             await self.run_on_device(replica.keep_on_host)
@@ -772,15 +781,34 @@ class DeviceWorker:
         assert replica.ledger is not None, "a serving replica has its ledger entry"
         needed = replica.ledger.footprint_bytes
         held = await self._evict_for_room(needed, give_up_at, replica)
-        if held + needed > self.memory_budget_bytes:
-            raise DeviceMemoryPressure(
-                f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
-                f"the models on the device hold {format_bytes(held)} of the "
-                f"{format_bytes(self.memory_budget_bytes)} budget and none went idle "
-                "in time to make room",
-                retry_after_seconds=1.0,
-                worker=self.name,
-            )
+        if held + needed <= self.memory_budget_bytes:
+            return
+        staying = held - self._movable_bytes(replica)
+        why = (
+            f"the models that cannot leave it (resident ones, versions being replaced) "
+            f"hold {format_bytes(staying)}: it fits only once they hold less"
+            if staying + needed > self.memory_budget_bytes
+            else "none went idle in time to make room"
+        )
+        raise DeviceMemoryPressure(
+            f"model {replica.name} needs {format_bytes(needed)} on {self.name}, where "
+            f"the models on the device hold {format_bytes(held)} of the "
+            f"{format_bytes(self.memory_budget_bytes)} budget and {why}",
+            retry_after_seconds=1.0,
+            worker=self.name,
+        )
+
+    def _evictable(self, keep: ModelReplica | None) -> list[ModelReplica]:
+        """The on_demand replicas on the device that could leave it to make room."""
+        return [
+            other
+            for other in self.replicas.values()
+            if other.on_demand is not None and other.is_resident and other is not keep
+        ]
+
+    def _movable_bytes(self, keep: ModelReplica | None) -> int:
+        """What the replicas that could leave the device (`_evictable`) hold on it."""
+        return sum(o.ledger.footprint_bytes for o in self._evictable(keep) if o.ledger is not None)
 
     async def _evict_for_room(
         self, needed: int, give_up_at: float, keep: ModelReplica | None = None
@@ -792,26 +820,35 @@ class DeviceWorker:
         residency lock."""
         loop = asyncio.get_running_loop()
         while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
-            evictable = [
-                other
-                for other in self.replicas.values()
-                if other.on_demand is not None and other.is_resident and other is not keep
-            ]
-            movable = sum(o.ledger.footprint_bytes for o in evictable if o.ledger is not None)
-            if held - movable + needed > self.memory_budget_bytes:
+            if held - self._movable_bytes(keep) + needed > self.memory_budget_bytes:
                 break  # not even with all of them off: evict none for nothing, wait for none
+            evictable = self._evictable(keep)
             idle = [other for other in evictable if not other.load]
             if idle:
                 await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
                 continue
-            if not evictable or not await _one_goes_idle(evictable, give_up_at - loop.time()):
+            if not evictable:
+                break
+            # Said while waiting, so that a result-cache refill keeping one busy stops at
+            # its next chunk (WorkerPool._warm_cache): no caller is waiting on it.
+            self.room_wanted += 1
+            try:
+                went_idle = await _one_goes_idle(evictable, give_up_at - loop.time())
+            finally:
+                self.room_wanted -= 1
+            if not went_idle:
                 break
         return held
 
     async def _evict(self, replica: ModelReplica, reason: str) -> None:
         """Take an idle on_demand replica's weights off the device, in the device's
         turn; the caller holds the residency lock. A replica that got work meanwhile
-        stays."""
+        stays. Runs to its end even when the caller is cancelled (a caller's deadline,
+        an abandoned load): cancelled once the weights counted as off the device, the
+        device thread skipped the job and left them there, uncounted."""
+        await asyncio.shield(self._take_off(replica, reason))
+
+    async def _take_off(self, replica: ModelReplica, reason: str) -> None:
         weights = replica.on_demand
         async with self.turn():
             if weights is None or not weights.resident or replica.load:

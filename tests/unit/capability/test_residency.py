@@ -466,6 +466,86 @@ async def test_a_load_that_cannot_fit_even_with_every_on_demand_model_off_evicts
     assert metric_sum(server.registry, MODEL_RESIDENT, model="static-a") == 1
 
 
+async def test_a_cold_start_that_cannot_fit_beside_what_stays_says_so_and_evicts_none(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """a (on_demand) loads first into host memory, then b, resident, takes the room a
+    needs: a's cold start cannot fit beside b whatever leaves, and says so."""
+    config = tmp_path / "models.yaml"
+    config.write_text("static-b:\n  residency: resident\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await on_demand_in_room_for_one(
+        start_capability,
+        model_root,
+        tmp_path,
+        per_model=per_model,
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "that cannot leave it (resident ones, versions being replaced)" in str(
+        refused.value.details()
+    )
+    assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 0
+
+
+async def test_a_cache_refill_gives_its_room_to_a_callers_cold_start(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """a's first call starts a refill of 10,000 texts; b's caller, 50 ms later, needs
+    a's room: the refill stops after its chunk in flight, and b is answered well within
+    its deadline (it waited for the whole refill and was refused)."""
+    (tmp_path / "hot.txt").write_text(
+        "".join(f"text number {i} about the match and the market {i * 7}\n" for i in range(10000))
+    )
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        "static-a:\n  residency: on_demand\n  idle_seconds: 3600\n  warm_texts: hot.txt\n"
+        "static-b:\n  residency: on_demand\n  idle_seconds: 3600\n"
+    )
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    server = await on_demand_in_room_for_one(
+        start_capability, model_root, tmp_path, result_cache_entries=20000, per_model=per_model
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        await asyncio.sleep(0.05)
+        answer = await stub.Classify(
+            pb.ClassifyRequest(text=STRIKER, model="static-b"), timeout=5.0
+        )
+        assert answer.model.name == "static-b"
+        await server.pool.wait_cache_refilled()
+    evicted = {"model": "static-a", "reason": "budget"}
+    assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL, **evicted) == 1
+    # The rest of a's refill waits for its next cold start.
+    warmed = metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL, model="static-a")
+    assert 0 < warmed < 10000
+
+
+async def test_an_eviction_whose_caller_gives_up_still_takes_the_weights_off(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """b's cold start evicts a, and its caller's deadline passes while the eviction
+    waits for the device thread: the weights counted as off the device, the thread
+    skipped the cancelled job, and they stayed on it, uncounted."""
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    worker = server.pool.workers[0]
+    a = worker.replicas["static-a"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        async with device_occupied(worker, take_turn=False):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-b"), timeout=1.0)
+    await wait_until(lambda: metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 1, "evicted")
+    assert not a.is_resident
+    assert next(a.bundle.classifier.encoder.parameters()).device.type == "meta"
+    assert metric_sum(server.registry, MODEL_RESIDENT, model="static-a") == 0
+
+
 async def test_on_demand_models_with_warm_texts_start_in_room_for_one_and_warm_at_first_call(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
