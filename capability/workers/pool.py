@@ -385,6 +385,8 @@ class WorkerPool:
             self._start_refill(replica.name, texts, replica)
 
     def _start_refill(self, model: str, texts: list[WarmText], onto: ModelReplica | None) -> None:
+        """Refill the cache with `texts` in the background (`_warm_cache`), kept until
+        done or the pool closes."""
         task = asyncio.create_task(self._warm_cache(model, texts, onto), name=f"warm-cache-{model}")
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)

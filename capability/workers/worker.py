@@ -325,8 +325,9 @@ class ModelReplica:
         self.on_demand.evict()
 
     def _settle(self) -> None:
-        """The batcher's work may have run out (a device turn ended, a text was evicted
-        from the queue): the model used the device until now."""
+        """Told by the batcher whenever its work may have run out (a device turn ended,
+        a text was evicted from the queue): mark the device used until now (what
+        idle_seconds count from), and the replica idle if nothing is left."""
         self.last_used = time.monotonic()
         self._set_idle_if_nothing_left()
 

@@ -28,7 +28,7 @@ from orchestrator.routing.table import RoutesFileError, load_routes
 FLAGS = {"text": "--text", "model": "--model", "request_id": "--request-id"}
 # What gRPC sends as metadata: a key of these characters, and a text value of printable
 # ASCII. Routes see text values only, so a binary (-bin) key never matches one.
-_METADATA_KEY = re.compile(r"^[0-9a-z_.-]+$")
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
 
 
 def metadata_problem(name: str, value: str) -> str | None:
