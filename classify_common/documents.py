@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -332,3 +333,19 @@ def load_json(path: Path, *, source: str | None = None, max_bytes: int = MAX_DOC
     """Read and parse a JSON config file within the bounds (see the module docstring)."""
     name = source or str(path)
     return parse_json(read_document(path, source=name, max_bytes=max_bytes), name)
+
+
+def describe_kind(mode: int) -> str:
+    """What a file that is not a regular one is (its `st_mode`), for a refusal: "a
+    directory", "a FIFO"..."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"

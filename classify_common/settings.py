@@ -33,6 +33,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from classify_common.documents import describe_kind
+
 SPEC = "classify.setting"  # the field-metadata key that holds a setting's Spec
 
 
@@ -273,19 +275,7 @@ def file_problem(path: Path) -> str | None:
         return f"cannot read {path}: {exc.strerror or exc}"
     if stat.S_ISREG(mode):
         return None
-    return f"{path} is {_file_kind(mode)}, not a regular file"
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a file"
+    return f"{path} is {describe_kind(mode)}, not a regular file"
 
 
 def read_secret(settings: Settings, name: str) -> str | None:

@@ -27,25 +27,11 @@ from capability.bundle.errors import (
     UnexpectedBundleFile,
 )
 from capability.bundle.format import MANIFEST_FILE
+from classify_common.documents import describe_kind
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever, before
 # fstat could refuse it. A regular file's reads ignore the flag.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def describe_kind(mode: int) -> str:
-    """What a non-regular file is, for a refusal: "a directory", "a symbolic link"..."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
 
 
 def not_regular(name: str, mode: int) -> UnexpectedBundleFile:

@@ -277,7 +277,7 @@ def test_a_named_pipe_given_as_a_settings_file_is_refused_not_waited_on(
     else:
         flags = ["--model-root", str(model_root), "--device", "cpu", "--port", "0"]
     flags += [flag, str(named_pipe)]
-    message = f"{names}: {named_pipe} is a named pipe, not a regular file"
+    message = f"{names}: {named_pipe} is a FIFO, not a regular file"
     if before_logs:
         assert settings_refusal(server, *flags) == message
     else:
