@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -36,17 +37,24 @@ from tools import build_images, grpc_health_check, make_credentials, run_stack
 WEIGHTS_SHA = "3f1c0a9be2d4" + "0" * 52
 
 
-@pytest.fixture
-def health_server() -> Iterator[tuple[int, health.HealthServicer]]:
+@contextlib.contextmanager
+def serving_health(host: str) -> Iterator[tuple[int, health.HealthServicer]]:
+    """A gRPC server on `host` that answers the health service only."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{host}:0")
     server.start()
     try:
         yield port, servicer
     finally:
         server.stop(grace=None)
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[int, health.HealthServicer]]:
+    with serving_health("127.0.0.1") as serving:
+        yield serving
 
 
 def test_health_check_passes_only_while_serving(
@@ -73,17 +81,10 @@ def test_health_check_reads_the_port_from_the_servers_variable(
 
 
 def test_health_check_probes_an_ipv6_host() -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("[::1]:0")
-    server.start()
-    try:
+    with serving_health("[::1]") as (port, servicer):
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         for host in ("::1", "[::1]"):
             assert grpc_health_check.main(["--host", host, "--port", str(port)], environ={}) == 0
-    finally:
-        server.stop(grace=None)
 
 
 @pytest.mark.parametrize("value", ["abc", "99999", "0"])
