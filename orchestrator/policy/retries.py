@@ -11,8 +11,9 @@ this order — the attempts are spent or the status is not retryable; the backen
 refused at its concurrency limit (another replica of it cannot help, a fallback
 may); the replica does not serve the backend's model, or did not answer within the
 backend's timeout, and every replica has been tried (asked again, it answers the
-same, or spends the fallback's time); the backoff would end past the
-caller's deadline; the retry budget has no token left (Linkerd/Envoy budgets:
+same, or spends the fallback's time); every replica has been tried and the last
+asked for a wait (RetryInfo) longer than the caller has left; the backoff would end
+past the caller's deadline; the retry budget has no token left (Linkerd/Envoy budgets:
 retries are a share of recent requests).
 """
 
@@ -114,6 +115,12 @@ class RetryPolicy:
             # the time a fallback could answer in (and the last try, cut by the
             # caller's deadline, would end in a failure no fallback may take).
             return GiveUp.NO_REPLICA_ANSWERS
+        hint: float | None = getattr(failure, "retry_after_seconds", None)
+        if not untried_replica and hint is not None and time_left is not None and hint >= time_left:
+            # The replica asked for a wait (RetryInfo: its queue's drain, room on its
+            # device) longer than the caller has left: asked again before then, it
+            # refuses again, and the fallback's time is gone.
+            return GiveUp.REPLICA_ASKED_TO_WAIT
         wait = backoff_seconds(self, attempt, rng)
         if time_left is not None and wait >= time_left:
             return GiveUp.DEADLINE_TOO_NEAR
@@ -137,6 +144,7 @@ class GiveUp(enum.Enum):
     BACKEND_AT_LIMIT = "backend_at_limit"
     NO_REPLICA_SERVES = "no_replica_serves"
     NO_REPLICA_ANSWERS = "no_replica_answers"
+    REPLICA_ASKED_TO_WAIT = "replica_asked_to_wait"
     DEADLINE_TOO_NEAR = "deadline_too_near"
     BUDGET_EXHAUSTED = "budget_exhausted"
 

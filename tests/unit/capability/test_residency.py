@@ -587,8 +587,9 @@ async def test_a_cold_start_without_room_in_time_is_refused_for_memory_and_the_c
 ) -> None:
     cold = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
     # No backend timeout shorter than the caller's deadline: the capability's deadline
-    # is the caller's, less the orchestrator's margin. No retry: the refusal goes
-    # straight to the fallback.
+    # is the caller's, less the orchestrator's margin. The default retry policy: the
+    # refusal asks for a wait (1 s) longer than the call has left, so the lone replica
+    # is not asked again and the refusal goes straight to the fallback.
     front = await orchestrator_with(
         f"""version: 1
 backends:
@@ -602,7 +603,6 @@ backends:
 routes:
   - name: default
     backend: cold
-    retry: {{max_attempts: 1}}
     fallback: [static]
 """
     )

@@ -57,3 +57,18 @@ def test_retry_takes_its_token_from_the_budget() -> None:
     budget = RetryBudget(RetryBudgetSettings(ratio=0, min_retries_per_second=0.1))
     assert isinstance(POLICY.decide(UNAVAILABLE, 1, None, budget), RetryAfter)
     assert not budget.try_spend()
+
+
+def test_a_lone_replica_asking_for_longer_than_is_left_is_not_asked_again() -> None:
+    """A queue that drains in 0.5 s, 0.2 s before the caller's deadline: asked again in
+    time, the replica refuses again, and the route's fallback would get no time."""
+    full = QueueFull("queue full", retry_after_seconds=0.5)
+    assert (
+        POLICY.decide(full, 1, 0.2, roomy_budget(), untried_replica=False)
+        is GiveUp.REPLICA_ASKED_TO_WAIT
+    )
+    # Another replica may have room; with more time left, so may this one.
+    assert isinstance(POLICY.decide(full, 1, 0.2, roomy_budget()), RetryAfter)
+    assert isinstance(
+        POLICY.decide(full, 1, 5.0, roomy_budget(), untried_replica=False), RetryAfter
+    )
