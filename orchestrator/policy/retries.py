@@ -11,10 +11,10 @@ this order — the attempts are spent or the status is not retryable; the backen
 refused at its concurrency limit (another replica of it cannot help, a fallback
 may); the replica does not serve the backend's model, or did not answer within the
 backend's timeout, and every replica has been tried (asked again, it answers the
-same, or spends the fallback's time); every replica has been tried and the last
-asked for a wait (RetryInfo) longer than the caller has left; the backoff would end
-past the caller's deadline; the retry budget has no token left (Linkerd/Envoy budgets:
-retries are a share of recent requests).
+same, or spends the fallback's time); every replica has been tried and the last had
+no room on its device for longer (its RetryInfo) than the caller has left; the
+backoff would end past the caller's deadline; the retry budget has no token left
+(Linkerd/Envoy budgets: retries are a share of recent requests).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import grpc
 from classify_common.errors import (
     BackendTimedOut,
     ConcurrencyLimited,
+    DeviceMemoryPressure,
     ModelNotServed,
     ServiceError,
     grpc_code_for,
@@ -115,11 +116,16 @@ class RetryPolicy:
             # the time a fallback could answer in (and the last try, cut by the
             # caller's deadline, would end in a failure no fallback may take).
             return GiveUp.NO_REPLICA_ANSWERS
-        hint: float | None = getattr(failure, "retry_after_seconds", None)
-        if not untried_replica and hint is not None and time_left is not None and hint >= time_left:
-            # The replica asked for a wait (RetryInfo: its queue's drain, room on its
-            # device) longer than the caller has left: asked again before then, it
-            # refuses again, and the fallback's time is gone.
+        if (
+            isinstance(failure, DeviceMemoryPressure)
+            and not untried_replica
+            and time_left is not None
+            and failure.retry_after_seconds >= time_left
+        ):
+            # The replica has no room on its device and asked for a wait longer than
+            # the caller has left: asked again before then, it refuses again, and the
+            # fallback's time is gone. (Not a full queue: its hint is the whole queue's
+            # drain, and a place in it frees far sooner.)
             return GiveUp.REPLICA_ASKED_TO_WAIT
         wait = backoff_seconds(self, attempt, rng)
         if time_left is not None and wait >= time_left:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import random
 
-from classify_common.errors import ConcurrencyLimited, ModelNotFound, ModelUnavailable, QueueFull
+from classify_common.errors import (
+    ConcurrencyLimited,
+    DeviceMemoryPressure,
+    ModelNotFound,
+    ModelUnavailable,
+    QueueFull,
+)
 from orchestrator.policy import GiveUp, RetryAfter, RetryBudget, RetryBudgetSettings, RetryPolicy
 
 POLICY = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.1, max_backoff_seconds=0.3)
@@ -59,16 +65,21 @@ def test_retry_takes_its_token_from_the_budget() -> None:
     assert not budget.try_spend()
 
 
-def test_a_lone_replica_asking_for_longer_than_is_left_is_not_asked_again() -> None:
-    """A queue that drains in 0.5 s, 0.2 s before the caller's deadline: asked again in
+def test_a_lone_replica_without_room_for_longer_than_is_left_is_not_asked_again() -> None:
+    """No room on its device for 1 s, 0.2 s before the caller's deadline: asked again in
     time, the replica refuses again, and the route's fallback would get no time."""
-    full = QueueFull("queue full", retry_after_seconds=0.5)
+    no_room = DeviceMemoryPressure("no room", retry_after_seconds=1.0)
     assert (
-        POLICY.decide(full, 1, 0.2, roomy_budget(), untried_replica=False)
+        POLICY.decide(no_room, 1, 0.2, roomy_budget(), untried_replica=False)
         is GiveUp.REPLICA_ASKED_TO_WAIT
     )
     # Another replica may have room; with more time left, so may this one.
-    assert isinstance(POLICY.decide(full, 1, 0.2, roomy_budget()), RetryAfter)
+    assert isinstance(POLICY.decide(no_room, 1, 0.2, roomy_budget()), RetryAfter)
     assert isinstance(
-        POLICY.decide(full, 1, 5.0, roomy_budget(), untried_replica=False), RetryAfter
+        POLICY.decide(no_room, 1, 5.0, roomy_budget(), untried_replica=False), RetryAfter
+    )
+    # A full queue's hint is its whole drain: a place frees sooner, so it is retried.
+    full = QueueFull("queue full", retry_after_seconds=1.0)
+    assert isinstance(
+        POLICY.decide(full, 1, 0.2, roomy_budget(), untried_replica=False), RetryAfter
     )
