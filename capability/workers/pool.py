@@ -414,9 +414,13 @@ class WorkerPool:
             # (no await between), and an eviction skips a replica with texts arriving:
             # so a chunk admitted here never needs a cold start.
             # Nor does a refill keep its replica on the device while a cold start or a
-            # load there waits for room: it stops after the chunk in flight, and the
-            # rest waits for the model's next cold start.
-            if onto is not None and (not onto.is_resident or onto.worker.room_wanted):
+            # load there waits for room: it pauses after the chunk in flight, and goes
+            # on if the replica is still there once room is made (another model may
+            # have left instead); else the rest waits for the model's next cold start.
+            if onto is not None and onto.worker.room_wanted:
+                await onto.worker.room_made()
+                continue
+            if onto is not None and not onto.is_resident:
                 if onto.worker.replicas.get(model) is onto:
                     self._refill_waiting.setdefault(model, texts[offered:])
                 break

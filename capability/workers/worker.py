@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -558,9 +559,15 @@ class DeviceWorker:
         self._residency = asyncio.Lock()
         # Takes idle on_demand replicas off the device; started with the first one.
         self._evictor: asyncio.Task[None] | None = None
+        # Evictions under way, each run to its end even when its caller is cancelled
+        # (_evict); close waits for them before the device thread stops.
+        self._evictions: set[asyncio.Task[None]] = set()
         self._on_cold_start = on_cold_start
-        # Cold starts and loads waiting for an on_demand replica here to go idle.
+        # Cold starts and loads waiting for an on_demand replica here to go idle, and
+        # set whenever none is.
         self.room_wanted = 0
+        self._no_room_wanted = asyncio.Event()
+        self._no_room_wanted.set()
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -820,36 +827,50 @@ class DeviceWorker:
         `needed`, over the budget when no room was made in time). The caller holds the
         residency lock."""
         loop = asyncio.get_running_loop()
-        while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
-            if held - self._movable_bytes(keep) + needed > self.memory_budget_bytes:
-                break  # not even with all of them off: evict none for nothing, wait for none
-            evictable = self._evictable(keep)
-            idle = [other for other in evictable if not other.load]
-            if idle:
-                await self._evict(min(idle, key=lambda other: other.last_used), EVICTED_FOR_ROOM)
-                continue
-            if not evictable:
-                break
-            # Said while waiting, so that a result-cache refill keeping one busy stops at
-            # its next chunk (WorkerPool._warm_cache): no caller is waiting on it.
-            self.room_wanted += 1
-            try:
-                went_idle = await _one_goes_idle(evictable, give_up_at - loop.time())
-            finally:
-                self.room_wanted -= 1
-            if not went_idle:
-                break
+        # Said from the first look to the last eviction, so that a result-cache refill
+        # keeping a replica busy pauses at its next chunk (WorkerPool._warm_cache): no
+        # caller waits on it. Said only while waiting, the refill's next chunk went in
+        # between the replica going idle and its eviction, and kept it busy to the end.
+        self.room_wanted += 1
+        self._no_room_wanted.clear()
+        try:
+            while (held := self.held_bytes()) + needed > self.memory_budget_bytes:
+                if held - self._movable_bytes(keep) + needed > self.memory_budget_bytes:
+                    break  # not even with all of them off: evict none for nothing, nor wait
+                evictable = self._evictable(keep)
+                idle = [other for other in evictable if not other.load]
+                if idle:
+                    least_used = min(idle, key=lambda other: other.last_used)
+                    await self._evict(least_used, EVICTED_FOR_ROOM)
+                    continue
+                if not evictable or not await _one_goes_idle(evictable, give_up_at - loop.time()):
+                    break
+        finally:
+            self.room_wanted -= 1
+            if not self.room_wanted:
+                self._no_room_wanted.set()
         return held
 
+    async def room_made(self) -> None:
+        """Return once no cold start or load here waits for room (at once if none)."""
+        await self._no_room_wanted.wait()
+
     async def _evict(self, replica: ModelReplica, reason: str) -> None:
-        """Take an idle on_demand replica's weights off the device, in the device's
-        turn; the caller holds the residency lock. A replica that got work meanwhile
-        stays. Runs to its end even when the caller is cancelled (a caller's deadline,
-        an abandoned load): cancelled once the weights counted as off the device, the
-        device thread skipped the job and left them there, uncounted."""
-        await asyncio.shield(self._take_off(replica, reason))
+        """Take an idle on_demand replica's weights off the device (`_take_off`); the
+        caller holds the residency lock. Runs to its end even when the caller is
+        cancelled (a caller's deadline, an abandoned load), then without that lock:
+        cancelled once the weights counted as off the device, the device thread
+        skipped the job and left them there, uncounted."""
+        eviction = asyncio.create_task(self._take_off(replica, reason))
+        self._evictions.add(eviction)
+        eviction.add_done_callback(self._evictions.discard)
+        eviction.add_done_callback(functools.partial(_log_failed_eviction, replica, self.name))
+        await asyncio.shield(eviction)
 
     async def _take_off(self, replica: ModelReplica, reason: str) -> None:
+        """In the device's turn: unless the replica got work meanwhile (it stays), mark
+        its weights off the device and have the device thread take them off; then
+        count it and hand the device's cached blocks back."""
         weights = replica.on_demand
         async with self.turn():
             if weights is None or not weights.resident or replica.load:
@@ -945,11 +966,24 @@ class DeviceWorker:
             self._evictor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
+        # An eviction outlives its cancelled caller, and needs the device thread.
+        await asyncio.gather(*self._evictions, return_exceptions=True)
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()
         if self.lanes is not None:
             self.lanes.close()
+
+
+def _log_failed_eviction(replica: ModelReplica, worker: str, eviction: asyncio.Task[None]) -> None:
+    """Log an eviction that failed, once it ends: its caller may have been cancelled,
+    and then nothing else reads its exception."""
+    if eviction.cancelled() or (error := eviction.exception()) is None:
+        return
+    log.error(
+        "model could not be taken off the device",
+        extra={"model": replica.name, "worker": worker, "error": repr(error)},
+    )
 
 
 def carry_ledger(

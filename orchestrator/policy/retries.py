@@ -122,11 +122,12 @@ class RetryPolicy:
             and time_left is not None
             and failure.retry_after_seconds >= time_left
         ):
-            # The replica has no room on its device and asked for a wait longer than
-            # the caller has left: asked again before then, it refuses again, and the
-            # fallback's time is gone. (Not a full queue: its hint is the whole queue's
-            # drain, and a place in it frees far sooner.)
-            return GiveUp.REPLICA_ASKED_TO_WAIT
+            # The replica has no room on its device (its budget, or the memory-use
+            # threshold) and asked for a wait longer than the caller has left: asked
+            # again before then, it refuses again, and the fallback's time is gone.
+            # (Not a full queue: its hint is the whole queue's drain, and a place in it
+            # frees far sooner.)
+            return GiveUp.NO_ROOM_IN_TIME
         wait = backoff_seconds(self, attempt, rng)
         if time_left is not None and wait >= time_left:
             return GiveUp.DEADLINE_TOO_NEAR
@@ -137,7 +138,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class RetryAfter:
-    """Try the backend again, on a replica not yet tried, after this many seconds."""
+    """Try the backend again after this many seconds, on a replica not yet tried, or,
+    once every one has been, on one tried before."""
 
     seconds: float
 
@@ -150,7 +152,7 @@ class GiveUp(enum.Enum):
     BACKEND_AT_LIMIT = "backend_at_limit"
     NO_REPLICA_SERVES = "no_replica_serves"
     NO_REPLICA_ANSWERS = "no_replica_answers"
-    REPLICA_ASKED_TO_WAIT = "replica_asked_to_wait"
+    NO_ROOM_IN_TIME = "no_room_in_time"
     DEADLINE_TOO_NEAR = "deadline_too_near"
     BUDGET_EXHAUSTED = "budget_exhausted"
 

@@ -11,7 +11,9 @@ refused where it cannot run."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -495,8 +497,9 @@ async def test_a_cache_refill_gives_its_room_to_a_callers_cold_start(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
     """a's first call starts a refill of 10,000 texts; b's caller, 50 ms later, needs
-    a's room: the refill stops after its chunk in flight, and b is answered well within
-    its deadline (it waited for the whole refill and was refused)."""
+    a's room: the refill stops after its chunk in flight, and b is answered (it waited
+    for the whole refill, about 0.8 s here, and one with a shorter deadline was
+    refused); the rest of a's refill waits for a's next cold start."""
     (tmp_path / "hot.txt").write_text(
         "".join(f"text number {i} about the match and the market {i * 7}\n" for i in range(10000))
     )
@@ -538,12 +541,37 @@ async def test_an_eviction_whose_caller_gives_up_still_takes_the_weights_off(
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
         async with device_occupied(worker, take_turn=False):
-            with pytest.raises(grpc.aio.AioRpcError):
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
                 await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-b"), timeout=1.0)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await wait_until(lambda: metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 1, "evicted")
     assert not a.is_resident
     assert next(a.bundle.classifier.encoder.parameters()).device.type == "meta"
     assert metric_sum(server.registry, MODEL_RESIDENT, model="static-a") == 0
+
+
+async def test_a_stop_during_an_eviction_whose_caller_left_waits_for_it(
+    start_capability: StartCapability,
+    model_root: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The stop closed the device thread under the eviction, which then failed unseen
+    ("Task exception was never retrieved": the device thread is closed)."""
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    worker = server.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        async with device_occupied(worker, take_turn=False):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-b"), timeout=1.0)
+            stopping = asyncio.ensure_future(server.stop(grace_seconds=0))
+            await asyncio.sleep(0.2)  # the stop reaches the workers' close meanwhile
+    await stopping
+    gc.collect()  # where an unread task exception is reported
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 1
 
 
 async def test_on_demand_models_with_warm_texts_start_in_room_for_one_and_warm_at_first_call(

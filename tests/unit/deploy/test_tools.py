@@ -32,6 +32,7 @@ from tests.conftest import (
 )
 from tests.status_details import unpack
 from tests.unit.deploy.manifests import DOCKER_DIR, dockerfile_instructions
+from tests.unit.test_start_up import ipv6_loopback
 from tools import build_images, grpc_health_check, make_credentials, run_stack
 
 WEIGHTS_SHA = "3f1c0a9be2d4" + "0" * 52
@@ -80,6 +81,7 @@ def test_health_check_reads_the_port_from_the_servers_variable(
     assert grpc_health_check.main(argv, environ={}) == 1
 
 
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 def test_health_check_probes_an_ipv6_host() -> None:
     with serving_health("[::1]") as (port, servicer):
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)

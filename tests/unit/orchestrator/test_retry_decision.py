@@ -71,7 +71,7 @@ def test_a_lone_replica_without_room_for_longer_than_is_left_is_not_asked_again(
     no_room = DeviceMemoryPressure("no room", retry_after_seconds=1.0)
     assert (
         POLICY.decide(no_room, 1, 0.2, roomy_budget(), untried_replica=False)
-        is GiveUp.REPLICA_ASKED_TO_WAIT
+        is GiveUp.NO_ROOM_IN_TIME
     )
     # Another replica may have room; with more time left, so may this one.
     assert isinstance(POLICY.decide(no_room, 1, 0.2, roomy_budget()), RetryAfter)
