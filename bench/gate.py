@@ -210,6 +210,8 @@ class Gate:
         self.levels: dict[str, dict[str, Any]] = {}
         self.remeasured: dict[str, dict[str, Any]] = {}
         self.shadow_windows: list[dict[str, float]] = []
+        # The shadow ratio of a first measurement that failed, before its second.
+        self.shadow_first_ratio: float | None = None
         # Texts failed in every measurement, those `levels` no longer holds included
         # (a first measurement done again, the capability's own run before a level,
         # the shadow windows before the last).
@@ -248,6 +250,11 @@ class Gate:
                     self.measure_against_capability(level, direct, orchestrator, capability)
                 self.measure_again_what_failed(minilm, static, orchestrator, capability, servers)
                 self.measure_shadow(front_door, orchestrator)
+                if self.shadow_ratio() > MAX_SHADOW_P50_RATIO:
+                    # Measured once more, as a failed level is.
+                    self.shadow_first_ratio = self.shadow_ratio()
+                    self.shadow_windows = []
+                    self.measure_shadow(front_door, orchestrator)
 
     @staticmethod
     def minilm_levels(metadata: Sequence[tuple[str, str]]) -> list[Level]:
@@ -403,14 +410,15 @@ class Gate:
             )
         ratio = self.shadow_ratio()
         errors = self.errors
-        for name, value, bound, passed in (
+        for name, value, bound, first_value, passed in (
             (
                 "shadowed p50 / not shadowed p50 at one client",
                 ratio,
                 MAX_SHADOW_P50_RATIO,
+                self.shadow_first_ratio,
                 ratio <= MAX_SHADOW_P50_RATIO,
             ),
-            ("errors at every level", errors, 0, errors == 0),
+            ("errors at every level", errors, 0, None, errors == 0),
         ):
             results.append(
                 {
@@ -418,7 +426,7 @@ class Gate:
                     "value": value,
                     "bound": bound,
                     "at_least": False,
-                    "first_measurement": None,
+                    "first_measurement": first_value,
                     "passed": passed,
                 }
             )
