@@ -528,6 +528,53 @@ async def test_a_cache_refill_gives_its_room_to_a_callers_cold_start(
     assert 0 < warmed < 10000
 
 
+async def test_a_cache_refill_goes_on_when_another_model_leaves_to_make_room(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """Room for two: b idle, a refilling its cache, c's caller needs room. The refill
+    pauses while room is made; b, the least recently used, leaves; a stays and its
+    refill goes on to the end (it waited for a cold start that would never come)."""
+    (tmp_path / "hot.txt").write_text(
+        "".join(f"text number {i} about the match and the market {i * 7}\n" for i in range(10000))
+    )
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        "static-a:\n  residency: on_demand\n  idle_seconds: 3600\n  warm_texts: hot.txt\n"
+        + "".join(
+            f"{name}:\n  residency: on_demand\n  idle_seconds: 3600\n"
+            for name in ("static-b", "static-c")
+        )
+    )
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    names = ("static-a", "static-b", "static-c")
+    copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
+    server = await start_capability(
+        model_root=tmp_path / "models",
+        default_model="static-a",
+        residency="on_demand",
+        idle_seconds=3600,
+        device_memory_budget=int(3.2 * STATIC_WEIGHT_BYTES),
+        result_cache_entries=20000,
+        per_model=per_model,
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-b"))
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+        await asyncio.sleep(0.05)
+        answer = await stub.Classify(
+            pb.ClassifyRequest(text=STRIKER, model="static-c"), timeout=5.0
+        )
+        assert answer.model.name == "static-c"
+        await server.pool.wait_cache_refilled()
+    evictions = {
+        name: metric_sum(server.registry, MODEL_EVICTIONS_TOTAL, model=name) for name in names
+    }
+    assert evictions == {"static-a": 0, "static-b": 1, "static-c": 0}
+    warmed = metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL, model="static-a")
+    assert warmed == 10000
+
+
 async def test_an_eviction_whose_caller_gives_up_still_takes_the_weights_off(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
