@@ -426,15 +426,28 @@ async def on_demand_in_room_for_one(
     )
 
 
-async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
+async def a_idle_on_the_device_and_b_version_2_on_disk(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
-) -> None:
+) -> CapabilityServer:
+    """static-a and static-b, on_demand in room for one; a called (on the device, idle)
+    and a version 2 of b copied in, for a ReloadModel to load."""
     server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
     shutil.copytree(tmp_path / "models" / "static-b" / "1", tmp_path / "models" / "static-b" / "2")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
+    return server
+
+
+async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    server = await a_idle_on_the_device_and_b_version_2_on_disk(
+        start_capability, model_root, tmp_path
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
-        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))  # a, idle now
         reloaded = await models.ReloadModel(model_pb.ReloadModelRequest(name="static-b"))
         assert reloaded.model.version == "2"
         # a left the device for b's load, and b then waits in host memory.
@@ -452,12 +465,11 @@ async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
 async def test_a_load_that_cannot_fit_even_with_every_on_demand_model_off_evicts_none(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
-    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
-    shutil.copytree(tmp_path / "models" / "static-b" / "1", tmp_path / "models" / "static-b" / "2")
+    server = await a_idle_on_the_device_and_b_version_2_on_disk(
+        start_capability, model_root, tmp_path
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
-        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))  # a, idle now
         # A budget smaller than the new version alone: no eviction can make its room.
         server.pool.workers[0].memory_budget_bytes = STATIC_WEIGHT_BYTES // 2
         with pytest.raises(grpc.aio.AioRpcError) as refused:
