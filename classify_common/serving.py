@@ -38,6 +38,7 @@ from classify_common.settings import SettingsError
 from classify_common.span_export import EXPORT_DROPS
 from classify_common.tls import ServerTls
 from classify_common.tracing import configure_tracing
+from classify_common.validation import compile_rules
 
 # The contract's services, as both layers serve them (health and reflection list them).
 CONTRACT_SERVICES = (
@@ -353,6 +354,7 @@ class GrpcServing:
             raise not_bound(self._port_names, self._address) from exc
         if self.port == 0:
             raise not_bound(self._port_names, self._address)
+        compile_rules(self.service_names)
         await self.server.start()
         if self._metrics_port != METRICS_DISABLED:
             self._metrics_endpoint = open_metrics_endpoint(

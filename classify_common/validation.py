@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import protovalidate
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from classify_common.errors import FieldViolation, InvalidRequest
@@ -55,6 +56,26 @@ def _field_named_by(rule_id: str, message: Message) -> str:
     ID names none of the message's fields."""
     named = rule_id.partition(".")[0]
     return named if named in message.DESCRIPTOR.fields_by_name else ""
+
+
+def compile_rules(service_names: Sequence[str]) -> list[str]:
+    """Compile now the rules of every request type the named services take; the
+    types' full names.
+
+    protovalidate compiles a message type's rules at its first check, on the event
+    loop: the first Classify a freshly started server took spent 24 ms validating in
+    the orchestrator and 50 ms receiving in the capability (10 ms alone on an idle
+    core), and every call that arrived meanwhile waited behind it, which is how a new
+    replica put behind a busy load balancer begins. Called before a server turns
+    SERVING."""
+    pool = descriptor_pool.Default()
+    compiled: list[str] = []
+    for name in service_names:
+        for method in pool.FindServiceByName(name).methods:
+            request_type = message_factory.GetMessageClass(method.input_type)
+            _validator.collect_violations(request_type())
+            compiled.append(method.input_type.full_name)
+    return compiled
 
 
 def validate_request(message: Message) -> None:
