@@ -249,6 +249,12 @@ def _from_environment(each: Declared, environ: Mapping[str, str]) -> Any:
     if each.env not in environ:
         return each.default
     text = environ[each.env]
+    if not text.strip():
+        # An empty variable is an unset one, as OpenTelemetry's variables are read: a
+        # compose file or a chart that passes `${MODEL_CONFIG:-}` through sets it
+        # empty when the operator set nothing, and an empty file setting was refused.
+        # An empty flag is still refused: it was typed.
+        return each.default
     try:
         return each.spec.parse(text)
     except ValueError as exc:

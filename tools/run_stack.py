@@ -134,7 +134,10 @@ def routes_for(capability_port: str) -> dict[str, str]:
     file is named, and then a copy of routes.yaml with the port replaced, one per port:
     a running orchestrator follows its routes file, and a second stack started on other
     ports would otherwise point the first one's routes at its own capability."""
-    if capability_port == DEFAULT_CAPABILITY_PORT or "ORCHESTRATOR_ROUTES_FILE" in os.environ:
+    if (
+        capability_port == DEFAULT_CAPABILITY_PORT
+        or os.environ.get("ORCHESTRATOR_ROUTES_FILE", "").strip()
+    ):
         return {}
     text = Path("routes.yaml").read_text(encoding="utf-8")
     copy = RUN_DIR / f"routes-{capability_port}.yaml"
@@ -153,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.parse_args(argv)
-    capability_port = os.environ.get("CAPABILITY_PORT", DEFAULT_CAPABILITY_PORT)
-    orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", DEFAULT_ORCHESTRATOR_PORT)
+    # An empty variable is an unset one, as the servers read it (classify_common.settings).
+    capability_port = os.environ.get("CAPABILITY_PORT", "").strip() or DEFAULT_CAPABILITY_PORT
+    orchestrator_port = os.environ.get("ORCHESTRATOR_PORT", "").strip() or DEFAULT_ORCHESTRATOR_PORT
     target = (
         f" --target 127.0.0.1:{orchestrator_port}"
         if orchestrator_port != DEFAULT_ORCHESTRATOR_PORT

@@ -19,6 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from capability.config import CapabilitySettings
+from orchestrator.config import OrchestratorSettings
 from tests.conftest import REPO_ROOT, ProcessStarter, closed_port, write_routes
 
 PORT_IN_USE = "the port is in use, or the host is not an address of this machine"
@@ -183,12 +185,20 @@ def test_an_empty_path_is_refused_naming_its_flag_not_read_as_the_current_folder
         "python -m orchestrator: error: argument --routes-file: '' is not valid: an empty "
         "path names no file (also settable as ORCHESTRATOR_ROUTES_FILE)"
     )
-    from_variable = settings_refusal(
-        "orchestrator", "--auth", "disabled", env={"ORCHESTRATOR_ROUTES_FILE": ""}
+
+
+def test_an_empty_variable_is_an_unset_one() -> None:
+    """A compose file or chart passing `${ROUTES:-}` through sets the variable empty when
+    the operator set nothing: the default applies, as for OpenTelemetry's variables."""
+    empty = {"ORCHESTRATOR_ROUTES_FILE": "", "ORCHESTRATOR_PORT": " ", "ORCHESTRATOR_STATE_URL": ""}
+    settings = OrchestratorSettings.from_args(["--auth", "disabled"], empty)
+    assert (settings.routes_file, settings.port, settings.state_url) == (
+        Path("routes.yaml"),
+        50051,
+        None,
     )
-    assert from_variable == (
-        "--routes-file / ORCHESTRATOR_ROUTES_FILE: '' is not valid: an empty path names no file"
-    )
+    models = CapabilitySettings.from_args([], {"CAPABILITY_MODEL_CONFIG": ""})
+    assert models.model_config is None
 
 
 @pytest.mark.parametrize(

@@ -345,7 +345,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--target",
-        default=os.environ.get("CLASSIFY_TARGET", DEFAULT_TARGET),
+        # An empty variable is an unset one (a template's `${TARGET:-}`).
+        default=os.environ.get("CLASSIFY_TARGET", "").strip() or DEFAULT_TARGET,
         help=f"orchestrator host:port [env CLASSIFY_TARGET; default {DEFAULT_TARGET}]",
     )
     parser.add_argument("--top-k", type=request_int, help="only the k best labels")
