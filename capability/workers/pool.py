@@ -248,19 +248,32 @@ class WorkerPool:
         is raised. Its load time runs from here until every worker serves it: reading,
         verifying and warming up (the workers' warm-ups and memory measurement too)."""
         started = time.perf_counter()
+        model = expected_name or directory.parent.name
         try:
-            bundles, replicas = await self._load_everywhere(
-                directory, settings, precision, graph, expected_name, (residency, idle_seconds)
-            )
-        except Exception as refused:
-            # The traceback's frames hold the refused tensors; drop their locals first.
-            traceback.clear_frames(refused.__traceback__)
+            try:
+                bundles, replicas = await self._load_everywhere(
+                    directory,
+                    settings,
+                    precision,
+                    graph,
+                    model,
+                    expected_name,
+                    (residency, idle_seconds),
+                )
+            except Exception as refused:
+                # The traceback's frames hold the refused tensors; drop their locals first.
+                traceback.clear_frames(refused.__traceback__)
+                for worker in self.workers:
+                    await worker.release_cached(CACHE_RELEASE_REFUSED)
+                raise
+            load_seconds = time.perf_counter() - started
+            for replica in replicas:
+                await replica.worker.activate(replica, load_seconds)
+        finally:
+            # Serving (counted as such from here) or refused: the room made for the
+            # version is no longer held for it apart.
             for worker in self.workers:
-                await worker.release_cached(CACHE_RELEASE_REFUSED)
-            raise
-        load_seconds = time.perf_counter() - started
-        for replica in replicas:
-            await replica.worker.activate(replica, load_seconds)
+                worker.release_room(model)
         self._live_since[bundles[0].name] = datetime.now(UTC)
         self._load_seconds[bundles[0].name] = load_seconds
         serving = bundles[0]
@@ -289,13 +302,14 @@ class WorkerPool:
         settings: BatchingSettings,
         precision: str | None,
         graph: str,
+        model: str,
         expected_name: str | None,
         residency: tuple[str, float],
     ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
         """Load and warm up one replica per worker (a sharded model: one, on the first
-        worker, its layers across every worker's device), none serving yet."""
+        worker, its layers across every worker's device), none serving yet; the room
+        each worker makes for it is held for `model` (DeviceWorker.make_room_for_load)."""
         loop = asyncio.get_running_loop()
-        model = expected_name or directory.parent.name
         mode, idle_seconds = residency
         workers = self.workers[:1] if mode == SHARDED else self.workers
         watches = [worker.load_watch(model, directory.name) for worker in workers]
@@ -346,6 +360,7 @@ class WorkerPool:
                 residency=mode,
                 idle_seconds=idle_seconds,
                 shard_devices=[each.device for each in self.workers],
+                room_for=model,
             )
             for worker, bundle, watch in zip(workers, bundles, watches, strict=True)
         ]

@@ -171,7 +171,7 @@ class BudgetedLoad:
         if self._overhead:
             how += f" + {format_bytes(self._overhead)} measured beyond the serving version's"
         self._room = asyncio.run_coroutine_threadsafe(
-            self._worker.make_room_for_load(self.predicted_bytes), self._loop
+            self._worker.make_room_for_load(self.predicted_bytes, self._model), self._loop
         )
         # NOTE: `abandon` may have run before `_room` was set, and then cancelled nothing.
         if self._abandoned.is_set():
@@ -555,6 +555,12 @@ class DeviceWorker:
         self._retiring: set[asyncio.Task[None]] = set()
         # Replaced versions still finishing their work: resident until released.
         self._retiring_replicas: set[ModelReplica] = set()
+        # Bytes promised to the versions loading here, by model, from the room made
+        # for their weights until they serve or are refused (make_room_for_load). Not
+        # in `replicas` yet, their weights were on the device uncounted: a cold start
+        # of an on_demand model found room in what a load had just made for itself,
+        # and two loads each made room for one of them.
+        self._reserved: dict[str, int] = {}
         # Held while an on_demand replica's weights move on or off the device.
         self._residency = asyncio.Lock()
         # Takes idle on_demand replicas off the device; started with the first one.
@@ -614,21 +620,37 @@ class DeviceWorker:
 
     def held_bytes(self) -> int:
         """Footprints of the versions whose weights are on the device: serving, and
-        retiring ones (an on_demand one only while it is there)."""
+        retiring ones (an on_demand one only while it is there); and the room promised
+        to the versions loading here."""
         here = [*self.replicas.values(), *self._retiring_replicas]
-        return sum(r.ledger.footprint_bytes for r in here if r.ledger is not None and r.is_resident)
+        on_device = sum(
+            r.ledger.footprint_bytes for r in here if r.ledger is not None and r.is_resident
+        )
+        return on_device + sum(self._reserved.values())
+
+    def release_room(self, model: str) -> None:
+        """The load of `model` here has ended (serving, or refused): its promised room
+        is no longer held for it."""
+        self._reserved.pop(model, None)
 
     def load_watch(self, model: str, version: str) -> BudgetedLoad:
         """The LoadWatch for loading `version` of `model` onto this worker now."""
         return BudgetedLoad(self, model, version)
 
-    async def make_room_for_load(self, needed: int) -> int:
-        """Make room for a version loading here that needs `needed` bytes, as a cold
-        start does (`_make_room`); the bytes held then, which the caller refuses the
-        version against (refuse_over_budget) if they still leave no room."""
+    async def make_room_for_load(self, needed: int, model: str) -> int:
+        """Make room for a version of `model` loading here that needs `needed` bytes, as a
+        cold start does (`_make_room`), and hold it for that version (release_room ends
+        that); the bytes held then by all else, which the caller refuses the version
+        against (refuse_over_budget) if they still leave no room."""
         loop = asyncio.get_running_loop()
         async with self._residency:
-            return await self._evict_for_room(needed, loop.time() + ROOM_WAIT_SECONDS)
+            # Made again (the measured footprint after the predicted one): what was held
+            # for this version before is not held against it.
+            self._reserved.pop(model, None)
+            held = await self._evict_for_room(needed, loop.time() + ROOM_WAIT_SECONDS)
+            if held + needed <= self.memory_budget_bytes:
+                self._reserved[model] = needed
+            return held
 
     def refuse_over_budget(
         self, model: str, version: str, needed: int, how: str, held: int
@@ -638,10 +660,14 @@ class DeviceWorker:
         budget = self.memory_budget_bytes
         if held + needed <= budget:
             return
+        loading = sum(bytes_ for other, bytes_ in self._reserved.items() if other != model)
+        others = (
+            f", {format_bytes(loading)} of it held for other versions loading" if loading else ""
+        )
         raise MemoryBudgetExceeded(
             f"version {version} of {model} needs {format_bytes(needed)} ({needed} bytes; "
             f"{how}) on {self.name}, where the resident versions hold {format_bytes(held)} "
-            f"({held} bytes): {held + needed} bytes exceed the device memory budget of "
+            f"({held} bytes{others}): {held + needed} bytes exceed the device memory budget of "
             f"{format_bytes(budget)} ({budget} bytes, --device-memory-budget)"
         )
 
@@ -654,12 +680,16 @@ class DeviceWorker:
         residency: str = RESIDENT,
         idle_seconds: float = 0.0,
         shard_devices: list[torch.device] | None = None,
+        room_for: str | None = None,
     ) -> ModelReplica:
         """A warmed-up replica of `bundle` on this device, with its ledger entry, not
         yet serving; refused (MemoryBudgetExceeded) when its measured footprint does
         not fit beside the resident versions, once idle on_demand ones have left to
         make room. An on_demand one then waits in host memory; a sharded one has its
-        layers split across `shard_devices` first."""
+        layers split across `shard_devices` first. `room_for`: the model its load's room
+        is held for (make_room_for_load; default the bundle's name), until the caller
+        releases it once the version serves or is refused."""
+        room_for = room_for or bundle.name
         replica = ModelReplica(bundle, self, settings, self._metrics, residency, idle_seconds)
         if residency == SHARDED:
             await self.run_on_device(replica.shard, shard_devices or [self.device])
@@ -702,12 +732,15 @@ class DeviceWorker:
         if residency == ON_DEMAND:
             # Its weights leave the device next, and its cold starts make their own room:
             # it need only fit beside what cannot leave (evicting now would be for nothing).
-            held = self.held_bytes() - self._movable_bytes(replica)
+            own = self._reserved.get(room_for, 0)
+            held = self.held_bytes() - own - self._movable_bytes(replica)
         else:
-            held = await self.make_room_for_load(ledger.footprint_bytes)
-        self.refuse_over_budget(bundle.name, bundle.version, ledger.footprint_bytes, how, held)
+            held = await self.make_room_for_load(ledger.footprint_bytes, room_for)
+        self.refuse_over_budget(room_for, bundle.version, ledger.footprint_bytes, how, held)
         if residency == ON_DEMAND:
             await self.run_on_device(replica.keep_on_host)
+            # Its weights are off the device: nothing is held for it until a cold start.
+            self.release_room(room_for)
             await self.release_cached(CACHE_RELEASE_EVICTED)
         return replica
 
@@ -793,7 +826,8 @@ class DeviceWorker:
             return
         staying = held - self._movable_bytes(replica)
         why = (
-            f"the models that cannot leave it (resident ones, versions being replaced) "
+            f"the models that cannot leave it (resident ones, versions being replaced or "
+            f"loaded) "
             f"hold {format_bytes(staying)}: it fits only once they hold less"
             if staying + needed > self.memory_budget_bytes
             else "none went idle in time to make room"

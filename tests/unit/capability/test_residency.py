@@ -227,19 +227,41 @@ def copy_under_names(bundle: Path, root: Path, names: Sequence[str]) -> None:
         write_manifest(copy)
 
 
+def room_for(server: CapabilityServer, names: Sequence[str], count: int) -> int:
+    """Set the budget of `server`'s one worker so that any `count` of `names` fit on
+    it together but no `count + 1`, from the footprints measured at its start (each
+    version's ledger entry), and return it. On the CPU a footprint is the resident
+    set's growth over the load, which varies between machines and with what the
+    process did before: the first load in a process read 1.5 times its weights on one
+    machine and about its weights on another, so a budget fixed in weights (1.5, 1.9,
+    3.2 of them) held more or fewer models there, or refused the first at start. Start
+    such a server with the default budget, which holds every version."""
+    worker = server.pool.workers[0]
+    footprints = []
+    for name in names:
+        ledger = worker.replicas[name].ledger
+        assert ledger is not None
+        footprints.append(ledger.footprint_bytes)
+    footprints.sort()
+    largest = sum(footprints[-count:])  # any `count` fit ...
+    smallest = sum(footprints[: count + 1])  # ... and no `count + 1`
+    assert largest < smallest, f"no budget holds any {count} but no {count + 1} of {footprints}"
+    worker.memory_budget_bytes = (largest + smallest) // 2
+    return worker.memory_budget_bytes
+
+
 async def test_six_models_share_a_budget_that_holds_two_evicting_the_least_recently_used(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
     names = [f"static-{index}" for index in range(6)]
     copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
-    weights = STATIC_WEIGHT_BYTES
     server = await start_capability(
         model_root=tmp_path / "models",
         default_model=names[0],
         residency="on_demand",
         idle_seconds=3600,
-        device_memory_budget=int(2.5 * weights),
     )
+    room_for(server, names, 2)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         for _ in range(2):
@@ -268,8 +290,8 @@ async def test_a_cold_start_waits_for_a_busy_model_to_go_idle_to_take_its_room(
         default_model=names[0],
         residency="on_demand",
         idle_seconds=3600,
-        device_memory_budget=int(1.5 * STATIC_WEIGHT_BYTES),  # room for one
     )
+    room_for(server, names, 1)
     worker = server.pool.workers[0]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
@@ -314,8 +336,8 @@ async def test_twenty_models_with_a_budget_for_five_all_answer_correctly_under_r
         default_model=names[0],
         residency="on_demand",
         idle_seconds=3600,
-        device_memory_budget=int(5.5 * STATIC_WEIGHT_BYTES),
     )
+    room_for(server, names, 5)
 
     async def classify_on(stub: Any, name: str, text: str) -> None:
         answer = await stub.Classify(pb.ClassifyRequest(text=text, model=name), timeout=60)
@@ -412,18 +434,18 @@ async def on_demand_in_room_for_one(
     names: Sequence[str] = ("static-a", "static-b"),
     **settings: Any,
 ) -> CapabilityServer:
-    """`names`, all on_demand, in a budget that holds one of them."""
+    """`names`, all on_demand (unless `settings` says otherwise), in a budget that
+    holds one of them (`room_for`)."""
     copy_under_names(model_root / MODEL / "1", tmp_path / "models", names)
-    return await start_capability(
+    server = await start_capability(
         model_root=tmp_path / "models",
         default_model=names[0],
         residency="on_demand",
         idle_seconds=3600,
-        # NOTE: not 1.5: on the CPU the first load in a process measures a footprint
-        # of about 1.5 times its weights (the process's own first-use growth counts).
-        device_memory_budget=int(1.9 * STATIC_WEIGHT_BYTES),
         **settings,
     )
+    room_for(server, names, 1)
+    return server
 
 
 async def a_idle_on_the_device_and_b_version_2_on_disk(
@@ -499,19 +521,27 @@ async def test_a_cold_start_that_cannot_fit_beside_what_stays_says_so_and_evicts
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "that cannot leave it (resident ones, versions being replaced)" in str(
+    assert "that cannot leave it (resident ones, versions being replaced or loaded)" in str(
         refused.value.details()
     )
     assert metric_sum(server.registry, MODEL_EVICTIONS_TOTAL) == 0
 
 
+async def refill_under_way(server: CapabilityServer, model: str) -> None:
+    """Return once `model`'s result-cache refill has computed its first chunk."""
+    await wait_until(
+        lambda: metric_sum(server.registry, RESULT_CACHE_WARMED_TOTAL, model=model) > 0,
+        f"{model}'s refill under way",
+    )
+
+
 async def test_a_cache_refill_gives_its_room_to_a_callers_cold_start(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:
-    """a's first call starts a refill of 10,000 texts; b's caller, 50 ms later, needs
-    a's room: the refill stops after its chunk in flight, and b is answered (it waited
-    for the whole refill, about 0.8 s here, and one with a shorter deadline was
-    refused); the rest of a's refill waits for a's next cold start."""
+    """a's first call starts a refill of 10,000 texts; b's caller, once the refill is
+    under way, needs a's room: the refill stops after its chunk in flight, and b is
+    answered (it waited for the whole refill, about 0.8 s here, and one with a shorter
+    deadline was refused); the rest of a's refill waits for a's next cold start."""
     (tmp_path / "hot.txt").write_text(
         "".join(f"text number {i} about the match and the market {i * 7}\n" for i in range(10000))
     )
@@ -527,7 +557,9 @@ async def test_a_cache_refill_gives_its_room_to_a_callers_cold_start(
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
-        await asyncio.sleep(0.05)
+        # NOTE: not a fixed sleep (50 ms): the refill takes about 0.8 s here, and on a
+        # machine several times faster it ended within it, before b asked for room.
+        await refill_under_way(server, "static-a")
         answer = await stub.Classify(
             pb.ClassifyRequest(text=STRIKER, model="static-b"), timeout=5.0
         )
@@ -581,7 +613,7 @@ async def test_a_cache_refill_goes_on_when_another_model_leaves_to_make_room(
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-b"))
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"))
-        await asyncio.sleep(0.05)
+        await refill_under_way(server, "static-a")  # as above: not a fixed sleep
         answer = await stub.Classify(
             pb.ClassifyRequest(text=STRIKER, model="static-c"), timeout=5.0
         )
