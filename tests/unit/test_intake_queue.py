@@ -14,6 +14,7 @@ purpose while calls arrive from another thread.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,9 +35,10 @@ CALLS_DURING_THE_BLOCK = 8
 CALL_TIMEOUT_SECONDS = 30.0
 
 
-def send_calls_while_blocked(port: int, outcomes: Counter[str]) -> None:
-    """One call that blocks the loop, then calls that arrive while it is blocked, then
-    one after it all (in a thread: the test's event loop is the one blocked)."""
+def send_calls_while_blocked(port: int, outcomes: Counter[str], blocked: threading.Event) -> None:
+    """One call that blocks the loop, then calls that arrive while it is blocked (once
+    the handler has set `blocked`), then one after it all (in a thread: the test's
+    event loop is the one blocked)."""
 
     def outcome(call: Any) -> str:
         try:
@@ -50,7 +52,9 @@ def send_calls_while_blocked(port: int, outcomes: Counter[str]) -> None:
         blocking = stub.Classify.future(
             pb.ClassifyRequest(text=BLOCK), timeout=CALL_TIMEOUT_SECONDS
         )
-        time.sleep(0.3)  # the loop is blocked by now
+        # NOTE: not a fixed sleep (0.3 s): on a loaded machine the blocking call could
+        # reach the handler after the others, which were then served before the block.
+        assert blocked.wait(CALL_TIMEOUT_SECONDS), "the blocking call reached the handler"
         waiting = [
             stub.Classify.future(pb.ClassifyRequest(text=f"call {n}"), timeout=CALL_TIMEOUT_SECONDS)
             for n in range(CALLS_DURING_THE_BLOCK)
@@ -66,9 +70,11 @@ async def outcomes_while_blocked(
 ) -> tuple[Counter[str], list[str]]:
     """The outcomes of send_calls_while_blocked, and the texts the handler saw."""
     seen: list[str] = []
+    blocked = threading.Event()
 
     async def planted(request: pb.ClassifyRequest, *args: object) -> pb.ClassifyResponse:
         if request.text == BLOCK:
+            blocked.set()
             time.sleep(block_seconds)  # noqa: ASYNC251 - the blocked loop is the point
         else:
             seen.append(request.text)
@@ -76,7 +82,7 @@ async def outcomes_while_blocked(
 
     monkeypatch.setattr(orchestrator.dispatcher, "classify", planted)
     outcomes: Counter[str] = Counter()
-    await asyncio.to_thread(send_calls_while_blocked, orchestrator.port, outcomes)
+    await asyncio.to_thread(send_calls_while_blocked, orchestrator.port, outcomes, blocked)
     return outcomes, seen
 
 

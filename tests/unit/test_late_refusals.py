@@ -7,6 +7,7 @@ traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -64,6 +65,9 @@ async def test_what_is_ready_after_the_deadline_is_not_sent_and_counts_as_deadli
     with caplog.at_level(logging.ERROR, logger="grpc"):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            # Connected first: the call's 0.1 s are for reaching the handler, and a
+            # connection made on a loaded machine could take them all.
+            await asyncio.wait_for(channel.channel_ready(), timeout=10)
             error = await refusal(
                 stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id=REQUEST_ID), timeout=0.1)
             )

@@ -449,9 +449,13 @@ async def test_an_item_left_out_at_the_device_is_answered_before_the_forward_end
         return run(*args, **kwargs)
 
     monkeypatch.setattr(replica.bundle.classifier, "run", held_run)
+    # Long enough for both to be handed over first on a loaded machine (as in
+    # test_serving: a 0.3 s deadline once passed while they were still being handed
+    # over, and the first then expired in the queue instead).
+    first_seconds = 1.5
     request = pb.ClassifyBatchRequest(
         items=[pb.ClassifyRequest(text=TEXTS[1]), pb.ClassifyRequest(text=STRIKER)],
-        item_contexts=[pb.ItemContext(timeout=timeout_of(0.5)), pb.ItemContext()],
+        item_contexts=[pb.ItemContext(timeout=timeout_of(first_seconds)), pb.ItemContext()],
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         call = channel.unary_stream(
@@ -464,7 +468,7 @@ async def test_an_item_left_out_at_the_device_is_answered_before_the_forward_end
                 # Both handed over (out of the queue, so no queue timer evicts the
                 # first), then past the first's deadline.
                 await wait_until(lambda: replica.in_flight == 2)
-                await asyncio.sleep(0.7)
+                await asyncio.sleep(first_seconds + 0.2)
             initial = await asyncio.wait_for(call.initial_metadata(), timeout=10)
             assert not call.done()
         finally:
