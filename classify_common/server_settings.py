@@ -26,6 +26,7 @@ DEFAULT_GRACE_SECONDS = 10.0
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_CORE_WAIT_LIMIT_SECONDS = 1
+DEFAULT_INTAKE_LOOPS = 4
 DEFAULT_HEALTH_WATCHES_PER_ADDRESS = 100
 
 
@@ -124,6 +125,17 @@ class ServerSettings(Settings):
         low=1,
         high=3600,
         unit="s",
+    )
+    # Requests kept open in gRPC core for the next call of each hot method, beside
+    # grpc.aio's own one (classify_common/intake_loops.py): calls are taken in without
+    # waiting for the loop to ask again after each. 0: grpc's own only.
+    intake_loops: int = setting(
+        DEFAULT_INTAKE_LOOPS,
+        "extra requests for the next call of Classify and ClassifyBatch kept open in "
+        "gRPC core (0: grpc's own only)",
+        int,
+        low=0,
+        high=64,
     )
     # Health needs no credentials: one address may hold at most this many of the
     # server's 1,000 Watch streams (classify_common.serving). 0: no share per address,

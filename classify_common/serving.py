@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from ai.classify.v1 import classify_service_pb2, model_service_pb2
 from classify_common.admission import Gate, admission_for
 from classify_common.event_loop import loop_factory, running_loop_kind
+from classify_common.intake_loops import IntakeLoops
 from classify_common.interceptor import RequestLifecycleInterceptor
 from classify_common.logs import LOG_DROPS, configure_logging
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes, RpcMetrics
@@ -134,8 +135,11 @@ class _HotMethodsRegistered:
     is served through its service's generic handler, and only the hot ones are also
     registered (a registered handler takes precedence over a generic one)."""
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, hot: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
         self._server = server
+        self._hot = hot  # the hot methods' handlers by full name, for IntakeLoops
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._server.add_generic_rpc_handlers(handlers)
@@ -146,6 +150,7 @@ class _HotMethodsRegistered:
         hot = {name: handler for name, handler in handlers.items() if name in HOT_METHODS}
         if hot:
             self._server.add_registered_method_handlers(service, hot)
+            self._hot.update({f"/{service}/{name}": handler for name, handler in hot.items()})
 
 
 # Server reflection's stable name. grpcio-reflection serves only v1alpha; v1's messages
@@ -264,6 +269,7 @@ class GrpcServing:
         shares_port: bool = False,
         outcomes: RequestOutcomes | None = None,
         health_watches_per_address: int = DEFAULT_HEALTH_WATCHES_PER_ADDRESS,
+        intake_loops: int = 0,
         port_names: str = "--port",
         metrics_port_names: str = "--metrics-port",
     ) -> None:
@@ -293,6 +299,10 @@ class GrpcServing:
         self.server = grpc.aio.server(
             interceptors=[self._lifecycle],
             options=server_options(core_wait_limit_seconds, shares_port),
+        )
+        self._hot_handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        self._intake_loops = IntakeLoops(
+            intake_loops, self._hot_handlers, [self._lifecycle], registry
         )
         self.health = BoundedHealthServicer(
             MAX_HEALTH_WATCHES, health_watches_per_address or MAX_HEALTH_WATCHES
@@ -334,6 +344,7 @@ class GrpcServing:
             shares_port=shares_port,
             outcomes=outcomes,
             health_watches_per_address=settings.health_watches_per_address,
+            intake_loops=settings.intake_loops,
             port_names=settings.names("port"),
             metrics_port_names=settings.names("metrics_port"),
         )
@@ -341,7 +352,7 @@ class GrpcServing:
     def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:
         """Serve `servicer` through its generated `add_*_to_server` helper, registering
         only its HOT_METHODS."""
-        add_to_server(servicer, _HotMethodsRegistered(self.server))
+        add_to_server(servicer, _HotMethodsRegistered(self.server, self._hot_handlers))
 
     async def start(self) -> None:
         await self.set_serving(False)
@@ -356,6 +367,7 @@ class GrpcServing:
             raise not_bound(self._port_names, self._address)
         compile_rules(self.service_names)
         await self.server.start()
+        self._intake_loops.start(self.server)
         if self._metrics_port != METRICS_DISABLED:
             self._metrics_endpoint = open_metrics_endpoint(
                 self.registry, self._metrics_host, self._metrics_port, self._metrics_port_names
@@ -387,6 +399,7 @@ class GrpcServing:
             if cut_off := self._lifecycle.cut_off_calls():
                 log.warning("calls cut off at the end of the grace", extra={"calls": cut_off})
             await stopping
+        await self._intake_loops.close()
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
             self._metrics_endpoint = None
