@@ -21,9 +21,9 @@ requirements/*.lock): `AioServer._request_registered_call`, and
 `cygrpc._handle_rpc` and `_schedule_rpc_coro`, which the server's own loop
 calls for each call it takes in. Each call is handled exactly as that loop
 handles it, interceptors included. A grpc whose internals differ (checked by
-name and arity at start, `available`) gets no extra loops and a warning, and
-serves as grpc alone does; tests/unit/test_intake_loops.py fails on such a
-grpc, so an upgrade that drops them is seen.
+their parameters' names at start, `available`) gets no extra loops and a
+warning, and serves as grpc alone does; tests/unit/test_intake_loops.py fails
+on such a grpc, so an upgrade that drops them is seen.
 """
 
 from __future__ import annotations
@@ -40,9 +40,25 @@ from prometheus_client import CollectorRegistry, Counter
 log = logging.getLogger(__name__)
 
 EXTRA_INTAKE_CALLS_TOTAL = "classify_extra_intake_calls_total"
-# The arities of the internals used, in grpcio 1.85.
-_HANDLE_RPC_ARGUMENTS = 6  # method, resolver, interceptors, rpc state, loop, over limit
-_SCHEDULE_RPC_ARGUMENTS = 4  # coroutine, rpc state, loop, method
+# The parameters of the internals used, in grpcio 1.85, by name and in order: by count
+# alone, a grpc that reordered two of them would pass the check and be driven wrongly.
+_HANDLE_RPC_PARAMETERS = (
+    "method_name",
+    "method_resolver",
+    "interceptors",
+    "rpc_state",
+    "loop",
+    "concurrency_exceeded",
+)
+_SCHEDULE_RPC_PARAMETERS = ("rpc_coro", "rpc_state", "loop", "method_name")
+_REQUEST_REGISTERED_CALL_PARAMETERS = ("self", "method")
+
+
+def _parameters(function: Any) -> tuple[str, ...] | None:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    return tuple(code.co_varnames[: code.co_argcount])
 
 
 def _internals() -> tuple[Any, Any] | None:
@@ -54,16 +70,14 @@ def _internals() -> tuple[Any, Any] | None:
         return None
     handle = getattr(cygrpc, "_handle_rpc", None)
     schedule = getattr(cygrpc, "_schedule_rpc_coro", None)
-    server = getattr(cygrpc, "AioServer", None)
-    if handle is None or schedule is None or server is None:
-        return None
-    if not hasattr(server, "_request_registered_call"):
-        return None
-    arities = (
-        getattr(getattr(handle, "__code__", None), "co_argcount", None),
-        getattr(getattr(schedule, "__code__", None), "co_argcount", None),
+    request = getattr(getattr(cygrpc, "AioServer", None), "_request_registered_call", None)
+    found = (_parameters(handle), _parameters(schedule), _parameters(request))
+    wanted = (
+        _HANDLE_RPC_PARAMETERS,
+        _SCHEDULE_RPC_PARAMETERS,
+        _REQUEST_REGISTERED_CALL_PARAMETERS,
     )
-    if arities != (_HANDLE_RPC_ARGUMENTS, _SCHEDULE_RPC_ARGUMENTS):
+    if found != wanted:
         return None
     return handle, schedule
 
@@ -156,11 +170,19 @@ class IntakeLoops:
                         extra={"method": method, "error": repr(error)},
                     )
                 return
+            # NOTE: never over grpc's concurrency limit: these servers are built without
+            # maximum_concurrent_rpcs, whose count lives in grpc's own loop (built with
+            # one, the calls taken in here would pass it uncounted).
             coroutine = handle_rpc(method, resolver, self._interceptors, rpc_state, loop, False)
             call = loop.create_task(schedule_rpc(coroutine, rpc_state, loop, method))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
             taken.inc()
+            if not aio_server.is_running():
+                # Stopping: no new request, as grpc's own loop makes none once the server
+                # leaves RUNNING (core would fail it at once; once the server is
+                # destroyed there is no core server left to ask).
+                return
 
     async def close(self) -> None:
         """Once the server has stopped: wait for the loops to end (they end when core

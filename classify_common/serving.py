@@ -296,14 +296,15 @@ class GrpcServing:
         self._lifecycle = RequestLifecycleInterceptor(
             self.rpc_metrics, functools.partial(admission_for, gate=gate, edge=edge), outcomes
         )
+        # One list for grpc's intake and the extra loops': a call is handled alike
+        # whichever request took it in.
+        interceptors = [self._lifecycle]
         self.server = grpc.aio.server(
-            interceptors=[self._lifecycle],
+            interceptors=interceptors,
             options=server_options(core_wait_limit_seconds, shares_port),
         )
         self._hot_handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-        self._intake_loops = IntakeLoops(
-            intake_loops, self._hot_handlers, [self._lifecycle], registry
-        )
+        self._intake_loops = IntakeLoops(intake_loops, self._hot_handlers, interceptors, registry)
         self.health = BoundedHealthServicer(
             MAX_HEALTH_WATCHES, health_watches_per_address or MAX_HEALTH_WATCHES
         )

@@ -170,9 +170,7 @@ class BudgetedLoad:
         how = f"predicted: {format_bytes(weights_bytes)} of weights"
         if self._overhead:
             how += f" + {format_bytes(self._overhead)} measured beyond the serving version's"
-        self._room = asyncio.run_coroutine_threadsafe(
-            self._worker.make_room_for_load(self.predicted_bytes, self._model), self._loop
-        )
+        self._room = asyncio.run_coroutine_threadsafe(self._room_for_weights(), self._loop)
         # NOTE: `abandon` may have run before `_room` was set, and then cancelled nothing.
         if self._abandoned.is_set():
             self._room.cancel()
@@ -183,6 +181,21 @@ class BudgetedLoad:
                 f"load of version {self._version} of {self._model} abandoned"
             ) from None
         self._worker.refuse_over_budget(self._model, self._version, self.predicted_bytes, how, held)
+
+    async def _room_for_weights(self) -> int:
+        """On the event loop: make room for the predicted footprint, held for this load
+        (DeviceWorker.make_room_for_load), unless it has been abandoned meanwhile."""
+        held = await self._worker.make_room_for_load(self.predicted_bytes, self._model)
+        if self._abandoned.is_set():
+            # NOTE: the load's end (WorkerPool.load's finally) may already have released
+            # its room: the caller left (the server stops, a ReloadModel caller's
+            # deadline) while this ran, or before it began (`abandon`'s cancel reaches a
+            # task only at its next step, and this one may finish in its first). Held
+            # now, no one would release it, and the room stayed taken until the model's
+            # next load. Set on the event loop before that release, so checked here,
+            # in the same step as the holding, it cannot be missed.
+            self._worker.release_room(self._model)
+        return held
 
 
 class ModelReplica:

@@ -69,5 +69,10 @@ async def test_a_server_with_extra_loops_stops_within_its_grace(
     the loops end: the stop does not wait for them."""
     server = await start_capability(intake_loops=8)
     await classify_at_once(server.port, 8)
+    loops = set(server.serving._intake_loops._loops)
+    assert len(loops) == 8 * 2  # Classify and ClassifyBatch
     await asyncio.wait_for(server.stop(grace_seconds=1), timeout=10)
     assert not server.serving._intake_loops._loops
+    # Each ended when core failed its request, none by the cancel `close` keeps for
+    # one left over (which would leave its request open in core).
+    assert not [loop for loop in loops if loop.cancelled() or loop.exception()]

@@ -86,10 +86,30 @@ async def test_the_room_held_for_a_load_is_released_once_it_serves_or_is_refused
         await models.ReloadModel(model_pb.ReloadModelRequest(name="static-b"))
         assert worker.replicas["static-b"].bundle.version == "2"
         assert worker._reserved == {}
-        # A budget smaller than any version: refused, and nothing left held.
-        worker.memory_budget_bytes = 1
-        bundles = tmp_path / "models" / "static-b"
-        shutil.copytree(bundles / "2", bundles / "3")
+        # Refused once its room was made and held: a's bundle under b's folder is read
+        # (its weights admitted) before its name is checked. (A budget too small for
+        # any version would be refused before any room is held, and show nothing.)
+        shutil.copytree(
+            tmp_path / "models" / "static-a" / "1", tmp_path / "models" / "static-b" / "3"
+        )
         refused = await refusal(models.ReloadModel(model_pb.ReloadModelRequest(name="static-b")))
     assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "names model 'static-a'" in (refused.details() or "")
+    assert worker._reserved == {}
+
+
+async def test_an_abandoned_load_holds_no_room(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """A load abandoned (the server stops, a ReloadModel caller leaves) while the event
+    loop made room for its weights: WorkerPool.load's end may have released its room
+    before that room was held, and nothing would release it again."""
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    worker = server.pool.workers[0]
+    watch = worker.load_watch("static-b", "2")
+    watch.predicted_bytes = worker.memory_budget_bytes // 2
+    watch.abandon()
+    # What admit_weights has the event loop run, as it runs when the abandon's cancel
+    # reaches it too late (the task may finish in its first step).
+    assert await watch._room_for_weights() == 0
     assert worker._reserved == {}
