@@ -713,17 +713,20 @@ async def test_a_cold_start_without_room_in_time_is_refused_for_memory_and_the_c
     tmp_path: Path,
 ) -> None:
     cold = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
-    # No backend timeout shorter than the caller's deadline: the capability's deadline
-    # is the caller's, less the orchestrator's margin. The default retry policy: the
-    # refusal asks for a wait (1 s) longer than the call has left, so the lone replica
-    # is not asked again and the refusal goes straight to the fallback.
+    # The backend's timeout (0.7 s) is the capability's deadline: it refuses the cold
+    # start before that, leaving the fallback most of the caller's other 0.8 s. (With the
+    # caller's whole deadline upstream, the refusal came with only the orchestrator's
+    # margin left, a few milliseconds that a slow machine's fallback could overrun.) The
+    # default retry policy: the refusal asks for a wait (1 s) longer than the call has
+    # left, so the lone replica is not asked again and the refusal goes straight to the
+    # fallback.
     front = await orchestrator_with(
         f"""version: 1
 backends:
   cold:
     model: static-b
     targets: ["127.0.0.1:{cold.port}"]
-    timeout: 30s
+    timeout: 700ms
   static:
     model: topic-static
     targets: ["127.0.0.1:{capability.port}"]
