@@ -3,6 +3,7 @@
     ServiceError
     ├── ClientError               the request is wrong; never retried
     │   ├── InvalidRequest        INVALID_ARGUMENT, one FieldViolation per broken rule
+    │   │   └── UnreadableText    the model's vocabulary knows no token of the text
     │   ├── Unauthenticated       UNAUTHENTICATED: no, unknown or wrong credentials
     │   ├── PermissionDenied      PERMISSION_DENIED: the caller's role may not do this
     │   └── NotFound              NOT_FOUND
@@ -116,6 +117,43 @@ class InvalidRequest(ClientError):
             ]
         )
         return [*super().details(), bad_request]
+
+    def within(self, field: str) -> Self:
+        """This error with each violation's field path put under `field` (a batch's
+        `items[3]`): a capability names the fields of the item it was sent."""
+        moved = type(self)(
+            [
+                FieldViolation(f"{field}.{v.field}" if v.field else field, v.rule, v.message)
+                for v in self.violations
+            ]
+        )
+        moved.context = dict(self.context)
+        return moved
+
+
+class UnreadableText(InvalidRequest):
+    """Every token of the text (within its token budget) is one the model's vocabulary
+    lacks ([UNK]: emoji, symbols, a script it was not trained on), or the text has no
+    token at all (only characters the tokenizer drops): the model has nothing to read,
+    and its scores would be its bias, given with confidence. A client error
+    (INVALID_ARGUMENT, field `text`) that the route's fallback, another model with
+    another vocabulary, may still read (is_fallback_eligible)."""
+
+    reason = "UNREADABLE_TEXT"
+    rule = "text.readable"
+
+    @classmethod
+    def for_model(cls, model: str) -> UnreadableText:
+        return cls(
+            [
+                FieldViolation(
+                    "text",
+                    cls.rule,
+                    f"has no token the vocabulary of model {model} knows (emoji, symbols, "
+                    "or a script it was not trained on): nothing for it to classify",
+                )
+            ]
+        )
 
 
 class Unauthenticated(ClientError):
@@ -367,7 +405,8 @@ SERVER_FAULT_CODES = frozenset(
 )
 
 # Status codes that mean "the model could not answer": a route may try its
-# fallback backends. Client errors never qualify.
+# fallback backends. No client error's code qualifies (UnreadableText does by its
+# class: another model may read the text).
 FALLBACK_ELIGIBLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
@@ -375,12 +414,12 @@ FALLBACK_ELIGIBLE_CODES = frozenset(
 
 def is_fallback_eligible(error: ServiceError) -> bool:
     """Whether a route may try its next backend after `error`: the model could not
-    answer (UNAVAILABLE, RESOURCE_EXHAUSTED) or could not score this text
-    (UnscorableText), or this backend could not answer in the time left
+    answer (UNAVAILABLE, RESOURCE_EXHAUSTED), could not score this text
+    (UnscorableText) or read it (UnreadableText), or this backend could not answer in the time left
     (DeadlineUnreachable, refused before any work) or within its own timeout
     (BackendTimedOut), where another model still may."""
     return (
-        isinstance(error, (DeadlineUnreachable, UnscorableText, BackendTimedOut))
+        isinstance(error, (DeadlineUnreachable, UnscorableText, UnreadableText, BackendTimedOut))
         or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES
     )
 

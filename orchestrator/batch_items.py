@@ -304,6 +304,10 @@ async def classify_item(
             return
         result.response.CopyFrom(await classify(item, ids, remaining, headers))
     except ServiceError as error:
+        if isinstance(error, InvalidRequest) and index is not None:
+            # A capability's refusal names the fields of the text it was sent (`text`);
+            # the caller's are those of its item in this call.
+            error = error.within(f"items[{index}]")
         failure = error
         result.error.CopyFrom(item_status(error, ids.request_id, trace_id))
     except asyncio.CancelledError as cancelled:

@@ -32,6 +32,10 @@ class EncodedText:
 
     ids: tuple[int, ...]  # [CLS] ... [SEP], at most the budget long
     truncated: bool  # whether the text lost tokens to the budget
+    # Whether any token between [CLS] and [SEP] is one the vocabulary knows (not
+    # [UNK]): a text of emoji, or only of characters the normalizer drops, gives the
+    # model nothing to read, and its answer would be the model's bias, with confidence.
+    readable: bool = True
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -91,6 +95,11 @@ class TextTokenizer:
         # for a tokenizer that makes no tokens of it.
         words = tokenizer.encode(STAND_IN_WORD, add_special_tokens=False).ids
         self._stand_in_id: int = words[0] if words else pad_id
+        # The id of a piece of text the vocabulary lacks, where the model has one
+        # (WordPiece's [UNK]); None: every piece is known, so a text is unreadable only
+        # when it has no tokens at all.
+        unknown = getattr(tokenizer.model, "unk_token", None)
+        self.unknown_id: int | None = tokenizer.token_to_id(unknown) if unknown else None
 
     @property
     def lowercase(self) -> bool:
@@ -146,6 +155,7 @@ class TextTokenizer:
         encodings = self._tokenizer.encode_batch_fast(prepared, add_special_tokens=True)
 
         encoded: list[EncodedText] = []
+        unknown = self.unknown_id
         for text, encoding in zip(texts, encodings, strict=True):
             ids = encoding.ids
             too_long = len(ids) > max_length
@@ -156,7 +166,10 @@ class TextTokenizer:
             # A text cut short lost tokens too, even in the rare case that what is left
             # fits the budget.
             truncated = too_long or len(text) > max_chars
-            encoded.append(EncodedText(ids=tuple(ids), truncated=truncated))
+            # What the model reads: the tokens within the budget, less [CLS] and [SEP].
+            # Stops at the first known token, the first one in almost every text.
+            readable = any(token != unknown for token in ids[1:-1])
+            encoded.append(EncodedText(ids=tuple(ids), truncated=truncated, readable=readable))
         return encoded
 
     def collate(self, encoded: Sequence[EncodedText]) -> TokenBatch:

@@ -22,7 +22,7 @@ from capability.batching import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Admission,
 from capability.model import EncodedText
 from capability.result_cache import ResultCache, Scope
 from capability.workers.worker import ModelReplica
-from classify_common.errors import ModelFault, ServiceError
+from classify_common.errors import ModelFault, ServiceError, UnreadableText
 from classify_common.nodes import (
     CLASSIFY_CACHE,
     CLASSIFY_OUTCOME,
@@ -313,8 +313,9 @@ class Admitter:
 
     async def _tokenize_traced(
         self, replica: ModelReplica, texts: Sequence[TextRequest], max_length: int | None
-    ) -> list[EncodedText] | list[ServiceError]:
-        """One tokenizer call for `texts`, recorded as each text's `tokenize` node."""
+    ) -> list[EncodedText | ServiceError]:
+        """One tokenizer call for `texts`, recorded as each text's `tokenize` node; a
+        text the model cannot read gets UnreadableText."""
         started = time.time_ns()
         try:
             encoded = await self.tokenize(replica, [text.text for text in texts], max_length)
@@ -325,15 +326,22 @@ class Admitter:
                     emit_node(text.trace, TOKENIZE, started, ended, error=failed)
             return [failed] * len(texts)
         ended = time.time_ns()
+        outcome: list[EncodedText | ServiceError] = []
         for text, tokens in zip(texts, encoded, strict=True):
+            # Refused here, before the cache and the queue: the model would answer its
+            # bias, with confidence. Counted as refused at admission (UNREADABLE_TEXT).
+            unreadable = None if tokens.readable else UnreadableText.for_model(replica.name)
+            outcome.append(tokens if unreadable is None else unreadable)
+            if unreadable is not None and text.count_refusal:
+                self._count_refusal(replica.name, unreadable)
             if text.trace is not None:
                 attributes = (
                     {CLASSIFY_TOKENS: len(tokens), CLASSIFY_TRUNCATED: tokens.truncated}
                     if text.trace.makes_spans
                     else None
                 )
-                emit_node(text.trace, TOKENIZE, started, ended, attributes)
-        return encoded
+                emit_node(text.trace, TOKENIZE, started, ended, attributes, error=unreadable)
+        return outcome
 
     def _admit_traced(
         self,

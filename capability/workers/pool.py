@@ -74,6 +74,7 @@ from classify_common.errors import (
     ModelNotReady,
     ServerDraining,
     ServiceError,
+    UnreadableText,
 )
 from classify_common.nodes import (
     CLASSIFY_OUTCOME,
@@ -546,6 +547,10 @@ class WorkerPool:
                 span.set_attributes(
                     {CLASSIFY_TOKENS: len(encoded), CLASSIFY_TRUNCATED: encoded.truncated}
                 )
+                if not encoded.readable:  # as Admitter refuses it in a batch
+                    unreadable = UnreadableText.for_model(replica.name)
+                    self._count_refusal(model, unreadable)
+                    raise unreadable
             cached = (
                 answered_from_cache(self.cache, replica, cache_scope, encoded)
                 if cache == CACHE_USE

@@ -31,6 +31,7 @@ from classify_common.errors import (
     Overloaded,
     QueueFull,
     ServiceError,
+    UnreadableText,
     UnscorableText,
 )
 
@@ -149,6 +150,10 @@ def _error_for(
             for v in detail.field_violations
         ]
         if violations:
+            # The model's own refusal keeps its class: the route's fallback may read the
+            # text (is_fallback_eligible).
+            if _reason(details) == UnreadableText.reason:
+                return UnreadableText(violations)
             return InvalidRequest(violations)
         return InternalError(f"backend {backend} rejected the request", **where)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
