@@ -1,11 +1,11 @@
 """A text of which the model's vocabulary knows no token, over real servers and bundles.
 
 Emoji, symbols and scripts outside the vocabulary each become [UNK]. Such a text
-was classified all the same: "😀😀😀 🎉🎉" came back `world 0.946` from topic-minilm, the model's bias
-given with confidence. It is refused now, INVALID_ARGUMENT (UNREADABLE_TEXT) naming
-the field, before the result cache and the queue; a route's fallback, a model with
-another vocabulary, may still read it, and a text with one known word among the
-unknown ones is classified as before.
+was classified all the same: "😀😀😀 🎉🎉" came back `world 0.946` from
+topic-minilm, the model's bias given with confidence. It is refused now,
+INVALID_ARGUMENT (UNREADABLE_TEXT) naming the field, before the result cache and
+the queue; a route's fallback, a model with another vocabulary, may still read it,
+and a text with one known word among the unknown ones is classified as before.
 """
 
 from __future__ import annotations
