@@ -16,6 +16,7 @@ from classify_common.event_loop import EVENT_LOOPS, UVLOOP
 from classify_common.settings import (
     Settings,
     SettingsError,
+    otlp_endpoint_value,
     path_value,
     setting,
 )
@@ -98,7 +99,9 @@ class ServerSettings(Settings):
     # OTLP gRPC receiver for spans, host:port (Jaeger: 4317); None: the SDK's
     # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, and without it no export.
     otlp_endpoint: str | None = setting(
-        None, "OTLP gRPC host:port for spans (none: OTEL_EXPORTER_OTLP_ENDPOINT, else no export)"
+        None,
+        "OTLP gRPC host:port for spans (none: OTEL_EXPORTER_OTLP_ENDPOINT, else no export)",
+        otlp_endpoint_value,
     )
     # Share of traces started here that are kept (parent-based: a caller's decision
     # wins); None: the SDK's OTEL_TRACES_SAMPLER and _ARG, else 1 (keep all).
@@ -166,5 +169,5 @@ class ServerSettings(Settings):
             self.tls_cert_file,
             self.tls_key_file,
             self.tls_client_ca_file,
-            "--tls-cert-file / --tls-key-file / --tls-client-ca-file",
+            self.names_of("tls_cert_file", "tls_key_file", "tls_client_ca_file"),
         )

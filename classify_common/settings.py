@@ -47,6 +47,26 @@ def comma_list(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def otlp_endpoint_value(text: str) -> str:
+    """`host:port` of an OTLP gRPC receiver (an IPv6 host in brackets: `[::1]:4317`).
+    Without the port, gRPC dialled 443, where no collector listens: every export failed
+    in the background while the server ran as if all were well."""
+    value = text.strip()
+    if "://" in value:
+        raise ValueError(
+            "give host:port without a scheme (the flag is plaintext gRPC; for TLS set "
+            "OTEL_EXPORTER_OTLP_ENDPOINT=https://host:port instead)"
+        )
+    host, colon, port = value.rpartition(":")
+    if not colon or not host:
+        raise ValueError("give host:port, with the port (Jaeger's OTLP gRPC port is 4317)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError("an IPv6 host goes in brackets, as in [::1]:4317")
+    if not port.isdigit() or not 1 <= int(port) <= 65_535:
+        raise ValueError(f"the port {port!r} is not a number from 1 to 65535")
+    return value
+
+
 def path_value(text: str) -> Path:
     """A file or folder setting's value. An empty one is refused: Path("") is the
     current folder, and `--routes-file ""` (or an empty variable) was read as `.`."""
@@ -188,6 +208,13 @@ class Settings:
         """`--flag / VARIABLE` of the setting `name`: how a refusal of it begins."""
         each = next(each for each in cls.declared() if each.name == name)
         return f"{each.flag} / {each.env}"
+
+    @classmethod
+    def names_of(cls, *names: str) -> str:
+        """`names` of each of several settings refused together (a certificate and its
+        key), comma-separated: set by variable, the flags alone named nothing the
+        operator had written."""
+        return ", ".join(cls.names(name) for name in names)
 
     def __post_init__(self) -> None:
         for each in self.declared():

@@ -295,7 +295,7 @@ class OrchestratorSettings(ServerSettings):
             self.upstream_ca_file,
             self.upstream_cert_file,
             self.upstream_key_file,
-            "--upstream-ca-file / --upstream-cert-file / --upstream-key-file",
+            self.names_of("upstream_ca_file", "upstream_cert_file", "upstream_key_file"),
         )
 
 

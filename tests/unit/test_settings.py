@@ -175,6 +175,13 @@ def test_incomplete_tls_settings_are_refused_with_the_flags_named(tmp_path: Path
     pem = tmp_path / "x.pem"
     with pytest.raises(SettingsError, match="give both the certificate and the key"):
         CapabilitySettings(tls_cert_file=pem)
+    # Set by variable, as a chart does: the refusal names the variables too.
+    with pytest.raises(SettingsError) as by_variable:
+        CapabilitySettings.from_args([], environ={"CAPABILITY_TLS_KEY_FILE": str(pem)})
+    assert str(by_variable.value).startswith(
+        "--tls-cert-file / CAPABILITY_TLS_CERT_FILE, --tls-key-file / CAPABILITY_TLS_KEY_FILE, "
+        "--tls-client-ca-file / CAPABILITY_TLS_CLIENT_CA_FILE: give both"
+    )
     with pytest.raises(SettingsError, match="a client CA needs a certificate and key too"):
         CapabilitySettings(tls_client_ca_file=pem)
     with pytest.raises(SettingsError, match=r"--upstream-ca-file .*needs the CA file too"):
@@ -188,8 +195,41 @@ def test_incomplete_tls_settings_are_refused_with_the_flags_named(tmp_path: Path
         ([], {"CAPABILITY_PORT": "abc"}, "--port / CAPABILITY_PORT: 'abc' is not valid"),
         (["--device", "cuda:0"], {}, "--device / CAPABILITY_DEVICE: 'cuda:0': this machine has"),
         (["--residency", "foo"], {}, "--residency / CAPABILITY_RESIDENCY: 'foo' is not"),
+        (
+            [],
+            {"CAPABILITY_OTLP_ENDPOINT": "jaeger"},
+            "--otlp-endpoint / CAPABILITY_OTLP_ENDPOINT: 'jaeger' is not valid: give host:port, "
+            "with the port",
+        ),
+        (
+            [],
+            {"CAPABILITY_OTLP_ENDPOINT": "http://jaeger:4317"},
+            "--otlp-endpoint / CAPABILITY_OTLP_ENDPOINT: 'http://jaeger:4317' is not valid: "
+            "give host:port without a scheme",
+        ),
+        (
+            [],
+            {"CAPABILITY_OTLP_ENDPOINT": "jaeger:99999"},
+            "--otlp-endpoint / CAPABILITY_OTLP_ENDPOINT: 'jaeger:99999' is not valid: "
+            "the port '99999' is not a number from 1 to 65535",
+        ),
+        (
+            [],
+            {"CAPABILITY_OTLP_ENDPOINT": "::1:4317"},
+            "--otlp-endpoint / CAPABILITY_OTLP_ENDPOINT: '::1:4317' is not valid: "
+            "an IPv6 host goes in brackets",
+        ),
     ],
-    ids=["log-level", "port-variable", "cuda-without-cuda", "residency"],
+    ids=[
+        "log-level",
+        "port-variable",
+        "cuda-without-cuda",
+        "residency",
+        "otlp-without-port",
+        "otlp-with-scheme",
+        "otlp-port-out-of-range",
+        "otlp-bare-ipv6",
+    ],
 )
 def test_a_capability_setting_it_cannot_use_stops_the_start_with_one_line(
     argv: list[str],
@@ -211,6 +251,12 @@ def test_a_capability_setting_it_cannot_use_stops_the_start_with_one_line(
     assert err.startswith(f"python -m capability: error: {message}"), err
     assert "Traceback" not in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("endpoint", ["jaeger:4317", "10.0.0.7:4317", "[::1]:4317"])
+def test_an_otlp_endpoint_with_its_port_is_taken_as_written(endpoint: str) -> None:
+    settings = CapabilitySettings.from_args(["--otlp-endpoint", endpoint], environ={})
+    assert settings.otlp_endpoint == endpoint
 
 
 def test_log_levels_are_checked_and_read_in_any_case() -> None:

@@ -264,7 +264,9 @@ def test_a_state_ca_file_is_checked_at_start_as_the_other_tls_files_are(
         (
             "orchestrator",
             "--upstream-ca-file",
-            "--upstream-ca-file / --upstream-cert-file / --upstream-key-file",
+            "--upstream-ca-file / ORCHESTRATOR_UPSTREAM_CA_FILE, "
+            "--upstream-cert-file / ORCHESTRATOR_UPSTREAM_CERT_FILE, "
+            "--upstream-key-file / ORCHESTRATOR_UPSTREAM_KEY_FILE",
             True,
         ),
         ("capability", "--model-config", "--model-config / CAPABILITY_MODEL_CONFIG", True),
