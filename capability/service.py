@@ -40,7 +40,7 @@ from classify_common.context import (
     is_valid_request_id,
     new_request_id,
 )
-from classify_common.errors import MethodNotServed, ServiceError, grpc_code_for
+from classify_common.errors import MethodNotServed, ServiceError, UnreadableText, grpc_code_for
 from classify_common.intake import current_batch_intake, item_status
 from classify_common.nodes import RequestTrace, current_trace
 from classify_common.tracing import format_trace_id
@@ -118,6 +118,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
                 text,
                 outcome,
                 ids.trace_id,
+                index,
                 end_trace=index not in answered_early,
             )
         if call_trace is not None:
@@ -266,7 +267,7 @@ def _early_answer(
         size = early.ByteSize()
         sent = []
         for index, error in sorted(refused.items()):
-            status = _item_error(texts[index], error, call_trace_id)
+            status = _item_error(texts[index], error, call_trace_id, index)
             # The result's bytes and its length prefix, which grows with it.
             size += status.ByteSize() + 4
             if size > max_bytes:
@@ -306,8 +307,14 @@ def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:
     return format_trace_id(text.trace.server_span) if text.trace else call_trace_id
 
 
-def _item_error(text: TextRequest, error: ServiceError, call_trace_id: str) -> status_pb2.Status:
-    """The google.rpc.Status of a refused item, under its own request and trace IDs."""
+def _item_error(
+    text: TextRequest, error: ServiceError, call_trace_id: str, index: int
+) -> status_pb2.Status:
+    """The google.rpc.Status of the refused item `index`, under its own request and
+    trace IDs. The model's refusal of its text names the item's field (`items[3].text`),
+    as the contract's refusals of an item do."""
+    if isinstance(error, UnreadableText):
+        error = error.within(f"items[{index}]")
     return item_status(error, text.request_id, _item_trace_id(text, call_trace_id))
 
 
@@ -317,15 +324,16 @@ def _fill_batch_result(
     text: TextRequest,
     outcome: TextResult | ServiceError,
     call_trace_id: str,
+    index: int,
     *,
     end_trace: bool,
 ) -> None:
-    """Write one item's result into `result`, under the item's own request and trace
-    IDs; with `end_trace`, its trace ends here."""
+    """Write the result of item `index` into `result`, under the item's own request and
+    trace IDs; with `end_trace`, its trace ends here."""
     if isinstance(outcome, ServiceError):
         if end_trace:
             end_item_trace(text.trace, outcome)
-        result.error.CopyFrom(_item_error(text, outcome, call_trace_id))
+        result.error.CopyFrom(_item_error(text, outcome, call_trace_id, index))
         return
     end_item_trace(text.trace, None)
     _fill_response(

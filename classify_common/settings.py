@@ -60,9 +60,13 @@ def otlp_endpoint_value(text: str) -> str:
     host, colon, port = value.rpartition(":")
     if not colon or not host:
         raise ValueError("give host:port, with the port (Jaeger's OTLP gRPC port is 4317)")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if (":" in host and not bracketed) or host == "[]":
         raise ValueError("an IPv6 host goes in brackets, as in [::1]:4317")
-    if not port.isdigit() or not 1 <= int(port) <= 65_535:
+    if any(character.isspace() for character in host):
+        raise ValueError(f"the host {host!r} holds a space")
+    # ASCII digits only: str.isdigit takes "٤٣١٧" and "²" too.
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65_535:
         raise ValueError(f"the port {port!r} is not a number from 1 to 65535")
     return value
 

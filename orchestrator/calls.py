@@ -22,6 +22,7 @@ from classify_common.errors import (
     DeadlineUnreachable,
     InternalError,
     ServiceError,
+    UnreadableText,
     is_fallback_eligible,
 )
 from classify_common.nodes import (
@@ -141,7 +142,8 @@ class RouteCaller:
     async def call_route(self, call: UpstreamCall) -> pb.ClassifyResponse:
         """The answer of the first backend that gives one; otherwise the last failure of
         a backend the call reached, or else the last refusal. Client errors are raised
-        at once, never sent to a fallback."""
+        at once, never sent to a fallback, except a text the model cannot read
+        (UnreadableText), which another model's vocabulary may."""
         route = call.route
         call.state.retry_budget.record_request()
         failure: ServiceError | None = None
@@ -156,8 +158,13 @@ class RouteCaller:
                 # A fallback that refused the call before any work (it could not make
                 # the deadline, or was at its limit) says less than the failure before
                 # it: with the primary down, the caller is told UNAVAILABLE, not
-                # DEADLINE_EXCEEDED with ten seconds left on its deadline.
-                if failure is None or not _refused_here(error) or _refused_here(failure):
+                # DEADLINE_EXCEEDED with ten seconds left on its deadline. So does a
+                # fallback that cannot read the text: the primary, back, may read it,
+                # and INVALID_ARGUMENT would tell the caller never to try again.
+                if failure is None or (
+                    not isinstance(error, UnreadableText)
+                    and (not _refused_here(error) or _refused_here(failure))
+                ):
                     failure, failed_on = error, backend
                 call.fallback_reason = error.reason
                 log.info(

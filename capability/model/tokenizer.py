@@ -97,7 +97,9 @@ class TextTokenizer:
         self._stand_in_id: int = words[0] if words else pad_id
         # The id of a piece of text the vocabulary lacks, where the model has one
         # (WordPiece's [UNK]); None: every piece is known, so a text is unreadable only
-        # when it has no tokens at all.
+        # when it has no tokens at all. NOTE: a SentencePiece (Unigram) model names no
+        # `unk_token` here, and its word-boundary piece is a known token, so for such a
+        # model every text counts as readable; the shipped bundles are WordPiece.
         unknown = getattr(tokenizer.model, "unk_token", None)
         self.unknown_id: int | None = tokenizer.token_to_id(unknown) if unknown else None
 
@@ -168,7 +170,7 @@ class TextTokenizer:
             truncated = too_long or len(text) > max_chars
             # What the model reads: the tokens within the budget, less [CLS] and [SEP].
             # Stops at the first known token, the first one in almost every text.
-            readable = any(token != unknown for token in ids[1:-1])
+            readable = any(ids[i] != unknown for i in range(1, len(ids) - 1))
             encoded.append(EncodedText(ids=tuple(ids), truncated=truncated, readable=readable))
         return encoded
 

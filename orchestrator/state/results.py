@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.errors import (
+    FieldViolation,
     InternalError,
     InvalidRequest,
     ServerDraining,
@@ -561,6 +562,8 @@ def encode_error(error: ServiceError) -> bytes:
     }
     if hasattr(error, "retry_after_seconds"):  # an overload's hint (may be None)
         fields["retry_after_seconds"] = error.retry_after_seconds
+    if isinstance(error, InvalidRequest):  # a model's refusal of the text (UnreadableText)
+        fields["violations"] = [[v.field, v.rule, v.message] for v in error.violations]
     return json.dumps(fields).encode()
 
 
@@ -576,7 +579,7 @@ def decode_error(payload: bytes) -> ServiceError:
     if "retry_after_seconds" in fields:
         setattr(error, "retry_after_seconds", fields["retry_after_seconds"])  # noqa: B010
     if isinstance(error, InvalidRequest):
-        error.violations = ()  # the work behind a stored result was validated before it ran
+        error.violations = tuple(FieldViolation(*v) for v in fields.get("violations", ()))
     return error
 
 

@@ -12,6 +12,7 @@ the route's fallback may still answer in time.
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -112,6 +113,7 @@ def translate_item_status(status: status_pb2.Status, backend: str, target: str) 
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_ITEM_PREFIX = re.compile(r"^items\[\d+\]\.")
 
 
 def _translate(
@@ -143,8 +145,12 @@ def _error_for(
 ) -> ServiceError:
     where = {"backend": backend, "upstream_code": code.name}
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        # Paths relative to the text sent: a capability names a batch item's fields
+        # `items[j].…`, j its place in a call the orchestrator made, not the caller's.
         violations = [
-            FieldViolation(field=v.field, rule=v.reason, message=v.description)
+            FieldViolation(
+                field=_ITEM_PREFIX.sub("", v.field), rule=v.reason, message=v.description
+            )
             for detail in details
             if isinstance(detail, error_details_pb2.BadRequest)
             for v in detail.field_violations

@@ -24,13 +24,17 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.bundle import load_bundle, write_manifest
 from capability.metrics import ADMISSIONS_REFUSED_TOTAL
 from capability.server import CapabilityServer
+from classify_common.errors import FieldViolation, InvalidRequest, UnreadableText
+from classify_common.intake import item_status
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL
 from orchestrator.metrics import (
     MODEL_FALLBACK_TOTAL,
     OUTLIER_EJECTIONS_TOTAL,
     UPSTREAM_RETRIES_TOTAL,
 )
-from tests.conftest import STRIKER, StartCapability, StartOrchestrator, metric_sum
+from orchestrator.state.results import decode_error, encode_error
+from orchestrator.upstream.errors import translate_item_status
+from tests.conftest import STRIKER, StartCapability, StartOrchestrator, closed_port, metric_sum
 from tests.status_details import error_reason, refusal, unpack, violations_of
 
 EMOJI = "😀 😀 🎉🎉"
@@ -77,7 +81,8 @@ async def test_the_capability_refuses_it_naming_the_field_and_computes_nothing(
     assert f"model {STATIC}" in (alone.details() or "")
     symbols, striker, one_word = batch.results
     (bad_request,) = unpack(symbols.error, error_details_pb2.BadRequest)
-    assert [(v.field, v.reason) for v in bad_request.field_violations] == [("text", RULE)]
+    # As the contract's refusals of an item name it.
+    assert [(v.field, v.reason) for v in bad_request.field_violations] == [("items[0].text", RULE)]
     assert striker.response.labels[0].name == "sports"
     assert one_word.HasField("response")
     # The one batch's forward: the two readable texts; neither refused text reached it.
@@ -157,3 +162,45 @@ async def test_the_front_door_falls_back_to_a_model_that_reads_it_and_names_the_
     assert metric_sum(registry, UPSTREAM_RETRIES_TOTAL) == 0
     assert metric_sum(registry, OUTLIER_EJECTIONS_TOTAL) == 0
     assert metric_sum(registry, INTERNAL_ERRORS_TOTAL) == 0
+
+
+async def test_a_primary_down_and_a_fallback_that_cannot_read_it_answer_unavailable(
+    capability: CapabilityServer, orchestrator_with: StartOrchestrator
+) -> None:
+    """The primary, back, may read the text: the caller is told to try again
+    (UNAVAILABLE), not never to (INVALID_ARGUMENT)."""
+    server = await orchestrator_with(
+        "version: 1\n"
+        "backends:\n"
+        f"  down: {{model: topic-minilm, targets: ['127.0.0.1:{closed_port()}']}}\n"
+        f"  static: {{model: {STATIC}, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: down\n"
+        "    fallback: [static]\n"
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        refused = await refusal(stub.Classify(pb.ClassifyRequest(text=EMOJI), timeout=10))
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(refused) == "MODEL_UNAVAILABLE"
+
+
+def test_a_stored_refusal_keeps_its_field_violation() -> None:
+    """A PROCESSING call's result kept in Redis, read by GetResult on any orchestrator."""
+    stored = decode_error(encode_error(UnreadableText.for_model(STATIC)))
+    assert isinstance(stored, UnreadableText)
+    assert [(v.field, v.rule) for v in stored.violations] == [("text", RULE)]
+
+
+def test_a_capability_item_path_is_read_relative_to_the_text_sent() -> None:
+    """A capability names a batch item's field by its place in the orchestrator's
+    call (`items[2].…`); the caller's item is elsewhere in its own call, or is a
+    single call."""
+    status = item_status(
+        InvalidRequest([FieldViolation("items[2].max_length", "int32.lte", "too many")]), "r", "t"
+    )
+    error = translate_item_status(status, "minilm", "127.0.0.1:1")
+    assert isinstance(error, InvalidRequest)
+    assert [v.field for v in error.violations] == ["max_length"]
+    assert [v.field for v in error.within("items[5]").violations] == ["items[5].max_length"]
