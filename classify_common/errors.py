@@ -415,9 +415,9 @@ FALLBACK_ELIGIBLE_CODES = frozenset(
 def is_fallback_eligible(error: ServiceError) -> bool:
     """Whether a route may try its next backend after `error`: the model could not
     answer (UNAVAILABLE, RESOURCE_EXHAUSTED), could not score this text
-    (UnscorableText) or read it (UnreadableText), or this backend could not answer in the time left
-    (DeadlineUnreachable, refused before any work) or within its own timeout
-    (BackendTimedOut), where another model still may."""
+    (UnscorableText) or read it (UnreadableText), or this backend could not answer in
+    the time left (DeadlineUnreachable, refused before any work) or within its own
+    timeout (BackendTimedOut), where another model still may."""
     return (
         isinstance(error, (DeadlineUnreachable, UnscorableText, UnreadableText, BackendTimedOut))
         or grpc_code_for(error) in FALLBACK_ELIGIBLE_CODES

@@ -155,16 +155,7 @@ class RouteCaller:
                 if not is_fallback_eligible(error):
                     self._fail(call, backend, error)
                     raise
-                # A fallback that refused the call before any work (it could not make
-                # the deadline, or was at its limit) says less than the failure before
-                # it: with the primary down, the caller is told UNAVAILABLE, not
-                # DEADLINE_EXCEEDED with ten seconds left on its deadline. So does a
-                # fallback that cannot read the text: the primary, back, may read it,
-                # and INVALID_ARGUMENT would tell the caller never to try again.
-                if failure is None or (
-                    not isinstance(error, UnreadableText)
-                    and (not _refused_here(error) or _refused_here(failure))
-                ):
+                if _tells_more(error, failure):
                     failure, failed_on = error, backend
                 call.fallback_reason = error.reason
                 log.info(
@@ -298,6 +289,25 @@ class RouteCaller:
                         CLASSIFY_MODEL_VERSION: version,
                     },
                 )
+
+
+def _tells_more(error: ServiceError, failure: ServiceError | None) -> bool:
+    """Whether a later backend's `error` is what the caller should hear rather than an
+    earlier backend's `failure`.
+
+    A backend that refused the call before any work (it could not make the deadline,
+    or was at its limit) says less than the failure before it: with the primary down,
+    the caller is told UNAVAILABLE, not DEADLINE_EXCEEDED with ten seconds left on its
+    deadline. A backend whose model cannot read the text says less than any other
+    failure, before or after it: the other backend, back or less busy, may read it, and
+    INVALID_ARGUMENT would tell the caller never to try again."""
+    if failure is None:
+        return True
+    if isinstance(error, UnreadableText):
+        return False
+    if isinstance(failure, UnreadableText):
+        return True
+    return not _refused_here(error) or _refused_here(failure)
 
 
 def _refused_here(error: ServiceError) -> bool:

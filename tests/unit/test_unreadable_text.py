@@ -24,9 +24,16 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.bundle import load_bundle, write_manifest
 from capability.metrics import ADMISSIONS_REFUSED_TOTAL
 from capability.server import CapabilityServer
-from classify_common.errors import FieldViolation, InvalidRequest, UnreadableText
+from classify_common.errors import (
+    ConcurrencyLimited,
+    FieldViolation,
+    InvalidRequest,
+    ModelUnavailable,
+    UnreadableText,
+)
 from classify_common.intake import item_status
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL
+from orchestrator.calls import _tells_more
 from orchestrator.metrics import (
     MODEL_FALLBACK_TOTAL,
     OUTLIER_EJECTIONS_TOTAL,
@@ -184,6 +191,21 @@ async def test_a_primary_down_and_a_fallback_that_cannot_read_it_answer_unavaila
         refused = await refusal(stub.Classify(pb.ClassifyRequest(text=EMOJI), timeout=10))
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert error_reason(refused) == "MODEL_UNAVAILABLE"
+
+
+def test_an_unreadable_text_is_the_failure_the_caller_hears_only_when_nothing_else_failed() -> None:
+    """After a primary that cannot read the text, a fallback at its limit is what the
+    caller hears (RESOURCE_EXHAUSTED, retry after the hint: once the fallback has
+    room, it may read it); a fallback that cannot read it never hides the primary's
+    outage."""
+    unreadable = UnreadableText.for_model(STATIC)
+    down = ModelUnavailable("backend minilm is unavailable")
+    at_its_limit = ConcurrencyLimited("backend static is at its limit", retry_after_seconds=1.0)
+    assert _tells_more(unreadable, None)
+    assert not _tells_more(unreadable, down)
+    assert _tells_more(at_its_limit, unreadable)
+    assert _tells_more(down, unreadable)
+    assert not _tells_more(at_its_limit, down)  # as before: a refusal says less
 
 
 def test_a_stored_refusal_keeps_its_field_violation() -> None:
