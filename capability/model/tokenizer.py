@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ MAX_CHARS_PER_TOKEN = 16
 # The word stand-in texts repeat (TextTokenizer.stand_in): any word will do, as long as
 # it is the tokenizer's own id and not one fixed for MiniLM's 30,522-token vocabulary.
 STAND_IN_WORD = "text"
+# SentencePiece's mark of a word's start (Metaspace), a piece of its own before a
+# character the vocabulary lacks.
+WORD_START = "\u2581"
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,10 @@ class EncodedText:
 
     ids: tuple[int, ...]  # [CLS] ... [SEP], at most the budget long
     truncated: bool  # whether the text lost tokens to the budget
-    # Whether any token between [CLS] and [SEP] is one the vocabulary knows (not
-    # [UNK]): a text of emoji, or only of characters the normalizer drops, gives the
-    # model nothing to read, and its answer would be the model's bias, with confidence.
+    # Whether any token between [CLS] and [SEP] stands for text the vocabulary knows
+    # (not [UNK], nor a SentencePiece word-start mark alone): a text of emoji, or only
+    # of characters the normalizer drops, gives the model nothing to read, and its
+    # answer would be the model's bias, with confidence.
     readable: bool = True
 
     def __len__(self) -> int:
@@ -95,13 +100,9 @@ class TextTokenizer:
         # for a tokenizer that makes no tokens of it.
         words = tokenizer.encode(STAND_IN_WORD, add_special_tokens=False).ids
         self._stand_in_id: int = words[0] if words else pad_id
-        # The id of a piece of text the vocabulary lacks, where the model has one
-        # (WordPiece's [UNK]); None: every piece is known, so a text is unreadable only
-        # when it has no tokens at all. NOTE: a SentencePiece (Unigram) model names no
-        # `unk_token` here, and its word-boundary piece is a known token, so for such a
-        # model every text counts as readable; the shipped bundles are WordPiece.
-        unknown = getattr(tokenizer.model, "unk_token", None)
-        self.unknown_id: int | None = tokenizer.token_to_id(unknown) if unknown else None
+        # The ids that stand for no text the model can read (see _unreadable_ids); a
+        # text made of them alone is unreadable.
+        self.unreadable_ids: frozenset[int] = _unreadable_ids(tokenizer)
 
     @property
     def lowercase(self) -> bool:
@@ -157,7 +158,7 @@ class TextTokenizer:
         encodings = self._tokenizer.encode_batch_fast(prepared, add_special_tokens=True)
 
         encoded: list[EncodedText] = []
-        unknown = self.unknown_id
+        unreadable = self.unreadable_ids
         for text, encoding in zip(texts, encodings, strict=True):
             ids = encoding.ids
             too_long = len(ids) > max_length
@@ -170,7 +171,7 @@ class TextTokenizer:
             truncated = too_long or len(text) > max_chars
             # What the model reads: the tokens within the budget, less [CLS] and [SEP].
             # Stops at the first known token, the first one in almost every text.
-            readable = any(ids[i] != unknown for i in range(1, len(ids) - 1))
+            readable = any(ids[i] not in unreadable for i in range(1, len(ids) - 1))
             encoded.append(EncodedText(ids=tuple(ids), truncated=truncated, readable=readable))
         return encoded
 
@@ -199,3 +200,27 @@ class TextTokenizer:
             lengths=lengths,
             truncated=tuple(text.truncated for text in encoded),
         )
+
+
+def _unreadable_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of pieces that stand for no text the model knows: the piece for text the
+    vocabulary lacks (WordPiece's and BPE's `unk_token`, a Unigram model's `unk_id`,
+    which only the model's saved form names), and pieces of no text at all
+    (SentencePiece's word-start mark on its own, which comes before every character
+    the vocabulary lacks: without it, a SentencePiece text of emoji read as known
+    pieces). Special tokens stay out: the post-processor's sit outside what is judged.
+    A model without an unknown piece (byte-level BPE) knows every text."""
+    ids: set[int] = set()
+    unknown = getattr(tokenizer.model, "unk_token", None)
+    if unknown:
+        unknown_id = tokenizer.token_to_id(unknown)
+        if unknown_id is not None:
+            ids.add(unknown_id)
+    else:
+        saved = json.loads(tokenizer.model.__getstate__())
+        if isinstance(saved.get("unk_id"), int):
+            ids.add(saved["unk_id"])
+    for piece, piece_id in tokenizer.get_vocab(with_added_tokens=False).items():
+        if not piece.replace(WORD_START, "").strip():
+            ids.add(piece_id)
+    return frozenset(ids)
