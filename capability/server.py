@@ -25,7 +25,13 @@ from capability.workers.cuda import (
 from capability.workers.pool import worker_names
 from capability.workers.threads import compute_inline
 from classify_common.errors import ServiceError
-from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
+from classify_common.serving import (
+    GrpcServing,
+    freeze_heap,
+    run_server,
+    serve_until_signal,
+    stop_watcher,
+)
 from classify_common.settings import SettingsError, read_secret
 
 log = logging.getLogger(__name__)
@@ -99,6 +105,9 @@ class CapabilityServer:
         await self.serving.start()
 
     async def warm_up(self) -> None:
+        # Frozen before any model loads, and not again: a version swapped out must stay
+        # collectable (see freeze_heap).
+        freeze_heap()
         served = self.lifecycle.models_to_serve(self.settings.models)
         # Before any load: a misspelt --model-config entry or default model fails the
         # start at once.
@@ -109,7 +118,7 @@ class CapabilityServer:
             self._watcher = asyncio.create_task(
                 self.lifecycle.watch(self.settings.watch_seconds), name="model-root-watcher"
             )
-        await self.serving.set_serving(True)
+        await self.serving.set_serving(True, freeze=False)
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """NOT_SERVING, refuse new work, let admitted work finish within the grace, exit."""

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import shutil
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,24 @@ async def test_a_live_swap_of_a_version_that_computes_alike_runs_no_largest_warm
     )
     overhead = before.footprint_bytes - before.weights_bytes
     assert entry.footprint_bytes == entry.weights_bytes + overhead == entry.predicted_bytes
+
+
+async def test_the_start_version_is_freed_once_a_swap_retires_it(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """The heap frozen when the server starts serving (freeze_heap) is never collected,
+    and a replica sits in a reference cycle with its batcher: frozen with them, the
+    start version's weights stayed allocated, uncounted, after every swap."""
+    server, root = await unwatched(model_root, tmp_path, start_capability)
+    worker = server.pool.workers[0]
+    start_version = weakref.ref(worker.replicas[MODEL].bundle.classifier)
+    deploy(model_root, root, "2")
+
+    assert (await reload_model(server)).model.version == "2"
+    await wait_until(lambda: not worker._retiring_replicas)
+
+    # The retirement's own collection (release_cached) freed it; the test runs none.
+    assert start_version() is None
 
 
 async def test_load_duration_runs_until_the_version_serves_warm_up_included(
