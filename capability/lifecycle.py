@@ -339,7 +339,7 @@ class ModelLifecycle:
     async def load_initial(self, wanted: tuple[str, ...]) -> None:
         """Load each model of `wanted` (as models_to_serve resolved --models) at its
         highest numbered version that loads; refused when a model has none that does."""
-        self._starting = frozenset(wanted)
+        self._starting = self.pool.starting_models = frozenset(wanted)
         for name in wanted:
             # Exported at 0 before any load: a counter first scraped at 1 shows no
             # increase, and ClassifyModelVersionRefused would miss a live refusal.

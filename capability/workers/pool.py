@@ -217,6 +217,9 @@ class WorkerPool:
         # from the start of its load until then.
         self._live_since: dict[str, datetime] = {}
         self._load_seconds: dict[str, float] = {}
+        # The models the start loads (set by the lifecycle before it loads them): one
+        # not live yet is not ready, not unknown.
+        self.starting_models: frozenset[str] = frozenset()
 
     def models(self) -> Mapping[str, LoadedBundle]:
         """The version each model serves now (the same on every worker)."""
@@ -495,7 +498,13 @@ class WorkerPool:
     def _least_loaded(self, model: str) -> ModelReplica:
         replicas = [w.replicas[model] for w in self.workers if model in w.replicas]
         if not replicas:
-            if self._live_since:  # warm: the name is simply not served here
+            # Until a model of the start is live, it is loading: NOT_FOUND would tell an
+            # orchestrator this server does not serve it at all, and count against the
+            # replica for ejection, while GetModel says LOADING.
+            loading = not self._live_since or (
+                model in self.starting_models and model not in self._live_since
+            )
+            if not loading:
                 raise ModelNotFound(f"model {model!r} is not served here", model=model)
             raise ModelNotReady(f"model {model!r} is not loaded yet", model=model)
         return min(replicas, key=lambda replica: replica.load)

@@ -102,6 +102,46 @@ async def write_to_fifo(path: Path, text: str, reader: asyncio.Task[None]) -> No
         return
 
 
+async def test_a_call_for_a_model_the_start_still_loads_is_not_ready_not_unknown(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """Once one model is live, a call for another the start has yet to load was NOT_FOUND:
+    to an orchestrator, a server that does not serve it at all (a failure counted for
+    ejection), while GetModel said LOADING. It is UNAVAILABLE (MODEL_NOT_READY) now."""
+    hot = tmp_path / "hot.txt"
+    hot.write_text(f"{STRIKER}\n")
+    config = tmp_path / "models.yaml"
+    config.write_text("topic-static:\n  warm_texts: hot.txt\n")
+    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
+    hot.unlink()
+    os.mkfifo(hot)  # holds topic-static's load, the second, until the test writes it
+    settings = capability_settings(
+        model_root, models=("topic-minilm", "topic-static"), per_model=per_model
+    )
+    server = CapabilityServer(settings, registry=CollectorRegistry())
+    await server.start()
+    warm_up = asyncio.create_task(server.warm_up())
+    try:
+        await wait_until(lambda: "topic-minilm" in server.pool.models(), "topic-minilm live")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(text=STRIKER, model="topic-static")
+            loading = await refusal(stub.Classify(request))
+            assert loading.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_reason(loading) == "MODEL_NOT_READY"
+            unknown = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER, model="nope")))
+            assert unknown.code() == grpc.StatusCode.NOT_FOUND
+
+            await write_to_fifo(hot, f"{STRIKER}\n", warm_up)
+            await warm_up
+            served = await stub.Classify(request)
+        assert served.model.name == "topic-static"
+    finally:
+        await write_to_fifo(hot, "", warm_up)
+        await asyncio.gather(warm_up, return_exceptions=True)
+        await server.stop(grace_seconds=0)
+
+
 async def test_get_model_says_loading_while_the_first_version_loads(
     model_root: Path, tmp_path: Path
 ) -> None:
