@@ -63,6 +63,11 @@ LINEAR_HEAD = "linear"
 # The fewest tokens a model may read: [CLS], [SEP] and one token of text, the least a
 # request's max_length is raised to (TextClassifier.token_budget).
 MIN_SEQ_LENGTH = 3
+# The most: the contract's largest token budget (ClassifyRequest.max_length), so no
+# request reads more of a text. A static-embedding model has no position table to
+# bound it, and its memory warm-up computes a batch at this length: 100,000,000
+# asked 51 GB of one allocation and ended the start.
+MAX_SEQ_LENGTH = 1024
 
 
 @dataclass(frozen=True)
@@ -151,11 +156,14 @@ class BundleConfig:
         pooling = top.choice("pooling", POOLINGS[architecture])
         encoder = _parse_dimensions(top.section("dimensions"), architecture, pooling)
         max_seq_length = top.integer("max_seq_length")
-        limit = encoder.max_position_embeddings if isinstance(encoder, EncoderConfig) else None
-        if max_seq_length < MIN_SEQ_LENGTH or (limit is not None and max_seq_length > limit):
+        limit, bound_by = MAX_SEQ_LENGTH, "the largest max_length a request may ask for"
+        if isinstance(encoder, EncoderConfig) and encoder.max_position_embeddings < MAX_SEQ_LENGTH:
+            limit, bound_by = encoder.max_position_embeddings, "max_position_embeddings"
+        if not MIN_SEQ_LENGTH <= max_seq_length <= limit:
             least = f"at least {MIN_SEQ_LENGTH} ([CLS], [SEP] and one token of text)"
-            most = "" if limit is None else f" and at most {limit} (max_position_embeddings)"
-            raise _invalid(f"max_seq_length {max_seq_length} must be {least}{most}")
+            raise _invalid(
+                f"max_seq_length {max_seq_length} must be {least} and at most {limit} ({bound_by})"
+            )
         lowercase = top.boolean("lowercase")
         precision = top.choice("precision", tuple(PRECISION_DTYPES))
         labels = _parse_labels(top.array("labels"))

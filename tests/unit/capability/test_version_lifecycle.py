@@ -6,6 +6,7 @@ a load abandoned by the server's stop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
@@ -18,7 +19,7 @@ import pytest
 
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc
-from capability.bundle import BundleError
+from capability.bundle import BundleError, load_bundle, write_manifest
 from capability.lifecycle import FOLDER_REMOVED, FOLDER_REPLACED
 from capability.metrics import MODEL_FOLDER_CHANGES_TOTAL, MODEL_LOAD_SECONDS, RELOADS_TOTAL
 from capability.server import CapabilityServer
@@ -100,6 +101,31 @@ async def test_a_start_serves_the_newest_version_that_loads_and_counts_the_refus
     await wait_until(lambda: reloads(server, "ok") == 1, "the fixed version 2 loaded")
     assert await serving_version(server) == "2"
     assert (reloads(server, "refused"), retries(server)) == (1, 1)
+
+
+async def test_a_version_asking_to_read_more_than_any_request_can_is_refused_at_start(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """A static-embedding model has no position table to bound its max_seq_length, and
+    the memory warm-up computes a batch at it: 100,000,000 asked for 51 GB in one
+    allocation, a RuntimeError that ended the whole start instead of costing the
+    version. Past the contract's largest max_length (1,024) it is a config refusal."""
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    too_long = deploy(model_root, root, "2")
+    config = json.loads((too_long / "config.json").read_text())
+    (too_long / "config.json").write_text(json.dumps({**config, "max_seq_length": 100_000_000}))
+    (too_long / "manifest.json.sig").unlink(missing_ok=True)
+    write_manifest(too_long)
+
+    server = await start_capability(
+        model_root=root, models=(MODEL,), memory_warm_up="largest", watch_seconds=0.1
+    )
+
+    assert await serving_version(server) == "1"
+    assert reloads(server, "refused") == 1
+    with pytest.raises(BundleError, match=r"max_seq_length 100000000 must be .* at most 1024"):
+        load_bundle(too_long)
 
 
 async def test_a_start_is_refused_only_when_no_version_of_a_model_loads(
