@@ -332,10 +332,23 @@ class ReplicaCoalescer:
         except BaseException as error:
             if item.client_span is not trace.INVALID_SPAN:
                 _end_client_span(item, error)
+            if isinstance(error, asyncio.CancelledError):
+                self._cancel_unwanted_call(item)
             raise
         if item.client_span is not trace.INVALID_SPAN:
             _end_client_span(item, None)
         return response
+
+    def _cancel_unwanted_call(self, item: UpstreamItem) -> None:
+        """Cancel the call in flight that carries `item`, whose caller has gone, once no
+        item of it is waited for. Left to run, it held a slot here (the items that came
+        next gathered behind it, up to its timeout) while the replica computed texts
+        nobody would read; cancelled, the replica drops what it has not computed."""
+        for task, items in self._calls.items():
+            if item in items:
+                if all(other.future.done() for other in items):
+                    task.cancel()
+                return
 
     def _may_leave(self, items: int) -> bool:
         """Whether `items` gathered may leave now: with no call in flight, whatever has
@@ -588,6 +601,12 @@ class ReplicaCoalescer:
             if not isinstance(response, pb.ClassifyBatchResponse):  # no message, status OK
                 response = pb.ClassifyBatchResponse()
             span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.OK.name)
+        except asyncio.CancelledError:  # every caller went (_cancel_unwanted_call)
+            # Said to the replica in so many words: a stream call's RPC outlives the task
+            # reading it.
+            call.cancel()
+            span.set_attribute(RPC_RESPONSE_STATUS_CODE, grpc.StatusCode.CANCELLED.name)
+            raise
         except grpc.aio.AioRpcError as exc:
             span.set_status(Status(StatusCode.ERROR, exc.code().name))
             span.set_attribute(RPC_RESPONSE_STATUS_CODE, exc.code().name)
@@ -773,9 +792,10 @@ class ReplicaCoalescer:
 
     async def close(self) -> None:
         """Wait for the calls in flight that a caller still waits for (they get their
-        answers); cancel those that no caller does. After a stop's grace period every
-        caller has gone, and a call to a frozen replica would otherwise hold the
-        process up to the backend's timeout."""
+        answers); cancel those that no caller does (their callers answered or gone,
+        but not cancelled). After a stop's grace period every caller has gone, and a
+        call to a frozen replica would otherwise hold the process up to the backend's
+        timeout."""
         for task, items in list(self._calls.items()):
             if all(item.future.done() for item in items):
                 task.cancel()

@@ -412,6 +412,39 @@ async def test_an_item_whose_time_runs_out_in_flight_is_answered_then_not_when_i
     assert texts_computed(capability) - computed_before == 1
 
 
+async def test_a_call_whose_callers_have_all_gone_is_cancelled_and_holds_nothing_back(
+    capability: CapabilityServer,
+) -> None:
+    """A caller that hangs up (or a hedge's loser) left its upstream call running until
+    the replica answered: it held its slot here, so the next call gathered behind it,
+    and the replica computed a text nobody would read. Now the call is cancelled once
+    none of its items is waited for; a call that still carries a waited-for item runs
+    on."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(channel, capability)
+        computed_before = texts_computed(capability)
+
+        def classify(request_id: str) -> asyncio.Future[pb.ClassifyResponse]:
+            request = minilm_request(request_id)
+            return asyncio.ensure_future(coalescer.classify(request, seconds=30, trace_metadata=()))
+
+        async with device_occupied(capability.pool.workers[0]):
+            gone, stays = classify("gone"), classify("stays")
+            await wait_until(lambda: coalescer.in_flight == 1)
+            gone.cancel()
+            await asyncio.sleep(0.1)
+            assert coalescer.in_flight == 1, "a call with an item still waited for was cancelled"
+            stays.cancel()
+            await wait_until(lambda: coalescer.in_flight == 0, "the unwanted call cancelled")
+            following = classify("following")
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert (coalescer.waiting, coalescer.in_flight) == (0, 1), "it gathered behind"
+        assert (await following).request_id == "following"
+    # The replica dropped the cancelled call's two texts uncomputed.
+    assert texts_computed(capability) - computed_before == 1
+
+
 def minilm_request(request_id: str) -> pb.ClassifyRequest:
     return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
 
