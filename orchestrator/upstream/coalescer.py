@@ -97,7 +97,12 @@ from classify_common.context import (
     REQUEST_ID_HEADER,
     new_request_id,
 )
-from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ServiceError
+from classify_common.errors import (
+    DeadlineExpired,
+    DeadlineUnreachable,
+    ModelFault,
+    ServiceError,
+)
 from classify_common.intake import MAX_BATCH_TOTAL_CHARS
 from classify_common.nodes import (
     CLASSIFY_BACKEND,
@@ -634,8 +639,13 @@ class ReplicaCoalescer:
             if item.future.done():
                 continue
             if index >= len(response.results):
+                # A fault of the replica, not a deadline: as DeadlineExpired it read as
+                # the backend's timeout and fed the concurrency limit as overload.
                 item.future.set_exception(
-                    DeadlineExpired("the backend left the item unanswered", backend=self._backend)
+                    ModelFault(
+                        f"backend {self._backend} answered without a result for the item",
+                        backend=self._backend,
+                    )
                 )
                 continue
             result = response.results[index]

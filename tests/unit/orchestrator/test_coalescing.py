@@ -9,6 +9,7 @@ import collections
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker
-from classify_common.errors import DeadlineExpired, DeadlineUnreachable
+from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ModelFault
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import (
     DEADLINE_UNREACHABLE_TOTAL,
@@ -443,6 +444,60 @@ async def test_a_call_whose_callers_have_all_gone_is_cancelled_and_holds_nothing
         assert (await following).request_id == "following"
     # The replica dropped the cancelled call's two texts uncomputed.
     assert texts_computed(capability) - computed_before == 1
+
+
+class OneResultShort(classify_service_pb2_grpc.ClassifyServiceServicer):
+    """A faulty capability: answers a ClassifyBatch with one result fewer than its items
+    (a real one never does, so this stands in for one with a bug)."""
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        answer = pb.ClassifyBatchResponse()
+        for item in request.items[:-1]:
+            answer.results.add().response.request_id = item.request_id
+        return answer
+
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "batches only")
+
+    async def GetResult(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GetResultRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "batches only")
+
+
+async def test_an_item_a_batch_answer_leaves_out_is_a_fault_of_the_replica_not_a_timeout() -> None:
+    """It was DEADLINE_EXCEEDED, "did not answer within its timeout" once the backend pool
+    read it, from a replica that answered in milliseconds, and counted as overload."""
+    server = grpc.aio.server()
+    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(OneResultShort(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            coalescer = ReplicaCoalescer(
+                channel,
+                backend="minilm",
+                target=f"127.0.0.1:{port}",
+                credentials=(),
+                settings=CoalescingSettings(),
+            )
+            answered, left_out = await asyncio.gather(
+                *(
+                    coalescer.classify(minilm_request(name), seconds=30, trace_metadata=())
+                    for name in ("answered", "left-out")
+                ),
+                return_exceptions=True,
+            )
+    finally:
+        await server.stop(0)
+    assert isinstance(answered, pb.ClassifyResponse)
+    assert answered.request_id == "answered"
+    assert isinstance(left_out, ModelFault)
+    assert str(left_out) == "backend minilm answered without a result for the item"
 
 
 def minilm_request(request_id: str) -> pb.ClassifyRequest:
