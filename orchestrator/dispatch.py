@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from prometheus_client import Histogram
 
@@ -321,9 +322,27 @@ class Dispatcher:
                 ) from None
             self._metrics.processing.labels(route.name).inc()
             return pending
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as cancelled:
             self._store_when_done(work, ids, None, self._processing_response(route, ids))
-            raise
+            if cancelled_code(cancelled) != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise  # the caller went, or the server stops
+            # A batch item whose call's answer is due (batch_items.answer_items_by) before
+            # the route's budget and the item's own deadline margin ran out: as for a
+            # single call whose deadline comes first, the work goes on, GetResult will
+            # have its result, and the item says so. Cancelled, it said neither, and its
+            # outcome was counted as a time-out whatever the work then did.
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            request_trace = current_trace()
+            if request_trace is not None:
+                request_trace.mark_timed_out()
+            self._count_when_done(work, route)
+            raise DeadlineExpired(
+                "the deadline passed while the model was working; poll GetResult",
+                request_id=ids.request_id,
+                **{RESULT_KEPT: "true"},
+            ) from None
 
     async def _answer_unstored(
         self, work: asyncio.Task[pb.ClassifyResponse], call: UpstreamCall

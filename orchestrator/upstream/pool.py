@@ -26,6 +26,7 @@ from classify_common.errors import (
     DeadlineUnreachable,
     Overloaded,
 )
+from classify_common.nodes import cancelled_code
 from classify_common.tls import ClientTls
 from classify_common.tracing import inject_context
 from orchestrator.metrics import (
@@ -441,11 +442,16 @@ class BackendPool:
             # Refused by the backend for load.
             overloaded = True
             raise
-        except asyncio.CancelledError:
-            # The caller went. At its deadline, the call was answered too late: overload.
-            # Before it (a hedged call's loser, a user's Ctrl-C) it is no news of the
-            # backend, and counting it would hold hedging clients to the limit for good.
-            overloaded = cancelled_at_deadline(time.perf_counter() - started, client_remaining)
+        except asyncio.CancelledError as cancelled:
+            # The caller went. At its deadline, the call was answered too late: overload;
+            # so was a batch item whose call's answer came due first (ANSWER_DUE, some
+            # 70 ms or more before the deadline). Before it (a hedged call's loser, a
+            # user's Ctrl-C) it is no news of the backend, and counting it would hold
+            # hedging clients to the limit for good.
+            overloaded = cancelled_code(cancelled) == grpc.StatusCode.DEADLINE_EXCEEDED
+            overloaded = overloaded or cancelled_at_deadline(
+                time.perf_counter() - started, client_remaining
+            )
             raise
         finally:
             if not shadow:

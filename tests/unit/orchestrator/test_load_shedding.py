@@ -291,13 +291,16 @@ async def test_adaptive_limit_refuses_the_excess_at_once_with_a_retry_hint(
 
 
 @pytest.mark.parametrize(
-    ("deadline_seconds", "cancel_after_seconds", "engages"),
+    ("deadline_seconds", "cancel_after_seconds", "engages", "as_batch"),
     [
         # A caller that hangs up with most of its time left (a hedged call's loser, a
         # user's Ctrl-C) says nothing about the backend.
-        (10.0, 0.3, False),
+        (10.0, 0.3, False, False),
         # Calls whose deadlines pass while the backend holds them are overload.
-        (0.3, None, True),
+        (0.3, None, True, False),
+        # So are a ClassifyBatch's items, though the call's answer is due before its
+        # deadline: cancelled as it went, they read as callers gone early.
+        (0.3, None, True, True),
     ],
 )
 async def test_only_calls_that_run_out_of_time_engage_the_adaptive_limit(
@@ -306,6 +309,7 @@ async def test_only_calls_that_run_out_of_time_engage_the_adaptive_limit(
     deadline_seconds: float,
     cancel_after_seconds: float | None,
     engages: bool,
+    as_batch: bool,
 ) -> None:
     pod = FlakyPod(capability.port, failing=False)
     await pod.start()
@@ -327,16 +331,23 @@ async def test_only_calls_that_run_out_of_time_engage_the_adaptive_limit(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            calls = [
-                stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=deadline_seconds)
-                for _ in range(STALLED_CALLS)
-            ]
-            if cancel_after_seconds is not None:
-                await asyncio.sleep(cancel_after_seconds)
-                for call in calls:
-                    call.cancel()
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
-            assert all(isinstance(outcome, BaseException) for outcome in outcomes), outcomes
+            if as_batch:
+                items = [pb.ClassifyRequest(text=STRIKER) for _ in range(STALLED_CALLS)]
+                answer = await stub.ClassifyBatch(
+                    pb.ClassifyBatchRequest(items=items), timeout=deadline_seconds
+                )
+                assert all(result.HasField("error") for result in answer.results), answer
+            else:
+                calls = [
+                    stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=deadline_seconds)
+                    for _ in range(STALLED_CALLS)
+                ]
+                if cancel_after_seconds is not None:
+                    await asyncio.sleep(cancel_after_seconds)
+                    for call in calls:
+                        call.cancel()
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                assert all(isinstance(outcome, BaseException) for outcome in outcomes), outcomes
             # The orchestrator's handlers see the callers go (cancelled, or out of time).
             await wait_until(
                 lambda: metric_sum(server.registry, BACKEND_IN_FLIGHT, backend="stalled") == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -28,7 +29,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.flaky_pod import FlakyPod
-from tests.status_details import error_info, error_reason, refusal
+from tests.status_details import error_info, error_reason, refusal, unpack
 from tests.unit.capability.test_serving import device_occupied
 
 PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
@@ -181,6 +182,33 @@ async def test_budget_exceeded_answers_processing_then_get_result_returns_the_re
     assert metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 1
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     assert error_reason(unknown.value) == "RESULT_NOT_FOUND"
+
+
+async def test_a_batch_item_whose_deadline_comes_first_is_kept_as_a_single_call_is(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A deadline shorter than the route's budget: a single call answers
+    DEADLINE_EXCEEDED with `result_kept`, and GetResult has the result later. A batch
+    item got neither mark nor count: the call's answer, due before the item's deadline
+    (less the time to answer its items), cancelled it first, and a client following
+    the contract never polled for the result that was kept all the same."""
+    server = await start_orchestrator(capability, tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(capability.pool.workers[0]):
+                item = pb.ClassifyRequest(text=STRIKER, request_id="kept-1")
+                answer = await stub.ClassifyBatch(
+                    pb.ClassifyBatchRequest(items=[item]), timeout=0.15
+                )
+            done = await poll_until_done(stub, "kept-1")
+    finally:
+        await server.stop(grace_seconds=0)
+    (result,) = answer.results
+    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    (info,) = unpack(result.error, error_details_pb2.ErrorInfo)
+    assert info.metadata["result_kept"] == "true"
+    assert done.labels[0].name == "sports"
 
 
 async def test_a_poll_for_a_reused_request_id_never_gets_the_earlier_calls_result(
