@@ -186,8 +186,8 @@ class Batcher:
         return self.bundle.name
 
     def show_queue_depth(self) -> None:
-        # NOTE: looked up each time, not kept: a retiring version removes this series,
-        # which the version that replaced it (same labels) must then create anew.
+        # NOTE: looked up each time, not kept: a version stopped for good (not replaced)
+        # removes this series, and a model served again must then create it anew.
         self._metrics.queue_depth.labels(self.name, self._device.name).set(len(self.queue))
 
     def start(self) -> None:

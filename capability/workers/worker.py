@@ -519,6 +519,9 @@ class ModelReplica:
     async def stop(self, error: Exception) -> None:
         self.stopped = True
         await self.batcher.stop(error)
+        if self.worker.replicas.get(self.name) not in (None, self):
+            # Retired by a swap: the series is the serving version's now (same labels).
+            return
         with contextlib.suppress(KeyError):  # never set when nothing was admitted
             self._metrics.queue_depth.remove(self.name, self.worker.name)
 

@@ -17,14 +17,20 @@ from typing import Any
 import grpc
 import pytest
 
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from ai.classify.v1 import model_service_pb2_grpc
 from capability.bundle import BundleError, load_bundle, write_manifest
 from capability.lifecycle import FOLDER_REMOVED, FOLDER_REPLACED
-from capability.metrics import MODEL_FOLDER_CHANGES_TOTAL, MODEL_LOAD_SECONDS, RELOADS_TOTAL
+from capability.metrics import (
+    MODEL_FOLDER_CHANGES_TOTAL,
+    MODEL_LOAD_SECONDS,
+    QUEUE_DEPTH,
+    RELOADS_TOTAL,
+)
 from capability.server import CapabilityServer
 from capability.workers.worker import WARM_UP_SHAPES
-from tests.conftest import StartCapability, metric_sum, wait_until
+from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.unit.capability.test_model_watcher import (
     LIFECYCLE_LOGGER,
     MODEL,
@@ -190,6 +196,26 @@ async def test_the_start_version_is_freed_once_a_swap_retires_it(
 
     # The retirement's own collection (release_cached) freed it; the test runs none.
     assert start_version() is None
+
+
+async def test_a_retired_version_leaves_the_queue_depth_series_to_its_successor(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """Both versions' series have the same labels (model, worker): the retiring one
+    removed it, and the serving version's queue went unreported until its next
+    admission."""
+    server, root = await unwatched(model_root, tmp_path, start_capability)
+    worker = server.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+    deploy(model_root, root, "2")
+
+    assert (await reload_model(server)).model.version == "2"
+    await wait_until(lambda: not worker._retiring_replicas)
+
+    depth = server.registry.get_sample_value(QUEUE_DEPTH, {"model": MODEL, "worker": worker.name})
+    assert depth == 0
 
 
 async def test_load_duration_runs_until_the_version_serves_warm_up_included(
