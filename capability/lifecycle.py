@@ -45,7 +45,6 @@ next poll looks again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -533,10 +532,18 @@ class ModelLifecycle:
         )
 
     async def _follow_newest(self, name: str, serving: str) -> None:
-        newest = self.root.newest(name)
-        if newest is None or not is_newer(newest, serving):
+        """Load the newest version newer than `serving` that loads: newest first, as a
+        start does, past the refused ones whose files have not changed since. Trying
+        the newest alone left a good version 2 unloaded behind a damaged 3 deployed
+        with it, while a restart of the same root served 2: a fleet split by when
+        each replica last started."""
+        newer = [
+            version for version in reversed(self.root.versions(name)) if is_newer(version, serving)
+        ]
+        if not newer:
             return
         if name in self._pinned:
+            newest = newer[0]
             if (name, newest) not in self._held_back:
                 self._held_back.add((name, newest))
                 log.info(
@@ -544,33 +551,43 @@ class ModelLifecycle:
                     extra={"model": name, "version": newest, "pinned": self._pinned[name]},
                 )
             return
-        if (name, newest) in self._refused:
-            if not await self._worth_retrying(name, newest):
+        for version in newer:
+            if (name, version) in self._refused:
+                if not await self._worth_retrying(name, version):
+                    continue
+            else:
+                log.info("new version found", extra={"model": name, "version": version})
+            if await self._load_found(name, version):
                 return
-        else:
-            log.info("new version found", extra={"model": name, "version": newest})
+
+    async def _load_found(self, name: str, version: str) -> bool:
+        """Load `version`, found newer than the serving one, under the model's lock;
+        False when it was refused, or its folder went away since it was listed (a copy
+        being redone: the next poll sees what is there then), so an older one may be
+        tried."""
         # A refusal is logged and counted in _reload_locked; the old version serves on.
-        # ModelNotFound: the folder went away since it was listed (a copy being redone);
-        # the next poll sees what is there then. A manifest gone with it is a refusal,
-        # retried once the folder changes.
-        with contextlib.suppress(ReloadRefused, ModelNotFound):
+        # A manifest gone with the folder is a refusal, retried once the folder changes.
+        try:
             async with self._lock(name):
                 # A ReloadModel may have come first, while this waited for the lock: a
                 # pin it set wins over the watcher, and a version it loaded counts.
                 serving = self.pool.serving(name).version
-                if name in self._pinned or not is_newer(newest, serving):
-                    return
+                if name in self._pinned or not is_newer(version, serving):
+                    return True
                 try:
-                    await self._reload_locked(name, newest, serving)
+                    await self._reload_locked(name, version, serving)
                 except asyncio.CancelledError:
                     # Only the server's stop cancels the watcher. The load's next stage
                     # never starts (WorkerPool.load); say so, or the version found
                     # above seems to have vanished.
                     log.warning(
                         "load abandoned: shutting down",
-                        extra={"model": name, "version": newest, "serving": serving},
+                        extra={"model": name, "version": version, "serving": serving},
                     )
                     raise
+        except (ReloadRefused, ModelNotFound):
+            return False
+        return True
 
     async def _worth_retrying(self, name: str, version: str) -> bool:
         """Whether a refused version's files changed since the refusal and then held

@@ -178,6 +178,25 @@ async def test_a_rollback_by_reload_model_stays_until_a_reload_of_the_newest(
     assert reloads(server, "refused") == 0
 
 
+async def test_a_good_version_deployed_with_a_broken_newer_one_is_loaded(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """Versions 2 (good) and 3 (damaged) arrive together while 1 serves. The watcher
+    tried 3 alone and served 1 on, while a restart of the same root would serve 2 (a
+    start takes the newest that loads): a fleet split by when each replica started."""
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
+    broken = root / MODEL / ".3.partial"
+    shutil.copytree(model_root / MODEL / "1", broken)
+    truncate_weights(broken)
+    # The broken one first: whenever the watcher looks, 3 is the newest it sees.
+    broken.rename(root / MODEL / "3")
+    deploy(model_root, root, "2", staged_as=".2.partial")
+    await wait_until(lambda: reloads(server, "refused") == 1 and reloads(server, "ok") == 1)
+    assert await serving_version(server) == "2"
+    await asyncio.sleep(0.3)  # three more polls: neither is tried again
+    assert (reloads(server, "refused"), reloads(server, "ok")) == (1, 1)
+
+
 async def test_a_refused_reload_of_the_newest_leaves_the_model_pinned(
     model_root: Path,
     tmp_path: Path,
