@@ -807,6 +807,12 @@ class DeviceWorker:
             weights = replica.on_demand
             if weights is None or weights.resident:
                 return
+            if self.replicas.get(replica.name) is not replica:
+                # A swap replaced it while the text was on its way here: its copy would
+                # serve this text alone, cost a cold start and room, and leave the
+                # model reported on the device while its serving version is not. As
+                # for the texts a retiring version leaves: the caller sends it again.
+                raise ServerDraining("the model version was replaced", worker=self.name)
             await self._make_room(replica, give_up_at)
             started = time.perf_counter()
             try:

@@ -42,6 +42,7 @@ from capability.metrics import (
     RESULT_CACHE_WARMED_TOTAL,
 )
 from capability.server import CapabilityServer
+from classify_common.errors import ServerDraining
 from classify_common.settings import SettingsError
 from orchestrator.metrics import MODEL_FALLBACK_TOTAL
 from tests.conftest import (
@@ -53,6 +54,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.status_details import error_info, refusal
+from tests.unit.capability.test_model_watcher import deploy, reload_model
 from tests.unit.capability.test_serving import device_occupied
 
 MODEL = "topic-static"
@@ -482,6 +484,33 @@ async def test_a_reload_evicts_an_idle_on_demand_model_to_make_room(
             assert (answer.model.name, answer.labels[0].name) == (name, "sports")
     worker = server.pool.workers[0]
     assert worker.held_bytes() <= worker.memory_budget_bytes
+
+
+async def test_a_version_replaced_while_a_text_was_on_its_way_is_not_copied_onto_the_device(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """A text routed to version 1 before a swap reached its cold start after it: version
+    1 was copied onto the device for that one text (a cold start counted, room made),
+    and `classify_model_resident` stayed 1 after it retired while version 2, serving,
+    was not on the device. The text is sent again instead (SERVER_DRAINING, as the
+    texts a retiring version leaves are)."""
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    server = await start_capability(
+        model_root=root, models=(MODEL,), residency="on_demand", idle_seconds=3600
+    )
+    worker = server.pool.workers[0]
+    replaced = worker.replicas[MODEL]
+    deploy(model_root, root, "2")
+    assert (await reload_model(server)).model.version == "2"
+
+    with pytest.raises(ServerDraining, match="the model version was replaced"):
+        await worker.ensure_resident(replaced)
+
+    assert not replaced.is_resident
+    assert counted(server, MODEL_COLD_STARTS_TOTAL, **ON_CPU) == 0
+    assert counted(server, MODEL_RESIDENT, worker="cpu:0") == 0
+    assert (await classify(server)).model.version == "2"
 
 
 async def test_a_load_that_cannot_fit_even_with_every_on_demand_model_off_evicts_none(
