@@ -40,6 +40,7 @@ status code itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -231,11 +232,15 @@ class ServerDraining(ModelError):
 
 
 def with_retry_info(details: list[Message], retry_after_seconds: float | None) -> list[Message]:
-    """`details` and, with a delay, a RetryInfo saying when to try again."""
+    """`details` and, with a delay, a RetryInfo saying when to try again: rounded up to
+    the microsecond, so that a client that waits it out (Python's timedelta keeps
+    microseconds) finds what it waits for there. Cut to the nanosecond, a rate
+    limit's hint for its next token was a fraction short, and a client that waited
+    exactly that long was refused again."""
     if retry_after_seconds is None:
         return details
     delay = duration_pb2.Duration()
-    delay.FromNanoseconds(int(retry_after_seconds * 1e9))
+    delay.FromMicroseconds(math.ceil(retry_after_seconds * 1e6))
     return [*details, error_details_pb2.RetryInfo(retry_delay=delay)]
 
 

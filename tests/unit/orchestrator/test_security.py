@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from google.rpc.error_details_pb2 import ErrorInfo
+from google.rpc.error_details_pb2 import ErrorInfo, RetryInfo
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,10 +29,12 @@ from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.metrics import RELOADS_TOTAL as MODEL_RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common import interceptor
+from classify_common.errors import RateLimited
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from classify_common.settings import SettingsError
 from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
+from orchestrator.security.limits import TenantRateLimits, TokenBucketSettings
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream import errors as upstream_errors
 from tests.conftest import (
@@ -245,6 +247,21 @@ async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
         await call(orchestrator, metadata=bearer(OTHER_KEY))
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="acme") == 1
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 1
+
+
+def test_a_caller_that_waits_out_the_rate_limit_hint_as_sent_gets_its_token() -> None:
+    """The hint is the time to the next token; cut to the nanosecond it fell a fraction
+    short, and a client that waited exactly that long was refused again."""
+    now = [1000.0]
+    limits = TenantRateLimits({"acme": TokenBucketSettings(3, 1)}, clock=lambda: now[0])
+    assert limits.take("acme")[1] == 1
+    _, granted, wait = limits.take("acme")
+    assert granted == 0
+    refusal = RateLimited("over its rate", retry_after_seconds=wait, tenant="acme")
+    (retry,) = [detail for detail in refusal.details() if isinstance(detail, RetryInfo)]
+    # As a Python client reads it (timedelta: to the microsecond) and waits it out.
+    now[0] += retry.retry_delay.ToTimedelta().total_seconds()
+    assert limits.take("acme")[1] == 1
 
 
 async def test_a_default_limit_gives_each_unlisted_tenant_a_bucket_of_its_own(
