@@ -162,9 +162,13 @@ class LocalResultStore:
             self._remove(tenant, request_id)
 
     def _eviction_victim(self) -> tuple[str, str]:
-        """The oldest entry of the tenant holding the most (the first such tenant to have
-        held one, on a tie)."""
-        tenant = max(self._by_tenant, key=lambda name: len(self._by_tenant[name]))
+        """The oldest entry of the tenants holding the most (the shared store's rule:
+        on a tie, the tenant whose oldest entry is oldest)."""
+        most = max(map(len, self._by_tenant.values()))
+        tenant = min(
+            (name for name, entries in self._by_tenant.items() if len(entries) == most),
+            key=lambda name: next(iter(self._by_tenant[name].values())).expires_at,
+        )
         return tenant, next(iter(self._by_tenant[tenant]))
 
     def _entry(self, tenant: str, request_id: str) -> _Entry | None:

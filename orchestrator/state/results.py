@@ -168,9 +168,28 @@ end
 local dropped = 0
 while redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[4]) and dropped < 64 do
   local counts = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
-  local counted = 0
-  for i = 2, #counts, 2 do counted = counted + tonumber(counts[i]) end
-  local largest = counts[#counts - 1]
+  local counted, most = 0, 0
+  for i = 2, #counts, 2 do
+    counted = counted + tonumber(counts[i])
+    most = math.max(most, tonumber(counts[i]))
+  end
+  -- Of the tenants holding the most, the one whose oldest result is oldest (one that
+  -- holds none in its index first, to clear its count). By name, the tenant last in
+  -- the alphabet lost every tie, and a result held this moment could be the one
+  -- dropped, its caller told PROCESSING for a result already gone.
+  local largest, oldest
+  for i = 1, #counts, 2 do
+    if tonumber(counts[i + 1]) == most then
+      local first = redis.call('ZRANGE', ARGV[6] .. counts[i], 0, 0, 'WITHSCORES')
+      if not first[2] then
+        largest = counts[i]
+        break
+      end
+      if not oldest or tonumber(first[2]) < oldest then
+        largest, oldest = counts[i], tonumber(first[2])
+      end
+    end
+  end
   local victim, owner
   if redis.call('ZCARD', KEYS[2]) > counted or not largest then
     -- results an older version held are in no tenant's index: the oldest goes

@@ -29,6 +29,7 @@ from classify_common.errors import (
 )
 from classify_common.settings import SettingsError
 from orchestrator.metrics import RATE_LIMITED_TOTAL
+from orchestrator.results import LocalResultStore
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import START_ERRORS, OrchestratorServer
 from orchestrator.state import RedisResultStore, RedisState, StateMetrics
@@ -405,6 +406,25 @@ async def test_stored_error_is_answered_with_its_class_and_retry_hint(
     assert await store.hold("h", pending) is None
     with pytest.raises(StateUnavailable):
         await store.get("f")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
+async def test_on_a_tie_the_oldest_result_goes_never_the_one_just_held(
+    new_store: NewStore, shared: bool
+) -> None:
+    """Three tenants hold one result each in a store for two. The Redis store dropped
+    the tenant last in the alphabet on a tie: here, the result just held, its caller
+    told PROCESSING for a result already gone (and the local store kept it)."""
+    store = new_store(capacity=2, ttl_seconds=60) if shared else LocalResultStore(capacity=2)
+    pending = pb.ClassifyResponse(status=pb.RESULT_STATUS_PROCESSING)
+    for tenant in ("a", "b", "c"):
+        with as_tenant(tenant):
+            assert await store.hold(f"{tenant}-1", pending) is not None
+    with as_tenant("a"), pytest.raises(ResultNotFound):
+        await store.get("a-1")
+    for tenant in ("b", "c"):
+        with as_tenant(tenant):
+            assert (await store.get(f"{tenant}-1")).status == pb.RESULT_STATUS_PROCESSING
 
 
 async def test_a_later_call_with_the_same_request_id_keeps_its_place_in_redis(
