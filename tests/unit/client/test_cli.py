@@ -155,6 +155,80 @@ def test_a_timeout_that_is_not_finite_and_above_zero_is_a_usage_error(
     )
 
 
+@pytest.mark.parametrize("flag", ["--ca-file", "--cert-file", "--key-file", "--file"])
+def test_an_empty_file_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """`--ca-file "$CA"` with CA unset read as no flag at all: TLS off, and the API key
+    sent in the clear."""
+    with pytest.raises(SystemExit) as refused:
+        main(["--target", nowhere(), flag, "", STRIKER])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: argument {flag}: an empty path: name the file, or leave the flag out\n"
+    )
+
+
+async def test_empty_file_variables_count_as_unset(
+    orchestrator: OrchestratorServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A template's `${CA:-}` set CLASSIFY_CA_FILE to "", which was read as a path (the
+    current folder): `error: cannot read a file .: Is a directory`."""
+    for name in ("CLASSIFY_CA_FILE", "CLASSIFY_CERT_FILE", "CLASSIFY_KEY_FILE"):
+        monkeypatch.setenv(name, "")
+    status, out, err = await run_against(orchestrator, capsys, "--timeout", "20", STRIKER)
+    assert (status, err) == (0, "")
+    assert out.startswith("sports")
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--model", "topic-\udcff", STRIKER), "--model"),
+        (("--result", "req-\udcff"), "--result"),
+    ],
+)
+def test_a_model_or_result_id_that_is_not_utf8_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], problem: str
+) -> None:
+    """Bytes that are not UTF-8 on the command line (`--model $'\\xff'`) ended in a
+    traceback."""
+    assert run(capsys, "--target", nowhere(), *argv) == (
+        1,
+        "",
+        f"error: {problem} is not UTF-8 text\n",
+    )
+
+
+def test_a_closed_stdin_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`classify --file - <&-`: Python sets sys.stdin to None, and the read ended in an
+    AttributeError's traceback."""
+    monkeypatch.setattr(sys, "stdin", None)
+    assert run(capsys, "--target", nowhere(), "--file", "-") == (
+        1,
+        "",
+        "error: cannot read --file - (stdin): it is closed\n",
+    )
+
+
+def test_a_json_error_printed_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """The error's JSON was printed outside the handler for a closed pipe: a traceback
+    and status 1, where an answer printed into the same pipe ends quietly with 141."""
+    command = subprocess.Popen(
+        [*COMMAND, "--target", nowhere(), "--timeout", "1", "--json", STRIKER],
+        cwd=tmp_path,
+        env={**os.environ, "CLASSIFY_API_KEY": KEY},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert command.stdout is not None
+    command.stdout.close()  # as a reader that has gone
+    _, err = command.communicate(timeout=60)
+    assert (command.returncode, err) == (141, b"")
+
+
 def test_a_call_no_server_answered_shows_the_request_id_it_was_sent_under(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -565,7 +639,7 @@ async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
         ["error", "DEADLINE_EXCEEDED:"],
     ]
     assert err == (
-        "hint: 1 text failed past the deadline: --timeout (0.5 s) is given to each "
+        "hint: 1 text failed past the deadline: --timeout (0.5 s) counts per "
         "ClassifyBatch call of up to 1,024 lines; raise it for a slow service\n"
     )
 

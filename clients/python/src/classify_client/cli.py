@@ -18,8 +18,8 @@ RetryInfo says (classify_client.retry).
 With `--file`, the lines are sent with ClassifyBatch (up to 1,024 per call) and
 one line is printed per text, in order: its best label and score, PROCESSING,
 or its error with the request ID to look it up by. It exits 1 when any text failed.
-`--timeout` is given to each of those calls: the run's deadline is `--timeout`
-times the number of calls, so a long file is not cut short by a deadline meant
+`--timeout` counts per call: the run's deadline is `--timeout` times the number
+of calls, shared among them, so a long file is not cut short by a deadline meant
 for one call; texts that still fail past it end with a `hint:` line.
 A line ends at "\n" only (a "\r" before it is dropped), so the output lines up
 with the file's lines; the file is UTF-8, with or without a byte-order mark.
@@ -225,7 +225,7 @@ def deadline_hint(what_failed: str, timeout: float) -> str:
     """After `--file` texts failed because the deadline passed."""
     return (
         f"hint: {what_failed} failed past the deadline: "
-        f"--timeout ({timeout:g} s) is given to each ClassifyBatch call of up to 1,024 "
+        f"--timeout ({timeout:g} s) counts per ClassifyBatch call of up to 1,024 "
         "lines; raise it for a slow service"
     )
 
@@ -329,11 +329,27 @@ def timeout_seconds(value: str) -> float:
     return seconds
 
 
+def file_path(value: str) -> str:
+    """A file flag's value: not empty (`--ca-file "$CA"` with CA unset would otherwise
+    read as no flag, and TLS off would send the API key in the clear)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path: name the file, or leave the flag out")
+    return value
+
+
+def file_variable(name: str) -> str | None:
+    """A file variable's value; an empty one is an unset one (a template's `${X:-}`), as
+    for CLASSIFY_TARGET."""
+    return os.environ.get(name, "").strip() or None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="classify", description="Classify a text.")
     parser.add_argument("text", nargs="?", help="the text to classify")
     parser.add_argument(
-        "--file", help="classify each line of this file (- for stdin) with ClassifyBatch"
+        "--file",
+        type=file_path,
+        help="classify each line of this file (- for stdin) with ClassifyBatch",
     )
     parser.add_argument(
         "--result", metavar="REQUEST_ID", help="fetch the result of a PROCESSING answer"
@@ -359,7 +375,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=timeout_seconds,
         default=DEFAULT_TIMEOUT_SECONDS,
         help="deadline in seconds, retries and --wait polling included; with --file, "
-        "of each ClassifyBatch call (up to 1,024 lines)",
+        "per ClassifyBatch call of up to 1,024 lines (the run has it times the calls, "
+        "shared)",
     )
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument(
@@ -369,15 +386,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="TLS, verified with the system's trusted CAs [env CLASSIFY_TLS=1 or 0]",
     )
     parser.add_argument(
-        "--ca-file", help="TLS, verified with this CA bundle instead [env CLASSIFY_CA_FILE]"
+        "--ca-file",
+        type=file_path,
+        help="TLS, verified with this CA bundle instead [env CLASSIFY_CA_FILE]",
     )
     parser.add_argument(
         "--cert-file",
+        type=file_path,
         help="client certificate (PEM), for a front door that asks for one "
         "[env CLASSIFY_CERT_FILE]",
     )
     parser.add_argument(
-        "--key-file", help="the client certificate's private key (PEM) [env CLASSIFY_KEY_FILE]"
+        "--key-file",
+        type=file_path,
+        help="the client certificate's private key (PEM) [env CLASSIFY_KEY_FILE]",
     )
     parser.add_argument(
         "--api-key",
@@ -400,6 +422,8 @@ def read_lines(path: str) -> list[str]:
     """The texts of a `--file` (`-`: stdin), one per line: see split_lines. Read as bytes
     and decoded here, so that stdin is UTF-8 whatever the locale says."""
     name = "- (stdin)" if path == "-" else path
+    if path == "-" and sys.stdin is None:
+        raise UnusableInput(f"cannot read --file {name}: it is closed")
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as error:
@@ -435,8 +459,10 @@ def split_lines(source: str) -> list[str]:
 
 def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
     """Send the texts with ClassifyBatch; print one line (or JSON object) per text.
-    `--timeout` is each call's: the deadline of them all is that times their number
-    (a 10 s default for a whole 4,000-line file failed its last 1,440 lines)."""
+    `--timeout` counts per call: the run's deadline is that times their number (a 10 s
+    default for a whole 4,000-line file failed its last 1,440 lines), shared, so that a
+    slow call may take time the quicker ones left (a deadline of its own for each call
+    failed a first call that took 1.5 s of 1, and with it the whole run)."""
     calls = sum(1 for _ in batch_chunks(texts))
     items = client.classify_batch(
         texts,
@@ -476,9 +502,9 @@ def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.Classif
 
 def open_client(args: argparse.Namespace) -> ClassifyClient:
     files = {
-        "the CA file": args.ca_file or os.environ.get("CLASSIFY_CA_FILE"),
-        "the certificate file": args.cert_file or os.environ.get("CLASSIFY_CERT_FILE"),
-        "the key file": args.key_file or os.environ.get("CLASSIFY_KEY_FILE"),
+        "the CA file": args.ca_file or file_variable("CLASSIFY_CA_FILE"),
+        "the certificate file": args.cert_file or file_variable("CLASSIFY_CERT_FILE"),
+        "the key file": args.key_file or file_variable("CLASSIFY_KEY_FILE"),
     }
     ca_file, cert_file, key_file = files.values()
     key = api_key(args.api_key, args.target)
@@ -516,7 +542,12 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise UnusableInput(f"--request-id: {error}") from error
     texts = read_lines(args.file) if args.file is not None else None
-    for value, what in ((args.text, "the text"), (args.request_id, "--request-id")):
+    for value, what in (
+        (args.text, "the text"),
+        (args.request_id, "--request-id"),
+        (args.model, "--model"),
+        (args.result, "--result"),
+    ):
         if value is not None:
             require_utf8(value, what)
     with open_client(args) as client:
@@ -530,8 +561,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_and_report(args: argparse.Namespace) -> int:
+    """`run`, with its refusals and failures reported (their `error:` lines and hints)."""
     try:
         return run(args)
     except UnusableInput as problem:
@@ -549,6 +580,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.file is not None and failed_past_the_deadline(error):
             print(deadline_hint("the first call", args.timeout), file=sys.stderr)
         return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        # NOTE: the reports are inside this try too: a `--json` error printed into a
+        # closed pipe ended in a traceback.
+        return run_and_report(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
