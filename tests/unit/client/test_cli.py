@@ -31,7 +31,14 @@ from capability.server import CapabilityServer
 from classify_client import ClassifyClient, ClassifyError, pb
 from classify_client._shared import BatchItem
 from classify_client.aio import AsyncClassifyClient
-from classify_client.cli import api_key, failed_past_the_deadline, format_item, main
+from classify_client.cli import (
+    api_key,
+    error_json,
+    failed_past_the_deadline,
+    format_error,
+    format_item,
+    main,
+)
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
@@ -687,6 +694,28 @@ async def test_a_server_that_answered_gets_no_hint_that_none_did(
     assert (status, out) == (1, "")
     assert err.startswith("error: UNAVAILABLE: no model\n")
     assert "hint:" not in err
+
+
+def test_a_kept_results_failed_work_shows_the_trace_it_ran_in() -> None:
+    """GetResult of a result whose work failed names the work's trace in
+    `result_trace_id`, the one to open in Jaeger (the poll's own trace shows only the
+    fetch): the command printed neither it nor, with --json, a field for it."""
+    failed = ClassifyError(
+        "the model server could not be reached",
+        code=grpc.StatusCode.UNAVAILABLE,
+        reason="MODEL_UNAVAILABLE",
+        request_id="kept-1",
+        trace_id="poll-trace",
+        metadata={"result_trace_id": "work-trace"},
+    )
+    assert format_error(failed).splitlines()[1:] == [
+        "request   kept-1",
+        "trace     poll-trace",
+        "work      work-trace  (the trace the result's work ran in)",
+    ]
+    assert error_json(failed)["error"]["resultTraceId"] == "work-trace"
+    line = format_item(BatchItem(error=failed), "a headline")
+    assert "(request kept-1, work trace work-trace)" in line
 
 
 def test_a_backend_timeout_in_the_services_routes_gets_no_hint_to_raise_the_timeout() -> None:

@@ -539,6 +539,75 @@ async def test_an_item_is_sent_at_most_max_attempts_times_however_its_tries_fail
     assert isinstance(item.error, Unavailable)
 
 
+def refusal_status(code: grpc.StatusCode, reason: str, retry_ms: int | None = None) -> Any:
+    """A google.rpc.Status as the service words a refusal: ErrorInfo, and RetryInfo."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="test"))
+    details = [info]
+    if retry_ms is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(retry_ms)
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
+    return status_pb2.Status(code=code.value[0], message=reason.lower(), details=details)
+
+
+class OnePushedBack(ScriptedBatches):
+    """The first call: item 0 failed for a moment (UNAVAILABLE), item 1 told to come back
+    in a minute; every later call answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resent: list[list[str]] = []
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        self.calls += 1
+        if self.calls == 1:
+            return pb.ClassifyBatchResponse(
+                results=[
+                    pb.ClassifyBatchResult(
+                        error=refusal_status(grpc.StatusCode.UNAVAILABLE, "MODEL_UNAVAILABLE")
+                    ),
+                    pb.ClassifyBatchResult(
+                        error=refusal_status(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", retry_ms=60_000
+                        )
+                    ),
+                ]
+            )
+        self.resent.append([item.text for item in request.items])
+        done = pb.ClassifyResponse(
+            status=pb.RESULT_STATUS_DONE, labels=[pb.Label(name="sports", score=0.9)]
+        )
+        return pb.ClassifyBatchResponse(
+            results=[pb.ClassifyBatchResult(response=done) for _ in request.items]
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_one_items_long_pushback_holds_back_no_other_items_retry(kind: str) -> None:
+    """The longest wait among a call's refused items decided for all of them: item 1's
+    minute, past the deadline, kept item 0 (whose retry fitted) from being sent again."""
+    scripted = OnePushedBack()
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(scripted, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    policy = RetryPolicy(initial_backoff_seconds=0.01, max_backoff_seconds=0.02)
+    try:
+        async with batch_client(kind, f"127.0.0.1:{port}", retry=policy) as classify_batch:
+            answered, pushed_back = await classify_batch(["a", "b"], timeout=5)
+    finally:
+        await server.stop(grace=0)
+    assert scripted.resent == [["a"]]
+    assert answered.response is not None
+    assert answered.response.labels[0].name == "sports"
+    assert pushed_back.error is not None
+    assert pushed_back.error.reason == "RATE_LIMITED"
+
+
 async def test_a_client_certificate_gets_through_a_front_door_that_asks_for_one(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:

@@ -11,12 +11,20 @@ import pytest
 
 from classify_client import (
     AsyncClassifyClient,
+    BatchItem,
     ClassifyClient,
     ClassifyError,
     PollPolicy,
     RetryPolicy,
+    StillProcessing,
+    pb,
 )
-from classify_client._shared import BATCH_MAX_CHARS, BATCH_MAX_ITEMS, batch_chunks
+from classify_client._shared import (
+    BATCH_MAX_CHARS,
+    BATCH_MAX_ITEMS,
+    ProcessingPolls,
+    batch_chunks,
+)
 from classify_client.retry import MIN_SECONDS_FOR_A_CALL, Deadline
 
 
@@ -71,6 +79,22 @@ def test_a_bad_retry_setting_is_refused_naming_it(settings: dict[str, float], na
 def test_polls_start_short_and_grow_to_the_longest_interval() -> None:
     poll = PollPolicy(initial_interval_seconds=0.1, multiplier=2, max_interval_seconds=0.5)
     assert [poll.interval(n) for n in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+
+
+def test_a_poll_interval_past_the_deadline_is_cut_short_for_one_last_poll() -> None:
+    """A round whose interval would leave no time to poll gave up there: with a 1 s
+    interval, up to a second of the deadline went unused, and a result ready in it was
+    StillProcessing. It waits what leaves a poll its time, and polls once more."""
+    processing = pb.ClassifyResponse(request_id="r-1", status=pb.RESULT_STATUS_PROCESSING)
+    items = [BatchItem(response=processing)]
+    polls = ProcessingPolls(items, PollPolicy(initial_interval_seconds=1, max_interval_seconds=1))
+    wait = polls.wait_before_next_round(Deadline(0.3))
+    assert wait is not None
+    assert 0.2 < wait <= 0.3 - MIN_SECONDS_FOR_A_CALL
+    assert polls.due() == [(0, "r-1")]
+    # No time for another: it ends StillProcessing, with the ID to fetch it by later.
+    assert polls.wait_before_next_round(Deadline(MIN_SECONDS_FOR_A_CALL / 2)) is None
+    assert isinstance(items[0].error, StillProcessing)
 
 
 def test_batches_are_cut_at_the_item_limit_and_at_the_character_limit() -> None:

@@ -21,7 +21,13 @@ from classify_client.errors import (
     error_from_status,
 )
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
-from classify_client.retry import Deadline, PollPolicy, RetryEvent, RetryPolicy
+from classify_client.retry import (
+    MIN_SECONDS_FOR_A_CALL,
+    Deadline,
+    PollPolicy,
+    RetryEvent,
+    RetryPolicy,
+)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # Seconds a call may take, retries and GetResult polls included, unless the call says.
@@ -283,17 +289,20 @@ def record_batch(
     items: list[BatchItem],
     policy: RetryPolicy,
     attempt: int,
+    deadline: Deadline,
 ) -> tuple[list[int], RetryEvent | None]:
     """Store the answers to the items `sent` (indices into `items`); return the
-    indices the policy sends again, and the retry (the longest wait any of them
-    needs), or None when none is retried."""
+    indices the policy sends again within `deadline`, and the retry (the longest wait
+    any of them needs), or None when none is retried. An item whose own wait does not
+    fit keeps its error, and holds back none of the others: one item's 60 s pushback
+    kept every item of its call from being sent again."""
     again: list[int] = []
     retry: RetryEvent | None = None
     for position, (index, result) in enumerate(zip(sent, response.results, strict=True)):
         items[index] = batch_item(result, position, index)
         error = items[index].error
         delay = None if error is None else policy.delay_before_retry(error, attempt)
-        if error is None or delay is None:
+        if error is None or delay is None or not deadline.allows_wait(delay):
             continue
         again.append(index)
         if retry is None or delay > retry.delay_seconds:
@@ -389,7 +398,10 @@ class ProcessingPolls:
 
     def wait_before_next_round(self, deadline: Deadline) -> float | None:
         """Seconds to wait before the next round; None when there is none: nothing is
-        PROCESSING any more, or the wait would leave no time to poll."""
+        PROCESSING any more, or no time is left to poll. A round whose interval would
+        leave no time to poll waits only as long as leaves it: giving up there left up
+        to a whole interval (a second by default) of the deadline unused, and a result
+        ready in it unfetched."""
         self._pending = [index for index in self._pending if self._processing(index)]
         if not self._pending:
             return None
@@ -397,6 +409,9 @@ class ProcessingPolls:
         interval = self._poll.interval(self._round)
         if deadline.allows_wait(interval):
             return interval
+        left = deadline.remaining()
+        if left is not None and left > MIN_SECONDS_FOR_A_CALL:
+            return left - MIN_SECONDS_FOR_A_CALL
         for index in self._pending:
             self._items[index] = BatchItem(error=still_processing(self._response(index)))
         self._pending = []

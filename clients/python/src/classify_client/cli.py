@@ -57,6 +57,7 @@ from classify_client import (
     pb,
 )
 from classify_client._shared import STILL_PROCESSING, batch_chunks, checked_batch_request_id
+from classify_client.errors import RESULT_TRACE_ID
 from classify_client.retry import MAX_TIMEOUT_SECONDS, is_connection_failure
 
 LOCAL_KEY_FILE = Path(".run/api-key")
@@ -124,9 +125,11 @@ def format_item(item: BatchItem, text: str) -> str:
     echo = text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 1] + "…"
     if item.error is not None:
         error = item.error
+        work_trace = error.metadata.get(RESULT_TRACE_ID)
+        work = f", work trace {work_trace}" if work_trace else ""
         return (
             f"error       {error.code.name}: {error_message(error)}  "
-            f"(request {error.request_id or '-'})  {echo!r}"
+            f"(request {error.request_id or '-'}{work})  {echo!r}"
         )
     response = item.response
     assert response is not None
@@ -177,6 +180,10 @@ def format_error(error: ClassifyError) -> str:
     lines += [f"  {v.field}: {v.description} [{v.rule}]" for v in error.violations]
     lines.append(f"request   {error.request_id or '-'}")
     lines.append(f"trace     {error.trace_id or '-'}")
+    if work_trace := error.metadata.get(RESULT_TRACE_ID):
+        # A kept result's failed work (GetResult): its trace is the one to open, the
+        # poll's own says only that it was fetched.
+        lines.append(f"work      {work_trace}  (the trace the result's work ran in)")
     lines += [f"retries   {note}" for note in getattr(error, "__notes__", ())]
     return "\n".join(lines)
 
@@ -258,6 +265,11 @@ def error_json(error: ClassifyError) -> dict[str, Any]:
             "reason": error.reason,
             "requestId": error.request_id,
             "traceId": error.trace_id,
+            **(
+                {"resultTraceId": error.metadata[RESULT_TRACE_ID]}
+                if RESULT_TRACE_ID in error.metadata
+                else {}
+            ),
             "violations": [
                 {"field": v.field, "rule": v.rule, "description": v.description}
                 for v in error.violations

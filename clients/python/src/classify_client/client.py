@@ -227,7 +227,9 @@ class ClassifyClient:
                 record_failed_call(items, pending, error)
                 return
             answered = True
-            pending, retry = record_batch(pending, response, items, self._retry, attempts.made)
+            pending, retry = record_batch(
+                pending, response, items, self._retry, attempts.made, deadline
+            )
             if retry is None or not deadline.allows_wait(retry.delay_seconds):
                 return
             self._notify(retry)
