@@ -20,7 +20,8 @@ from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from opentelemetry.trace import Link, Span, get_current_span
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Link, Span, get_current_span, set_span_in_context
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from classify_common.context import (
@@ -295,6 +296,11 @@ async def classify_item(
     bind_request(ids)
     if trace is not None:
         bind_trace(trace)
+        # What the item's upstream attempts carry (inject_context reads OpenTelemetry's
+        # current span): in this task's own context only. Without spans, no node made
+        # it current, and an item that sent its traceparent was logged by the
+        # capability under the call's trace, not the one it was answered with.
+        otel_context.attach(set_span_in_context(trace.server_span))
     # What the item was answered, for its span: None for an answer.
     failure: BaseException | None = None
     try:

@@ -6,9 +6,13 @@ caller that went away (CANCELLED)."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
+import pytest
 from google.rpc.error_details_pb2 import ErrorInfo
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -17,9 +21,18 @@ from opentelemetry.trace import SpanKind, StatusCode
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
+from classify_common import interceptor, tracing
 from orchestrator.batch_items import BATCH_ITEM_SPAN_NAME
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
-from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
+from orchestrator.server import OrchestratorServer
+from tests.conftest import (
+    STRIKER,
+    LineCollector,
+    StartOrchestrator,
+    closed_port,
+    metric_sum,
+    wait_until,
+)
 from tests.flaky_pod import FlakyPod
 from tests.status_details import unpack
 from tests.unit.test_lifecycle_trace import span_id, trace_spans
@@ -199,3 +212,32 @@ async def test_items_cut_off_by_the_calls_deadline_are_deadline_exceeded_in_span
             assert span.status.status_code == StatusCode.ERROR, (request_id, span.name)
             assert attributes["rpc.response.status_code"] == "DEADLINE_EXCEEDED", span.name
             assert attributes["error.type"] == "DEADLINE_EXCEEDED", span.name
+
+
+async def test_without_spans_an_items_own_traceparent_reaches_the_capability(
+    orchestrator: OrchestratorServer,
+    interceptor_log: LineCollector,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With no span exporter (no --otlp-endpoint, the default), an item that sent its
+    own traceparent was answered with that trace ID, but its upstream call carried the
+    batch call's: the capability logged it under a trace the caller was never given."""
+    monkeypatch.setattr(tracing, "_exporting", False)
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
+    item_trace = "0af7651916cd43dd8448eb211c80319c"
+    request = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER)],
+        item_contexts=[pb.ItemContext(traceparent=f"00-{item_trace}-b7ad6b7169203331-01")],
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.ClassifyBatch(request, timeout=30)
+    assert answer.results[0].response.trace_id == item_trace
+
+    def capability_lines() -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in interceptor_log.lines]
+        return [line for line in lines if line.get("method", "").endswith("/Classify")]
+
+    await wait_until(capability_lines, "the capability's line for the item's call")
+    assert [line["trace_id"] for line in capability_lines()] == [item_trace]
