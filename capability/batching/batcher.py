@@ -185,6 +185,14 @@ class Batcher:
     def name(self) -> str:
         return self.bundle.name
 
+    def withdraw_gone(self) -> None:
+        """Take the texts whose callers have gone out of the queue (see
+        RequestQueue.withdraw_cancelled), at once rather than when a batch or a
+        deadline comes to them."""
+        if self.queue.withdraw_cancelled():
+            self.show_queue_depth()
+            self._on_settled()
+
     def show_queue_depth(self) -> None:
         # NOTE: looked up each time, not kept: a version stopped for good (not replaced)
         # removes this series, and a model served again must then create it anew.
@@ -486,6 +494,9 @@ class Batcher:
 
     def _evicted(self, request: PendingRequest[TextResult]) -> None:
         """The queue's timer evicted `request` (already answered ExpiredInQueue)."""
+        # While the device is busy elsewhere nothing else refreshes the gauge: it showed
+        # texts long gone until the model next had the device.
+        self.show_queue_depth()
         self._evictions.inc()
         self._expired[DEADLINE_STAGE_QUEUE].inc()
         self._trace_expiry(

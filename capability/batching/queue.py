@@ -215,6 +215,29 @@ class RequestQueue(Generic[ResultT]):
         self._on_evicted(request)
         self._changed.set()
 
+    def withdraw_cancelled(self) -> int:
+        """Take the requests whose callers have gone (their futures cancelled) out of
+        their lanes; how many. Left there, each held a place until a batch or its
+        deadline took it: callers still waiting were refused QUEUE_FULL, load reports
+        counted them, and their timers counted them as deadline evictions."""
+        withdrawn = 0
+        for key, lane in self._lanes.items():
+            if not any(request.future.cancelled() for request in lane):
+                continue
+            kept: collections.deque[PendingRequest[ResultT]] = collections.deque()
+            for request in lane:
+                if request.future.cancelled():
+                    if request.timer is not None:
+                        request.timer.cancel()
+                    withdrawn += 1
+                else:
+                    kept.append(request)
+            self._lanes[key] = kept
+        self._size -= withdrawn
+        if withdrawn:
+            self._changed.set()
+        return withdrawn
+
     def standing_seconds(self) -> float:
         """How long the oldest request may wait before the queue counts as standing."""
         return max(STANDING_QUEUE_SECONDS, 2 * self._retry_after(self.settings.max_batch_size))
@@ -241,6 +264,17 @@ class RequestQueue(Generic[ResultT]):
             self.newest_first = True
             return max((lane[-1] for lane in lanes), key=lambda r: r.sequence)
         return None
+
+    def _oldest(self, priority: int) -> PendingRequest[ResultT]:
+        """The oldest queued request of `priority` (one is queued)."""
+        return min(
+            (
+                lane[0]
+                for (lane_priority, _), lane in self._lanes.items()
+                if lane_priority == priority and lane
+            ),
+            key=lambda request: request.sequence,
+        )
 
     def depth_in_bucket(self, bucket: int) -> int:
         return sum(len(self._lanes[(priority, bucket)]) for priority in PRIORITIES)
@@ -319,7 +353,11 @@ class RequestQueue(Generic[ResultT]):
             head = self._head()
             if head is None:
                 return
-            closes_at = head.enqueued_at + self.settings.max_wait_seconds
+            # Timed from the oldest request of the head's priority, whichever end the
+            # batch is then taken from: timed from the head, the newest while the queue
+            # stands, the window began anew at each arrival, and a max_wait longer than
+            # standing_seconds (~0.2 s) never closed at light load while texts expired.
+            closes_at = self._oldest(head.priority).enqueued_at + self.settings.max_wait_seconds
             if (
                 self.depth_in_bucket(head.bucket) >= self.settings.max_batch_size
                 or loop.time() >= closes_at

@@ -597,7 +597,11 @@ class WorkerPool:
                     )
         finally:
             replica.end_arrival()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            replica.batcher.withdraw_gone()  # the caller went: its place is free now
+            raise
 
     async def classify_many(
         self,
@@ -652,6 +656,24 @@ class WorkerPool:
                     outcomes[index] = admission
                 else:
                     waiting.append((index, admission))
+        try:
+            answers = await self._answers_of(waiting, outcomes, on_refused)
+        except asyncio.CancelledError:
+            for replica in {replica for replica, _ in routed}:
+                replica.batcher.withdraw_gone()  # the caller went: its places are free now
+            raise
+        for (index, _), answer in zip(waiting, answers, strict=True):
+            outcomes[index] = _as_outcome(answer, self._on_internal_error)
+        return [_as_outcome(outcome, self._on_internal_error) for outcome in outcomes]
+
+    async def _answers_of(
+        self,
+        waiting: list[tuple[int, asyncio.Future[TextResult]]],
+        outcomes: list[TextResult | ServiceError | None],
+        on_refused: Callable[[dict[int, ServiceError]], Awaitable[None]] | None,
+    ) -> list[object]:
+        """The outcomes of the `waiting` texts' futures, in order; the refusals among
+        `outcomes` and those of the waiting texts first told to `on_refused`."""
         if on_refused is not None and waiting:
             refusals = {
                 index: outcome
@@ -668,17 +690,12 @@ class WorkerPool:
                     future.cancel()
                 raise
         futures = [future for _, future in waiting]
-        answers = (
-            # All done when _first_failures found no refusal: read them here, where
-            # gather would add a callback to each and take a turn of the loop (about
-            # 150 us for 64 texts).
-            [_settled(future) for future in futures]
-            if all(future.done() for future in futures)
-            else await asyncio.gather(*futures, return_exceptions=True)
-        )
-        for (index, _), answer in zip(waiting, answers, strict=True):
-            outcomes[index] = _as_outcome(answer, self._on_internal_error)
-        return [_as_outcome(outcome, self._on_internal_error) for outcome in outcomes]
+        # All done when _first_failures found no refusal: read them here, where gather
+        # would add a callback to each and take a turn of the loop (about 150 us for 64
+        # texts).
+        if all(future.done() for future in futures):
+            return [_settled(future) for future in futures]
+        return await asyncio.gather(*futures, return_exceptions=True)
 
     async def _bring_onto_device(
         self, replica: ModelReplica, tokens: int, deadline: float | None

@@ -97,6 +97,31 @@ async def test_partial_batch_closes_after_the_oldest_waited_max_wait() -> None:
     assert [r.request_id for r in batch] == ["alone"]
 
 
+async def test_a_window_longer_than_standing_closes_when_its_oldest_waited_it() -> None:
+    """Timed from the batch's head, the newest once the queue counts as standing (0.1 s
+    here), the window began anew at each arrival: with max_wait 0.6 s and a text every
+    0.25 s, it never closed while texts kept coming, and they expired at light load."""
+    settings = BatchingSettings(max_batch_size=8, max_wait_seconds=0.6)
+    queue: RequestQueue[str] = RequestQueue(settings, retry_after=lambda depth: 0.0)
+    assert queue.standing_seconds() == pytest.approx(0.1)
+    loop = asyncio.get_running_loop()
+    queue.admit(text(8), priority=PRIORITY_INTERACTIVE, request_id="r0", deadline=loop.time() + 60)
+    opened = loop.time()
+    ready = asyncio.ensure_future(queue.wait_batch_ready())
+    closed: list[float] = []
+    ready.add_done_callback(lambda _: closed.append(loop.time()))
+    for n in range(1, 5):
+        await asyncio.sleep(0.25)
+        if ready.done():
+            break
+        queue.admit(
+            text(8), priority=PRIORITY_INTERACTIVE, request_id=f"r{n}", deadline=loop.time() + 60
+        )
+    await asyncio.wait_for(ready, timeout=5)
+    assert closed[0] - opened < 0.7
+    assert [r.request_id for r in await queue.next_batch()] == ["r2", "r1", "r0"]
+
+
 async def test_a_standing_queue_serves_newest_first_those_that_can_still_make_it() -> None:
     queue = make_queue(max_batch_size=2)
     loop = asyncio.get_running_loop()

@@ -122,6 +122,34 @@ async def test_queue_overflow_is_refused_at_once_and_the_queue_never_grows(
     )
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["unary", "batch"])
+async def test_a_caller_that_goes_frees_its_place_in_the_queue_at_once(
+    start_capability: StartCapability, batch: bool
+) -> None:
+    """Two callers queued in a queue for two hang up while the device is busy: their
+    texts held their places until a batch or a deadline came to them, so a caller still
+    waiting was refused QUEUE_FULL; they leave it now, uncounted as evictions."""
+    server = await start_capability(models=("topic-minilm",), queue_capacity=2, max_batch_size=2)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            if batch:
+                items = [pb.ClassifyRequest(text=text) for text in TEXTS[:2]]
+                gone = [stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))]
+            else:
+                gone = [stub.Classify(pb.ClassifyRequest(text=text)) for text in TEXTS[:2]]
+            await wait_until(lambda: len(replica.queue) == 2, "both texts queued")
+            for call in gone:
+                call.cancel()
+            await wait_until(lambda: len(replica.queue) == 0, "the gone callers' texts withdrawn")
+            assert metric_sum(server.registry, QUEUE_DEPTH, model="topic-minilm") == 0
+            staying = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=TEXTS[2])))
+            await wait_until(lambda: len(replica.queue) == 1, "the staying caller's text queued")
+        assert (await staying).labels
+    assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 0
+
+
 async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_computed(
     start_capability: StartCapability,
 ) -> None:
@@ -135,6 +163,8 @@ async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_com
         await wait_until(
             lambda: metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 1
         )
+        # And the queue's gauge says so then, not once the model next has the device.
+        assert metric_sum(server.registry, QUEUE_DEPTH, model="topic-minilm") == 0
     await worker.replicas["topic-minilm"].wait_idle()
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before
 
