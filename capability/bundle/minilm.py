@@ -6,6 +6,7 @@ compare against it. Every refusal is a `ModelLoadError` naming the file at fault
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -149,11 +150,19 @@ def load_tokenizer(path: Path, lowercase: bool, vocab_size: int) -> TextTokenize
     return parse_tokenizer(path.read_bytes(), path.name, lowercase, vocab_size)
 
 
+def saved_unknown_id(tokenizer: Tokenizer) -> int | None:
+    """The id of the unknown piece as the tokenizer's model saves it (`unk_id`): a Unigram
+    (SentencePiece) model names it nowhere else. None when it has none."""
+    unknown_id = json.loads(tokenizer.model.__getstate__()).get("unk_id")
+    return unknown_id if isinstance(unknown_id, int) and not isinstance(unknown_id, bool) else None
+
+
 def parse_tokenizer(data: bytes, name: str, lowercase: bool, vocab_size: int) -> TextTokenizer:
     """A tokenizer from the bytes of a `tokenizer.json` (called `name` in errors) whose
     ids all fit a `vocab_size`-row embedding table."""
     try:
-        tokenizer = TextTokenizer(Tokenizer.from_buffer(data), lowercase=lowercase)
+        rust = Tokenizer.from_buffer(data)
+        tokenizer = TextTokenizer(rust, lowercase=lowercase, unknown_id=saved_unknown_id(rust))
     except Exception as exc:  # the Rust tokenizer raises bare Exception on a bad file
         raise ModelLoadError(f"{name}: cannot be loaded: {exc}") from exc
     if tokenizer.vocab_size > vocab_size:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,7 +73,17 @@ class TextTokenizer:
     instance can serve concurrent callers with different budgets.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, lowercase: bool, pad_token: str = "[PAD]") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        lowercase: bool,
+        pad_token: str = "[PAD]",
+        unknown_id: int | None = None,
+    ) -> None:
+        """`unknown_id`: the id of the piece for text the vocabulary lacks, where the
+        tokenizer's model names it only in its saved form (a Unigram model's `unk_id`,
+        which the bundle loader reads from tokenizer.json)."""
         tokenizer.no_truncation()
         tokenizer.no_padding()
         pad_id = tokenizer.token_to_id(pad_token)
@@ -102,7 +111,7 @@ class TextTokenizer:
         self._stand_in_id: int = words[0] if words else pad_id
         # The ids that stand for no text the model can read (see _unreadable_ids); a
         # text made of them alone is unreadable.
-        self.unreadable_ids: frozenset[int] = _unreadable_ids(tokenizer)
+        self.unreadable_ids: frozenset[int] = _unreadable_ids(tokenizer, unknown_id)
 
     @property
     def lowercase(self) -> bool:
@@ -202,10 +211,10 @@ class TextTokenizer:
         )
 
 
-def _unreadable_ids(tokenizer: Tokenizer) -> frozenset[int]:
+def _unreadable_ids(tokenizer: Tokenizer, unknown_id: int | None) -> frozenset[int]:
     """The ids of pieces that stand for no text the model knows: the piece for text the
-    vocabulary lacks (WordPiece's and BPE's `unk_token`, a Unigram model's `unk_id`,
-    which only the model's saved form names), and pieces of no text at all
+    vocabulary lacks (WordPiece's and BPE's `unk_token`, else `unknown_id`: a Unigram
+    model's `unk_id`, which only the model's saved form names), and pieces of no text at all
     (SentencePiece's word-start mark on its own, which comes before every character
     the vocabulary lacks: without it, a SentencePiece text of emoji read as known
     pieces). Special tokens stay out: the post-processor's sit outside what is judged.
@@ -214,12 +223,8 @@ def _unreadable_ids(tokenizer: Tokenizer) -> frozenset[int]:
     unknown = getattr(tokenizer.model, "unk_token", None)
     if unknown:
         unknown_id = tokenizer.token_to_id(unknown)
-        if unknown_id is not None:
-            ids.add(unknown_id)
-    else:
-        saved = json.loads(tokenizer.model.__getstate__())
-        if isinstance(saved.get("unk_id"), int):
-            ids.add(saved["unk_id"])
+    if unknown_id is not None:
+        ids.add(unknown_id)
     for piece, piece_id in tokenizer.get_vocab(with_added_tokens=False).items():
         if not piece.replace(WORD_START, "").strip():
             ids.add(piece_id)

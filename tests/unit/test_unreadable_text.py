@@ -23,8 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.bundle import load_bundle, write_manifest
+from capability.bundle.minilm import parse_tokenizer
 from capability.metrics import ADMISSIONS_REFUSED_TOTAL
-from capability.model import TextTokenizer
 from capability.server import CapabilityServer
 from classify_common.errors import (
     ConcurrencyLimited,
@@ -66,16 +66,17 @@ def test_the_tokenizer_marks_texts_with_no_known_token(model_root: Path) -> None
 
 
 def test_a_sentencepiece_tokenizer_marks_them_too() -> None:
-    """A Unigram model names its unknown piece only by id, and puts its word-start mark,
-    a known piece, before each character it lacks: an emoji text is ['▁', '<unk>', ...],
-    which read as known pieces before."""
-    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581", "\u2581goal", "\u2581the"]
+    """A Unigram model names its unknown piece only by id, in its saved form (which the
+    bundle loader reads), and puts its word-start mark, a known piece, before each
+    character it lacks: an emoji text is ['▁', '<unk>', ...], which read as known."""
+    pieces = ["[PAD]", "<unk>", "<s>", "</s>", "\u2581", "\u2581goal", "\u2581the"]
     unigram = Tokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=1))
     unigram.pre_tokenizer = pre_tokenizers.Metaspace()
     unigram.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", 2), ("</s>", 3)]
     )
-    tokenizer = TextTokenizer(unigram, lowercase=False, pad_token="<pad>")
+    data = unigram.to_str().encode()
+    tokenizer = parse_tokenizer(data, "tokenizer.json", lowercase=False, vocab_size=len(pieces))
     texts = [EMOJI, ONE_WORD_AMONG_EMOJI, "the goal"]
     encoded = tokenizer.encode_each(texts, 16)
     assert encoded[0].ids == (2, 4, 1, 4, 1, 4, 1, 3)  # <s> ▁ <unk> ▁ <unk> ▁ <unk> </s>
