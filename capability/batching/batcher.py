@@ -364,7 +364,11 @@ class Batcher:
 
         computing = asyncio.ensure_future(
             self._device.execute(
-                self._compute, [r.encoded for r in live], [r.deadline for r in live], left_out
+                self._compute,
+                [r.encoded for r in live],
+                [r.deadline for r in live],
+                left_out,
+                [r.future for r in live],
             )
         )
         submitted = SubmittedBatch(live, computing, max(len(r.encoded) for r in live))
@@ -442,7 +446,9 @@ class Batcher:
         """Whether the model gives finite scores for PROBE_TEXT alone, now."""
         try:
             probe = self.bundle.classifier.tokenize([PROBE_TEXT])
-            outcome: BatchOutcome = await self._device.execute(self._compute, probe, [None], None)
+            outcome: BatchOutcome = await self._device.execute(
+                self._compute, probe, [None], None, None
+            )
         except Exception:
             log.exception("the probe of a model that gave non-finite scores failed")
             return False
@@ -471,7 +477,10 @@ class Batcher:
     ) -> None:
         """A request the device thread left out of its forward: its deadline passed after
         it left the queue (answered as if evicted from the queue), or would have passed
-        before the forward ended (DeadlineUnreachable, which a route may fall back on)."""
+        before the forward ended (DeadlineUnreachable, which a route may fall back on),
+        or its caller had gone (nobody to answer, no deadline missed)."""
+        if outcome.gone and outcome.gone[index]:
+            return
         self._evictions.inc()
         self._expired[DEADLINE_STAGE_DEVICE].inc()
         if outcome.expired and outcome.expired[index]:

@@ -7,8 +7,10 @@ batch's device nodes (by its StageMarks) for every traced request in it.
 
 from __future__ import annotations
 
+from asyncio import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Link
 
@@ -67,11 +69,16 @@ class BatchOutcome:
     unreachable: tuple[bool, ...] = ()
     predicted_seconds: float = 0.0
     started_at: float = 0.0
+    # Per submitted text: whether its caller had gone (its future cancelled: a hedged
+    # call's loser, a client's cancel), so it was left out, with nobody to answer.
+    gone: tuple[bool, ...] = ()
 
     def left_out(self, index: int) -> bool:
         """Whether the `index`-th submitted text was not computed."""
-        return (bool(self.expired) and self.expired[index]) or (
-            bool(self.unreachable) and self.unreachable[index]
+        return (
+            (bool(self.expired) and self.expired[index])
+            or (bool(self.unreachable) and self.unreachable[index])
+            or (bool(self.gone) and self.gone[index])
         )
 
 
@@ -80,9 +87,13 @@ class BatchOutcome:
 # answered then, not when the forward ends.
 LeftOut = Callable[[BatchOutcome], None]
 
-# Runs on the device thread: the texts of a batch and their deadlines (event-loop
-# time) in, one forward's outcome out; LeftOut told first of the texts left out.
-Compute = Callable[[list[EncodedText], list[float | None], LeftOut | None], BatchOutcome]
+# Runs on the device thread: the texts of a batch, their deadlines (event-loop time) and
+# their callers' futures (read for cancellation only) in, one forward's outcome out;
+# LeftOut told first of the texts left out.
+Compute = Callable[
+    [list[EncodedText], list[float | None], LeftOut | None, Sequence[Future[Any]] | None],
+    BatchOutcome,
+]
 
 
 def padding_ratio(batch: Sequence[PendingRequest[TextResult]], outcome: BatchOutcome) -> float:

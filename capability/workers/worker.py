@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -451,6 +451,7 @@ class ModelReplica:
         encoded: list[EncodedText],
         deadlines: list[float | None] | None = None,
         on_left_out: LeftOut | None = None,
+        callers: Sequence[asyncio.Future[Any]] | None = None,
     ) -> BatchOutcome:
         """On the device thread: one forward pass, timed for the service-time fit.
 
@@ -462,21 +463,30 @@ class ModelReplica:
         the forward holds the most texts it can end in time for
         (WaitPredictor.texts_that_fit). The batcher picks batches that way as it
         forms them, by the predicted start (batcher.py); this is the last check,
-        for when the device frees later than predicted. `on_left_out` hears of
-        them before the forward begins.
+        for when the device frees later than predicted. So are texts whose callers
+        have gone since the batch was handed over (`callers`' futures cancelled: a
+        hedged call's loser), and a batch all of whose callers have gone does not
+        run. `on_left_out` hears of them before the forward begins.
         """
         now = time.monotonic()
         deadlines = deadlines or [None] * len(encoded)
-        expired = tuple(d is not None and d <= now for d in deadlines)
-        live = [i for i, gone in enumerate(expired) if not gone]
+        # Read across threads, so possibly stale: at worst a caller that has just gone
+        # has its text computed, as before it went.
+        gone = tuple(c.cancelled() for c in callers) if callers else (False,) * len(encoded)
+        expired = tuple(
+            not away and d is not None and d <= now for d, away in zip(deadlines, gone, strict=True)
+        )
+        live = [i for i in range(len(encoded)) if not expired[i] and not gone[i]]
         fits, predicted = self.predictor.texts_that_fit(
             [len(encoded[i]) for i in live], [deadlines[i] for i in live], now
         )
         taken = {index for index, fit in zip(live, fits, strict=True) if fit}
-        unreachable = tuple(not gone and i not in taken for i, gone in enumerate(expired))
+        unreachable = tuple(
+            not expired[i] and not gone[i] and i not in taken for i in range(len(encoded))
+        )
         if not taken or len(taken) < len(encoded):
             left_out = BatchOutcome(
-                [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now
+                [], (), 0, 0.0, None, "monotonic", expired, unreachable, predicted, now, gone
             )
             if not taken:
                 return left_out
@@ -508,6 +518,7 @@ class ModelReplica:
             unreachable=unreachable,
             predicted_seconds=predicted,
             started_at=now,
+            gone=gone,
         )
 
     async def wait_idle(self) -> None:

@@ -150,6 +150,32 @@ async def test_a_caller_that_goes_frees_its_place_in_the_queue_at_once(
     assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 0
 
 
+async def test_texts_handed_to_the_device_are_not_computed_once_their_caller_has_gone(
+    start_capability: StartCapability,
+) -> None:
+    """A ClassifyBatch of four in batches of two, both handed to the busy device thread,
+    then cancelled (a hedged call's loser): the device computed all four for nobody.
+    Now neither batch runs, and no deadline is counted as missed."""
+    server = await start_capability(models=("topic-minilm",), max_batch_size=2)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-minilm"]
+    before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm")
+    items = [pb.ClassifyRequest(text=f"{TEXTS[0]} ({number})") for number in range(4)]
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker, take_turn=False):
+            call = stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items))
+            await wait_until(lambda: replica.in_flight == 4, "both batches handed over")
+            call.cancel()
+            submitted = [replica.batcher.running, replica.batcher.following]
+            await wait_until(
+                lambda: all(r.future.cancelled() for b in submitted if b for r in b.requests),
+                "the callers' futures cancelled",
+            )
+        await replica.wait_idle()
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == before
+    assert metric_sum(server.registry, EVICTIONS_TOTAL, model="topic-minilm") == 0
+
+
 async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_computed(
     start_capability: StartCapability,
 ) -> None:
