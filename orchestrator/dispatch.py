@@ -323,9 +323,10 @@ class Dispatcher:
             self._metrics.processing.labels(route.name).inc()
             return pending
         except asyncio.CancelledError as cancelled:
-            self._store_when_done(work, ids, None, self._processing_response(route, ids))
             if cancelled_code(cancelled) != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise  # the caller went, or the server stops
+                # The caller went, or the server stops: the work goes on, kept if it can.
+                self._store_when_done(work, ids, None, self._processing_response(route, ids))
+                raise
             # A batch item whose call's answer is due (batch_items.answer_items_by) before
             # the route's budget and the item's own deadline margin ran out: as for a
             # single call whose deadline comes first, the work goes on, GetResult will
@@ -334,9 +335,16 @@ class Dispatcher:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
+            # Its place is held before it is promised: a store that cannot hold one
+            # (the shared store down) keeps nothing, and the item says only that its
+            # call's answer came due.
+            token = await self.results.hold(ids.request_id, self._processing_response(route, ids))
+            if token is None:
+                raise cancelled
             request_trace = current_trace()
             if request_trace is not None:
                 request_trace.mark_timed_out()
+            self._store_when_done(work, ids, token)
             self._count_when_done(work, route)
             raise DeadlineExpired(
                 "the deadline passed while the model was working; poll GetResult",

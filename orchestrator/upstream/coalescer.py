@@ -140,6 +140,9 @@ TRACEPARENT = "traceparent"
 OWN_DEADLINE_SLACK_SECONDS = 0.002
 # The event loop's timers may fire up to about this much before their time.
 EXPIRY_RESOLUTION_SECONDS = 0.001
+# A call nobody waits for any more is let go (cancelled); one unanswered this long (and
+# past twice its expected time) counts as not answered, as its timeout would have.
+UNANSWERED_AFTER_SECONDS = 1.0
 # The most bytes of early results a batch call takes in its answer's initial
 # metadata (a hundred refusals or so; the rest come with the answer). gRPC encodes
 # binary metadata in base64, a third larger, within the channels' metadata limit
@@ -276,8 +279,10 @@ class ReplicaCoalescer:
         # How long answers take to come back from the replica, outside its handler.
         self.trip = TripTime()
         self._send_scheduled = False
-        # Calls in flight, each with the items it carries.
+        # Calls in flight, each with the items it carries, and when it was sent and is
+        # expected back.
         self._calls: dict[asyncio.Task[None], list[UpstreamItem]] = {}
+        self._sent_at_of: dict[asyncio.Task[None], tuple[float, float]] = {}
 
     @property
     def waiting(self) -> int:
@@ -337,21 +342,32 @@ class ReplicaCoalescer:
         except BaseException as error:
             if item.client_span is not trace.INVALID_SPAN:
                 _end_client_span(item, error)
-            if isinstance(error, asyncio.CancelledError):
-                self._cancel_unwanted_call(item)
+            # Gone, out of time here, or refused early: its call may have no item left
+            # that anyone waits for.
+            self._cancel_unwanted_call(item)
             raise
         if item.client_span is not trace.INVALID_SPAN:
             _end_client_span(item, None)
         return response
 
     def _cancel_unwanted_call(self, item: UpstreamItem) -> None:
-        """Cancel the call in flight that carries `item`, whose caller has gone, once no
-        item of it is waited for. Left to run, it held a slot here (the items that came
+        """Cancel the call in flight that carries `item`, which is no longer waited for,
+        once no item of it is. Left to run, it held a slot here (the items that came
         next gathered behind it, up to its timeout) while the replica computed texts
-        nobody would read; cancelled, the replica drops what it has not computed."""
+        nobody would read; cancelled, the replica drops what it has not computed.
+
+        Run on to its timeout, such a call was also how a frozen replica was seen not
+        to answer (outlier ejection); so a call let go after UNANSWERED_AFTER_SECONDS
+        in flight, and more than twice the time it was expected to take, counts as one
+        the replica did not answer. A hedge's loser let go sooner says nothing."""
+        now = asyncio.get_running_loop().time()
         for task, items in self._calls.items():
             if item in items:
                 if all(other.future.done() for other in items):
+                    sent_at, expected_back = self._sent_at_of[task]
+                    took = now - sent_at
+                    if took >= max(UNANSWERED_AFTER_SECONDS, 2 * (expected_back - sent_at)):
+                        self._on_no_answer()
                     task.cancel()
                 return
 
@@ -509,7 +525,9 @@ class ReplicaCoalescer:
             sending = self._call(live, now, expected_back, interactive)
             task = asyncio.create_task(sending, context=own)
             self._calls[task] = live
+            self._sent_at_of[task] = (now, expected_back)
             task.add_done_callback(self._calls.pop)
+            task.add_done_callback(self._sent_at_of.pop)
         if not self._waiting and self._expiry is not None:
             self._expiry.cancel()
             self._expiry, self._expiry_at = None, math.inf

@@ -34,6 +34,7 @@ from orchestrator.metrics import (
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.coalescer import (
+    UNANSWERED_AFTER_SECONDS,
     UPSTREAM_BATCH_SPAN_NAME,
     CoalescingSettings,
     ReplicaCoalescer,
@@ -498,6 +499,69 @@ async def test_an_item_a_batch_answer_leaves_out_is_a_fault_of_the_replica_not_a
     assert answered.request_id == "answered"
     assert isinstance(left_out, ModelFault)
     assert str(left_out) == "backend minilm answered without a result for the item"
+
+
+class Unanswering(OneResultShort):
+    """A frozen replica: takes calls, answers none (until the test ends)."""
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        await asyncio.sleep(30)
+        return pb.ClassifyBatchResponse()
+
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        await asyncio.sleep(30)
+        return pb.ClassifyResponse()
+
+
+async def test_a_call_whose_last_waiter_runs_out_of_time_is_let_go_and_a_long_one_counted() -> None:
+    """Only a caller's leaving let a call go: one whose last waited-for item ran out of
+    time here ran on to its latest item's deadline, holding its slot. And a call let go
+    after a second unanswered counts as one the replica did not answer, as its timeout
+    would have (how a frozen replica gets ejected)."""
+    server = grpc.aio.server()
+    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(Unanswering(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    unanswered: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            coalescer = ReplicaCoalescer(
+                channel,
+                backend="minilm",
+                target=f"127.0.0.1:{port}",
+                credentials=(),
+                settings=CoalescingSettings(),
+                on_no_answer=lambda: unanswered.append("call"),
+            )
+
+            def classify(request_id: str, seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
+                request = minilm_request(request_id)
+                return asyncio.ensure_future(
+                    coalescer.classify(request, seconds=seconds, trace_metadata=())
+                )
+
+            short, patient = classify("short", 0.3), classify("patient", 30)
+            await wait_until(lambda: coalescer.in_flight == 1)
+            patient.cancel()
+            await asyncio.sleep(0.05)
+            assert coalescer.in_flight == 1, "let go while an item was still waited for"
+            with pytest.raises(DeadlineExpired):
+                await short
+            await wait_until(lambda: coalescer.in_flight == 0, "the unwanted call let go")
+            assert unanswered == []  # 0.3 s says nothing of the replica
+
+            alone = classify("alone", 30)
+            await wait_until(lambda: coalescer.in_flight == 1)
+            await asyncio.sleep(UNANSWERED_AFTER_SECONDS + 0.1)
+            alone.cancel()
+            await wait_until(lambda: coalescer.in_flight == 0, "the long call let go")
+            assert unanswered == ["call"]
+    finally:
+        await server.stop(0)
 
 
 def minilm_request(request_id: str) -> pb.ClassifyRequest:

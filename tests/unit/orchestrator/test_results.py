@@ -211,6 +211,34 @@ async def test_a_batch_item_whose_deadline_comes_first_is_kept_as_a_single_call_
     assert done.labels[0].name == "sports"
 
 
+async def test_a_batch_item_promises_no_result_its_store_could_not_hold(
+    capability: CapabilityServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a single call: when the store cannot hold a place (the shared store down:
+    `hold` answers None), nothing is kept, and the item says only that the call's
+    answer came due, not `result_kept` (a poll would find nothing)."""
+    server = await start_orchestrator(capability, tmp_path)
+
+    async def store_down(request_id: str, pending: pb.ClassifyResponse) -> None:
+        return None
+
+    monkeypatch.setattr(server.dispatcher.results, "hold", store_down)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(capability.pool.workers[0]):
+                item = pb.ClassifyRequest(text=STRIKER, request_id="unkept-1")
+                answer = await stub.ClassifyBatch(
+                    pb.ClassifyBatchRequest(items=[item]), timeout=0.15
+                )
+    finally:
+        await server.stop(grace_seconds=0)
+    (result,) = answer.results
+    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    (info,) = unpack(result.error, error_details_pb2.ErrorInfo)
+    assert "result_kept" not in info.metadata
+
+
 async def test_a_poll_for_a_reused_request_id_never_gets_the_earlier_calls_result(
     capability: CapabilityServer,
     start_capability: StartCapability,
