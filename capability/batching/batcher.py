@@ -156,6 +156,9 @@ class Batcher:
         self._on_settled = on_settled
         # Texts handed to the device thread and not yet answered.
         self.in_flight = 0
+        # Whether it sets the model's queue-depth series: not once a newer version of
+        # the model serves on the device (they share its labels).
+        self.reports_depth = True
         self.running: SubmittedBatch | None = None
         self.following: SubmittedBatch | None = None
         self._task: asyncio.Task[None] | None = None
@@ -194,6 +197,8 @@ class Batcher:
             self._on_settled()
 
     def show_queue_depth(self) -> None:
+        if not self.reports_depth:
+            return
         # NOTE: looked up each time, not kept: a version stopped for good (not replaced)
         # removes this series, and a model served again must then create it anew.
         self._metrics.queue_depth.labels(self.name, self._device.name).set(len(self.queue))

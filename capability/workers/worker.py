@@ -993,6 +993,10 @@ class DeviceWorker:
         if replica.on_demand is not None and self._evictor is None:
             self._evictor = asyncio.create_task(self._evict_idle(), name=f"evictor-{self.name}")
         if previous is not None:
+            # The queue-depth series (model, worker) is the serving version's from now:
+            # the retiring one, draining, wrote its own queue over the new one's.
+            previous.batcher.reports_depth = False
+            replica.batcher.show_queue_depth()
             self._retiring_replicas.add(previous)
             task = asyncio.create_task(self._retire(previous))
             self._retiring.add(task)

@@ -203,19 +203,30 @@ async def test_a_retired_version_leaves_the_queue_depth_series_to_its_successor(
 ) -> None:
     """Both versions' series have the same labels (model, worker): the retiring one
     removed it, and the serving version's queue went unreported until its next
-    admission."""
+    admission; and, draining, wrote its own queue's length over the serving one's."""
     server, root = await unwatched(model_root, tmp_path, start_capability)
     worker = server.pool.workers[0]
+    old = worker.replicas[MODEL]
+
+    def depth() -> float | None:
+        labels = {"model": MODEL, "worker": worker.name}
+        return server.registry.get_sample_value(QUEUE_DEPTH, labels)
+
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
-    deploy(model_root, root, "2")
-
-    assert (await reload_model(server)).model.version == "2"
-    await wait_until(lambda: not worker._retiring_replicas)
-
-    depth = server.registry.get_sample_value(QUEUE_DEPTH, {"model": MODEL, "worker": worker.name})
-    assert depth == 0
+        deploy(model_root, root, "2")
+        assert (await reload_model(server)).model.version == "2"
+        await wait_until(lambda: not worker._retiring_replicas)
+        assert depth() == 0
+        async with device_occupied(worker):
+            queued = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+            )
+            await wait_until(lambda: depth() == 1, "the serving version's text queued")
+            old.batcher.show_queue_depth()  # as the old one's queue changes
+            assert depth() == 1
+        await queued
 
 
 async def test_load_duration_runs_until_the_version_serves_warm_up_included(
