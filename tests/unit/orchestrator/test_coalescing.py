@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -470,31 +471,40 @@ class OneResultShort(classify_service_pb2_grpc.ClassifyServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "batches only")
 
 
-async def test_an_item_a_batch_answer_leaves_out_is_a_fault_of_the_replica_not_a_timeout() -> None:
-    """It was DEADLINE_EXCEEDED, "did not answer within its timeout" once the backend pool
-    read it, from a replica that answered in milliseconds, and counted as overload."""
+@contextlib.asynccontextmanager
+async def coalescer_before(
+    replica: classify_service_pb2_grpc.ClassifyServiceServicer, **options: Any
+) -> AsyncIterator[ReplicaCoalescer]:
+    """A coalescer in front of a scripted replica (a real gRPC server), with `options`."""
     server = grpc.aio.server()
-    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(OneResultShort(), server)
+    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(replica, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            coalescer = ReplicaCoalescer(
+            yield ReplicaCoalescer(
                 channel,
                 backend="minilm",
                 target=f"127.0.0.1:{port}",
                 credentials=(),
                 settings=CoalescingSettings(),
-            )
-            answered, left_out = await asyncio.gather(
-                *(
-                    coalescer.classify(minilm_request(name), seconds=30, trace_metadata=())
-                    for name in ("answered", "left-out")
-                ),
-                return_exceptions=True,
+                **options,
             )
     finally:
         await server.stop(0)
+
+
+async def test_an_item_a_batch_answer_leaves_out_is_a_fault_of_the_replica_not_a_timeout() -> None:
+    """It was DEADLINE_EXCEEDED, "did not answer within its timeout" once the backend pool
+    read it, from a replica that answered in milliseconds, and counted as overload."""
+    async with coalescer_before(OneResultShort()) as coalescer:
+        answered, left_out = await asyncio.gather(
+            *(
+                coalescer.classify(minilm_request(name), seconds=30, trace_metadata=())
+                for name in ("answered", "left-out")
+            ),
+            return_exceptions=True,
+        )
     assert isinstance(answered, pb.ClassifyResponse)
     assert answered.request_id == "answered"
     assert isinstance(left_out, ModelFault)
@@ -522,46 +532,32 @@ async def test_a_call_whose_last_waiter_runs_out_of_time_is_let_go_and_a_long_on
     time here ran on to its latest item's deadline, holding its slot. And a call let go
     after a second unanswered counts as one the replica did not answer, as its timeout
     would have (how a frozen replica gets ejected)."""
-    server = grpc.aio.server()
-    classify_service_pb2_grpc.add_ClassifyServiceServicer_to_server(Unanswering(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     unanswered: list[str] = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            coalescer = ReplicaCoalescer(
-                channel,
-                backend="minilm",
-                target=f"127.0.0.1:{port}",
-                credentials=(),
-                settings=CoalescingSettings(),
-                on_no_answer=lambda: unanswered.append("call"),
+    on_no_answer = {"on_no_answer": lambda: unanswered.append("call")}
+    async with coalescer_before(Unanswering(), **on_no_answer) as coalescer:
+
+        def classify(request_id: str, seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
+            request = minilm_request(request_id)
+            return asyncio.ensure_future(
+                coalescer.classify(request, seconds=seconds, trace_metadata=())
             )
 
-            def classify(request_id: str, seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
-                request = minilm_request(request_id)
-                return asyncio.ensure_future(
-                    coalescer.classify(request, seconds=seconds, trace_metadata=())
-                )
+        short, patient = classify("short", 0.3), classify("patient", 30)
+        await wait_until(lambda: coalescer.in_flight == 1)
+        patient.cancel()
+        await asyncio.sleep(0.05)
+        assert coalescer.in_flight == 1, "let go while an item was still waited for"
+        with pytest.raises(DeadlineExpired):
+            await short
+        await wait_until(lambda: coalescer.in_flight == 0, "the unwanted call let go")
+        assert unanswered == []  # 0.3 s says nothing of the replica
 
-            short, patient = classify("short", 0.3), classify("patient", 30)
-            await wait_until(lambda: coalescer.in_flight == 1)
-            patient.cancel()
-            await asyncio.sleep(0.05)
-            assert coalescer.in_flight == 1, "let go while an item was still waited for"
-            with pytest.raises(DeadlineExpired):
-                await short
-            await wait_until(lambda: coalescer.in_flight == 0, "the unwanted call let go")
-            assert unanswered == []  # 0.3 s says nothing of the replica
-
-            alone = classify("alone", 30)
-            await wait_until(lambda: coalescer.in_flight == 1)
-            await asyncio.sleep(UNANSWERED_AFTER_SECONDS + 0.1)
-            alone.cancel()
-            await wait_until(lambda: coalescer.in_flight == 0, "the long call let go")
-            assert unanswered == ["call"]
-    finally:
-        await server.stop(0)
+        alone = classify("alone", 30)
+        await wait_until(lambda: coalescer.in_flight == 1)
+        await asyncio.sleep(UNANSWERED_AFTER_SECONDS + 0.1)
+        alone.cancel()
+        await wait_until(lambda: coalescer.in_flight == 0, "the long call let go")
+        assert unanswered == ["call"]
 
 
 def minilm_request(request_id: str) -> pb.ClassifyRequest:
