@@ -344,31 +344,35 @@ class ReplicaCoalescer:
                 _end_client_span(item, error)
             # Gone, out of time here, or refused early: its call may have no item left
             # that anyone waits for.
-            self._cancel_unwanted_call(item)
+            self._cancel_unwanted_call(item, isinstance(error, asyncio.CancelledError))
             raise
         if item.client_span is not trace.INVALID_SPAN:
             _end_client_span(item, None)
         return response
 
-    def _cancel_unwanted_call(self, item: UpstreamItem) -> None:
+    def _cancel_unwanted_call(self, item: UpstreamItem, caller_gone: bool) -> None:
         """Cancel the call in flight that carries `item`, which is no longer waited for,
         once no item of it is. Left to run, it held a slot here (the items that came
         next gathered behind it, up to its timeout) while the replica computed texts
-        nobody would read; cancelled, the replica drops what it has not computed.
+        nobody would read; cancelled, the replica drops what it has not computed. A
+        call that has ended (its answer, or its failure, settled the item) is left be.
 
-        Run on to its timeout, such a call was also how a frozen replica was seen not
-        to answer (outlier ejection); so a call let go after UNANSWERED_AFTER_SECONDS
-        in flight, and more than twice the time it was expected to take, counts as one
-        the replica did not answer. A hedge's loser let go sooner says nothing."""
+        Run on to its timeout, a call whose callers had gone (`caller_gone`: the last
+        one's) was also how a frozen replica was seen not to answer (outlier
+        ejection); so one let go after UNANSWERED_AFTER_SECONDS in flight, and more
+        than twice the time it was expected to take, counts as one the replica did
+        not answer. A hedge's loser let go sooner says nothing."""
         now = asyncio.get_running_loop().time()
         for task, items in self._calls.items():
             if item in items:
-                if all(other.future.done() for other in items):
-                    sent_at, expected_back = self._sent_at_of[task]
-                    took = now - sent_at
-                    if took >= max(UNANSWERED_AFTER_SECONDS, 2 * (expected_back - sent_at)):
-                        self._on_no_answer()
-                    task.cancel()
+                if task.done() or not all(other.future.done() for other in items):
+                    return
+                sent_at, expected_back = self._sent_at_of[task]
+                took = now - sent_at
+                overdue = took >= max(UNANSWERED_AFTER_SECONDS, 2 * (expected_back - sent_at))
+                if caller_gone and overdue:
+                    self._on_no_answer()
+                task.cancel()
                 return
 
     def _may_leave(self, items: int) -> bool:
