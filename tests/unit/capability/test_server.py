@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.bundle import write_manifest
-from capability.config import CapabilitySettings
+from capability.config import CapabilitySettings, ModelServingSettings
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
@@ -102,19 +102,27 @@ async def write_to_fifo(path: Path, text: str, reader: asyncio.Task[None]) -> No
         return
 
 
-async def test_a_call_for_a_model_the_start_still_loads_is_not_ready_not_unknown(
-    model_root: Path, tmp_path: Path
-) -> None:
-    """Once one model is live, a call for another the start has yet to load was NOT_FOUND:
-    to an orchestrator, a server that does not serve it at all (a failure counted for
-    ejection), while GetModel said LOADING. It is UNAVAILABLE (MODEL_NOT_READY) now."""
+def warm_texts_held(tmp_path: Path) -> tuple[Path, Mapping[str, ModelServingSettings]]:
+    """topic-static's per-model settings with a warm_texts file that is a FIFO: read
+    at the load's start, it holds that load until the test writes it (write_to_fifo).
+    The FIFO and the settings."""
     hot = tmp_path / "hot.txt"
     hot.write_text(f"{STRIKER}\n")
     config = tmp_path / "models.yaml"
     config.write_text("topic-static:\n  warm_texts: hot.txt\n")
     per_model = CapabilitySettings(model_config=config).with_model_config().per_model
     hot.unlink()
-    os.mkfifo(hot)  # holds topic-static's load, the second, until the test writes it
+    os.mkfifo(hot)
+    return hot, per_model
+
+
+async def test_a_call_for_a_model_the_start_still_loads_is_not_ready_not_unknown(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """Once one model is live, a call for another the start has yet to load was NOT_FOUND:
+    to an orchestrator, a server that does not serve it at all (a failure counted for
+    ejection), while GetModel said LOADING. It is UNAVAILABLE (MODEL_NOT_READY) now."""
+    hot, per_model = warm_texts_held(tmp_path)  # holds topic-static's load, the second
     settings = capability_settings(
         model_root, models=("topic-minilm", "topic-static"), per_model=per_model
     )
@@ -145,14 +153,7 @@ async def test_a_call_for_a_model_the_start_still_loads_is_not_ready_not_unknown
 async def test_get_model_says_loading_while_the_first_version_loads(
     model_root: Path, tmp_path: Path
 ) -> None:
-    hot = tmp_path / "hot.txt"
-    hot.write_text(f"{STRIKER}\n")
-    config = tmp_path / "models.yaml"
-    config.write_text("topic-static:\n  warm_texts: hot.txt\n")
-    per_model = CapabilitySettings(model_config=config).with_model_config().per_model
-    # Read at the load's start, a FIFO holds the first load until the test writes it.
-    hot.unlink()
-    os.mkfifo(hot)
+    hot, per_model = warm_texts_held(tmp_path)
     settings = capability_settings(model_root, models=("topic-static",), per_model=per_model)
     server = CapabilityServer(settings, registry=CollectorRegistry())
     await server.start()

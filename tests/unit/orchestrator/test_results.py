@@ -122,7 +122,9 @@ async def test_past_the_capacity_an_expired_entry_goes_first_then_the_largest_te
     assert store.dropped == 3  # z-old expired: let go, not dropped
 
 
-async def start_orchestrator(capability: CapabilityServer, tmp_path: Path) -> OrchestratorServer:
+async def start_orchestrator(
+    capability: CapabilityServer, tmp_path: Path, budget: str = "200ms"
+) -> OrchestratorServer:
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         f"""version: 1
@@ -131,7 +133,7 @@ backends:
 routes:
   - name: default
     backend: minilm
-    budget: 200ms
+    budget: {budget}
 """
     )
     server = OrchestratorServer(
@@ -184,6 +186,21 @@ async def test_budget_exceeded_answers_processing_then_get_result_returns_the_re
     assert error_reason(unknown.value) == "RESULT_NOT_FOUND"
 
 
+async def batch_item_due_before_its_budget(
+    server: OrchestratorServer, capability: CapabilityServer, request_id: str
+) -> pb.ClassifyBatchResult:
+    """The answer to a ClassifyBatch of one item whose 1 s deadline comes before its
+    route's budget (2 s), while the device is held: the call's answer is due first."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            item = pb.ClassifyRequest(text=STRIKER, request_id=request_id)
+            answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=[item]), timeout=1)
+    (result,) = answer.results
+    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    return result
+
+
 async def test_a_batch_item_whose_deadline_comes_first_is_kept_as_a_single_call_is(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
@@ -192,20 +209,14 @@ async def test_a_batch_item_whose_deadline_comes_first_is_kept_as_a_single_call_
     item got neither mark nor count: the call's answer, due before the item's deadline
     (less the time to answer its items), cancelled it first, and a client following
     the contract never polled for the result that was kept all the same."""
-    server = await start_orchestrator(capability, tmp_path)
+    server = await start_orchestrator(capability, tmp_path, budget="2s")
     try:
+        result = await batch_item_due_before_its_budget(server, capability, "kept-1")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            async with device_occupied(capability.pool.workers[0]):
-                item = pb.ClassifyRequest(text=STRIKER, request_id="kept-1")
-                answer = await stub.ClassifyBatch(
-                    pb.ClassifyBatchRequest(items=[item]), timeout=0.15
-                )
             done = await poll_until_done(stub, "kept-1")
     finally:
         await server.stop(grace_seconds=0)
-    (result,) = answer.results
-    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     (info,) = unpack(result.error, error_details_pb2.ErrorInfo)
     assert info.metadata["result_kept"] == "true"
     assert done.labels[0].name == "sports"
@@ -217,24 +228,16 @@ async def test_a_batch_item_promises_no_result_its_store_could_not_hold(
     """As a single call: when the store cannot hold a place (the shared store down:
     `hold` answers None), nothing is kept, and the item says only that the call's
     answer came due, not `result_kept` (a poll would find nothing)."""
-    server = await start_orchestrator(capability, tmp_path)
+    server = await start_orchestrator(capability, tmp_path, budget="2s")
 
     async def store_down(request_id: str, pending: pb.ClassifyResponse) -> None:
         return None
 
     monkeypatch.setattr(server.dispatcher.results, "hold", store_down)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            async with device_occupied(capability.pool.workers[0]):
-                item = pb.ClassifyRequest(text=STRIKER, request_id="unkept-1")
-                answer = await stub.ClassifyBatch(
-                    pb.ClassifyBatchRequest(items=[item]), timeout=0.15
-                )
+        result = await batch_item_due_before_its_budget(server, capability, "unkept-1")
     finally:
         await server.stop(grace_seconds=0)
-    (result,) = answer.results
-    assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     (info,) = unpack(result.error, error_details_pb2.ErrorInfo)
     assert "result_kept" not in info.metadata
 
