@@ -83,7 +83,8 @@ class StateMetrics:
             self._up = Gauge(
                 STATE_UP,
                 "1 while the shared state store (Redis) answers the probe's PING (one every "
-                "--state-retry-seconds), 0 while it does not; summed over --processes workers.",
+                "--state-retry-seconds), 0 while it does not; with --processes, the lowest "
+                "worker's.",
                 registry=self._registry,
             )
         self._up.set(1 if answered else 0)
