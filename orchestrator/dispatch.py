@@ -74,6 +74,11 @@ from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
 log = logging.getLogger(__name__)
 
+# How much longer than the caller's due time a hold of its result's place is waited
+# for: a hold started `hold_seconds` before it ends by then, give or take a turn of
+# a busy event loop; one in this process's memory ends at its first step.
+HOLD_GRACE_SECONDS = 0.005
+
 # The ErrorInfo key of a deadline answered while the work goes on (GetResult will have
 # its result).
 RESULT_KEPT = "result_kept"
@@ -122,7 +127,9 @@ class Dispatcher:
         self._retiring: set[asyncio.Task[None]] = set()
         # Calls that outlived their budget and still run, for GetResult.
         self._background: set[asyncio.Task[pb.ClassifyResponse]] = set()
-        # Tasks that store a background call's outcome in the result store.
+        # Tasks that hold a place in the result store for a background call's outcome,
+        # and those that store it there.
+        self._holding: set[asyncio.Task[str | None]] = set()
         self._storing: set[asyncio.Task[None]] = set()
         # Time kept before a ClassifyBatch call's deadline to answer its late items.
         self._late_answers = LateAnswerAllowance()
@@ -139,6 +146,7 @@ class Dispatcher:
         for work in self._background:
             work.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._holding, return_exceptions=True)
         await asyncio.gather(*self._storing, return_exceptions=True)
         await asyncio.gather(*self._retiring)
         await self.state.upstream.close()
@@ -149,7 +157,11 @@ class Dispatcher:
         ids: RequestContext,
         client_remaining: float | None,
         headers: Mapping[str, str],
+        answer_due: float | None = None,
     ) -> pb.ClassifyResponse:
+        """One call: routed, sent, retried, fallen back. `answer_due` (loop time): when a
+        ClassifyBatch call answers its items, if sooner than `client_remaining`'s
+        deadline less the margin; a route with a budget keeps the result then."""
         # Taken once: a reload during this call does not change the rules it follows.
         state = self.state
         with node(ROUTE_MATCH) as span:
@@ -164,6 +176,8 @@ class Dispatcher:
         deadline = None
         if client_remaining is not None:
             deadline = asyncio.get_running_loop().time() + client_remaining
+            due = deadline - DEADLINE_SAFETY_MARGIN_SECONDS
+            answer_due = due if answer_due is None else min(answer_due, due)
         call = UpstreamCall(state, route, request, ids, deadline)
         model, code = "", "OK"
         # Whether the caller was answered before the work ended (PROCESSING, or a
@@ -174,7 +188,7 @@ class Dispatcher:
             if route.budget_seconds is None:
                 response = await self._run(call)
             else:
-                response = await self._classify_within_budget(call, client_remaining)
+                response = await self._classify_within_budget(call, answer_due)
                 answered_early = response.status == pb.RESULT_STATUS_PROCESSING
             model = response.model.name
             self.shadow.after_answer(state, route, request, response)
@@ -221,11 +235,23 @@ class Dispatcher:
             call_trace.outcome_counted_elsewhere = True  # one per item, not the call's
         answer = pb.ClassifyBatchResponse()
         results = [answer.results.add() for _ in request.items]
+        due = None
+        if client_remaining is not None:
+            due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
+            due -= self._late_answers.seconds_for(len(results))
+            due = max(due, 0.0)
+        loop = asyncio.get_running_loop()
+        due_at = loop.time() + (due or 0.0)
+        # Each item's answer is due with the call's: a route with a budget keeps its
+        # result by then.
+        classify = (
+            self.classify if due is None else functools.partial(self.classify, answer_due=due_at)
+        )
         items = asyncio.gather(
             *(
                 classify_item(
                     results[index],
-                    self.classify,
+                    classify,
                     self._on_internal_error,
                     item,
                     contexts[index] if contexts else None,
@@ -243,13 +269,6 @@ class Dispatcher:
         # When this call is cancelled (its caller left, the server stopped), Python
         # 3.11's gather ends as an error nobody reads, and asyncio logs it as such.
         items.add_done_callback(_read_outcome)
-        due = None
-        if client_remaining is not None:
-            due = client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
-            due -= self._late_answers.seconds_for(len(results))
-            due = max(due, 0.0)
-        loop = asyncio.get_running_loop()
-        due_at = loop.time() + (due or 0.0)
         try:
             # Past `due`, the items not yet answered are cancelled, and each answers
             # DEADLINE_EXCEEDED as it is (batch_items.classify_item), so the call's
@@ -282,10 +301,20 @@ class Dispatcher:
             call.state.leave()
 
     async def _classify_within_budget(
-        self, call: UpstreamCall, client_remaining: float | None
+        self, call: UpstreamCall, answer_due: float | None
     ) -> pb.ClassifyResponse:
         """Wait for the answer up to the route's budget; past it, answer PROCESSING and keep
-        the work going so GetResult can return its result.
+        the work going so GetResult can return its result. When the caller's answer is
+        due first (`answer_due`, loop time: its deadline less the margin, or when its
+        ClassifyBatch call is answered), answer DEADLINE_EXCEEDED with `result_kept`
+        then instead.
+
+        Either way the work's place in the result store is held before it is promised,
+        and a hold may take up to the store's `hold_seconds` (a shared store's
+        timeout). So when the caller's answer comes due first, the hold starts that
+        long before it, while the work may still answer in time. (Started at the due
+        time, a slow store took the caller past its deadline: a bare DEADLINE_EXCEEDED,
+        no result kept, and the place left PROCESSING with nothing to fill it.)
 
         The upstream calls are not bound by the client's deadline here: the work is
         meant to outlive the wait, bounded by each backend's own timeout.
@@ -295,37 +324,35 @@ class Dispatcher:
         work = asyncio.create_task(self._run(dataclasses.replace(call, deadline=None)))
         self._background.add(work)
         work.add_done_callback(self._background.discard)
-        wait = route.budget_seconds
-        if client_remaining is not None:
-            wait = min(wait, client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS)
+        loop = asyncio.get_running_loop()
+        hold_at = loop.time() + route.budget_seconds
+        due_first = answer_due is not None and answer_due - self.results.hold_seconds < hold_at
+        if answer_due is not None and due_first:
+            hold_at = answer_due - self.results.hold_seconds
+        pending = self._processing_response(route, ids)
+        keeping: asyncio.Task[str | None] | None = None
         try:
-            # shield: the client leaving (its deadline, a cancel) must not stop the work.
-            return await asyncio.wait_for(asyncio.shield(work), timeout=max(wait, 0))
-        except TimeoutError:
-            pending = self._processing_response(route, ids)
-            token = await self.results.hold(ids.request_id, pending)
-            if token is None:
-                return await self._answer_unstored(work, call)
-            request_trace = current_trace()
-            if request_trace is not None:
-                # The work goes on: its spans end later, marked, and are still exported.
-                request_trace.mark_timed_out()
-            self._store_when_done(work, ids, token)
-            self._count_when_done(work, route)
-            if client_remaining is not None and wait < route.budget_seconds:
-                # `result_kept`: the work goes on and GetResult will have its result,
-                # which a client tells from a deadline that ended the work.
-                raise DeadlineExpired(
-                    "the deadline passed while the model was working; poll GetResult",
-                    request_id=ids.request_id,
-                    **{RESULT_KEPT: "true"},
-                ) from None
-            self._metrics.processing.labels(route.name).inc()
-            return pending
+            try:
+                # shield: the client leaving (its deadline, a cancel) must not stop the work.
+                return await asyncio.wait_for(
+                    asyncio.shield(work), timeout=max(hold_at - loop.time(), 0)
+                )
+            except TimeoutError:
+                keeping = self._keep_outcome(work, ids, pending)
+            if answer_due is not None and due_first:
+                try:  # the work may still answer in time (its outcome is then kept too)
+                    return await asyncio.wait_for(
+                        asyncio.shield(work), timeout=max(answer_due - loop.time(), 0)
+                    )
+                except TimeoutError:
+                    pass
+            token = await _held_by(keeping, answer_due)
         except asyncio.CancelledError as cancelled:
+            if keeping is None:
+                keeping = self._keep_outcome(work, ids, pending)
             if cancelled_code(cancelled) != grpc.StatusCode.DEADLINE_EXCEEDED:
                 # The caller went, or the server stops: the work goes on, kept if it can.
-                self._store_when_done(work, ids, None, self._processing_response(route, ids))
+                _drop_unless_kept(work, keeping)
                 raise
             # A batch item whose call's answer is due (batch_items.answer_items_by) before
             # the route's budget and the item's own deadline margin ran out: as for a
@@ -335,22 +362,70 @@ class Dispatcher:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            # Its place is held before it is promised: a store that cannot hold one
-            # (the shared store down) keeps nothing, and the item says only that its
-            # call's answer came due.
-            token = await self.results.hold(ids.request_id, self._processing_response(route, ids))
+            token = await _held_by(keeping, answer_due)
             if token is None:
-                raise cancelled
-            request_trace = current_trace()
-            if request_trace is not None:
-                request_trace.mark_timed_out()
-            self._store_when_done(work, ids, token)
-            self._count_when_done(work, route)
+                # Not held (the shared store down or slow): the item says only that its
+                # call's answer came due.
+                _drop_unless_kept(work, keeping)
+                raise cancelled from None
+            self._answered_before_the_work_ended(work, route)
             raise DeadlineExpired(
                 "the deadline passed while the model was working; poll GetResult",
                 request_id=ids.request_id,
                 **{RESULT_KEPT: "true"},
             ) from None
+        if token is None:
+            if keeping.done():  # the store could not keep a place
+                return await self._answer_unstored(work, call)
+            _drop_unless_kept(work, keeping)
+            raise DeadlineExpired(
+                "the deadline passed while the model was working, before the result store "
+                "kept a place for its result; send the call again",
+                request_id=ids.request_id,
+            )
+        self._answered_before_the_work_ended(work, route)
+        if due_first:
+            # `result_kept`: the work goes on and GetResult will have its result, which
+            # a client tells from a deadline that ended the work.
+            raise DeadlineExpired(
+                "the deadline passed while the model was working; poll GetResult",
+                request_id=ids.request_id,
+                **{RESULT_KEPT: "true"},
+            )
+        self._metrics.processing.labels(route.name).inc()
+        return pending
+
+    def _keep_outcome(
+        self,
+        work: asyncio.Task[pb.ClassifyResponse],
+        ids: RequestContext,
+        pending: pb.ClassifyResponse,
+    ) -> asyncio.Task[str | None]:
+        """Hold a place in the result store for `work`'s outcome, and once held, store
+        the outcome there when the work ends; the task's result is the place's token
+        (None: the store could not keep one)."""
+
+        async def hold_then_store() -> str | None:
+            token = await self.results.hold(ids.request_id, pending)
+            if token is not None:
+                self._store_when_done(work, ids, token)
+            return token
+
+        task = asyncio.get_running_loop().create_task(hold_then_store())
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
+        return task
+
+    def _answered_before_the_work_ended(
+        self, work: asyncio.Task[pb.ClassifyResponse], route: Route
+    ) -> None:
+        """The caller is answered (PROCESSING, or its deadline with the result kept)
+        while `work` goes on: its spans end later, and its outcome is counted then."""
+        request_trace = current_trace()
+        if request_trace is not None:
+            # The work goes on: its spans end later, marked, and are still exported.
+            request_trace.mark_timed_out()
+        self._count_when_done(work, route)
 
     async def _answer_unstored(
         self, work: asyncio.Task[pb.ClassifyResponse], call: UpstreamCall
@@ -403,23 +478,13 @@ class Dispatcher:
         )
 
     def _store_when_done(
-        self,
-        work: asyncio.Task[pb.ClassifyResponse],
-        ids: RequestContext,
-        token: str | None,
-        hold_first: pb.ClassifyResponse | None = None,
+        self, work: asyncio.Task[pb.ClassifyResponse], ids: RequestContext, token: str
     ) -> None:
         """Store the work's outcome for GetResult once it is done, in the place `token`
-        holds (holding it first when `hold_first` is the pending answer), off the
-        caller's path."""
+        holds, off the caller's path."""
 
         async def store() -> None:
-            held = token
-            if hold_first is not None:
-                held = await self.results.hold(ids.request_id, hold_first)
-            if held is None:
-                return  # nowhere to keep it; the store counted why
-            finish = functools.partial(self.results.finish, ids.request_id, held)
+            finish = functools.partial(self.results.finish, ids.request_id, token)
             await asyncio.wait([work])
             if work.cancelled():
                 # The server stopped with the work unfinished (close()): the held
@@ -454,3 +519,27 @@ def _read_outcome(future: asyncio.Future[Any]) -> None:
     """Mark a future's outcome as read, so that asyncio does not log it unread."""
     if not future.cancelled():
         future.exception()
+
+
+async def _held_by(keeping: asyncio.Task[str | None], answer_due: float | None) -> str | None:
+    """The token of the place `keeping` holds, once held; None when the store could not
+    hold one, or had not by `answer_due` (loop time; None: no limit but the store's
+    own timeout), give or take HOLD_GRACE_SECONDS."""
+    timeout = None
+    if answer_due is not None:
+        timeout = max(answer_due - asyncio.get_running_loop().time(), 0) + HOLD_GRACE_SECONDS
+    done, _ = await asyncio.wait((keeping,), timeout=timeout)
+    return keeping.result() if done else None
+
+
+def _drop_unless_kept(
+    work: asyncio.Task[pb.ClassifyResponse], keeping: asyncio.Task[str | None]
+) -> None:
+    """Cancel `work` once `keeping` ends without a place held for its outcome: nobody
+    waits for it then, and nobody could poll it."""
+
+    def drop(_: asyncio.Task[str | None]) -> None:
+        if keeping.cancelled() or keeping.exception() is not None or keeping.result() is None:
+            work.cancel()
+
+    keeping.add_done_callback(drop)

@@ -49,6 +49,10 @@ class ResultStore(Protocol):
     """Results kept for GetResult, by tenant and request ID: each method acts for
     `result_owner()`, the tenant of the call it runs in."""
 
+    # The longest a `hold` may take (0 for a store in this process): a caller whose
+    # answer is due at a set time starts holding this long before it.
+    hold_seconds: float
+
     async def hold(self, request_id: str, pending: pb.ClassifyResponse) -> str | None:
         """Keep a place for a result that is still being computed, in place of any
         earlier call's under the same ID; the token that `finish` needs, or None when
@@ -114,6 +118,8 @@ class _Entry:
 
 class LocalResultStore:
     """A ResultStore in this process's memory. Used from the event loop only."""
+
+    hold_seconds = 0.0
 
     def __init__(
         self,

@@ -115,7 +115,7 @@ class RedisState:
     ) -> None:
         self.client = client
         self._metrics = metrics
-        self._timeout = timeout_seconds
+        self.timeout_seconds = timeout_seconds
         self._retry = retry_seconds
         self._clock = clock
         self._resting_until = float("-inf")
@@ -177,7 +177,7 @@ class RedisState:
             )
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self.timeout_seconds):
                 answer = await command()
         except TimeoutError as exc:
             raise self._failed(operation, "timeout", exc) from exc

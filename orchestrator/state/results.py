@@ -307,6 +307,8 @@ class RedisResultStore:
         if capacity < 1 or ttl_seconds <= 0:
             raise ValueError("the result store needs a capacity of 1 or more and a positive TTL")
         self._state = state
+        # A hold is one command, which run() gives up on after this long.
+        self.hold_seconds = state.timeout_seconds
         self._capacity = capacity
         self._ttl_ms = int(ttl_seconds * 1000)
         self._ttl_seconds = ttl_seconds

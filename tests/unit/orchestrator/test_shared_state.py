@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
@@ -52,7 +53,7 @@ from tests.conftest import (
     orchestrator_settings,
     wait_until,
 )
-from tests.status_details import error_info, error_reason, refusal, retry_delay_seconds
+from tests.status_details import error_info, error_reason, refusal, retry_delay_seconds, unpack
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_results import as_tenant
 
@@ -62,10 +63,10 @@ PROCESSING, DONE = pb.RESULT_STATUS_PROCESSING, pb.RESULT_STATUS_DONE
 
 
 def write_shared_files(
-    directory: Path, capability: CapabilityServer, model: str, burst: int
+    directory: Path, capability: CapabilityServer, model: str, burst: int, budget: str = "200ms"
 ) -> tuple[Path, Path]:
     """The API keys file (tenant `acme`, ACME_KEY, `burst` calls and next to no refill)
-    and the routes file (one route to `model` on `capability`, a 200 ms budget) of the
+    and the routes file (one route to `model` on `capability`, with `budget`) of the
     orchestrators that share a Redis."""
     keys = directory / "keys.yaml"
     keys.write_text(
@@ -80,7 +81,7 @@ backends:
 routes:
   - name: default
     backend: model
-    budget: 200ms
+    budget: {budget}
 """
     )
     return keys, routes
@@ -97,9 +98,10 @@ async def start_shared(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
         *,
         model: str = "topic-static",
         burst: int = 5,
+        budget: str = "200ms",
         **settings: Any,
     ) -> OrchestratorServer:
-        keys, routes = write_shared_files(tmp_path, capability, model, burst)
+        keys, routes = write_shared_files(tmp_path, capability, model, burst, budget)
         values = {"state_url": redis_server.url, "state_retry_seconds": 0.05, **settings}
         server = OrchestratorServer(
             orchestrator_settings(
@@ -120,12 +122,15 @@ def stub_for(channel: grpc.aio.Channel) -> classify_service_pb2_grpc.ClassifySer
     return classify_service_pb2_grpc.ClassifyServiceStub(channel)
 
 
-async def classify(server: OrchestratorServer, **fields: Any) -> pb.ClassifyResponse:
+async def classify(
+    server: OrchestratorServer, within: float | None = None, **fields: Any
+) -> pb.ClassifyResponse:
     """One Classify on a fresh connection, as tenant acme."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         response: pb.ClassifyResponse = await stub_for(channel).Classify(
             pb.ClassifyRequest(text=STRIKER, **fields),
             metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+            timeout=within,
         )
         return response
 
@@ -345,6 +350,135 @@ async def test_over_budget_call_is_answered_when_done_while_redis_is_away(
 
 async def _is_done(answer: Awaitable[pb.ClassifyResponse]) -> bool:
     return (await answer).status == pb.RESULT_STATUS_DONE
+
+
+class SlowReplies:
+    """A TCP relay in front of Redis that passes commands on at once and each reply
+    `delay` seconds late (set at any time): a Redis that answers, slowly (a busy or
+    distant one)."""
+
+    def __init__(self, redis_port: int) -> None:
+        self._redis_port = redis_port
+        self.delay = 0.0
+        self._server: asyncio.Server | None = None
+        self._relays: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/0"
+
+    async def __aenter__(self) -> SlowReplies:
+        self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for relay in self._relays:
+            relay.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        redis_reader, redis_writer = await asyncio.open_connection("127.0.0.1", self._redis_port)
+        for relay in (
+            self._relay(reader, redis_writer, replies=False),
+            self._relay(redis_reader, writer, replies=True),
+        ):
+            task = asyncio.create_task(relay)
+            self._relays.add(task)
+            task.add_done_callback(self._relays.discard)
+
+    async def _relay(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, replies: bool
+    ) -> None:
+        try:
+            while chunk := await source.read(65536):
+                if replies and self.delay:
+                    await asyncio.sleep(self.delay)
+                sink.write(chunk)
+                await sink.drain()
+        finally:
+            sink.close()
+
+
+async def classify_batch(
+    server: OrchestratorServer, request_ids: list[str], within: float
+) -> pb.ClassifyBatchResponse:
+    """One ClassifyBatch of STRIKER under each of `request_ids`, as tenant acme."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        items = [pb.ClassifyRequest(text=STRIKER, request_id=rid) for rid in request_ids]
+        response: pb.ClassifyBatchResponse = await stub_for(channel).ClassifyBatch(
+            pb.ClassifyBatchRequest(items=items),
+            metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+            timeout=within,
+        )
+        return response
+
+
+async def test_a_deadline_before_the_budget_keeps_the_result_though_redis_answers_late(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """Redis answers 30 ms late, the call's 0.5 s deadline comes before its route's
+    budget. The place for its result was held 20 ms before the deadline, so the
+    deadline passed during the hold: a bare DEADLINE_EXCEEDED (no IDs, no
+    `result_kept`), and the place stayed PROCESSING for the TTL with nobody to fill
+    it. A batch's items, each holding after its call's answer came due, lost the
+    whole answer."""
+    async with SlowReplies(redis_server.port) as slow:
+        server = await start_shared(
+            capability, model="topic-minilm", burst=100, budget="5s", state_url=slow.url
+        )
+        async with device_occupied(capability.pool.workers[0]):
+            # Connections opened and the scripts loaded while Redis is quick: each
+            # takes round trips of its own, which at 30 ms apiece would outlast the
+            # 100 ms the orchestrator gives a command.
+            await classify_batch(server, ["warm-1", "warm-2", "warm-3"], within=0.5)
+            slow.delay = 0.03
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await classify(server, request_id="single-1", within=0.5)
+            batch = await classify_batch(server, ["item-1", "item-2"], within=0.5)
+            slow.delay = 0.0  # the finish and get scripts, not loaded yet, load quickly
+        info = error_info(late.value)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (info.metadata["request_id"], info.metadata["result_kept"]) == ("single-1", "true")
+        for result, request_id in zip(batch.results, ["item-1", "item-2"], strict=True):
+            (item_info,) = unpack(result.error, error_details_pb2.ErrorInfo)
+            assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            assert item_info.metadata["x-request-id"] == request_id
+            assert item_info.metadata["result_kept"] == "true"
+        for request_id in ("single-1", "item-1", "item-2"):
+            await wait_until(
+                lambda rid=request_id: _is_done(get_result(server, rid)),  # type: ignore[misc]
+                f"the kept result of {request_id}",
+                limit_seconds=10,
+            )
+
+
+async def test_a_stalled_redis_still_answers_calls_and_batches_with_their_ids_in_time(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """Redis stalled (SIGSTOP): no place can be held (a hold times out, or is not sent
+    while the store rests after a failure), so nothing is promised, and the single
+    call and each batch item still say DEADLINE_EXCEEDED with their own IDs."""
+    server = await start_shared(capability, model="topic-minilm", burst=100, budget="5s")
+    redis_server.pause()
+    try:
+        async with device_occupied(capability.pool.workers[0]):
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await classify(server, request_id="single-2", within=0.5)
+            batch = await classify_batch(server, ["item-3", "item-4"], within=0.5)
+    finally:
+        redis_server.resume()
+    info = error_info(late.value)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.metadata["request_id"] == "single-2"
+    assert "result_kept" not in info.metadata
+    for result, request_id in zip(batch.results, ["item-3", "item-4"], strict=True):
+        (item_info,) = unpack(result.error, error_details_pb2.ErrorInfo)
+        assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert item_info.metadata["x-request-id"] == request_id
+        assert "result_kept" not in item_info.metadata
 
 
 @pytest_asyncio.fixture
