@@ -220,7 +220,7 @@ class RouteCaller:
                     attempt_on_backend,
                     call.time_left(),
                     call.state.retry_budget,
-                    untried_replica=any(replica not in tried for replica in pool.replicas),
+                    untried_replica=pool.has_untried(tried),
                 )
                 if decision is GiveUp.BUDGET_EXHAUSTED:
                     self._metrics.retry_budget_exhausted.labels(route.name, backend.name).inc()

@@ -304,6 +304,19 @@ class BackendPool:
                     break
         return best or fallback or replicas[start]
 
+    def has_untried(self, tried: Collection[str]) -> bool:
+        """Whether `pick(avoid=tried)` would choose a replica not in `tried`: one not
+        ejected and not failing its connection. (Counting every replica, a retry after
+        a time-out went back to the hung one while the other was ejected or down, and
+        the fallback, whose time it spent, never answered.)"""
+        is_ejected = self.outliers.is_ejected
+        return any(
+            target not in tried
+            and not is_ejected(target)
+            and self._channels[target].get_state() is not _FAILING
+            for target in self.replicas
+        )
+
     def _record_load(self, target: str, raw: bytes) -> ReplicaLoad | None:
         load = read_load_report(raw, asyncio.get_running_loop().time())
         if load is not None:

@@ -346,6 +346,49 @@ routes:
         await pod.stop()
 
 
+async def test_a_hung_replica_is_not_retried_while_the_other_one_is_down(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """Two replicas, one hung, the other's connection failing: a retry can only go back
+    to the hung one. Counted as a replica not yet tried, the down one made each
+    time-out a retry on the hung replica, and the fallback never got its turn."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.answering.clear()
+    await pod.start()
+    down = f"127.0.0.1:{closed_port()}"
+    try:
+        server = await orchestrator_with(
+            f"""version: 1
+backends:
+  hung: {{model: topic-minilm, targets: ["{pod.address}", "{down}"], timeout: 300ms}}
+  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
+routes:
+  - name: default
+    backend: hung
+    fallback: [static]
+    retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
+"""
+        )
+        pool = server.dispatcher.state.upstream.pool(server.routes.backends["hung"])
+        channel_of_down = pool._channels[down]
+        await wait_until(
+            lambda: (
+                channel_of_down.get_state(try_to_connect=True)
+                is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            ),
+            "the down replica's connection failing",
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
+        assert (answer.fallback, answer.model.name) == (True, "topic-static")
+        assert pod.calls == 1
+        assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+    finally:
+        pod.answering.set()
+        await pod.stop()
+
+
 async def test_a_hung_lone_replica_is_not_retried_into_the_fallbacks_time(
     orchestrator_with: StartOrchestrator, capability: CapabilityServer
 ) -> None:
