@@ -89,7 +89,11 @@ class RoutingState:
             self._drained.set()
 
     async def close_when_drained(self) -> None:
-        await self._drained.wait()
+        # Checked again on waking: a call that entered in the turn the last one left
+        # (a shadow call, entered as its primary's answer returns) has cleared the
+        # event, and the channels closed under it.
+        while self.in_flight:
+            await self._drained.wait()
         await self.upstream.close()
 
 

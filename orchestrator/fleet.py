@@ -17,9 +17,10 @@ internal token, which only the orchestrator holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -36,6 +37,7 @@ from classify_common.errors import (
     ServiceError,
 )
 from classify_common.tracing import inject_context
+from orchestrator.calls import RoutingState
 from orchestrator.dispatch import Dispatcher
 from orchestrator.security.gate import current_caller
 from orchestrator.upstream.errors import translate_upstream_error
@@ -56,15 +58,28 @@ class FleetModels:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
 
+    @contextlib.contextmanager
+    def _routing_held(self) -> Iterator[RoutingState]:
+        """The routes version in force, held for a whole operation: a routes reload
+        meanwhile closes its channels once the operation is done. (Closed under it, a
+        ReloadModel ended CANCELLED, unanswered, its later replicas never asked.)"""
+        state = self._dispatcher.state
+        state.enter()
+        try:
+            yield state
+        finally:
+            state.leave()
+
+    @staticmethod
     def _replicas(
-        self, model: str | None = None
+        state: RoutingState, model: str | None = None
     ) -> list[tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub]]:
         """(pool, address, its ModelService) of every distinct replica (each pod behind a
-        name), of one model's backends if given. The stubs are taken now: a pod that
-        leaves while a reload walks the list fails its own call, not the walk."""
+        name) in `state`, of one model's backends if given. The stubs are taken now: a
+        pod that leaves while a reload walks the list fails its own call, not the walk."""
         seen: set[str] = set()
         replicas = []
-        for pool in self._dispatcher.state.upstream.pools():
+        for pool in state.upstream.pools():
             if model is not None and pool.backend.model != model:
                 continue
             for target in pool.replicas:
@@ -78,20 +93,21 @@ class FleetModels:
         name, the version most replicas serve first (the first asked among equals); each
         entry is the answer of the first replica that serves it."""
         served: dict[tuple[str, str, str], list[model_pb.ModelInfo]] = {}
-        for pool, target, stub in self._replicas():
-            try:
-                listed = await stub.ListModels(
-                    request,
-                    timeout=pool.backend.timeout_seconds,
-                    metadata=_call_metadata(pool.credentials),
-                )
-            except grpc.aio.AioRpcError as error:
-                translate_upstream_error(
-                    error, pool.backend.name, target, classifying=False
-                )  # logs it
-                continue
-            for info in listed.models:
-                served.setdefault((info.name, info.version, info.digest), []).append(info)
+        with self._routing_held() as state:
+            for pool, target, stub in self._replicas(state):
+                try:
+                    listed = await stub.ListModels(
+                        request,
+                        timeout=pool.backend.timeout_seconds,
+                        metadata=_call_metadata(pool.credentials),
+                    )
+                except grpc.aio.AioRpcError as error:
+                    translate_upstream_error(
+                        error, pool.backend.name, target, classifying=False
+                    )  # logs it
+                    continue
+                for info in listed.models:
+                    served.setdefault((info.name, info.version, info.digest), []).append(info)
         by_name = sorted(served.values(), key=lambda infos: (infos[0].name, -len(infos)))
         listed_models = [infos[0] for infos in by_name]
         for info in listed_models:
@@ -106,16 +122,17 @@ class FleetModels:
         One that does not answer (down, or out of time) is passed over; when none
         answers, the answer is the first error that is not of that kind, else the
         last replica's."""
-        replicas = self._replicas(request.name)
-        if not replicas:
-            raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-        asked = [asyncio.ensure_future(_describe(replica, request)) for replica in replicas]
-        try:
-            await _first_answers(asked, STRAGGLER_SECONDS)
-        finally:
-            for task in asked:
-                task.cancel()
-            await asyncio.gather(*asked, return_exceptions=True)
+        with self._routing_held() as state:
+            replicas = self._replicas(state, request.name)
+            if not replicas:
+                raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
+            asked = [asyncio.ensure_future(_describe(replica, request)) for replica in replicas]
+            try:
+                await _first_answers(asked, STRAGGLER_SECONDS)
+            finally:
+                for task in asked:
+                    task.cancel()
+                await asyncio.gather(*asked, return_exceptions=True)
         answered = [t for t in asked if t.done() and not t.cancelled()]
         answers = [t.result() for t in answered if t.exception() is None]
         if answers:
@@ -130,25 +147,26 @@ class FleetModels:
         caller = current_caller()
         if caller.role != ADMIN_ROLE:
             raise PermissionDenied("reloading a model needs the admin role", key=caller.key_id)
-        replicas = self._replicas(request.name)
-        if not replicas:
-            raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
         answers: list[model_pb.ReloadModelResponse] = []
         failures: list[tuple[str, grpc.aio.AioRpcError]] = []
-        for pool, target, stub in replicas:
-            try:
-                answers.append(
-                    await stub.ReloadModel(
-                        request,
-                        timeout=OPERATOR_CALL_TIMEOUT_SECONDS,
-                        metadata=_call_metadata(pool.credentials),
+        with self._routing_held() as state:
+            replicas = self._replicas(state, request.name)
+            if not replicas:
+                raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
+            for pool, target, stub in replicas:
+                try:
+                    answers.append(
+                        await stub.ReloadModel(
+                            request,
+                            timeout=OPERATOR_CALL_TIMEOUT_SECONDS,
+                            metadata=_call_metadata(pool.credentials),
+                        )
                     )
-                )
-            except grpc.aio.AioRpcError as error:
-                translate_upstream_error(
-                    error, pool.backend.name, target, classifying=False
-                )  # logs it
-                failures.append((pool.backend.name, error))
+                except grpc.aio.AioRpcError as error:
+                    translate_upstream_error(
+                        error, pool.backend.name, target, classifying=False
+                    )  # logs it
+                    failures.append((pool.backend.name, error))
         log.info(
             "fleet reload",
             extra={"model": request.name, "reloaded": len(answers), "failed": len(failures)},

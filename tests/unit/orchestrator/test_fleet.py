@@ -16,7 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc
 from capability.server import CapabilityServer
-from tests.conftest import StartCapability, StartOrchestrator
+from tests.conftest import StartCapability, StartOrchestrator, wait_until
+from tests.unit.orchestrator.test_reload import (
+    applied_reloads,
+    replace_file,
+    watching_orchestrator,
+)
 
 MODEL = "topic-static"
 
@@ -158,3 +163,57 @@ async def test_get_model_does_not_wait_for_a_replica_that_does_not_answer(
     finally:
         held.release.set()
         await server.stop(grace=0)
+
+
+class HeldLister(HeldReplica):
+    """A replica whose ListModels, too, answers only once released."""
+
+    async def ListModels(  # noqa: N802 - the gRPC method's name
+        self, request: model_pb.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> model_pb.ListModelsResponse:
+        self.asked += 1
+        await self.release.wait()
+        return model_pb.ListModelsResponse(models=[model_pb.ModelInfo(name=MODEL, version="9")])
+
+
+async def test_a_routes_edit_waits_for_an_operator_call_walking_the_replicas(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """ListModels (as ReloadModel) asks the replicas in turn. An edit applied while it
+    waited on the first closed the old routes' channels under it: the call ended
+    CANCELLED, unanswered, and the replicas after the first were never asked."""
+    held = HeldLister()
+    server = grpc.aio.server()
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(held, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    routes = tmp_path / "routes.yaml"
+
+    def routes_with(timeout: str) -> str:
+        return (
+            "version: 1\nbackends:\n"
+            f"  static: {{model: {MODEL}, targets: ['127.0.0.1:{port}',"
+            f" '127.0.0.1:{capability.port}'], timeout: {timeout}}}\n"
+            "routes:\n  - name: default\n    backend: static\n"
+        )
+
+    routes.write_text(routes_with("5s"))
+    orchestrator = await watching_orchestrator(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            listing = asyncio.ensure_future(
+                models.ListModels(model_pb.ListModelsRequest(), timeout=15)
+            )
+            await wait_until(lambda: held.asked == 1, "the held replica asked")
+            replace_file(routes, routes_with("4s"))  # its backend changes: a new pool
+            await wait_until(lambda: applied_reloads(orchestrator) == 1, "the edit applied")
+            held.release.set()
+            listed = await listing
+    finally:
+        held.release.set()
+        await orchestrator.stop(grace_seconds=0)
+        await server.stop(grace=0)
+    # Both replicas asked, and both answers in: the held one's version and the other's.
+    served = {(info.name, info.version) for info in listed.models}
+    assert {(MODEL, "9"), (MODEL, "1")} <= served
