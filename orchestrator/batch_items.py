@@ -85,14 +85,18 @@ def refuse_repeated_request_ids(
     earlier item's request_id refused too. A repeat that broke other rules keeps their
     violations beside this one; a rate-limit refusal gives way to it (uniqueness is a
     rule of the batch, which no single call's order of checks speaks for). `refused`
-    itself when no request_id repeats."""
+    itself when no request_id repeats. An item refused at intake names no result, so
+    a later item with its request_id is no repeat of it (refused as one, nothing was
+    served under that ID)."""
     first_use: dict[str, int] = {}
     repeats: dict[int, ServiceError] = {}
     for index, item in enumerate(items):
         if not item.request_id:  # the server generates a fresh one
             continue
-        first = first_use.setdefault(item.request_id, index)
-        if first == index:
+        first = first_use.get(item.request_id)
+        if first is None:
+            if index not in refused:
+                first_use[item.request_id] = index
             continue
         repeated = FieldViolation(
             field=f"items[{index}].request_id",

@@ -254,6 +254,22 @@ async def test_a_batch_item_repeating_an_earlier_request_id_is_refused_and_the_f
         assert (info.reason, info.metadata["x-request-id"]) == ("INVALID_REQUEST", "dup-1")
 
 
+async def test_an_item_whose_request_id_was_first_on_an_invalid_item_is_served(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The first item with the ID was refused at intake, so it names no result: the
+    later one was refused as its repeat all the same, and nothing was served."""
+    items = [
+        pb.ClassifyRequest(text="   ", request_id="dup-2"),
+        pb.ClassifyRequest(text=STRIKER, request_id="dup-2"),
+    ]
+    async with tenants_stub(capability, tmp_path, None) as stub:
+        answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), metadata=ACME)
+    invalid, served = answer.results
+    assert item_violations(invalid.error) == [("items[0].text", "text.not_blank")]
+    assert (served.response.request_id, served.response.labels[0].name) == ("dup-2", "sports")
+
+
 def test_a_repeat_over_the_rate_limit_is_refused_for_its_request_id() -> None:
     over_limit = RateLimited("tenant 'acme' is over its rate limit", retry_after_seconds=1.0)
     items = [pb.ClassifyRequest(text=STRIKER, request_id="x")] * 2
