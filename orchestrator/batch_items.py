@@ -14,6 +14,7 @@ first item is served.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -179,25 +180,52 @@ _CUT_OFF = ServerDraining("the server stopped before this item was answered; sen
 
 def answer_unstarted(
     results: Sequence[pb.ClassifyBatchResult],
-    items: Sequence[pb.ClassifyRequest],
+    request: pb.ClassifyBatchRequest,
     call_ids: RequestContext,
+    call_trace: RequestTrace | None,
     outcomes: RequestOutcomes,
     *,
     cut_off: bool = False,
 ) -> None:
     """Answer each item whose task was cancelled before it ever ran, so that every item
     has an outcome: DEADLINE_EXCEEDED (the call's answer was due at once), or
-    SERVER_DRAINING when the server cut the call off (`cut_off`). Counted in `outcomes`."""
+    SERVER_DRAINING when the server cut the call off (`cut_off`). Each is answered as
+    one that ran: under its own IDs (its traceparent's trace), with its span, its log
+    line and its count in `outcomes`. (Answered under the call's trace ID, it named a
+    trace with no span of it, and no line said it failed.)"""
     error = _CUT_OFF if cut_off else _ANSWER_DUE
-    unstarted = 0
-    for result, item in zip(results, items, strict=True):
+    contexts = request.item_contexts
+    for index, (result, item) in enumerate(zip(results, request.items, strict=True)):
         if result.WhichOneof("outcome") is None:
-            own = item.request_id if is_valid_request_id(item.request_id) else ""
-            status = item_status(error, own or new_request_id(), call_ids.trace_id)
-            result.error.CopyFrom(status)
-            unstarted += 1
-    if unstarted:
-        outcomes.count("", grpc_code_for(error).name, error.reason, unstarted)
+            item_context = contexts[index] if contexts else None
+            # In a context of its own, as the item's task would have been: binding its
+            # IDs here would rename the call's own.
+            contextvars.copy_context().run(
+                _answer_unstarted_item,
+                result,
+                item,
+                item_context,
+                call_ids,
+                call_trace,
+                outcomes,
+                index,
+                error,
+            )
+
+
+def _answer_unstarted_item(
+    result: pb.ClassifyBatchResult,
+    item: pb.ClassifyRequest,
+    item_context: pb.ItemContext | None,
+    call_ids: RequestContext,
+    call_trace: RequestTrace | None,
+    outcomes: RequestOutcomes,
+    index: int,
+    error: ServiceError,
+) -> None:
+    ids, trace = _enter_item(item, item_context, call_ids, call_trace, index)
+    result.error.CopyFrom(item_status(error, ids.request_id, ids.trace_id))
+    _leave_item(result, trace, error, call_ids, outcomes)
 
 
 async def answer_items_by(items: asyncio.Future[Any], seconds: float | None) -> bool:
@@ -287,24 +315,8 @@ async def classify_item(
     work goes on past a PROCESSING answer: counted when it ends). `index`: the item's
     place in its call."""
     remaining = item_time_left(item_context, call_remaining)
-    # As a single call's: its own request_id when valid, else a fresh one (an invalid
-    # one is reported in its violations, not echoed back as its ID).
-    own = item.request_id if is_valid_request_id(item.request_id) else ""
-    request_id = own or new_request_id()
-    traceparent = item_context.traceparent if item_context else ""
-    trace = item_trace(call_trace, traceparent, request_id, index)
-    trace_id = (
-        format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
-    ) or call_ids.trace_id
-    ids = RequestContext(request_id, trace_id)
-    bind_request(ids)
-    if trace is not None:
-        bind_trace(trace)
-        # What the item's upstream attempts carry (inject_context reads OpenTelemetry's
-        # current span): in this task's own context only. Without spans, no node made
-        # it current, and an item that sent its traceparent was logged by the
-        # capability under the call's trace, not the one it was answered with.
-        otel_context.attach(set_span_in_context(trace.server_span))
+    ids, trace = _enter_item(item, item_context, call_ids, call_trace, index)
+    trace_id = ids.trace_id
     # What the item was answered, for its span: None for an answer.
     failure: BaseException | None = None
     try:
@@ -338,13 +350,53 @@ async def classify_item(
         failure = internal_error(ids.request_id, trace_id)
         result.error.CopyFrom(item_status(failure, ids.request_id, trace_id))
     finally:
-        if trace is None or not trace.outcome_counted_elsewhere:
-            _count_outcome(outcomes, trace, failure)
-        if result.HasField("error"):
-            _log_failed_item(result.error, call_ids)
-        # Only an item span of its own is ended here; the call's ends with the call.
-        if trace is not None and trace.makes_spans:
-            _end_item_span(trace.server_span, failure)
+        _leave_item(result, trace, failure, call_ids, outcomes)
+
+
+def _enter_item(
+    item: pb.ClassifyRequest,
+    item_context: pb.ItemContext | None,
+    call_ids: RequestContext,
+    call_trace: RequestTrace | None,
+    index: int | None,
+) -> tuple[RequestContext, RequestTrace | None]:
+    """An item's IDs and trace, bound to the current context (its task's own)."""
+    # As a single call's: its own request_id when valid, else a fresh one (an invalid
+    # one is reported in its violations, not echoed back as its ID).
+    own = item.request_id if is_valid_request_id(item.request_id) else ""
+    request_id = own or new_request_id()
+    traceparent = item_context.traceparent if item_context else ""
+    trace = item_trace(call_trace, traceparent, request_id, index)
+    trace_id = (
+        format_trace_id(trace.server_span) if trace is not None else call_ids.trace_id
+    ) or call_ids.trace_id
+    ids = RequestContext(request_id, trace_id)
+    bind_request(ids)
+    if trace is not None:
+        bind_trace(trace)
+        # What the item's upstream attempts carry (inject_context reads OpenTelemetry's
+        # current span): in this task's own context only. Without spans, no node made
+        # it current, and an item that sent its traceparent was logged by the
+        # capability under the call's trace, not the one it was answered with.
+        otel_context.attach(set_span_in_context(trace.server_span))
+    return ids, trace
+
+
+def _leave_item(
+    result: pb.ClassifyBatchResult,
+    trace: RequestTrace | None,
+    failure: BaseException | None,
+    call_ids: RequestContext,
+    outcomes: RequestOutcomes,
+) -> None:
+    """An answered item's outcome counted, its failure logged, its own span ended."""
+    if trace is None or not trace.outcome_counted_elsewhere:
+        _count_outcome(outcomes, trace, failure)
+    if result.HasField("error"):
+        _log_failed_item(result.error, call_ids)
+    # Only an item span of its own is ended here; the call's ends with the call.
+    if trace is not None and trace.makes_spans:
+        _end_item_span(trace.server_span, failure)
 
 
 def _count_outcome(

@@ -275,7 +275,7 @@ class Dispatcher:
             # answer carries every item.
             if not await answer_items_by(items, due):
                 # An item cancelled before its task first ran has no answer yet.
-                answer_unstarted(results, request.items, ids, self._outcomes)
+                answer_unstarted(results, request, ids, call_trace, self._outcomes)
                 self._late_answers.record(len(results), loop.time() - due_at)
         except asyncio.CancelledError as cancelled:
             if not is_cut_off(cancelled):
@@ -283,7 +283,7 @@ class Dispatcher:
             # The server's grace is over: the items answered keep their answers, and
             # each other one says SERVER_DRAINING, so the caller sends only those again
             # (answered whole, it sent every item again). Answered now, not cancelled.
-            answer_unstarted(results, request.items, ids, self._outcomes, cut_off=True)
+            answer_unstarted(results, request, ids, call_trace, self._outcomes, cut_off=True)
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()

@@ -22,6 +22,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common import interceptor, tracing
+from orchestrator import batch_items
 from orchestrator.batch_items import BATCH_ITEM_SPAN_NAME
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.server import OrchestratorServer
@@ -241,3 +242,56 @@ async def test_without_spans_an_items_own_traceparent_reaches_the_capability(
 
     await wait_until(capability_lines, "the capability's line for the item's call")
     assert [line["trace_id"] for line in capability_lines()] == [item_trace]
+
+
+async def test_items_due_before_they_start_are_answered_under_their_own_ids(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    span_exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call whose answer is due at once (its deadline shorter than the time kept to
+    answer its items): no item's task ever ran. Each was answered under the call's
+    trace ID, not its own traceparent's, with no span and no log line of its own."""
+    collector = LineCollector()
+    items_log = logging.getLogger(batch_items.__name__)
+    items_log.addHandler(collector)
+    caplog.set_level(logging.INFO, logger=batch_items.__name__)  # "batch item failed"
+    server = await orchestrator_with(
+        "version: 1\n"
+        f"backends:\n  live: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n  - {name: default, backend: live}\n"
+    )
+    count = 4
+    trace_ids = [f"{index + 1:032x}" for index in range(count)]
+    request = pb.ClassifyBatchRequest(
+        items=[
+            pb.ClassifyRequest(text=STRIKER, request_id=f"unstarted-{index}")
+            for index in range(count)
+        ],
+        item_contexts=[
+            pb.ItemContext(traceparent=f"00-{trace_id}-{index + 1:016x}-01")
+            for index, trace_id in enumerate(trace_ids)
+        ],
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            response = await stub.ClassifyBatch(request, timeout=0.06)
+    finally:
+        items_log.removeHandler(collector)
+    failed_lines = [json.loads(line) for line in collector.lines]
+    logged = {(line["request_id"], line["trace_id"]) for line in failed_lines}
+    for index, (result, trace_id) in enumerate(zip(response.results, trace_ids, strict=True)):
+        assert result.error.message == ANSWER_DUE_MESSAGE
+        (info,) = unpack(result.error, ErrorInfo)
+        request_id = f"unstarted-{index}"
+        assert (info.metadata["x-request-id"], info.metadata["x-trace-id"]) == (
+            request_id,
+            trace_id,
+        )
+        assert (request_id, trace_id) in logged
+        spans = await item_spans(span_exporter, trace_id, 1)
+        assert list(spans) == [request_id]
+        attributes = dict(spans[request_id].attributes or {})
+        assert attributes["rpc.response.status_code"] == "DEADLINE_EXCEEDED"
