@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from ai.classify.v1 import classify_service_pb2 as pb  # noqa: E402
 from ai.classify.v1 import classify_service_pb2_grpc as pb_grpc  # noqa: E402
-from bench.load_clients import percentile  # noqa: E402
+from bench.load_clients import CALLERS_PER_CONNECTION, OWN_CONNECTION, percentile  # noqa: E402
 from capability.model import TextClassifier  # noqa: E402
 from capability.workers.threads import CpuLanes  # noqa: E402
 from classify_common.metrics import RPC_DURATION_SECONDS  # noqa: E402
@@ -49,6 +49,8 @@ BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 START_TIMEOUT_SECONDS = 120.0
 # Seconds a server gets to drain and exit after SIGTERM before it is killed.
 STOP_TIMEOUT_SECONDS = 30.0
+# Fewest connections drive() opens (as many as clients, below it).
+DRIVE_CONNECTIONS = 8
 # Seconds one benchmark call may take before it counts as an error.
 CALL_TIMEOUT_SECONDS = 30.0
 # A level is marked noisy when other processes used more than this many cores during
@@ -376,10 +378,27 @@ async def drive(
             progress.show(f"{elapsed:.0f}/{seconds:.0f} s, {len(latencies)} calls")
             await asyncio.sleep(0.5)
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.ClassifyServiceStub(channel)
+    # A connection per CALLERS_PER_CONNECTION clients, and at least DRIVE_CONNECTIONS
+    # (as many clients have): one for all reached one worker of an orchestrator with
+    # --processes, and two still landed on one worker about half the time.
+    connections = min(
+        concurrency, max(DRIVE_CONNECTIONS, math.ceil(concurrency / CALLERS_PER_CONNECTION))
+    )
+    async with contextlib.AsyncExitStack() as channels:
+        stubs = [
+            pb_grpc.ClassifyServiceStub(
+                await channels.enter_async_context(
+                    grpc.aio.insecure_channel(target, options=OWN_CONNECTION)
+                )
+            )
+            for _ in range(connections)
+        ]
+
+        def stub_of(client_index: int) -> pb_grpc.ClassifyServiceAsyncStub:
+            return stubs[client_index % connections]
+
         warm_up = await asyncio.gather(
-            *(send(stub, i) for i in range(concurrency)), return_exceptions=True
+            *(send(stub_of(i), i) for i in range(concurrency)), return_exceptions=True
         )
         for outcome in warm_up:
             if isinstance(outcome, grpc.aio.AioRpcError):
@@ -395,7 +414,7 @@ async def drive(
             ticker = asyncio.create_task(tick(started)) if progress and progress.live else None
             try:
                 stop_at = started + seconds
-                await asyncio.gather(*(client(stub, i, stop_at) for i in range(concurrency)))
+                await asyncio.gather(*(client(stub_of(i), i, stop_at) for i in range(concurrency)))
             finally:
                 if ticker:
                     ticker.cancel()
@@ -407,7 +426,7 @@ async def drive(
         "requests_per_second": ok_calls / elapsed,
         "calls_per_second": len(latencies) / elapsed,
         "texts_per_second": answered / elapsed,
-        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+        "p50_ms": percentile(latencies, 0.5) * 1000,
         "p99_ms": percentile(latencies, 0.99) * 1000,
         "errors": errors,
         "first_error": first_error,

@@ -39,6 +39,10 @@ CALLERS_PER_PROCESS = 128
 # Callers sharing one connection (many callers are many clients; 16 per connection
 # and 128 measured the same).
 CALLERS_PER_CONNECTION = 32
+# Each channel its own connection: by default, the channels of one process to one
+# target share one (gRPC's global subchannel pool), so every caller of a process
+# reached one orchestrator worker of several (SO_REUSEPORT spreads connections).
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 # Calls without a deadline still get one, long enough never to matter.
 NO_DEADLINE_SECONDS = 30.0
 # A call is late when it ends more than this past its deadline. gRPC ends a call at
@@ -184,7 +188,7 @@ class ProcessShare:
 async def _drive(share: ProcessShare) -> PhaseRecord:
     record = PhaseRecord()
     channels = [
-        grpc.aio.insecure_channel(share.target)
+        grpc.aio.insecure_channel(share.target, options=OWN_CONNECTION)
         for _ in range(math.ceil(share.callers / CALLERS_PER_CONNECTION))
     ]
     try:

@@ -161,6 +161,7 @@ def summarise(
         MODEL_FORWARD_TOTAL,
         NEWEST_FIRST_BATCHES_TOTAL,
     )
+    from classify_common.metrics import REQUESTS_TOTAL
     from orchestrator.metrics import MODEL_FALLBACK_TOTAL
 
     ok = record.outcomes.get("OK", 0)
@@ -178,6 +179,9 @@ def summarise(
         "ok_per_second": ok / elapsed,
         # OK answers that came from a route's fallback (0 without one).
         "fallback_answers": observed.delta("orchestrator", MODEL_FALLBACK_TOTAL),
+        # Calls the front door's handlers ended (counted once each, whatever their
+        # outcome): the rest ran out at their caller's deadline before one began.
+        "handled": observed.delta("orchestrator", REQUESTS_TOTAL),
         # What the capability did with the texts it took in: its batches, how many of
         # them went newest first (the queue stood), and the texts it answered
         # DEADLINE_EXCEEDED uncomputed, by where their time ran out.
@@ -394,12 +398,28 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"- {line}")
 
 
+def missed_share(phase: Mapping[str, Any]) -> float:
+    """The share of a phase's calls that ended past their deadline: more than 50 ms late
+    at the caller, or at it unanswered (gRPC ends a call at its deadline on the caller's
+    side, so "late" alone sees only the callers' own lag, and a call the service let
+    run out is what the target is about)."""
+    return float(phase["late_share"] + phase["unanswered_share"])
+
+
 def meets_targets(phase: Mapping[str, Any], capacity: float) -> bool:
-    """Whether an overload phase meets issue 12's goodput, lateness and refusal targets."""
+    """Whether an overload phase meets issue 12's goodput, lateness and refusal targets.
+    A phase with no refusal meets the refusal target only if no call ran out
+    unanswered: the excess was then neither served nor refused."""
+    refusal_p99 = phase["refusal_p99_ms"]
+    refused_promptly = (
+        refusal_p99 <= REFUSAL_P99_TARGET_MS
+        if not math.isnan(refusal_p99)
+        else phase["unanswered_share"] == 0
+    )
     return (
         phase["ok_per_second"] / capacity >= GOODPUT_TARGET
-        and phase["late_share"] <= LATE_SHARE_TARGET
-        and not phase["refusal_p99_ms"] > REFUSAL_P99_TARGET_MS
+        and missed_share(phase) <= LATE_SHARE_TARGET
+        and refused_promptly
     )
 
 
@@ -427,12 +447,12 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
         met &= ok
         lines.append(
             f"{callers} callers: goodput {goodput:.2f} of capacity (target {GOODPUT_TARGET}), "
-            f"{phase['late_share'] * 100:.2f}% of calls > 50 ms late (target "
-            f"{LATE_SHARE_TARGET * 100:.1f}%), refusal p99 {phase['refusal_p99_ms']:.1f} ms "
-            f"(target {REFUSAL_P99_TARGET_MS:.0f}): {'met' if ok else 'NOT met'}; "
-            f"{phase['unanswered_share'] * 100:.2f}% ran out at their deadline unanswered "
-            "(the late share measures the callers' own lag: gRPC ends a call at its "
-            "deadline)" + callers_caveat(phase, os.cpu_count() or 1)
+            f"{missed_share(phase) * 100:.2f}% of calls past their deadline (target "
+            f"{LATE_SHARE_TARGET * 100:.1f}%: {phase['unanswered_share'] * 100:.2f}% ran out "
+            f"at it unanswered, {phase['late_share'] * 100:.2f}% ended > 50 ms after it), "
+            f"refusal p99 {phase['refusal_p99_ms']:.1f} ms "
+            f"(target {REFUSAL_P99_TARGET_MS:.0f}): {'met' if ok else 'NOT met'}"
+            + callers_caveat(phase, os.cpu_count() or 1)
         )
     if SCALED in phases:
         phase = phases[SCALED]
@@ -441,7 +461,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
         lines.append(
             f"{OVERLOAD_CALLERS[0]} callers, deadline {phase['deadline_ms']:.0f} ms "
             f"({SCALED_DEADLINE_CALL_TIMES:.0f}x a call's time at capacity): goodput "
-            f"{goodput:.2f}, {phase['late_share'] * 100:.2f}% > 50 ms late, refusal p99 "
+            f"{goodput:.2f}, {missed_share(phase) * 100:.2f}% past their deadline, refusal p99 "
             f"{phase['refusal_p99_ms']:.1f} ms: the targets {'met' if ok else 'NOT met'} "
             "(informational: the 300 ms of the issue, scaled to this machine)"
         )
@@ -456,7 +476,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
             f"with routes.yaml's fallback, {OVERLOAD_CALLERS[-1]} callers: "
             f"{phase['ok_per_second']:,.0f} OK/s ({phase['ok_per_second'] / capacity:.2f} of "
             f"topic-minilm's capacity), {phase['fallback_answers'] / max(phase['ok'], 1):.0%} "
-            f"of them from the fallback; {phase['late_share'] * 100:.2f}% > 50 ms late "
+            f"of them from the fallback; {missed_share(phase) * 100:.2f}% past their deadline "
             "(informational: the targets are about shedding without a fallback)"
         )
     if STALLED in phases:
@@ -475,12 +495,18 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
             f"{stall['ok_per_second_before']:,.0f} OK/s of before {after} (informational)"
         )
     served = phases["capacity"]["cpu_us_per_call"]
-    refused = phases["refusal cost"]["cpu_us_per_call"]
+    hopeless = phases["refusal cost"]
+    refused = hopeless["cpu_us_per_call"]
     served_total = served["orchestrator"] + served["capability"]
     refused_total = refused["orchestrator"] + refused["capability"]
+    # Most of these calls run out at their caller's 5 ms deadline before a handler
+    # begins: the figure is per call sent, and the mix says what those calls were.
     lines.append(
-        f"CPU per served call {served_total:,.0f} µs (both servers), per refused call "
-        f"{refused_total:,.0f} µs: {refused_total / served_total:.2f} of a served one"
+        f"CPU per served call {served_total:,.0f} µs (both servers); per call sent with a "
+        f"{HOPELESS_DEADLINE_SECONDS * 1000:.0f} ms deadline {refused_total:,.0f} µs "
+        f"({refused_total / served_total:.2f} of a served one): of its "
+        f"{hopeless['calls']:,} calls, {hopeless['handled']:,.0f} reached a handler and "
+        f"{hopeless['refusals']:,} were refused there; the rest ran out first"
     )
     return {"met": met, "lines": lines}
 

@@ -458,13 +458,24 @@ def test_the_scaled_deadline_is_the_issues_300_ms_on_the_machine_it_was_written_
 def test_an_overload_phase_meets_the_targets_only_with_all_three() -> None:
     from bench.overload import meets_targets
 
-    good = {"ok_per_second": 80.0, "late_share": 0.001, "refusal_p99_ms": 10.0}
+    good = {
+        "ok_per_second": 80.0,
+        "late_share": 0.0005,
+        "unanswered_share": 0.0005,
+        "refusal_p99_ms": 10.0,
+    }
     assert meets_targets(good, capacity=100.0)
     assert not meets_targets({**good, "ok_per_second": 79.0}, capacity=100.0)
     assert not meets_targets({**good, "late_share": 0.002}, capacity=100.0)
     assert not meets_targets({**good, "refusal_p99_ms": 10.5}, capacity=100.0)
-    # No refusal at all (p99 of nothing is NaN) is no refusal too slow.
-    assert meets_targets({**good, "refusal_p99_ms": float("nan")}, capacity=100.0)
+    # A call that ran out at its deadline unanswered is past it: judged on the callers'
+    # lateness alone (gRPC ends a call at its deadline), 0.16% of them passed.
+    assert not meets_targets({**good, "unanswered_share": 0.0016}, capacity=100.0)
+    # No refusal at all (p99 of nothing is NaN) is no refusal too slow, unless calls
+    # ran out meanwhile: the excess was then neither served nor refused.
+    nothing_refused = {**good, "refusal_p99_ms": float("nan")}
+    assert meets_targets({**nothing_refused, "unanswered_share": 0.0}, capacity=100.0)
+    assert not meets_targets(nothing_refused, capacity=100.0)
 
 
 def test_a_phase_whose_callers_took_the_machine_says_so() -> None:
