@@ -12,7 +12,6 @@ each file that fails; use it in CI on every change to routes.yaml. `explain` ref
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -21,25 +20,11 @@ from classify_common.context import new_request_id
 from classify_common.errors import InvalidRequest
 from classify_common.validation import validate_request
 from orchestrator.routing.explain import explain, summarize
-from orchestrator.routing.match import PRIORITIES, RequestFacts
+from orchestrator.routing.match import PRIORITIES, RequestFacts, metadata_problem
 from orchestrator.routing.table import RoutesFileError, load_routes
 
 # The flag that sets each field of the ClassifyRequest `explain` checks.
 FLAGS = {"text": "--text", "model": "--model", "request_id": "--request-id"}
-# What gRPC sends as metadata: a key of these characters, and a text value of printable
-# ASCII. Routes see text values only, so a binary (-bin) key never matches one.
-_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
-
-
-def metadata_problem(name: str, value: str) -> str | None:
-    """Why a call could not carry `name: value` for a route to match, or None."""
-    if not _METADATA_KEY.fullmatch(name):
-        return "a metadata key holds only letters, digits, '-', '_' and '.'"
-    if name.endswith("-bin"):
-        return "a binary (-bin) value is never matched by a route"
-    if not all(" " <= char <= "~" for char in value):
-        return "a metadata value holds only printable ASCII"
-    return None
 
 
 def main() -> int:

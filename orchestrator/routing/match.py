@@ -17,10 +17,27 @@ sent them to.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 PRIORITIES = ("interactive", "batch")
+
+
+# What gRPC sends as metadata: a key of these characters, and a text value of printable
+# ASCII. Routes see text values only, so a binary (-bin) key never matches one.
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+
+
+def metadata_problem(name: str, value: str) -> str | None:
+    """Why a call could not carry `name: value` for a route to match, or None."""
+    if not _METADATA_KEY.fullmatch(name):
+        return "a metadata key holds only letters, digits, '-', '_' and '.'"
+    if name.endswith("-bin"):
+        return "a binary (-bin) value is never matched by a route"
+    if not all(" " <= char <= "~" for char in value):
+        return "a metadata value holds only printable ASCII"
+    return None
 
 
 @dataclass(frozen=True)

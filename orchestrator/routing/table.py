@@ -34,6 +34,7 @@ from orchestrator.routing.match import (
     HeaderMatch,
     RequestFacts,
     RouteMatch,
+    metadata_problem,
     shadow_slot,
 )
 
@@ -234,7 +235,7 @@ def _retry_policy(spec: Fields) -> RetryPolicy:
             retryable_codes=parsed_codes,
         )
     except ValueError as exc:
-        raise RoutesFileError(spec.where, str(exc)) from None
+        raise _refused_at_its_key(spec, exc, otherwise="retryable_codes") from None
 
 
 _MATCH_KEYS = ("model", "priority", "min_chars", "max_chars", "header", "percent")
@@ -254,6 +255,8 @@ def _route_match(spec: Fields) -> RouteMatch:
     if priority is not None and priority not in PRIORITIES:
         raise RoutesFileError(spec.path("priority"), f"{priority!r} is not one of {PRIORITIES}")
     low, high = _char_count(spec, "min_chars"), _char_count(spec, "max_chars")
+    if low == 0:
+        low = None  # every text has 0 characters or more: no condition (see is_catch_all)
     if low is not None and high is not None and low > high:
         raise RoutesFileError(spec.where, "min_chars is greater than max_chars")
     header = (
@@ -285,6 +288,15 @@ def _header_match(spec: Fields) -> HeaderMatch:
         raise RoutesFileError(spec.path("name"), "expected a metadata key")
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         raise RoutesFileError(spec.path("values"), "expected a non-empty list of strings")
+    # A route no call can match would pass silently: `explain` refused such a header,
+    # and the server never sees one.
+    problem = metadata_problem(name.lower(), "")
+    if problem is not None:
+        raise RoutesFileError(spec.path("name"), f"{name!r}: {problem}")
+    for index, value in enumerate(values):
+        problem = metadata_problem(name.lower(), value)
+        if problem is not None:
+            raise RoutesFileError(f"{spec.path('values')}[{index}]", f"{value!r}: {problem}")
     return HeaderMatch(name=name.lower(), values=frozenset(values))
 
 
@@ -351,6 +363,13 @@ def _route_table(top: Fields) -> RouteTable:
     backend_specs = top.raw("backends")
     if not isinstance(backend_specs, dict) or not backend_specs:
         raise RoutesFileError("backends", "expected a non-empty mapping of name to backend")
+    for name in backend_specs:
+        if not isinstance(name, str):
+            # YAML reads a bare on/off/yes/no/null key as a bool or None: a path made of
+            # it names neither the key as written nor its line.
+            raise RoutesFileError(
+                "backends", f"backend name {name!r} is not a string: quote the name"
+            )
     backends = {name: _backend(name, spec) for name, spec in backend_specs.items()}
     route_specs = top.raw("routes")
     if not isinstance(route_specs, list) or not route_specs:
@@ -486,7 +505,7 @@ def _outlier_settings(spec: Fields) -> OutlierSettings:
             max_ejected_percent=percent,
         )
     except ValueError as exc:
-        raise RoutesFileError(spec.where, str(exc)) from None
+        raise _refused_at_its_key(spec, exc) from None
 
 
 def _retry_budget(spec: Fields) -> RetryBudgetSettings:
@@ -499,7 +518,21 @@ def _retry_budget(spec: Fields) -> RetryBudgetSettings:
             ratio=ratio, min_retries_per_second=floor, window_seconds=int(window)
         )
     except ValueError as exc:
-        raise RoutesFileError(spec.where, str(exc)) from None
+        raise _refused_at_its_key(spec, exc) from None
+
+
+def _refused_at_its_key(
+    spec: Fields, refusal: ValueError, otherwise: str | None = None
+) -> RoutesFileError:
+    """A settings class's refusal of a section's values, at the key its message names
+    first (each says "<key> <value> is outside ..."), else at `otherwise`, else at the
+    section: the line of the bad value, not of the section's name."""
+    message = str(refusal)
+    named = message.split(" ", 1)[0]
+    for key in (named, otherwise):
+        if key is not None and key in spec:
+            return RoutesFileError(spec.path(key), message)
+    return RoutesFileError(spec.where, message)
 
 
 def load_routes(path: Path) -> RouteTable:

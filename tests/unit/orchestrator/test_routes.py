@@ -343,3 +343,61 @@ def test_check_command_names_a_backend_name_of_the_wrong_type(tmp_path: Path) ->
         1,
         f"{path}:9: routes[0].backend: expected a backend name, got list\n",
     )
+
+
+# Each refused at the line and path of the value at fault, where `check` said "ok" to
+# the first three (a route no call could ever take, or one that hid every route after
+# it) or named another line.
+REFUSED_AT_THEIR_VALUE = [
+    pytest.param(
+        "    match: {header: {name: x-tenant-bin, values: [acme]}}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "9: routes[0].match.header.name: 'x-tenant-bin': a binary (-bin) value is never "
+        "matched by a route",
+        id="binary-header",
+    ),
+    pytest.param(
+        "    match: {header: {name: x-tenant, values: [acmeé]}}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "9: routes[0].match.header.values[0]: 'acmeé': a metadata value holds only printable ASCII",
+        id="header-value",
+    ),
+    pytest.param(
+        "    match: {min_chars: 0}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "8: routes[0]: matches everything; the routes after it are never used",
+        id="min-chars-zero",
+    ),
+    pytest.param(
+        "    backend: topic-minilm\n    retry:\n      retryable_codes: [UNAVAILABLE]\n"
+        "      max_attempts: 9\n",
+        "12: routes[0].retry.max_attempts: max_attempts 9 is outside 1..5",
+        id="retry-attempts",
+    ),
+    pytest.param(
+        "    backend: topic-minilm\n    retry:\n      max_attempts: 2\n"
+        "      retryable_codes: [INTERNAL]\n",
+        "12: routes[0].retry.retryable_codes: INTERNAL may not be retried",
+        id="retry-codes",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route_lines", "message"), REFUSED_AT_THEIR_VALUE)
+def test_a_value_no_call_could_use_is_refused_at_its_line(
+    tmp_path: Path, route_lines: str, message: str
+) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID.replace("    backend: topic-minilm\n", route_lines))
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    assert str(caught.value).startswith(f"{path}:{message}")
+
+
+def test_a_backend_name_yaml_reads_as_a_bool_is_refused_asking_for_quotes(
+    tmp_path: Path,
+) -> None:
+    # Unquoted, `on` is True: the path said `backends.True` at another key's line.
+    with pytest.raises(RoutesFileError) as caught:
+        load_text(tmp_path, VALID.replace("  topic-minilm:\n", "  on:\n"))
+    assert "backends: backend name True is not a string: quote the name" in str(caught.value)
