@@ -292,7 +292,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 in_handlers.discard(this_call)
                 elapsed = time.perf_counter() - started
-                exemplar = exemplar_for(ids.trace_id, server_span, code.name)
+                exemplar = exemplar_for(
+                    ids.trace_id, server_span, code.name, timed_out=request_trace.timed_out
+                )
                 self._metrics.observe(method, code.name, elapsed, exemplar)
                 if outcomes is not None and not request_trace.outcome_counted_elsewhere:
                     # A call refused whole, before its items were served, is a refusal

@@ -139,15 +139,18 @@ def spans_are_exported() -> bool:
     return _exporting
 
 
-def exemplar_for(trace_id: str, span: trace.Span, code: str) -> dict[str, str] | None:
+def exemplar_for(
+    trace_id: str, span: trace.Span, code: str, *, timed_out: bool = False
+) -> dict[str, str] | None:
     """The exemplar labels that link a latency to its trace, or None where the trace
     will not be found: spans go nowhere, or its trace was not sampled and the call
-    (ended with `code`, a status code's name) was no server fault, whose held spans
-    are exported all the same (classify_common.span_export). A dashboard's exemplar
-    must open a trace."""
+    (ended with `code`, a status code's name) was neither a server fault nor timed out
+    (`timed_out`: answered PROCESSING, or with its result kept), whose held spans are
+    exported all the same (classify_common.span_export). A dashboard's exemplar must
+    open a trace."""
     if not trace_id or not _exporting:
         return None
-    if span.get_span_context().trace_flags.sampled or code in SERVER_FAULT_NAMES:
+    if span.get_span_context().trace_flags.sampled or code in SERVER_FAULT_NAMES or timed_out:
         return {"trace_id": trace_id}
     return None
 

@@ -204,7 +204,12 @@ class Dispatcher:
             code = cancelled_code(cancelled).name
             raise
         finally:
-            exemplar = exemplar_for(ids.trace_id, trace.get_current_span(), code)
+            exemplar = exemplar_for(
+                ids.trace_id,
+                trace.get_current_span(),
+                code,
+                timed_out=request_trace is not None and request_trace.timed_out,
+            )
             if answered_early:
                 if request_trace is not None:
                     request_trace.outcome_counted_elsewhere = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -394,3 +396,27 @@ async def test_a_failed_result_names_the_trace_it_failed_in(
     assert info.metadata["result_trace_id"] == first.trace_id
     assert info.metadata["x-request-id"] == "fails-1"
     assert info.metadata["x-trace-id"] != first.trace_id  # the poll's own
+
+
+async def test_an_unsampled_processing_answer_leaves_an_exemplar_for_its_kept_trace(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A call answered PROCESSING keeps its trace whatever the sampling (a time-out):
+    the latency of its answer, the slowest of the route's, still linked to no trace."""
+    trace_id = uuid.uuid4().hex
+    unsampled = (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-00"),)
+    server = await start_orchestrator(capability, tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(capability.pool.workers[0]):
+                answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), metadata=unsampled)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert (answer.status, answer.trace_id) == (pb.RESULT_STATUS_PROCESSING, trace_id)
+    # prometheus_client's OpenMetrics writer has no type hints.
+    exposition = generate_openmetrics(server.registry).decode()  # type: ignore[no-untyped-call]
+    assert any(
+        f'# {{trace_id="{trace_id}"}}' in line and 'code="PROCESSING"' in line
+        for line in exposition.splitlines()
+    )
