@@ -294,6 +294,33 @@ def _check_json_depth(text: str, source: str, max_depth: int) -> None:
             depth -= 1
 
 
+# A \uD800-\uDFFF escape: half of a pair, which JSON allows alone. Looked for in the
+# text first, so that only a document with one is walked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _refuse_lone_surrogates(value: Any, source: str) -> None:
+    """MalformedDocument if a string of `value` (a key or a value) holds half of a
+    surrogate pair: no UTF-8 can carry it, and a label made of one loaded, then broke
+    every answer that named it (protobuf strings are UTF-8)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise MalformedDocument(
+                    source,
+                    f"the string {item!r} holds half of a surrogate pair (a lone \\u escape)",
+                ) from None
+
+
 def parse_json(data: bytes | str, source: str, *, max_depth: int = MAX_DOCUMENT_DEPTH) -> Any:
     """The value of a JSON text, within the bounds."""
     text = _decode(data, source)
@@ -311,7 +338,7 @@ def parse_json(data: bytes | str, source: str, *, max_depth: int = MAX_DOCUMENT_
         return value  # unreachable: a shorter dict means some key came twice
 
     try:
-        return json.loads(text, object_pairs_hook=refuse_duplicates)
+        value = json.loads(text, object_pairs_hook=refuse_duplicates)
     except json.JSONDecodeError as exc:
         raise MalformedDocument(
             source, f"not valid JSON: {exc.msg}", line=exc.lineno, column=exc.colno
@@ -321,6 +348,9 @@ def parse_json(data: bytes | str, source: str, *, max_depth: int = MAX_DOCUMENT_
     except ValueError as exc:
         # An integer too long for int() (over sys.get_int_max_str_digits() digits).
         raise MalformedDocument(source, f"not valid JSON: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(value, source)
+    return value
 
 
 def load_yaml(path: Path, *, source: str | None = None, max_bytes: int = MAX_DOCUMENT_BYTES) -> Any:

@@ -106,7 +106,12 @@ class CallerGate:
             raise Unauthenticated(
                 "send an API key as `authorization: Bearer <key>`", cause="missing_key"
             )
-        caller = self._keys.identify(header[len(BEARER) :].strip())
+        key = header[len(BEARER) :].strip()
+        if not key:
+            raise Unauthenticated(
+                "send an API key as `authorization: Bearer <key>`", cause="missing_key"
+            )
+        caller = self._keys.identify(key)
         if caller is None:
             raise Unauthenticated("the API key is not valid", cause="unknown_key")
         return caller

@@ -42,6 +42,7 @@ ROLES = ("user", "admin")
 DEFAULT_TENANT_LIMIT = "default_tenant_limit"
 KEY_PREFIX = "ck_"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_EMPTY_KEY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,9 @@ def _caller(entry: Fields) -> tuple[str, Caller]:
     digest = entry.string("sha256")
     if not _HEX64.fullmatch(digest):
         raise FieldRefused(entry.path("sha256"), "not 64 lower-case hex digits")
+    if digest == _EMPTY_KEY_DIGEST:
+        # A template whose key variable was empty: it would let `Bearer ` in.
+        raise FieldRefused(entry.path("sha256"), "the hash of an empty key")
     # A label: any scalar, as YAML reads it.
     key_id = str(entry.raw("id"))
     # A name, matched against the names under `tenants`, and what keeps tenants'

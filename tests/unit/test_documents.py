@@ -142,3 +142,16 @@ def test_composed_nodes_keep_their_lines() -> None:
     assert isinstance(node, yaml.MappingNode)
     (_, inner), *_ = node.value
     assert inner.start_mark.line + 1 == 2
+
+
+def test_half_of_a_surrogate_pair_in_json_is_refused_and_a_whole_pair_read() -> None:
+    """JSON allows a lone \\uD800 escape, which no UTF-8 can carry: a label made of one
+    loaded and passed `verify --load`, then broke every answer that named it."""
+    with pytest.raises(MalformedDocument, match="half of a surrogate pair"):
+        parse_json(b'{"labels": ["pos\\ud800"]}', "config.json")
+    with pytest.raises(MalformedDocument, match="half of a surrogate pair"):
+        parse_json(b'{"\\udfff": 1}', "config.json")
+    assert parse_json(b'{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}', "x") == {
+        "a": "\U0001f600",
+        "b": "\\ud800",
+    }

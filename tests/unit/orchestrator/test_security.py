@@ -141,8 +141,9 @@ async def call(server: Any, **kwargs: Any) -> pb.ClassifyResponse:
         ((("authorization", ACME_KEY),), "missing_key"),
         (bearer("ck_not-a-key") + bearer(ACME_KEY), "repeated_key"),
         (bearer(ACME_KEY) + bearer(ACME_KEY), "repeated_key"),
+        ((("authorization", "Bearer   "),), "missing_key"),
     ],
-    ids=["no-key", "wrong-key", "not-bearer", "wrong-then-valid", "valid-twice"],
+    ids=["no-key", "wrong-key", "not-bearer", "wrong-then-valid", "valid-twice", "empty-key"],
 )
 async def test_missing_or_wrong_key_is_refused_before_any_model(
     secured: Start, metadata: tuple[tuple[str, str], ...], cause: str
@@ -348,6 +349,13 @@ async def test_bytes_that_are_no_message_are_refused_for_the_key_and_rate_first(
             f"  - {{id: c, sha256: {'c' * 64}, tenant: t, role: user}}\n"
             f"  - {{id: d, sha256: {'b' * 64}, tenant: u, role: admin}}\n",
             "keys[2].sha256: the same key as keys[0]",
+        ),
+        # The hash of "" (a template's empty key variable): `Bearer ` would get in.
+        (
+            "keys:\n  - {id: a, sha256: "
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855, "
+            "tenant: t, role: admin}\n",
+            "keys[0].sha256: the hash of an empty key",
         ),
     ],
 )
