@@ -55,10 +55,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from capability.bundle import BundleError, LoadedBundle, ModelLoadError
+from capability.bundle.errors import BundleFileMissing
+from capability.bundle.files import BundleFolder
 from capability.config import CapabilitySettings, ModelServingSettings
 from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
+from classify_common.documents import MAX_DOCUMENT_BYTES
 from classify_common.errors import ModelNotFound, ReloadRefused
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 
@@ -228,11 +231,21 @@ def _manifest_state(manifest: Path) -> tuple[int, int, int, int] | None:
 
 def _folder_change(manifest: Path, digest: str) -> str | None:
     """How the folder whose manifest.json is `manifest` differs from the bundle of
-    `digest` loaded from it: FOLDER_REMOVED, FOLDER_REPLACED, or None (the same)."""
+    `digest` loaded from it: FOLDER_REMOVED, FOLDER_REPLACED, or None (the same).
+
+    Read as a load reads it (capped, never through a link, never waiting on a FIFO):
+    read whole by its path, a manifest replaced by a 1 GiB file cost 1 GiB of memory
+    at every look, one linked to /dev/zero grew until memory ran out, and a FIFO
+    stopped the watch of every model."""
     try:
-        raw = manifest.read_bytes()
-    except OSError:
+        with BundleFolder(manifest.parent) as folder:
+            raw = folder.read_bounded(manifest.name, MAX_DOCUMENT_BYTES)
+    except FileNotFoundError:
         return FOLDER_REMOVED
+    except BundleFileMissing:
+        return FOLDER_REMOVED  # the folder itself is gone
+    except (BundleError, OSError):
+        return FOLDER_REPLACED  # a link, a FIFO, too large: not the manifest loaded
     return None if hashlib.sha256(raw).hexdigest() == digest else FOLDER_REPLACED
 
 

@@ -161,7 +161,10 @@ routes:
         ("    fallback: [c]\n", "routes[0].fallback[0]: unknown backend 'c'"),
         ("    fallback: [a]\n", "routes[0].fallback[0]: backend 'a' is already tried earlier"),
         ("    fallback: [b, b]\n", "routes[0].fallback[1]: backend 'b' is already tried earlier"),
-        ("    retry: {max_attempts: 9}\n", "routes[0].retry: max_attempts 9 is outside 1..5"),
+        (
+            "    retry: {max_attempts: 9}\n",
+            "routes[0].retry.max_attempts: max_attempts 9 is outside 1..5",
+        ),
         (
             "    retry: {retryable_codes: [INVALID_ARGUMENT]}\n",
             "INVALID_ARGUMENT may not be retried",
