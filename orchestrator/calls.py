@@ -255,7 +255,7 @@ class RouteCaller:
         The node starts as not sent (CLASSIFY_SENT) and the coalescer marks it sent."""
         backend = pool.backend
         select_started = time.time_ns()
-        target = pool.pick(avoid=tried)
+        target = pool.pick(avoid=tried, time_left=call.time_left())
         selected = time.time_ns()
         tried.add(target)
         remaining = call.time_left()

@@ -11,7 +11,12 @@ once, before it costs either process anything more.
 A report ages: the queue it describes drains while no new report arrives (for
 example because every request was refused on the strength of it), so the
 queue part of the wait counts down from when the report was received. The
-service part does not: a text's own batch takes that long whenever it starts.
+service part is trusted for REPORT_LIFETIME_SECONDS after the queue has
+drained, and then the report is not: the batch it sized was sized by the queue
+of then (a deep queue's report says "a full batch"), and a replica restarted
+at the same address is another. Trusted for ever, one report of a slow batch
+kept every call with a shorter deadline from the replica, and so kept any new
+report from coming; past it, the next call goes, and brings one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from ai.classify.v1 import classify_service_pb2 as pb
+
+# Seconds a report's service time is trusted once its queue wait has run out.
+REPORT_LIFETIME_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +46,12 @@ class ReplicaLoad:
     handled: float = 0.0
 
     def wait_at(self, now: float) -> float:
-        """Predicted seconds from sending a short text now to its answer."""
-        return max(self.queue_wait - (now - self.received_at), 0.0) + self.service
+        """Predicted seconds from sending a short text now to its answer (0 once the
+        report is too old to say: see the module docstring)."""
+        queue_left = self.queue_wait - (now - self.received_at)
+        if queue_left < -REPORT_LIFETIME_SECONDS:
+            return 0.0
+        return max(queue_left, 0.0) + self.service
 
 
 def read_load_report(raw: bytes, received_at: float) -> ReplicaLoad | None:

@@ -271,11 +271,16 @@ class BackendPool:
         """Metadata that authenticates the orchestrator to capability servers."""
         return self._credentials
 
-    def pick(self, avoid: Collection[str] = ()) -> str:
+    def pick(self, avoid: Collection[str] = (), time_left: float | None = None) -> str:
         """The replica with the fewest items outstanding (sent and not answered, or
         gathering), the first in turn on a tie, among those not ejected, not failing
-        their connection, and not in `avoid` (already tried) if there is one; else not
-        ejected nor failing; else the next in turn.
+        their connection, not in `avoid` (already tried), and whose reported wait fits
+        in `time_left` (seconds; None: any), if there is one; else not ejected nor
+        failing; else the next in turn.
+
+        A replica whose report says it cannot answer in time refuses such a call
+        unsent; it then had nothing outstanding, and so took nearly every call, and
+        refused it, while the replica beside it stood idle.
 
         Fewest outstanding, not plain turns: a replica that has stopped answering
         without closing its connections (a stopped process) holds its calls until
@@ -294,7 +299,10 @@ class BackendPool:
             target = replicas[(start + offset) % len(replicas)]
             if is_ejected(target) or channels[target].get_state() is _FAILING:
                 continue
-            if target in avoid:
+            if target in avoid or (
+                time_left is not None
+                and self.predicted_wait(target) > time_left - DEADLINE_SAFETY_MARGIN_SECONDS
+            ):
                 fallback = fallback or target
                 continue
             outstanding = coalescers[target].outstanding

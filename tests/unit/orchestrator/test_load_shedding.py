@@ -30,6 +30,7 @@ from orchestrator.metrics import (
     UPSTREAM_RETRIES_TOTAL,
 )
 from orchestrator.server import OrchestratorServer
+from orchestrator.upstream.load import REPORT_LIFETIME_SECONDS, read_load_report
 from tests.conftest import (
     STRIKER,
     StartCapability,
@@ -143,6 +144,54 @@ async def test_backend_reporting_a_long_queue_is_skipped_for_the_fallback_while_
             assert (again.fallback, busy_pod.calls) == (False, 3)
     finally:
         await server.stop(grace_seconds=0)
+
+
+async def test_a_replica_reporting_a_long_queue_is_passed_over_for_one_that_can_answer(
+    capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
+) -> None:
+    """Two replicas of one backend, one reporting 800 ms of queue. Chosen by fewest
+    items outstanding alone, the busy one (which refuses such calls unsent, and so
+    never has any) took its turn of every call, and refused it: half the calls failed
+    while the other replica stood idle."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\nbackends:\n"
+        f"  minilm: {{model: topic-minilm, targets: ['{busy_pod.address}',"
+        f" '127.0.0.1:{capability.port}']}}\n"
+        "routes:\n  - name: default\n    backend: minilm\n"
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            request = pb.ClassifyRequest(text=STRIKER)
+            # Patient calls until one has reached the busy pod and brought its report.
+            await wait_until(lambda: _reaches(stub, request, busy_pod), "the busy pod's report", 10)
+            answers = [await stub.Classify(request, timeout=DEADLINE_SECONDS) for _ in range(6)]
+        assert [answer.model.name for answer in answers] == ["topic-minilm"] * 6
+        assert busy_pod.calls == 1
+    finally:
+        await server.stop(grace_seconds=0)
+
+
+async def _reaches(
+    stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    request: pb.ClassifyRequest,
+    pod: FlakyPod,
+) -> bool:
+    await stub.Classify(request, timeout=5)
+    return pod.calls >= 1
+
+
+def test_a_load_report_is_trusted_for_a_second_past_its_queue_then_not() -> None:
+    """Trusted for ever, the service time of one report (a batch sized by the deep
+    queue of then) kept every call with a shorter deadline from the replica, and so
+    kept any newer report from coming."""
+    load = read_load_report(LONG_QUEUE.SerializeToString(), received_at=100.0)
+    assert load is not None
+    assert load.wait_at(100.0) == pytest.approx(0.805)
+    assert load.wait_at(100.8 + REPORT_LIFETIME_SECONDS - 0.01) == pytest.approx(0.005)
+    assert load.wait_at(100.8 + REPORT_LIFETIME_SECONDS + 0.01) == 0.0
 
 
 async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failure(
