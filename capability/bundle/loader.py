@@ -36,6 +36,7 @@ import io
 import pickle
 import stat
 import time
+import zipfile
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -513,6 +514,7 @@ def _read_weights(name: str, data: bytes, device: torch.device) -> dict[str, Ten
             return parse_safetensors(data)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise BundleError(f"{name}: cannot be read as safetensors: {exc}") from exc
+    _refuse_compressed_records(name, data)
     try:
         # weights_only restricts the unpickler to tensors and plain containers; a pickle
         # that names any other callable (os.system, a class's __reduce__) is refused
@@ -533,6 +535,29 @@ def _read_weights(name: str, data: bytes, device: torch.device) -> dict[str, Ten
     ):
         raise BundleError(f"{name}: expected a dict of tensor names to tensors")
     return loaded
+
+
+def _refuse_compressed_records(name: str, data: bytes) -> None:
+    """Refuse a `.pt` archive with a compressed record. torch.save stores its records
+    as they are, so a file's size bounds what it expands to, and the size check above
+    (_refuse_oversized_parts) relies on that; a deflated record of zeros 1,000 times
+    its size (a 0.5 MB head part holding 512 MiB) was expanded in memory, on the device
+    with a CUDA map_location, before its shape was checked."""
+    stream = io.BytesIO(data)
+    if not zipfile.is_zipfile(stream):
+        return  # torch's legacy format: its records are read from the file as they are
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise BundleError(f"{name}: cannot be read as a torch weights file: {exc}") from exc
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size > len(data):
+            raise BundleError(
+                f"{name}: record {record.filename!r} is compressed; a .pt part's records "
+                "must be stored as torch.save writes them, so that its size bounds "
+                "what it holds"
+            )
 
 
 def _load_part(

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -542,6 +543,30 @@ def test_pickled_code_is_refused_and_never_runs(static_bundle: Path, tmp_path: P
     with pytest.raises(UnsafeWeights, match=r"^head\.pt: refused"):
         load_bundle(bundle)
     assert not marker.exists()
+
+
+def test_a_pt_part_with_a_compressed_record_is_refused_before_it_expands(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    """torch.save stores records as they are, so a file's size bounds what it holds,
+    which the weight files' size check relies on. Deflated, a 0.5 MB head part held
+    512 MiB of zeros, expanded in memory before its shape was checked."""
+    bundle = writable_copy(static_bundle, tmp_path)
+    head = load_file(bundle / "head.safetensors")
+    head["padding"] = torch.zeros(1 << 20)  # 4 MiB, deflated to a few kilobytes
+    (bundle / "head.safetensors").unlink()
+    plain = tmp_path / "plain.pt"
+    torch.save(head, plain)
+    with (
+        zipfile.ZipFile(plain) as stored,
+        zipfile.ZipFile(bundle / "head.pt", "w", zipfile.ZIP_DEFLATED) as deflated,
+    ):
+        for record in stored.infolist():
+            deflated.writestr(record.filename, stored.read(record.filename))
+    assert (bundle / "head.pt").stat().st_size < 100_000
+    write_manifest(bundle)
+    with pytest.raises(BundleError, match=r"^head\.pt: record .* is compressed"):
+        load_bundle(bundle)
 
 
 def test_weights_only_pt_file_loads_like_safetensors(
