@@ -81,6 +81,15 @@ class OutlierDetector:
         self._max_ejected = min(
             len(targets) - 1, math.floor(len(targets) * self.settings.max_ejected_percent / 100)
         )
+        # Fewer replicas may allow fewer out: those due back first are readmitted now.
+        # (Kept, two of four ejected stayed out once the name held two, and then one.)
+        now = self._clock()
+        ejected = sorted(
+            (state for state in self._states.values() if state.ejected_until > now),
+            key=lambda state: state.ejected_until,
+        )
+        for state in ejected[: max(len(ejected) - self._max_ejected, 0)]:
+            state.ejected_until = 0.0
 
     def is_ejected(self, target: str) -> bool:
         return self._states[target].ejected_until > self._clock()

@@ -81,17 +81,19 @@ class RetryPacer:
         self._refused_now += 1
         rate = self._rate(now)
         jitter = self._rng.uniform(1 - self._jitter, 1 + self._jitter)
+        # The cap holds after the jitter too: jittered past it, hints said up to 12 s
+        # where the documented longest is 10.
         if rate <= 0:
             wait = floor if without_rate is None else without_rate
-            return min(max(wait, floor), self._max_seconds) * jitter
+            return min(max(wait, floor) * jitter, self._max_seconds)
         back = max(self._next_return, now + floor)
         if back - now > self._max_seconds:
             # Every return time up to the cap is taken.
-            return self._max_seconds * self._rng.uniform(0.5, 1.0) * jitter
+            return min(self._max_seconds * self._rng.uniform(0.5, 1.0) * jitter, self._max_seconds)
         # One caller's spacing is at most the cap, so a slow spell (a few calls a
         # second, stretched) books return times at most one cap past the cap.
         self._next_return = back + min(self.stretch / rate, self._max_seconds)
-        return (back - now) * jitter
+        return min((back - now) * jitter, self._max_seconds)
 
     def _roll(self, now: float) -> None:
         if now < self._window_ends:

@@ -195,6 +195,25 @@ def test_replicas_that_stay_keep_their_state_and_never_all_follows_the_count() -
     assert ejections == [1]
 
 
+def test_fewer_replicas_readmit_those_ejected_past_the_new_count_due_back_first() -> None:
+    """Two of four ejected, then the name holds two, then one: both stayed out, and
+    then the only replica was, until its time was up."""
+    now = [0.0]
+    detector = OutlierDetector(
+        ["a", "b", "c", "d"],
+        OutlierSettings(consecutive_failures=1, max_ejected_percent=50),
+        clock=lambda: now[0],
+    )
+    detector.record_failure("a")
+    now[0] += 0.1
+    detector.record_failure("b")  # due back 0.1 s after a
+    assert (detector.is_ejected("a"), detector.is_ejected("b")) == (True, True)
+    detector.track(["a", "b"])  # one of two may be out
+    assert (detector.is_ejected("a"), detector.is_ejected("b")) == (False, True)
+    detector.track(["b"])
+    assert not detector.is_ejected("b")
+
+
 async def test_failing_pod_behind_one_target_is_ejected_and_readmitted(
     model_root: Path, tmp_path: Path
 ) -> None:

@@ -146,3 +146,22 @@ def test_an_idle_window_forgets_the_stretch() -> None:
 def test_a_budget_must_be_positive(budget: float) -> None:
     with pytest.raises(ValueError, match="max_refused_per_pass"):
         pacer(Clock(), budget)
+
+
+def test_jittered_hints_stay_within_the_cap() -> None:
+    """Jittered after the cap, hints said up to 1.2 times the documented longest."""
+    clock = Clock()
+    jittered = RetryPacer(
+        clock=clock,
+        rng=random.Random(5),
+        jitter=0.2,
+        max_seconds=MAX_SECONDS,
+        min_elapsed_seconds=0.1,
+        max_refused_per_pass=0.2,
+    )
+    # No call has got through: the wait asked for is past the cap.
+    idle = [jittered.hint(FLOOR, without_rate=30.0) for _ in range(200)]
+    assert max(idle) <= MAX_SECONDS
+    hints = [h for _ in range(12) for h in window([jittered], clock, 100, 400)[0]]
+    assert max(hints) <= MAX_SECONDS
+    assert max(hints) > 0.9 * MAX_SECONDS
