@@ -63,7 +63,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -168,7 +168,12 @@ class WorkerSupervisor:
         self._live = Gauge(
             WORKERS, "Orchestrator worker processes serving.", registry=self.registry
         )
-        self._live.set_function(lambda: sum(1 for w in self._workers if w.metrics_port))
+        # Alive, not only started: a dead worker keeps its port until its replacement
+        # is started, and counted for its whole restart pause (up to 30 s), a crash
+        # loop read as a full set.
+        self._live.set_function(
+            lambda: sum(1 for w in self._workers if w.metrics_port and w.process.is_alive())
+        )
         self.registry.register(WorkerMetrics(self))
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[Worker] = []
@@ -417,8 +422,10 @@ class WorkerSupervisor:
         self._stopping = True
         grace = self.settings.grace_seconds if grace_seconds is None else grace_seconds
         for worker in self._workers:
-            if worker.process.is_alive() and worker.process.pid is not None:
-                os.kill(worker.process.pid, signal.SIGTERM)
+            if worker.process.is_alive():
+                # SIGCONT first: a stopped worker (SIGSTOP) drains too, rather than
+                # being killed past the grace.
+                _stop_process(worker.process)
         deadline = time.monotonic() + grace + STOP_SLACK_SECONDS
         loop = asyncio.get_running_loop()
         for worker in self._workers:
@@ -568,6 +575,11 @@ class WorkerMetrics(Collector):
         # while a slot's process changed: merged counters dipped, a worker's counts were
         # carried twice (for good), or the scrape failed (KeyError, HTTP 500).
         self._lock = threading.Lock()
+        # The scrape under way, which a scrape arriving meanwhile waits for and shares:
+        # queued behind the lock instead, each waited for the one before it, and with a
+        # worker stopped (5 s to give up on it) the third of three took 15 s, past
+        # Prometheus's 10. Only one scrape at a time does the bookkeeping below.
+        self._under_way: Future[list[Metric]] | None = None
         # Slot -> (its process, that process's cumulative samples at its last scrape).
         self._last: dict[int, tuple[int | None, dict[SampleKey, float]]] = {}
         # Cumulative samples of the processes that have left their slots.
@@ -576,11 +588,27 @@ class WorkerMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
+            under_way = self._under_way
+            leads = under_way is None
+            if under_way is None:
+                under_way = self._under_way = Future()
+        if not leads:
+            yield from under_way.result()
+            return
+        try:
             merged = self._merged()
+        except BaseException as exc:
+            under_way.set_exception(exc)
+            raise
+        else:
+            under_way.set_result(merged)
+        finally:
+            with self._lock:
+                self._under_way = None
         yield from merged
 
     def _merged(self) -> list[Metric]:
-        """The set's metrics now; the caller holds the lock."""
+        """The set's metrics now; only the scrape under way calls it."""
         sources = self._supervisor.worker_metrics_sources()
         texts = _scrape_all([port for _, _, port in sources])
         values: dict[SampleKey, float] = dict(self._carried)

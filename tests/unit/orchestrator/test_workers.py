@@ -180,7 +180,8 @@ def test_scrapes_at_once_while_a_slot_changes_process_neither_dip_nor_count_twic
     """prometheus_client serves each scrape on a thread of its own. A scrape still reading
     the old process of a slot finished after one that had seen its replacement, and
     carried the replacement's counts into the set's for good (double counting); in other
-    interleavings merged counters dipped, or a scrape failed with KeyError (HTTP 500)."""
+    interleavings merged counters dipped, or a scrape failed with KeyError (HTTP 500).
+    A scrape that comes while one is under way shares its answer."""
     asked = itertools.count()
     held, release = threading.Event(), threading.Event()
 
@@ -220,12 +221,53 @@ def test_scrapes_at_once_while_a_slot_changes_process_neither_dip_nor_count_twic
         release.set()
         first.join(timeout=10)
         second.join(timeout=10)
-        assert totals == {"first": 7, "second": 8}
+        assert totals == {"first": 7, "second": 7}
         assert merged.get_sample_value("classify_things_total") == 8
     finally:
         release.set()
         for server in servers.values():
             server.shutdown()
+
+
+def test_scrapes_that_come_while_one_waits_on_a_stopped_worker_share_it() -> None:
+    """Queued behind one lock, each scrape waited for the one before it to give up on
+    a stopped worker (5 s each): the third of three took 15 s, past Prometheus's 10."""
+    asked = itertools.count()
+    held, release = threading.Event(), threading.Event()
+
+    def stopped_until_released() -> None:
+        next(asked)
+        held.set()
+        release.wait(timeout=10)
+
+    stopped = serve_held_metrics(counting(4), stopped_until_released)
+    steady = serve_held_metrics(counting(3), lambda: None)
+    sources = [(0, 100, steady.server_port), (1, 101, stopped.server_port)]
+    merged = CollectorRegistry()
+    merged.register(WorkerMetrics(_Workers(sources)))  # type: ignore[arg-type]
+    totals: list[float | None] = []
+    scrapes = [
+        threading.Thread(
+            target=lambda: totals.append(merged.get_sample_value("classify_things_total"))
+        )
+        for _ in range(3)
+    ]
+    try:
+        scrapes[0].start()
+        assert held.wait(timeout=10)
+        for later in scrapes[1:]:
+            later.start()
+        # The later two are waiting for the first, not asking the stopped worker.
+        scrapes[1].join(timeout=0.5)
+        release.set()
+        for thread in scrapes:
+            thread.join(timeout=10)
+        assert totals == [7, 7, 7]
+        assert next(asked) == 1
+    finally:
+        release.set()
+        stopped.shutdown()
+        steady.shutdown()
 
 
 # A worker's first step, in a process of its own: then the signal it gets when its
