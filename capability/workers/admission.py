@@ -60,6 +60,10 @@ CACHE_REFRESH = "refresh"
 OUTCOME_CACHE_HIT = "cache_hit"
 
 
+# What a tokenizer call may end with that is no failure of the tokenizer.
+_NOT_A_FAILURE = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
 @dataclass(frozen=True, slots=True)
 class TextRequest:
     """One text to classify and how: one item of a ClassifyBatch call."""
@@ -176,7 +180,12 @@ class Admitter:
             return await asyncio.get_running_loop().run_in_executor(
                 self._tokenizers, classifier.tokenize, texts, max_length
             )
-        except Exception as exc:
+        except _NOT_A_FAILURE:
+            raise
+        except BaseException as exc:
+            # BaseException: a panic in the Rust tokenizer (pyo3's PanicException, say a
+            # bundle's regex over its backtracking limit) derives from it, not from
+            # Exception, and went past this as an unanswered error.
             log.exception("tokenizing failed", extra={"model": replica.name})
             raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
 

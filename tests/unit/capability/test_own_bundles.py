@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -26,6 +27,7 @@ from capability.bundle import (
 )
 from capability.bundle.__main__ import main as bundle_cli
 from tests.conftest import StartCapability
+from tests.status_details import error_reason, trailers_of
 from tests.unit.capability.own_bundle import LABELS, write_own_bundle
 
 MODEL = "sentiment-byo"
@@ -257,3 +259,30 @@ def test_manifest_command_refuses_a_folder_a_load_would_refuse(
     assert bundle_cli(["manifest", str(bundle)]) == 1
     assert capsys.readouterr().err.startswith(f"error: {refusal}")
     assert not (bundle / "manifest.json").exists()
+
+
+async def test_a_tokenizer_that_panics_answers_model_fault_with_ids(
+    tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """A bundle's pre-tokenizer regex that backtracks past Oniguruma's limit makes the
+    Rust tokenizer panic: pyo3's PanicException derives from BaseException, not
+    Exception, so it went past the handler that turns a tokenizer failure into a
+    MODEL_FAULT."""
+    root = own_root(tmp_path, vocab_size=300)
+    bundle = root / MODEL / "1"
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("(a|aa)+$"), behavior="isolated"),
+            pre_tokenizers.BertPreTokenizer(),
+        ]
+    )
+    tokenizer.save(str(bundle / "tokenizer.json"))
+    write_manifest(bundle)
+    server = await start_capability(model_root=root, graph="eager")
+    assert (await classify(server.port, "the food was great")).labels
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await classify(server.port, "a" * 61 + "!")
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(failed.value) == "MODEL_FAULT"
+    assert trailers_of(failed.value)["x-request-id"]
