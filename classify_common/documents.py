@@ -18,6 +18,7 @@ Whatever a file holds, reading it costs at most a pass over MAX_DOCUMENT_BYTES:
     ├── DocumentTooLarge      over the size cap
     ├── DocumentTooDeep       nested deeper than the depth cap
     ├── YamlAliasRefused      a YAML anchor or alias
+    ├── YamlMergeRefused      a YAML merge key (<<)
     ├── DuplicateKey          one key twice in a mapping
     └── MalformedDocument     not UTF-8, or not valid YAML or JSON
 
@@ -75,6 +76,11 @@ class YamlAliasRefused(DocumentRefused):
     """A YAML anchor or alias: refused, so that nothing in a document is ever expanded."""
 
 
+class YamlMergeRefused(DocumentRefused):
+    """A YAML merge key (`<<`): it sets keys no line of the mapping names, and a key it
+    repeats is a key twice that the duplicate check would not see."""
+
+
 class DuplicateKey(DocumentRefused):
     """A mapping names the same key twice."""
 
@@ -113,6 +119,9 @@ def _decode(data: bytes | str, source: str) -> str:
         raise MalformedDocument(
             source, f"not UTF-8 text: byte {data[exc.start]:#04x}", line=line
         ) from exc
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _BoundedComposer(Composer):
@@ -169,6 +178,10 @@ class _BoundedComposer(Composer):
         for key, _ in node.value:
             if not isinstance(key, yaml.ScalarNode):
                 continue
+            if key.tag == _MERGE_TAG:
+                # `<<: {role: admin}` set a key no line of the mapping names, and
+                # `a: 1` beside `<<: {a: 2}` was a key twice that no refusal saw.
+                self._refuse(YamlMergeRefused, "merge keys (<<) are not read", key.start_mark)
             identity = (key.tag, key.value)
             if identity in seen:
                 self._refuse(DuplicateKey, f"key {key.value!r} appears twice", key.start_mark)
@@ -260,8 +273,9 @@ def parse_yaml(data: bytes | str, source: str, *, max_depth: int = MAX_DOCUMENT_
         raise MalformedDocument(source, _yaml_problem(exc), line=line, column=column) from exc
     except DocumentRefused:
         raise
-    except ValueError as exc:
-        # An integer too long for int() (over sys.get_int_max_str_digits() digits).
+    except (ValueError, ArithmeticError) as exc:
+        # An integer too long for int() (over sys.get_int_max_str_digits() digits), or
+        # a sexagesimal float (1:2:3.5) past a float's range.
         raise MalformedDocument(source, f"not valid YAML: {exc}") from exc
     finally:
         loader.dispose()

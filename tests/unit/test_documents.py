@@ -18,6 +18,7 @@ from classify_common.documents import (
     DuplicateKey,
     MalformedDocument,
     YamlAliasRefused,
+    YamlMergeRefused,
     compose_yaml,
     load_json,
     load_yaml,
@@ -132,7 +133,7 @@ def test_malformed_text_is_refused_naming_the_place(
 
 
 def test_values_read_as_the_safe_loader_reads_them() -> None:
-    text = "a: {b: [1, {c: 2}], d: null, e: 1.5, f: true}\n<<: {g: 3}\n"
+    text = "a: {b: [1, {c: 2}], d: null, e: 1.5, f: true}\ng: 3\n"
     assert parse_yaml(text, "doc") == yaml.safe_load(text)
     assert parse_yaml("", "doc") is None
 
@@ -155,3 +156,17 @@ def test_half_of_a_surrogate_pair_in_json_is_refused_and_a_whole_pair_read() -> 
         "a": "\U0001f600",
         "b": "\\ud800",
     }
+
+
+def test_a_merge_key_is_refused_naming_its_line() -> None:
+    """`<<: {role: admin}` set a key no line of the mapping named, and `a: 1` beside
+    `<<: {a: 2}` was a key twice that the duplicate check never saw."""
+    for text in ("role: user\n<<: {role: admin}\n", "a: 1\n<<: {a: 2}\n"):
+        with pytest.raises(YamlMergeRefused, match=r"^keys\.yaml:2:1: merge keys"):
+            parse_yaml(text, "keys.yaml")
+
+
+def test_a_number_past_a_floats_range_is_a_malformed_document() -> None:
+    # A sexagesimal float: int() has a digit cap, float() raises OverflowError.
+    with pytest.raises(MalformedDocument, match="not valid YAML"):
+        parse_yaml("rate: 1" + ":1" * 400 + ".5\n", "keys.yaml")
