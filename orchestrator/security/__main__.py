@@ -21,7 +21,7 @@ def main() -> None:
     key = new_key()
     print(f"key (shown once; give it to the client): {key}")
     print("entry for the keys file:")
-    print(f"  - id: {args.id}")
+    print(f"  - id: {quoted_tenant(args.id)}")  # a YAML string too: `on`, `#laptop`
     print(f"    sha256: {hash_key(key)}")
     print(f"    tenant: {quoted_tenant(args.tenant)}")
     print(f"    role: {args.role}")

@@ -389,9 +389,19 @@ def test_a_limit_for_a_tenant_no_key_names_loads_with_a_warning(
     "tenant", ["00123", "83", "on", "1:30", "a: b", 'say "hi"', "caf\u00e9 \U0001f600"]
 )
 def test_the_entry_new_key_prints_names_the_tenant_as_given(tmp_path: Path, tenant: str) -> None:
-    """`new-key` printed the tenant unquoted, and YAML read `00123` as 83."""
+    """`new-key` printed the tenant unquoted, and YAML read `00123` as 83; the key's id
+    too (`on` became 'True', `#laptop` None, `a: b` broke the file)."""
     printed = subprocess.run(
-        [sys.executable, "-m", "orchestrator.security", "new-key", "--id", "x", "--tenant", tenant],
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.security",
+            "new-key",
+            "--id",
+            tenant,
+            "--tenant",
+            tenant,
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -402,7 +412,7 @@ def test_the_entry_new_key_prints_names_the_tenant_as_given(tmp_path: Path, tena
     path.write_text("keys:\n" + entry)
     caller = load_api_keys(path).identify(key)
     assert caller is not None
-    assert caller.tenant == tenant
+    assert (caller.key_id, caller.tenant) == (tenant, tenant)
 
 
 def test_each_of_many_keys_is_told_apart_by_its_hash(tmp_path: Path) -> None:
