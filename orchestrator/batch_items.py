@@ -184,12 +184,14 @@ def answer_unstarted(
     call_ids: RequestContext,
     call_trace: RequestTrace | None,
     outcomes: RequestOutcomes,
+    refused: Mapping[int, ServiceError],
     *,
     cut_off: bool = False,
 ) -> None:
     """Answer each item whose task was cancelled before it ever ran, so that every item
-    has an outcome: DEADLINE_EXCEEDED (the call's answer was due at once), or
-    SERVER_DRAINING when the server cut the call off (`cut_off`). Each is answered as
+    has an outcome: its refusal at intake (`refused`, by index) if it had one, else
+    DEADLINE_EXCEEDED (the call's answer was due at once), or SERVER_DRAINING when the
+    server cut the call off (`cut_off`). Each is answered as
     one that ran: under its own IDs (its traceparent's trace), with its span, its log
     line and its count in `outcomes`. (Answered under the call's trace ID, it named a
     trace with no span of it, and no line said it failed.)"""
@@ -209,7 +211,7 @@ def answer_unstarted(
                 call_trace,
                 outcomes,
                 index,
-                error,
+                refused.get(index, error),
             )
 
 

@@ -280,7 +280,7 @@ class Dispatcher:
             # answer carries every item.
             if not await answer_items_by(items, due):
                 # An item cancelled before its task first ran has no answer yet.
-                answer_unstarted(results, request, ids, call_trace, self._outcomes)
+                answer_unstarted(results, request, ids, call_trace, self._outcomes, refused)
                 self._late_answers.record(len(results), loop.time() - due_at)
         except asyncio.CancelledError as cancelled:
             if not is_cut_off(cancelled):
@@ -288,7 +288,9 @@ class Dispatcher:
             # The server's grace is over: the items answered keep their answers, and
             # each other one says SERVER_DRAINING, so the caller sends only those again
             # (answered whole, it sent every item again). Answered now, not cancelled.
-            answer_unstarted(results, request, ids, call_trace, self._outcomes, cut_off=True)
+            answer_unstarted(
+                results, request, ids, call_trace, self._outcomes, refused, cut_off=True
+            )
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
@@ -330,10 +332,14 @@ class Dispatcher:
         self._background.add(work)
         work.add_done_callback(self._background.discard)
         loop = asyncio.get_running_loop()
-        hold_at = loop.time() + route.budget_seconds
-        due_first = answer_due is not None and answer_due - self.results.hold_seconds < hold_at
-        if answer_due is not None and due_first:
-            hold_at = answer_due - self.results.hold_seconds
+        budget_ends = loop.time() + route.budget_seconds
+        # Which answer comes first is the budget's and the caller's to say; the store's
+        # time to hold a place only moves the hold earlier.
+        due_first = answer_due is not None and answer_due < budget_ends
+        answer_at = answer_due if answer_due is not None and due_first else budget_ends
+        hold_at = budget_ends
+        if answer_due is not None:
+            hold_at = min(hold_at, answer_due - self.results.hold_seconds)
         pending = self._processing_response(route, ids)
         keeping: asyncio.Task[str | None] | None = None
         try:
@@ -344,10 +350,10 @@ class Dispatcher:
                 )
             except TimeoutError:
                 keeping = self._keep_outcome(work, ids, pending)
-            if answer_due is not None and due_first:
+            if answer_at > loop.time():
                 try:  # the work may still answer in time (its outcome is then kept too)
                     return await asyncio.wait_for(
-                        asyncio.shield(work), timeout=max(answer_due - loop.time(), 0)
+                        asyncio.shield(work), timeout=answer_at - loop.time()
                     )
                 except TimeoutError:
                     pass
@@ -411,7 +417,14 @@ class Dispatcher:
         (None: the store could not keep one)."""
 
         async def hold_then_store() -> str | None:
-            token = await self.results.hold(ids.request_id, pending)
+            try:
+                token = await self.results.hold(ids.request_id, pending)
+            except Exception:  # a bug: no place held, and said so once
+                log.exception(
+                    "holding a result's place failed", extra={"request_id": ids.request_id}
+                )
+                self._on_internal_error()
+                return None
             if token is not None:
                 self._store_when_done(work, ids, token)
             return token

@@ -538,21 +538,27 @@ def _read_weights(name: str, data: bytes, device: torch.device) -> dict[str, Ten
 
 
 def _refuse_compressed_records(name: str, data: bytes) -> None:
-    """Refuse a `.pt` archive with a compressed record. torch.save stores its records
-    as they are, so a file's size bounds what it expands to, and the size check above
+    """Refuse a `.pt` part that is no zip archive, or one with a compressed record.
+    torch.save stores its records as they are, so a file's size bounds what it expands
+    to, and the size check above
     (_refuse_oversized_parts) relies on that; a deflated record of zeros 1,000 times
     its size (a 0.5 MB head part holding 512 MiB) was expanded in memory, on the device
     with a CUDA map_location, before its shape was checked."""
     stream = io.BytesIO(data)
     if not zipfile.is_zipfile(stream):
-        return  # torch's legacy format: its records are read from the file as they are
+        # torch's legacy format (before 1.6) sizes each storage from its pickle and
+        # allocates it before reading: a 280 KB file asked for 4 GiB.
+        raise BundleError(
+            f"{name}: not a zip archive (torch's legacy format, whose storages are sized "
+            "by the pickle before they are read); save it again with torch.save"
+        )
     try:
         with zipfile.ZipFile(stream) as archive:
             records = archive.infolist()
     except (zipfile.BadZipFile, ValueError) as exc:
         raise BundleError(f"{name}: cannot be read as a torch weights file: {exc}") from exc
     for record in records:
-        if record.compress_type != zipfile.ZIP_STORED or record.file_size > len(data):
+        if record.compress_type != zipfile.ZIP_STORED:
             raise BundleError(
                 f"{name}: record {record.filename!r} is compressed; a .pt part's records "
                 "must be stored as torch.save writes them, so that its size bounds "

@@ -81,19 +81,29 @@ class RetryPacer:
         self._refused_now += 1
         rate = self._rate(now)
         jitter = self._rng.uniform(1 - self._jitter, 1 + self._jitter)
-        # The cap holds after the jitter too: jittered past it, hints said up to 12 s
-        # where the documented longest is 10.
         if rate <= 0:
             wait = floor if without_rate is None else without_rate
-            return min(max(wait, floor) * jitter, self._max_seconds)
+            return self._jittered_within_cap(max(wait, floor), jitter)
         back = max(self._next_return, now + floor)
         if back - now > self._max_seconds:
             # Every return time up to the cap is taken.
-            return min(self._max_seconds * self._rng.uniform(0.5, 1.0) * jitter, self._max_seconds)
+            return self._jittered_within_cap(
+                self._max_seconds * self._rng.uniform(0.5, 1.0), jitter
+            )
         # One caller's spacing is at most the cap, so a slow spell (a few calls a
         # second, stretched) books return times at most one cap past the cap.
         self._next_return = back + min(self.stretch / rate, self._max_seconds)
-        return min((back - now) * jitter, self._max_seconds)
+        return self._jittered_within_cap(back - now, jitter)
+
+    def _jittered_within_cap(self, seconds: float, jitter: float) -> float:
+        """`seconds`, capped, times `jitter`, mirrored below 1 where it would pass the
+        cap. Jittered after the cap, hints said up to 12 s where the documented longest
+        is 10; clamped after it, half of them said the cap itself, and those callers
+        came back together."""
+        capped = min(seconds, self._max_seconds)
+        if capped * jitter > self._max_seconds:
+            jitter = 2.0 - jitter
+        return capped * jitter
 
     def _roll(self, now: float) -> None:
         if now < self._window_ends:

@@ -524,12 +524,16 @@ def _retry_budget(spec: Fields) -> RetryBudgetSettings:
 def _refused_at_its_key(
     spec: Fields, refusal: ValueError, otherwise: str | None = None
 ) -> RoutesFileError:
-    """A settings class's refusal of a section's values, at the key its message names
-    first (each says "<key> <value> is outside ..."), else at `otherwise`, else at the
-    section: the line of the bad value, not of the section's name."""
+    """A settings class's refusal of a section's values, at the line of the bad value,
+    not of the section's name: the key its message starts with ("<key> <value> is
+    outside ..."), else another key of the file's that it names ("max_backoff must be
+    at least initial_backoff", where only initial_backoff was written), else
+    `otherwise` (a message naming no key), else the section."""
     message = str(refusal)
-    named = message.split(" ", 1)[0]
-    for key in (named, otherwise):
+    words = set(re.findall(r"\w+", message))
+    written = list(spec)
+    named = [message.split(" ", 1)[0], *(key for key in written if key in words)]
+    for key in (*named, otherwise):
         if key is not None and key in spec:
             return RoutesFileError(spec.path(key), message)
     return RoutesFileError(spec.where, message)

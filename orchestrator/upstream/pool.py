@@ -275,8 +275,9 @@ class BackendPool:
         """The replica with the fewest items outstanding (sent and not answered, or
         gathering), the first in turn on a tie, among those not ejected, not failing
         their connection, not in `avoid` (already tried), and whose reported wait fits
-        in `time_left` (seconds; None: any), if there is one; else not ejected nor
-        failing; else the next in turn.
+        the time the call may take (the backend's timeout, or `time_left` seconds less
+        the answer's margin; None: any), if there is one; else one of those whose wait
+        does not fit; else one tried before; else the next in turn.
 
         A replica whose report says it cannot answer in time refuses such a call
         unsent; it then had nothing outstanding, and so took nearly every call, and
@@ -293,30 +294,40 @@ class BackendPool:
         channels, coalescers = self._channels, self.coalescers
         self._turn = start = (self._turn + 1) % len(replicas)
         best: str | None = None
+        # Else one whose report says it is short of time (refused unsent, at no cost),
+        # before one already tried (a hung one would spend the fallback's time).
+        slow: str | None = None
         fallback: str | None = None
         least = math.inf
+        bound = (
+            None
+            if time_left is None
+            else min(self.backend.timeout_seconds, time_left - DEADLINE_SAFETY_MARGIN_SECONDS)
+        )
         for offset in range(len(replicas)):
             target = replicas[(start + offset) % len(replicas)]
             if is_ejected(target) or channels[target].get_state() is _FAILING:
                 continue
-            if target in avoid or (
-                time_left is not None
-                and self.predicted_wait(target) > time_left - DEADLINE_SAFETY_MARGIN_SECONDS
-            ):
+            if target in avoid:
                 fallback = fallback or target
+                continue
+            if bound is not None and self.predicted_wait(target) > bound:
+                slow = slow or target
                 continue
             outstanding = coalescers[target].outstanding
             if outstanding < least:
                 best, least = target, outstanding
                 if outstanding == 0:
                     break
-        return best or fallback or replicas[start]
+        return best or slow or fallback or replicas[start]
 
     def has_untried(self, tried: Collection[str]) -> bool:
         """Whether `pick(avoid=tried)` would choose a replica not in `tried`: one not
-        ejected and not failing its connection. (Counting every replica, a retry after
-        a time-out went back to the hung one while the other was ejected or down, and
-        the fallback, whose time it spent, never answered.)"""
+        ejected and not failing its connection, whatever its report says (refused
+        unsent, it costs nothing, and the refusal may go to the fallback). Counting
+        every replica, a retry after a time-out went back to the hung one while the
+        other was ejected or down, and the fallback, whose time it spent, never
+        answered."""
         is_ejected = self.outliers.is_ejected
         return any(
             target not in tried

@@ -569,6 +569,18 @@ def test_a_pt_part_with_a_compressed_record_is_refused_before_it_expands(
         load_bundle(bundle)
 
 
+def test_a_pt_part_in_torchs_legacy_format_is_refused(static_bundle: Path, tmp_path: Path) -> None:
+    """The legacy format sizes each storage from its pickle and allocates it before
+    reading: a 280 KB file asked for 4 GiB before its refusal."""
+    bundle = writable_copy(static_bundle, tmp_path)
+    head = load_file(bundle / "head.safetensors")
+    (bundle / "head.safetensors").unlink()
+    torch.save(head, bundle / "head.pt", _use_new_zipfile_serialization=False)
+    write_manifest(bundle)
+    with pytest.raises(BundleError, match=r"^head\.pt: not a zip archive"):
+        load_bundle(bundle)
+
+
 def test_weights_only_pt_file_loads_like_safetensors(
     minilm_bundle: Path, minilm: LoadedBundle, tmp_path: Path
 ) -> None:

@@ -375,6 +375,12 @@ REFUSED_AT_THEIR_VALUE = [
         id="retry-attempts",
     ),
     pytest.param(
+        "    backend: topic-minilm\n    retry:\n      retryable_codes: [UNAVAILABLE]\n"
+        "      initial_backoff: 5s\n",
+        "12: routes[0].retry.initial_backoff: max_backoff must be at least initial_backoff",
+        id="retry-backoffs",
+    ),
+    pytest.param(
         "    backend: topic-minilm\n    retry:\n      max_attempts: 2\n"
         "      retryable_codes: [INTERNAL]\n",
         "12: routes[0].retry.retryable_codes: INTERNAL may not be retried",

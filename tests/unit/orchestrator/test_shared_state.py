@@ -980,3 +980,15 @@ async def test_a_refused_command_says_so_and_its_cause_is_logged_with_its_messag
     assert refused.value.message == "the shared state store refused the command (error)"
     (record,) = [r for r in caplog.records if r.getMessage() == "shared state store failed"]
     assert record.__dict__["error"].startswith("ResponseError: WRONGTYPE Operation against a key")
+
+
+async def test_a_deadline_just_past_the_budget_is_answered_processing_with_redis(
+    capability: CapabilityServer, start_shared: StartShared
+) -> None:
+    """A 300 ms deadline on a 200 ms budget: the budget comes first, so the answer is
+    PROCESSING at 200 ms. Counting the store's 100 ms to hold a place into which came
+    first made it DEADLINE_EXCEEDED (result kept) at 280 ms."""
+    server = await start_shared(capability, model="topic-minilm", burst=100)
+    async with device_occupied(capability.pool.workers[0]):
+        answer = await classify(server, request_id="processing-1", within=0.3)
+    assert (answer.status, answer.request_id) == (PROCESSING, "processing-1")

@@ -181,7 +181,8 @@ def test_scrapes_at_once_while_a_slot_changes_process_neither_dip_nor_count_twic
     the old process of a slot finished after one that had seen its replacement, and
     carried the replacement's counts into the set's for good (double counting); in other
     interleavings merged counters dipped, or a scrape failed with KeyError (HTTP 500).
-    A scrape that comes while one is under way shares its answer."""
+    A scrape that comes while one is under way now shares its answer (so the two never
+    do the bookkeeping at once); the next one sees the replacement."""
     asked = itertools.count()
     held, release = threading.Event(), threading.Event()
 
@@ -259,6 +260,8 @@ def test_scrapes_that_come_while_one_waits_on_a_stopped_worker_share_it() -> Non
             later.start()
         # The later two are waiting for the first, not asking the stopped worker.
         scrapes[1].join(timeout=0.5)
+        assert scrapes[1].is_alive()
+        assert scrapes[2].is_alive()
         release.set()
         for thread in scrapes:
             thread.join(timeout=10)
