@@ -349,6 +349,16 @@ routes:
         await pod.stop()
 
 
+async def assert_the_fallback_answers_unretried(server: OrchestratorServer, pod: FlakyPod) -> None:
+    """A call with 1.5 s left is answered by the fallback, the hung pod asked once."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
+    assert (answer.fallback, answer.model.name) == (True, "topic-static")
+    assert pod.calls == 1
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+
+
 async def test_a_hung_replica_is_not_retried_while_the_other_one_is_down(
     orchestrator_with: StartOrchestrator, capability: CapabilityServer
 ) -> None:
@@ -381,12 +391,7 @@ routes:
             ),
             "the down replica's connection failing",
         )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
-        assert (answer.fallback, answer.model.name) == (True, "topic-static")
-        assert pod.calls == 1
-        assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+        await assert_the_fallback_answers_unretried(server, pod)
     finally:
         pod.answering.set()
         await pod.stop()
@@ -414,12 +419,7 @@ routes:
     retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
 """
         )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1.5)
-        assert (answer.fallback, answer.model.name) == (True, "topic-static")
-        assert pod.calls == 1
-        assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+        await assert_the_fallback_answers_unretried(server, pod)
     finally:
         pod.answering.set()
         await pod.stop()

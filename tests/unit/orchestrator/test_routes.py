@@ -316,17 +316,22 @@ WRONGLY_TYPED_BACKEND_NAMES = [
 ]
 
 
+def refused_route(tmp_path: Path, route_lines: str) -> str:
+    """The refusal of VALID with its route's backend line replaced by `route_lines`."""
+    path = tmp_path / "routes.yaml"
+    path.write_text(VALID.replace("    backend: topic-minilm\n", route_lines))
+    with pytest.raises(RoutesFileError) as caught:
+        load_routes(path)
+    return str(caught.value).removeprefix(f"{path}:")
+
+
 @pytest.mark.parametrize(("route_lines", "message"), WRONGLY_TYPED_BACKEND_NAMES)
 def test_a_backend_name_of_the_wrong_type_is_refused_naming_file_line_and_path(
     tmp_path: Path, route_lines: str, message: str
 ) -> None:
     # A list or a mapping in a name's place once reached a dict lookup as a key, and
     # the TypeError escaped every caller: the check command, start-up, the watcher.
-    path = tmp_path / "routes.yaml"
-    path.write_text(VALID.replace("    backend: topic-minilm\n", route_lines))
-    with pytest.raises(RoutesFileError) as caught:
-        load_routes(path)
-    assert str(caught.value) == f"{path}:{message}"
+    assert refused_route(tmp_path, route_lines) == message
 
 
 def test_check_command_names_a_backend_name_of_the_wrong_type(tmp_path: Path) -> None:
@@ -393,11 +398,7 @@ REFUSED_AT_THEIR_VALUE = [
 def test_a_value_no_call_could_use_is_refused_at_its_line(
     tmp_path: Path, route_lines: str, message: str
 ) -> None:
-    path = tmp_path / "routes.yaml"
-    path.write_text(VALID.replace("    backend: topic-minilm\n", route_lines))
-    with pytest.raises(RoutesFileError) as caught:
-        load_routes(path)
-    assert str(caught.value).startswith(f"{path}:{message}")
+    assert refused_route(tmp_path, route_lines).startswith(message)
 
 
 def test_a_backend_name_yaml_reads_as_a_bool_is_refused_asking_for_quotes(
