@@ -557,7 +557,8 @@ def _drop_unless_kept(
     waits for it then, and nobody could poll it."""
 
     def drop(_: asyncio.Task[str | None]) -> None:
-        if keeping.cancelled() or keeping.exception() is not None or keeping.result() is None:
+        # hold_then_store answers a failed hold None; cancelled, the orchestrator stops.
+        if keeping.cancelled() or keeping.result() is None:
             work.cancel()
 
     keeping.add_done_callback(drop)

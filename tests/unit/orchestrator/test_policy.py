@@ -349,6 +349,22 @@ routes:
         await pod.stop()
 
 
+def retrying_hung_routes(targets: list[str], timeout: str, static_port: int) -> str:
+    """`hung` (topic-minilm at `targets`, with `timeout`) retried up to three times on
+    UNAVAILABLE or DEADLINE_EXCEEDED, falling back to topic-static."""
+    listed = ", ".join(f'"{target}"' for target in targets)
+    return f"""version: 1
+backends:
+  hung: {{model: topic-minilm, targets: [{listed}], timeout: {timeout}}}
+  static: {{model: topic-static, targets: ["127.0.0.1:{static_port}"]}}
+routes:
+  - name: default
+    backend: hung
+    fallback: [static]
+    retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
+"""
+
+
 async def assert_the_fallback_answers_unretried(server: OrchestratorServer, pod: FlakyPod) -> None:
     """A call with 1.5 s left is answered by the fallback, the hung pod asked once."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -371,16 +387,7 @@ async def test_a_hung_replica_is_not_retried_while_the_other_one_is_down(
     down = f"127.0.0.1:{closed_port()}"
     try:
         server = await orchestrator_with(
-            f"""version: 1
-backends:
-  hung: {{model: topic-minilm, targets: ["{pod.address}", "{down}"], timeout: 300ms}}
-  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
-routes:
-  - name: default
-    backend: hung
-    fallback: [static]
-    retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
-"""
+            retrying_hung_routes([pod.address, down], "300ms", capability.port)
         )
         pool = server.dispatcher.state.upstream.pool(server.routes.backends["hung"])
         channel_of_down = pool._channels[down]
@@ -408,16 +415,7 @@ async def test_a_hung_lone_replica_is_not_retried_into_the_fallbacks_time(
     await pod.start()
     try:
         server = await orchestrator_with(
-            f"""version: 1
-backends:
-  hung: {{model: topic-minilm, targets: ["{pod.address}"], timeout: 500ms}}
-  static: {{model: topic-static, targets: ["127.0.0.1:{capability.port}"]}}
-routes:
-  - name: default
-    backend: hung
-    fallback: [static]
-    retry: {{max_attempts: 3, retryable_codes: [UNAVAILABLE, DEADLINE_EXCEEDED]}}
-"""
+            retrying_hung_routes([pod.address], "500ms", capability.port)
         )
         await assert_the_fallback_answers_unretried(server, pod)
     finally:
