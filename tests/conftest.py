@@ -47,6 +47,9 @@ from classify_common.tracing import configure_tracing
 from orchestrator.config import OrchestratorSettings
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
+
+# A hook, found here by its name: a test hung past pytest-timeout's alarm ends the run.
+from tests.hang_watchdog import pytest_runtest_protocol  # noqa: F401
 from tools import redis_server as redis_tool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
