@@ -636,12 +636,15 @@ class WorkerMetrics(Collector):
     def _merge(self, text: str, values: dict[SampleKey, float]) -> dict[SampleKey, float]:
         """Merge one worker's /metrics into `values`; return its cumulative samples."""
         cumulative: dict[SampleKey, float] = {}
+        types: dict[str, str] = {}
         for family in text_string_to_metric_families(text):
-            self._families.setdefault(family.name, (family.documentation, family.type))
+            types[family.name] = family.type
+            name = created_owner(family, types) or family.name
+            self._families.setdefault(name, (family.documentation, family.type))
             merge = merge_rule(family)
             counts = family.type in _CUMULATIVE_TYPES
             for sample in family.samples:
-                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                key = (name, sample.name, tuple(sorted(sample.labels.items())))
                 created = sample.name.endswith("_created")
                 if counts and not created:
                     cumulative[key] = sample.value
@@ -653,6 +656,20 @@ class WorkerMetrics(Collector):
                 else:
                     values[key] = merge(earlier, sample.value)
         return cumulative
+
+
+def created_owner(family: Metric, types: dict[str, str]) -> str | None:
+    """The counter, histogram or summary whose creation times `family` holds, if it
+    is one's `*_created`.
+
+    The text format a worker serves puts `x_created` in a gauge family of its own;
+    merged as such, the set's /metrics in OpenMetrics (what Prometheus asks for)
+    had a gauge `x_created` beside the counter `x`, a name clash that OpenMetrics
+    parsers refuse. Put back in `x`'s family, it is exposed as one process's is."""
+    if family.type != "gauge" or not family.name.endswith("_created"):
+        return None
+    owner = family.name.removesuffix("_created")
+    return owner if types.get(owner) in _CUMULATIVE_TYPES else None
 
 
 def _scrape_all(ports: list[int | None]) -> list[str | None]:

@@ -18,8 +18,13 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
     start_http_server,
+)
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
 )
 
 from classify_common.serving import METRICS_DISABLED
@@ -90,6 +95,41 @@ def test_merged_metrics_add_counts_and_keep_a_share_a_share() -> None:
         # One worker without Redis: the set's state is down (summed, it read 1: up).
         assert merged.get_sample_value(STATE_UP) == 0
         assert merged.get_sample_value("classify_things_total") == 7
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_merged_metrics_are_valid_openmetrics_with_each_families_earliest_creation() -> None:
+    """Prometheus asks for OpenMetrics. Each worker's `*_created` came back as a gauge
+    family of its own beside its counter, a name clash that OpenMetrics parsers
+    refuse: the whole scrape was lost. It is the counter's own sample again, the
+    earliest worker's."""
+    servers, ports, created = [], [], list[float]()
+    for calls in (3, 4):
+        registry = CollectorRegistry()
+        Counter("classify_things", "count", ["kind"], registry=registry).labels("a").inc(calls)
+        Histogram("classify_wait_seconds", "wait", registry=registry).observe(0.1)
+        created_at = registry.get_sample_value("classify_things_created", {"kind": "a"})
+        assert created_at is not None
+        created.append(created_at)
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        servers.append(server)
+        ports.append(server.server_port)
+        time.sleep(0.01)  # the second worker's counter is created later
+    try:
+        merged = CollectorRegistry()
+        merged.register(WorkerMetrics(_Workers([(0, 100, ports[0]), (1, 101, ports[1])])))  # type: ignore[arg-type]
+        exposition = generate_openmetrics(merged).decode()  # type: ignore[no-untyped-call]
+        parsed = openmetrics_families(exposition)  # type: ignore[no-untyped-call]
+        families = {family.name: family for family in parsed}
+        things = {s.name: s.value for s in families["classify_things"].samples}
+        assert things == {"classify_things_total": 7, "classify_things_created": min(created)}
+        assert "classify_things_created" not in families
+        wait = {s.name for s in families["classify_wait_seconds"].samples}
+        assert "classify_wait_seconds_created" in wait
+        # The classic text format still has them as one process serves them.
+        assert merged.get_sample_value("classify_things_created", {"kind": "a"}) == min(created)
     finally:
         for server in servers:
             server.shutdown()
