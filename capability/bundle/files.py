@@ -34,6 +34,31 @@ from classify_common.documents import describe_kind
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+# A file the tooling writes into a bundle folder: created new (never an entry that is
+# there), never through a link.
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Write `data` as `directory/name`, whole or not at all: into `.<name>.partial`
+    beside it, then renamed over it, so a reader never sees half a file.
+
+    Neither step follows a link. A link planted at the partial file's name was
+    written through (a `manifest` or `sign` run by an operator overwrote whatever
+    it pointed at); it is removed now, not its target, and the partial file is
+    created afresh. A rename replaces a link at `name` itself."""
+    partial = directory / f".{name}.partial"
+    partial.unlink(missing_ok=True)  # a leftover of a run that died, or a planted link
+    descriptor = os.open(partial, _WRITE_FLAGS, 0o644)
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(data)
+        os.replace(partial, directory / name)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def not_regular(name: str, mode: int) -> UnexpectedBundleFile:
     """The refusal of a bundle entry that is not a regular file."""
     return UnexpectedBundleFile(

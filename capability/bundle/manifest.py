@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -24,11 +23,12 @@ from typing import BinaryIO
 
 from capability.bundle.errors import (
     BundleConfigInvalid,
+    BundleError,
     BundleFileMissing,
     BundleHashMismatch,
     UnexpectedBundleFile,
 )
-from capability.bundle.files import BundleFolder, not_regular
+from capability.bundle.files import BundleFolder, not_regular, replace_file
 from capability.bundle.format import FORMAT_VERSION, MANIFEST_FILE, WEIGHT_LIKE_SUFFIXES
 from capability.bundle.progress import Progress
 from capability.bundle.signing import SIGNATURE_FILE, check_manifest_signature
@@ -252,7 +252,8 @@ def write_manifest(directory: Path) -> str:
 
     For builders, and for replacing one part of a bundle (a fine-tuned head.safetensors)
     in a fresh version directory. Returns the new digest. Raises UnexpectedBundleFile
-    for an entry that is not a regular file, which no bundle may hold.
+    for an entry that is not a regular file, which no bundle may hold, and
+    BundleError when the manifest cannot be written there.
     """
     directory = Path(directory)
     partial = directory / f".{MANIFEST_FILE}.partial"
@@ -269,7 +270,10 @@ def write_manifest(directory: Path) -> str:
         json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=2, sort_keys=True)
         + "\n"
     ).encode("utf-8")
-    # Written beside and renamed over, so a reader never sees half a manifest.
-    partial.write_bytes(raw)
-    os.replace(partial, directory / MANIFEST_FILE)
+    try:
+        replace_file(directory, MANIFEST_FILE, raw)
+    except OSError as exc:  # a read-only folder, say: one line, not a traceback
+        raise BundleError(
+            f"{MANIFEST_FILE}: cannot be written in {directory}: {exc.strerror or exc}"
+        ) from exc
     return hashlib.sha256(raw).hexdigest()

@@ -19,7 +19,6 @@ link), and all three steps check that one copy.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +31,7 @@ from capability.bundle.errors import (
     BundleSignerUntrusted,
     BundleUnsigned,
 )
-from capability.bundle.files import BundleFolder
+from capability.bundle.files import BundleFolder, replace_file
 from capability.bundle.format import MANIFEST_FILE
 from classify_common.documents import MAX_DOCUMENT_BYTES
 
@@ -61,12 +60,9 @@ def sign_manifest(directory: Path, key: Path) -> Path:
     done = _ssh_keygen(["-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE], raw)
     if done.returncode != 0:
         raise BundleError(f"{MANIFEST_FILE}: cannot be signed with {key}: {_reason(done)}")
-    partial = directory / f".{SIGNATURE_FILE}.partial"
     try:
-        partial.write_bytes(done.stdout)
-        os.replace(partial, directory / SIGNATURE_FILE)
+        replace_file(directory, SIGNATURE_FILE, done.stdout)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise BundleError(
             f"{SIGNATURE_FILE}: cannot be written in {directory}: {exc.strerror or exc}"
         ) from exc

@@ -324,6 +324,33 @@ def test_unknown_config_key_is_refused_naming_it(static_bundle: Path, tmp_path: 
         load_bundle(bundle)
 
 
+def test_manifest_is_written_past_a_link_planted_at_its_partial_file(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    """The manifest was written through whatever link stood at `.manifest.json.partial`:
+    `manifest` run on a folder someone else can write to overwrote a file of the
+    operator's. The link goes, not its target, and the manifest is whole."""
+    bundle = writable_copy(static_bundle, tmp_path)
+    elsewhere = tmp_path / "operators-file"
+    elsewhere.write_text("the operator's")
+    (bundle / ".manifest.json.partial").symlink_to(elsewhere)
+    write_manifest(bundle)
+
+    assert elsewhere.read_text() == "the operator's"
+    assert not (bundle / ".manifest.json.partial").is_symlink()
+    assert load_bundle(bundle).name == "topic-static"
+
+
+def test_a_manifest_that_cannot_be_written_is_refused_in_one_line(
+    static_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = writable_copy(static_bundle, tmp_path)
+    (bundle / ".manifest.json.partial").mkdir()
+    with pytest.raises(BundleError) as refused:
+        write_manifest(bundle)
+    assert str(refused.value) == f"manifest.json: cannot be written in {bundle}: Is a directory"
+
+
 def test_unknown_nested_config_key_is_refused_naming_its_path(
     static_bundle: Path, tmp_path: Path
 ) -> None:

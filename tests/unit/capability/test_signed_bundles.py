@@ -149,6 +149,22 @@ def test_signature_check_returns_the_signers_principal(tmp_path: Path, keys: Key
     assert check_manifest_signature(tmp_path, raw, keys.signers) == "release@example.test"
 
 
+def test_signing_writes_past_a_link_planted_at_its_partial_file(tmp_path: Path, keys: Keys) -> None:
+    """The signature was written through whatever link stood at `.manifest.json.sig.partial`:
+    signing a folder someone else can write to overwrote a file of the operator's."""
+    bundle, elsewhere = tmp_path / "bundle", tmp_path / "operators-file"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text('{"files": {}, "format_version": 1}\n')
+    elsewhere.write_text("the operator's")
+    (bundle / f".{SIGNATURE_FILE}.partial").symlink_to(elsewhere)
+    sign_manifest(bundle, keys.trusted)
+    raw = (bundle / "manifest.json").read_bytes()
+
+    assert elsewhere.read_text() == "the operator's"
+    assert sorted(path.name for path in bundle.iterdir()) == ["manifest.json", SIGNATURE_FILE]
+    assert check_manifest_signature(bundle, raw, keys.signers) == "release@example.test"
+
+
 def test_signature_by_a_stranger_is_refused_as_untrusted(tmp_path: Path, keys: Keys) -> None:
     (tmp_path / "manifest.json").write_text('{"files": {}, "format_version": 1}\n')
     sign_manifest(tmp_path, keys.stranger)
