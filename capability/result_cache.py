@@ -50,6 +50,7 @@ caller only what the operator listed.
 
 from __future__ import annotations
 
+import io
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -71,9 +72,11 @@ DEFAULT_BYTES = 64 * 2**20
 DEFAULT_WARM = 100
 
 # A model's warm_texts file (--model-config): at most this many texts, each at most
-# the contract's 100,000 characters; the rest of the file is not read.
+# the contract's 100,000 characters, from the whole lines in its first
+# WARM_TEXTS_MAX_BYTES; the rest of the file is not read.
 WARM_TEXTS_LIMIT = 10_000
 WARM_TEXT_CHARS = 100_000
+WARM_TEXTS_MAX_BYTES = 16 * 2**20
 
 # The scope of the warm_texts files' entries, read by every scope: None, which no
 # call can send (a scope on the wire is a string).
@@ -220,22 +223,30 @@ class WarmTextsUnreadable(ModelLoadError):
 def read_warm_texts(path: Path) -> list[WarmText]:
     """The texts of a warm_texts file: one a line, blank lines skipped, at most
     WARM_TEXTS_LIMIT of them, each cut to WARM_TEXT_CHARS (the model truncates far
-    sooner). A file that is not UTF-8 is refused as WarmTextsUnreadable, like a bad
-    bundle file: the load is refused and the serving version stays."""
-    texts: list[WarmText] = []
+    sooner), from the whole lines in its first WARM_TEXTS_MAX_BYTES. A file that is
+    not UTF-8 is refused as WarmTextsUnreadable, like a bad bundle file: the load
+    is refused and the serving version stays."""
+    # NOTE: read in one bounded block. Line by line, a file with no line break (or a
+    # device that never ends) was read whole into one line before its text was cut.
+    with path.open("rb") as stream:
+        data = stream.read(WARM_TEXTS_MAX_BYTES + 1)
+    if len(data) > WARM_TEXTS_MAX_BYTES:  # whole lines only: the last one may go on
+        data = data[: max(data.rfind(b"\n"), data.rfind(b"\r")) + 1]
     try:
-        with path.open(encoding="utf-8") as lines:
-            for line in lines:
-                text = line.strip()
-                if text:
-                    texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
-                if len(texts) == WARM_TEXTS_LIMIT:
-                    break
+        decoded = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        # No line number: the file is decoded in blocks, so exc.start counts from the
-        # block's start, not from the line's.
+        line_number = data.count(b"\n", 0, exc.start) + 1
         raise WarmTextsUnreadable(
-            f"{path}: warm_texts file is not UTF-8 text (byte {exc.object[exc.start]:#04x}: "
-            f"{exc.reason})"
+            f"{path}: warm_texts file is not UTF-8 text (byte {data[exc.start]:#04x} on "
+            f"line {line_number}: {exc.reason})"
         ) from exc
+    texts: list[WarmText] = []
+    # Lines as a text file's are (universal newlines), not str.splitlines()'s, which
+    # also breaks at form feeds and U+2028.
+    for line in io.StringIO(decoded, newline=None):
+        text = line.strip()
+        if text:
+            texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
+        if len(texts) == WARM_TEXTS_LIMIT:
+            break
     return texts

@@ -32,7 +32,14 @@ from capability.metrics import (
     CapabilityMetrics,
 )
 from capability.model import EncodedText
-from capability.result_cache import ENTRY_OVERHEAD_BYTES, ResultCache, WarmText
+from capability.result_cache import (
+    ENTRY_OVERHEAD_BYTES,
+    WARM_TEXTS_MAX_BYTES,
+    ResultCache,
+    WarmText,
+    WarmTextsUnreadable,
+    read_warm_texts,
+)
 from capability.server import CapabilityServer
 from classify_common import interceptor
 from classify_common.context import CACHE_SCOPE_HEADER
@@ -387,3 +394,27 @@ async def test_both_cache_outcomes_are_exported_at_zero_once_a_version_serves(
     for outcome in (CACHE_HIT, CACHE_MISS):
         labels = {"model": MODEL, "outcome": outcome}
         assert server.registry.get_sample_value(CACHE_REQUESTS_TOTAL, labels) == 0
+
+
+def test_a_warm_texts_file_is_read_to_its_byte_cap_in_whole_lines(tmp_path: Path) -> None:
+    """Read line by line, a line with no end (a file of one endless line, a device)
+    was read whole into memory before its text was cut to 100,000 characters."""
+    hot = tmp_path / "hot.txt"
+    with hot.open("wb") as out:
+        out.write(b"first\r\n\nsecond\rthird\x0cstill third\n")
+        out.write(b"x" * WARM_TEXTS_MAX_BYTES)  # no line break before the cap
+    assert read_warm_texts(hot) == [
+        WarmText("first", None),
+        WarmText("second", None),
+        WarmText("third\x0cstill third", None),
+    ]
+
+
+def test_a_warm_texts_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    hot = tmp_path / "hot.txt"
+    hot.write_bytes("ok\ncaf\u00e9\n".encode("latin-1"))
+    with pytest.raises(WarmTextsUnreadable) as refused:
+        read_warm_texts(hot)
+    assert str(refused.value) == (
+        f"{hot}: warm_texts file is not UTF-8 text (byte 0xe9 on line 2: invalid continuation byte)"
+    )
