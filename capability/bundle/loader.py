@@ -92,6 +92,7 @@ from capability.model import (
     TextClassifier,
     TextEncoder,
     TextTokenizer,
+    TokenizerFailed,
     ZeroShotHead,
 )
 from classify_common.documents import MAX_DOCUMENT_BYTES, DocumentRefused, parse_json
@@ -202,7 +203,10 @@ def load_bundle(
         classifier.use_graph(graph)
 
     with stage("warm_up"):
-        classifier.warm_up()
+        try:
+            classifier.warm_up()
+        except TokenizerFailed as exc:
+            raise ModelLoadError(f"{TOKENIZER_FILE}: fails on the warm-up texts: {exc}") from exc
 
     return LoadedBundle(
         name=config.name,

@@ -22,7 +22,7 @@ from capability.model.static import (
     StaticEmbeddingEncoder,
     StaticEncoderConfig,
 )
-from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch
+from capability.model.tokenizer import EncodedText, TextTokenizer, TokenBatch, TokenizerFailed
 from capability.model.zero_shot import (
     DEFAULT_LABELS,
     DEFAULT_SCALE,
@@ -51,6 +51,7 @@ __all__ = [
     "TextEncoder",
     "TextTokenizer",
     "TokenBatch",
+    "TokenizerFailed",
     "ZeroShotHead",
     "embed_label_prototypes",
     "label_prototype_text",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,28 @@ STAND_IN_WORD = "text"
 # SentencePiece's mark of a word's start (Metaspace), a piece of its own before a
 # character the vocabulary lacks.
 WORD_START = "\u2581"
+
+
+# What a tokenizer call may end with that is no failure of the tokenizer.
+_NOT_A_FAILURE = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+class TokenizerFailed(RuntimeError):
+    """The Rust tokenizer panicked (a bundle's pre-tokenizer regex over Oniguruma's
+    backtracking limit, say). pyo3 raises a panic as PanicException, which derives from
+    BaseException: past every `except Exception`, a panic at load or warm-up ended the
+    model watcher's task, and one in the probe of a non-finite batch, the batcher's."""
+
+
+@contextmanager
+def panics_as_failures() -> Iterator[None]:
+    """Raise a panic of the Rust tokenizer within as TokenizerFailed."""
+    try:
+        yield
+    except (*_NOT_A_FAILURE, Exception):
+        raise
+    except BaseException as exc:
+        raise TokenizerFailed(f"the tokenizer panicked: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -91,7 +114,8 @@ class TextTokenizer:
             raise ValueError(f"the vocabulary has no {pad_token!r} token")
         # Truncation below keeps the first and the last special token of each encoding,
         # which is only right for a one-before, one-after template like BERT's [CLS] A [SEP].
-        empty = tokenizer.encode("")
+        with panics_as_failures():
+            empty = tokenizer.encode("")
         if empty.special_tokens_mask != [1, 1]:
             raise ValueError(
                 "the post-processor must wrap a text in exactly one leading and one trailing "
@@ -107,7 +131,8 @@ class TextTokenizer:
         # Any id of the tokenizer's own that stands for text, for stand-in texts: the
         # first word of STAND_IN_WORD (whatever [UNK] or pieces it becomes), or [PAD]
         # for a tokenizer that makes no tokens of it.
-        words = tokenizer.encode(STAND_IN_WORD, add_special_tokens=False).ids
+        with panics_as_failures():
+            words = tokenizer.encode(STAND_IN_WORD, add_special_tokens=False).ids
         self._stand_in_id: int = words[0] if words else pad_id
         # The ids that stand for no text the model can read (see _unreadable_ids); a
         # text made of them alone is unreadable.
@@ -164,7 +189,12 @@ class TextTokenizer:
         ]
         # The fast variant skips the character offsets of each token, which nothing
         # here reads: about a sixth less time for a batch of short texts.
-        encodings = self._tokenizer.encode_batch_fast(prepared, add_special_tokens=True)
+        try:  # inline, not panics_as_failures(): this is every request's path
+            encodings = self._tokenizer.encode_batch_fast(prepared, add_special_tokens=True)
+        except (*_NOT_A_FAILURE, Exception):
+            raise
+        except BaseException as exc:
+            raise TokenizerFailed(f"the tokenizer panicked: {exc}") from exc
 
         encoded: list[EncodedText] = []
         unreadable = self.unreadable_ids

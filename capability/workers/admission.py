@@ -183,9 +183,9 @@ class Admitter:
         except _NOT_A_FAILURE:
             raise
         except BaseException as exc:
-            # BaseException: a panic in the Rust tokenizer (pyo3's PanicException, say a
-            # bundle's regex over its backtracking limit) derives from it, not from
-            # Exception, and went past this as an unanswered error.
+            # BaseException: a panic of native code derives from it (pyo3's
+            # PanicException), not from Exception. The tokenizer's own arrive as
+            # TokenizerFailed; any other would go past this as an unanswered error.
             log.exception("tokenizing failed", extra={"model": replica.name})
             raise ModelFault(f"the {replica.name} tokenizer failed: {type(exc).__name__}") from exc
 

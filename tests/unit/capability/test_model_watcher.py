@@ -15,10 +15,12 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
+from capability.bundle.manifest import write_manifest
 from capability.config import CapabilitySettings
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
@@ -195,6 +197,49 @@ async def test_a_good_version_deployed_with_a_broken_newer_one_is_loaded(
     assert await serving_version(server) == "2"
     await asyncio.sleep(0.3)  # three more polls: neither is tried again
     assert (reloads(server, "refused"), reloads(server, "ok")) == (1, 1)
+
+
+def make_tokenizer_panic(version: Path) -> None:
+    """A pre-tokenizer regex that backtracks past Oniguruma's limit on the warm-up
+    texts (not on the one word a tokenizer is checked with): the Rust tokenizer
+    panics, which pyo3 raises as a BaseException."""
+    tokenizer = Tokenizer.from_file(str(version / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("(.|..)+$x"), behavior="isolated"),
+            pre_tokenizers.BertPreTokenizer(),
+        ]
+    )
+    tokenizer.save(str(version / "tokenizer.json"))
+    write_manifest(version)
+
+
+async def test_a_version_whose_tokenizer_panics_is_refused_and_the_watcher_goes_on(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The panic went past every `except Exception` and ended the watcher's task:
+    no later version was ever loaded, and nothing counted the refusal."""
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
+    panics = root / MODEL / ".2.partial"
+    shutil.copytree(model_root / MODEL / "1", panics)
+    make_tokenizer_panic(panics)
+    panics.rename(root / MODEL / "2")
+    await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
+    [refused] = [r for r in caplog.records if r.getMessage() == "reload refused"]
+    assert str(getattr(refused, "error", "")) == (
+        "tokenizer.json: fails on the warm-up texts: the tokenizer panicked: Onig: Regex "
+        "search error: retry-limit-in-match over"
+    )
+    deploy(model_root, root, "3", staged_as=".3.partial")
+
+    async def serving_version_3() -> bool:
+        return await serving_version(server) == "3"
+
+    await wait_until(serving_version_3, "version 3 loaded")
+    assert reloads(server, "refused") == 1
 
 
 async def test_a_refused_reload_of_the_newest_leaves_the_model_pinned(

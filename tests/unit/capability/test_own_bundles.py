@@ -29,6 +29,7 @@ from capability.bundle.__main__ import main as bundle_cli
 from tests.conftest import StartCapability
 from tests.status_details import error_reason, trailers_of
 from tests.unit.capability.own_bundle import LABELS, write_own_bundle
+from tests.unit.capability.test_model_watcher import make_tokenizer_panic
 
 MODEL = "sentiment-byo"
 STATIC = "topic-static"
@@ -193,8 +194,13 @@ def non_finite_head(bundle: Path) -> None:
             f"config.json: names model 'other-model', but the bundle sits under '{MODEL}'",
         ),
         (non_finite_head, "1: warm-up on cpu:0 produced non-finite scores"),
+        (
+            make_tokenizer_panic,
+            "tokenizer.json: fails on the warm-up texts: the tokenizer panicked: Onig: Regex "
+            "search error: retry-limit-in-match over",
+        ),
     ],
-    ids=["labels", "name", "non-finite"],
+    ids=["labels", "name", "non-finite", "tokenizer-panic"],
 )
 def test_verify_load_refuses_what_a_server_refuses_with_its_message(
     damage: Callable[[Path], None],
