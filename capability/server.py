@@ -31,6 +31,7 @@ from classify_common.serving import (
     run_server,
     serve_until_signal,
     stop_watcher,
+    thaw_heap,
 )
 from classify_common.settings import SettingsError, read_secret
 
@@ -139,6 +140,7 @@ class CapabilityServer:
         # Answers that are ready still need a moment to be written to the wire.
         await self.serving.stop(grace_seconds=min(grace, 1.0))
         await self.pool.close()
+        thaw_heap()
 
 
 async def serve(settings: CapabilitySettings) -> None:

@@ -431,6 +431,18 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def thaw_heap() -> None:
+    """Hand what freeze_heap froze back to the garbage collector: at a server's stop.
+
+    A stopped server's objects sit in reference cycles with objects it built before
+    the freeze (the capability's pool and its replicas, say), so while those stay
+    frozen none of it is ever collected. A process that starts servers in turn (the
+    test suite, an application that embeds one) kept every stopped server's models:
+    the suite's process grew by 160 MB a capability server, to 18 GB. A server
+    process exits after its stop anyway; the next freeze_heap collects first."""
+    gc.unfreeze()
+
+
 class StoppableServer(Protocol):
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Stop gracefully; None: the server's configured grace."""

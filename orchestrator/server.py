@@ -15,7 +15,13 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes
-from classify_common.serving import GrpcServing, run_server, serve_until_signal, stop_watcher
+from classify_common.serving import (
+    GrpcServing,
+    run_server,
+    serve_until_signal,
+    stop_watcher,
+    thaw_heap,
+)
 from classify_common.settings import SettingsError, read_secret, setting_file
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
@@ -216,6 +222,7 @@ class OrchestratorServer:
         await self.serving.stop(grace)
         await self.dispatcher.close()
         await self.state.close()
+        thaw_heap()  # frozen when it went SERVING (GrpcServing.set_serving)
 
 
 def _load_api_keys_at_start(settings: OrchestratorSettings) -> ApiKeys:

@@ -1,0 +1,55 @@
+"""A stopped server leaves nothing behind in its process: what freeze_heap froze at
+its start is handed back to the collector at its stop (classify_common.serving)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from capability.server import CapabilityServer
+from orchestrator.server import OrchestratorServer
+from tests.conftest import capability_settings, orchestrator_settings, wait_until, write_routes
+
+
+async def wait_collected(served: Callable[[], object | None], what: str) -> None:
+    def collected() -> bool:
+        # gRPC's server tasks let go of the servicers a few turns of the loop after stop.
+        gc.collect()
+        return served() is None
+
+    await wait_until(collected, what, limit_seconds=5)
+
+
+async def test_a_stopped_capability_servers_models_are_collected(model_root: Path) -> None:
+    """The pool, built before the heap was frozen, and the models it loaded after
+    refer to each other: while the pool stayed frozen, every stopped server's models
+    stayed allocated. The test suite, which starts one after another in one process,
+    grew by 160 MB a server, to 18 GB."""
+    server = CapabilityServer(
+        capability_settings(model_root, models=("topic-static",), default_model="topic-static"),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    await server.warm_up()
+    served = weakref.ref(server.pool.workers[0].replicas["topic-static"].bundle.classifier)
+    await server.stop(grace_seconds=0)
+    del server
+    await wait_collected(served, "the stopped capability server's model collected")
+
+
+async def test_a_stopped_orchestrators_routing_is_collected(tmp_path: Path) -> None:
+    """Frozen when it went SERVING, all of an orchestrator stayed after its stop."""
+    routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:1"])
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+    )
+    await server.start()
+    assert gc.get_freeze_count() > 0  # it froze the heap
+    served = weakref.ref(server.dispatcher)
+    await server.stop(grace_seconds=0)
+    del server
+    await wait_collected(served, "the stopped orchestrator's dispatcher collected")
