@@ -34,7 +34,7 @@ class TokenizerFailed(RuntimeError):
     """The Rust tokenizer panicked (a bundle's pre-tokenizer regex over Oniguruma's
     backtracking limit, say). pyo3 raises a panic as PanicException, which derives from
     BaseException: past every `except Exception`, a panic at load or warm-up ended the
-    model watcher's task, and one in the probe of a non-finite batch, the batcher's."""
+    model watcher's task."""
 
 
 @contextmanager
