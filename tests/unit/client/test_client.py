@@ -37,7 +37,12 @@ from classify_client import (
     pb,
 )
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
-from orchestrator.metrics import PROCESSING_TOTAL, RATE_LIMITED_ITEMS_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.metrics import (
+    LATE_ARRIVAL_SHARE,
+    PROCESSING_TOTAL,
+    RATE_LIMITED_ITEMS_TOTAL,
+    RATE_LIMITED_TOTAL,
+)
 from orchestrator.security import hash_key, new_key
 from orchestrator.server import OrchestratorServer
 from tests.conftest import (
@@ -401,6 +406,74 @@ async def test_wait_on_a_batch_polls_its_processing_items_together_so_all_reach_
     assert {
         (item.response.status, item.response.labels[0].name) for item in items if item.response
     } == {(pb.RESULT_STATUS_DONE, "sports")}
+
+
+# 20 tokens, one ClassifyBatch of 20 items, then 10 a second: each GetResult takes one.
+TWENTY_THEN_TEN = "{rate_per_second: 10, burst: 20}"
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_polls_refused_by_the_tenants_rate_leave_the_items_waiting_not_failed(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    """The batch took the tenant's every token, so most of the first rounds' polls are
+    refused RATE_LIMITED. That refused the poll, not the work: each such item ended
+    RateLimited though its result came to DONE, and its caller sent it again."""
+    texts = [f"{STRIKER} ({number})" for number in range(20)]
+    async with (
+        front_door(capability, tmp_path, budget="200ms", limit=TWENTY_THEN_TEN) as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            waiting = asyncio.ensure_future(classify_batch(texts, wait=True, timeout=20))
+            await wait_until(
+                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 20,
+                "every item answered PROCESSING",
+            )
+        items = await waiting
+        refused = metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT)
+    assert [item.error for item in items] == [None] * 20
+    assert {item.response.status for item in items if item.response} == {pb.RESULT_STATUS_DONE}
+    assert refused > 0  # the polls were refused on the way
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_no_poll_is_sent_without_the_time_to_answer_it(
+    capability: CapabilityServer, tmp_path: Path, kind: str
+) -> None:
+    """400 items stay PROCESSING past the deadline. The sync client's round of polls,
+    one after another, ran into the deadline and sent the last ones with no time left:
+    the front door counted nearly every call late (FRONT_DOOR_BUSY past a tenth), and
+    refused some items' polls for it."""
+    texts = [f"{STRIKER} ({number})" for number in range(400)]
+    async with (
+        front_door(capability, tmp_path, budget="200ms") as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            items = await classify_batch(texts, wait=True, timeout=1)
+        late_share = server.registry.get_sample_value(LATE_ARRIVAL_SHARE)
+    assert {type(item.error) for item in items} == {StillProcessing}
+    assert late_share == 0
+
+
+async def test_a_poll_refused_past_the_deadline_ends_still_processing_naming_the_refusal(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The call took the tenant's one token; the poll is refused with a RetryInfo delay
+    past the deadline. It raised RateLimited: read as "refused", the text was sent
+    again, though its result was kept and came to DONE."""
+    async with (
+        front_door(capability, tmp_path, budget="200ms", limit=STARVED) as server,
+        AsyncClassifyClient(target(server), api_key=KEY) as client,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            with pytest.raises(StillProcessing) as late:
+                await client.classify(STRIKER, request_id="polled-1", wait=True, timeout=5)
+        refused = metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT)
+    assert late.value.request_id == "polled-1"
+    assert [error.reason for error in late.value.attempt_errors] == ["RATE_LIMITED"]
+    assert refused == 1  # one poll, not one more sent into a known refusal
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)

@@ -16,6 +16,7 @@ import grpc
 
 from classify_client.errors import (
     REQUEST_ID_HEADER,
+    RESULT_TRACE_ID,
     ClassifyError,
     StillProcessing,
     error_from_status,
@@ -23,6 +24,7 @@ from classify_client.errors import (
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.retry import (
     MIN_SECONDS_FOR_A_CALL,
+    RETRYABLE_CODES,
     Deadline,
     PollPolicy,
     RetryEvent,
@@ -375,6 +377,10 @@ def is_processing(response: pb.ClassifyResponse) -> bool:
     return response.status == pb.RESULT_STATUS_PROCESSING
 
 
+# GetResult polls the asyncio client has in flight at once while following a batch.
+POLLS_AT_ONCE = 16
+
+
 class ProcessingPolls:
     """The PROCESSING answers among `items`, followed to DONE with GetResult in rounds:
     each round waits once (the poll policy's interval, growing from round to round) and
@@ -384,7 +390,14 @@ class ProcessingPolls:
     The client does the waiting and the calls: `wait_before_next_round`, then
     `record` the outcome of a GetResult for each of `due()`, until there is no next
     round. What is still PROCESSING then (the deadline left no time for another round)
-    ends as StillProcessing, with the request ID to fetch it by later."""
+    ends as StillProcessing, with the request ID to fetch it by later.
+
+    A poll refused for the moment (the tenant's rate, a busy front door, a server
+    restarting: a retryable code, with no stored result's trace) refuses the poll,
+    not the work: the result is kept, so the item stays PROCESSING and the next round
+    asks again, no sooner than the longest RetryInfo delay of the round. Taken as the
+    item's outcome, it made a caller read "refused" and send the text again, though
+    its result came to DONE. Each poll is sent once: the rounds are the retries."""
 
     def __init__(self, items: list[BatchItem], poll: PollPolicy) -> None:
         self._items = items
@@ -395,25 +408,31 @@ class ProcessingPolls:
             for index, item in enumerate(items)
             if item.response is not None and is_processing(item.response)
         ]
+        # The refused polls of each item still pending, oldest first.
+        self._refused: dict[int, list[ClassifyError]] = {}
+        # The longest RetryInfo delay among the polls refused in the last round.
+        self._pushback = 0.0
 
     def wait_before_next_round(self, deadline: Deadline) -> float | None:
         """Seconds to wait before the next round; None when there is none: nothing is
         PROCESSING any more, or no time is left to poll. A round whose interval would
         leave no time to poll waits only as long as leaves it: giving up there left up
         to a whole interval (a second by default) of the deadline unused, and a result
-        ready in it unfetched."""
+        ready in it unfetched. A server's delay that leaves no time is not shortened:
+        a poll sent sooner would only be refused again."""
         self._pending = [index for index in self._pending if self._processing(index)]
         if not self._pending:
             return None
         self._round += 1
-        interval = self._poll.interval(self._round)
+        pushback, self._pushback = self._pushback, 0.0
+        interval = max(self._poll.interval(self._round), pushback)
         if deadline.allows_wait(interval):
             return interval
         left = deadline.remaining()
-        if left is not None and left > MIN_SECONDS_FOR_A_CALL:
+        if left is not None and left - MIN_SECONDS_FOR_A_CALL > pushback:
             return left - MIN_SECONDS_FOR_A_CALL
         for index in self._pending:
-            self._items[index] = BatchItem(error=still_processing(self._response(index)))
+            self._items[index] = BatchItem(error=self._still_processing(index))
         self._pending = []
         return None
 
@@ -423,13 +442,25 @@ class ProcessingPolls:
 
     def record(self, index: int, outcome: pb.ClassifyResponse | ClassifyError) -> None:
         """The answer of one GetResult poll, or its error. A deadline that passed during
-        the poll ends it as StillProcessing: the result is not lost, only late."""
+        the poll ends it as StillProcessing: the result is not lost, only late; a poll
+        refused for the moment leaves it pending (see the class docstring)."""
         if isinstance(outcome, pb.ClassifyResponse):
             self._items[index] = BatchItem(response=outcome)
         elif outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED and not outcome.reason:
-            self._items[index] = BatchItem(error=still_processing(self._response(index)))
+            self._items[index] = BatchItem(error=self._still_processing(index))
+        elif poll_refused_for_now(outcome):
+            self._refused.setdefault(index, []).append(outcome)
+            self._pushback = max(self._pushback, outcome.retry_after_seconds or 0.0)
         else:
             self._items[index] = BatchItem(error=outcome)
+
+    def _still_processing(self, index: int) -> StillProcessing:
+        """The item's end at the deadline, carrying its polls' refusals, if any."""
+        error = still_processing(self._response(index))
+        error.attempt_errors = tuple(self._refused.pop(index, ()))
+        for refused in error.attempt_errors:
+            error.add_note(f"a poll was refused: {refused}")
+        return error
 
     def _processing(self, index: int) -> bool:
         response = self._items[index].response
@@ -439,3 +470,14 @@ class ProcessingPolls:
         response = self._items[index].response
         assert response is not None, "only answered items are polled"
         return response
+
+
+def poll_refused_for_now(error: ClassifyError) -> bool:
+    """Whether a GetResult error refused the poll, not the work: a retryable code,
+    not a stored outcome (which names its work's trace), and no RetryInfo saying
+    never to ask again."""
+    return (
+        error.code in RETRYABLE_CODES
+        and RESULT_TRACE_ID not in error.metadata
+        and (error.retry_after_seconds is None or error.retry_after_seconds >= 0)
+    )

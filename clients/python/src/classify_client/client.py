@@ -49,6 +49,7 @@ from classify_client.errors import ClassifyError, error_from_rpc
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from classify_client.retry import (
+    NO_RETRIES,
     Attempts,
     Deadline,
     PollPolicy,
@@ -250,6 +251,12 @@ class ClassifyClient:
         while (wait := polls.wait_before_next_round(deadline)) is not None:
             time.sleep(wait)
             for index, request_id in polls.due():
+                # One after another, a round of many polls ran into the deadline and
+                # sent the last ones with no time left: each failed, and the front door
+                # counted them against the tenant (FRONT_DOOR_BUSY). Those not sent now
+                # end as StillProcessing at the next round's start.
+                if not deadline.allows_wait(0):
+                    break
                 polls.record(index, self._poll_result(request_id, deadline))
         return items
 
@@ -258,7 +265,9 @@ class ClassifyClient:
     ) -> pb.ClassifyResponse | ClassifyError:
         request = pb.GetResultRequest(request_id=request_id)
         try:
-            return self._call("GetResult", self._stub.GetResult, request, deadline, request_id)
+            return self._call(
+                "GetResult", self._stub.GetResult, request, deadline, request_id, retry=NO_RETRIES
+            )
         except ClassifyError as error:
             return error
 
@@ -270,10 +279,11 @@ class ClassifyClient:
         deadline: Deadline,
         request_id: str,
         attempts: Attempts | None = None,
+        retry: RetryPolicy | None = None,
     ) -> Response:
-        """One RPC under the retry policy, every attempt within `deadline` and sent under
-        `request_id`, which an error names when the server did not answer; `attempts`:
-        the tries already made of it (see Attempts)."""
+        """One RPC under the retry policy (`retry`, else the client's), every attempt
+        within `deadline` and sent under `request_id`, which an error names when the
+        server did not answer; `attempts`: the tries already made of it (see Attempts)."""
         metadata = with_request_id(self._metadata, request_id)
         attempts = attempts or Attempts()
         wait_for_ready = False
@@ -289,7 +299,7 @@ class ClassifyClient:
             except grpc.RpcError as failure:
                 error = error_from_rpc(failure, request_id)
                 attempts.record_failure(error)
-                delay = self._retry.delay_before_retry(error, attempts.made)
+                delay = (retry or self._retry).delay_before_retry(error, attempts.made)
                 if delay is None or not deadline.allows_wait(delay):
                     raise attempts.give_up(error) from failure
             self._notify(RetryEvent(method, attempts.made, error, delay))
