@@ -534,6 +534,23 @@ def test_the_local_key_file_is_sent_only_to_a_target_on_this_machine(tmp_path: P
     assert api_key("ck_given", "classify.example.com:443") == "ck_given"
 
 
+def test_a_local_key_file_saved_with_a_byte_order_mark_is_read_without_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / ".run").mkdir()
+    (tmp_path / ".run" / "api-key").write_text("\ufeffck_local\r\n", encoding="utf-8")
+    assert api_key(None, "127.0.0.1:50051") == "ck_local"
+
+
+def test_a_blank_api_key_flag_is_one_error_line_not_a_call_without_a_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was dropped without a word, and the call went out with no key."""
+    status, out, err = run(capsys, "--api-key", "   ", STRIKER)
+    assert (status, out) == (1, "")
+    assert err == "error: --api-key is blank: give the key, or leave the flag out\n"
+
+
 async def test_a_call_refused_for_want_of_a_key_says_where_a_key_comes_from(
     capability: CapabilityServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

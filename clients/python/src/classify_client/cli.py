@@ -284,13 +284,18 @@ def api_key(flag: str | None, target: str) -> str | None:
     newline, and gRPC refuses to send a header value that holds one. The local key
     file is `make run`'s, for the stack on this machine: it is not sent to a target
     elsewhere, in plaintext by default, because the command ran in a checkout."""
+    if flag and not flag.strip():
+        # Dropped, the call went out without a key, or with CLASSIFY_API_KEY's.
+        raise UnusableInput("--api-key is blank: give the key, or leave the flag out")
     for given in (flag, os.environ.get("CLASSIFY_API_KEY")):
         if given and given.strip():
             return given.strip()
     if not is_loopback(target) or not LOCAL_KEY_FILE.is_file():
         return None
     try:
-        return LOCAL_KEY_FILE.read_text(encoding="utf-8").strip() or None
+        # utf-8-sig: an editor that saves a byte-order mark put it in the key, which
+        # then held "a character a header cannot carry".
+        return LOCAL_KEY_FILE.read_text(encoding="utf-8-sig").strip() or None
     except (OSError, UnicodeError) as error:
         raise UnusableInput(f"cannot read the key file {LOCAL_KEY_FILE}: {error}") from error
 
