@@ -15,7 +15,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from capability.bundle import write_manifest
 
@@ -134,3 +142,25 @@ def write_own_bundle(
     if with_manifest:
         write_manifest(out)
     return out
+
+
+# Pre-tokenizer regexes that backtrack past Oniguruma's limit, making the Rust tokenizer
+# panic (pyo3 raises a PanicException, a BaseException): on a run of "a" then "!"
+# only, and on every text of a few words (the warm-up's; not on the single word a
+# tokenizer is checked with at load).
+PANICS_ON_AAA = "(a|aa)+$"
+PANICS_ON_WARM_UP = "(.|..)+$x"
+
+
+def split_first_by(bundle: Path, pattern: str) -> None:
+    """Put a Split on `pattern` before the bundle's BERT pre-tokenizer, and list the
+    changed tokenizer.json in a new manifest."""
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.BertPreTokenizer(),
+        ]
+    )
+    tokenizer.save(str(bundle / "tokenizer.json"))
+    write_manifest(bundle)

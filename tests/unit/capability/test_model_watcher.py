@@ -15,18 +15,17 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from capability.bundle.manifest import write_manifest
 from capability.config import CapabilitySettings
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.nodes import BATCH_SPAN_NAME
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import refusal
+from tests.unit.capability.own_bundle import PANICS_ON_WARM_UP, split_first_by
 
 MODEL = "topic-static"
 LIFECYCLE_LOGGER = "capability.lifecycle"
@@ -199,21 +198,6 @@ async def test_a_good_version_deployed_with_a_broken_newer_one_is_loaded(
     assert (reloads(server, "refused"), reloads(server, "ok")) == (1, 1)
 
 
-def make_tokenizer_panic(version: Path) -> None:
-    """A pre-tokenizer regex that backtracks past Oniguruma's limit on the warm-up
-    texts (not on the one word a tokenizer is checked with): the Rust tokenizer
-    panics, which pyo3 raises as a BaseException."""
-    tokenizer = Tokenizer.from_file(str(version / "tokenizer.json"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex("(.|..)+$x"), behavior="isolated"),
-            pre_tokenizers.BertPreTokenizer(),
-        ]
-    )
-    tokenizer.save(str(version / "tokenizer.json"))
-    write_manifest(version)
-
-
 async def test_a_version_whose_tokenizer_panics_is_refused_and_the_watcher_goes_on(
     model_root: Path,
     tmp_path: Path,
@@ -225,7 +209,7 @@ async def test_a_version_whose_tokenizer_panics_is_refused_and_the_watcher_goes_
     server, root = await watching(model_root, tmp_path, start_capability, "1")
     panics = root / MODEL / ".2.partial"
     shutil.copytree(model_root / MODEL / "1", panics)
-    make_tokenizer_panic(panics)
+    split_first_by(panics, PANICS_ON_WARM_UP)
     panics.rename(root / MODEL / "2")
     await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
     [refused] = [r for r in caplog.records if r.getMessage() == "reload refused"]

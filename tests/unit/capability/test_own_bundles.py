@@ -15,7 +15,6 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Regex, Tokenizer, pre_tokenizers
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -28,8 +27,13 @@ from capability.bundle import (
 from capability.bundle.__main__ import main as bundle_cli
 from tests.conftest import StartCapability
 from tests.status_details import error_reason, trailers_of
-from tests.unit.capability.own_bundle import LABELS, write_own_bundle
-from tests.unit.capability.test_model_watcher import make_tokenizer_panic
+from tests.unit.capability.own_bundle import (
+    LABELS,
+    PANICS_ON_AAA,
+    PANICS_ON_WARM_UP,
+    split_first_by,
+    write_own_bundle,
+)
 
 MODEL = "sentiment-byo"
 STATIC = "topic-static"
@@ -195,7 +199,7 @@ def non_finite_head(bundle: Path) -> None:
         ),
         (non_finite_head, "1: warm-up on cpu:0 produced non-finite scores"),
         (
-            make_tokenizer_panic,
+            lambda bundle: split_first_by(bundle, PANICS_ON_WARM_UP),
             "tokenizer.json: fails on the warm-up texts: the tokenizer panicked: Onig: Regex "
             "search error: retry-limit-in-match over",
         ),
@@ -276,15 +280,7 @@ async def test_a_tokenizer_that_panics_answers_model_fault_with_ids(
     MODEL_FAULT."""
     root = own_root(tmp_path, vocab_size=300)
     bundle = root / MODEL / "1"
-    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex("(a|aa)+$"), behavior="isolated"),
-            pre_tokenizers.BertPreTokenizer(),
-        ]
-    )
-    tokenizer.save(str(bundle / "tokenizer.json"))
-    write_manifest(bundle)
+    split_first_by(bundle, PANICS_ON_AAA)
     server = await start_capability(model_root=root, graph="eager")
     assert (await classify(server.port, "the food was great")).labels
     with pytest.raises(grpc.aio.AioRpcError) as failed:

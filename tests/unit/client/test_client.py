@@ -384,24 +384,40 @@ async def test_a_call_no_server_answered_names_the_request_id_it_was_sent_under(
     assert (named.value.request_id, named.value.trace_id) == ("caller-named-1", "")
 
 
+async def processing_batch_waited_for(
+    capability: CapabilityServer,
+    directory: Path,
+    kind: str,
+    count: int,
+    *,
+    within: float,
+    limit: str = "",
+) -> tuple[list[BatchItem], CollectorRegistry]:
+    """A `classify_batch(wait=True)` of `count` texts, `within` seconds, by a client of
+    `kind`, through a front door (tenant rate `limit`) whose 200 ms budget answers
+    every item PROCESSING while the device is held; the device is let go once all
+    are. The items, and the front door's registry."""
+    texts = [f"{STRIKER} ({number})" for number in range(count)]
+    async with (
+        front_door(capability, directory, budget="200ms", limit=limit) as server,
+        batch_client(kind, target(server), api_key=KEY) as classify_batch,
+    ):
+        async with device_occupied(capability.pool.workers[0]):
+            waiting = asyncio.ensure_future(classify_batch(texts, wait=True, timeout=within))
+            await wait_until(
+                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == count,
+                "every item answered PROCESSING",
+            )
+        return await waiting, server.registry
+
+
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
 async def test_wait_on_a_batch_polls_its_processing_items_together_so_all_reach_done(
     capability: CapabilityServer, tmp_path: Path, kind: str
 ) -> None:
     # One GetResult round at a time for all of them: followed one after another, each
     # item's first poll alone would wait 50 ms, 7.5 s for 150, past the 5 s deadline.
-    texts = [f"{STRIKER} ({number})" for number in range(150)]
-    async with (
-        front_door(capability, tmp_path, budget="200ms") as server,
-        batch_client(kind, target(server), api_key=KEY) as classify_batch,
-    ):
-        async with device_occupied(capability.pool.workers[0]):
-            waiting = asyncio.ensure_future(classify_batch(texts, wait=True, timeout=5))
-            await wait_until(
-                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 150,
-                "every item answered PROCESSING",
-            )
-        items = await waiting
+    items, _ = await processing_batch_waited_for(capability, tmp_path, kind, 150, within=5)
     assert [item.error for item in items] == [None] * 150
     assert {
         (item.response.status, item.response.labels[0].name) for item in items if item.response
@@ -419,22 +435,13 @@ async def test_polls_refused_by_the_tenants_rate_leave_the_items_waiting_not_fai
     """The batch took the tenant's every token, so most of the first rounds' polls are
     refused RATE_LIMITED. That refused the poll, not the work: each such item ended
     RateLimited though its result came to DONE, and its caller sent it again."""
-    texts = [f"{STRIKER} ({number})" for number in range(20)]
-    async with (
-        front_door(capability, tmp_path, budget="200ms", limit=TWENTY_THEN_TEN) as server,
-        batch_client(kind, target(server), api_key=KEY) as classify_batch,
-    ):
-        async with device_occupied(capability.pool.workers[0]):
-            waiting = asyncio.ensure_future(classify_batch(texts, wait=True, timeout=20))
-            await wait_until(
-                lambda: metric_sum(server.registry, PROCESSING_TOTAL, route="default") == 20,
-                "every item answered PROCESSING",
-            )
-        items = await waiting
-        refused = metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant=TENANT)
+    items, registry = await processing_batch_waited_for(
+        capability, tmp_path, kind, 20, within=20, limit=TWENTY_THEN_TEN
+    )
     assert [item.error for item in items] == [None] * 20
     assert {item.response.status for item in items if item.response} == {pb.RESULT_STATUS_DONE}
-    assert refused > 0  # the polls were refused on the way
+    # The polls were refused on the way.
+    assert metric_sum(registry, RATE_LIMITED_TOTAL, tenant=TENANT) > 0
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
