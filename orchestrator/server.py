@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
@@ -173,10 +174,13 @@ class OrchestratorServer:
 
     @property
     def _state_host(self) -> str:
-        """--state-url without its password, for logs."""
-        url = self.settings.state_url or ""
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://{rest.rpartition('@')[2]}"
+        """--state-url without its secrets, for logs: its scheme, host, port and
+        database. Not the user and password before the host, nor the query, where
+        redis-py also reads a `password=` (it was logged whole)."""
+        parts = urllib.parse.urlsplit(self.settings.state_url or "")
+        host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+        port = f":{parts.port}" if parts.port is not None else ""
+        return f"{parts.scheme}://{host or ''}{port}{parts.path}"
 
     @property
     def port(self) -> int:

@@ -97,6 +97,7 @@ def _api_keys(document: Any) -> ApiKeys:
     top = Fields(document)
     callers: dict[str, Caller] = {}
     first_entry: dict[str, int] = {}
+    first_with_id: dict[str, int] = {}
     for index, entry in enumerate(top.items("keys")):
         fields = Fields(entry, top.path(f"keys[{index}]"))
         digest, caller = _caller(fields)
@@ -105,7 +106,14 @@ def _api_keys(document: Any) -> ApiKeys:
             raise FieldRefused(
                 fields.path("sha256"), f"the same key as keys[{first_entry[digest]}]"
             )
+        if caller.key_id in first_with_id:
+            # Access logs and refusals name a caller by its key's id: two keys of one id
+            # (of other tenants or roles, even) could not be told apart afterwards.
+            raise FieldRefused(
+                fields.path("id"), f"the same id as keys[{first_with_id[caller.key_id]}]"
+            )
         callers[digest], first_entry[digest] = caller, index
+        first_with_id[caller.key_id] = index
     tenants = top.mapping("tenants")
     limits = {tenant: _tenant_limit(tenants, tenant) for tenant in _tenant_names(tenants)}
     with_keys = {caller.tenant for caller in callers.values()}

@@ -350,6 +350,12 @@ async def test_bytes_that_are_no_message_are_refused_for_the_key_and_rate_first(
             f"  - {{id: d, sha256: {'b' * 64}, tenant: u, role: admin}}\n",
             "keys[2].sha256: the same key as keys[0]",
         ),
+        # Logs and refusals name a caller by its key's id: which key made the call?
+        (
+            f"keys:\n  - {{id: ci, sha256: {'b' * 64}, tenant: t, role: user}}\n"
+            f"  - {{id: ci, sha256: {'c' * 64}, tenant: u, role: admin}}\n",
+            "keys[1].id: the same id as keys[0]",
+        ),
         # The hash of "" (a template's empty key variable): `Bearer ` would get in.
         (
             "keys:\n  - {id: a, sha256: "

@@ -49,6 +49,7 @@ from tests.conftest import (
     STRIKER,
     ProcessStarter,
     RedisServer,
+    closed_port,
     metric_sum,
     orchestrator_settings,
     wait_until,
@@ -932,6 +933,29 @@ async def test_an_orchestrator_without_redis_exports_no_state_up(tmp_path: Path)
     server = unstarted_orchestrator(tmp_path, None)
     names = {sample.name for family in server.registry.collect() for sample in family.samples}
     assert STATE_UP not in names
+
+
+@pytest.mark.parametrize(
+    "form", ["redis://:S3cret@127.0.0.1:{port}/0", "redis://127.0.0.1:{port}/0?password=S3cret"]
+)
+async def test_the_redis_url_is_logged_without_its_password(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, form: str
+) -> None:
+    """redis-py reads a password from the URL's query too; the start-up warning logged
+    the URL whole but for what came before an @."""
+    port = closed_port()
+    server = unstarted_orchestrator(tmp_path, form.format(port=port))
+    await server.start()
+    try:
+        [warning] = [
+            r
+            for r in caplog.records
+            if r.getMessage() == "shared state store did not answer at start"
+        ]
+    finally:
+        await server.stop(grace_seconds=0)
+    assert vars(warning)["url"] == f"redis://127.0.0.1:{port}/0"
+    assert "S3cret" not in caplog.text
 
 
 def test_the_backoff_between_tries_to_store_again_stops_growing_at_its_longest() -> None:
