@@ -395,7 +395,7 @@ def _leave_item(
     if trace is None or not trace.outcome_counted_elsewhere:
         _count_outcome(outcomes, trace, failure)
     if result.HasField("error"):
-        _log_failed_item(result.error, call_ids)
+        _log_failed_item(result.error, call_ids, failure)
     # Only an item span of its own is ended here; the call's ends with the call.
     if trace is not None and trace.makes_spans:
         _end_item_span(trace.server_span, failure)
@@ -428,23 +428,29 @@ def _end_item_span(span: Span, failure: BaseException | None) -> None:
     span.end()
 
 
-def _log_failed_item(status: status_pb2.Status, call_ids: RequestContext) -> None:
+def _log_failed_item(
+    status: status_pb2.Status, call_ids: RequestContext, failure: BaseException | None
+) -> None:
     """A line for an item that failed, under its own request and trace IDs (bound to
     its task), naming the call it came in: the call's own `rpc` line names only the
     call, and a caller holding an item's IDs must find it in the log. An item answered
     is not logged on its own (a call of 1,024 items would write 1,024 lines)."""
-    reason = ""
-    for packed in status.details:
-        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            packed.Unpack(info)
-            reason = info.reason
-            break
-    fields = {
-        "code": _CODE_NAMES.get(status.code, str(status.code)),
-        "reason": reason,
-        "call_request_id": call_ids.request_id,
-    }
+    code, reason = _CODE_NAMES.get(status.code, str(status.code)), ""
+    if (
+        isinstance(failure, asyncio.CancelledError)
+        and cancelled_code(failure) is grpc.StatusCode.CANCELLED
+    ):
+        # Its caller went away: CANCELLED, as its span and count say. The status kept
+        # for no one says DEADLINE_EXPIRED, and each such item was logged as one.
+        code = grpc.StatusCode.CANCELLED.name
+    else:
+        for packed in status.details:
+            if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                packed.Unpack(info)
+                reason = info.reason
+                break
+    fields = {"code": code, "reason": reason, "call_request_id": call_ids.request_id}
     log_event(log, "batch item failed", fields)
 
 

@@ -36,6 +36,7 @@ from tests.conftest import (
 )
 from tests.flaky_pod import FlakyPod
 from tests.status_details import unpack
+from tests.unit.capability.test_serving import device_occupied
 from tests.unit.test_lifecycle_trace import span_id, trace_spans
 
 # What an item its call's deadline cut off is answered (orchestrator.batch_items).
@@ -295,3 +296,40 @@ async def test_items_due_before_they_start_are_answered_under_their_own_ids(
         assert list(spans) == [request_id]
         attributes = dict(spans[request_id].attributes or {})
         assert attributes["rpc.response.status_code"] == "DEADLINE_EXCEEDED"
+
+
+async def test_items_whose_caller_went_away_are_logged_cancelled_not_expired(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Their spans and counts said CANCELLED; their log lines said DEADLINE_EXCEEDED
+    (DEADLINE_EXPIRED), false deadline misses of the server's, one for each item."""
+    collector = LineCollector()
+    items_log = logging.getLogger(batch_items.__name__)
+    items_log.addHandler(collector)
+    caplog.set_level(logging.INFO, logger=batch_items.__name__)  # "batch item failed"
+    server = await orchestrator_with(routes_with_a_dead_backend(f"127.0.0.1:{capability.port}"))
+    items = [pb.ClassifyRequest(text=STRIKER, request_id=f"gone-{n}") for n in range(2)]
+
+    def logged() -> dict[str, tuple[str, str]]:
+        lines = [json.loads(line) for line in collector.lines]
+        return {
+            line["request_id"]: (line["code"], line["reason"])
+            for line in lines
+            if line["event"] == "batch item failed"
+        }
+
+    try:
+        async with (
+            device_occupied(capability.pool.workers[0]),
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+        ):
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            call = stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
+            await wait_until(capability.pool.has_work, "the items queued")
+            call.cancel()
+            await wait_until(lambda: len(logged()) == 2, "both items logged")
+    finally:
+        items_log.removeHandler(collector)
+    assert logged() == {"gone-0": ("CANCELLED", ""), "gone-1": ("CANCELLED", "")}
