@@ -439,6 +439,10 @@ class WorkerPool:
             if onto is not None and onto.worker.room_wanted:
                 await onto.worker.room_made()
                 continue
+            if onto is not None and (onto.stopped or onto.worker.replicas.get(model) is not onto):
+                # A swap retired it: each chunk went on being tokenized and refused
+                # (thousands of texts); the new version's refill starts its own.
+                break
             if onto is not None and not onto.is_resident:
                 if onto.worker.replicas.get(model) is onto:
                     self._refill_waiting.setdefault(model, texts[offered:])

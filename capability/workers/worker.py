@@ -592,9 +592,13 @@ class DeviceWorker:
         self._residency = asyncio.Lock()
         # Takes idle on_demand replicas off the device; started with the first one.
         self._evictor: asyncio.Task[None] | None = None
-        # Evictions under way, each run to its end even when its caller is cancelled
-        # (_evict); close waits for them before the device thread stops.
+        # Evictions and cold starts under way, each run to its end even when its caller
+        # is cancelled (_evict, _copy_on); close waits for them before the device
+        # thread stops.
         self._evictions: set[asyncio.Task[None]] = set()
+        # Set and cleared at once whenever a cold start's copy ends: wakes the texts
+        # waiting for the residency lock to see whether their model is on now.
+        self._copied = asyncio.Event()
         self._on_cold_start = on_cold_start
         # Cold starts and loads waiting for an on_demand replica here to go idle, and
         # set whenever none is.
@@ -805,7 +809,7 @@ class DeviceWorker:
         # this one would otherwise wait past its caller's deadline.
         try:
             async with asyncio.timeout_at(give_up_at):
-                await self._residency.acquire()
+                locked = await self._lock_unless_copied(replica)
         except TimeoutError:
             raise DeviceMemoryPressure(
                 f"model {replica.name} is not on {self.name}, and the cold starts and loads "
@@ -814,6 +818,9 @@ class DeviceWorker:
                 retry_after_seconds=1.0,
                 worker=self.name,
             ) from None
+        if not locked:
+            return  # another text's cold start brought it on meanwhile
+        copying: asyncio.Task[None] | None = None
         try:
             weights = replica.on_demand
             if weights is None or weights.resident:
@@ -825,6 +832,56 @@ class DeviceWorker:
                 # for the texts a retiring version leaves: the caller sends it again.
                 raise ServerDraining("the model version was replaced", worker=self.name)
             await self._make_room(replica, give_up_at)
+            # Runs to its end, the lock held and its bookkeeping done, even when the
+            # caller is cancelled: cancelled with it, the device thread still finished
+            # the copy, and the weights sat on the device with no cold start counted
+            # or timed (a slow copy never taught the prediction), the model reported
+            # off it, and its result-cache refill parked for good.
+            copying = asyncio.create_task(self._copy_on(replica, weights))
+            self._evictions.add(copying)
+            copying.add_done_callback(self._evictions.discard)
+            copying.add_done_callback(functools.partial(_log_failed_copy, replica, self.name))
+        finally:
+            if copying is None:
+                self._residency.release()
+        await asyncio.shield(copying)
+
+    async def _lock_unless_copied(self, replica: ModelReplica) -> bool:
+        """Take the residency lock (True), unless `replica` is copied onto the device
+        first, by another text's cold start (False, the lock not held). Waiting for the
+        lock alone, a text of a model that came on meanwhile counted as that model's
+        load, while the cold start holding the lock waited for that model to go idle
+        to make room: each waited for the other until one gave up (10 s without a
+        deadline), and the model on the device answered nothing meanwhile."""
+        acquiring = asyncio.ensure_future(self._residency.acquire())
+        try:
+            while not acquiring.done() and not replica.is_resident:
+                copied = asyncio.ensure_future(self._copied.wait())
+                try:
+                    await asyncio.wait((acquiring, copied), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    copied.cancel()
+        except BaseException:
+            await self._give_up_lock(acquiring)
+            raise
+        if not acquiring.done() or replica.is_resident:
+            await self._give_up_lock(acquiring)
+            return False
+        return True
+
+    async def _give_up_lock(self, acquiring: asyncio.Task[Any]) -> None:
+        """Stop waiting for the residency lock; release it if it was taken meanwhile."""
+        acquiring.cancel()
+        try:
+            await acquiring
+        except asyncio.CancelledError:
+            return
+        self._residency.release()
+
+    async def _copy_on(self, replica: ModelReplica, weights: OnDemandWeights) -> None:
+        """The copy of a cold start, under the residency lock (released here), and its
+        count, time and state."""
+        try:
             started = time.perf_counter()
             try:
                 await self.run_on_device(weights.restore)
@@ -837,16 +894,25 @@ class DeviceWorker:
             seconds = time.perf_counter() - started
         finally:
             self._residency.release()
+            self._copied.set()
+            self._copied.clear()
         replica.cold_start_seconds = seconds
         replica.last_used = time.monotonic()
         self._metrics.model_cold_starts.labels(replica.name, self.name).inc()
         self._metrics.model_cold_start_seconds.labels(replica.name).observe(seconds)
-        self._metrics.model_resident.labels(replica.name, self.name).set(1)
+        self._show_resident(replica, 1)
         log.info(
             "model copied onto the device",
             extra={"model": replica.name, "worker": self.name, "seconds": round(seconds, 3)},
         )
         self._on_cold_start(replica)
+
+    def _show_resident(self, replica: ModelReplica, resident: int) -> None:
+        """Set the model's `model_resident` series, if `replica` is still its serving
+        version: the series is the model's, and a retired version's copy ending after
+        a swap set it to 1 while the serving version was off the device."""
+        if self.replicas.get(replica.name) is replica:
+            self._metrics.model_resident.labels(replica.name, self.name).set(resident)
 
     async def _make_room(self, replica: ModelReplica, give_up_at: float) -> None:
         """Make room for `replica`'s footprint (`_evict_for_room`), or raise
@@ -949,7 +1015,7 @@ class DeviceWorker:
             weights.begin_eviction()
             await self.execute(weights.evict)
         self._metrics.model_evictions.labels(replica.name, self.name, reason).inc()
-        self._metrics.model_resident.labels(replica.name, self.name).set(0)
+        self._show_resident(replica, 0)
         await self.release_cached(CACHE_RELEASE_EVICTED)
         log.info(
             "model taken off the device",
@@ -959,16 +1025,23 @@ class DeviceWorker:
     async def _evict_idle(self) -> None:
         """Forever: take on_demand replicas unused for their idle_seconds off the device."""
         while True:
-            waiting = [r for r in self.replicas.values() if r.on_demand is not None]
-            shortest = min((r.idle_seconds for r in waiting), default=EVICTION_POLL_SECONDS * 4)
+            shortest = min(
+                (r.idle_seconds for r in self.replicas.values() if r.on_demand is not None),
+                default=EVICTION_POLL_SECONDS * 4,
+            )
             await asyncio.sleep(min(EVICTION_POLL_SECONDS, shortest / 4))
-            for replica in waiting:
+            # Listed after the sleep, and each checked again under the lock: listed
+            # before, a version a swap retired meanwhile was evicted as the model's
+            # idle one, counted, and the model shown off the device while its new
+            # version was on it.
+            for replica in [r for r in self.replicas.values() if r.on_demand is not None]:
                 if not replica.is_resident or replica.load:
                     continue
                 if time.monotonic() - replica.last_used < replica.idle_seconds:
                     continue
                 async with self._residency:
-                    if time.monotonic() - replica.last_used >= replica.idle_seconds:
+                    serving = self.replicas.get(replica.name) is replica
+                    if serving and time.monotonic() - replica.last_used >= replica.idle_seconds:
                         await self._evict(replica, EVICTED_IDLE)
 
     async def release_cached(self, reason: str) -> None:
@@ -1044,6 +1117,17 @@ class DeviceWorker:
         self._device_thread.close()
         if self.lanes is not None:
             self.lanes.close()
+
+
+def _log_failed_copy(replica: ModelReplica, worker: str, copying: asyncio.Task[None]) -> None:
+    """Log a cold start's copy that failed, once it ends: its caller may have gone,
+    and then nothing else reads its exception."""
+    if copying.cancelled() or (error := copying.exception()) is None:
+        return
+    log.error(
+        "model could not be copied onto the device",
+        extra={"model": replica.name, "worker": worker, "error": repr(error)},
+    )
 
 
 def _log_failed_eviction(replica: ModelReplica, worker: str, eviction: asyncio.Task[None]) -> None:

@@ -818,6 +818,60 @@ async def test_a_cold_start_queued_behind_one_waiting_for_room_is_refused_for_me
     assert error_info(refused).reason == "DEVICE_MEMORY_PRESSURE"
 
 
+async def test_a_text_of_a_model_copied_on_meanwhile_waits_for_no_later_cold_start(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """a1's cold start runs; b1 then a2 wait for the residency lock. b1 took it next
+    and waited for a to go idle to make room, while a2, counted as a's load, waited for
+    the lock b1 held: each waited for the other until b1 gave up (10 s without a
+    deadline), refused RESOURCE_EXHAUSTED, and a, on the device, answered nothing."""
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    worker = server.pool.workers[0]
+    a, b = worker.replicas["static-a"], worker.replicas["static-b"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+
+        def classify(name: str) -> Any:
+            return asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, model=name))
+            )
+
+        async with device_occupied(worker):  # a1's copy waits for the device meanwhile
+            a1 = classify("static-a")
+            await wait_until(worker._residency.locked, "a1's cold start under way")
+            b1 = classify("static-b")
+            await wait_until(lambda: b.arriving == 1, "b1 waiting")
+            a2 = classify("static-a")
+            await wait_until(lambda: a.arriving == 2, "a2 waiting")
+        answers = await asyncio.gather(a1, b1, a2)
+    assert [answer.model.name for answer in answers] == ["static-a", "static-b", "static-a"]
+    assert metric_sum(server.registry, MODEL_COLD_STARTS_TOTAL) == 2
+
+
+async def test_a_cold_start_whose_caller_left_during_the_copy_is_counted_and_shown(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """The caller's deadline passed while the copy waited for the device: the device
+    thread still copied the weights on, but the cold start was neither counted nor
+    timed, and the model was shown off the device while it was on it."""
+    server = await on_demand_in_room_for_one(start_capability, model_root, tmp_path)
+    worker = server.pool.workers[0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(worker):
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"), timeout=1)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_until(
+        lambda: metric_sum(server.registry, MODEL_COLD_STARTS_TOTAL) == 1, "cold start counted"
+    )
+    a = worker.replicas["static-a"]
+    assert a.is_resident
+    assert a.cold_start_seconds is not None
+    assert a.cold_start_seconds >= 0.5  # it waited for the device
+    assert metric_sum(server.registry, MODEL_RESIDENT, model="static-a") == 1
+
+
 async def test_result_cache_hits_do_not_keep_an_on_demand_model_on_the_device(
     start_capability: StartCapability,
 ) -> None:
