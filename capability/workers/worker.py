@@ -1042,7 +1042,10 @@ class DeviceWorker:
                 async with self._residency:
                     serving = self.replicas.get(replica.name) is replica
                     if serving and time.monotonic() - replica.last_used >= replica.idle_seconds:
-                        await self._evict(replica, EVICTED_IDLE)
+                        # An eviction that fails is logged (_log_failed_eviction); raised
+                        # here, it ended this task, and no idle model left again.
+                        with contextlib.suppress(Exception):
+                            await self._evict(replica, EVICTED_IDLE)
 
     async def release_cached(self, reason: str) -> None:
         """Hand the device's unused cached blocks back, on the device thread (counted)."""
