@@ -50,7 +50,7 @@ caller only what the operator listed.
 
 from __future__ import annotations
 
-import io
+import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -77,6 +77,9 @@ DEFAULT_WARM = 100
 WARM_TEXTS_LIMIT = 10_000
 WARM_TEXT_CHARS = 100_000
 WARM_TEXTS_MAX_BYTES = 16 * 2**20
+# Where a warm_texts file's lines end: \r\n, \r or \n (no byte of a UTF-8 character
+# but these is one of them).
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 # The scope of the warm_texts files' entries, read by every scope: None, which no
 # call can send (a scope on the wire is a string).
@@ -232,19 +235,18 @@ def read_warm_texts(path: Path) -> list[WarmText]:
         data = stream.read(WARM_TEXTS_MAX_BYTES + 1)
     if len(data) > WARM_TEXTS_MAX_BYTES:  # whole lines only: the last one may go on
         data = data[: max(data.rfind(b"\n"), data.rfind(b"\r")) + 1]
-    try:
-        decoded = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line_number = data.count(b"\n", 0, exc.start) + 1
-        raise WarmTextsUnreadable(
-            f"{path}: warm_texts file is not UTF-8 text (byte {data[exc.start]:#04x} on "
-            f"line {line_number}: {exc.reason})"
-        ) from exc
     texts: list[WarmText] = []
     # Lines as a text file's are (universal newlines), not str.splitlines()'s, which
-    # also breaks at form feeds and U+2028.
-    for line in io.StringIO(decoded, newline=None):
-        text = line.strip()
+    # also breaks at form feeds and U+2028; each decoded on its own, so that a bad
+    # byte past the last text used is never read, as when the file was read by line.
+    for number, line in enumerate(_LINE_BREAK.split(data), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise WarmTextsUnreadable(
+                f"{path}: warm_texts file is not UTF-8 text (byte {line[exc.start]:#04x} on "
+                f"line {number}: {exc.reason})"
+            ) from exc
         if text:
             texts.append(WarmText(text[:WARM_TEXT_CHARS], None))
         if len(texts) == WARM_TEXTS_LIMIT:

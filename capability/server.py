@@ -138,9 +138,11 @@ class CapabilityServer:
                     "grace period over with work still queued", extra={"grace_seconds": grace}
                 )
         # Answers that are ready still need a moment to be written to the wire.
-        await self.serving.stop(grace_seconds=min(grace, 1.0))
-        await self.pool.close()
-        thaw_heap()
+        try:
+            await self.serving.stop(grace_seconds=min(grace, 1.0))
+            await self.pool.close()
+        finally:
+            thaw_heap()
 
 
 async def serve(settings: CapabilitySettings) -> None:

@@ -439,7 +439,11 @@ def thaw_heap() -> None:
     frozen none of it is ever collected. A process that starts servers in turn (the
     test suite, an application that embeds one) kept every stopped server's models:
     the suite's process grew by 160 MB a capability server, to 18 GB. A server
-    process exits after its stop anyway; the next freeze_heap collects first."""
+    process exits after its stop anyway; the next freeze_heap collects first.
+
+    Process-wide, as the freeze is: in a process that runs more than one server,
+    one's stop hands back the others' frozen heap too, and their collections walk it
+    again until the next freeze."""
     gc.unfreeze()
 
 

@@ -223,10 +223,12 @@ class OrchestratorServer:
         if self._watcher is not None:
             await stop_watcher(self._watcher, "routes watcher")
             self._watcher = None
-        await self.serving.stop(grace)
-        await self.dispatcher.close()
-        await self.state.close()
-        thaw_heap()  # frozen when it went SERVING (GrpcServing.set_serving)
+        try:
+            await self.serving.stop(grace)
+            await self.dispatcher.close()
+            await self.state.close()
+        finally:
+            thaw_heap()  # frozen when it went SERVING (GrpcServing.set_serving)
 
 
 def _load_api_keys_at_start(settings: OrchestratorSettings) -> ApiKeys:

@@ -596,9 +596,11 @@ class DeviceWorker:
         # is cancelled (_evict, _copy_on); close waits for them before the device
         # thread stops.
         self._evictions: set[asyncio.Task[None]] = set()
-        # Set and cleared at once whenever a cold start's copy ends: wakes the texts
-        # waiting for the residency lock to see whether their model is on now.
-        self._copied = asyncio.Event()
+        # Resolved (and replaced) whenever a cold start's copy ends: wakes the texts
+        # waiting for the residency lock to see whether their model is on now. A
+        # future taken before the wait, not an event set and cleared at once: a waiter
+        # whose wait had not started yet missed that.
+        self._next_copy: asyncio.Future[None] | None = None
         self._on_cold_start = on_cold_start
         # Cold starts and loads waiting for an on_demand replica here to go idle, and
         # set whenever none is.
@@ -856,27 +858,27 @@ class DeviceWorker:
         acquiring = asyncio.ensure_future(self._residency.acquire())
         try:
             while not acquiring.done() and not replica.is_resident:
-                copied = asyncio.ensure_future(self._copied.wait())
-                try:
-                    await asyncio.wait((acquiring, copied), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    copied.cancel()
+                if self._next_copy is None:
+                    self._next_copy = asyncio.get_running_loop().create_future()
+                await asyncio.wait(
+                    (acquiring, self._next_copy), return_when=asyncio.FIRST_COMPLETED
+                )
         except BaseException:
-            await self._give_up_lock(acquiring)
+            self._give_up_lock(acquiring)
             raise
         if not acquiring.done() or replica.is_resident:
-            await self._give_up_lock(acquiring)
+            self._give_up_lock(acquiring)
             return False
         return True
 
-    async def _give_up_lock(self, acquiring: asyncio.Task[Any]) -> None:
-        """Stop waiting for the residency lock; release it if it was taken meanwhile."""
-        acquiring.cancel()
-        try:
-            await acquiring
-        except asyncio.CancelledError:
-            return
-        self._residency.release()
+    def _give_up_lock(self, acquiring: asyncio.Task[Any]) -> None:
+        """Stop waiting for the residency lock; release it if it was taken meanwhile.
+        Not awaited: awaiting the cancelled wait swallowed a cancellation of the
+        caller's own that arrived meanwhile."""
+        if not acquiring.done():
+            acquiring.cancel()  # the lock hands itself on if it was granted meanwhile
+        elif not acquiring.cancelled() and acquiring.exception() is None:
+            self._residency.release()
 
     async def _copy_on(self, replica: ModelReplica, weights: OnDemandWeights) -> None:
         """The copy of a cold start, under the residency lock (released here), and its
@@ -894,8 +896,9 @@ class DeviceWorker:
             seconds = time.perf_counter() - started
         finally:
             self._residency.release()
-            self._copied.set()
-            self._copied.clear()
+            copied, self._next_copy = self._next_copy, None
+            if copied is not None:
+                copied.set_result(None)
         replica.cold_start_seconds = seconds
         replica.last_used = time.monotonic()
         self._metrics.model_cold_starts.labels(replica.name, self.name).inc()
@@ -1113,8 +1116,9 @@ class DeviceWorker:
             self._evictor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
-        # An eviction outlives its cancelled caller, and needs the device thread.
-        await asyncio.gather(*self._evictions, return_exceptions=True)
+        # An eviction or a copy outlives its cancelled caller, and needs the device
+        # thread; shielded, so that a cancelled close does not cancel them halfway.
+        await asyncio.gather(*map(asyncio.shield, self._evictions), return_exceptions=True)
         for replica in self.replicas.values():
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()

@@ -34,6 +34,7 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.result_cache import (
     ENTRY_OVERHEAD_BYTES,
+    WARM_TEXTS_LIMIT,
     WARM_TEXTS_MAX_BYTES,
     ResultCache,
     WarmText,
@@ -416,5 +417,14 @@ def test_a_warm_texts_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> No
     with pytest.raises(WarmTextsUnreadable) as refused:
         read_warm_texts(hot)
     assert str(refused.value) == (
-        f"{hot}: warm_texts file is not UTF-8 text (byte 0xe9 on line 2: invalid continuation byte)"
+        f"{hot}: warm_texts file is not UTF-8 text (byte 0xe9 on line 2: unexpected end of data)"
     )
+
+
+def test_a_bad_byte_past_the_last_text_used_is_never_read(tmp_path: Path) -> None:
+    """Read by line, a file stopped at its 10,000th text; decoded in one block, the bytes
+    after it refused a file that had loaded before."""
+    hot = tmp_path / "hot.txt"
+    hot.write_bytes(b"".join(b"text %d\n" % n for n in range(WARM_TEXTS_LIMIT)) + b"caf\xe9\n")
+    texts = read_warm_texts(hot)
+    assert (len(texts), texts[-1].text) == (WARM_TEXTS_LIMIT, f"text {WARM_TEXTS_LIMIT - 1}")

@@ -22,6 +22,7 @@ from classify_client import (
 from classify_client._shared import (
     BATCH_MAX_CHARS,
     BATCH_MAX_ITEMS,
+    MAX_REFUSED_POLLS,
     ProcessingPolls,
     batch_chunks,
 )
@@ -95,6 +96,33 @@ def test_a_poll_interval_past_the_deadline_is_cut_short_for_one_last_poll() -> N
     # No time for another: it ends StillProcessing, with the ID to fetch it by later.
     assert polls.wait_before_next_round(Deadline(MIN_SECONDS_FOR_A_CALL / 2)) is None
     assert isinstance(items[0].error, StillProcessing)
+
+
+def test_without_a_deadline_polls_refused_ten_times_in_a_row_end_the_item() -> None:
+    """A refused poll leaves its item waiting for the next round; with no deadline the
+    rounds went on for ever against a front door that was gone."""
+    processing = pb.ClassifyResponse(request_id="r-1", status=pb.RESULT_STATUS_PROCESSING)
+    items = [BatchItem(response=processing)]
+    polls = ProcessingPolls(items, PollPolicy())
+    gone = refused(grpc.StatusCode.UNAVAILABLE)
+    for _ in range(MAX_REFUSED_POLLS):
+        assert polls.wait_before_next_round(Deadline(None)) is not None
+        polls.record(0, gone)
+    assert polls.wait_before_next_round(Deadline(None)) is None
+    assert items[0].error is gone
+    assert (gone.attempts, len(gone.attempt_errors)) == (MAX_REFUSED_POLLS, MAX_REFUSED_POLLS - 1)
+
+
+def test_a_poll_meeting_a_limit_it_meets_again_ends_the_item() -> None:
+    """RESOURCE_EXHAUSTED without a RetryInfo (gRPC's message size) is no refusal for the
+    moment, as RetryPolicy reads it: it was polled again every round."""
+    processing = pb.ClassifyResponse(request_id="r-1", status=pb.RESULT_STATUS_PROCESSING)
+    items = [BatchItem(response=processing)]
+    polls = ProcessingPolls(items, PollPolicy())
+    assert polls.wait_before_next_round(Deadline(10)) is not None
+    too_large = refused(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    polls.record(0, too_large)
+    assert items[0].error is too_large
 
 
 def test_batches_are_cut_at_the_item_limit_and_at_the_character_limit() -> None:

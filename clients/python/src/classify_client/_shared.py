@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
 import ssl
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,6 +381,17 @@ def is_processing(response: pb.ClassifyResponse) -> bool:
 
 # GetResult polls the asyncio client has in flight at once while following a batch.
 POLLS_AT_ONCE = 16
+# A last round cut short by the deadline ends this much sooner than the least time a
+# poll needs: a sleep overshoots, and the poll after it found under 50 ms left and was
+# not sent.
+LAST_ROUND_SLACK_SECONDS = 0.01
+# Up to this share of a refused poll's RetryInfo delay is added to the next round's wait
+# (as RetryPolicy's pushback_jitter), so that many refused clients do not come back at
+# the same instant.
+POLL_PUSHBACK_JITTER = 0.2
+# With no deadline, an item whose polls are refused this many times in a row ends with
+# the last refusal: a call without one never waits for ever on a server that is gone.
+MAX_REFUSED_POLLS = 10
 
 
 class ProcessingPolls:
@@ -408,9 +421,10 @@ class ProcessingPolls:
             for index, item in enumerate(items)
             if item.response is not None and is_processing(item.response)
         ]
-        # The refused polls of each item still pending, oldest first.
-        self._refused: dict[int, list[ClassifyError]] = {}
-        # The longest RetryInfo delay among the polls refused in the last round.
+        # The refused polls of each item still pending since its last answered one,
+        # oldest first, the last MAX_REFUSED_POLLS of them.
+        self._refused: dict[int, deque[ClassifyError]] = {}
+        # The longest RetryInfo delay among the polls refused in this round, jittered.
         self._pushback = 0.0
 
     def wait_before_next_round(self, deadline: Deadline) -> float | None:
@@ -421,6 +435,12 @@ class ProcessingPolls:
         ready in it unfetched. A server's delay that leaves no time is not shortened:
         a poll sent sooner would only be refused again."""
         self._pending = [index for index in self._pending if self._processing(index)]
+        if deadline.remaining() is None:
+            for index in self._pending:
+                refused = self._refused.get(index, ())
+                if len(refused) >= MAX_REFUSED_POLLS:
+                    self._items[index] = BatchItem(error=self._gave_up(index))
+            self._pending = [index for index in self._pending if self._processing(index)]
         if not self._pending:
             return None
         self._round += 1
@@ -429,8 +449,9 @@ class ProcessingPolls:
         if deadline.allows_wait(interval):
             return interval
         left = deadline.remaining()
-        if left is not None and left - MIN_SECONDS_FOR_A_CALL > pushback:
-            return left - MIN_SECONDS_FOR_A_CALL
+        cut_short = None if left is None else left - MIN_SECONDS_FOR_A_CALL
+        if cut_short is not None and cut_short - LAST_ROUND_SLACK_SECONDS > pushback:
+            return cut_short - LAST_ROUND_SLACK_SECONDS
         for index in self._pending:
             self._items[index] = BatchItem(error=self._still_processing(index))
         self._pending = []
@@ -440,17 +461,27 @@ class ProcessingPolls:
         """(index, request ID) of each answer this round polls."""
         return [(index, self._response(index).request_id) for index in self._pending]
 
+    @property
+    def pushed_back(self) -> bool:
+        """Whether a poll of this round was refused with a RetryInfo delay: the rest of
+        the round is not sent (each would be refused too), and waits for the next."""
+        return self._pushback > 0
+
     def record(self, index: int, outcome: pb.ClassifyResponse | ClassifyError) -> None:
         """The answer of one GetResult poll, or its error. A deadline that passed during
         the poll ends it as StillProcessing: the result is not lost, only late; a poll
         refused for the moment leaves it pending (see the class docstring)."""
         if isinstance(outcome, pb.ClassifyResponse):
             self._items[index] = BatchItem(response=outcome)
+            self._refused.pop(index, None)
         elif outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED and not outcome.reason:
             self._items[index] = BatchItem(error=self._still_processing(index))
         elif poll_refused_for_now(outcome):
-            self._refused.setdefault(index, []).append(outcome)
-            self._pushback = max(self._pushback, outcome.retry_after_seconds or 0.0)
+            self._refused.setdefault(index, deque(maxlen=MAX_REFUSED_POLLS)).append(outcome)
+            delay = (outcome.retry_after_seconds or 0.0) * (
+                1 + POLL_PUSHBACK_JITTER * random.random()
+            )
+            self._pushback = max(self._pushback, delay)
         else:
             self._items[index] = BatchItem(error=outcome)
 
@@ -461,6 +492,15 @@ class ProcessingPolls:
         for refused in error.attempt_errors:
             error.add_note(f"a poll was refused: {refused}")
         return error
+
+    def _gave_up(self, index: int) -> ClassifyError:
+        """The item's end after MAX_REFUSED_POLLS refused polls in a row, without a
+        deadline: the last refusal, carrying the earlier ones."""
+        *earlier, last = self._refused.pop(index)
+        last.attempts = len(earlier) + 1
+        last.attempt_errors = tuple(earlier)
+        last.add_note(f"its result was polled {last.attempts} times, each refused")
+        return last
 
     def _processing(self, index: int) -> bool:
         response = self._items[index].response
@@ -476,8 +516,10 @@ def poll_refused_for_now(error: ClassifyError) -> bool:
     """Whether a GetResult error refused the poll, not the work: a retryable code,
     not a stored outcome (which names its work's trace), and no RetryInfo saying
     never to ask again."""
-    return (
-        error.code in RETRYABLE_CODES
-        and RESULT_TRACE_ID not in error.metadata
-        and (error.retry_after_seconds is None or error.retry_after_seconds >= 0)
-    )
+    if error.code not in RETRYABLE_CODES or RESULT_TRACE_ID in error.metadata:
+        return False
+    if error.retry_after_seconds is None:
+        # RESOURCE_EXHAUSTED without one is a limit the same poll meets again (gRPC's
+        # message size), as RetryPolicy reads it.
+        return error.code != grpc.StatusCode.RESOURCE_EXHAUSTED
+    return error.retry_after_seconds >= 0

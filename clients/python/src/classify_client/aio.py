@@ -263,8 +263,10 @@ class AsyncClassifyClient:
 
         async def poll(request_id: str) -> pb.ClassifyResponse | ClassifyError | None:
             async with sending:
-                if not deadline.allows_wait(0):
-                    return None  # not sent: no time to answer it (StillProcessing)
+                if not deadline.allows_wait(0) or polls.pushed_back:
+                    # Not sent: no time to answer it (StillProcessing), or a poll of this
+                    # round was refused with a RetryInfo delay (the next round asks).
+                    return None
                 return await self._poll_result(request_id, deadline)
 
         while (wait := polls.wait_before_next_round(deadline)) is not None:

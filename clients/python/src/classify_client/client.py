@@ -254,8 +254,9 @@ class ClassifyClient:
                 # One after another, a round of many polls ran into the deadline and
                 # sent the last ones with no time left: each failed, and the front door
                 # counted them against the tenant (FRONT_DOOR_BUSY). Those not sent now
-                # end as StillProcessing at the next round's start.
-                if not deadline.allows_wait(0):
+                # end as StillProcessing at the next round's start. After a refusal with
+                # a RetryInfo delay the rest wait for the next round too.
+                if not deadline.allows_wait(0) or polls.pushed_back:
                     break
                 polls.record(index, self._poll_result(request_id, deadline))
         return items
