@@ -842,7 +842,11 @@ class DeviceWorker:
             copying = asyncio.create_task(self._copy_on(replica, weights))
             self._evictions.add(copying)
             copying.add_done_callback(self._evictions.discard)
-            copying.add_done_callback(functools.partial(_log_failed_copy, replica, self.name))
+            copying.add_done_callback(
+                functools.partial(
+                    _log_if_failed, "model could not be copied onto the device", replica, self.name
+                )
+            )
         finally:
             if copying is None:
                 self._residency.release()
@@ -1000,7 +1004,11 @@ class DeviceWorker:
         eviction = asyncio.create_task(self._take_off(replica, reason))
         self._evictions.add(eviction)
         eviction.add_done_callback(self._evictions.discard)
-        eviction.add_done_callback(functools.partial(_log_failed_eviction, replica, self.name))
+        eviction.add_done_callback(
+            functools.partial(
+                _log_if_failed, "model could not be taken off the device", replica, self.name
+            )
+        )
         await asyncio.shield(eviction)
 
     async def _take_off(self, replica: ModelReplica, reason: str) -> None:
@@ -1045,7 +1053,7 @@ class DeviceWorker:
                 async with self._residency:
                     serving = self.replicas.get(replica.name) is replica
                     if serving and time.monotonic() - replica.last_used >= replica.idle_seconds:
-                        # An eviction that fails is logged (_log_failed_eviction); raised
+                        # An eviction that fails is logged (_log_if_failed); raised
                         # here, it ended this task, and no idle model left again.
                         with contextlib.suppress(Exception):
                             await self._evict(replica, EVICTED_IDLE)
@@ -1126,26 +1134,14 @@ class DeviceWorker:
             self.lanes.close()
 
 
-def _log_failed_copy(replica: ModelReplica, worker: str, copying: asyncio.Task[None]) -> None:
-    """Log a cold start's copy that failed, once it ends: its caller may have gone,
-    and then nothing else reads its exception."""
-    if copying.cancelled() or (error := copying.exception()) is None:
+def _log_if_failed(
+    message: str, replica: ModelReplica, worker: str, moving: asyncio.Task[None]
+) -> None:
+    """Log `message` for an eviction or a copy that failed, once it ends: its caller
+    may have been cancelled, and then nothing else reads its exception."""
+    if moving.cancelled() or (error := moving.exception()) is None:
         return
-    log.error(
-        "model could not be copied onto the device",
-        extra={"model": replica.name, "worker": worker, "error": repr(error)},
-    )
-
-
-def _log_failed_eviction(replica: ModelReplica, worker: str, eviction: asyncio.Task[None]) -> None:
-    """Log an eviction that failed, once it ends: its caller may have been cancelled,
-    and then nothing else reads its exception."""
-    if eviction.cancelled() or (error := eviction.exception()) is None:
-        return
-    log.error(
-        "model could not be taken off the device",
-        extra={"model": replica.name, "worker": worker, "error": repr(error)},
-    )
+    log.error(message, extra={"model": replica.name, "worker": worker, "error": repr(error)})
 
 
 def carry_ledger(
