@@ -42,7 +42,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -839,13 +839,10 @@ class DeviceWorker:
             # the copy, and the weights sat on the device with no cold start counted
             # or timed (a slow copy never taught the prediction), the model reported
             # off it, and its result-cache refill parked for good.
-            copying = asyncio.create_task(self._copy_on(replica, weights))
-            self._evictions.add(copying)
-            copying.add_done_callback(self._evictions.discard)
-            copying.add_done_callback(
-                functools.partial(
-                    _log_if_failed, "model could not be copied onto the device", replica, self.name
-                )
+            copying = self._run_to_its_end(
+                self._copy_on(replica, weights),
+                replica,
+                "model could not be copied onto the device",
             )
         finally:
             if copying is None:
@@ -1001,15 +998,22 @@ class DeviceWorker:
         cancelled (a caller's deadline, an abandoned load), then without that lock:
         cancelled once the weights counted as off the device, the device thread
         skipped the job and left them there, uncounted."""
-        eviction = asyncio.create_task(self._take_off(replica, reason))
-        self._evictions.add(eviction)
-        eviction.add_done_callback(self._evictions.discard)
-        eviction.add_done_callback(
-            functools.partial(
-                _log_if_failed, "model could not be taken off the device", replica, self.name
-            )
+        eviction = self._run_to_its_end(
+            self._take_off(replica, reason), replica, "model could not be taken off the device"
         )
         await asyncio.shield(eviction)
+
+    def _run_to_its_end(
+        self, moving: Coroutine[Any, Any, None], replica: ModelReplica, failed: str
+    ) -> asyncio.Task[None]:
+        """`moving` (an eviction or a copy of `replica`) as a task that close() waits
+        for, and that logs `failed` if it fails: its caller may have been cancelled,
+        and then nothing else reads its exception."""
+        task = asyncio.create_task(moving)
+        self._evictions.add(task)
+        task.add_done_callback(self._evictions.discard)
+        task.add_done_callback(functools.partial(_log_if_failed, failed, replica, self.name))
+        return task
 
     async def _take_off(self, replica: ModelReplica, reason: str) -> None:
         """In the device's turn: unless the replica got work meanwhile (it stays), mark
@@ -1137,8 +1141,7 @@ class DeviceWorker:
 def _log_if_failed(
     message: str, replica: ModelReplica, worker: str, moving: asyncio.Task[None]
 ) -> None:
-    """Log `message` for an eviction or a copy that failed, once it ends: its caller
-    may have been cancelled, and then nothing else reads its exception."""
+    """Log `message` for an eviction or a copy that failed, once it ends."""
     if moving.cancelled() or (error := moving.exception()) is None:
         return
     log.error(message, extra={"model": replica.name, "worker": worker, "error": repr(error)})
