@@ -361,7 +361,7 @@ class RedisResultStore:
         keys = [PROCESS_LEASE_PREFIX + self.process_id]
         args = [self._lease_ms, self._ttl_ms]
         wait = PROCESS_LEASE_RENEW_SECONDS
-        while True:
+        while not self._closed:  # not only until cancelled (connection._raise_if_cancelled)
             await asyncio.sleep(wait)
             # Sent even while Redis rests after a failure, as the probe is, and tried
             # again soon after a failure: once Redis answers again after an outage
@@ -462,7 +462,7 @@ class RedisResultStore:
         """The one task that stores kept outcomes again, until none is left."""
         failed_tries = 0
         try:
-            while self._unstored:
+            while self._unstored and not self._closed:
                 ceiling = backoff_ceiling(failed_tries, self._retry_max)
                 await asyncio.sleep(random.uniform(0, ceiling))
                 try:

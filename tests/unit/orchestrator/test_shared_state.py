@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -956,6 +957,29 @@ async def test_the_redis_url_is_logged_without_its_password(
         await server.stop(grace_seconds=0)
     assert vars(warning)["url"] == f"redis://127.0.0.1:{port}/0"
     assert "S3cret" not in caplog.text
+
+
+async def test_a_cancelled_command_stays_cancelled_though_the_client_made_it_an_error(
+    redis_state: RedisState,
+) -> None:
+    """A client library that turns a cancellation into its own error (here a stand-in
+    for one: nothing real does it on demand) made run() count it as Redis failing:
+    the probe and the lease's renewal went on, and the close() awaiting them hung a
+    test run's teardown until CI's limit."""
+    started = asyncio.Event()
+
+    async def turns_cancel_into_an_error() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    running = asyncio.ensure_future(redis_state.run("ping", turns_cancel_into_an_error))
+    await started.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
 
 
 def test_the_backoff_between_tries_to_store_again_stops_growing_at_its_longest() -> None:
