@@ -24,6 +24,10 @@ DEFAULT_CONSECUTIVE_FAILURES = 3
 DEFAULT_BASE_EJECTION_SECONDS = 1.0
 DEFAULT_MAX_EJECTION_SECONDS = 30.0
 DEFAULT_MAX_EJECTED_PERCENT = 50
+# The ejection time stops doubling here, whatever the cap: a replica failing for hours
+# is ejected over a thousand times, and 2**1024 does not fit a float (the overflow ended
+# every later failure before its ejection, and failed the call that reported it).
+MAX_DOUBLINGS = 60
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ class OutlierDetector:
         if ejected_now >= self._max_ejected:
             return
         seconds = min(
-            self.settings.base_ejection_seconds * 2**state.times_ejected,
+            self.settings.base_ejection_seconds * 2.0 ** min(state.times_ejected, MAX_DOUBLINGS),
             self.settings.max_ejection_seconds,
         )
         state.ejected_until = self._clock() + seconds

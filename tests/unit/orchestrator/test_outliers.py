@@ -52,6 +52,26 @@ def test_replica_is_ejected_after_failures_in_a_row_for_a_doubling_capped_time()
     assert ejections == [1, 2, 3]
 
 
+def test_a_replica_failing_for_hours_is_still_ejected_for_the_capped_time() -> None:
+    now = [0.0]
+    ejections: list[float] = []
+    detector = OutlierDetector(
+        ["a", "b"],
+        # Times as routes.yaml gives them: floats (2**1024 times an int was no overflow).
+        OutlierSettings(
+            consecutive_failures=1, base_ejection_seconds=1.0, max_ejection_seconds=30.0
+        ),
+        on_ejected=lambda target, seconds: ejections.append(seconds),
+        clock=lambda: now[0],
+    )
+    for _ in range(1100):  # 1,024 ejections are about 8.5 hours at these settings
+        detector.record_failure("a")
+        assert detector.is_ejected("a")
+        now[0] += ejections[-1]
+    assert ejections[:6] == [1, 2, 4, 8, 16, 30]
+    assert set(ejections[5:]) == {30}
+
+
 def test_a_success_resets_the_count() -> None:
     now = [0.0]
     detector, ejections = make_detector(["a", "b"], now)
