@@ -53,9 +53,13 @@ def share_of_bucket(settings: TokenBucketSettings, processes: int) -> TokenBucke
     )
 
 
-def seconds_to_next_token(tokens: float, settings: TokenBucketSettings) -> float:
-    """How long a bucket holding `tokens` (fewer than one) takes to hold one."""
-    return (1 - tokens) / settings.rate_per_second
+def seconds_until_granted(tokens: float, refused: int, settings: TokenBucketSettings) -> float:
+    """How long a bucket holding `tokens` takes to hold a token for each of `refused`
+    calls, up to its burst: the retry-after hint. Not the time to the next token: a
+    batch's refused items sent again after that got one of them served, and the rest
+    refused again (the Python client's retries spent themselves in a second or two)."""
+    wanted = min(refused, settings.burst)
+    return max(wanted - tokens, 0.0) / settings.rate_per_second
 
 
 class _Bucket:
@@ -65,8 +69,8 @@ class _Bucket:
         self.updated = now
 
     def take(self, now: float, calls: int) -> tuple[int, float]:
-        """(calls granted, one token each, up to `calls`; seconds until the next token
-        will be there when fewer than `calls` were granted, else 0)."""
+        """(calls granted, one token each, up to `calls`; when fewer than `calls` were
+        granted, seconds until the bucket holds a token for each refused, else 0)."""
         self.tokens = min(
             self.settings.burst, self.tokens + (now - self.updated) * self.settings.rate_per_second
         )
@@ -75,7 +79,7 @@ class _Bucket:
         self.tokens -= granted
         if granted == calls:
             return granted, 0.0
-        return granted, seconds_to_next_token(self.tokens, self.settings)
+        return granted, seconds_until_granted(self.tokens, calls - granted, self.settings)
 
     def charge(self, now: float, calls: int) -> None:
         """Take a token for each of `calls` granted elsewhere, down to none left."""

@@ -27,7 +27,7 @@ from orchestrator.security.limits import (
     Grant,
     TenantRateLimits,
     TokenBucketSettings,
-    seconds_to_next_token,
+    seconds_until_granted,
 )
 from orchestrator.state.connection import KEY_PREFIX, RedisState
 
@@ -89,4 +89,4 @@ class RedisRateLimits:
         tokens = float(left)
         if granted == calls:
             return tokens, calls, 0.0
-        return tokens, int(granted), seconds_to_next_token(tokens, settings)
+        return tokens, int(granted), seconds_until_granted(tokens, calls - int(granted), settings)

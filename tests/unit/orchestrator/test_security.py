@@ -265,6 +265,21 @@ def test_a_caller_that_waits_out_the_rate_limit_hint_as_sent_gets_its_token() ->
     assert limits.take("acme")[1] == 1
 
 
+def test_a_batch_refused_in_part_is_hinted_the_wait_for_all_its_refused_items() -> None:
+    """Up to the burst: a hint to the next token served one of the refused items sent
+    again and refused the rest again, however long the caller's deadline."""
+    now = [1000.0]
+    limits = TenantRateLimits({"acme": TokenBucketSettings(2, 10)}, clock=lambda: now[0])
+    _, granted, wait = limits.take("acme", 14)
+    assert (granted, wait) == (10, 2.0)  # 4 tokens at 2 a second
+    now[0] += wait
+    assert limits.take("acme", 4)[1] == 4
+    _, granted, wait = limits.take("acme", 30)
+    assert (granted, wait) == (0, 5.0)  # a burst's worth, not 30
+    now[0] += wait
+    assert limits.take("acme", 30)[1] == 10
+
+
 async def test_a_default_limit_gives_each_unlisted_tenant_a_bucket_of_its_own(
     secured: Start,
 ) -> None:

@@ -277,6 +277,23 @@ async def test_a_tenants_rate_is_one_bucket_across_orchestrators(
     assert refused == [1, 2]  # calls 6 and 8 went to the first, 7 to the second
 
 
+async def test_batch_items_over_a_tenants_redis_bucket_are_hinted_the_wait_for_all_of_them(
+    capability: CapabilityServer, start_shared: StartShared
+) -> None:
+    server = await start_shared(capability, burst=5)  # 0.001 tokens a second
+    response = await classify_batch(server, [f"item-{n}" for n in range(8)], within=30)
+    refused = [result.error for result in response.results if result.HasField("error")]
+    assert len(refused) == 3
+    # Three tokens at 0.001 a second (less the sliver refilled since the grant), not
+    # the one token a resend of three would find.
+    delays = {
+        round(retry.retry_delay.ToTimedelta().total_seconds())
+        for error in refused
+        for retry in unpack(error, error_details_pb2.RetryInfo)
+    }
+    assert delays == {3000}
+
+
 async def test_redis_stopped_calls_are_answered_counted_and_state_returns_with_it(
     capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
 ) -> None:
