@@ -184,6 +184,11 @@ class Dispatcher:
         # deadline with the result kept): the work's outcome is then counted when it
         # ends (_count_when_done), not this answer.
         answered_early = False
+        # The routes version's channels stay open until the shadow call has entered it
+        # too. The work's own hold (_run) is not enough on a route with a budget: the
+        # work runs as a task of its own, ends some turns before this call resumes, and
+        # an edit's drain closed the channels in between (the shadow call failed).
+        state.enter()
         try:
             if route.budget_seconds is None:
                 response = await self._run(call)
@@ -204,6 +209,7 @@ class Dispatcher:
             code = cancelled_code(cancelled).name
             raise
         finally:
+            state.leave()
             exemplar = exemplar_for(
                 ids.trace_id,
                 trace.get_current_span(),
