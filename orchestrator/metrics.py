@@ -56,7 +56,8 @@ UNREACHABLE_CAUSES = (UNREACHABLE_REPORTED_WAIT, UNREACHABLE_CALL_TIME, UNREACHA
 class BackendLoad(Protocol):
     """What a backend pool shows of its load (orchestrator.upstream.pool.BackendPool)."""
 
-    in_flight: int
+    @property
+    def calls_in_flight(self) -> int: ...
 
     @property
     def concurrency(self) -> AdaptiveConcurrencyLimit | None: ...
@@ -127,7 +128,7 @@ class UpstreamMetrics:
         of the routes in force: a reload points the series at its new pool, and takes
         the limit's series away when the new one has no limit)."""
         self._watched[backend] = pool
-        self._in_flight.labels(backend).set_function(lambda: pool.in_flight)
+        self._in_flight.labels(backend).set_function(lambda: pool.calls_in_flight)
         if pool.concurrency_limit() is None:
             self._limit.remove(backend)
             return

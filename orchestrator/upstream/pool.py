@@ -189,6 +189,11 @@ class BackendPool:
             ((INTERNAL_TOKEN_HEADER, internal_token),) if internal_token else ()
         )
         self.in_flight = 0
+        # The pool of the same backend that this one replaced in an edit that changed the
+        # backend, while calls that began under the routes before are still in flight
+        # on it (see calls_in_flight).
+        self._replaced: BackendPool | None = None
+        self._closed = False
         # The route tables serving from this pool (an edit that leaves the backend as it
         # was shares it with the routes before it); the last one to go closes it.
         self._holders = 1
@@ -391,12 +396,28 @@ class BackendPool:
             return adaptive
         return float(static) if adaptive is None else min(float(static), adaptive)
 
+    def replaces(self, earlier: BackendPool) -> None:
+        """This pool serves the backend that `earlier` served before an edit changed it
+        (its timeout, its targets): calls still in flight there count here until it
+        closes."""
+        self._replaced = earlier
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Calls in flight to the backend: this pool's, and those of the pools it
+        replaced that are still open. Without the latter, an edit of a backend with
+        max_concurrency let as many calls again reach the same replicas."""
+        earlier = self._replaced
+        if earlier is not None and earlier._closed:
+            earlier = self._replaced = None  # its calls have all ended
+        return self.in_flight + (0 if earlier is None else earlier.calls_in_flight)
+
     def _admit(self) -> None:
         """Take a slot under the backend's limits, or raise ConcurrencyLimited at once:
         refused before any work, and not retried on this backend (its retry would meet
         the same limit), so the fallback takes it at once."""
         limit = self.backend.max_concurrency
-        if limit is not None and self.in_flight >= limit:
+        if limit is not None and self.calls_in_flight >= limit:
             self._count_refused_at_max()
             raise ConcurrencyLimited(
                 f"backend {self.backend.name} is at its concurrency limit (max_concurrency)",
@@ -503,6 +524,8 @@ class BackendPool:
             await self.close()
 
     async def close(self) -> None:
+        self._closed = True
+        self._replaced = None
         if self._metrics is not None:
             self._metrics.unwatch_concurrency(self.backend.name, self)
         await self._addresses.close()
@@ -543,20 +566,22 @@ class UpstreamPools:
         self._pools: dict[str, BackendPool] = {}
         for name, backend in backends.items():
             carried = carried_from.take_over(backend, outliers) if carried_from else None
-            self._pools[name] = (
-                carried
-                if carried is not None
-                else BackendPool(
-                    backend,
-                    outliers,
-                    partial(on_ejected, backend),
-                    internal_token,
-                    tls,
-                    coalescing,
-                    metrics,
-                    concurrency,
-                )
+            if carried is not None:
+                self._pools[name] = carried
+                continue
+            pool = self._pools[name] = BackendPool(
+                backend,
+                outliers,
+                partial(on_ejected, backend),
+                internal_token,
+                tls,
+                coalescing,
+                metrics,
+                concurrency,
             )
+            earlier = carried_from._pools.get(name) if carried_from else None
+            if earlier is not None:
+                pool.replaces(earlier)
 
     def take_over(self, backend: Backend, outliers: OutlierSettings) -> BackendPool | None:
         """This pool of `backend`, handed to the next routes, if it is defined exactly

@@ -13,6 +13,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from orchestrator.metrics import (
+    BACKEND_IN_FLIGHT,
     MODEL_FALLBACK_TOTAL,
     RETRY_BUDGET_EXHAUSTED_TOTAL,
     UPSTREAM_RETRIES_TOTAL,
@@ -289,6 +290,55 @@ routes:
     # Not retried on the full backend first (a second of backoff a retry, here): the
     # fallback took it at once.
     assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+
+
+async def test_a_backends_concurrency_limit_counts_its_calls_from_before_an_edit_of_it(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """An edit that changes a backend (here its timeout) gives it a new pool; the calls
+    still in flight on the old one go to the same replicas, and count against the
+    limit until they end. Counting the new pool alone let as many calls again in."""
+
+    def routes(timeout: str) -> str:
+        return f"""version: 1
+backends:
+  minilm:
+    model: topic-minilm
+    targets: ["127.0.0.1:{capability.port}"]
+    max_concurrency: 1
+    timeout: {timeout}
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{capability.port}"]
+routes:
+  - name: default
+    backend: minilm
+    fallback: [static]
+"""
+
+    server = await orchestrator_with(routes("20s"))
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(routes("19s"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(capability.pool.workers[0]):
+            held = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
+            before = server.dispatcher.state.upstream.pool(server.routes.default_route.backend)
+            await wait_until(lambda: before.in_flight == 1, "a call held upstream")
+            server._apply_routes(load_routes(edited))  # what the watcher does with an edit
+            after = server.dispatcher.state.upstream.pool(server.routes.default_route.backend)
+            assert after is not before
+            assert metric_sum(server.registry, BACKEND_IN_FLIGHT, backend="minilm") == 1
+            second = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=STRIKER)))
+            fallback = server.dispatcher.state.upstream.pool(server.routes.backends["static"])
+            await wait_until(lambda: fallback.in_flight == 1, "the second call at the fallback")
+        answers = await asyncio.gather(held, second)
+        assert [a.fallback for a in answers] == [False, True]
+        # The old pool has closed with its last call: the limit is the new pool's alone.
+        await wait_until(lambda: after.calls_in_flight == 0, "the old pool's call ended")
+        third = await stub.Classify(pb.ClassifyRequest(text=STRIKER))
+    assert (third.fallback, third.model.name) == (False, "topic-minilm")
+    assert metric_sum(server.registry, MODEL_FALLBACK_TOTAL, reason="CONCURRENCY_LIMITED") == 1
 
 
 async def test_a_hung_primary_falls_back_when_its_own_timeout_runs_out(
