@@ -61,19 +61,30 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
         receipt = CallReceipt.of(current_trace())
         remaining = context.time_remaining()
         model = request.model or self._default_model
-        result = await self._pool.classify(
-            model,
-            request.text,
-            max_length=request.max_length if request.HasField("max_length") else None,
-            priority=_priority(request),
-            request_id=ids.request_id,
-            deadline=None if remaining is None else asyncio.get_running_loop().time() + remaining,
-            cache=_cache_policy(request),
-            cache_scope=_cache_scope(context),
-        )
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        try:
+            result = await self._pool.classify(
+                model,
+                request.text,
+                max_length=request.max_length if request.HasField("max_length") else None,
+                priority=_priority(request),
+                request_id=ids.request_id,
+                deadline=deadline,
+                cache=_cache_policy(request),
+                cache_scope=_cache_scope(context),
+            )
+        except ServiceError:
+            # A refusal carries the load report too: refused for a full queue or a long
+            # wait, the orchestrator would otherwise keep the last answer's, which said
+            # the replica had room.
+            self._report_load(context, model, receipt)
+            raise
+        self._report_load(context, model, receipt)
+        return classify_response(request, result, ids.request_id, ids.trace_id)
+
+    def _report_load(self, context: Context, model: str, receipt: CallReceipt) -> None:
         load = self._pool.load_report(model, receipt.seconds_since())
         context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
-        return classify_response(request, result, ids.request_id, ids.trace_id)
 
     async def ClassifyBatch(
         self, request: pb.ClassifyBatchRequest, context: Context
@@ -95,15 +106,16 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             outcomes = await self._pool.classify_many(
                 texts, _early_answer(context, request, texts, ids.trace_id, answered_early)
             )
-        except BaseException:
+        except BaseException as failed:
             for index, text in enumerate(texts):
                 if index not in answered_early:
                     abandon_item_trace(text.trace)
+            if isinstance(failed, ServiceError):
+                self._report_load(context, texts[0].model, receipt)
             raise
         # One report, for the first item's model: the orchestrator's coalesced calls
         # carry one model each.
-        load = self._pool.load_report(texts[0].model, receipt.seconds_since())
-        context.set_trailing_metadata(((LOAD_REPORT_TRAILER, load),))
+        self._report_load(context, texts[0].model, receipt)
         answer = pb.ClassifyBatchResponse()
         failed = 0
         for index, (item, text, outcome) in enumerate(

@@ -410,7 +410,13 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(
             code,
             error.message,
-            trailing_metadata=(*trailers, (STATUS_DETAILS_KEY, status.SerializeToString())),
+            # After what the servicer set: a capability's refusal carries its load report
+            # as an answer does, so that the orchestrator hears of the load that refused.
+            trailing_metadata=(
+                *(context.trailing_metadata() or ()),
+                *trailers,
+                (STATUS_DETAILS_KEY, status.SerializeToString()),
+            ),
         )
 
 

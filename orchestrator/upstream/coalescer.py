@@ -578,6 +578,7 @@ class ReplicaCoalescer:
             call = self._stub.Classify(item.request, timeout=remaining, metadata=metadata)
             response: pb.ClassifyResponse = await call
         except grpc.aio.AioRpcError as exc:
+            self._take_load(exc.trailing_metadata())
             self._fail_all([item], exc)
             return
         round_trip = self._answered(1, sent_at)
@@ -638,6 +639,7 @@ class ReplicaCoalescer:
             span.set_status(Status(StatusCode.ERROR, exc.code().name))
             span.set_attribute(RPC_RESPONSE_STATUS_CODE, exc.code().name)
             span.set_attribute(ERROR_TYPE, exc.code().name)
+            self._take_load(exc.trailing_metadata())
             self._fail_all(items, exc)
             return
         finally:
@@ -754,12 +756,17 @@ class ReplicaCoalescer:
     ) -> None:
         """Hand on the call's load report trailer, if the replica sent one, and learn the
         call's trip from the time it says it spent on the call."""
-        for key, value in await call.trailing_metadata() or ():
+        load = self._take_load(await call.trailing_metadata())
+        if load is not None and load.handled > 0:
+            self.trip.record(round_trip, load.handled, longest)
+
+    def _take_load(self, trailers: Any) -> ReplicaLoad | None:
+        """Hand on the load report among a call's `trailers`, if the replica sent one:
+        it comes with refusals too (a full queue, a wait too long for the deadline)."""
+        for key, value in trailers or ():
             if key == LOAD_REPORT_TRAILER and isinstance(value, bytes):
-                load = self._on_load(value)
-                if load is not None and load.handled > 0:
-                    self.trip.record(round_trip, load.handled, longest)
-                return
+                return self._on_load(value)
+        return None
 
     def _start_client_spans(self, items: list[UpstreamItem], now: float) -> None:
         """Each traced item's client span, from now, as its call leaves: named after the

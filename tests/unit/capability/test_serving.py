@@ -37,9 +37,10 @@ from capability.metrics import (
 from capability.model import EncodedText
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker, ModelReplica
+from classify_common.context import LOAD_REPORT_TRAILER
 from classify_common.errors import DeadlineUnreachable, ExpiredInQueue, ModelFault
 from tests.conftest import StartCapability, metric_sum, wait_until
-from tests.status_details import error_reason, refusal, retry_delay_seconds
+from tests.status_details import error_reason, metadata_dict, refusal, retry_delay_seconds
 
 TEXTS = [
     "The striker scored twice in the final minutes of the cup match",
@@ -110,6 +111,10 @@ async def test_queue_overflow_is_refused_at_once_and_the_queue_never_grows(
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert error_reason(error) == "QUEUE_FULL"
                 assert retry_delay_seconds(error) == pytest.approx(drain, abs=1e-6)
+                # The load report that refused it, as an answer would carry it.
+                raw = metadata_dict(error.trailing_metadata())[LOAD_REPORT_TRAILER]
+                assert isinstance(raw, bytes)
+                assert pb.LoadReport.FromString(raw).queue_depth == 4
             assert len(replica.queue) == 4
         answered = await asyncio.gather(*(c for c in calls if c not in refused))
     assert all(response.labels for response in answered)

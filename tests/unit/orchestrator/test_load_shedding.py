@@ -451,6 +451,10 @@ async def test_a_full_capability_queue_keeps_its_reason_in_retries_fallbacks_and
                     lambda: len(full.pool.workers[0].replicas["topic-minilm"].queue) == 1
                 )
                 refused = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=5))
+                # The refusal brought the replica's load report: the held text queued.
+                pool = server.dispatcher.state.upstream.pool(server.routes.backends["full"])
+                (load,) = pool.loads.values()
+                assert load.queue_depth == 1
                 spilled = await stub.Classify(
                     pb.ClassifyRequest(text=STRIKER),
                     metadata=(("x-route", "spilling"),),
