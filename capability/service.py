@@ -106,11 +106,11 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             outcomes = await self._pool.classify_many(
                 texts, _early_answer(context, request, texts, ids.trace_id, answered_early)
             )
-        except BaseException as failed:
+        except BaseException as error:
             for index, text in enumerate(texts):
                 if index not in answered_early:
                     abandon_item_trace(text.trace)
-            if isinstance(failed, ServiceError):
+            if isinstance(error, ServiceError):
                 self._report_load(context, texts[0].model, receipt)
             raise
         # One report, for the first item's model: the orchestrator's coalesced calls
