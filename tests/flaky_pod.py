@@ -8,7 +8,9 @@ naming a field while `refusing_field` is set), and after that
 passes each call on as it came (raw bytes and metadata) to a real capability
 server, so its answers are real ones; with `load_report` set, it sends that
 LoadReport with them instead of the capability's (a pod reporting a long queue);
-with `answering` cleared, its calls wait until it is set again (a stalled pod).
+with `answering` cleared, its calls wait until it is set again (a stalled pod);
+with `delay_seconds`, each call waits that long before it is passed on (a slow
+pod).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class FlakyPod(grpc.GenericRpcHandler):
         # Cleared: calls wait here (the pod stalls) until it is set.
         self.answering = asyncio.Event()
         self.answering.set()
+        # Seconds each call waits before it is passed on.
+        self.delay_seconds = 0.0
         # ClassifyService calls that reached the pod, and those it answered OK.
         self.calls = 0
         self.answered = 0
@@ -92,6 +96,7 @@ class FlakyPod(grpc.GenericRpcHandler):
         async def handle(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
             self.calls += 1
             await self.answering.wait()
+            await asyncio.sleep(self.delay_seconds)
             if self.failing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "this pod is failing")
             if self.refusing_field is not None:

@@ -32,6 +32,13 @@ way), so the device does not wait out a round trip when the callers are
 many: at 128 callers its batches held 31.2 texts, against 24.7-29.
 
 Each item keeps its own deadline, trace and outcome:
+- an item may gather until its caller's deadline (less the margin the
+  orchestrator keeps to answer), however long; the backend's `timeout` bounds
+  its upstream call, from when that call leaves. Counted from the item's
+  arrival, it also bounded the gathering: the items of a ClassifyBatch of
+  1,024 that gathered behind the first calls were refused as unable to end
+  within 5 s of arriving, and went to the fallback model (or failed), on an
+  idle stack and with a minute left on the caller's deadline,
 - the batch call's deadline is the latest of its items'; each item's own time
   travels in its `ItemContext.timeout`, less the time answers have been taking
   to come back (orchestrator.upstream.call_time.TripTime), so the capability
@@ -180,11 +187,15 @@ class UpstreamItem:
     """One request's call to the replica, waiting to be sent."""
 
     request: pb.ClassifyRequest
-    # Seconds the item may take from when it is sent (the backend's timeout, or the
-    # caller's remaining deadline minus the safety margin), and the loop time by
-    # which it must have been sent.
+    # Seconds its upstream call may take once sent (the backend's timeout, or less
+    # when the caller's deadline is sooner).
     timeout: float
+    # Loop time past which nobody waits for its answer: while it gathers, its caller's
+    # deadline less the orchestrator's margin (math.inf without one); once sent, no
+    # later than `timeout` after its call left.
     expires_at: float
+    # Loop time it arrived at, to gather.
+    arrived_at: float
     # Metadata that carries the item's trace: its client span's once it is sent.
     trace_metadata: Sequence[tuple[str, str]]
     # The item's `upstream_call` node span (the current span of its caller).
@@ -306,16 +317,21 @@ class ReplicaCoalescer:
         seconds: float,
         trace_metadata: Sequence[tuple[str, str]],
         cache_scope: str = "",
+        call_seconds: float | None = None,
     ) -> pb.ClassifyResponse:
-        """The replica's answer to `request`, which may take `seconds` from now, looked up
-        in and stored under the result-cache scope `cache_scope`; failures come back as
-        ServiceErrors."""
+        """The replica's answer to `request` within `seconds` from now (math.inf: its
+        caller set no deadline), looked up in and stored under the result-cache scope
+        `cache_scope`; failures come back as ServiceErrors. Its upstream call may take
+        `call_seconds` once it leaves (the backend's timeout; None: what is left of
+        `seconds`)."""
         loop = asyncio.get_running_loop()
         request_trace = current_trace()
+        now = loop.time()
         item = UpstreamItem(
             request=request,
-            timeout=seconds,
-            expires_at=loop.time() + seconds,
+            timeout=seconds if call_seconds is None else min(call_seconds, seconds),
+            expires_at=now + seconds,
+            arrived_at=now,
             trace_metadata=trace_metadata,
             span=trace.get_current_span(),
             future=loop.create_future(),
@@ -447,13 +463,13 @@ class ReplicaCoalescer:
         )
         wait = self._predicted_wait()
         needed = max(wait, self.call_time.predict(items))
-        if item.expires_at - sent_at >= needed:
+        if _ends_by(item, sent_at) - sent_at >= needed:
             return
         self._on_unreachable(UNREACHABLE_REPORTED_WAIT if wait >= needed else UNREACHABLE_CALL_TIME)
         raise DeadlineUnreachable(
             f"backend {self._backend} is busy for about {(sent_at - now) * 1000:.0f} ms "
             f"and then needs about {needed * 1000:.0f} ms for a call of {items} items, but "
-            f"only {(item.expires_at - now) * 1000:.0f} ms are left",
+            f"only {(_ends_by(item, sent_at) - now) * 1000:.0f} ms are left",
             retry_after_seconds=self._retry_after(),
             backend=self._backend,
         )
@@ -494,7 +510,7 @@ class ReplicaCoalescer:
                             backend=self._backend,
                         )
                     )
-                elif item.expires_at - now < needed:
+                elif _ends_by(item, now) - now < needed:
                     _record_gathered(item, now)
                     self._on_unreachable(
                         UNREACHABLE_REPORTED_WAIT if wait >= needed else UNREACHABLE_CALL_TIME
@@ -507,7 +523,7 @@ class ReplicaCoalescer:
                     item.future.set_exception(
                         DeadlineUnreachable(
                             f"backend {self._backend} {judged_by}, but only "
-                            f"{(item.expires_at - now) * 1000:.0f} ms are left",
+                            f"{(_ends_by(item, now) - now) * 1000:.0f} ms are left",
                             retry_after_seconds=self._retry_after(),
                             backend=self._backend,
                         )
@@ -515,6 +531,8 @@ class ReplicaCoalescer:
             live = [item for item in live if not item.future.done()]
             if not live:
                 continue
+            for item in live:
+                item.expires_at = _ends_by(item, now)  # its call's own timeout runs now
             self._start_client_spans(live, now)
             self.call_time.sent(len(live))
             self._in_flight += 1
@@ -723,8 +741,9 @@ class ReplicaCoalescer:
                     )
                 )
         self._waiting = waiting
-        if waiting:
-            self._expire_at(loop, min(item.expires_at for item in waiting))
+        soonest = min((item.expires_at for item in waiting), default=math.inf)
+        if soonest != math.inf:
+            self._expire_at(loop, soonest)
 
     def _time_out(self, item: UpstreamItem) -> None:
         """An item's time ran out while the batch call carrying it is still in flight:
@@ -865,8 +884,13 @@ def _record_gathered(item: UpstreamItem, now: float) -> None:
     """On a traced item's `upstream_call` node: the milliseconds it gathered here until
     `now` (loop time), when it left or was answered unsent."""
     if item.request_trace is not None:
-        arrived = item.expires_at - item.timeout
-        item.span.set_attribute(CLASSIFY_GATHER_MS, round((now - arrived) * 1e4) / 10)
+        item.span.set_attribute(CLASSIFY_GATHER_MS, round((now - item.arrived_at) * 1e4) / 10)
+
+
+def _ends_by(item: UpstreamItem, sent_at: float) -> float:
+    """Loop time by which `item`, sent at `sent_at`, must be answered: its caller's
+    deadline (less the margin), or its call's own timeout from then if sooner."""
+    return min(item.expires_at, sent_at + item.timeout)
 
 
 def _end_client_span(item: UpstreamItem, error: BaseException | None) -> None:

@@ -47,7 +47,11 @@ from orchestrator.upstream.addresses import (
     TargetAddresses,
     lookup_ips,
 )
-from orchestrator.upstream.coalescer import CoalescingSettings, ReplicaCoalescer
+from orchestrator.upstream.coalescer import (
+    EXPIRY_RESOLUTION_SECONDS,
+    CoalescingSettings,
+    ReplicaCoalescer,
+)
 from orchestrator.upstream.load import ReplicaLoad, read_load_report
 
 DEFAULT_COALESCING = CoalescingSettings()
@@ -359,11 +363,17 @@ class BackendPool:
         load = self.loads.get(target)
         return 0 if load is None else load.max_batch_size
 
-    def _timed_out_first(self, timeout: float, client_remaining: float | None) -> bool:
-        """Whether a call given `timeout` (call_timeout's) ran out on the backend's own
-        timeout with time still left on the caller's deadline, rather than on it."""
+    def _timed_out_first(
+        self, timeout: float, client_remaining: float | None, elapsed: float
+    ) -> bool:
+        """Whether a call given `timeout` (call_timeout's) that ran out after `elapsed`
+        seconds ran out on the backend's own timeout with time still left on the
+        caller's deadline, rather than on it. (An item may gather for longer than the
+        timeout before its call leaves: the caller's deadline is what ends that.)"""
         return timeout == self.backend.timeout_seconds and (
-            client_remaining is None or client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS > timeout
+            client_remaining is None
+            or client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
+            > max(timeout, elapsed + EXPIRY_RESOLUTION_SECONDS)
         )
 
     def _refuse_unreachable(self, target: str, timeout: float) -> None:
@@ -469,7 +479,14 @@ class BackendPool:
             # The capability's result cache answers a tenant only with its own results.
             response = await self.coalescers[target].classify(
                 request,
-                seconds=timeout,
+                # It may gather until its caller's deadline (less the margin); the
+                # backend's timeout bounds its call from when that leaves.
+                seconds=(
+                    math.inf
+                    if client_remaining is None
+                    else client_remaining - DEADLINE_SAFETY_MARGIN_SECONDS
+                ),
+                call_seconds=timeout,
                 trace_metadata=inject_context(),
                 cache_scope=cache_scope_of(current_caller().tenant),
             )
@@ -483,7 +500,7 @@ class BackendPool:
         except DeadlineExpired as expired:
             # Out of time here.
             overloaded = True
-            if self._timed_out_first(timeout, client_remaining):
+            if self._timed_out_first(timeout, client_remaining, time.perf_counter() - started):
                 raise BackendTimedOut(
                     f"backend {self.backend.name} did not answer within its "
                     f"{timeout * 1000:.0f} ms timeout",

@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -41,7 +42,14 @@ from orchestrator.upstream.coalescer import (
     ReplicaCoalescer,
 )
 from orchestrator.upstream.load import read_load_report
-from tests.conftest import STRIKER, metric_sum, orchestrator_for, wait_until
+from tests.conftest import (
+    STRIKER,
+    metric_sum,
+    orchestrator_for,
+    orchestrator_settings,
+    wait_until,
+)
+from tests.flaky_pod import FlakyPod
 from tests.status_details import error_reason, refusal
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.test_lifecycle_trace import CLASSIFY_SPAN, settled_trace
@@ -275,6 +283,55 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
         assert (await first).request_id == "a"
     assert expired == [1]
     assert texts_computed(capability) - computed_before == 1
+
+
+async def test_batch_items_gather_for_as_long_as_their_caller_waits_and_each_call_gets_its_timeout(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A ClassifyBatch whose calls, one at a time, take longer altogether than the
+    backend's 300 ms timeout, each well within it: every item is answered by the
+    primary. Counted from each item's arrival, the timeout also bounded its gathering,
+    and the items behind the first calls went to the fallback (with a minute left on
+    the caller's deadline)."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.delay_seconds = 0.05  # 25 calls one after another: 1.25 s at the least
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  slow: {{model: topic-static, targets: ['{pod.address}'], timeout: 300ms}}\n"
+        f"  spare: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: slow\n"
+        "    fallback: [spare]\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes, upstream_batch_max_items=8, upstream_calls_in_flight=1
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            items = [pb.ClassifyRequest(text=f"{STRIKER} ({n})") for n in range(200)]
+            started = asyncio.get_running_loop().time()
+            answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=60)
+            took = asyncio.get_running_loop().time() - started
+    finally:
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert took >= 1.25
+    failed = [result.error.message for result in answer.results if result.HasField("error")]
+    assert failed == []
+    models = collections.Counter(
+        (result.response.model.name, result.response.fallback) for result in answer.results
+    )
+    assert models == {("topic-static", False): 200}
+    assert pod.calls == 25
 
 
 async def test_a_call_that_runs_out_of_time_while_gathering_is_counted_and_never_computed(
