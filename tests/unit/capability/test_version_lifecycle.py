@@ -168,9 +168,10 @@ async def test_a_live_swap_of_a_version_that_computes_alike_runs_no_largest_warm
     swapped = await reload_model(server)
 
     assert swapped.model.version == "2"
-    # The loader's own warm-up, then the worker's timed shapes: nothing at 64 x 256.
+    # The loader's own warm-up, then the worker's shapes, each once untimed and once
+    # timed: nothing at 64 x 256.
     classifier = server.pool.workers[0].replicas[MODEL].bundle.classifier
-    assert classifier.forward_count == 1 + len(WARM_UP_SHAPES)
+    assert classifier.forward_count == 1 + 2 * len(WARM_UP_SHAPES)
     assert logged(caplog, "memory measurement carried over", model=MODEL, carried_from="1")
     (entry,) = swapped.model.memory
     assert (entry.warm_up_batch_size, entry.warm_up_tokens) == (
