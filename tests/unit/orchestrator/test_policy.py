@@ -249,25 +249,39 @@ routes:
     assert all(r.labels[0].name == "sports" for r in responses)
 
 
-async def test_backend_at_its_concurrency_limit_sheds_to_the_fallback(
-    orchestrator_with: StartOrchestrator, capability: CapabilityServer
-) -> None:
-    server = await orchestrator_with(
-        f"""version: 1
+def limited_minilm_routes(
+    port: int, *, max_concurrency: int, backend_extra: str = "", route_extra: str = ""
+) -> str:
+    """One route to topic-minilm limited to `max_concurrency` calls in flight, falling
+    back to topic-static, both on `port`; each extra is one more line of the backend
+    or the route."""
+    return f"""version: 1
 backends:
   minilm:
     model: topic-minilm
-    targets: ["127.0.0.1:{capability.port}"]
-    max_concurrency: 2
+    targets: ["127.0.0.1:{port}"]
+    max_concurrency: {max_concurrency}
+    {backend_extra}
   static:
     model: topic-static
-    targets: ["127.0.0.1:{capability.port}"]
+    targets: ["127.0.0.1:{port}"]
 routes:
   - name: default
     backend: minilm
     fallback: [static]
-    retry: {{max_attempts: 3, initial_backoff: 1s, max_backoff: 1s}}
+    {route_extra}
 """
+
+
+async def test_backend_at_its_concurrency_limit_sheds_to_the_fallback(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    server = await orchestrator_with(
+        limited_minilm_routes(
+            capability.port,
+            max_concurrency=2,
+            route_extra="retry: {max_attempts: 3, initial_backoff: 1s, max_backoff: 1s}",
+        )
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
@@ -300,21 +314,9 @@ async def test_a_backends_concurrency_limit_counts_its_calls_from_before_an_edit
     limit until they end. Counting the new pool alone let as many calls again in."""
 
     def routes(timeout: str) -> str:
-        return f"""version: 1
-backends:
-  minilm:
-    model: topic-minilm
-    targets: ["127.0.0.1:{capability.port}"]
-    max_concurrency: 1
-    timeout: {timeout}
-  static:
-    model: topic-static
-    targets: ["127.0.0.1:{capability.port}"]
-routes:
-  - name: default
-    backend: minilm
-    fallback: [static]
-"""
+        return limited_minilm_routes(
+            capability.port, max_concurrency=1, backend_extra=f"timeout: {timeout}"
+        )
 
     server = await orchestrator_with(routes("20s"))
     edited = tmp_path / "edited.yaml"
