@@ -44,6 +44,7 @@ RESULT_CACHE_BYTES = "classify_result_cache_bytes"
 RESULT_CACHE_HIT_FLOOR = "classify_result_cache_hit_floor"
 DEADLINE_EXCEEDED_TOTAL = "classify_deadline_exceeded_total"
 RPC_ITEMS = "classify_capability_rpc_items"
+FIT_PROBES_TOTAL = "classify_service_time_probes_total"
 
 # The `outcome` of CACHE_REQUESTS_TOTAL.
 CACHE_HIT = "hit"
@@ -191,6 +192,14 @@ class CapabilityMetrics:
             "out: admission, queue (evicted by its timer, or as batches were formed) or "
             "device (left out of its batch).",
             ["model", "stage"],
+            registry=registry,
+        )
+        self.fit_probes = Counter(
+            FIT_PROBES_TOTAL,
+            "Stand-in forwards timed to check the service-time fit after it alone refused "
+            "a text, by outcome: stale (far faster than predicted: the fit mostly forgets "
+            "its past) or confirmed.",
+            ["model", "worker", "outcome"],
             registry=registry,
         )
         # Its _count is the RPCs, its _sum the texts they carried: how well the

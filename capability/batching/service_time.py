@@ -149,15 +149,25 @@ class ServiceTimeModel:
     def observations(self) -> int:
         return self._observations
 
-    def record(self, batch_size: int, padded_tokens: int, seconds: float) -> None:
+    def record(
+        self,
+        batch_size: int,
+        padded_tokens: int,
+        seconds: float,
+        *,
+        past_weight: float = FORGETTING,
+    ) -> None:
+        """Fit a batch of `batch_size` texts padded to `padded_tokens` that took
+        `seconds`, the past observations kept at `past_weight` (FORGETTING; less when
+        a probe has shown them stale, probe.py)."""
         x = (1.0, float(batch_size), float(batch_size * padded_tokens))
         with self._lock:
             gram, moment = self._gram, self._moment
             for row in range(3):
                 for column in range(3):
-                    gram[row][column] = FORGETTING * gram[row][column] + x[row] * x[column]
-                moment[row] = FORGETTING * moment[row] + x[row] * seconds
-            self._squares = FORGETTING * self._squares + seconds * seconds
+                    gram[row][column] = past_weight * gram[row][column] + x[row] * x[column]
+                moment[row] = past_weight * moment[row] + x[row] * seconds
+            self._squares = past_weight * self._squares + seconds * seconds
             self._observations += 1
             self._coefficients = non_negative_fit(gram, moment, self._squares)
 

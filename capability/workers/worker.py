@@ -57,6 +57,7 @@ from capability.batching import (
     TextResult,
     WaitPredictor,
 )
+from capability.batching.probe import STALE, FitProbe
 from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
 from capability.memory import (
     PEAK_WINDOW,
@@ -253,6 +254,9 @@ class ModelReplica:
         self.stopped = False
         self._idle = asyncio.Event()
         self._idle.set()
+        # Checks of the service-time fit when it alone refuses texts (probe.py).
+        self._fit_probe = FitProbe()
+        self._fit_probe_task: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str:
@@ -381,6 +385,16 @@ class ModelReplica:
         refusals = [
             self.predictor.deadline_refusal(len(a.encoded), a.deadline, now, busy) for a in batch
         ]
+        if busy == 0 and not self.queue and not self.in_flight:
+            # Nothing ahead of these texts: a refusal of one with time left rests on the
+            # fit's predicted forward alone, which only a computed forward can correct.
+            refused_on_the_fit = [
+                len(a.encoded)
+                for a, refusal in zip(batch, refusals, strict=True)
+                if refusal is not None and a.deadline is not None and a.deadline > now
+            ]
+            if refused_on_the_fit:
+                self._probe_fit(min(refused_on_the_fit), now)
         accepted = [a for a, refusal in zip(batch, refusals, strict=True) if refusal is None]
         queued = iter(self.queue.admit_many(accepted))
         outcomes: list[asyncio.Future[TextResult] | ServiceError] = [
@@ -416,6 +430,48 @@ class ModelReplica:
                     functools.partial(self._compute, timed=timed), self._stand_ins(texts, tokens)
                 )
                 self._require_finite(outcome)
+
+    def _probe_fit(self, tokens: int, now: float) -> None:
+        """Time one stand-in text of `tokens` tokens on the device, soon, if a probe of
+        the service-time fit is due (probe.py): the fit has just refused a text on
+        its own word."""
+        if self.stopped or not self.is_resident or not self._fit_probe.due(now):
+            return
+        self._fit_probe.running = True
+        self._fit_probe_task = asyncio.ensure_future(self._run_fit_probe(tokens))
+
+    async def _run_fit_probe(self, tokens: int) -> None:
+        try:
+            bucket_bound = self.settings.length_buckets[self.settings.bucket_of(tokens)]
+            bound = min(max(bucket_bound, tokens), self.bundle.classifier.max_seq_length)
+            fit = self.predictor.service_time
+            predicted = fit.predict(1, bound)
+            outcome = await self.worker.run_on_device(
+                functools.partial(self._compute, timed=False), self._stand_ins(1, bound)
+            )
+            loop = asyncio.get_running_loop()
+            verdict = self._fit_probe.judge(predicted, outcome.seconds, loop.time())
+            fit.record(1, bound, outcome.seconds, past_weight=verdict.past_weight)
+            self._metrics.fit_probes.labels(self.name, self.worker.name, verdict.outcome).inc()
+            if verdict.outcome == STALE:
+                log.info(
+                    "service-time fit found stale by a probe: learning again",
+                    extra={
+                        "model": self.name,
+                        "worker": self.worker.name,
+                        "tokens": bound,
+                        "predicted_ms": round(predicted * 1000, 1),
+                        "took_ms": round(outcome.seconds * 1000, 1),
+                        "now_predicted_ms": round(fit.predict(1, bound) * 1000, 1),
+                    },
+                )
+        except Exception as error:  # the device's failures are the batches' to report
+            log.warning(
+                "service-time fit probe failed",
+                extra={"model": self.name, "worker": self.worker.name, "error": repr(error)},
+            )
+        finally:
+            self._fit_probe.running = False
 
     def _stand_ins(self, texts: int, tokens: int) -> list[EncodedText]:
         """`texts` texts of `tokens` ids each, from the model's own tokenizer: another
@@ -546,6 +602,8 @@ class ModelReplica:
 
     async def stop(self, error: Exception) -> None:
         self.stopped = True
+        if self._fit_probe_task is not None:
+            self._fit_probe_task.cancel()
         await self.batcher.stop(error)
         if self.worker.replicas.get(self.name) not in (None, self):
             # Retired by a swap: the series is the serving version's now (same labels).

@@ -1,0 +1,112 @@
+"""A service-time fit that refuses texts on its own word is checked by timing a forward:
+a stale one learns again, so a replica cannot refuse every short deadline for ever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ai.classify.v1 import classify_service_pb2 as pb
+from ai.classify.v1 import classify_service_pb2_grpc
+from capability.batching import PRIORITY_INTERACTIVE, Admission
+from capability.batching.probe import (
+    CONFIRMED,
+    MAX_GAP_SECONDS,
+    MIN_GAP_SECONDS,
+    STALE,
+    STALE_PAST_WEIGHT,
+    FitProbe,
+)
+from capability.batching.service_time import FORGETTING
+from capability.metrics import FIT_PROBES_TOTAL, MODEL_TEXTS_TOTAL
+from classify_common.errors import DeadlineUnreachable
+from tests.conftest import StartCapability, metric_sum, wait_until
+from tests.status_details import error_reason
+
+HEADLINE = "The striker scored twice in the final minutes of the cup match"
+
+
+def test_a_probe_that_bears_the_fit_out_doubles_the_gap_and_a_stale_one_resets_it() -> None:
+    probe = FitProbe()
+    assert probe.due(0.0)
+    now = 0.0
+    for gap in (0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0):
+        verdict = probe.judge(predicted=0.010, seconds=0.009, now=now)
+        assert (verdict.outcome, verdict.past_weight) == (CONFIRMED, FORGETTING)
+        assert not probe.due(now + gap - 0.001)
+        assert probe.due(now + gap)
+        now += gap
+    assert MAX_GAP_SECONDS == 5.0
+    stale = probe.judge(predicted=0.010, seconds=0.004, now=now)
+    assert (stale.outcome, stale.past_weight) == (STALE, STALE_PAST_WEIGHT)
+    assert not probe.due(now + MIN_GAP_SECONDS - 0.01)
+    assert probe.due(now + MIN_GAP_SECONDS)
+    probe.running = True
+    assert not probe.due(now + 60)
+
+
+async def test_a_fit_that_refuses_every_text_of_an_idle_replica_is_probed_and_learns_again(
+    start_capability: StartCapability,
+) -> None:
+    """The fit learns only from texts it lets through. After a stall (here: batches of
+    one recorded at 2 s each, what a device taken by another process measures), it
+    predicted more than any caller gave, refused them all, and so never saw the device
+    was fast again: every call with a shorter deadline was refused for as long as the
+    server ran. Measured with topic-minilm after warm-up ran beside another process's
+    work: 136 ms predicted for a text that takes 10, every 150 ms call refused for 12 s."""
+    server = await start_capability(models=("topic-static",))
+    replica = server.pool.workers[0].replicas["topic-static"]
+    fit = replica.predictor.service_time
+    for _ in range(20):
+        fit.record(1, 16, 2.0)
+    assert fit.predict(1, 16) > 1.5
+    texts_before = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-static")
+    loop = asyncio.get_running_loop()
+    refusals: list[tuple[grpc.StatusCode, str]] = []
+    answered_at = None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        give_up_at = loop.time() + 10
+        while answered_at is None:
+            assert loop.time() < give_up_at, f"still refused after {len(refusals)} calls"
+            try:
+                await stub.Classify(pb.ClassifyRequest(text=HEADLINE), timeout=0.5)
+                answered_at = loop.time()
+            except grpc.aio.AioRpcError as error:
+                refusals.append((error.code(), error_reason(error)))
+                await asyncio.sleep(0.05)
+    assert refusals
+    assert set(refusals) == {(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_UNREACHABLE")}
+    assert fit.predict(1, 16) < 0.5
+    assert metric_sum(server.registry, FIT_PROBES_TOTAL, model="topic-static", outcome=STALE) >= 1
+    # The probes' stand-in texts are not served texts.
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-static") == texts_before + 1
+
+
+async def test_a_refusal_the_device_bears_out_is_confirmed_and_the_fit_kept(
+    start_capability: StartCapability,
+) -> None:
+    """A deadline shorter than the forward really takes: the probe confirms the fit,
+    which keeps its past, and the text stays refused."""
+    server = await start_capability(models=("topic-minilm",))
+    replica = server.pool.workers[0].replicas["topic-minilm"]
+    encoded = replica.bundle.classifier.tokenize([HEADLINE])[0]
+    fit = replica.predictor.service_time
+    # One forward of a headline takes about 10 ms here; predict 5 ms for it, so a probe
+    # taking at least half of that bears the fit out.
+    for _ in range(20):
+        fit.record(1, 16, 0.005)
+    observations = fit.observations
+    loop = asyncio.get_running_loop()
+    refused = replica.admit(
+        [Admission(encoded, PRIORITY_INTERACTIVE, "hurried", loop.time() + 0.001)]
+    )
+    assert isinstance(refused[0], DeadlineUnreachable), refused
+
+    def probes(outcome: str) -> float:
+        return metric_sum(server.registry, FIT_PROBES_TOTAL, model="topic-minilm", outcome=outcome)
+
+    await wait_until(lambda: probes(CONFIRMED) == 1, "the probe's verdict")
+    assert probes(STALE) == 0
+    assert fit.observations == observations + 1
