@@ -108,7 +108,8 @@ class CapabilityServer:
     async def warm_up(self) -> None:
         # Frozen before any model loads, and not again: a version swapped out must stay
         # collectable (see freeze_heap).
-        freeze_heap()
+        if self.settings.freezes_heap:
+            freeze_heap()
         served = self.lifecycle.models_to_serve(self.settings.models)
         # Before any load: a misspelt --model-config entry or default model fails the
         # start at once.
@@ -142,7 +143,8 @@ class CapabilityServer:
             await self.serving.stop(grace_seconds=min(grace, 1.0))
             await self.pool.close()
         finally:
-            thaw_heap()
+            if self.settings.freezes_heap:
+                thaw_heap()
 
 
 async def serve(settings: CapabilitySettings) -> None:

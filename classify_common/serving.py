@@ -378,7 +378,7 @@ class GrpcServing:
     async def set_serving(self, serving: bool, *, freeze: bool = True) -> None:
         """Report SERVING or NOT_SERVING; going SERVING, first `freeze_heap` unless
         `freeze` is False (the owner froze it already, before building what must stay
-        collectable)."""
+        collectable, or its settings say `--gc-freeze off`)."""
         if serving and freeze:
             freeze_heap()
         status = (

@@ -196,7 +196,7 @@ class OrchestratorServer:
                 )
             self.state.redis.start_probe()
         await self.serving.start()
-        await self.serving.set_serving(True)
+        await self.serving.set_serving(True, freeze=self.settings.freezes_heap)
         if self.settings.routes_poll_seconds > 0:
             watcher = RoutesWatcher(
                 self.settings.routes_file,
@@ -228,7 +228,8 @@ class OrchestratorServer:
             await self.dispatcher.close()
             await self.state.close()
         finally:
-            thaw_heap()  # frozen when it went SERVING (GrpcServing.set_serving)
+            if self.settings.freezes_heap:
+                thaw_heap()  # frozen when it went SERVING (GrpcServing.set_serving)
 
 
 def _load_api_keys_at_start(settings: OrchestratorSettings) -> ApiKeys:

@@ -133,9 +133,23 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# In-process servers leave the heap unfrozen unless a test asks (tests/unit/test_heap.py):
+# a freeze's full collection walks the whole suite process's heap at every server's
+# start, and the suite starts hundreds (the orchestrator tests took a third longer).
+# Servers started as processes (tests/system) freeze as deployed.
+IN_PROCESS_GC_FREEZE = "off"
+
+
 def orchestrator_settings(**overrides: Any) -> OrchestratorSettings:
-    """In-process test settings: any free port, no /metrics port, auth off unless given."""
-    values: dict[str, Any] = {"port": 0, "metrics_port": -1, "auth": "disabled", **overrides}
+    """In-process test settings: any free port, no /metrics port, auth off unless given,
+    the heap left unfrozen (IN_PROCESS_GC_FREEZE)."""
+    values: dict[str, Any] = {
+        "port": 0,
+        "metrics_port": -1,
+        "auth": "disabled",
+        "gc_freeze": IN_PROCESS_GC_FREEZE,
+        **overrides,
+    }
     return OrchestratorSettings(**values)
 
 
@@ -143,7 +157,8 @@ def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySetting
     """In-process test settings: any free port, no /metrics port, CPU, no watcher, the
     memory ledger measuring a small warm-up (the largest batch at the longest bucket
     costs the minilm ~2 s a start here; the ledger's tests ask for it), and no result
-    cache (tests count forwards of repeated texts; the cache's tests turn it on)."""
+    cache (tests count forwards of repeated texts; the cache's tests turn it on), and
+    the heap left unfrozen (IN_PROCESS_GC_FREEZE)."""
     values: dict[str, Any] = {
         "port": 0,
         "metrics_port": -1,
@@ -152,6 +167,7 @@ def capability_settings(model_root: Path, **overrides: Any) -> CapabilitySetting
         "watch_seconds": 0,
         "memory_warm_up": "small",
         "result_cache_entries": 0,
+        "gc_freeze": IN_PROCESS_GC_FREEZE,
         **overrides,
     }
     if "default_model" not in overrides:  # a server refuses one it does not serve

@@ -30,7 +30,9 @@ async def test_a_stopped_capability_servers_models_are_collected(model_root: Pat
     stayed allocated. The test suite, which starts one after another in one process,
     grew by 160 MB a server, to 18 GB."""
     server = CapabilityServer(
-        capability_settings(model_root, models=("topic-static",), default_model="topic-static"),
+        capability_settings(
+            model_root, models=("topic-static",), default_model="topic-static", gc_freeze="on"
+        ),
         registry=CollectorRegistry(),
     )
     await server.start()
@@ -45,7 +47,7 @@ async def test_a_stopped_orchestrators_routing_is_collected(tmp_path: Path) -> N
     """Frozen when it went SERVING, all of an orchestrator stayed after its stop."""
     routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:1"])
     server = OrchestratorServer(
-        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+        orchestrator_settings(routes_file=routes, gc_freeze="on"), registry=CollectorRegistry()
     )
     await server.start()
     assert gc.get_freeze_count() > 0  # it froze the heap
@@ -53,3 +55,18 @@ async def test_a_stopped_orchestrators_routing_is_collected(tmp_path: Path) -> N
     await server.stop(grace_seconds=0)
     del server
     await wait_collected(served, "the stopped orchestrator's dispatcher collected")
+
+
+async def test_an_orchestrator_told_gc_freeze_off_leaves_the_heap_unfrozen(
+    tmp_path: Path,
+) -> None:
+    routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:1"])
+    frozen_before = gc.get_freeze_count()
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, gc_freeze="off"), registry=CollectorRegistry()
+    )
+    await server.start()
+    try:
+        assert gc.get_freeze_count() == frozen_before
+    finally:
+        await server.stop(grace_seconds=0)

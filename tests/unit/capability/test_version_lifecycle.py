@@ -188,7 +188,7 @@ async def test_the_start_version_is_freed_once_a_swap_retires_it(
     """The heap frozen when the server starts serving (freeze_heap) is never collected,
     and a replica sits in a reference cycle with its batcher: frozen with them, the
     start version's weights stayed allocated, uncounted, after every swap."""
-    server, root = await unwatched(model_root, tmp_path, start_capability)
+    server, root = await unwatched(model_root, tmp_path, start_capability, gc_freeze="on")
     worker = server.pool.workers[0]
     start_version = weakref.ref(worker.replicas[MODEL].bundle.classifier)
     deploy(model_root, root, "2")
