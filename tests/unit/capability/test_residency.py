@@ -121,8 +121,12 @@ async def test_an_idle_on_demand_model_leaves_the_device_and_a_request_brings_it
     await wait_until(lambda: evicted() == 1, "evicted when idle")
     assert not await resident_now(server)
     assert counted(server, MODEL_RESIDENT, worker="cpu:0") == 0
-    released = metric_sum(server.registry, DEVICE_CACHE_RELEASES_TOTAL, reason="evicted")
-    assert released == 2  # after the load, and after this eviction
+    # After the load, and after this eviction: the release is counted once its
+    # collection on the device thread is over, a little after the eviction.
+    await wait_until(
+        lambda: metric_sum(server.registry, DEVICE_CACHE_RELEASES_TOTAL, reason="evicted") == 2,
+        "the cache released after the eviction",
+    )
     # The device copy (the weights, 46.9 MB) is gone again: back near the level before.
     weights = 46_887_936
     assert on_device - before > 0.8 * weights
