@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -133,10 +134,11 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-# In-process servers leave the heap unfrozen unless a test asks (tests/unit/test_heap.py):
+# In-process servers do not freeze the heap unless a test asks (tests/unit/test_heap.py):
 # a freeze's full collection walks the whole suite process's heap at every server's
 # start, and the suite starts hundreds (the orchestrator tests took a third longer).
-# Servers started as processes (tests/system) freeze as deployed.
+# The suite freezes it once instead (start_up_heap_frozen). Servers started as
+# processes (tests/system) freeze as deployed.
 IN_PROCESS_GC_FREEZE = "off"
 
 
@@ -188,6 +190,19 @@ def span_exporter() -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()
     configure_tracing("tests", processor=SimpleSpanProcessor(exporter))
     return exporter
+
+
+@pytest.fixture(autouse=True)
+def start_up_heap_frozen() -> None:
+    """What the suite's process has built so far (modules, torch, session fixtures) is
+    frozen out of the collector's sight once, as a served process's start-up heap is:
+    the in-process servers do not freeze it themselves (IN_PROCESS_GC_FREEZE), and
+    without a freeze a full collection under a test's load walked all of it, long
+    enough to make calls due in a few hundred ms miss their deadlines. Frozen again
+    after a server told `gc_freeze="on"` thawed it at its stop."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture(autouse=True)

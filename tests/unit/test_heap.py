@@ -67,6 +67,8 @@ async def test_an_orchestrator_told_gc_freeze_off_leaves_the_heap_unfrozen(
     )
     await server.start()
     try:
-        assert gc.get_freeze_count() == frozen_before
+        # Frozen, everything built since the last freeze would have joined (thousands);
+        # a frozen object freed meanwhile leaves it (so not ==).
+        assert gc.get_freeze_count() <= frozen_before
     finally:
         await server.stop(grace_seconds=0)
