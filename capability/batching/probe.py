@@ -14,11 +14,12 @@ warm-up: 686 ms predicted for one short text, the same).
 
 The probe: when a text is refused on the fit's word while the replica has
 nothing queued or computing (so the refusal rests on the fit alone), the
-replica times one stand-in text of that length on its device, out of turn
-with nothing. A probe that ends in well under the predicted time proves the
-fit stale; it is recorded with most of the past forgotten at once, and the
-next probe may follow soon. A probe that bears the fit out is recorded as any
-batch, and the next waits twice as long, up to a few seconds, so a device that
+replica times one stand-in text of that length on its device, taking its
+turn as a batch would. A probe that ends in well under the predicted time proves the
+fit stale; it is recorded with half the past forgotten at once, and the next
+probe follows a moment later, without waiting for another text, until one
+bears the fit out. A probe that bears the fit out is recorded as any batch,
+and the next waits twice as long, up to a few seconds, so a device that
 really is slow pays little for being checked.
 """
 
@@ -38,6 +39,9 @@ STALE_PAST_WEIGHT = 0.5
 # probe that bears the fit out, and goes back to the shortest at one that does not.
 MIN_GAP_SECONDS = 0.1
 MAX_GAP_SECONDS = 5.0
+# Probes found stale lead to the next at once (MIN_GAP_SECONDS on), up to this many
+# in a row: a fit 70 times too long needs about seven.
+MAX_STALE_PROBES_IN_A_ROW = 16
 
 STALE = "stale"
 CONFIRMED = "confirmed"
@@ -56,12 +60,13 @@ class FitProbe:
 
     def __init__(self) -> None:
         self._gap = MIN_GAP_SECONDS
-        self._next_at = 0.0
+        # Event-loop time from which the next probe may start.
+        self.next_at = 0.0
         self.running = False
 
     def due(self, now: float) -> bool:
         """Whether a probe may start now (none running, the gap since the last past)."""
-        return not self.running and now >= self._next_at
+        return not self.running and now >= self.next_at
 
     def judge(self, predicted: float, seconds: float, now: float) -> ProbeVerdict:
         """The verdict on a probe that took `seconds` against `predicted`, ended at `now`
@@ -72,5 +77,5 @@ class FitProbe:
         else:
             self._gap = min(self._gap * 2, MAX_GAP_SECONDS)
             verdict = ProbeVerdict(CONFIRMED, FORGETTING)
-        self._next_at = now + self._gap
+        self.next_at = now + self._gap
         return verdict
