@@ -197,7 +197,7 @@ class CapabilityMetrics:
         self.fit_probes = Counter(
             FIT_PROBES_TOTAL,
             "Stand-in forwards timed to check the service-time fit after it alone refused "
-            "a text, by outcome: stale (far faster than predicted: the fit mostly forgets "
+            "a text, by outcome: stale (far faster than predicted: the fit forgets half "
             "its past) or confirmed.",
             ["model", "worker", "outcome"],
             registry=registry,

@@ -15,12 +15,13 @@ warm-up: 686 ms predicted for one short text, the same).
 The probe: when a text is refused on the fit's word while the replica has
 nothing queued or computing (so the refusal rests on the fit alone), the
 replica times one stand-in text of that length on its device, taking its
-turn as a batch would. A probe that ends in well under the predicted time proves the
-fit stale; it is recorded with half the past forgotten at once, and the next
-probe follows a moment later, without waiting for another text, until one
-bears the fit out. A probe that bears the fit out is recorded as any batch,
-and the next waits twice as long, up to a few seconds, so a device that
-really is slow pays little for being checked.
+turn as a batch would. A probe that ends in well under the predicted time
+proves the fit stale; it is recorded with half the past forgotten at once,
+and the next probe follows a moment later, without waiting for another text,
+until one bears the fit out. A probe that bears the fit out is recorded as
+any batch, and the next waits twice as long, up to a few seconds, so a
+device that really is slow pays little for being checked; so does the next
+after a probe that failed.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ MAX_STALE_PROBES_IN_A_ROW = 16
 
 STALE = "stale"
 CONFIRMED = "confirmed"
-PROBE_OUTCOMES = (STALE, CONFIRMED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +79,9 @@ class FitProbe:
             verdict = ProbeVerdict(CONFIRMED, FORGETTING)
         self.next_at = now + self._gap
         return verdict
+
+    def failed(self, now: float) -> None:
+        """A probe ended without a time (the forward failed): wait the longest gap, so
+        that a failing device is not probed at every text it refuses."""
+        self._gap = MAX_GAP_SECONDS
+        self.next_at = now + self._gap

@@ -449,9 +449,9 @@ class ModelReplica:
         loop = asyncio.get_running_loop()
         bucket_bound = self.settings.length_buckets[self.settings.bucket_of(tokens)]
         bound = min(max(bucket_bound, tokens), self.bundle.classifier.max_seq_length)
-        stand_in = self._stand_ins(1, bound)
         fit = self.predictor.service_time
         try:
+            stand_in = self._stand_ins(1, bound)
             for _ in range(MAX_STALE_PROBES_IN_A_ROW):
                 predicted = fit.predict(1, bound)
                 outcome = await self.worker.run_on_device(
@@ -475,6 +475,7 @@ class ModelReplica:
                 )
                 await asyncio.sleep(max(self._fit_probe.next_at - loop.time(), 0.0))
         except Exception as error:  # the device's failures are the batches' to report
+            self._fit_probe.failed(loop.time())
             log.warning(
                 "service-time fit probe failed",
                 extra={"model": self.name, "worker": self.worker.name, "error": repr(error)},

@@ -42,6 +42,9 @@ def test_a_probe_that_bears_the_fit_out_doubles_the_gap_and_a_stale_one_resets_i
     assert (stale.outcome, stale.past_weight) == (STALE, STALE_PAST_WEIGHT)
     assert not probe.due(now + MIN_GAP_SECONDS - 0.01)
     assert probe.due(now + MIN_GAP_SECONDS)
+    probe.failed(now)
+    assert not probe.due(now + MAX_GAP_SECONDS - 0.01)
+    assert probe.due(now + MAX_GAP_SECONDS)
     probe.running = True
     assert not probe.due(now + 60)
 
