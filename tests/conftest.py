@@ -137,8 +137,8 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # In-process servers do not freeze the heap unless a test asks (tests/unit/test_heap.py):
 # a freeze's full collection walks the whole suite process's heap at every server's
 # start, and the suite starts hundreds (the orchestrator tests took a third longer).
-# The suite freezes it once instead (start_up_heap_frozen). Servers started as
-# processes (tests/system) freeze as deployed.
+# The suite freezes it as each test file starts instead (start_up_heap_frozen).
+# Servers started as processes (tests/system) freeze as deployed.
 IN_PROCESS_GC_FREEZE = "off"
 
 
