@@ -57,6 +57,32 @@ async def test_a_stopped_orchestrators_routing_is_collected(tmp_path: Path) -> N
     await wait_collected(served, "the stopped orchestrator's dispatcher collected")
 
 
+async def test_an_orchestrator_freezes_its_heap_before_its_port_opens(tmp_path: Path) -> None:
+    """The freeze's full collection holds the event loop for 30-140 ms; made once the
+    port was open, the first calls taken in waited for it."""
+    routes = write_routes(tmp_path / "routes.yaml", ["127.0.0.1:1"])
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes, gc_freeze="on"), registry=CollectorRegistry()
+    )
+    ports_at_full_collections: list[int] = []
+
+    def note_port(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            ports_at_full_collections.append(server.serving.port)
+
+    gc.callbacks.append(note_port)
+    try:
+        await server.start()
+    finally:
+        gc.callbacks.remove(note_port)
+    try:
+        assert server.serving.port != 0
+        # The freeze's collection, the first full one, ran with no port bound yet.
+        assert ports_at_full_collections[:1] == [0]
+    finally:
+        await server.stop(grace_seconds=0)
+
+
 async def test_an_orchestrator_told_gc_freeze_off_leaves_the_heap_unfrozen(
     tmp_path: Path,
 ) -> None:
