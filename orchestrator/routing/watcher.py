@@ -3,7 +3,11 @@
 The file is polled rather than watched with inotify: polling sees a
 Kubernetes ConfigMap update, which swaps a symlink (`..data`) instead of
 writing the file, and needs no platform support. `os.stat` follows links, so
-the identity checked (inode, size, mtime) is that of the file really read.
+the identity checked (inode, size, mtime, ctime) is that of the file really read.
+The ctime is in it for what the others miss: a file rewritten in place at the
+same size whose mtime was put back (`rsync --inplace`, a tar extraction, `touch
+-r`), or whose mode alone changed (a file refused as unreadable, then made
+readable).
 A changed file is read once it has held still for a poll: an editor that
 truncates the file and writes it in pieces would otherwise have its first
 piece applied (a routes file that parses, with a route's fallback missing,
@@ -30,12 +34,15 @@ log = logging.getLogger(__name__)
 DEFAULT_POLL_SECONDS = 0.5
 
 
-def file_identity(path: Path) -> tuple[int, int, int] | None:
+FileIdentity = tuple[int, int, int, int]
+
+
+def file_identity(path: Path) -> FileIdentity | None:
     try:
         stat = os.stat(path)
     except OSError:
         return None
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 class RoutesWatcher:
@@ -45,7 +52,7 @@ class RoutesWatcher:
         on_change: Callable[[RouteTable], None],
         on_failure: Callable[[Exception], None],
         poll_seconds: float = DEFAULT_POLL_SECONDS,
-        loaded: tuple[int, int, int] | None = None,
+        loaded: FileIdentity | None = None,
     ) -> None:
         """`loaded`: the file's identity (file_identity) when the routes in force were
         read from it, taken before reading; None: as it is now. An edit made between
@@ -57,7 +64,7 @@ class RoutesWatcher:
         self._seen = loaded if loaded is not None else file_identity(path)
         # A new identity seen at the last poll (in a 1-tuple: a deleted file's is None),
         # applied when the next poll sees it again.
-        self._changing: tuple[tuple[int, int, int] | None] | None = None
+        self._changing: tuple[FileIdentity | None] | None = None
 
     async def run(self) -> None:
         while True:

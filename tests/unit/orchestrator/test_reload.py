@@ -475,6 +475,35 @@ async def test_a_file_written_in_pieces_is_read_once_it_holds_still(tmp_path: Pa
     assert [backend.name for backend in table.default_route.fallback] == ["static"]
 
 
+async def test_an_edit_in_place_at_the_same_size_with_its_mtime_put_back_is_read(
+    tmp_path: Path,
+) -> None:
+    """Inode, size and mtime all as before (`rsync --inplace`, a tar extraction, `touch
+    -r`): only the ctime tells the edit apart; without it the edit was never applied."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", 50052))
+    before = os.stat(routes)
+    applied: list[RouteTable] = []
+    failures: list[Exception] = []
+    watcher = RoutesWatcher(routes, applied.append, failures.append)
+    with routes.open("r+") as editor:  # the same inode
+        editor.write(routes_to("minilm", 50053))  # the same length
+    os.utime(routes, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(routes)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert not await watcher.poll()  # changed: looked at again next poll
+    assert await watcher.poll()  # held still: read
+    assert failures == []
+    (table,) = applied
+    assert {target for backend in table.backends.values() for target in backend.targets} == {
+        "127.0.0.1:50053"
+    }
+
+
 async def test_an_edit_made_while_the_server_starts_is_applied(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
