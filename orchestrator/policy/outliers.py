@@ -4,7 +4,11 @@ After `consecutive_failures` calls in a row that it did not answer (UNAVAILABLE;
 NOT_FOUND, the backend's model not served there; or out of time with no status
 from it: orchestrator.upstream.coalescer's `_not_answered`), a replica is ejected
 for `base_ejection · 2^(times ejected before)`, capped at `max_ejection`, and
-readmitted when that time is up; a success resets its count. At most
+readmitted when that time is up; a success resets its count of failures in a
+row. The doubling is forgotten one step for each DOUBLING_FORGOTTEN_SECONDS a
+replica stays readmitted, not at its first success: a replica that answers a
+call between bouts of failures (one that crashes in a loop, or sheds most of
+its load) was otherwise ejected for the base time over and over. At most
 `max_ejected_percent` of a backend's replicas are out at once, and never all of
 them: with every replica failing, ejecting would only turn errors into no
 service at all.
@@ -28,6 +32,9 @@ DEFAULT_MAX_EJECTED_PERCENT = 50
 # is ejected over a thousand times, and 2**1024 does not fit a float (the overflow ended
 # every later failure before its ejection, and failed the call that reported it).
 MAX_DOUBLINGS = 60
+# One doubling forgotten per this many seconds readmitted: the interval at which
+# Envoy's outlier detection and gRPC's (A50) decrement a host's ejection multiplier.
+DOUBLING_FORGOTTEN_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class OutlierDetector:
             key=lambda state: state.ejected_until,
         )
         for state in ejected[: max(len(ejected) - self._max_ejected, 0)]:
-            state.ejected_until = 0.0
+            state.ejected_until = now  # readmitted now: its doublings fade from here
 
     def is_ejected(self, target: str) -> bool:
         return self._states[target].ejected_until > self._clock()
@@ -105,7 +112,6 @@ class OutlierDetector:
         if state is None:
             return
         state.failures_in_a_row = 0
-        state.times_ejected = 0
 
     def record_failure(self, target: str) -> None:
         state = self._states.get(target)
@@ -117,11 +123,15 @@ class OutlierDetector:
         ejected_now = sum(self.is_ejected(t) for t in self._states)
         if ejected_now >= self._max_ejected:
             return
+        now = self._clock()
+        # Never ejected: ejected_until is 0, and the difference forgets nothing it had.
+        forgotten = int((now - state.ejected_until) // DOUBLING_FORGOTTEN_SECONDS)
+        doublings = max(state.times_ejected - forgotten, 0)
         seconds = min(
-            self.settings.base_ejection_seconds * 2.0 ** min(state.times_ejected, MAX_DOUBLINGS),
+            self.settings.base_ejection_seconds * 2.0 ** min(doublings, MAX_DOUBLINGS),
             self.settings.max_ejection_seconds,
         )
-        state.ejected_until = self._clock() + seconds
-        state.times_ejected += 1
+        state.ejected_until = now + seconds
+        state.times_ejected = doublings + 1
         state.failures_in_a_row = 0
         self._on_ejected(target, seconds)

@@ -82,6 +82,30 @@ def test_a_success_resets_the_count() -> None:
     assert ejections == []
 
 
+def test_a_success_between_bouts_keeps_the_doubling_and_time_readmitted_fades_it() -> None:
+    """A replica that answers one call between bouts of failures (crashing in a loop,
+    shedding most of its load) was ejected for the base time at every bout."""
+    now = [0.0]
+    detector, ejections = make_detector(["a", "b"], now)
+
+    def bout() -> None:
+        detector.record_failure("a")
+        detector.record_failure("a")
+        assert detector.is_ejected("a")
+        now[0] += ejections[-1]  # readmitted when its time is up
+
+    bout()
+    detector.record_success("a")
+    bout()
+    assert ejections == [1, 2]
+    now[0] += 10  # one doubling forgotten
+    bout()
+    assert ejections == [1, 2, 2]
+    now[0] += 25  # two forgotten: back to the base time
+    bout()
+    assert ejections == [1, 2, 2, 1]
+
+
 def test_the_last_replicas_are_never_all_ejected() -> None:
     now = [0.0]
     detector, _ = make_detector(["a", "b"], now)
