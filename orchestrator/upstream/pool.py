@@ -286,7 +286,8 @@ class BackendPool:
         their connection, not in `avoid` (already tried), and whose reported wait fits
         the time the call may take (the backend's timeout, or `time_left` seconds less
         the answer's margin; None: any), if there is one; else one of those whose wait
-        does not fit; else one tried before; else the next in turn.
+        does not fit; else one tried before; else an ejected one not tried whose
+        connection is not failing; else the next in turn.
 
         A replica whose report says it cannot answer in time refuses such a call
         unsent; it then had nothing outstanding, and so took nearly every call, and
@@ -307,6 +308,11 @@ class BackendPool:
         # before one already tried (a hung one would spend the fallback's time).
         slow: str | None = None
         fallback: str | None = None
+        # Else one ejected but connected, before one whose connection fails: a replica
+        # that went down while the other was still ejected (a rolling restart, the
+        # other just back) cannot be ejected itself (never all), and in turn it took
+        # every other call, each failing at once.
+        ejected: str | None = None
         least = math.inf
         bound = (
             None
@@ -315,7 +321,11 @@ class BackendPool:
         )
         for offset in range(len(replicas)):
             target = replicas[(start + offset) % len(replicas)]
-            if is_ejected(target) or channels[target].get_state() is _FAILING:
+            if channels[target].get_state() is _FAILING:
+                continue
+            if is_ejected(target):
+                if target not in avoid:
+                    ejected = ejected or target
                 continue
             if target in avoid:
                 fallback = fallback or target
@@ -328,7 +338,7 @@ class BackendPool:
                 best, least = target, outstanding
                 if outstanding == 0:
                     break
-        return best or slow or fallback or replicas[start]
+        return best or slow or fallback or ejected or replicas[start]
 
     def has_untried(self, tried: Collection[str]) -> bool:
         """Whether `pick(avoid=tried)` would choose a replica not in `tried`: one not
@@ -336,14 +346,19 @@ class BackendPool:
         unsent, it costs nothing, and the refusal may go to the fallback). Counting
         every replica, a retry after a time-out went back to the hung one while the
         other was ejected or down, and the fallback, whose time it spent, never
-        answered."""
+        answered. An ejected replica counts only where every replica tried is failing
+        its connection, as in pick(): a call that failed at once on a replica gone down
+        is retried on one still ejected rather than failed, while one that timed out
+        on a hung replica is not (its retry would spend the fallback's time)."""
         is_ejected = self.outliers.is_ejected
-        return any(
-            target not in tried
-            and not is_ejected(target)
-            and self._channels[target].get_state() is not _FAILING
-            for target in self.replicas
-        )
+        connected = [
+            target for target in self.replicas if self._channels[target].get_state() is not _FAILING
+        ]
+        if any(target not in tried and not is_ejected(target) for target in connected):
+            return True
+        if any(target in tried and not is_ejected(target) for target in connected):
+            return False  # pick() takes one tried before over one ejected
+        return any(target not in tried for target in connected)
 
     def _record_load(self, target: str, raw: bytes) -> ReplicaLoad | None:
         load = read_load_report(raw, asyncio.get_running_loop().time())

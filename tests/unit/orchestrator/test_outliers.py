@@ -15,7 +15,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
-from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
+from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL, UPSTREAM_RETRIES_TOTAL
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.routing import RoutesFileError, load_routes
 from orchestrator.server import OrchestratorServer
@@ -199,6 +199,80 @@ routes:
     assert failures == []
     assert answered > 20
     assert metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5, "the replica was not readmitted"
+
+
+async def test_a_replica_down_while_the_other_is_ejected_leaves_the_calls_to_the_other(
+    model_root: Path, tmp_path: Path
+) -> None:
+    """A rolling restart: one replica is back but still ejected (its ejection doubled
+    while it was down) when the other goes down. The one down cannot be ejected (never
+    all), and both were passed over alike: every other call went to it first, failed,
+    and spent a retry (from a budget that load runs out of, and none where a route
+    allows one attempt)."""
+
+    async def replica(port: int = 0) -> CapabilityServer:
+        server = CapabilityServer(
+            capability_settings(model_root, models=("topic-static",), port=port),
+            registry=CollectorRegistry(),
+        )
+        await server.start()
+        await server.warm_up()
+        return server
+
+    first, second = await replica(), await replica()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+outlier_ejection: {{consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}}
+backends:
+  static:
+    model: topic-static
+    targets: ["127.0.0.1:{first.port}", "127.0.0.1:{second.port}"]
+routes:
+  - name: default
+    backend: static
+    retry: {{max_attempts: 3, initial_backoff: 1ms, max_backoff: 5ms}}
+"""
+    )
+    orchestrator = OrchestratorServer(
+        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
+        registry=CollectorRegistry(),
+    )
+    await orchestrator.start()
+    (pool,) = orchestrator.dispatcher.state.upstream.pools()
+    second_target = f"127.0.0.1:{second.port}"
+    servers = [first, second]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            await second.stop(grace_seconds=0)
+            while metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL) < 1:
+                await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+            assert pool.outliers.is_ejected(second_target)
+            servers.append(await replica(port=second.port))  # back, still ejected
+            channel_of_second = pool._channels[second_target]
+            await wait_until(
+                lambda: (
+                    channel_of_second.get_state(try_to_connect=True)
+                    is grpc.ChannelConnectivity.READY
+                ),
+                "the replica back connected again",
+            )
+            await first.stop(grace_seconds=0)
+            # The first call finds the one down (its connection was idle): retried.
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+            retries = metric_sum(orchestrator.registry, UPSTREAM_RETRIES_TOTAL)
+            for n in range(20):
+                await stub.Classify(pb.ClassifyRequest(text=f"{STRIKER} {n}"), timeout=10)
+            # Each of the others went to the ejected one first: no retry was needed, and
+            # none spent the retry budget (which load would have run out of).
+            assert metric_sum(orchestrator.registry, UPSTREAM_RETRIES_TOTAL) == retries
+            assert metric_sum(servers[-1].registry, MODEL_TEXTS_TOTAL) == 21
+            assert pool.outliers.is_ejected(second_target)
+    finally:
+        await orchestrator.stop(grace_seconds=0)
+        for server in servers:
+            await server.stop(grace_seconds=0)
 
 
 @pytest.mark.parametrize(
