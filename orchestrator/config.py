@@ -35,6 +35,7 @@ DEFAULT_METRICS_PORT = 9101
 DEFAULT_ROUTES_FILE = Path("routes.yaml")
 DEFAULT_AUTH = "required"
 DEFAULT_ROUTES_POLL_SECONDS = 0.5
+DEFAULT_KEYS_POLL_SECONDS = 1.0
 DEFAULT_RESULTS_CAPACITY = 10_000
 DEFAULT_RESULTS_TTL_SECONDS = 300.0
 DEFAULT_UPSTREAM_BATCH_MAX_ITEMS = 128
@@ -88,6 +89,17 @@ class OrchestratorSettings(ServerSettings):
         None,
         "YAML of hashed API keys and tenant limits (`make run`: .run/api-keys.yaml)",
         path_value,
+    )
+    # Seconds between looks at the API keys file for edits, 0 (off) or 0.05..60: a
+    # key revoked or added, a tenant's limit changed, without a restart.
+    keys_poll_seconds: float = setting(
+        DEFAULT_KEYS_POLL_SECONDS,
+        "look for API keys file edits every N seconds (0: never)",
+        float,
+        low=0.05,
+        high=60,
+        off=0,
+        unit="s",
     )
     # File holding the token capability servers require from the orchestrator; None sends none.
     internal_token_file: Path | None = setting(

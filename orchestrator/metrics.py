@@ -15,6 +15,8 @@ RETRY_BUDGET_EXHAUSTED_TOTAL = "classify_retry_budget_exhausted_total"
 OUTLIER_EJECTIONS_TOTAL = "classify_outlier_ejections_total"
 ROUTES_RELOADS_TOTAL = "classify_routes_reloads_total"
 ROUTES_FILE_REFUSED = "classify_routes_file_refused"
+API_KEYS_RELOADS_TOTAL = "classify_api_keys_reloads_total"
+API_KEYS_FILE_REFUSED = "classify_api_keys_file_refused"
 PROCESSING_TOTAL = "classify_processing_total"
 REQUEST_DURATION_SECONDS = "classify_request_duration_seconds"
 RATE_LIMITED_TOTAL = "classify_rate_limited_total"
@@ -34,6 +36,7 @@ SHADOW_SCORE_DIFFERENCE = "classify_shadow_score_difference"
 SHADOW_DROPPED_TOTAL = "classify_shadow_dropped_total"
 # The label values of the labelled counters that alerts and panels read with
 # increase() or rate(), each exported at 0 from the start (see _export_at_zero).
+# Outcomes of an edit of a watched file (the routes file, the API keys file).
 ROUTES_RELOAD_OUTCOMES = ("ok", "failed")
 # The causes orchestrator.security.gate refuses a caller for.
 AUTH_FAILURE_REASONS = ("missing_key", "repeated_key", "unknown_key")
@@ -219,6 +222,20 @@ class OrchestratorMetrics:
             ROUTES_FILE_REFUSED,
             "1 while the routes file on disk is one the orchestrator refused (it serves "
             "the routes before it, and a restart would fail on it); 0 once it applies.",
+            registry=registry,
+        )
+        # The same two for the API keys file (--api-keys-file), with --auth required.
+        self.api_keys_reloads = Counter(
+            API_KEYS_RELOADS_TOTAL,
+            "Edits of the API keys file, by outcome: ok (applied) or failed (refused).",
+            ["outcome"],
+            registry=registry,
+        )
+        _export_at_zero(self.api_keys_reloads, ROUTES_RELOAD_OUTCOMES)
+        self.api_keys_file_refused = Gauge(
+            API_KEYS_FILE_REFUSED,
+            "1 while the API keys file on disk is one the orchestrator refused (it serves "
+            "the keys before it, and a restart would fail on it); 0 once it applies.",
             registry=registry,
         )
 

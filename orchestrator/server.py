@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from prometheus_client import CollectorRegistry, Gauge
 
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
+from classify_common.file_watch import FileWatcher, file_identity
 from classify_common.metrics import MetricsEndpoint, RequestOutcomes
 from classify_common.serving import (
     GrpcServing,
@@ -32,7 +33,7 @@ from orchestrator.fleet import FleetModels, check_backend_models
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.backlog import FrontDoorBacklog
 from orchestrator.routing import Backend, RoutesFileError, RouteTable, load_routes
-from orchestrator.routing.watcher import RoutesWatcher, file_identity
+from orchestrator.routing.watcher import RoutesWatcher
 from orchestrator.security import ApiKeys, CallerGate, KeysFileError, load_api_keys
 from orchestrator.service import ClassifyServicer, ModelServicer
 from orchestrator.shadow import ShadowTraffic
@@ -66,7 +67,7 @@ class OrchestratorServer:
         self.metrics = OrchestratorMetrics(self.registry)
         self.request_outcomes = RequestOutcomes(self.registry)
         # Bad keys or routes files stop start-up here, with the bad value named.
-        keys = _load_api_keys_at_start(settings) if settings.auth == "required" else None
+        keys = self._load_api_keys_at_start(settings) if settings.auth == "required" else None
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
         self._internal_token = read_secret(settings, "internal_token_file")
@@ -83,10 +84,11 @@ class OrchestratorServer:
         )
         self.backlog = FrontDoorBacklog(settings.backlog())
         self.metrics.late_arrivals.set_function(lambda: self.backlog.worst_late_share)
+        self.gate = CallerGate(keys, self.metrics, self.state.limits, self.backlog)
         self.serving = GrpcServing.contract_server(
             settings,
             self.registry,
-            gate=CallerGate(keys, self.metrics, self.state.limits, self.backlog),
+            gate=self.gate,
             edge=True,
             shares_port=shares_port,
             outcomes=self.request_outcomes,
@@ -100,6 +102,7 @@ class OrchestratorServer:
             ModelServicer(FleetModels(self.dispatcher)),
         )
         self._watcher: asyncio.Task[None] | None = None
+        self._keys_watcher: asyncio.Task[None] | None = None
         # Background checks of the backends' models, held until they end.
         self._model_checks: set[asyncio.Task[None]] = set()
 
@@ -145,6 +148,32 @@ class OrchestratorServer:
             return load_routes(path)
         except RoutesFileError as exc:
             raise SettingsError(f"{settings.names('routes_file')}: {exc}") from exc
+
+    def _load_api_keys_at_start(self, settings: OrchestratorSettings) -> ApiKeys:
+        """The keys file's keys; a file it cannot use is a SettingsError naming the flag
+        and variable, then the file, line and path of the bad value."""
+        path = setting_file(settings, "api_keys_file")
+        assert path is not None  # required with --auth required (OrchestratorSettings)
+        self._keys_loaded = file_identity(path)  # as for the routes file, above
+        try:
+            return load_api_keys(path)
+        except KeysFileError as exc:
+            raise SettingsError(f"{settings.names('api_keys_file')}: {exc}") from exc
+
+    def _apply_keys(self, keys: ApiKeys) -> None:
+        self.gate.replace_keys(keys)
+        self.metrics.api_keys_reloads.labels("ok").inc()
+        self.metrics.api_keys_file_refused.set(0)
+        # Counts only: the file holds hashes, but nothing of it belongs in a log.
+        log.info(
+            "API keys reloaded",
+            extra={"keys": len(keys.callers_by_hash), "tenant_limits": len(keys.tenant_limits)},
+        )
+
+    def _refuse_keys(self, error: Exception) -> None:
+        # The watcher has logged it (a refusal with the file, line and path).
+        self.metrics.api_keys_reloads.labels("failed").inc()
+        self.metrics.api_keys_file_refused.set(1)
 
     def _apply_routes(self, table: RouteTable) -> None:
         previous = self.dispatcher.state
@@ -211,6 +240,20 @@ class OrchestratorServer:
                 loaded=self._routes_loaded,
             )
             self._watcher = asyncio.create_task(watcher.run(), name="routes-watcher")
+        if self.settings.auth == "required" and self.settings.keys_poll_seconds > 0:
+            assert self.settings.api_keys_file is not None  # checked at start
+            keys_watcher = FileWatcher(
+                self.settings.api_keys_file,
+                load_api_keys,
+                KeysFileError,
+                self._apply_keys,
+                self._refuse_keys,
+                self.settings.keys_poll_seconds,
+                what="API keys file",
+                kept="the keys in force stay",
+                loaded=self._keys_loaded,
+            )
+            self._keys_watcher = asyncio.create_task(keys_watcher.run(), name="keys-watcher")
 
     def _check_models(self, pools: list[BackendPool]) -> None:
         """Check, in the background, that the replicas of `pools` serve their backends'
@@ -228,6 +271,9 @@ class OrchestratorServer:
         if self._watcher is not None:
             await stop_watcher(self._watcher, "routes watcher")
             self._watcher = None
+        if self._keys_watcher is not None:
+            await stop_watcher(self._keys_watcher, "API keys watcher")
+            self._keys_watcher = None
         try:
             await self.serving.stop(grace)
             await self.dispatcher.close()
@@ -235,17 +281,6 @@ class OrchestratorServer:
         finally:
             if self.settings.freezes_heap:
                 thaw_heap()  # frozen at its start, before the port opened
-
-
-def _load_api_keys_at_start(settings: OrchestratorSettings) -> ApiKeys:
-    """The keys file's keys; a file it cannot use is a SettingsError naming the flag and
-    variable, then the file, line and path of the bad value."""
-    path = setting_file(settings, "api_keys_file")
-    assert path is not None  # required with --auth required (OrchestratorSettings)
-    try:
-        return load_api_keys(path)
-    except KeysFileError as exc:
-        raise SettingsError(f"{settings.names('api_keys_file')}: {exc}") from exc
 
 
 async def serve(settings: OrchestratorSettings) -> None:

@@ -58,6 +58,13 @@ class CallerGate:
         )
         self._metrics = metrics
 
+    def replace_keys(self, keys: ApiKeys) -> None:
+        """An edit of the keys file, applied: the calls that follow are identified by its
+        keys (a key it leaves out is refused from the next call on), and their tenants
+        limited by its limits (RateLimits.set_limits)."""
+        self._keys = keys
+        self._limits.set_limits(keys.tenant_limits)
+
     def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
         try:
             caller = self._identify(metadata)

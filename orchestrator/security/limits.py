@@ -25,6 +25,10 @@ class RateLimits(Protocol):
         each item)."""
         ...
 
+    def set_limits(self, limits: Mapping[str, TokenBucketSettings]) -> None:
+        """Follow an edit of the keys file (TenantRateLimits.set_limits says how)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TokenBucketSettings:
@@ -98,6 +102,24 @@ class TenantRateLimits:
     @property
     def limits(self) -> Mapping[str, TokenBucketSettings]:
         return {tenant: bucket.settings for tenant, bucket in self._buckets.items()}
+
+    def set_limits(self, limits: Mapping[str, TokenBucketSettings]) -> None:
+        """Follow an edit of the keys file: a tenant whose limit stays keeps its bucket
+        as it is; one whose limit changed keeps what its bucket held, up to the new
+        burst (a lower limit holds at once, and a higher one grants no fresh burst to
+        a tenant that has just spent its own); a new one starts full; one left out is
+        no longer limited."""
+        now = self._clock()
+        buckets: dict[str, _Bucket] = {}
+        for tenant, settings in limits.items():
+            bucket = self._buckets.get(tenant)
+            if bucket is not None and bucket.settings != settings:
+                bucket.take(now, 0)  # refilled up to now at the limit it had
+                held = bucket.tokens
+                bucket = _Bucket(settings, now)
+                bucket.tokens = min(held, float(settings.burst))
+            buckets[tenant] = bucket if bucket is not None else _Bucket(settings, now)
+        self._buckets = buckets
 
     async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
         return self.take(tenant, calls)

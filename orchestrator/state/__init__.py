@@ -54,12 +54,7 @@ from dataclasses import dataclass
 
 from orchestrator.config import OrchestratorSettings
 from orchestrator.results import LocalResultStore, ResultStore
-from orchestrator.security.limits import (
-    RateLimits,
-    TenantRateLimits,
-    TokenBucketSettings,
-    share_of_bucket,
-)
+from orchestrator.security.limits import RateLimits, TenantRateLimits, TokenBucketSettings
 from orchestrator.state.connection import KEY_PREFIX, RedisState, StateMetrics
 from orchestrator.state.limits import RedisRateLimits
 from orchestrator.state.results import RedisResultStore
@@ -103,14 +98,11 @@ def open_shared_state(
         )
     redis = RedisState.from_settings(settings, metrics)
     # While Redis does not answer, each of the processes sharing it grants its share.
-    sharers = settings.state_processes
-    fallback = TenantRateLimits(
-        {tenant: share_of_bucket(bucket, sharers) for tenant, bucket in tenant_limits.items()}
-    )
+    limits = RedisRateLimits(redis, tenant_limits, settings.state_processes)
     results = RedisResultStore(
         redis,
         settings.results_capacity,
         settings.results_ttl_seconds,
         retry_max_seconds=settings.state_retry_seconds,
     )
-    return SharedState(results, RedisRateLimits(redis, tenant_limits, fallback=fallback), redis)
+    return SharedState(results, limits, redis)

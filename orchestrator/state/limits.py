@@ -28,6 +28,7 @@ from orchestrator.security.limits import (
     TenantRateLimits,
     TokenBucketSettings,
     seconds_until_granted,
+    share_of_bucket,
 )
 from orchestrator.state.connection import KEY_PREFIX, RedisState
 
@@ -61,16 +62,31 @@ class RedisRateLimits:
     """RateLimits (orchestrator.security.limits) whose buckets live in Redis."""
 
     def __init__(
-        self,
-        state: RedisState,
-        limits: Mapping[str, TokenBucketSettings],
-        fallback: TenantRateLimits,
+        self, state: RedisState, limits: Mapping[str, TokenBucketSettings], sharers: int
     ) -> None:
-        """`fallback`: this process's share of each tenant's bucket (share_of_bucket)."""
+        """`sharers`: the orchestrator processes that share the Redis (--state-processes);
+        while Redis does not answer, this one grants its share of each tenant's bucket
+        (share_of_bucket)."""
         self._state = state
+        self._sharers = sharers
         self._limits = dict(limits)
-        self._fallback = fallback
+        self._fallback = TenantRateLimits(self._shares(limits))
         self._take = state.client.register_script(_TAKE)
+
+    def _shares(self, limits: Mapping[str, TokenBucketSettings]) -> dict[str, TokenBucketSettings]:
+        return {tenant: share_of_bucket(bucket, self._sharers) for tenant, bucket in limits.items()}
+
+    @property
+    def stand_in_limits(self) -> Mapping[str, TokenBucketSettings]:
+        """This process's share of each tenant's bucket, granted while Redis is away."""
+        return self._fallback.limits
+
+    def set_limits(self, limits: Mapping[str, TokenBucketSettings]) -> None:
+        """Follow an edit of the keys file. Each check sends the tenant's limit with it,
+        so Redis's bucket follows from the next check on; this process's share follows
+        as TenantRateLimits.set_limits says."""
+        self._limits = dict(limits)
+        self._fallback.set_limits(self._shares(limits))
 
     async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
         settings = self._limits.get(tenant)

@@ -16,7 +16,11 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.config import DEFAULT_CONCURRENCY
-from orchestrator.metrics import BACKEND_CONCURRENCY_LIMIT, RATE_LIMITED_TOTAL
+from orchestrator.metrics import (
+    API_KEYS_RELOADS_TOTAL,
+    BACKEND_CONCURRENCY_LIMIT,
+    RATE_LIMITED_TOTAL,
+)
 from orchestrator.security import hash_key
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL
 from orchestrator.workers import LOOP_HEARTBEAT, WORKERS
@@ -128,6 +132,36 @@ async def test_a_tenants_rate_is_shared_and_metrics_add_up_across_processes(
     beats = [value(own, LOOP_HEARTBEAT) for own in workers]
     assert all(time.time() - beat < 30 for beat in beats)
     assert value(scrape, LOOP_HEARTBEAT) <= max(beats)
+
+
+async def test_a_key_revoked_in_the_file_is_refused_by_every_worker_process(
+    start_stack: Callable[..., Stack], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Each worker watches the keys file itself: a revoked key was accepted until every
+    orchestrator restarted, and a worker restarted alone read the edit while the others
+    kept the old keys."""
+    keys = keys_with_limit(tmp_path)
+    stack = start_stack(
+        api_key=STACK_API_KEY,
+        orchestrator_flags=(
+            *("--processes", "2", "--state-url", redis_server.url),
+            *("--api-keys-file", str(keys), "--keys-poll-seconds", "0.1"),
+        ),
+    )
+    await every_worker_logged(stack.orchestrator, 2)
+    port = stack.orchestrator.port
+    assert await classify_on_new_connection(port) == grpc.StatusCode.OK
+    staging = tmp_path / "limited-keys.yaml.new"
+    staging.write_text(
+        f"keys:\n  - {{id: other, sha256: {hash_key('ck_another')}, tenant: t, role: user}}\n"
+    )
+    staging.replace(keys)
+    await wait_until(
+        lambda: value(samples(stack.orchestrator), API_KEYS_RELOADS_TOTAL, outcome="ok") == 2,
+        "both workers applied the edit",
+    )
+    codes = {await classify_on_new_connection(port) for _ in range(8)}
+    assert codes == {grpc.StatusCode.UNAUTHENTICATED}
 
 
 def worker_samples(metrics_port: int) -> Scrape:

@@ -32,7 +32,12 @@ from classify_common import interceptor
 from classify_common.errors import RateLimited
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL, RPC_REQUESTS_TOTAL
 from classify_common.settings import SettingsError
-from orchestrator.metrics import AUTH_FAILURES_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.metrics import (
+    API_KEYS_FILE_REFUSED,
+    API_KEYS_RELOADS_TOTAL,
+    AUTH_FAILURES_TOTAL,
+    RATE_LIMITED_TOTAL,
+)
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
 from orchestrator.security.limits import TenantRateLimits, TokenBucketSettings
 from orchestrator.server import OrchestratorServer
@@ -59,6 +64,22 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+def keys_file(tenants: str = "", acme_tenant: str = "acme", acme_key: str = ACME_KEY) -> str:
+    return (
+        "keys:\n"
+        f"  - {{id: a, sha256: {hash_key(acme_key)}, tenant: {acme_tenant}, role: user}}\n"
+        f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n"
+        f"  - {{id: ops, sha256: {hash_key(ADMIN_KEY)}, tenant: ops, role: admin}}\n" + tenants
+    )
+
+
+def replace_keys(path: Path, text: str) -> None:
+    """Written beside and renamed over, as a ConfigMap or Secret update swaps it."""
+    staging = path.with_name(path.name + ".new")
+    staging.write_text(text)
+    staging.replace(path)
+
+
 @pytest_asyncio.fixture
 async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIterator[Start]:
     """A capability server requiring the internal token, behind an orchestrator with keys."""
@@ -70,10 +91,11 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
         dead_replica: bool = False,
         orchestrator_token: str = TOKEN,
         model_root: Path | None = None,
+        keys_poll_seconds: float = 1.0,
     ) -> tuple[OrchestratorServer, CapabilityServer]:
         """`dead_replica`: the backend lists, first, an address nothing listens on.
         `orchestrator_token`: the internal token the orchestrator sends. `model_root`:
-        the capability's, instead of the session's."""
+        the capability's, instead of the session's. The keys file is tmp_path/keys.yaml."""
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         sent_token_file = tmp_path / "sent-token"
@@ -84,12 +106,7 @@ async def secured(start_capability: StartCapability, tmp_path: Path) -> AsyncIte
             **({"model_root": model_root} if model_root else {}),
         )
         keys = tmp_path / "keys.yaml"
-        keys.write_text(
-            "keys:\n"
-            f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: {acme_tenant}, role: user}}\n"
-            f"  - {{id: b, sha256: {hash_key(OTHER_KEY)}, tenant: other, role: user}}\n"
-            f"  - {{id: ops, sha256: {hash_key(ADMIN_KEY)}, tenant: ops, role: admin}}\n" + tenants
-        )
+        keys.write_text(keys_file(tenants, acme_tenant))
         targets = [f"127.0.0.1:{capability.port}"]
         if dead_replica:
             targets.insert(0, f"127.0.0.1:{closed_port()}")
@@ -111,6 +128,7 @@ routes:
                 routes_file=routes,
                 auth="required",
                 api_keys_file=keys,
+                keys_poll_seconds=keys_poll_seconds,
                 internal_token_file=sent_token_file,
             ),
             registry=CollectorRegistry(),
@@ -248,6 +266,110 @@ async def test_each_tenant_has_its_own_rate_limit(secured: Start) -> None:
         await call(orchestrator, metadata=bearer(OTHER_KEY))
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL, tenant="acme") == 1
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 1
+
+
+async def test_a_key_revoked_or_added_in_the_keys_file_holds_without_a_restart(
+    secured: Start, tmp_path: Path
+) -> None:
+    orchestrator, _ = await secured(keys_poll_seconds=0.05)
+    await call(orchestrator, metadata=bearer(ACME_KEY))
+    replacement = new_key()
+    replace_keys(tmp_path / "keys.yaml", keys_file(acme_key=replacement))
+    await wait_until(
+        lambda: metric_sum(orchestrator.registry, API_KEYS_RELOADS_TOTAL, outcome="ok") == 1,
+        "the edit applied",
+    )
+    revoked = await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))
+    assert revoked.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert error_info(revoked).metadata["cause"] == "unknown_key"
+    answer = await call(orchestrator, metadata=bearer(replacement))
+    assert answer.status == pb.RESULT_STATUS_DONE
+    await call(orchestrator, metadata=bearer(OTHER_KEY))  # a key the edit kept
+    assert metric_sum(orchestrator.registry, API_KEYS_RELOADS_TOTAL, outcome="failed") == 0
+
+
+async def test_a_refused_keys_edit_keeps_the_keys_in_force_and_says_so_until_fixed(
+    secured: Start, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    orchestrator, _ = await secured(keys_poll_seconds=0.05)
+    keys = tmp_path / "keys.yaml"
+    doubled = keys_file() + f"  - {{id: a, sha256: {hash_key(new_key())}, tenant: x, role: user}}\n"
+    with caplog.at_level(logging.ERROR):
+        replace_keys(keys, doubled)
+        await wait_until(
+            lambda: (
+                metric_sum(orchestrator.registry, API_KEYS_RELOADS_TOTAL, outcome="failed") == 1
+            ),
+            "the edit refused",
+        )
+    assert metric_sum(orchestrator.registry, API_KEYS_FILE_REFUSED) == 1
+    [logged] = [r for r in caplog.records if r.getMessage().startswith("API keys file refused")]
+    assert logged.getMessage() == "API keys file refused; the keys in force stay"
+    assert "keys[3].id: the same id as keys[0]" in logged.__dict__["error"]
+    await call(orchestrator, metadata=bearer(ACME_KEY))  # the keys in force stay
+    replace_keys(keys, keys_file())
+    await wait_until(
+        lambda: metric_sum(orchestrator.registry, API_KEYS_RELOADS_TOTAL, outcome="ok") == 1,
+        "the fixed file applied",
+    )
+    assert metric_sum(orchestrator.registry, API_KEYS_FILE_REFUSED) == 0
+
+
+async def test_a_tenants_limit_edited_in_the_keys_file_holds_without_a_restart(
+    secured: Start, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    orchestrator, _ = await secured(
+        "tenants:\n  acme: {rate_per_second: 0.01, burst: 2}\n", keys_poll_seconds=0.05
+    )
+
+    async def edit(tenants: str, applied: int) -> None:
+        replace_keys(keys, keys_file(tenants))
+        await wait_until(
+            lambda: (
+                metric_sum(orchestrator.registry, API_KEYS_RELOADS_TOTAL, outcome="ok") == applied
+            ),
+            "the edit applied",
+        )
+
+    for _ in range(2):
+        await call(orchestrator, metadata=bearer(ACME_KEY))
+    # A higher limit grants no fresh burst to a tenant that has just spent its own.
+    await edit("tenants:\n  acme: {rate_per_second: 0.01, burst: 5}\n", applied=1)
+    assert error_reason(await refusal(call(orchestrator, metadata=bearer(ACME_KEY)))) == (
+        "RATE_LIMITED"
+    )
+    # A tenant given a limit starts with a full bucket; one left out is no longer limited.
+    await edit("tenants:\n  other: {rate_per_second: 0.01, burst: 1}\n", applied=2)
+    for _ in range(3):
+        await call(orchestrator, metadata=bearer(ACME_KEY))
+    await call(orchestrator, metadata=bearer(OTHER_KEY))
+    other = await refusal(call(orchestrator, metadata=bearer(OTHER_KEY)))
+    assert error_info(other).metadata["tenant"] == "other"
+    assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 2
+
+
+def test_an_edited_limit_keeps_what_the_bucket_held_up_to_the_new_burst() -> None:
+    now = [1000.0]
+    limits = TenantRateLimits(
+        {"acme": TokenBucketSettings(1, 10), "same": TokenBucketSettings(1, 10)},
+        clock=lambda: now[0],
+    )
+    assert limits.take("acme", 4)[1] == 4
+    assert limits.take("same", 4)[1] == 4
+    now[0] += 1  # one token back each: 7 held
+    limits.set_limits(
+        {
+            "acme": TokenBucketSettings(1, 3),  # lowered below what it held
+            "same": TokenBucketSettings(1, 10),
+            "new": TokenBucketSettings(1, 2),
+        }
+    )
+    assert limits.take("acme", 10)[1] == 3
+    assert limits.take("same", 10)[1] == 7  # its bucket, as it was
+    assert limits.take("new", 10)[1] == 2  # full
+    limits.set_limits({})
+    assert limits.take("acme", 100)[1] == 100  # no longer limited
 
 
 def test_a_caller_that_waits_out_the_rate_limit_hint_as_sent_gets_its_token() -> None:

@@ -30,11 +30,12 @@ from classify_common.errors import (
     status_for,
 )
 from classify_common.settings import SettingsError
-from orchestrator.metrics import RATE_LIMITED_TOTAL
+from orchestrator.metrics import API_KEYS_RELOADS_TOTAL, RATE_LIMITED_TOTAL
 from orchestrator.results import LocalResultStore
 from orchestrator.security import hash_key, new_key
+from orchestrator.security.limits import TokenBucketSettings
 from orchestrator.server import START_ERRORS, OrchestratorServer
-from orchestrator.state import RedisResultStore, RedisState, StateMetrics
+from orchestrator.state import RedisRateLimits, RedisResultStore, RedisState, StateMetrics
 from orchestrator.state import results as state_results
 from orchestrator.state.connection import STATE_OPERATIONS_TOTAL, STATE_UP
 from orchestrator.state.results import (
@@ -275,6 +276,27 @@ async def test_a_tenants_rate_is_one_bucket_across_orchestrators(
     assert codes == [grpc.StatusCode.OK] * 5 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
     refused = [metric_sum(server.registry, RATE_LIMITED_TOTAL, tenant="acme") for server in servers]
     assert refused == [1, 2]  # calls 6 and 8 went to the first, 7 to the second
+
+
+async def test_a_tenants_limit_edited_in_the_keys_file_holds_in_redis_and_in_its_stand_in(
+    capability: CapabilityServer, start_shared: StartShared, tmp_path: Path
+) -> None:
+    """Each check sends the tenant's limit with it, so Redis's bucket follows the edit;
+    the process's own share, which answers while Redis is away, follows it too."""
+    server = await start_shared(capability, burst=5, keys_poll_seconds=0.05)
+    keys = tmp_path / "keys.yaml"
+    staging = tmp_path / "keys.yaml.new"
+    staging.write_text(keys.read_text().replace("burst: 5", "burst: 2"))
+    staging.replace(keys)
+    await wait_until(
+        lambda: metric_sum(server.registry, API_KEYS_RELOADS_TOTAL, outcome="ok") == 1,
+        "the edit applied",
+    )
+    response = await classify_batch(server, [f"item-{n}" for n in range(4)], within=30)
+    assert [result.HasField("error") for result in response.results] == [False] * 2 + [True] * 2
+    limits = server.state.limits
+    assert isinstance(limits, RedisRateLimits)
+    assert limits.stand_in_limits == {"acme": TokenBucketSettings(0.001, 2)}
 
 
 async def test_batch_items_over_a_tenants_redis_bucket_are_hinted_the_wait_for_all_of_them(
