@@ -102,6 +102,36 @@ async def run_each(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
     return list(await asyncio.gather(*steps))
 
 
+async def admit_groups(
+    groups: list[Coroutine[Any, Any, list[asyncio.Future[TextResult] | ServiceError]]],
+) -> list[list[asyncio.Future[TextResult] | ServiceError]]:
+    """Run the admissions of one call's groups (Admitter.admit_group, one per model)
+    concurrently; one alone is awaited as it is, without a task.
+
+    Cancelled meanwhile (the caller went, or its deadline passed), or ended by one
+    group's error, the groups still admitting are cancelled and the texts of those
+    already queued are withdrawn (their futures cancelled), as the call's own texts
+    are once all are in. A group of short texts for a resident model is queued at
+    once, while another model's waits for a tokenizer thread or a cold start: left
+    there, its texts were computed for nobody, holding places in the queue that
+    later callers were refused for (QUEUE_FULL) meanwhile.
+    """
+    if len(groups) == 1:
+        return [await groups[0]]
+    tasks = [asyncio.ensure_future(group) for group in groups]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                for admission in task.result():
+                    if isinstance(admission, asyncio.Future):
+                        admission.cancel()
+        raise
+
+
 def answered_from_cache(
     cache: ResultCache, replica: ModelReplica, scope: str, encoded: EncodedText
 ) -> TextResult | None:

@@ -57,11 +57,11 @@ from capability.workers.admission import (
     CACHE_USE,
     Admitter,
     TextRequest,
+    admit_groups,
     answered_from_cache,
     priority_lane,
     record_cache_hit,
     remember_result,
-    run_each,
 )
 from capability.workers.residency import DEFAULT_IDLE_SECONDS, ON_DEMAND, RESIDENT, SHARDED
 from capability.workers.threads import compute_inline, cpu_threads_per_worker
@@ -647,12 +647,17 @@ class WorkerPool:
             except ServiceError as refused:
                 for index in indexes:
                     outcomes[index] = refused
-        admitted = await run_each(
-            [
-                self._admitter.admit_group(replica, [texts[i] for i in indexes])
-                for replica, indexes in routed
-            ]
-        )
+        try:
+            admitted = await admit_groups(
+                [
+                    self._admitter.admit_group(replica, [texts[i] for i in indexes])
+                    for replica, indexes in routed
+                ]
+            )
+        except BaseException:
+            for replica in {replica for replica, _ in routed}:
+                replica.batcher.withdraw_gone()  # the places of texts withdrawn are free
+            raise
         waiting: list[tuple[int, asyncio.Future[TextResult]]] = []
         for (_, indexes), group in zip(routed, admitted, strict=True):
             for index, admission in zip(indexes, group, strict=True):

@@ -9,6 +9,7 @@ import logging
 import random
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,6 +42,7 @@ from classify_common.metrics import NODE_DURATION_SECONDS
 from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import unpack
+from tests.unit.capability.test_residency import copy_under_names, room_for
 from tests.unit.capability.test_serving import TEXTS, classify_stub, device_occupied
 
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
@@ -665,3 +667,36 @@ async def test_a_failed_item_of_a_batch_call_is_logged_under_its_own_ids(
     assert line["call_request_id"] == trailers["x-request-id"]
     (rpc,) = [r for r in caplog.records if r.getMessage() == "rpc"]
     assert (vars(rpc)["items"], vars(rpc)["items_failed"]) == (2, 1)
+
+
+async def test_a_batch_for_two_models_cancelled_while_one_waits_leaves_nothing_queued(
+    start_capability: StartCapability, model_root: Path, tmp_path: Path
+) -> None:
+    """One model's texts were queued at once while the other's waited for a cold start
+    (or a tokenizer thread): the caller that went then left them queued, computed for
+    nobody and holding places that later callers were refused for (QUEUE_FULL)."""
+    names = ["static-a", "static-b"]
+    copy_under_names(model_root / "topic-static" / "1", tmp_path / "models", names)
+    server = await start_capability(
+        model_root=tmp_path / "models",
+        default_model=names[0],
+        residency="on_demand",
+        idle_seconds=3600,
+        queue_capacity=4,
+    )
+    room_for(server, names, 1)  # static-b's cold start waits for static-a to go idle
+    worker = server.pool.workers[0]
+    async with classify_stub(server) as stub:
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"), timeout=30)
+        computed = metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="static-a")
+        resident = worker.replicas["static-a"]
+        items = [pb.ClassifyRequest(text=f"{STRIKER} {n}", model="static-a") for n in range(4)]
+        items.append(pb.ClassifyRequest(text=STRIKER, model="static-b"))
+        async with device_occupied(worker):
+            call = stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
+            await wait_until(lambda: len(resident.queue) == 4, "static-a's texts queued")
+            call.cancel()
+            await wait_until(lambda: len(resident.queue) == 0, "static-a's texts withdrawn")
+        # Answered, not QUEUE_FULL; and none of the withdrawn texts was computed.
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"), timeout=30)
+    assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="static-a") == computed + 1
