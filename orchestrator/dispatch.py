@@ -67,10 +67,10 @@ from orchestrator.batch_items import (
 )
 from orchestrator.calls import RouteCaller, RoutingState, UpstreamCall
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.results import ResultStore
 from orchestrator.routing import RequestFacts, Route
 from orchestrator.shadow import ShadowTraffic
-from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ may); the replica does not serve the backend's model, or did not answer within t
 backend's timeout, and every replica has been tried (asked again, it answers the
 same, or spends the fallback's time); every replica has been tried and the last had
 no room on its device for longer (its RetryInfo) than the caller has left; the
-backoff would end past the caller's deadline; the retry budget has no token left
+backoff would leave the next attempt no time (it would end past the caller's
+deadline less DEADLINE_SAFETY_MARGIN_SECONDS); the retry budget has no token left
 (Linkerd/Envoy budgets: retries are a share of recent requests).
 """
 
@@ -34,6 +35,10 @@ from classify_common.errors import (
     grpc_code_for,
 )
 from orchestrator.policy.budget import RetryBudget
+
+# Time kept back from the caller's deadline for the orchestrator's own work
+# (answering, serialising) after the capability call returns.
+DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.025
@@ -129,7 +134,10 @@ class RetryPolicy:
             # frees far sooner.)
             return GiveUp.NO_ROOM_IN_TIME
         wait = backoff_seconds(self, attempt, rng)
-        if time_left is not None and wait >= time_left:
+        # Not `wait >= time_left`: a retry due inside the margin was refused unsent
+        # (DEADLINE_UNREACHABLE, in place of the failure a fallback might take), after
+        # taking its token from the budget.
+        if time_left is not None and wait + DEADLINE_SAFETY_MARGIN_SECONDS >= time_left:
             return GiveUp.DEADLINE_TOO_NEAR
         if not budget.try_spend():
             return GiveUp.BUDGET_EXHAUSTED

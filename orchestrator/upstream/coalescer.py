@@ -143,7 +143,8 @@ UPSTREAM_BATCH_SPAN_NAME = CLASSIFY_BATCH_METHOD_NAME
 TRACEPARENT = "traceparent"
 # An item of a batch call due this close to the call's own deadline is answered when
 # the call ends, without a timer of its own: items keep a margin before their
-# callers' deadlines (DEADLINE_SAFETY_MARGIN_SECONDS in pool.py) far larger than this.
+# callers' deadlines (orchestrator.policy.retries' DEADLINE_SAFETY_MARGIN_SECONDS)
+# far larger than this.
 OWN_DEADLINE_SLACK_SECONDS = 0.002
 # The event loop's timers may fire up to about this much before their time.
 EXPIRY_RESOLUTION_SECONDS = 0.001

@@ -38,6 +38,7 @@ from orchestrator.metrics import (
 )
 from orchestrator.policy import OutlierDetector, OutlierSettings
 from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit, ConcurrencySettings
+from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.routing import Backend
 from orchestrator.security.gate import current_caller
 from orchestrator.upstream.addresses import (
@@ -59,9 +60,6 @@ DEFAULT_CONCURRENCY = ConcurrencySettings()
 
 # Hint sent with a concurrency-limit refusal: about one typical call.
 CONCURRENCY_RETRY_AFTER_SECONDS = 0.05
-# Time kept back from the caller's deadline for the orchestrator's own work
-# (answering, serialising) after the capability call returns.
-DEADLINE_SAFETY_MARGIN_SECONDS = 0.02
 # A call cancelled this close to its caller's deadline, or later, went at the deadline
 # (the time left is read just before the call starts; the cancel arrives at or after it).
 DEADLINE_CANCEL_MARGIN_SECONDS = 0.01

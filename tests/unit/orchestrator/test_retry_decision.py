@@ -12,6 +12,7 @@ from classify_common.errors import (
     QueueFull,
 )
 from orchestrator.policy import GiveUp, RetryAfter, RetryBudget, RetryBudgetSettings, RetryPolicy
+from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 
 POLICY = RetryPolicy(max_attempts=3, initial_backoff_seconds=0.1, max_backoff_seconds=0.3)
 UNAVAILABLE = ModelUnavailable("replica unreachable")
@@ -82,4 +83,21 @@ def test_a_lone_replica_without_room_for_longer_than_is_left_is_not_asked_again(
     full = QueueFull("queue full", retry_after_seconds=1.0)
     assert isinstance(
         POLICY.decide(full, 1, 0.2, roomy_budget(), untried_replica=False), RetryAfter
+    )
+
+
+def test_a_backoff_that_would_end_inside_the_answer_margin_gives_up_without_a_token() -> None:
+    """The orchestrator keeps the margin to answer: a retry due inside it was refused
+    unsent (DEADLINE_UNREACHABLE, in place of the failure a fallback might have taken),
+    after spending a token of the budget."""
+    wait = random.Random(7).uniform(0, 0.1)  # attempt 1's bound: the initial backoff
+    budget = RetryBudget(RetryBudgetSettings(ratio=0, min_retries_per_second=0.1))
+    inside = wait + DEADLINE_SAFETY_MARGIN_SECONDS / 2
+    assert POLICY.decide(UNAVAILABLE, 1, inside, budget, random.Random(7)) is (
+        GiveUp.DEADLINE_TOO_NEAR
+    )
+    assert budget.try_spend()  # the one token of the floor is still there
+    roomy = wait + DEADLINE_SAFETY_MARGIN_SECONDS * 2
+    assert POLICY.decide(UNAVAILABLE, 1, roomy, roomy_budget(), random.Random(7)) == (
+        RetryAfter(wait)
     )

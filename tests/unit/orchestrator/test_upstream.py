@@ -20,9 +20,10 @@ from capability.server import CapabilityServer
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.metrics import REQUEST_DURATION_SECONDS
+from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream import errors as upstream_errors
-from orchestrator.upstream.pool import DEADLINE_SAFETY_MARGIN_SECONDS, call_timeout
+from orchestrator.upstream.pool import call_timeout
 from tests.conftest import (
     STRIKER,
     LineCollector,
