@@ -198,7 +198,8 @@ class CapabilityMetrics:
             FIT_PROBES_TOTAL,
             "Stand-in forwards timed to check the service-time fit after it alone refused "
             "a text, by outcome: stale (far faster than predicted: the fit forgets half "
-            "its past) or confirmed.",
+            "its past), confirmed, or failed (the forward, or the cold start of a model "
+            "off the device, failed).",
             ["model", "worker", "outcome"],
             registry=registry,
         )

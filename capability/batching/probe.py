@@ -46,6 +46,8 @@ MAX_STALE_PROBES_IN_A_ROW = 16
 
 STALE = "stale"
 CONFIRMED = "confirmed"
+# A probe that ended without a time: its forward, or the cold start before it, failed.
+PROBE_FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class FitProbe:
         return verdict
 
     def failed(self, now: float) -> None:
-        """A probe ended without a time (the forward failed): wait the longest gap, so
-        that a failing device is not probed at every text it refuses."""
+        """A probe ended without a time (its forward or cold start failed): wait the
+        longest gap, so that a failing device is not probed at every text it refuses."""
         self._gap = MAX_GAP_SECONDS
         self.next_at = now + self._gap

@@ -57,7 +57,13 @@ from capability.batching import (
     TextResult,
     WaitPredictor,
 )
-from capability.batching.probe import MAX_STALE_PROBES_IN_A_ROW, STALE, FitProbe
+from capability.batching.probe import (
+    MAX_GAP_SECONDS,
+    MAX_STALE_PROBES_IN_A_ROW,
+    PROBE_FAILED,
+    STALE,
+    FitProbe,
+)
 from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded
 from capability.memory import (
     PEAK_WINDOW,
@@ -320,6 +326,11 @@ class ModelReplica:
         needed = self.predicted_cold_answer_seconds(tokens)
         if remaining >= needed:
             return None
+        if remaining >= self.predicted_cold_start_seconds():
+            # Time for the copy, not for the forward the fit predicts after it: the
+            # refusal rests on the fit, which no text refused here could ever correct
+            # (none is computed, and the model stays off the device).
+            self._probe_fit(tokens, now)
         return DeadlineUnreachable(
             f"{remaining * 1000:.0f} ms left, but model {self.name} is not on "
             f"{self.worker.name}: copying it there and computing takes about "
@@ -434,8 +445,9 @@ class ModelReplica:
     def _probe_fit(self, tokens: int, now: float) -> None:
         """Time one stand-in text of `tokens` tokens on the device, soon, if a probe of
         the service-time fit is due (probe.py): the fit has just refused a text on
-        its own word."""
-        if self.stopped or not self.is_resident or not self._fit_probe.due(now):
+        its own word. An on_demand replica off the device is brought onto it first,
+        as the texts it refused would have been."""
+        if self.stopped or not self._fit_probe.due(now):
             return
         self._fit_probe.running = True
         self._fit_probe_task = asyncio.ensure_future(self._run_fit_probe(tokens))
@@ -450,13 +462,29 @@ class ModelReplica:
         bucket_bound = self.settings.length_buckets[self.settings.bucket_of(tokens)]
         bound = min(max(bucket_bound, tokens), self.bundle.classifier.max_seq_length)
         fit = self.predictor.service_time
+        # Off the device: held as a text on its way (in `load`), so that no other
+        # model's cold start takes it off again between its copy and the first probe.
+        arriving = not self.is_resident
+        if arriving:
+            self.begin_arrival()
         try:
+            if arriving:
+                await self.worker.ensure_resident(self, loop.time() + MAX_GAP_SECONDS)
             stand_in = self._stand_ins(1, bound)
             for _ in range(MAX_STALE_PROBES_IN_A_ROW):
-                predicted = fit.predict(1, bound)
-                outcome = await self.worker.run_on_device(
-                    functools.partial(self._compute, timed=False), stand_in
-                )
+                async with self.worker.turn():
+                    # Checked in the turn, where an eviction takes the weights off:
+                    # between probes, an idle on_demand model may have left the
+                    # device, and a forward on it failed on tensors no longer there.
+                    if self.stopped or not self.is_resident:
+                        return
+                    predicted = fit.predict(1, bound)
+                    outcome = await self.worker.execute(
+                        functools.partial(self._compute, timed=False), stand_in
+                    )
+                if arriving:
+                    arriving = False
+                    self.end_arrival()
                 verdict = self._fit_probe.judge(predicted, outcome.seconds, loop.time())
                 fit.record(1, bound, outcome.seconds, past_weight=verdict.past_weight)
                 self._metrics.fit_probes.labels(self.name, self.worker.name, verdict.outcome).inc()
@@ -476,11 +504,14 @@ class ModelReplica:
                 await asyncio.sleep(max(self._fit_probe.next_at - loop.time(), 0.0))
         except Exception as error:  # the device's failures are the batches' to report
             self._fit_probe.failed(loop.time())
+            self._metrics.fit_probes.labels(self.name, self.worker.name, PROBE_FAILED).inc()
             log.warning(
                 "service-time fit probe failed",
                 extra={"model": self.name, "worker": self.worker.name, "error": repr(error)},
             )
         finally:
+            if arriving:
+                self.end_arrival()
             self._fit_probe.running = False
 
     def _stand_ins(self, texts: int, tokens: int) -> list[EncodedText]:

@@ -4,8 +4,10 @@ a stale one learns again, so a replica cannot refuse every short deadline for ev
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
+import pytest
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
@@ -14,6 +16,7 @@ from capability.batching.probe import (
     CONFIRMED,
     MAX_GAP_SECONDS,
     MIN_GAP_SECONDS,
+    PROBE_FAILED,
     STALE,
     STALE_PAST_WEIGHT,
     FitProbe,
@@ -107,3 +110,60 @@ async def test_a_refusal_the_device_bears_out_is_confirmed_and_the_fit_kept(
     await wait_until(lambda: probes(CONFIRMED) == 1, "the probe's verdict")
     assert probes(STALE) == 0
     assert fit.observations == observations + 1
+
+
+async def test_a_stale_fit_of_a_model_off_the_device_is_probed_after_a_cold_start(
+    start_capability: StartCapability,
+) -> None:
+    """An on_demand model off the device: a text whose deadline leaves time for the
+    copy but not for the forward the fit predicts after it is refused before the
+    queue, and the model stays off. With the fit stale, every such call was refused
+    (75 of 75 calls with 500 ms deadlines in 4 s, no probe, no cold start)."""
+    server = await start_capability(
+        models=("topic-static",), residency="on_demand", idle_seconds=3600
+    )
+    replica = server.pool.workers[0].replicas["topic-static"]
+    assert not replica.is_resident
+    fit = replica.predictor.service_time
+    for _ in range(20):
+        fit.record(1, 16, 2.0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        refused = await refusal(stub.Classify(pb.ClassifyRequest(text=HEADLINE), timeout=0.5))
+        assert error_reason(refused) == "DEADLINE_UNREACHABLE"
+        await wait_until(lambda: fit.predict(1, 16) < 0.2, "the fit back near the truth")
+        answer = await stub.Classify(pb.ClassifyRequest(text=HEADLINE), timeout=0.5)
+    assert answer.labels
+    assert server.pool.workers[0].replicas["topic-static"].is_resident  # brought on
+    assert metric_sum(server.registry, FIT_PROBES_TOTAL, model="topic-static", outcome=STALE) >= 3
+    assert metric_sum(server.registry, FIT_PROBES_TOTAL, outcome=PROBE_FAILED) == 0
+
+
+async def test_probes_stop_when_an_idle_model_leaves_the_device_between_them(
+    start_capability: StartCapability, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Idle for its idle_seconds between two probes, an on_demand model was taken off
+    the device, and the next probe's forward failed on weights no longer there
+    (`Tensor on device cpu is not on the expected device meta`)."""
+    server = await start_capability(
+        models=("topic-static",), residency="on_demand", idle_seconds=3600
+    )
+    replica = server.pool.workers[0].replicas["topic-static"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        await stub.Classify(pb.ClassifyRequest(text=HEADLINE), timeout=30)  # its cold start
+        fit = replica.predictor.service_time
+        for _ in range(20):
+            fit.record(1, 16, 100.0)  # so far off that the probes go on, 0.1 s apart
+        await refusal(stub.Classify(pb.ClassifyRequest(text=HEADLINE), timeout=1.0))
+        await wait_until(
+            lambda: metric_sum(server.registry, FIT_PROBES_TOTAL, outcome=STALE) >= 1,
+            "a first probe found the fit stale",
+        )
+        replica.idle_seconds = 0.2  # idle from now on: the evictor takes it off
+        with caplog.at_level(logging.WARNING):
+            await wait_until(lambda: not replica.is_resident, "the model taken off the device")
+            await wait_until(lambda: not replica._fit_probe.running, "the probes over")
+    assert metric_sum(server.registry, FIT_PROBES_TOTAL, outcome=PROBE_FAILED) == 0
+    assert not [r for r in caplog.records if r.getMessage() == "service-time fit probe failed"]
+    assert metric_sum(server.registry, FIT_PROBES_TOTAL, outcome=STALE) < 16  # cut short
