@@ -86,7 +86,7 @@ from classify_common.serving import (
     wait_for_signal,
 )
 from orchestrator.config import OrchestratorSettings
-from orchestrator.metrics import LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED
+from orchestrator.metrics import API_KEYS_FILE_REFUSED, LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED
 from orchestrator.state.connection import STATE_UP
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
@@ -705,7 +705,7 @@ def _scrape(port: int) -> str | None:
 # a yes or no (summed, classify_state_up read 2 with two workers, and the alert's
 # `== 0` fired only once every worker had lost Redis).
 _EARLIEST = {"process_start_time_seconds", LOOP_HEARTBEAT}  # the heartbeat: the stalest
-_LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED}
+_LARGEST = {"process_max_fds", LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED, API_KEYS_FILE_REFUSED}
 _LOWEST = {STATE_UP}
 
 

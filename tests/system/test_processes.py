@@ -17,6 +17,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.metrics import RPC_REQUESTS_TOTAL
 from orchestrator.config import DEFAULT_CONCURRENCY
 from orchestrator.metrics import (
+    API_KEYS_FILE_REFUSED,
     API_KEYS_RELOADS_TOTAL,
     BACKEND_CONCURRENCY_LIMIT,
     RATE_LIMITED_TOTAL,
@@ -152,6 +153,15 @@ async def test_a_key_revoked_in_the_file_is_refused_by_every_worker_process(
     port = stack.orchestrator.port
     assert await classify_on_new_connection(port) == grpc.StatusCode.OK
     staging = tmp_path / "limited-keys.yaml.new"
+    staging.write_text("keys: [{id: broken}]\n")
+    staging.replace(keys)
+    await wait_until(
+        lambda: value(samples(stack.orchestrator), API_KEYS_RELOADS_TOTAL, outcome="failed") == 2,
+        "both workers refused the broken edit",
+    )
+    # A yes or no for the set, as for one process (summed, it read 2).
+    assert value(samples(stack.orchestrator), API_KEYS_FILE_REFUSED) == 1
+    assert await classify_on_new_connection(port) == grpc.StatusCode.OK  # keys in force
     staging.write_text(
         f"keys:\n  - {{id: other, sha256: {hash_key('ck_another')}, tenant: t, role: user}}\n"
     )
@@ -160,6 +170,7 @@ async def test_a_key_revoked_in_the_file_is_refused_by_every_worker_process(
         lambda: value(samples(stack.orchestrator), API_KEYS_RELOADS_TOTAL, outcome="ok") == 2,
         "both workers applied the edit",
     )
+    assert value(samples(stack.orchestrator), API_KEYS_FILE_REFUSED) == 0
     codes = {await classify_on_new_connection(port) for _ in range(8)}
     assert codes == {grpc.StatusCode.UNAUTHENTICATED}
 
