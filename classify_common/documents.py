@@ -68,6 +68,10 @@ class DocumentTooLarge(DocumentRefused):
     """The file holds more bytes than the size cap allows."""
 
 
+class NotARegularFile(DocumentRefused):
+    """The path names a directory, a FIFO, a device or a socket, not a file."""
+
+
 class DocumentTooDeep(DocumentRefused):
     """Mappings and lists nest deeper than the depth cap allows."""
 
@@ -92,12 +96,26 @@ class MalformedDocument(DocumentRefused):
 def read_document(
     path: Path, *, source: str | None = None, max_bytes: int = MAX_DOCUMENT_BYTES
 ) -> bytes:
-    """The bytes of `path`, refused with DocumentTooLarge past `max_bytes`.
+    """The bytes of `path`, refused with DocumentTooLarge past `max_bytes`, and with
+    NotARegularFile when it is not a file.
 
     Reads at most one byte past the cap, so a huge file (or an endless one, such as a
-    device) costs no more than a small one. OSError is the caller's to report.
+    device) costs no more than a small one. Opened without waiting: a FIFO put in a
+    watched file's place held the watcher's thread until a writer came, every later
+    edit went unapplied, and the process could not exit (its executor waited for the
+    thread). OSError is the caller's to report.
     """
-    with path.open("rb") as stream:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(source or str(path), f"{describe_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        stream = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with stream:
         data = stream.read(max_bytes + 1)
         if len(data) > max_bytes:
             size = os.fstat(stream.fileno()).st_size

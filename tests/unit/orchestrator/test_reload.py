@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -192,35 +191,43 @@ async def test_routes_file_of_nested_aliases_is_refused_while_calls_keep_flowing
 async def test_routes_file_is_read_off_the_event_loop(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
+    """A version whose parse takes a second or more (a long flow list, within the size
+    cap, refused at its end for an unknown key) costs the serving loop nothing: read
+    on the event loop, it would stop every call for that long."""
     routes = tmp_path / "routes.yaml"
     routes.write_text(routes_to("minilm", capability.port))
-    # A named pipe in the file's place: opening it waits for the writer, which comes a
-    # second later, as a read from a stalled network volume would. Read on the event
-    # loop, it would stop every call for that second.
+    slow = routes_to("static", capability.port) + "x: [" + ",".join(["0"] * 120_000) + "]\n"
+    loop = asyncio.get_running_loop()
+    async with LoadedOrchestrator(routes) as loaded:
+        replace_file(routes, slow)
+        swapped = loop.time()
+        await wait_until(lambda: loaded.reloads("failed") >= 1)
+        assert loop.time() - swapped >= 0.5  # the parse did take its time
+        assert loaded.longest_wait_for_an_answer(since=swapped) < 0.5
+        assert loaded.models[-1] == "topic-minilm"
+    assert loaded.failures == []
+
+
+async def test_a_routes_file_swapped_for_a_fifo_is_refused_at_once_and_later_edits_apply(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """Opened as a file, a FIFO with no writer held the watcher's thread: no later edit
+    was ever applied, and the process could not exit (its executor waited for the
+    thread)."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(routes_to("minilm", capability.port))
     pipe = tmp_path / "routes.pipe"
     os.mkfifo(pipe)
-    refused = routes_to("static", capability.port) + nested_aliases()
-
-    def write_then_settle() -> None:
-        pipe.write_text(refused)
-        # A plain file again, so that the next look at it waits for no one.
-        replace_file(routes, refused)
-
-    writer = threading.Timer(1.0, write_then_settle)
-    loop = asyncio.get_running_loop()
     try:
         async with LoadedOrchestrator(routes) as loaded:
             os.link(pipe, tmp_path / "routes.staged")
             os.replace(tmp_path / "routes.staged", routes)
-            swapped = loop.time()
-            writer.start()
-            await wait_until(lambda: loaded.reloads("failed") >= 1)
-            assert loop.time() - swapped >= 1.0  # the read did wait for the writer
-            assert loaded.longest_wait_for_an_answer(since=swapped) < 0.5
-            assert loaded.models[-1] == "topic-minilm"
+            await wait_until(lambda: loaded.reloads("failed") >= 1, "the FIFO refused")
+            replace_file(routes, routes_to("static", capability.port))
+            await wait_until(lambda: loaded.reloads("ok") >= 1, "the next edit applied")
+            await wait_until(lambda: loaded.models[-1] == "topic-static", "calls on the edit")
     finally:
-        writer.join()
-        release_pipe_readers(pipe)
+        release_pipe_readers(pipe)  # so that a failure here ends the test, not the run
     assert loaded.failures == []
 
 
