@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 
 
 class StateMetrics:
-    """How the shared state store answered, by operation (rate_limit, result_hold,
-    result_finish, result_get, result_lease, ping) and outcome (ok, error, timeout,
-    skipped)."""
+    """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
+    result_hold, result_finish, result_get, result_lease, ping) and outcome (ok, error,
+    timeout, skipped)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._operations = Counter(

@@ -20,7 +20,10 @@ failed (or skipped) `rate_limit` operation.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
+from functools import partial
 
 from classify_common.errors import StateUnavailable
 from orchestrator.security.limits import (
@@ -33,6 +36,8 @@ from orchestrator.security.limits import (
 from orchestrator.state.connection import KEY_PREFIX, RedisState
 
 BUCKET_PREFIX = KEY_PREFIX + "bucket:"
+
+log = logging.getLogger(__name__)
 
 # KEYS[1] the bucket. ARGV: rate (tokens/s), burst, calls. Returns {calls granted,
 # tokens left as text} (a Lua number would come back truncated to an integer).
@@ -57,6 +62,32 @@ redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
 return {granted, tostring(tokens)}
 """
 
+# KEYS[1] the bucket. ARGV: the limit before an edit of the keys file (rate, burst),
+# the limit after it (rate, burst). The bucket refilled up to now at the limit before,
+# capped at the new burst, and kept until the new limit would fill it: kept as the
+# limit before set it, the key could lapse first, and the next check found a full
+# bucket (a rate cut from 100 to 0.01 a second granted 100 calls 2 s later). A
+# bucket that has lapsed already was full anyway: the next check starts it full.
+_REBASE = """
+local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'updated')
+local tokens = tonumber(bucket[1])
+local updated = tonumber(bucket[2])
+if tokens == nil or updated == nil then
+  return 0
+end
+local before_rate = tonumber(ARGV[1])
+local before_burst = tonumber(ARGV[2])
+local rate = tonumber(ARGV[3])
+local burst = tonumber(ARGV[4])
+local now = redis.call('TIME')
+local now_s = tonumber(now[1]) + tonumber(now[2]) / 1000000
+tokens = math.min(before_burst, tokens + math.max(0, now_s - updated) * before_rate)
+tokens = math.min(burst, tokens)
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'updated', tostring(now_s))
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+return 1
+"""
+
 
 class RedisRateLimits:
     """RateLimits (orchestrator.security.limits) whose buckets live in Redis."""
@@ -72,6 +103,10 @@ class RedisRateLimits:
         self._limits = dict(limits)
         self._fallback = TenantRateLimits(self._shares(limits))
         self._take = state.client.register_script(_TAKE)
+        self._rebase_bucket = state.client.register_script(_REBASE)
+        # Rebases under way after an edit, held until they end (the loop keeps only a
+        # weak reference to a task).
+        self._rebasing: set[asyncio.Task[None]] = set()
 
     def _shares(self, limits: Mapping[str, TokenBucketSettings]) -> dict[str, TokenBucketSettings]:
         return {tenant: share_of_bucket(bucket, self._sharers) for tenant, bucket in limits.items()}
@@ -82,11 +117,39 @@ class RedisRateLimits:
         return self._fallback.limits
 
     def set_limits(self, limits: Mapping[str, TokenBucketSettings]) -> None:
-        """Follow an edit of the keys file. Each check sends the tenant's limit with it,
-        so Redis's bucket follows from the next check on; this process's share follows
-        as TenantRateLimits.set_limits says."""
+        """Follow an edit of the keys file as TenantRateLimits.set_limits does: each
+        check sends the tenant's limit with it, and the bucket of a tenant whose limit
+        changed is rebased in Redis at once (_REBASE); this process's share follows.
+        Every orchestrator process rebases as it applies the edit: those after the
+        first refill at the limit before for the moments between them."""
+        changed = {
+            tenant: (before, limits[tenant])
+            for tenant, before in self._limits.items()
+            if tenant in limits and limits[tenant] != before
+        }
         self._limits = dict(limits)
         self._fallback.set_limits(self._shares(limits))
+        if changed:
+            task = asyncio.get_running_loop().create_task(self._rebase(changed))
+            self._rebasing.add(task)
+            task.add_done_callback(self._rebasing.discard)
+
+    async def _rebase(
+        self, changed: Mapping[str, tuple[TokenBucketSettings, TokenBucketSettings]]
+    ) -> None:
+        for tenant, (before, after) in changed.items():
+            keys = [BUCKET_PREFIX + tenant]
+            args = [before.rate_per_second, before.burst, after.rate_per_second, after.burst]
+            try:
+                await self._state.run(
+                    "rate_limit_edit", partial(self._rebase_bucket, keys=keys, args=args)
+                )
+            except StateUnavailable:
+                # Counted as failed; the key lapses as the limit before set it.
+                log.warning(
+                    "a tenant's bucket was not rebased on its edited limit: Redis did not answer",
+                    extra={"tenant": tenant},
+                )
 
     async def try_acquire(self, tenant: str, calls: int = 1) -> Grant:
         settings = self._limits.get(tenant)

@@ -1079,3 +1079,39 @@ async def test_a_deadline_just_past_the_budget_is_answered_processing_with_redis
     async with device_occupied(capability.pool.workers[0]):
         answer = await classify(server, request_id="processing-1", within=0.3)
     assert (answer.status, answer.request_id) == (PROCESSING, "processing-1")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # A rate cut: the bucket the limit before set to lapse 1.1 s on came back full.
+        (TokenBucketSettings(1000, 100), TokenBucketSettings(0.01, 100)),
+        # A burst raised: the same, with the whole new burst granted.
+        (TokenBucketSettings(1000, 100), TokenBucketSettings(0.01, 1000)),
+    ],
+    ids=["rate-cut", "burst-raised"],
+)
+async def test_an_edited_limit_rebases_the_tenants_redis_bucket(
+    redis_server: RedisServer, before: TokenBucketSettings, after: TokenBucketSettings
+) -> None:
+    """As in one process: the bucket keeps what it held, refilled at the limit before
+    up to the edit, capped at the new burst; not a full bucket once the key, set to
+    lapse when the limit before would have filled it, had lapsed."""
+    registry = CollectorRegistry()
+    state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url), StateMetrics(registry)
+    )
+    tenant = f"edited-{after.burst}"
+    limits = RedisRateLimits(state, {tenant: before}, sharers=1)
+    try:
+        assert (await limits.try_acquire(tenant, 100))[1] == 100
+        limits.set_limits({tenant: after})
+        await asyncio.sleep(1.2)  # past the lapse the limit before set
+        granted = (await limits.try_acquire(tenant, 1000))[1]
+    finally:
+        await state.close()
+    # What 1,000 a second refilled between the spending and the edit (milliseconds),
+    # not the 100 or 1,000 of a new bucket.
+    assert granted < 50
+    edits = metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit_edit", outcome="ok")
+    assert edits == 1
