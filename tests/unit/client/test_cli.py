@@ -32,6 +32,7 @@ from classify_client import ClassifyClient, ClassifyError, pb
 from classify_client._shared import BatchItem
 from classify_client.aio import AsyncClassifyClient
 from classify_client.cli import (
+    UnusableInput,
     api_key,
     error_json,
     failed_past_the_deadline,
@@ -270,6 +271,58 @@ async def test_a_file_line_ends_at_newline_only_so_each_line_is_one_text(
     assert (status, err) == (0, "")
     answers = [json.loads(line) for line in out.split("\n")[:-1]]
     assert [answer["response"]["status"] for answer in answers] == ["RESULT_STATUS_DONE"] * 2
+
+
+async def test_output_the_terminal_cannot_encode_is_written_escaped_not_a_traceback(
+    orchestrator: OrchestratorServer, tmp_path: Path
+) -> None:
+    """A redirected stdout on Windows is cp1252, which has no bar character (█)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*COMMAND, "--target", target(orchestrator), "--api-key", KEY, f"{STRIKER} \u4e2d"],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "cp1252"},
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert b"\\u2588" in done.stdout  # the bars
+
+
+async def test_output_that_cannot_be_written_is_one_error_line_not_a_traceback(
+    orchestrator: OrchestratorServer, tmp_path: Path
+) -> None:
+    """A full disk (`> /dev/full`). Blank lines: each is refused on its own at once,
+    and its refusal is a line of output like any answer."""
+    blanks = tmp_path / "blanks.txt"
+    blanks.write_text("\n" * 2000)
+    command = [*COMMAND, "--target", target(orchestrator), "--api-key", KEY, "--file", str(blanks)]
+
+    def run_into_a_full_disk() -> subprocess.CompletedProcess[bytes]:
+        with open("/dev/full", "wb") as full:
+            return subprocess.run(
+                command, stdout=full, stderr=subprocess.PIPE, timeout=60, check=False
+            )
+
+    done = await asyncio.to_thread(run_into_a_full_disk)
+    assert done.returncode == 1
+    assert done.stderr == b"error: cannot write the output: No space left on device\n"
+
+
+def test_a_file_for_a_server_that_is_down_fails_within_the_timeout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The run's deadline is --timeout times its calls; waited for whole, a server that
+    was down held a 10,240-line file ten times --timeout."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n" * 3000)  # three calls
+    place = nowhere()
+    assert run(capsys, "--target", place, "--file", str(lines), "--timeout", "0.5") == (
+        1,
+        "",
+        f"error: no server answered at {place} within --timeout (0.5 s): nothing listens "
+        "there, or it cannot be reached (DNS, firewall, load balancer, TLS)\n",
+    )
 
 
 async def test_a_file_with_a_byte_order_mark_and_crlf_echoes_each_text_as_written(
@@ -532,9 +585,17 @@ def test_the_local_key_file_is_sent_only_to_a_target_on_this_machine(tmp_path: P
         "10.0.0.7:50051",
         "dns:///classify:50051",
         "ipv4:127.0.0.1:50051,10.0.0.7:50051",
+        # gRPC dials what comes before a query or fragment: the key went to 192.0.2.2.
+        "dns:///192.0.2.2:50051?x=/127.0.0.1:1",
+        "192.0.2.2:50051#/127.0.0.1:1",
+        "dns://192.0.2.53/localhost:1",  # another DNS server says what localhost is
+        "xds:///127.0.0.1:5",  # another resolver decides the address
     ):
-        assert api_key(None, elsewhere) is None
+        assert api_key(None, elsewhere) is None, elsewhere
     assert api_key("ck_given", "classify.example.com:443") == "ck_given"
+    # An empty flag (`--api-key "$UNSET"`) is refused, not taken for no flag.
+    with pytest.raises(UnusableInput, match="--api-key is blank"):
+        api_key("", "127.0.0.1:50051")
 
 
 def test_a_local_key_file_saved_with_a_byte_order_mark_is_read_without_it(

@@ -120,6 +120,15 @@ class AsyncClassifyClient:
         self._closed = True
         await self._channel.close()
 
+    async def wait_for_connection(self, timeout: float) -> bool:
+        """Whether the channel connects (and completes TLS, where set) within `timeout`
+        seconds (see ClassifyClient.wait_for_connection)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     async def classify(
         self,
         text: str,

@@ -33,10 +33,12 @@ early (`| head`) ends it quietly, exit 141.
 from __future__ import annotations
 
 import argparse
+import io
 import ipaddress
 import json
 import math
 import os
+import re
 import sys
 import unicodedata
 from collections.abc import Sequence
@@ -68,8 +70,11 @@ NO_KEY_HINT = (
     "is read from the current directory, for a target on this machine only)"
 )
 # gRPC target schemes that name addresses, and those that name this machine only.
-ADDRESS_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+DNS_SCHEME = "dns:"
+ADDRESS_SCHEMES = ("ipv4:", "ipv6:")
 LOCAL_SCHEMES = ("unix:", "unix-abstract:")
+# A gRPC target URI of any scheme: `scheme://...` (host:port has no `//` after its colon).
+URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 BAR_WIDTH = 30
 # ErrorInfo metadata of a call a backend did not answer within its routes.yaml timeout.
 BACKEND_TIMEOUT_METADATA = "backend_timeout_ms"
@@ -284,8 +289,9 @@ def api_key(flag: str | None, target: str) -> str | None:
     newline, and gRPC refuses to send a header value that holds one. The local key
     file is `make run`'s, for the stack on this machine: it is not sent to a target
     elsewhere, in plaintext by default, because the command ran in a checkout."""
-    if flag and not flag.strip():
-        # Dropped, the call went out without a key, or with CLASSIFY_API_KEY's.
+    if flag is not None and not flag.strip():
+        # Dropped, the call went out without a key, or with CLASSIFY_API_KEY's (an
+        # empty one too: `--api-key "$UNSET_VARIABLE"`).
         raise UnusableInput("--api-key is blank: give the key, or leave the flag out")
     for given in (flag, os.environ.get("CLASSIFY_API_KEY")):
         if given and given.strip():
@@ -304,13 +310,27 @@ def is_loopback(target: str) -> bool:
     """Whether `target` (host:port, or a gRPC URI such as dns:///host:port,
     ipv4:127.0.0.1:port or unix:path) names this machine: a Unix socket, or by a
     loopback address or `localhost` (every address, where an ipv4:/ipv6: URI lists
-    several)."""
+    several). Anything else is not: a query or fragment (gRPC dials what comes
+    before it, and `dns:///192.0.2.2:1?x=/127.0.0.1:1` was taken for loopback by
+    its last part), a DNS server named in the URI (`dns://server/localhost:1`), or
+    another scheme, whose resolver decides the address (`xds:///...`)."""
+    if "?" in target or "#" in target:
+        return False
     if target.startswith(LOCAL_SCHEMES):
         return True
-    address = target.rsplit("/", 1)[-1]
-    for scheme in ADDRESS_SCHEMES:
-        address = address.removeprefix(scheme)
-    return all(is_loopback_address(one) for one in address.split(","))
+    if target.startswith(DNS_SCHEME):
+        address = target.removeprefix(DNS_SCHEME)
+        if address.startswith("//"):
+            if not address.startswith("///"):
+                return False
+            address = address.removeprefix("///")
+        return is_loopback_address(address)
+    if target.startswith(ADDRESS_SCHEMES):
+        addresses = target.split(":", 1)[1]
+        return all(is_loopback_address(one) for one in addresses.split(","))
+    if URI_SCHEME.match(target):
+        return False
+    return is_loopback_address(target)
 
 
 def is_loopback_address(address: str) -> bool:
@@ -481,6 +501,14 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
     slow call may take time the quicker ones left (a deadline of its own for each call
     failed a first call that took 1.5 s of 1, and with it the whole run)."""
     calls = sum(1 for _ in batch_chunks(texts))
+    if calls > 1 and not client.wait_for_connection(args.timeout):
+        # The run's deadline is --timeout times the calls: waited for whole, a server
+        # that is down held a 10,240-line file ten times --timeout.
+        raise UnusableInput(
+            f"no server answered at {args.target} within --timeout ({args.timeout:g} s): "
+            "nothing listens there, or it cannot be reached (DNS, firewall, load "
+            "balancer, TLS)"
+        )
     items = client.classify_batch(
         texts,
         top_k=args.top_k,
@@ -601,10 +629,17 @@ def run_and_report(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # A text or label the output's encoding cannot hold (a redirected stdout on
+        # Windows is cp1252) is written escaped, not a UnicodeEncodeError traceback.
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         # NOTE: the reports are inside this try too: a `--json` error printed into a
         # closed pipe ended in a traceback.
-        return run_and_report(args)
+        status = run_and_report(args)
+        sys.stdout.flush()  # here, where a failure to write is reported, not at exit
+        return status
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -615,6 +650,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as error:
+        # The output cannot be written (a full disk: `> /dev/full`); every other
+        # OSError is reported as UnusableInput where it happens.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"error: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -118,6 +118,17 @@ class ClassifyClient:
         self._closed = True
         self._channel.close()
 
+    def wait_for_connection(self, timeout: float) -> bool:
+        """Whether the channel connects (and completes TLS, where set) within `timeout`
+        seconds. A caller about to send many calls under one long deadline can check
+        this first: a server that is down then fails it in `timeout`, where the calls
+        would wait for it to come up until their deadline."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def classify(
         self,
         text: str,
