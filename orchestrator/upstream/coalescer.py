@@ -274,6 +274,7 @@ class ReplicaCoalescer:
         # per item cost the orchestrator 2-3 µs an item to start and cancel).
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
+        self._forget_scheduled = False  # _forget_gone is due this loop turn
         self._in_flight = 0
         self._items_in_flight = 0
         # Calls in flight that carry an interactive item (see _beside_batch_calls_only).
@@ -361,11 +362,32 @@ class ReplicaCoalescer:
                 _end_client_span(item, error)
             # Gone, out of time here, or refused early: its call may have no item left
             # that anyone waits for.
-            self._cancel_unwanted_call(item, isinstance(error, asyncio.CancelledError))
+            caller_gone = isinstance(error, asyncio.CancelledError)
+            self._cancel_unwanted_call(item, caller_gone)
+            if caller_gone:
+                self._forget_gone_soon()
             raise
         if item.client_span is not trace.INVALID_SPAN:
             _end_client_span(item, None)
         return response
+
+    def _forget_gone_soon(self) -> None:
+        """Take the items whose callers have gone out of those gathering, once this
+        loop turn's cancels are in (a cancelled ClassifyBatch's items go in one)."""
+        if not self._forget_scheduled:
+            self._forget_scheduled = True
+            asyncio.get_running_loop().call_soon(self._forget_gone)
+
+    def _forget_gone(self) -> None:
+        """Left gathering, the items of callers gone counted as outstanding (pick()
+        sent calls elsewhere) and sized the next call: after a ClassifyBatch of 300
+        was cancelled while gathering, a single call was refused DEADLINE_UNREACHABLE
+        as if it would leave with 128 items."""
+        self._forget_scheduled = False
+        self._waiting = [item for item in self._waiting if not item.future.done()]
+        if not self._waiting and self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry, self._expiry_at = None, math.inf
 
     def _cancel_unwanted_call(self, item: UpstreamItem, caller_gone: bool) -> None:
         """Cancel the call in flight that carries `item`, which is no longer waited for,

@@ -44,6 +44,7 @@ from orchestrator.upstream.coalescer import (
 from orchestrator.upstream.load import read_load_report
 from tests.conftest import (
     STRIKER,
+    StartCapability,
     metric_sum,
     orchestrator_for,
     orchestrator_settings,
@@ -989,3 +990,30 @@ async def test_coalesced_requests_keep_every_node_and_their_own_trace(
         assert shared.parent is None
         assert dict(shared.attributes or {})["server.address"] == "127.0.0.1"
         assert dict(shared.attributes or {})["rpc.response.status_code"] == "OK"
+
+
+async def test_the_items_of_a_caller_gone_while_gathering_are_no_longer_counted(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """Left gathering, a cancelled ClassifyBatch's 300 items counted as outstanding and
+    sized the next call: a single call after it was refused DEADLINE_UNREACHABLE as if
+    it would leave with 128 items."""
+    capability = await start_capability(models=("topic-minilm",), queue_capacity=1000)
+    worker = capability.pool.workers[0]
+    async with orchestrator_for(
+        capability, tmp_path, backend_timeout="30s", upstream_calls_in_flight=1
+    ) as orchestrator:
+        (pool,) = orchestrator.dispatcher.state.upstream.pools()
+        (coalescer,) = pool.coalescers.values()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            async with device_occupied(worker):
+                held = stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+                await wait_until(lambda: coalescer.in_flight == 1, "a call in flight")
+                items = [pb.ClassifyRequest(text=f"{STRIKER} {n}") for n in range(300)]
+                batch = stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
+                await wait_until(lambda: coalescer.waiting == 300, "the batch gathering")
+                batch.cancel()
+                await wait_until(lambda: coalescer.waiting == 0, "the gone items forgotten")
+                assert coalescer.outstanding == 1
+            await held
