@@ -27,6 +27,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from capability.metrics import MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from classify_client import ClassifyClient, ClassifyError, pb
 from classify_client._shared import BatchItem
@@ -447,9 +448,11 @@ async def test_output_piped_into_a_reader_that_stops_early_ends_quietly(
 ) -> None:
     """`classify --file ... | head -1`: the reader goes after one line, the command's
     next writes find the pipe closed; it ends with 141 (SIGPIPE's status) and no
-    traceback."""
+    traceback. Each call's lines are printed as it is answered: the run stops there,
+    where it used to send every call before it printed a line."""
     lines = tmp_path / "many.txt"
     lines.write_text("".join(f"{STRIKER} ({number})\n" for number in range(3000)))
+    computed = metric_sum(capability.registry, MODEL_TEXTS_TOTAL, model="topic-static")
     async with front_door(capability, tmp_path, model="topic-static") as server:
         command = await asyncio.to_thread(
             subprocess.Popen,
@@ -467,6 +470,9 @@ async def test_output_piped_into_a_reader_that_stops_early_ends_quietly(
         err = await asyncio.to_thread(command.stderr.read)
     assert first.decode().startswith("sports")
     assert (status, err) == (141, b"")
+    # The first call's 1,024, its lines more than the pipe holds: none after it.
+    computed = metric_sum(capability.registry, MODEL_TEXTS_TOTAL, model="topic-static") - computed
+    assert computed < 3000
 
 
 async def test_a_file_lines_control_characters_are_echoed_as_escapes(

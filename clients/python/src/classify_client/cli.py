@@ -40,6 +40,7 @@ import math
 import os
 import re
 import sys
+import time
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,7 +59,12 @@ from classify_client import (
     Unauthenticated,
     pb,
 )
-from classify_client._shared import STILL_PROCESSING, batch_chunks, checked_batch_request_id
+from classify_client._shared import (
+    STILL_PROCESSING,
+    batch_chunks,
+    checked_batch_request_id,
+    new_request_id,
+)
 from classify_client.errors import RESULT_TRACE_ID
 from classify_client.retry import MAX_TIMEOUT_SECONDS, is_connection_failure
 
@@ -76,6 +82,8 @@ LOCAL_SCHEMES = ("unix:", "unix-abstract:")
 # A gRPC target URI of any scheme: `scheme://...` (host:port has no `//` after its colon).
 URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 BAR_WIDTH = 30
+# The timeout a --file call is sent with once the run's deadline has passed.
+SPENT_SECONDS = 0.001
 # ErrorInfo metadata of a call a backend did not answer within its routes.yaml timeout.
 BACKEND_TIMEOUT_METADATA = "backend_timeout_ms"
 PRIORITIES = ("batch", "interactive")
@@ -495,40 +503,62 @@ def split_lines(source: str) -> list[str]:
 
 
 def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
-    """Send the texts with ClassifyBatch; print one line (or JSON object) per text.
+    """Send the texts with ClassifyBatch, a call at a time; print one line (or JSON
+    object) per text as each call is answered. Printed at the end of the whole run, a
+    100 MB file held every request and answer at once (1.08 GB) and `| head -1` read
+    nothing until the last call was back.
+
     `--timeout` counts per call: the run's deadline is that times their number (a 10 s
     default for a whole 4,000-line file failed its last 1,440 lines), shared, so that a
     slow call may take time the quicker ones left (a deadline of its own for each call
-    failed a first call that took 1.5 s of 1, and with it the whole run)."""
-    calls = sum(1 for _ in batch_chunks(texts))
-    if calls > 1 and not client.wait_for_connection(args.timeout):
-        # The run's deadline is --timeout times the calls: waited for whole, a server
-        # that is down held a 10,240-line file ten times --timeout.
+    failed a first call that took 1.5 s of 1, and with it the whole run). A call after
+    the first that fails as a whole is the error of its texts and of those after it."""
+    chunks = list(batch_chunks(texts))
+    if len(chunks) > 1 and not client.wait_for_connection(args.timeout):
+        # Waited for within the run's deadline, a server that was down held a
+        # 10,240-line file ten times --timeout.
         raise UnusableInput(
             f"no server answered at {args.target} within --timeout ({args.timeout:g} s): "
             "nothing listens there, or it cannot be reached (DNS, firewall, load "
             "balancer, TLS)"
         )
-    items = client.classify_batch(
-        texts,
-        top_k=args.top_k,
-        max_length=args.max_length,
-        model=args.model,
-        priority=args.priority,
-        request_id=args.request_id,
-        timeout=min(args.timeout * calls, MAX_TIMEOUT_SECONDS),
-        wait=args.wait,
-    )
-    for item, text in zip(items, texts, strict=True):
-        if args.json:
-            print(json.dumps(item_json(item), ensure_ascii=False))
-        else:
-            print(format_item(item, text))
-    late = sum(failed_past_the_deadline(item.error) for item in items)
+    deadline = time.monotonic() + min(args.timeout * len(chunks), MAX_TIMEOUT_SECONDS)
+    # One name for every call of the run, as one classify_batch gives its calls.
+    request_id = checked_batch_request_id(args.request_id) or new_request_id()
+    failed = late = 0
+    for number, chunk in enumerate(chunks):
+        chunk_texts = [texts[index] for index in chunk]
+        try:
+            items = client.classify_batch(
+                chunk_texts,
+                top_k=args.top_k,
+                max_length=args.max_length,
+                model=args.model,
+                priority=args.priority,
+                request_id=request_id,
+                # Spent, the run's deadline still makes a call (the client refuses a
+                # timeout of 0), which fails at once: DEADLINE_EXCEEDED, as the rest.
+                timeout=max(deadline - time.monotonic(), SPENT_SECONDS),
+                wait=args.wait,
+            )
+        except ClassifyError as error:
+            if number == 0:
+                raise  # refused whole before any answer: one error, as for one text
+            chunk_texts = texts[chunk[0] :]
+            items = [BatchItem(error=error)] * len(chunk_texts)
+        for item, text in zip(items, chunk_texts, strict=True):
+            if args.json:
+                print(json.dumps(item_json(item), ensure_ascii=False))
+            else:
+                print(format_item(item, text))
+        failed += sum(not item.ok for item in items)
+        late += sum(failed_past_the_deadline(item.error) for item in items)
+        if len(chunk_texts) > len(chunk):
+            break  # this call's error was also that of the texts after it
     if late:
         texts_failed = f"{late} text{'s' if late != 1 else ''}"
         print(deadline_hint(texts_failed, args.timeout), file=sys.stderr)
-    return 0 if all(item.ok for item in items) else EXIT_FAILED
+    return 0 if not failed else EXIT_FAILED
 
 
 def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.ClassifyResponse:
