@@ -192,8 +192,11 @@ async def test_routes_file_is_read_off_the_event_loop(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
     """A version whose parse takes a second or more (a long flow list, within the size
-    cap, refused at its end for an unknown key) costs the serving loop nothing: read
-    on the event loop, it would stop every call for that long."""
+    cap, refused at its end for an unknown key) does not stop the serving loop: read
+    on the event loop, it would stop every call for that long. Calls still wait a
+    little now and then (the parse holds the GIL, and in this process the garbage
+    collector walks the whole suite's heap as the parse fills it), so the longest
+    wait is measured against the parse's own time."""
     routes = tmp_path / "routes.yaml"
     routes.write_text(routes_to("minilm", capability.port))
     slow = routes_to("static", capability.port) + "x: [" + ",".join(["0"] * 120_000) + "]\n"
@@ -202,8 +205,9 @@ async def test_routes_file_is_read_off_the_event_loop(
         replace_file(routes, slow)
         swapped = loop.time()
         await wait_until(lambda: loaded.reloads("failed") >= 1)
-        assert loop.time() - swapped >= 0.5  # the parse did take its time
-        assert loaded.longest_wait_for_an_answer(since=swapped) < 0.5
+        took = loop.time() - swapped
+        assert took >= 0.5  # the parse did take its time
+        assert loaded.longest_wait_for_an_answer(since=swapped) < took / 2
         assert loaded.models[-1] == "topic-minilm"
     assert loaded.failures == []
 
