@@ -116,25 +116,28 @@ def test_the_last_replicas_are_never_all_ejected() -> None:
     assert not detector.is_ejected("b")
 
 
-async def test_killed_replica_costs_no_call_is_passed_by_and_used_again_when_back(
-    model_root: Path, tmp_path: Path
-) -> None:
-    replicas = []
-    for _ in range(2):
-        server = CapabilityServer(
-            capability_settings(model_root, models=("topic-static",)), registry=CollectorRegistry()
-        )
-        await server.start()
-        await server.warm_up()
-        replicas.append(server)
+async def static_replica(model_root: Path, port: int = 0) -> CapabilityServer:
+    server = CapabilityServer(
+        capability_settings(model_root, models=("topic-static",), port=port),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    await server.warm_up()
+    return server
+
+
+async def orchestrator_over(
+    replicas: list[CapabilityServer], tmp_path: Path, outlier_ejection: str
+) -> OrchestratorServer:
+    """Started on one backend over `replicas`, whose failed calls are retried on another
+    at once, with `outlier_ejection` (routes.yaml's, as a YAML flow mapping)."""
+    targets = ", ".join(f'"127.0.0.1:{replica.port}"' for replica in replicas)
     routes = tmp_path / "routes.yaml"
     routes.write_text(
         f"""version: 1
-outlier_ejection: {{consecutive_failures: 2, base_ejection: 300ms}}
+outlier_ejection: {outlier_ejection}
 backends:
-  static:
-    model: topic-static
-    targets: ["127.0.0.1:{replicas[0].port}", "127.0.0.1:{replicas[1].port}"]
+  static: {{model: topic-static, targets: [{targets}]}}
 routes:
   - name: default
     backend: static
@@ -146,6 +149,16 @@ routes:
         registry=CollectorRegistry(),
     )
     await orchestrator.start()
+    return orchestrator
+
+
+async def test_killed_replica_costs_no_call_is_passed_by_and_used_again_when_back(
+    model_root: Path, tmp_path: Path
+) -> None:
+    replicas = [await static_replica(model_root), await static_replica(model_root)]
+    orchestrator = await orchestrator_over(
+        replicas, tmp_path, "{consecutive_failures: 2, base_ejection: 300ms}"
+    )
     failures: list[grpc.aio.AioRpcError] = []
     answered = 0
     stop = asyncio.Event()
@@ -179,12 +192,7 @@ routes:
 
             # The replica comes back on the same address, and is used again once its
             # channel reconnects (and its ejection, if any, is over).
-            returned = CapabilityServer(
-                capability_settings(model_root, models=("topic-static",), port=dead_port),
-                registry=CollectorRegistry(),
-            )
-            await returned.start()
-            await returned.warm_up()
+            returned = await static_replica(model_root, port=dead_port)
             replicas.append(returned)
             await wait_until(
                 lambda: metric_sum(returned.registry, MODEL_TEXTS_TOTAL) >= 5,
@@ -209,36 +217,12 @@ async def test_a_replica_down_while_the_other_is_ejected_leaves_the_calls_to_the
     all), and both were passed over alike: every other call went to it first, failed,
     and spent a retry (from a budget that load runs out of, and none where a route
     allows one attempt)."""
-
-    async def replica(port: int = 0) -> CapabilityServer:
-        server = CapabilityServer(
-            capability_settings(model_root, models=("topic-static",), port=port),
-            registry=CollectorRegistry(),
-        )
-        await server.start()
-        await server.warm_up()
-        return server
-
-    first, second = await replica(), await replica()
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        f"""version: 1
-outlier_ejection: {{consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}}
-backends:
-  static:
-    model: topic-static
-    targets: ["127.0.0.1:{first.port}", "127.0.0.1:{second.port}"]
-routes:
-  - name: default
-    backend: static
-    retry: {{max_attempts: 3, initial_backoff: 1ms, max_backoff: 5ms}}
-"""
+    first, second = await static_replica(model_root), await static_replica(model_root)
+    orchestrator = await orchestrator_over(
+        [first, second],
+        tmp_path,
+        "{consecutive_failures: 1, base_ejection: 60s, max_ejection: 60s}",
     )
-    orchestrator = OrchestratorServer(
-        orchestrator_settings(port=0, metrics_port=-1, routes_file=routes),
-        registry=CollectorRegistry(),
-    )
-    await orchestrator.start()
     (pool,) = orchestrator.dispatcher.state.upstream.pools()
     second_target = f"127.0.0.1:{second.port}"
     servers = [first, second]
@@ -249,7 +233,7 @@ routes:
             while metric_sum(orchestrator.registry, OUTLIER_EJECTIONS_TOTAL) < 1:
                 await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
             assert pool.outliers.is_ejected(second_target)
-            servers.append(await replica(port=second.port))  # back, still ejected
+            servers.append(await static_replica(model_root, port=second.port))  # back, ejected
             channel_of_second = pool._channels[second_target]
             await wait_until(
                 lambda: (
