@@ -145,8 +145,11 @@ async def test_probes_stop_when_an_idle_model_leaves_the_device_between_them(
     """Idle for its idle_seconds between two probes, an on_demand model was taken off
     the device, and the next probe's forward failed on weights no longer there
     (`Tensor on device cpu is not on the expected device meta`)."""
+    # Idle 0.4 s after its last text: the evictor (looking every 0.1 s) takes it off
+    # well inside the probes' run (16 probes at least 0.1 s apart). Should it go before
+    # the first probe, the probe brings it back, and it goes again after that one.
     server = await start_capability(
-        models=("topic-static",), residency="on_demand", idle_seconds=3600
+        models=("topic-static",), residency="on_demand", idle_seconds=0.4
     )
     replica = server.pool.workers[0].replicas["topic-static"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -160,7 +163,6 @@ async def test_probes_stop_when_an_idle_model_leaves_the_device_between_them(
             lambda: metric_sum(server.registry, FIT_PROBES_TOTAL, outcome=STALE) >= 1,
             "a first probe found the fit stale",
         )
-        replica.idle_seconds = 0.2  # idle from now on: the evictor takes it off
         with caplog.at_level(logging.WARNING):
             await wait_until(lambda: not replica.is_resident, "the model taken off the device")
             await wait_until(lambda: not replica._fit_probe.running, "the probes over")

@@ -1084,10 +1084,10 @@ async def test_a_deadline_just_past_the_budget_is_answered_processing_with_redis
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        # A rate cut: the bucket the limit before set to lapse 1.1 s on came back full.
-        (TokenBucketSettings(1000, 100), TokenBucketSettings(0.01, 100)),
+        # A rate cut: the bucket the limit before set to lapse 1.5 s on came back full.
+        (TokenBucketSettings(200, 100), TokenBucketSettings(0.01, 100)),
         # A burst raised: the same, with the whole new burst granted.
-        (TokenBucketSettings(1000, 100), TokenBucketSettings(0.01, 1000)),
+        (TokenBucketSettings(200, 100), TokenBucketSettings(0.01, 1000)),
     ],
     ids=["rate-cut", "burst-raised"],
 )
@@ -1106,12 +1106,12 @@ async def test_an_edited_limit_rebases_the_tenants_redis_bucket(
     try:
         assert (await limits.try_acquire(tenant, 100))[1] == 100
         limits.set_limits({tenant: after})
-        await asyncio.sleep(1.2)  # past the lapse the limit before set
+        await asyncio.sleep(1.6)  # past the lapse the limit before set
         granted = (await limits.try_acquire(tenant, 1000))[1]
     finally:
         await state.close()
-    # What 1,000 a second refilled between the spending and the edit (milliseconds),
-    # not the 100 or 1,000 of a new bucket.
+    # What 200 a second refilled between the spending and the rebase (milliseconds;
+    # 50 would take a quarter of a second), not the 100 or 1,000 of a new bucket.
     assert granted < 50
     edits = metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit_edit", outcome="ok")
     assert edits == 1
