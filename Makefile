@@ -43,7 +43,7 @@ PROMTOOL := build/tools/promtool
 REDIS_SERVER := build/tools/redis/redis-server
 
 .PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
-	check-deps \
+	check-deps lint-on-both-cores \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload bench-gate gpu-check
 
 help:
@@ -130,9 +130,20 @@ run: setup bundles
 
 # The performance gate runs last, as a step of its own: ratios to ceilings measured
 # in the same run, never timing assertions inside the test suite.
-test: setup lint pytest bench-gate
+test: setup lint-on-both-cores pytest bench-gate
 
-lint: buf-lint buf-breaking ruff mypy check-deps check-routes lint-deploy
+LINT_BESIDE_MYPY := buf-lint buf-breaking ruff check-deps check-routes lint-deploy
+lint: $(LINT_BESIDE_MYPY) mypy
+
+# `make lint` for `make test`, about 15 s sooner on two cores: mypy (about 30 s) in the
+# background, the other steps (about 20 s) one after another beside it (buf-lint and
+# buf-breaking write the same image); mypy's output follows theirs.
+lint-on-both-cores: $(VENV_STAMP) $(STUB_STAMP)
+	@mkdir -p build; \
+	$(MAKE) --no-print-directory mypy > build/mypy.out 2>&1 & mypy=$$!; \
+	$(MAKE) --no-print-directory $(LINT_BESIDE_MYPY); others=$$?; \
+	wait $$mypy; mypy_rc=$$?; cat build/mypy.out; \
+	[ $$others -eq 0 ] && [ $$mypy_rc -eq 0 ]
 
 buf-lint: $(VENV_STAMP)
 	$(PY) tools/protoc.py image --proto-root $(PROTO_ROOT) --out $(IMAGE_DIR)/current.binpb
