@@ -30,7 +30,6 @@ lifecycle nodes or access-log line; the capability server traces it on its own.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from dataclasses import dataclass
 
@@ -39,6 +38,7 @@ from classify_common.errors import ServiceError
 from orchestrator.calls import RoutingState
 from orchestrator.metrics import ShadowMetrics
 from orchestrator.routing import Route
+from orchestrator.security.gate import context_of_caller, current_caller
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,12 @@ class ShadowTraffic:
             self._compare(
                 state, route, forwarded, answer.trace_id, answer_scores(answer), answer.model.name
             ),
-            # NOTE: an empty context: the caller's trace and request-scoped state (its
-            # nodes, its log line) must not see the shadow call.
-            context=contextvars.Context(),
+            # NOTE: a context holding only the caller: its trace and request-scoped state
+            # (its nodes, its log line) must not see the shadow call, and the shadow's
+            # result-cache scope is the caller's tenant's. In an empty context every
+            # tenant's shadow calls were cached under the anonymous caller's scope,
+            # answered to a tenant named "anonymous" as its own.
+            context=context_of_caller(current_caller()),
         )
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)

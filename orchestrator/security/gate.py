@@ -9,6 +9,7 @@ routes that match on the tenant cannot be steered by a spoofed header.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Mapping
 from contextvars import ContextVar
 
@@ -35,6 +36,17 @@ _caller: ContextVar[Caller] = ContextVar("classify_caller", default=ANONYMOUS)
 
 def current_caller() -> Caller:
     return _caller.get()
+
+
+def context_of_caller(caller: Caller) -> contextvars.Context:
+    """An empty context but for `caller`: for work started on a caller's behalf that must
+    not see the rest of its call's state (its trace, its log line). In a context with no
+    caller at all, current_caller() is ANONYMOUS, whose tenant name a keys file may give
+    a real tenant: that tenant would then share what is kept per tenant (result-cache
+    entries) with the work."""
+    context = contextvars.Context()
+    context.run(_caller.set, caller)
+    return context
 
 
 class CallerGate:

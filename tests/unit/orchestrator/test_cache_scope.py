@@ -2,8 +2,8 @@
 orchestrator (two tenants' keys, the internal token) in front of a capability with the
 cache on, another tenant's identical text is computed again (`cached: false`, a
 forward), a tenant's own repeat is not, a caller cannot name another tenant's scope
-in its ClassifyBatch's item_contexts, and a merged upstream call keeps each item's
-scope."""
+in its ClassifyBatch's item_contexts, a merged upstream call keeps each item's
+scope, and so does a shadow call."""
 
 from __future__ import annotations
 
@@ -12,16 +12,24 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
+from prometheus_client import CollectorRegistry
+
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import CLASSIFY_BATCH_METHOD, MODEL_FORWARD_TOTAL, RPC_ITEMS
 from capability.server import CapabilityServer
 from classify_common.context import cache_scope_of
-from tests.conftest import STRIKER, StartCapability, metric_sum
+from orchestrator.metrics import SHADOW_COMPARISONS_TOTAL
+from orchestrator.security import hash_key
+from orchestrator.server import OrchestratorServer
+from tests.conftest import STRIKER, StartCapability, metric_sum, orchestrator_settings, wait_until
 from tests.unit.capability.test_serving import device_occupied
 from tests.unit.orchestrator.test_result_isolation import (
     ACME,
+    ACME_KEY,
     ZENITH,
+    ZENITH_KEY,
     acme_and_zenith_front_door,
 )
 
@@ -136,3 +144,54 @@ async def test_a_merged_upstream_call_keeps_each_items_tenant_scope(
         merged = metric_sum(capability.registry, f"{RPC_ITEMS}_sum", method=CLASSIFY_BATCH_METHOD)
     assert merged == batch_items + 2
     assert (acme_answer.cached, zenith_answer.cached) == (True, False)
+
+
+async def test_a_shadow_call_is_cached_in_its_callers_scope(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """acme's call to topic-minilm is shadowed to topic-static: the shadow's answer is kept
+    in acme's scope (acme's own topic-static call for the text is a cache hit), not in
+    that of the anonymous caller, which a keys file may name a real tenant after (here
+    zenith's key is tenant `anonymous`: it never sent the text, so it must not hit)."""
+    capability = await start_capability(models=("topic-minilm", MODEL), result_cache_entries=1000)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{id: a, sha256: {hash_key(ACME_KEY)}, tenant: acme, role: user}}\n"
+        f"  - {{id: z, sha256: {hash_key(ZENITH_KEY)}, tenant: anonymous, role: user}}\n"
+    )
+    target = f"127.0.0.1:{capability.port}"
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        f"""version: 1
+backends:
+  minilm: {{model: topic-minilm, targets: ["{target}"]}}
+  static: {{model: {MODEL}, targets: ["{target}"]}}
+routes:
+  - {{name: static, match: {{model: {MODEL}}}, backend: static}}
+  - name: default
+    backend: minilm
+    shadow: {{backend: static, percent: 100}}
+"""
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes, routes_poll_seconds=0, auth="required", api_keys_file=keys
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), metadata=ACME)
+            await wait_until(
+                lambda: metric_sum(server.registry, SHADOW_COMPARISONS_TOTAL) == 1,
+                "the shadow call compared",
+            )
+            direct = pb.ClassifyRequest(text=STRIKER, model=MODEL)
+            anonymous_tenant = await stub.Classify(direct, metadata=ZENITH)
+            acme = await stub.Classify(direct, metadata=ACME)
+    finally:
+        await server.stop(grace_seconds=0)
+    assert (anonymous_tenant.cached, acme.cached) == (False, True)
