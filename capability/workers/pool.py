@@ -526,6 +526,7 @@ class WorkerPool:
         )
         least_loaded = min(replicas, key=lambda replica: replica.load)
         report.max_batch_size = least_loaded.settings.max_batch_size
+        report.queue_capacity = least_loaded.settings.queue_capacity
         report.predicted_queue_wait.FromNanoseconds(
             int(least_loaded.predictor.queue_wait_seconds() * 1e9)
         )

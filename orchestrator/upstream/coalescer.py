@@ -11,8 +11,10 @@ loop go together. While a call to the replica is in flight, the next items
 gather, and go the moment it returns; only a full call leaves beside it, up
 to `max_in_flight` calls at once. Full is one batch on the replica: the
 `max_batch_size` of its last load report (or `max_items`, when it has not
-said; never more). At one client nothing is ever held back: the single item
-leaves in the same loop turn, as a plain `Classify`.
+said; never more). The items in flight to a replica stay within the queue
+capacity of its last report: past it, the replica would refuse them
+QUEUE_FULL. At one client nothing is ever held back: the single item leaves in
+the same loop turn, as a plain `Classify`.
 
 Interactive items never gather behind batch work alone: while every call in
 flight carries only `PRIORITY_BATCH` items (a bulk ClassifyBatch sent as
@@ -233,6 +235,7 @@ class ReplicaCoalescer:
         on_load: Callable[[bytes], ReplicaLoad | None] = lambda report: None,
         predicted_wait: Callable[[], float] = lambda: 0.0,
         replica_batch_size: Callable[[], int] = lambda: 0,
+        replica_queue_capacity: Callable[[], int] = lambda: 0,
         retry_after: Callable[[], float] = lambda: 0.05,
     ) -> None:
         """`on_sent(items)` counts each upstream call; `on_expired()` each item whose time ran
@@ -245,7 +248,8 @@ class ReplicaCoalescer:
         back what it read (None: nothing);
         `predicted_wait()` is the replica's reported wait now, and `retry_after()` the
         hint for an item refused because of it, both in seconds; `replica_batch_size()`
-        the most texts the replica reported computing in one batch (0: not known)."""
+        the most texts the replica reported computing in one batch, and
+        `replica_queue_capacity()` the most its queue holds (each 0: not known)."""
         self._stub: pb_grpc.ClassifyServiceAsyncStub = pb_grpc.ClassifyServiceStub(channel)
         # ClassifyBatch called as a server stream (the wire is the same for a unary
         # answer): grpc.aio gives a unary call's initial metadata only with its answer,
@@ -268,6 +272,7 @@ class ReplicaCoalescer:
         self._on_load = on_load
         self._predicted_wait = predicted_wait
         self._replica_batch_size = replica_batch_size
+        self._replica_queue_capacity = replica_queue_capacity
         self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
         # One timer for the waiting items, at the earliest of their deadlines (a timer
@@ -416,10 +421,28 @@ class ReplicaCoalescer:
 
     def _may_leave(self, items: int) -> bool:
         """Whether `items` gathered may leave now: with no call in flight, whatever has
-        gathered; beside calls in flight, only a full call, while a slot is free."""
+        gathered; beside calls in flight, only a full call, while a slot is free and the
+        replica's queue has room for it."""
         if self._in_flight == 0:
             return True
-        return self._in_flight < self._settings.max_in_flight and items >= self._full_call()
+        full = self._full_call()
+        return (
+            self._in_flight < self._settings.max_in_flight
+            and items >= full
+            and self._queue_room() >= full
+        )
+
+    def _queue_room(self) -> int:
+        """Items one more call may carry within the replica's queue capacity (as it last
+        reported), the items of the calls in flight counted as queued there (some are
+        computing: it errs towards sending fewer); max_items when it has not said.
+        Past the room, the replica refuses the rest QUEUE_FULL on an idle stack
+        (1,024 items in calls of 1,024 against a queue of 256: 799 refused), and the
+        adaptive limit takes those refusals for overload."""
+        capacity = self._replica_queue_capacity()
+        if capacity <= 0:
+            return self._settings.max_items
+        return capacity - self._items_in_flight
 
     def _beside_batch_calls_only(self) -> bool:
         """Whether interactive items may leave now in a call of their own, one beyond
@@ -454,16 +477,18 @@ class ReplicaCoalescer:
 
     def _items_for_one_call(self) -> int:
         """How many of the waiting items, from the first, one call carries: at most
-        max_items, and no more text than one ClassifyBatch may hold. Callers' texts of
+        max_items and the replica's queue room, and no more text than one ClassifyBatch
+        may hold. Callers' texts of
         up to 100,000 characters each are valid alone; merged past the batch's limit,
         the capability would refuse every item of the call for a rule none of them
         broke (and past 8 MiB, gRPC would refuse the message)."""
+        most = max(min(self._settings.max_items, self._queue_room()), 1)
         chars = 0
-        for count, item in enumerate(self._waiting[: self._settings.max_items]):
+        for count, item in enumerate(self._waiting[:most]):
             chars += len(item.request.text)
             if chars > MAX_BATCH_TOTAL_CHARS:
                 return max(count, 1)
-        return min(len(self._waiting), self._settings.max_items)
+        return min(len(self._waiting), most)
 
     def _refuse_if_it_cannot_make_it(self, item: UpstreamItem, now: float) -> None:
         """DeadlineUnreachable now, rather than when its turn to be sent comes, for an

@@ -44,6 +44,8 @@ class ReplicaLoad:
     # Seconds the replica spent on the call that carried the report; 0 when it did
     # not say.
     handled: float = 0.0
+    # Most texts the replica's queue for the model holds; 0 when it did not say.
+    queue_capacity: int = 0
 
     def wait_at(self, now: float) -> float:
         """Predicted seconds from sending a short text now to its answer (0 once the
@@ -70,4 +72,5 @@ def read_load_report(raw: bytes, received_at: float) -> ReplicaLoad | None:
         max_batch_size=report.max_batch_size,
         received_at=received_at,
         handled=report.handled.ToNanoseconds() / 1e9,
+        queue_capacity=report.queue_capacity,
     )

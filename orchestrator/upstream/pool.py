@@ -266,6 +266,7 @@ class BackendPool:
             on_load=partial(self._record_load, target),
             predicted_wait=partial(self.predicted_wait, target),
             replica_batch_size=partial(self.replica_batch_size, target),
+            replica_queue_capacity=partial(self.replica_queue_capacity, target),
             retry_after=self.retry_after_seconds,
         )
 
@@ -375,6 +376,12 @@ class BackendPool:
         before any, or when it does not say)."""
         load = self.loads.get(target)
         return 0 if load is None else load.max_batch_size
+
+    def replica_queue_capacity(self, target: str) -> int:
+        """Most texts `target`'s queue for the model holds, from its last load report
+        (0 before any, or when it does not say)."""
+        load = self.loads.get(target)
+        return 0 if load is None else load.queue_capacity
 
     def _timed_out_first(
         self, timeout: float, client_remaining: float | None, elapsed: float

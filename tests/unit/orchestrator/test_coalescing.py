@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
-from capability.metrics import MODEL_TEXTS_TOTAL
+from capability.metrics import ADMISSIONS_REFUSED_TOTAL, MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker
 from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ModelFault
@@ -48,6 +48,7 @@ from tests.conftest import (
     metric_sum,
     orchestrator_for,
     orchestrator_settings,
+    static_routes,
     wait_until,
 )
 from tests.flaky_pod import FlakyPod
@@ -1017,3 +1018,39 @@ async def test_the_items_of_a_caller_gone_while_gathering_are_no_longer_counted(
                 await wait_until(lambda: coalescer.waiting == 0, "the gone items forgotten")
                 assert coalescer.outstanding == 1
             await held
+
+
+async def test_calls_in_flight_to_a_replica_stay_within_its_reported_queue_capacity(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """Calls of up to 64 items, two at once, to a replica whose queue holds 16: once its
+    first answer has reported that, a ClassifyBatch of 200 goes up in calls that fit,
+    and none of its items is refused QUEUE_FULL on the idle stack."""
+    capability = await start_capability(
+        models=("topic-static",), queue_capacity=16, max_batch_size=8
+    )
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes, upstream_batch_max_items=64, upstream_calls_in_flight=2
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+            items = [pb.ClassifyRequest(text=f"{STRIKER} {n}") for n in range(200)]
+            answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
+    finally:
+        await server.stop(grace_seconds=0)
+    refused = metric_sum(
+        capability.registry, ADMISSIONS_REFUSED_TOTAL, model="topic-static", reason="QUEUE_FULL"
+    )
+    assert refused == 0
+    assert [result.WhichOneof("outcome") for result in answer.results] == ["response"] * 200
+    # The warm-up call, then calls of 16 items at most.
+    upstream_calls = metric_sum(server.registry, f"{UPSTREAM_CALL_ITEMS}_count")
+    assert upstream_calls >= 1 + 200 / 16

@@ -436,16 +436,19 @@ async def test_a_full_capability_queue_keeps_its_reason_in_retries_fallbacks_and
     server = await orchestrator_with(routes)
     registry = server.registry
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{full.port}") as beside,
+        ):
             stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            # Its load report tells the orchestrator that one text fills a batch there,
-            # so a text may go beside a call in flight instead of gathering behind it.
-            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
             async with device_occupied(full.pool.workers[0]):
-                # The first text takes the queue's one place (and waits for the held
-                # device); every text after it is refused by the queue.
+                # Another client's text takes the queue's one place (and waits for the
+                # held device); every text after it is refused by the queue. (The
+                # orchestrator keeps its own calls within the queue's room.)
                 held = asyncio.ensure_future(
-                    stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=10)
+                    classify_service_pb2_grpc.ClassifyServiceStub(beside).Classify(
+                        pb.ClassifyRequest(text=STRIKER), timeout=10
+                    )
                 )
                 await wait_until(
                     lambda: len(full.pool.workers[0].replicas["topic-minilm"].queue) == 1
