@@ -41,6 +41,7 @@ from classify_common.context import RequestContext
 from classify_common.errors import (
     DeadlineExpired,
     InternalError,
+    RateLimited,
     ServerDraining,
     ServiceError,
     grpc_code_for,
@@ -70,6 +71,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.results import ResultStore
 from orchestrator.routing import RequestFacts, Route
+from orchestrator.security.gate import current_caller
 from orchestrator.shadow import ShadowTraffic
 
 log = logging.getLogger(__name__)
@@ -240,6 +242,10 @@ class Dispatcher:
         """Every item as its own call, all at once; one result per item, in order."""
         self._metrics.batch_items.observe(len(request.items))
         refused = refuse_repeated_request_ids(request.items, current_batch_intake().refused)
+        over_limit = sum(isinstance(refusal, RateLimited) for refusal in refused.values())
+        if over_limit:
+            tenant = current_caller().tenant
+            self._metrics.rate_limited_items.labels(tenant).inc(over_limit)
         contexts = request.item_contexts
         call_trace = current_trace()
         if call_trace is not None:

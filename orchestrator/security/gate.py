@@ -101,16 +101,17 @@ class CallerGate:
         tokens_left, granted, wait = await self._limits.try_acquire(tenant, calls)
         if granted == calls:
             return RateAllowance(tokens_left, granted)
-        # Calls refused whole, and items: the tenant's usage (the SLO leaves both out of
-        # its errors by their reason, RATE_LIMITED).
-        self._metrics.rate_limited_items.labels(tenant).inc(calls - granted)
-        if granted == 0:
-            self._metrics.rate_limited.labels(tenant).inc()
         refusal = RateLimited(
             f"tenant {tenant!r} is over its rate limit", retry_after_seconds=wait, tenant=tenant
         )
         if granted == 0:
+            # Calls refused whole, and their items: the tenant's usage (the SLO leaves
+            # both out of its errors by their reason, RATE_LIMITED).
+            self._metrics.rate_limited.labels(tenant).inc()
+            self._metrics.rate_limited_items.labels(tenant).inc(calls)
             raise refusal
+        # The items past the allowance are counted as they are answered (a repeated
+        # request_id refuses an item for that instead: orchestrator.dispatch).
         return RateAllowance(tokens_left, granted, refusal)
 
     def _identify(self, metadata: Mapping[str, str]) -> Caller:

@@ -310,6 +310,34 @@ async def test_rate_limit_counts_every_item_and_refuses_only_those_over_it(
         assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 3
 
 
+async def test_an_item_over_the_rate_that_repeats_a_request_id_is_counted_as_answered(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The fourth item is past the tenant's three and repeats the first's request_id: it
+    is answered for the repeat (INVALID_ARGUMENT), so the items refused for the rate
+    are the fifth alone (it was counted for the rate as well)."""
+    async with (
+        front_door_for_a_small_tenant(capability, tmp_path) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        items = [pb.ClassifyRequest(text=STRIKER, request_id=name) for name in "xyzxw"]
+        response = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=items),
+            metadata=(("authorization", "Bearer limited-secret"),),
+            timeout=30,
+        )
+        codes = [r.error.code if r.HasField("error") else 0 for r in response.results]
+        assert codes == [
+            0,
+            0,
+            0,
+            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        ]
+        assert metric_sum(server.registry, RATE_LIMITED_ITEMS_TOTAL, tenant="small") == 1
+
+
 BROKEN_BATCHES = {
     "too-many-items": pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 1025),
     "contexts-do-not-match": pb.ClassifyBatchRequest(
