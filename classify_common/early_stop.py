@@ -7,15 +7,20 @@ them killed the process without a word, or, for a container's first process, whi
 the kernel shields from signals it does not handle, was ignored: the server went on
 to start and serve, and the pod waited out its grace period to be killed. Here they
 end it at once, with exit status 0, as a stop during the rest of the start does.
-Only the standard library: this must be quick to import.
+Here too, a process's stop when the process that started it dies
+(`stop_when_parent_dies`). Only the standard library: this must be quick to import.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
 from types import FrameType
+
+# prctl(2): the signal this process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -34,3 +39,18 @@ def stop_on_signals_until_serving() -> None:
         if stop_signal == signal.SIGHUP and signal.getsignal(stop_signal) == signal.SIG_IGN:
             continue
         signal.signal(stop_signal, _stop)
+
+
+def stop_when_parent_dies(parent: int) -> bool:
+    """Have the kernel send this process SIGTERM (a server drains on it) when its parent
+    dies; False if process `parent` is no longer its parent (it died before this ran,
+    and no signal will come). For a process whose parent stops it: a parent killed
+    (SIGKILL, the OOM killer) left it running, serving its port with no one to stop it.
+    Linux only (prctl); elsewhere nothing, and True."""
+    if not sys.platform.startswith("linux"):
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
+    return os.getppid() == parent

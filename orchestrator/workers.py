@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import http.client
 import logging
 import multiprocessing
@@ -74,6 +73,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from classify_common.early_stop import stop_when_parent_dies
 from classify_common.metrics import MetricsEndpoint
 from classify_common.serving import (
     METRICS_DISABLED,
@@ -123,8 +123,6 @@ REAP_SECONDS = 5.0
 # Beyond --grace-seconds, how long a worker has to exit after SIGTERM before it is killed.
 STOP_SLACK_SECONDS = 10.0
 SCRAPE_TIMEOUT_SECONDS = 5.0
-# prctl(2): the signal this process gets when its parent dies.
-PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
 
@@ -738,14 +736,8 @@ def stop_with_parent(parent: int) -> None:
 
     A supervisor that died (SIGKILL, the OOM killer; SIGHUP, before it was handled)
     left its workers serving the port unsupervised, with no /metrics for the set and
-    nothing to restart them. Linux only (prctl); elsewhere, nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
-    if os.getppid() != parent:
+    nothing to restart them. Linux only; elsewhere, nothing."""
+    if not stop_when_parent_dies(parent):
         sys.exit(f"orchestrator worker: its supervisor (process {parent}) has exited")
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from classify_common.early_stop import stop_when_parent_dies  # noqa: E402
 from orchestrator.security import hash_key, new_key  # noqa: E402
 from tools.make_credentials import write_private  # noqa: E402
 
@@ -57,6 +60,29 @@ def wait_until_serving(name: str, process: subprocess.Popen[bytes], target: str)
                 pass
             time.sleep(0.2)
     raise SystemExit(f"{name} did not report SERVING within {READY_TIMEOUT_SECONDS:.0f}s")
+
+
+def start_server(
+    arguments: Sequence[str], environment: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """`python ARGUMENTS...` (a server: `-m capability`) in a session of its own, out of
+    reach of the terminal's Ctrl-C (this script stops it), and sent SIGTERM by the
+    kernel if this script dies without stopping it: killed (SIGKILL, the OOM killer),
+    it left both servers serving their ports, and the next `make run` found them
+    taken."""
+    return subprocess.Popen(
+        [sys.executable, *arguments],
+        env=environment,
+        start_new_session=True,
+        preexec_fn=functools.partial(stop_with_launcher, os.getpid()),
+    )
+
+
+def stop_with_launcher(launcher: int) -> None:
+    """In a server's process, before it runs (Popen's preexec_fn): stop it when process
+    `launcher` dies, and at once if that already happened."""
+    if not stop_when_parent_dies(launcher):
+        os._exit(1)
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -164,23 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         if orchestrator_port != DEFAULT_ORCHESTRATOR_PORT
         else ""
     )
-    python = sys.executable
     environment = {**os.environ, **ensure_local_credentials(), **routes_for(capability_port)}
     processes: list[subprocess.Popen[bytes]] = []
-    # Children run in their own sessions, out of reach of the terminal's
-    # Ctrl-C; this script turns Ctrl-C, SIGTERM or a hangup into one orderly SIGTERM each.
+    # This script turns Ctrl-C, SIGTERM or a hangup into one orderly SIGTERM each.
     for stop_signal in stop_signals():
         signal.signal(stop_signal, interrupt_once)
     try:
         print(f"starting capability server on :{capability_port} (loading the model)...")
-        capability = subprocess.Popen(
-            [python, "-m", "capability"], env=environment, start_new_session=True
-        )
+        capability = start_server(["-m", "capability"], environment)
         processes.append(capability)
         wait_until_serving("capability", capability, f"127.0.0.1:{capability_port}")
-        orchestrator = subprocess.Popen(
-            [python, "-m", "orchestrator"], env=environment, start_new_session=True
-        )
+        orchestrator = start_server(["-m", "orchestrator"], environment)
         processes.append(orchestrator)
         wait_until_serving("orchestrator", orchestrator, f"127.0.0.1:{orchestrator_port}")
         print(

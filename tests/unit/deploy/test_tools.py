@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -29,6 +30,7 @@ from tests.conftest import (
     closed_port,
     metric_sum,
     orchestrator_settings,
+    wait_until,
 )
 from tests.status_details import unpack
 from tests.unit.deploy.manifests import DOCKER_DIR, dockerfile_instructions
@@ -365,3 +367,42 @@ def test_build_script_dry_run_builds_bundles_then_the_labelled_image(
     assert "WEIGHTS_SHA=" in second
     revision = build_images.short_revision(build_images.git_revision())
     assert f"-t 'topic-minilm:<its first 12>-{revision}-cuda12.8'" in second
+
+
+async def test_a_server_make_run_started_is_stopped_when_the_script_is_killed(
+    tmp_path: Path,
+) -> None:
+    """tools/run_stack.py SIGKILLed (the OOM killer, `kill -9`) left both servers
+    serving, and the next `make run` found their ports taken: each server now gets
+    SIGTERM, on which it drains and exits. Here the 'server' writes a file on it."""
+    stopped = tmp_path / "stopped"
+    server = (
+        "import signal, sys, time\n"
+        "def stop(signum, frame):\n"
+        f"    open({str(stopped)!r}, 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('serving', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = (
+        "import os, sys, time\n"
+        "from tools import run_stack\n"
+        f"run_stack.start_server(['-c', {server!r}], os.environ)\n"
+        "time.sleep(60)\n"
+    )
+    script = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        launcher,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert script.stdout is not None
+        assert await asyncio.wait_for(script.stdout.readline(), timeout=30) == b"serving\n"
+    finally:
+        script.kill()
+        await script.wait()
+    await wait_until(stopped.exists, "the server told to stop", limit_seconds=10)
