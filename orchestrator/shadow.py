@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.context import RequestContext, bind_request
 from classify_common.errors import ServiceError
 from orchestrator.calls import RoutingState
 from orchestrator.metrics import ShadowMetrics
@@ -118,16 +119,19 @@ class ShadowTraffic:
         # The routes version's channels stay open until the shadow task is done, however
         # it ends: a task cancelled before it ever ran leaves through the callback too.
         state.enter()
+        # NOTE: a context holding only the caller and the request's IDs: its trace and
+        # request-scoped state (its nodes, its log line) must not see the shadow call;
+        # the shadow's result-cache scope is the caller's tenant's (in an empty
+        # context every tenant's shadow calls were cached under the anonymous caller's
+        # scope, answered to a tenant named "anonymous" as its own); and its log lines
+        # carry the request's IDs (a failed shadow call's line carried neither).
+        context = context_of_caller(current_caller())
+        context.run(bind_request, RequestContext(answer.request_id, answer.trace_id))
         task = asyncio.get_running_loop().create_task(
             self._compare(
                 state, route, forwarded, answer.trace_id, answer_scores(answer), answer.model.name
             ),
-            # NOTE: a context holding only the caller: its trace and request-scoped state
-            # (its nodes, its log line) must not see the shadow call, and the shadow's
-            # result-cache scope is the caller's tenant's. In an empty context every
-            # tenant's shadow calls were cached under the anonymous caller's scope,
-            # answered to a tenant named "anonymous" as its own.
-            context=context_of_caller(current_caller()),
+            context=context,
         )
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
@@ -163,9 +167,7 @@ class ShadowTraffic:
             return
         except Exception:
             # A shadow is never worth failing over: count it, keep the traceback.
-            log.exception(
-                "shadow call failed unexpectedly", extra={"request_id": request.request_id}
-            )
+            log.exception("shadow call failed unexpectedly")
             self._metrics.comparisons.labels(*labels, ERROR).inc()
             return
         shadow = answer_scores(answer)
@@ -177,9 +179,6 @@ class ShadowTraffic:
             log.warning(
                 "shadow disagreement",
                 extra={
-                    # The primary call's IDs: this task runs in a context of its own.
-                    "request_id": request.request_id,
-                    "trace_id": trace_id,
                     "route": route.name,
                     "primary": route.backend.name,
                     "primary_model": primary_model,

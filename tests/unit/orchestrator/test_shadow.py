@@ -5,6 +5,8 @@ or failing the caller's answer; and the `shadow` key of routes.yaml."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -32,8 +34,10 @@ from orchestrator.routing.explain import explain
 from orchestrator.routing.match import RequestFacts, shadow_slot
 from orchestrator.server import OrchestratorServer
 from orchestrator.shadow import compare
+from orchestrator.upstream import errors as upstream_errors
 from tests.conftest import (
     STRIKER,
+    LineCollector,
     StartCapability,
     StartOrchestrator,
     closed_port,
@@ -194,6 +198,30 @@ async def test_failing_shadow_is_counted_and_changes_nothing_for_the_caller(
             if span.name == UPSTREAM_CALL and f"{span.context.trace_id:032x}" == answer.trace_id
         ]
         assert len(calls) == 1
+
+
+async def test_a_failed_shadow_calls_log_lines_carry_the_requests_ids(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """A shadow call runs in a context of its own: its failure's line carried neither the
+    request ID nor the trace ID, and could not be found by either."""
+    target = f"127.0.0.1:{capability.port}"
+    server = await orchestrator_with(
+        shadow_routes(target, "topic-minilm", f"127.0.0.1:{closed_port()}")
+    )
+    collector = LineCollector()
+    logger = logging.getLogger(upstream_errors.__name__)
+    logger.addHandler(collector)
+    try:
+        (answer,) = await classify_texts(server, [STRIKER], ["shadowed-call"])
+        await wait_until(lambda: comparisons(server, "error") == 1, "the failed shadow counted")
+    finally:
+        logger.removeHandler(collector)
+    failed = [json.loads(line) for line in collector.lines]
+    assert failed
+    assert {(line["request_id"], line["trace_id"]) for line in failed} == {
+        ("shadowed-call", answer.trace_id)
+    }
 
 
 async def test_percent_shadows_exactly_the_request_ids_in_its_share(
