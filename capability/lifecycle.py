@@ -35,7 +35,8 @@ every poll, nor refused for good: it is remembered with a fingerprint of its
 files (and of the model's warm_texts file, which its load reads too), and tried
 once more when the fingerprint has changed and then held still for a poll (the
 copy has finished). A numbered folder that is a link out of the model root is
-such a refusal.
+such a refusal; one that links within the root (`2 -> .release-2`, `2 -> 1`) is
+loaded from its target and serves under its own name, `2`.
 
 The watcher outlives any error (a bug, a filesystem surprise): it is logged with
 its traceback and counted as a refused reload, the serving version stays, and the
@@ -489,6 +490,10 @@ class ModelLifecycle:
             settings.precision,
             graph=settings.graph,
             expected_name=name,
+            # As listed, not as resolved: a version folder linked to another within the
+            # root (`2 -> .release-2`, `2 -> 1`) served under its target's name, and the
+            # watcher, seeing "newer" numbered folders, reloaded it every poll.
+            version=version,
             residency=settings.residency,
             idle_seconds=settings.idle_seconds,
             warm_texts=(

@@ -116,7 +116,9 @@ class LoadedBundle:
     """A verified, loaded and warmed-up model version, and what loading it cost."""
 
     name: str  # from config.json, e.g. "topic-minilm"
-    version: str  # the version directory's name, e.g. "1"
+    # The name it serves as, e.g. "1": its folder's name under the model folder, which
+    # need not be `directory`'s (a version folder may be a link within the model root).
+    version: str
     directory: Path
     digest: str  # SHA-256 hex of manifest.json
     architecture: str  # "bert-encoder" | "static-embedding"
@@ -160,12 +162,17 @@ def load_bundle(
     directory: Path,
     device: torch.device | str = "cpu",
     *,
+    version: str | None = None,
     precision: str | None = None,
     graph: str = DEFAULT_GRAPH,
     trusted_signers: Path | None = None,
     watch: LoadWatch | None = None,
 ) -> LoadedBundle:
     """Verify and load the bundle in `directory` onto `device`, ready to serve (blocking).
+
+    `version` is the name it serves as; None takes `directory`'s own. The model root
+    passes the name it listed: a version folder `2` that links to `.release-2` (or to
+    `1`) within the root is loaded from the resolved folder, and is still version 2.
 
     `precision` None uses the bundle's own (config.json); "fp32" or "bf16" overrides it.
     `graph` is how the encoder runs (capability.model.classifier.GRAPHS).
@@ -210,7 +217,7 @@ def load_bundle(
 
     return LoadedBundle(
         name=config.name,
-        version=directory.name,
+        version=version or directory.name,
         directory=directory,
         digest=manifest.digest,
         architecture=config.architecture,

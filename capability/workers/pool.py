@@ -240,19 +240,22 @@ class WorkerPool:
         *,
         graph: str = DEFAULT_GRAPH,
         expected_name: str | None = None,
+        version: str | None = None,
         residency: str = RESIDENT,
         idle_seconds: float = DEFAULT_IDLE_SECONDS,
         warm_texts: Sequence[WarmText] = (),
     ) -> LoadedBundle:
         """Load the bundle in `directory` on every worker, then switch them all to it,
         and refill the result cache in the background: the previous version's most
-        hit texts, and `warm_texts`.
+        hit texts, and `warm_texts`. It serves as `version` (None: the folder's name;
+        see load_bundle).
 
         What a refused version left on the devices is released before the refusal
         is raised. Its load time runs from here until every worker serves it: reading,
         verifying and warming up (the workers' warm-ups and memory measurement too)."""
         started = time.perf_counter()
         model = expected_name or directory.parent.name
+        version = version or directory.name
         try:
             try:
                 bundles, replicas = await self._load_everywhere(
@@ -261,6 +264,7 @@ class WorkerPool:
                     precision,
                     graph,
                     model,
+                    version,
                     expected_name,
                     (residency, idle_seconds),
                 )
@@ -307,6 +311,7 @@ class WorkerPool:
         precision: str | None,
         graph: str,
         model: str,
+        version: str,
         expected_name: str | None,
         residency: tuple[str, float],
     ) -> tuple[list[LoadedBundle], list[ModelReplica]]:
@@ -316,7 +321,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         mode, idle_seconds = residency
         workers = self.workers[:1] if mode == SHARDED else self.workers
-        watches = [worker.load_watch(model, directory.name) for worker in workers]
+        watches = [worker.load_watch(model, version) for worker in workers]
         # Loaded beside the serving version, on loader threads, so serving goes on
         # meanwhile; each worker's replica lives on that worker's device. Every load
         # ends before any refusal is raised, so none is left running.
@@ -326,6 +331,7 @@ class WorkerPool:
                     self._loaders,
                     _load_on,
                     directory,
+                    version,
                     worker.device,
                     precision,
                     graph,
@@ -748,6 +754,7 @@ class WorkerPool:
 
 def _load_on(
     directory: Path,
+    version: str,
     device: torch.device,
     precision: str | None,
     graph: str,
@@ -757,6 +764,7 @@ def _load_on(
     return load_bundle(
         directory,
         device,
+        version=version,
         precision=precision,
         graph=graph,
         trusted_signers=trusted_signers,

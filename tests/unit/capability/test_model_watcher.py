@@ -280,6 +280,28 @@ async def test_a_numbered_folder_linked_from_outside_the_root_is_refused_once(
     await loaded_at_its_one_retry(server, "2")
 
 
+@pytest.mark.parametrize("target", [".release-2", "1"], ids=["staged-release", "alias"])
+async def test_a_numbered_folder_linked_within_the_root_serves_under_its_own_name(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability, target: str
+) -> None:
+    """`2 -> .release-2` (a release staged under a hidden name) and `2 -> 1` (an alias)
+    are version 2: served under their target's name, they were "older" than the
+    numbered folder beside them, and the watcher reloaded them every poll."""
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
+    if not (root / MODEL / target).exists():
+        deploy(model_root, root, target)
+    (root / MODEL / "2").symlink_to(target)
+
+    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
+    assert await serving_version(server) == "2"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answered = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+    assert answered.model.version == "2"
+    await asyncio.sleep(0.5)  # five polls: version 2 serves, and nothing is newer
+    assert (reloads(server, "ok"), reloads(server, "refused")) == (1, 0)
+
+
 async def test_a_refused_version_fixed_by_a_copy_that_keeps_times_is_tried_again(
     model_root: Path, tmp_path: Path, start_capability: StartCapability
 ) -> None:
