@@ -20,6 +20,7 @@ so a file can be read on its own; keys inside the head file are the head's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +69,35 @@ MIN_SEQ_LENGTH = 3
 # bound it, and its memory warm-up computes a batch at this length: 100,000,000
 # asked 51 GB of one allocation and ended the start.
 MAX_SEQ_LENGTH = 1024
+
+# The largest each of config.json's dimensions may be. Each is far past any model of
+# this kind (MiniLM: 30,522 x 384, 6 layers of 12 heads, 1,536 wide inside, 512
+# positions, 2 token types; BERT-large: 1,024 wide, 24 layers) and small enough that
+# no tensor's size overflows while the module is built: `vocab_size` 2**62 raised
+# RuntimeError("Storage size calculation overflowed") from torch, which is no refusal
+# naming config.json, and took a start down although version 1 was good.
+MAX_DIMENSIONS: Mapping[str, int] = {
+    # A tokenizer.json is at most 64 MiB (loader.MAX_TOKENIZER_BYTES), some 4 million
+    # tokens at the 15 bytes a token ours takes.
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 16,
+    "num_layers": 256,
+    "num_heads": 1 << 16,  # at most hidden_size, which it divides
+    "intermediate_size": 1 << 18,
+    "max_position_embeddings": 1 << 20,
+    "type_vocab_size": 1 << 16,
+}
+# The most values one weight tensor may hold (2**31: 8 GiB in float32), so the largest
+# table, `vocab_size` x `hidden_size`, is checked against one bound however its two
+# dimensions share it out.
+MAX_TENSOR_VALUES = 1 << 31
+# LayerNorm's epsilon is added to each token's variance (about 1): BERT-family models
+# use 1e-12 to 1e-5. Near the variance it flattens every token, and past it (1e300,
+# Infinity) the encoder gave every text the same scores.
+MAX_LAYER_NORM_EPS = 1e-3
+# The zero-shot head's logit scale (ours: 40 and 65). At 1,000 a cosine gap of 0.01 is
+# already e**10 to one; 1e300 overflowed float32 and scored every text NaN.
+MAX_HEAD_SCALE = 1000.0
 
 
 @dataclass(frozen=True)
@@ -202,16 +232,41 @@ def _parse_dimensions(
         }
         layer_norm_eps = fields.number("layer_norm_eps")
         fields.refuse_leftovers()
+        _refuse_oversized(sizes)
+        if not 0 < layer_norm_eps <= MAX_LAYER_NORM_EPS:
+            raise _invalid(
+                f"dimensions.layer_norm_eps must be positive and at most "
+                f"{MAX_LAYER_NORM_EPS}, got {layer_norm_eps}"
+            )
         try:
             return EncoderConfig(**sizes, layer_norm_eps=layer_norm_eps)
         except ValueError as exc:
             raise _invalid(f"dimensions: {exc}") from exc
     sizes = {key: fields.integer(key) for key in ("vocab_size", "hidden_size", "pad_token_id")}
     fields.refuse_leftovers()
+    _refuse_oversized(sizes)
     try:
         return StaticEncoderConfig(**sizes, include_special_tokens=pooling == "mean")
     except ValueError as exc:
         raise _invalid(f"dimensions: {exc}") from exc
+
+
+def _refuse_oversized(sizes: Mapping[str, int]) -> None:
+    """Refuse a dimension past MAX_DIMENSIONS, then a table of more than
+    MAX_TENSOR_VALUES values: each of the embedding tables and the feed-forward
+    weights is one of `hidden_size`'s dimensions by another."""
+    for key, value in sizes.items():
+        most = MAX_DIMENSIONS.get(key)
+        if most is not None and value > most:
+            raise _invalid(f"dimensions.{key} {value} is over the limit of {most}")
+    hidden = sizes["hidden_size"]
+    for key in ("vocab_size", "max_position_embeddings", "type_vocab_size", "intermediate_size"):
+        if key in sizes and sizes[key] * hidden > MAX_TENSOR_VALUES:
+            raise _invalid(
+                f"dimensions.{key} {sizes[key]} x hidden_size {hidden} is "
+                f"{sizes[key] * hidden} values in one tensor, over the limit of "
+                f"{MAX_TENSOR_VALUES}"
+            )
 
 
 def _parse_labels(items: list[object]) -> tuple[LabelSpec, ...]:
@@ -233,8 +288,8 @@ def _parse_head(fields: _Fields) -> HeadSpec:
     kind = fields.choice("type", (ZERO_SHOT_HEAD, LINEAR_HEAD))
     if kind == ZERO_SHOT_HEAD:
         scale = fields.number("scale")
-        if not scale > 0:
-            raise _invalid(f"head.scale must be positive, got {scale}")
+        if not 0 < scale <= MAX_HEAD_SCALE:
+            raise _invalid(f"head.scale must be positive and at most {MAX_HEAD_SCALE}, got {scale}")
         fields.refuse_leftovers()
         return HeadSpec(ZERO_SHOT_HEAD, scale)
     fields.refuse_leftovers()
@@ -277,7 +332,14 @@ class _Fields:
         value = self._take(key)
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise _invalid(f"{self._path}{key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past float's range (10**400)
+            number = math.inf
+        # Python's JSON reader takes Infinity and NaN, and 1e999 reads as inf.
+        if not math.isfinite(number):
+            raise _invalid(f"{self._path}{key} must be a finite number, got {value!r}")
+        return number
 
     def boolean(self, key: str) -> bool:
         value = self._take(key)

@@ -474,6 +474,21 @@ def constructing_on_meta() -> Iterator[None]:
 
 
 def _build_on_meta(config: BundleConfig, dtype: torch.dtype) -> tuple[TextEncoder, ClassifierHead]:
+    """The module config.json describes, shapes only; a refusal by torch (a size it
+    cannot allocate even on the meta device) is config.json's, naming it."""
+    try:
+        return _construct_on_meta(config, dtype)
+    except (RuntimeError, ValueError) as exc:
+        # NOTE: format.py bounds every dimension, so this is a second line: a torch
+        # error here took a start down, as no ModelLoadError, and named no file.
+        raise BundleConfigInvalid(
+            f"{CONFIG_FILE}: the model it describes cannot be built: {exc}"
+        ) from exc
+
+
+def _construct_on_meta(
+    config: BundleConfig, dtype: torch.dtype
+) -> tuple[TextEncoder, ClassifierHead]:
     # Every tensor is replaced by a loaded one in `load_weights`.
     with constructing_on_meta():
         encoder: TextEncoder

@@ -361,6 +361,104 @@ def test_unknown_nested_config_key_is_refused_naming_its_path(
         load_bundle(bundle)
 
 
+def set_dimension(key: str, value: object) -> Callable[[dict[str, object]], object]:
+    def edit(config: dict[str, object]) -> None:
+        dimensions = config["dimensions"]
+        assert isinstance(dimensions, dict)
+        dimensions[key] = value
+
+    return edit
+
+
+def set_head_scale(value: float) -> Callable[[dict[str, object]], object]:
+    return lambda config: config.update(head={"type": "zero-shot", "scale": value})
+
+
+@pytest.mark.parametrize(
+    ("model", "edit", "message"),
+    [
+        (
+            "topic-static",
+            set_dimension("vocab_size", 2**62),
+            f"dimensions.vocab_size {2**62} is over the limit of 16777216",
+        ),
+        (
+            "topic-static",
+            set_dimension("hidden_size", 2**60),
+            f"dimensions.hidden_size {2**60} is over the limit of 65536",
+        ),
+        (
+            "topic-static",
+            set_dimension("vocab_size", 2**24),
+            f"dimensions.vocab_size {2**24} x hidden_size 384 is {2**24 * 384} values in "
+            f"one tensor, over the limit of {2**31}",
+        ),
+        (
+            "topic-minilm",
+            set_dimension("max_position_embeddings", 10**18),
+            f"dimensions.max_position_embeddings {10**18} is over the limit of 1048576",
+        ),
+        (
+            "topic-minilm",
+            set_dimension("type_vocab_size", 2**62),
+            f"dimensions.type_vocab_size {2**62} is over the limit of 65536",
+        ),
+        (
+            "topic-minilm",
+            set_dimension("layer_norm_eps", float("inf")),
+            "dimensions.layer_norm_eps must be a finite number, got inf",
+        ),
+        (
+            "topic-minilm",
+            set_dimension("layer_norm_eps", 1e300),
+            "dimensions.layer_norm_eps must be positive and at most 0.001, got 1e+300",
+        ),
+        (
+            "topic-static",
+            set_head_scale(float("nan")),
+            "head.scale must be a finite number, got nan",
+        ),
+        (
+            "topic-static",
+            set_head_scale(1e300),
+            "head.scale must be positive and at most 1000.0, got 1e+300",
+        ),
+    ],
+    ids=[
+        "vocab-2**62",
+        "hidden-2**60",
+        "table-past-2**31-values",
+        "positions-10**18",
+        "token-types-2**62",
+        "eps-infinity",
+        "eps-1e300",
+        "scale-nan",
+        "scale-1e300",
+    ],
+)
+def test_config_dimension_out_of_bounds_is_refused_naming_config_and_field(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: str,
+    edit: Callable[[dict[str, object]], object],
+    message: str,
+) -> None:
+    """A size whose tensor overflowed torch's storage size raised RuntimeError, not a
+    refusal naming config.json (a start refused although version 1 was good); an
+    epsilon or scale past float's range (Infinity, 1e300) loaded, and scored every
+    text the same, or NaN."""
+    built = request.getfixturevalue("static_bundle" if model == "topic-static" else "minilm_bundle")
+    bundle = writable_copy(built, tmp_path)
+    edit_config(bundle, edit)
+    write_manifest(bundle)
+    with pytest.raises(BundleConfigInvalid) as refused:
+        load_bundle(bundle)
+    assert str(refused.value) == f"config.json: {message}"
+    assert bundle_cli(["verify", "--quiet", "--load", str(bundle)]) == 1
+    assert capsys.readouterr().err == f"error: config.json: {message}\n"
+
+
 def append_to_top_object(text: str, members: str) -> str:
     """`text`, a JSON object, with `members` added before its closing brace."""
     return text.rstrip().removesuffix("}") + f", {members}}}"

@@ -32,6 +32,7 @@ from capability.metrics import (
 from capability.server import CapabilityServer
 from capability.workers.worker import WARM_UP_SHAPES
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+from tests.status_details import refusal
 from tests.unit.capability.test_model_watcher import (
     LIFECYCLE_LOGGER,
     MODEL,
@@ -133,6 +134,34 @@ async def test_a_version_asking_to_read_more_than_any_request_can_is_refused_at_
     assert reloads(server, "refused") == 1
     with pytest.raises(BundleError, match=r"max_seq_length 100000000 must be .* at most 1024"):
         load_bundle(too_long)
+
+
+async def test_a_version_whose_config_overflows_torch_is_refused_naming_config_json(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """vocab_size 2**62 overflowed torch's storage size as the module was built: a
+    RuntimeError, not a refusal, so the start exited although version 1 loads, and
+    ReloadModel answered INTERNAL."""
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    oversized = deploy(model_root, root, "2")
+    config = json.loads((oversized / "config.json").read_text())
+    config["dimensions"]["vocab_size"] = 2**62
+    (oversized / "config.json").write_text(json.dumps(config))
+    (oversized / "manifest.json.sig").unlink(missing_ok=True)
+    write_manifest(oversized)
+
+    server = await start_capability(model_root=root, models=(MODEL,))
+
+    assert await serving_version(server) == "1"
+    assert reloads(server, "refused") == 1
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        error = await refusal(
+            models.ReloadModel(model_pb.ReloadModelRequest(name=MODEL, version="2"))
+        )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"config.json: dimensions.vocab_size {2**62} is over the limit" in str(error.details())
 
 
 async def test_a_start_is_refused_only_when_no_version_of_a_model_loads(
