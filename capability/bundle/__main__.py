@@ -91,9 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=not args.quiet,
                 head=args.head,
                 precision=args.precision,
+                sign_key=args.sign_key,
             )
-            if args.sign_key is not None:
-                sign_manifest(out, args.sign_key)
             print(out)
         elif args.command == "manifest":
             print(write_bundle_manifest(args.directory))

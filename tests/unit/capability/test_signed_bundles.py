@@ -237,3 +237,24 @@ def test_sign_command_refuses_a_folder_without_a_manifest_in_one_line(
     assert signed.returncode == 1
     assert signed.stderr == f"error: manifest.json: not found in {folder}\n"
     assert not (folder / SIGNATURE_FILE).exists()
+
+
+def test_a_build_whose_signature_fails_publishes_nothing(
+    tmp_path: Path, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`build --sign-key` signed after the rename that published the version: a key it
+    could not sign with exited 1 and left the version served unsigned, and a rebuild
+    found it "already exists". The signature is made before the version appears."""
+    out = tmp_path / "models" / MODEL / "2"
+    build = ["build", "--model", MODEL, "--out", str(out), "--quiet", "--sign-key"]
+
+    assert bundle_command([*build, str(tmp_path / "no-such-key")]) == 1
+    assert capsys.readouterr().err.startswith("error: manifest.json: cannot be signed with ")
+    assert list(out.parent.iterdir()) == []  # neither the version nor its staging folder
+
+    assert bundle_command([*build, str(keys.trusted)]) == 0
+    assert capsys.readouterr().out == f"{out}\n"
+    assert (out / SIGNATURE_FILE).stat().st_mode & 0o777 == 0o644
+    assert (
+        bundle_command(["verify", "--quiet", "--trusted-signers", str(keys.signers), str(out)]) == 0
+    )
