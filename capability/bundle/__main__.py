@@ -109,8 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _verify(directory: Path, trusted_signers: Path | None, load: bool, progress: bool) -> str:
     """The bundle's digest, once its files match the manifest, its config and tokenizer
     parse, and (`load`) a server would load it."""
-    digest = verify_bundle(directory, progress=progress, trusted_signers=trusted_signers)
+    # The metadata first: it reads no weight file, and refuses a file no bundle holds
+    # before verify_bundle would hash it, however large.
     check_bundle_metadata(directory, trusted_signers)
+    digest = verify_bundle(directory, progress=progress, trusted_signers=trusted_signers)
     if load:
         # Imported here: the server's modules are needed by this option alone.
         from capability.trial_load import load_as_server

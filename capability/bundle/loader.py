@@ -1,7 +1,9 @@
 """Loading a bundle: metadata, module, verification, weights, warm-up, each stage timed.
 
-    read_metadata  manifest.json; the folder holds exactly its files; config.json and
-                   tokenizer.json read, checked against it and parsed from those bytes
+    read_metadata  manifest.json; the folder holds exactly its files, and they are a
+                   bundle's (config.json, tokenizer.json, a weight file per part);
+                   config.json and tokenizer.json read, checked against it and parsed
+                   from those bytes
     build_module   encoder + head built on the meta device: shapes only, no memory, no init;
                    a weight file larger than its part can need, by its manifest size, is
                    refused here, unread
@@ -245,7 +247,8 @@ def check_bundle_metadata(directory: Path, trusted_signers: Path | None = None) 
     """The first stage of a load on its own, reading no weight file: manifest.json
     (and its signature, with `trusted_signers`), the folder holding exactly its files,
     config.json and tokenizer.json parsed, and a weight file for every part of the model
-    config.json describes, none of another. Raises what load_bundle would."""
+    config.json describes, none of another, and no other file. Raises what load_bundle
+    would."""
     with BundleFolder(Path(directory)) as folder:
         _, config, _, _ = _read_metadata(folder, trusted_signers)
     return config
@@ -270,16 +273,25 @@ def write_bundle_manifest(directory: Path) -> str:
         if TOKENIZER_FILE not in names:
             raise BundleFileMissing(f"{TOKENIZER_FILE}: not found in {directory}")
         part_files = _locate_parts(directory, names, config, "in the folder")
-        known = {CONFIG_FILE, TOKENIZER_FILE, *part_files.values()}
-        others = sorted(set(names) - known)
-        if others:
-            more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
-            raise UnexpectedBundleFile(
-                f"{others[0]}{more}: not a file of a bundle, which holds {CONFIG_FILE}, "
-                f"{TOKENIZER_FILE} and its weight files {sorted(part_files.values())}; "
-                "move it out of the folder before writing the manifest"
-            )
+        _refuse_files_of_no_bundle(
+            names, part_files, "move it out of the folder before writing the manifest"
+        )
     return write_manifest(directory)
+
+
+def _refuse_files_of_no_bundle(
+    names: Collection[str], part_files: Mapping[str, str], advice: str
+) -> None:
+    """Refuse (UnexpectedBundleFile, naming the first) any of `names` but config.json,
+    tokenizer.json and the weight files `part_files`: what no bundle holds."""
+    known = {CONFIG_FILE, TOKENIZER_FILE, *part_files.values()}
+    others = sorted(set(names) - known)
+    if others:
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise UnexpectedBundleFile(
+            f"{others[0]}{more}: not a file of a bundle, which holds {CONFIG_FILE}, "
+            f"{TOKENIZER_FILE} and its weight files {sorted(part_files.values())}; {advice}"
+        )
 
 
 def _bundle_file_names(folder: BundleFolder) -> list[str]:
@@ -314,6 +326,15 @@ def _read_metadata(
     tokenizer = _read_tokenizer(folder, manifest, config)
     part_files = _locate_parts(
         folder.path, manifest.files.keys(), config, f"listed in {MANIFEST_FILE}"
+    )
+    # Listed or not: a manifest vouches for a bundle's files, and makes nothing else one.
+    # A listed payload.py or tokenizer_config.json loaded, and was hashed in full at
+    # every load, however large.
+    _refuse_files_of_no_bundle(
+        manifest.files.keys(),
+        part_files,
+        f"listed in {MANIFEST_FILE}, but refused all the same: move it out of the folder "
+        "and write the manifest again",
     )
     return manifest, config, tokenizer, part_files
 

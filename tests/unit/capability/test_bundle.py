@@ -629,6 +629,27 @@ def test_listed_weight_file_the_model_has_no_part_for_is_refused(
         load_bundle(bundle)
 
 
+@pytest.mark.parametrize("extra", ["payload.py", "tokenizer_config.json"])
+def test_a_file_of_no_bundle_is_refused_though_the_manifest_lists_it(
+    static_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str
+) -> None:
+    """Listed by write_manifest (which lists whatever the folder holds), a payload.py or
+    a tokenizer_config.json some library would pick up loaded, hashed in full at every
+    load, though docs/models.md says a bundle holds nothing else."""
+    bundle = writable_copy(static_bundle, tmp_path)
+    (bundle / extra).write_text("{}\n")
+    write_manifest(bundle)
+    message = (
+        f"{extra}: not a file of a bundle, which holds config.json, tokenizer.json and its "
+        "weight files ['embeddings.safetensors', 'head.safetensors']; listed in "
+        "manifest.json, but refused all the same"
+    )
+    with pytest.raises(UnexpectedBundleFile, match="^" + re.escape(message)):
+        load_bundle(bundle)
+    assert bundle_cli(["verify", "--quiet", str(bundle)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+
+
 def test_same_part_in_both_formats_is_refused(static_bundle: Path, tmp_path: Path) -> None:
     bundle = writable_copy(static_bundle, tmp_path)
     torch.save(load_file(bundle / "head.safetensors"), bundle / "head.pt")
