@@ -41,6 +41,11 @@ loaded from its target and serves under its own name, `2`.
 The watcher outlives any error (a bug, a filesystem surprise): it is logged with
 its traceback and counted as a refused reload, the serving version stays, and the
 next poll looks again.
+
+The model root is listed and a version's folder resolved off the event loop, as
+every other file read here: a slow listing (a network volume; 50,000 stale numbered
+folders took 0.9 s here) stalled, on the loop, every call the server was answering,
+at every poll.
 """
 
 from __future__ import annotations
@@ -366,7 +371,7 @@ class ModelLifecycle:
         one is logged at ERROR, counted as a refused reload and remembered as the
         watcher remembers its refusals (tried again once its files change), so a bad
         folder left in the root costs this model its newest version, not the start."""
-        versions = self.root.versions(name)
+        versions = await asyncio.to_thread(self.root.versions, name)
         if not versions:
             raise ModelNotFound(
                 f"model {name!r} has no numbered version folder under {self.root.root}",
@@ -411,7 +416,7 @@ class ModelLifecycle:
         it, or (None) load the newest and unpin it. Returns (new, previous version)."""
         async with self._lock(name):
             previous = self.pool.serving(name)
-            target = version or self.root.newest(name)
+            target = version or await asyncio.to_thread(self.root.newest, name)
             if target is None:
                 raise ModelNotFound(
                     f"model {name!r} has no numbered version folder under {self.root.root}",
@@ -480,7 +485,7 @@ class ModelLifecycle:
         return bundle
 
     async def _load(self, name: str, version: str) -> LoadedBundle:
-        directory = self.root.version_dir(name, version)
+        directory = await asyncio.to_thread(self.root.version_dir, name, version)
         settings = self.settings_for(name)
         if settings.cache_hit_floor is not None:
             self._metrics.result_cache_hit_floor.labels(name).set(settings.cache_hit_floor)
@@ -555,9 +560,8 @@ class ModelLifecycle:
         the newest alone left a good version 2 unloaded behind a damaged 3 deployed
         with it, while a restart of the same root served 2: a fleet split by when
         each replica last started."""
-        newer = [
-            version for version in reversed(self.root.versions(name)) if is_newer(version, serving)
-        ]
+        listed = await asyncio.to_thread(self.root.versions, name)
+        newer = [version for version in reversed(listed) if is_newer(version, serving)]
         if not newer:
             return
         if name in self._pinned:

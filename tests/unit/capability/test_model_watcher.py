@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shutil
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability.config import CapabilitySettings
+from capability.lifecycle import ModelRoot
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.nodes import BATCH_SPAN_NAME
@@ -453,3 +455,67 @@ async def test_get_model_names_the_refused_versions_and_the_pinned_one(
     # Version 1's damaged folder is refused, now that another version serves.
     assert (info.version, info.pinned_version) == ("2", "")
     assert [r.version for r in info.refused_versions] == ["1"]
+
+
+class HeldOpenRoot(ModelRoot):
+    """The server's own model root, whose first call of `held` (a listing, or a
+    version's folder resolved) waits until the test lets it go, at most 2 s: a network
+    volume's slow listing, on any file system."""
+
+    def __init__(self, root: Path, held: str) -> None:
+        super().__init__(root)
+        self.held = held
+        self.entered = threading.Event()  # the held call has begun
+        self.let_go = threading.Event()
+        self.holding = False  # the held call waits now
+
+    def _hold(self, method: str) -> None:
+        if method != self.held or self.entered.is_set():
+            return
+        self.holding = True
+        self.entered.set()
+        self.let_go.wait(timeout=2.0)
+        self.holding = False
+
+    def versions(self, name: str) -> list[str]:
+        self._hold("versions")
+        return super().versions(name)
+
+    def version_dir(self, name: str, version: str) -> Path:
+        self._hold("version_dir")
+        return super().version_dir(name, version)
+
+
+@pytest.mark.parametrize(
+    ("held", "version", "watch_seconds"),
+    [("versions", None, 0.1), ("versions", "", 0), ("version_dir", "1", 0)],
+    ids=["watcher-poll", "reload-of-the-newest", "reload-of-a-named-version"],
+)
+async def test_calls_are_answered_while_the_model_root_is_slow_to_list(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    held: str,
+    version: str | None,
+    watch_seconds: float,
+) -> None:
+    """The watcher listed the model folder on the event loop at every poll (and
+    ReloadModel listed it and resolved the version's folder there): 50,000 stale
+    numbered folders stalled every call the server answered for about a second a
+    poll. A Classify is answered while the listing is still held open."""
+    root = tmp_path / "models"
+    deploy(model_root, root, "1")
+    server = await start_capability(model_root=root, models=(MODEL,), watch_seconds=watch_seconds)
+    slow = server.lifecycle.root = HeldOpenRoot(root, held)
+    reloading = None if version is None else asyncio.create_task(reload_model(server, version))
+    try:
+        assert await asyncio.to_thread(slow.entered.wait, 5.0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answered = await stub.Classify(pb.ClassifyRequest(text=STRIKER, model=MODEL))
+        assert answered.labels[0].name == "sports"
+        assert slow.holding, f"the call waited for {held} to end: it ran on the event loop"
+    finally:
+        slow.let_go.set()
+        if reloading is not None:
+            await reloading
