@@ -648,7 +648,16 @@ def _load_part(
             )
         # Moved as stored, then cast on the device to the precision the module was built
         # in (on a GPU the cast is the device's work, not the host's).
-        assigned[key[len(part.prefix) :]] = tensor.to(device=device).to(dtype=like.dtype)
+        loaded = tensor.to(device=device).to(dtype=like.dtype)
+        # Checked as computed with (a float64 value past float32's range is inf now):
+        # a NaN weight was refused only by the worker's warm-up, naming the version's
+        # folder rather than the file and the tensor to look at.
+        if not bool(torch.isfinite(loaded).all()):
+            raise BundleShapeMismatch(
+                f"{name}: tensor {key} holds non-finite values (NaN or infinity) as "
+                f"{str(like.dtype).removeprefix('torch.')}"
+            )
+        assigned[key[len(part.prefix) :]] = loaded
     module.load_state_dict(assigned, strict=True, assign=True)
 
 

@@ -522,8 +522,7 @@ class ModelReplica:
     def _require_finite(self, outcome: BatchOutcome) -> None:
         if not all(outcome.finite_rows):
             raise BundleError(
-                f"{self.bundle.directory.name}: warm-up on {self.worker.name} produced "
-                "non-finite scores"
+                f"{self.bundle.version}: warm-up on {self.worker.name} produced non-finite scores"
             )
 
     def measured_shape(self, memory_warm_up: str) -> tuple[int, int]:

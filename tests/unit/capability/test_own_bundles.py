@@ -185,6 +185,14 @@ def non_finite_head(bundle: Path) -> None:
     write_manifest(bundle)
 
 
+def overflowing_embeddings(bundle: Path) -> None:
+    """Finite weights whose computation overflows float32: refused only by the warm-up."""
+    embeddings = load_file(bundle / "embeddings.safetensors")
+    embeddings["embeddings.word_embeddings.weight"].fill_(3e38)
+    save_file(embeddings, bundle / "embeddings.safetensors")
+    write_manifest(bundle)
+
+
 @pytest.mark.parametrize(
     ("damage", "server_says"),
     [
@@ -197,14 +205,19 @@ def non_finite_head(bundle: Path) -> None:
             another_models_name,
             f"config.json: names model 'other-model', but the bundle sits under '{MODEL}'",
         ),
-        (non_finite_head, "1: warm-up on cpu:0 produced non-finite scores"),
+        (
+            non_finite_head,
+            "head.safetensors: tensor classifier.bias holds non-finite values (NaN or "
+            "infinity) as float32",
+        ),
+        (overflowing_embeddings, "1: warm-up on cpu:0 produced non-finite scores"),
         (
             lambda bundle: split_first_by(bundle, PANICS_ON_WARM_UP),
             "tokenizer.json: fails on the warm-up texts: the tokenizer panicked: Onig: Regex "
             "search error: retry-limit-in-match over",
         ),
     ],
-    ids=["labels", "name", "non-finite", "tokenizer-panic"],
+    ids=["labels", "name", "non-finite", "overflow", "tokenizer-panic"],
 )
 def test_verify_load_refuses_what_a_server_refuses_with_its_message(
     damage: Callable[[Path], None],

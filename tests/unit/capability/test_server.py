@@ -501,7 +501,7 @@ async def test_pickled_code_in_a_new_version_is_refused_and_never_runs(
     assert not marker.exists()
 
 
-async def test_version_whose_warm_up_scores_are_not_finite_is_refused(
+async def test_version_with_non_finite_weights_is_refused_naming_file_and_tensor(
     model_root: Path, tmp_path: Path, start_capability: StartCapability
 ) -> None:
     root = tmp_path / "models"
@@ -518,7 +518,7 @@ async def test_version_whose_warm_up_scores_are_not_finite_is_refused(
     error = await reload_refusal(server, "topic-static", "2")
 
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "non-finite" in (error.details() or "")
+    assert "head.safetensors: tensor prototypes holds non-finite values" in (error.details() or "")
 
 
 async def test_metrics_scrape_reports_queue_model_and_process_memory_series_on_cpu(
