@@ -16,7 +16,9 @@ fails, at its signature too, publishes nothing.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -57,6 +59,11 @@ from capability.model import (
 )
 
 MODEL_KINDS = ("topic-minilm", "topic-static")
+# renameat2(2), to publish a version folder without replacing one made meanwhile
+# (_publish); None where the C library has no such call.
+_RENAMEAT2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+_AT_FDCWD = -100  # paths relative to the working directory, as os.rename takes them
+_RENAME_NOREPLACE = 1
 HEAD_CHOICES = ("zero-shot", "linear-from-prototypes")
 
 
@@ -119,12 +126,37 @@ def build_bundle(
         for path in partial.iterdir():
             path.chmod(0o644)
         partial.chmod(0o755)
-        os.rename(partial, out_dir)
+        _publish(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     display.finish(f"{out_dir} (digest {digest})")
     return out_dir
+
+
+def _publish(partial: Path, out_dir: Path) -> None:
+    """Rename the finished `partial` folder to `out_dir`, never over anything there by
+    now (FileExistsError).
+
+    NOTE: os.rename replaces an empty directory, so a folder made at `out_dir` while the
+    bundle was written (a `mkdir` ahead of a copy, another build) vanished without a
+    word, past the check at the start; renameat2's RENAME_NOREPLACE refuses it. Where
+    that call is missing (not Linux) or the file system refuses the flag, the check is
+    made again just before a plain rename."""
+    if _RENAMEAT2 is not None:
+        done = _RENAMEAT2(
+            _AT_FDCWD, os.fsencode(partial), _AT_FDCWD, os.fsencode(out_dir), _RENAME_NOREPLACE
+        )
+        if done == 0:
+            return
+        error = ctypes.get_errno()
+        if error == errno.EEXIST:
+            raise FileExistsError(f"{out_dir} already exists; a version directory is written once")
+        if error not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(error, os.strerror(error), str(out_dir))
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; a version directory is written once")
+    os.rename(partial, out_dir)
 
 
 def _check_build_options(kind: str, head: str, precision: str, out_dir: Path) -> None:

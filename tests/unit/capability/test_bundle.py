@@ -14,6 +14,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -768,6 +770,35 @@ def test_cli_builds_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "manifest.json" in built.err  # the progress display
     assert bundle_cli(["verify", str(out)]) == 0
     assert capsys.readouterr().out.strip() == verify_bundle(out)
+
+
+def test_a_build_never_publishes_over_a_folder_made_while_it_wrote(tmp_path: Path) -> None:
+    """The folder was checked absent at the start, then renamed into place: rename
+    replaces an empty directory, so one made meanwhile (a `mkdir` ahead of a copy)
+    vanished without a word."""
+    out = tmp_path / "topic-static" / "2"
+    out.parent.mkdir(parents=True)
+    staging_seen = threading.Event()
+
+    def make_the_folder_once_the_build_stages() -> None:
+        # The build stages into `.2.partial-*` for as long as it writes 47 MB of weights.
+        for _ in range(60_000):
+            if any(out.parent.glob(".2.partial-*")):
+                out.mkdir()
+                staging_seen.set()
+                return
+            time.sleep(0.001)
+
+    racer = threading.Thread(target=make_the_folder_once_the_build_stages)
+    racer.start()
+    try:
+        with pytest.raises(FileExistsError, match=re.escape(f"{out} already exists")):
+            build_bundle("topic-static", out, progress=False)
+    finally:
+        racer.join()
+    assert staging_seen.is_set()
+    assert list(out.parent.iterdir()) == [out]  # the staging folder is gone
+    assert list(out.iterdir()) == []  # and the folder made meanwhile is left as it was
 
 
 def test_cli_verify_fails_naming_the_bad_file(
