@@ -23,10 +23,13 @@ class InternalTokenGate:
         self._token = token.encode()
 
     def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
-        sent = metadata.get(INTERNAL_TOKEN_HEADER, "").encode()
-        if not hmac.compare_digest(sent, self._token):
+        if not self.identifies(metadata):
             raise Unauthenticated("capability servers answer the orchestrator only")
         return ORCHESTRATOR
+
+    def identifies(self, metadata: Mapping[str, str]) -> bool:
+        sent = metadata.get(INTERNAL_TOKEN_HEADER, "").encode()
+        return hmac.compare_digest(sent, self._token)
 
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
         return RateAllowance(None, calls)  # overload is the bounded queue's job here

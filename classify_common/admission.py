@@ -71,6 +71,11 @@ class Gate(Protocol):
         header sent more than once reads REPEATED_CREDENTIAL)."""
         ...
 
+    def identifies(self, metadata: Mapping[str, str]) -> bool:
+        """Whether `authenticate` would accept the caller, without counting, binding or
+        logging anything."""
+        ...
+
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
         """Take one token per call (a batch item is a call) from the tenant's allowance;
         raise when not even one is left. Only the front door asks: an internal server
@@ -111,6 +116,11 @@ class Admission(Protocol):
         checked before validation. Always raises."""
         ...
 
+    def identifies(self, headers: Mapping[str, str]) -> bool:
+        """Whether the caller's credentials would pass (no gate: anyone's), deciding
+        nothing: the gate's own step still authenticates the call."""
+        ...
+
 
 # Checks a parsed request against the contract, recording on the span how it broke.
 Validator = Callable[[Any, trace.Span], BatchIntake]
@@ -131,6 +141,9 @@ class _MethodChecks:
         self._gate = gate
         self._is_batch = method in BATCH_METHODS
         self._validate: Validator = _validate_batch if self._is_batch else _validate_single
+
+    def identifies(self, headers: Mapping[str, str]) -> bool:
+        return self._gate is None or self._gate.identifies(headers)
 
     def _calls_in(self, request: Any) -> int:
         """How many calls a request counts as: one per item for a batch, and one for a

@@ -178,7 +178,7 @@ class Node:
 NODES: tuple[Node, ...] = (
     Node(1, GRPC_RECEIVE, "orchestrator", "parsing the request message and its metadata",
          (NETWORK_PEER_ADDRESS, NETWORK_PEER_PORT, RPC_METHOD, USER_AGENT_ORIGINAL,
-          CLASSIFY_REQUEST_BYTES)),
+          CLASSIFY_REQUEST_BYTES, CLASSIFY_OUTCOME)),
     Node(2, AUTH_VALIDATE, "orchestrator", "checking the API key",
          (CLASSIFY_TENANT, CLASSIFY_OUTCOME)),
     Node(3, RATE_LIMIT_CHECK, "orchestrator", "taking a token from the tenant's bucket",
@@ -199,7 +199,7 @@ NODES: tuple[Node, ...] = (
          "parsing, internal-token check and validation on the capability server",
          (NETWORK_PEER_ADDRESS, NETWORK_PEER_PORT, RPC_METHOD, USER_AGENT_ORIGINAL,
           CLASSIFY_REQUEST_BYTES, CLASSIFY_BATCH_INDEX, CLASSIFY_VIOLATIONS,
-          CLASSIFY_VIOLATION_FIELDS)),
+          CLASSIFY_VIOLATION_FIELDS, CLASSIFY_OUTCOME)),
     Node(9, TOKENIZE, "capability", "turning the text into token IDs",
          (CLASSIFY_TOKENS, CLASSIFY_TRUNCATED)),
     Node(10, QUEUE_ADMIT, "capability", "admission to the worker's bounded queue",

@@ -91,6 +91,13 @@ class CallerGate:
             request_trace.log_fields.update(tenant=caller.tenant, key_id=caller.key_id)
         return caller.tenant
 
+    def identifies(self, metadata: Mapping[str, str]) -> bool:
+        try:
+            self._identify(metadata)
+        except Unauthenticated:
+            return False
+        return True
+
     async def check_rate_limit(self, tenant: str, calls: int = 1) -> RateAllowance:
         if self._backlog is not None:
             try:

@@ -75,8 +75,16 @@ async def test_every_node_emits_the_attributes_its_table_row_lists(
     assert await classify(orchestrator.port, text=" ") == invalid
     retried = await orchestrator_with(dead_primary_with_fallback(capability.port))
     assert await classify(retried.port) == ok  # upstream_call's retry and fallback reasons
-    limited, _ = await secured("tenants:\n  acme: {rate_per_second: 1, burst: 5}\n")
+    limited, internal = await secured("tenants:\n  acme: {rate_per_second: 1, burst: 5}\n")
     assert await classify(limited.port, metadata=bearer(ACME_KEY)) == ok  # tokens_left
+    # The receive nodes' mark of a large message left unread: no key, no token.
+    for refusing in (limited, internal):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{refusing.port}") as channel:
+            raw: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+                "/ai.classify.v1.ClassifyService/ClassifyBatch"
+            )
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await raw(b"\x0a\x00" * 40_000, timeout=30)
     # An item's own capability_receive: its index, and its violations when refused.
     await classify_batch(capability_stub, [pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest()])
     # capability_receive's violation fields, on a whole call

@@ -717,6 +717,47 @@ async def test_an_operator_call_through_the_orchestrator_is_one_trace_in_both_pr
     assert len({span.context.trace_id for span in servers() if span.context is not None}) == 1
 
 
+async def test_a_large_message_is_not_parsed_for_a_caller_the_gate_refuses(
+    secured: Start, span_exporter: InMemorySpanExporter
+) -> None:
+    """40,000 empty items (80 KB): without a key (or, at the capability, the token) the
+    message is never parsed (an 8 MiB one held the event loop 0.4 s), and the call is
+    refused for its credentials as any call is. With a key it is read, and refused for
+    its item count."""
+    orchestrator, capability = await secured()
+    flood = b"\x0a\x00" * 40_000
+    batch_method = "/ai.classify.v1.ClassifyService/ClassifyBatch"
+    span_exporter.clear()
+    refused = []
+    for server, metadata in (
+        (orchestrator, ()),
+        (capability, ()),
+        (orchestrator, bearer(ACME_KEY)),
+    ):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            raw: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(batch_method)
+            refused.append(await refusal(raw(flood, metadata=metadata, timeout=10)))
+    assert [error.code() for error in refused] == [
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ]
+    assert metric_sum(orchestrator.registry, AUTH_FAILURES_TOTAL, reason="missing_key") == 1
+
+    def receive_outcomes(name: str) -> list[object]:
+        return [
+            (span.attributes or {}).get("classify.outcome")
+            for span in span_exporter.get_finished_spans()
+            if span.name == name
+        ]
+
+    await wait_until(lambda: len(receive_outcomes("grpc_receive")) == 2, "both front-door calls")
+    assert sorted(receive_outcomes("grpc_receive"), key=str) == [None, "not_read"]
+    await wait_until(
+        lambda: receive_outcomes("capability_receive") == ["not_read"], "the capability"
+    )
+
+
 async def test_a_callers_baggage_is_not_read_at_the_front_door(
     secured: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
