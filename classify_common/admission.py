@@ -190,6 +190,13 @@ class FrontDoorAdmission(_MethodChecks):
             if self._is_batch:
                 _ignore_callers_cache_scopes(request)
             intake = self._validate(request, span)
+            # What the contract does not name goes no further: a request's unknown fields
+            # travelled upstream, megabytes of them beside a short text, and merged calls
+            # of such requests passed the capability's message limit (their texts'
+            # characters, which the coalescer bounds, were far within it). After the
+            # batch rules (at most 1,024 items to walk): 0.2 us a request, 4 us a batch
+            # of 64.
+            request.DiscardUnknownFields()
         if allowance.refusal is not None:
             # An item past the allowance is refused for it whatever else it broke, as
             # a single call of it would be: the rate limit is checked first.

@@ -10,7 +10,8 @@ server, so its answers are real ones; with `load_report` set, it sends that
 LoadReport with them instead of the capability's (a pod reporting a long queue);
 with `answering` cleared, its calls wait until it is set again (a stalled pod);
 with `delay_seconds`, each call waits that long before it is passed on (a slow
-pod).
+pod); with `max_receive_bytes`, gRPC itself refuses a larger request message, as it
+does past a server's limit.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ Handler = Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[by
 
 class FlakyPod(grpc.GenericRpcHandler):
     def __init__(
-        self, capability_port: int, host: str = "127.0.0.1", *, failing: bool = True
+        self,
+        capability_port: int,
+        host: str = "127.0.0.1",
+        *,
+        failing: bool = True,
+        max_receive_bytes: int | None = None,
     ) -> None:
         self.failing = failing
         # When set, the LoadReport trailer the pod sends with every answer in place of
@@ -57,7 +63,10 @@ class FlakyPod(grpc.GenericRpcHandler):
         self.answered = 0
         self._host = host
         self._upstream = grpc.aio.insecure_channel(f"127.0.0.1:{capability_port}")
-        self._server = grpc.aio.server()
+        limit = () if max_receive_bytes is None else (max_receive_bytes,)
+        self._server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", size) for size in limit]
+        )
         self._server.add_generic_rpc_handlers((self,))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

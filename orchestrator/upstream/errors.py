@@ -63,7 +63,14 @@ MISCONFIGURATION_CAUSES = {
         "the replica does not serve the backend's model: routes.yaml names a model "
         "that replica was not started with (its --models), or the name is misspelt"
     ),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        "gRPC refused a message of the call as larger than its limit: no code of "
+        "ours sent this refusal, and sending the call again cannot succeed"
+    ),
 }
+# What gRPC's own refusal of a message past its size limit says ("Received message
+# larger than max (N vs. M)", or "Sent ..." on this side).
+_TOO_LARGE = "larger than max"
 
 
 def _upstream_details(error: grpc.aio.AioRpcError) -> list[object]:
@@ -125,7 +132,7 @@ def _translate(
     *,
     classifying: bool = True,
 ) -> ServiceError:
-    error = _error_for(code, details, backend, classifying)
+    error = _error_for(code, message, details, backend, classifying)
     fields = {"backend": backend, "target": target, "code": code.name, "details": message}
     if isinstance(error, (InternalError, ModelNotServed)):
         # No exception of ours: the lifecycle logs no `unhandled error` line for it, so
@@ -141,9 +148,16 @@ def _translate(
 
 
 def _error_for(
-    code: grpc.StatusCode, details: list[object], backend: str, classifying: bool
+    code: grpc.StatusCode, message: str, details: list[object], backend: str, classifying: bool
 ) -> ServiceError:
     where = {"backend": backend, "upstream_code": code.name}
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not details and _TOO_LARGE in message:
+        # gRPC's own refusal of a message past its size limit, not a capability's of
+        # load (which always names its reason): the same call can never succeed, and
+        # says nothing of the backend's load. Taken for overload, it was retried, spent
+        # the route's retry budget and shrank the backend's adaptive limit, and other
+        # tenants' calls were refused for it.
+        return InternalError(f"backend {backend} refused the call as too large", **where)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         # Paths relative to the text sent: a capability names a batch item's fields
         # `items[j].…`, j its place in a call the orchestrator made, not the caller's.

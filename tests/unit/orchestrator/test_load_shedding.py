@@ -482,3 +482,53 @@ async def test_a_full_capability_queue_keeps_its_reason_in_retries_fallbacks_and
     assert metric_sum(registry, MODEL_FALLBACK_TOTAL, **fallback, reason="OVERLOADED") == 0
     retried = {"route": "spilling", "backend": "full"}
     assert metric_sum(registry, UPSTREAM_RETRIES_TOTAL, **retried, reason="QUEUE_FULL") == 1
+
+
+def unknown_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field `number` no message of the contract names, as bytes."""
+
+    def varint(value: int) -> bytes:
+        out = b""
+        while value > 0x7F:
+            out += bytes((value & 0x7F | 0x80,))
+            value >>= 7
+        return out + bytes((value,))
+
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+async def test_unknown_fields_are_not_sent_upstream_and_a_size_refusal_is_no_overload(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """A pod whose gRPC takes messages of 4 KiB at most. A short text padded with 100 KB
+    of an unknown field was sent on whole (merged, such requests passed the capability's
+    limit and other tenants' calls were refused as overloaded); it is answered now. A
+    text of 5,000 characters the pod's gRPC refuses itself: no load of the backend's,
+    so INTERNAL, neither retried nor shrinking the backend's concurrency limit."""
+    pod = FlakyPod(capability.port, failing=False, max_receive_bytes=4096)
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        f"backends:\n  small: {{model: topic-minilm, targets: ['{pod.address}']}}\n"
+        "routes:\n  - {name: default, backend: small, retry: {max_attempts: 3}}\n"
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            classify: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+                "/ai.classify.v1.ClassifyService/Classify"
+            )
+            padded = pb.ClassifyRequest(text=STRIKER).SerializeToString()
+            padded += unknown_field(1000, b"x" * 100_000)
+            answer = pb.ClassifyResponse.FromString(await classify(padded, timeout=10))
+            too_large = pb.ClassifyRequest(text="word " * 1_000).SerializeToString()
+            refused = await refusal(classify(too_large, timeout=10))
+        limit = metric_sum(server.registry, BACKEND_CONCURRENCY_LIMIT, backend="small")
+    finally:
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert answer.labels[0].name == "sports"
+    assert refused.code() == grpc.StatusCode.INTERNAL
+    assert metric_sum(server.registry, UPSTREAM_RETRIES_TOTAL) == 0
+    assert limit == DEFAULT_CONCURRENCY.max_limit
