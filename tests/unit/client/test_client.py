@@ -37,6 +37,8 @@ from classify_client import (
     Unavailable,
     pb,
 )
+from classify_client._shared import POLLS_AT_ONCE
+from classify_client.errors import STATUS_DETAILS_TRAILER
 from classify_client.gen.ai.classify.v1 import classify_service_pb2_grpc as pb_grpc
 from orchestrator.metrics import (
     LATE_ARRIVAL_SHARE,
@@ -711,6 +713,68 @@ async def test_one_items_long_pushback_holds_back_no_other_items_retry(kind: str
     assert answered.response.labels[0].name == "sports"
     assert pushed_back.error is not None
     assert pushed_back.error.reason == "RATE_LIMITED"
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(servicer: pb_grpc.ClassifyServiceServicer) -> AsyncIterator[str]:
+    """A ClassifyService on a loopback port that answers as `servicer` scripts; its address."""
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=0)
+
+
+class RefusedPolls(ScriptedBatches):
+    """Every batch item answered PROCESSING; every GetResult refused RATE_LIMITED with a
+    RetryInfo of a minute, past any test's deadline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls = 0
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        return pb.ClassifyBatchResponse(
+            results=[
+                pb.ClassifyBatchResult(
+                    response=pb.ClassifyResponse(
+                        status=pb.RESULT_STATUS_PROCESSING, request_id=f"item-{number}"
+                    )
+                )
+                for number in range(len(request.items))
+            ]
+        )
+
+    async def GetResult(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GetResultRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        self.polls += 1
+        refusal = refusal_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", 60_000)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            refusal.message,
+            trailing_metadata=((STATUS_DETAILS_TRAILER, refusal.SerializeToString()),),
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_refused_poll_keeps_the_rest_of_its_round_from_being_sent(kind: str) -> None:
+    """The asyncio client recorded its polls only once the whole round had ended, so
+    each of the round's 40 polls was sent into a refusal it already had."""
+    scripted = RefusedPolls()
+    async with (
+        scripted_server(scripted) as address,
+        batch_client(kind, address) as classify_batch,
+    ):
+        items = await classify_batch(["x"] * 40, wait=True, timeout=5)
+    assert {type(item.error) for item in items} == {StillProcessing}
+    # The polls already in flight when the first refusal came, and none after it.
+    assert 1 <= scripted.polls <= POLLS_AT_ONCE
 
 
 async def test_a_client_certificate_gets_through_a_front_door_that_asks_for_one(

@@ -270,21 +270,20 @@ class AsyncClassifyClient:
         # with under 10 ms left, which it counts against the tenant (FRONT_DOOR_BUSY).
         sending = asyncio.Semaphore(POLLS_AT_ONCE)
 
-        async def poll(request_id: str) -> pb.ClassifyResponse | ClassifyError | None:
+        async def poll(index: int, request_id: str) -> None:
             async with sending:
                 if not deadline.allows_wait(0) or polls.pushed_back:
                     # Not sent: no time to answer it (StillProcessing), or a poll of this
                     # round was refused with a RetryInfo delay (the next round asks).
-                    return None
-                return await self._poll_result(request_id, deadline)
+                    return
+                # Recorded as soon as it ends, not after the whole round: the polls
+                # still queued for the semaphore must see a refusal's pushback. Recorded
+                # after gather, every poll of a round was sent into a known refusal.
+                polls.record(index, await self._poll_result(request_id, deadline))
 
         while (wait := polls.wait_before_next_round(deadline)) is not None:
             await asyncio.sleep(wait)
-            due = polls.due()
-            outcomes = await asyncio.gather(*(poll(request_id) for _, request_id in due))
-            for (index, _), outcome in zip(due, outcomes, strict=True):
-                if outcome is not None:
-                    polls.record(index, outcome)
+            await asyncio.gather(*(poll(index, request_id) for index, request_id in polls.due()))
         return items
 
     async def _poll_result(
