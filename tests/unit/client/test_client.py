@@ -907,6 +907,97 @@ async def test_a_call_on_a_closed_client_raises_value_error_saying_so(kind: str)
         client.get_result("any-1")
 
 
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_wait_for_connection_on_a_closed_client_raises_value_error_saying_so(
+    kind: str,
+) -> None:
+    """The sync client's gRPC thread died with a traceback and it said False after the
+    whole timeout; the asyncio client raised gRPC's UsageError."""
+    address = f"127.0.0.1:{closed_port()}"
+    if kind == "asyncio":
+        aio_client = AsyncClassifyClient(address)
+        await aio_client.close()
+        with pytest.raises(ValueError, match=r"^the client is closed"):
+            await aio_client.wait_for_connection(5)
+        return
+    client = ClassifyClient(address)
+    client.close()
+    with pytest.raises(ValueError, match=r"^the client is closed"):
+        client.wait_for_connection(5)
+
+
+class HeldOrRefused(ScriptedBatches):
+    """Classify calls held unanswered until cancelled; with `refuse`, each refused
+    RATE_LIMITED with a RetryInfo of 300 ms instead."""
+
+    def __init__(self, *, refuse: bool = False) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    async def Classify(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyResponse:
+        self.calls += 1
+        if not self.refuse:
+            await asyncio.Event().wait()  # until the call is cancelled
+        refusal = refusal_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", 300)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            refusal.message,
+            trailing_metadata=((STATUS_DETAILS_TRAILER, refusal.SerializeToString()),),
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_client_closed_under_a_call_in_flight_ends_it_with_value_error(
+    kind: str,
+) -> None:
+    """The sync client raised InternalError (CANCELLED), which says the server has a
+    bug; the asyncio client a bare CancelledError into a task nobody cancelled."""
+    scripted = HeldOrRefused()
+    async with scripted_server(scripted) as address:
+        if kind == "asyncio":
+            aio_client = AsyncClassifyClient(address)
+            calling = asyncio.ensure_future(aio_client.classify(STRIKER, request_id="closed-1"))
+            await wait_until(lambda: scripted.calls == 1, "the call reached the server")
+            await aio_client.close()
+        else:
+            client = ClassifyClient(address)
+            calling = asyncio.ensure_future(
+                asyncio.to_thread(client.classify, STRIKER, request_id="closed-1")
+            )
+            await wait_until(lambda: scripted.calls == 1, "the call reached the server")
+            client.close()
+        with pytest.raises(ValueError, match=r"^the client is closed") as closed:
+            await calling
+    assert closed.value.__notes__ == ["the call was sent under request ID closed-1"]
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_client_closed_while_a_call_waits_to_retry_ends_it_with_value_error(
+    kind: str,
+) -> None:
+    """After its backoff the retry met gRPC's own refusal of the closed channel: a
+    ValueError about an RPC, or (asyncio) a UsageError, no ValueError at all."""
+    scripted = HeldOrRefused(refuse=True)
+    closing: list[asyncio.Task[None]] = []
+    async with scripted_server(scripted) as address:
+        if kind == "asyncio":
+
+            def close_during_the_backoff(_: RetryEvent) -> None:
+                closing.append(asyncio.get_running_loop().create_task(aio_client.close()))
+
+            aio_client = AsyncClassifyClient(address, on_retry=close_during_the_backoff)
+            with pytest.raises(ValueError, match=r"^the client is closed") as closed:
+                await aio_client.classify(STRIKER, request_id="closed-2")
+        else:
+            client = ClassifyClient(address, on_retry=lambda _: client.close())
+            with pytest.raises(ValueError, match=r"^the client is closed") as closed:
+                await asyncio.to_thread(client.classify, STRIKER, request_id="closed-2")
+    assert scripted.calls == 1
+    assert closed.value.__notes__ == ["the call was sent under request ID closed-2"]
+
+
 async def test_an_api_key_is_sent_without_surrounding_whitespace_and_a_blank_one_refused(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:

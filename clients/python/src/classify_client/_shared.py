@@ -341,6 +341,17 @@ def refused_alone(
 CLIENT_CLOSED = "the client is closed: make a new one"
 
 
+def client_closed(request_id: str = "") -> ValueError:
+    """The error of a call on a closed client, also of one the client was closed under
+    (in flight, or waiting to retry or poll), naming the `request_id` it was sent
+    under. gRPC's own words for it were a ValueError or UsageError about the channel,
+    or, for a call in flight, CANCELLED, which read as the server's bug."""
+    error = ValueError(CLIENT_CLOSED)
+    if request_id:
+        error.add_note(f"the call was sent under request ID {request_id}")
+    return error
+
+
 def refuse_single_text(texts: Sequence[str]) -> None:
     """A str is a Sequence[str] of its characters; classifying each one is never meant."""
     if isinstance(texts, str):

@@ -23,7 +23,6 @@ import grpc
 from google.protobuf.message import Message
 
 from classify_client._shared import (
-    CLIENT_CLOSED,
     CLIENT_TIMEOUT,
     DEFAULT_TARGET,
     DEFAULT_TIMEOUT_SECONDS,
@@ -39,6 +38,7 @@ from classify_client._shared import (
     channel_credentials,
     checked_batch_request_id,
     checked_target,
+    client_closed,
     new_request_id,
     record_batch,
     record_failed_call,
@@ -123,10 +123,19 @@ class AsyncClassifyClient:
     async def wait_for_connection(self, timeout: float) -> bool:
         """Whether the channel connects (and completes TLS, where set) within `timeout`
         seconds (see ClassifyClient.wait_for_connection)."""
+        self._refuse_if_closed()  # gRPC's own refusal is its UsageError
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except TimeoutError:
             return False
+        except grpc.aio.UsageError as failure:
+            if self._closed:
+                raise client_closed() from failure
+            raise
+        except asyncio.CancelledError:
+            if self._closed_under_this_task():
+                raise client_closed() from None
+            raise
         return True
 
     async def classify(
@@ -314,6 +323,8 @@ class AsyncClassifyClient:
         attempts = attempts or Attempts()
         wait_for_ready = False
         while True:
+            # Closed while this call waited to retry (or, for a poll, for its round).
+            self._refuse_if_closed(request_id)
             attempts.made += 1
             try:
                 return await rpc(
@@ -322,6 +333,15 @@ class AsyncClassifyClient:
                     metadata=metadata,
                     wait_for_ready=wait_for_ready,
                 )
+            except grpc.aio.UsageError as failure:
+                # gRPC's refusal of a channel closed since the check above.
+                if self._closed:
+                    raise client_closed(request_id) from failure
+                raise
+            except asyncio.CancelledError:
+                if self._closed_under_this_task():
+                    raise client_closed(request_id) from None
+                raise
             except grpc.RpcError as failure:
                 error = error_from_rpc(failure, request_id)
                 attempts.record_failure(error)
@@ -335,13 +355,23 @@ class AsyncClassifyClient:
             # without one stays fail-fast, never to wait for ever on a server gone).
             wait_for_ready = is_connection_failure(error) and deadline.remaining() is not None
 
+    def _closed_under_this_task(self) -> bool:
+        """Whether a CancelledError is the closing of the channel under a call in flight,
+        not this task's cancellation: grpc.aio cancels the calls of a channel it closes,
+        which reached a caller that never cancelled anything as a bare CancelledError."""
+        task = asyncio.current_task()
+        return self._closed and (task is None or task.cancelling() == 0)
+
     def _notify(self, event: RetryEvent) -> None:
         if self._on_retry is not None:
             self._on_retry(event)
 
+    def _refuse_if_closed(self, request_id: str = "") -> None:
+        if self._closed:
+            raise client_closed(request_id)
+
     def _start_call(self, timeout: float | _UseClientTimeout | None) -> Deadline:
         """The deadline of a call that starts now; first of all, a closed client refuses
         it (gRPC's own refusal differs: ValueError, or the asyncio channel's UsageError)."""
-        if self._closed:
-            raise ValueError(CLIENT_CLOSED)
+        self._refuse_if_closed()
         return Deadline(self._timeout if isinstance(timeout, _UseClientTimeout) else timeout)

@@ -23,7 +23,6 @@ import grpc
 from google.protobuf.message import Message
 
 from classify_client._shared import (
-    CLIENT_CLOSED,
     CLIENT_TIMEOUT,
     DEFAULT_TARGET,
     DEFAULT_TIMEOUT_SECONDS,
@@ -38,6 +37,7 @@ from classify_client._shared import (
     channel_credentials,
     checked_batch_request_id,
     checked_target,
+    client_closed,
     new_request_id,
     record_batch,
     record_failed_call,
@@ -123,6 +123,9 @@ class ClassifyClient:
         seconds. A caller about to send many calls under one long deadline can check
         this first: a server that is down then fails it in `timeout`, where the calls
         would wait for it to come up until their deadline."""
+        # NOTE: on a closed channel gRPC's readiness thread died with a traceback, and
+        # this waited all of `timeout` to say False.
+        self._refuse_if_closed()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -300,6 +303,8 @@ class ClassifyClient:
         attempts = attempts or Attempts()
         wait_for_ready = False
         while True:
+            # Closed while this call waited to retry (or, for a poll, for its round).
+            self._refuse_if_closed(request_id)
             attempts.made += 1
             try:
                 return rpc(
@@ -308,7 +313,14 @@ class ClassifyClient:
                     metadata=metadata,
                     wait_for_ready=wait_for_ready,
                 )
+            except ValueError as failure:
+                # gRPC's refusal of a channel closed since the check above.
+                if self._closed:
+                    raise client_closed(request_id) from failure
+                raise
             except grpc.RpcError as failure:
+                if self._closed and failure.code() == grpc.StatusCode.CANCELLED:
+                    raise client_closed(request_id) from failure  # closed while in flight
                 error = error_from_rpc(failure, request_id)
                 attempts.record_failure(error)
                 delay = (retry or self._retry).delay_before_retry(error, attempts.made)
@@ -325,9 +337,12 @@ class ClassifyClient:
         if self._on_retry is not None:
             self._on_retry(event)
 
+    def _refuse_if_closed(self, request_id: str = "") -> None:
+        if self._closed:
+            raise client_closed(request_id)
+
     def _start_call(self, timeout: float | _UseClientTimeout | None) -> Deadline:
         """The deadline of a call that starts now; first of all, a closed client refuses
         it (gRPC's own refusal differs: ValueError, or the asyncio channel's UsageError)."""
-        if self._closed:
-            raise ValueError(CLIENT_CLOSED)
+        self._refuse_if_closed()
         return Deadline(self._timeout if isinstance(timeout, _UseClientTimeout) else timeout)
