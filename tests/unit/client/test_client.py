@@ -880,6 +880,30 @@ def test_tls_files_that_cannot_work_are_refused_when_the_client_is_made(
         )
 
 
+@pytest.mark.parametrize(
+    ("target", "refusal"),
+    [
+        ("127.0.0.1:99999?x=1", "holds '?'"),
+        ("dns:///127.0.0.1:99999#f", "holds '#'"),
+        ("127.0.0.1:99999 ", "holds ' '"),
+        ("127.0.0.1:+99999", "port '+99999' is not a number 1 to 65535"),
+        ("[::1]:99999x", "port '99999x' is not a number 1 to 65535"),
+        ("127.0.0.1:\u0664\u0664\u0663", "is not a number 1 to 65535"),  # Arabic-Indic 443
+    ],
+    ids=["query", "fragment", "whitespace", "plus", "suffix", "non-ascii-digits"],
+)
+def test_a_target_whose_port_grpc_would_wrap_is_refused_however_it_is_written(
+    target: str, refusal: str
+) -> None:
+    """The port check read the text as written, while gRPC drops a query, a fragment
+    and trailing whitespace first (and int() takes a sign): each of these dialled
+    127.0.0.1:34463, a port nobody named."""
+    refused = f"^target {re.escape(repr(target))}.*{re.escape(refusal)}"
+    for client in (ClassifyClient, AsyncClassifyClient):
+        with pytest.raises(ValueError, match=refused):
+            client(target)
+
+
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
 async def test_a_text_utf8_cannot_carry_is_refused_naming_it(kind: str) -> None:
     """protobuf's bare UnicodeEncodeError named neither the text nor the argument."""

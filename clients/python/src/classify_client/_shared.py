@@ -50,14 +50,26 @@ STILL_PROCESSING = "the result was still PROCESSING when the deadline came"
 _PORTLESS_SCHEMES = ("unix:", "unix-abstract:")
 _ADDRESS_SCHEMES = ("dns:", "ipv4:", "ipv6:")
 _PORTS = range(1, 65536)
+# A port as gRPC reads it: ASCII digits only (int() would also take "+99999", " 99999"
+# and other scripts' digits, and the check pass what gRPC then dials modulo 65536).
+_PORT_DIGITS = re.compile(r"[0-9]{1,5}")
+# What a target may not hold: gRPC drops a URI's query or fragment, and trailing
+# whitespace, before it reads the port, which a check of the text would not see.
+_NOT_IN_A_TARGET = re.compile(r"[?#\s]")
 
 
 def checked_target(target: str) -> str:
     """`target` (host:port, [v6]:port, or a gRPC URI such as dns:///host:port or
-    ipv4:a.b.c.d:port,...) unless a port it names is outside 1..65535: gRPC takes such a
-    port modulo 65536 and dials another (127.0.0.1:99999 is 127.0.0.1:34463)."""
+    ipv4:a.b.c.d:port,...) unless it holds a query, a fragment or whitespace, or a port
+    it names is not a number in 1..65535: gRPC takes such a port modulo 65536 and
+    dials another (127.0.0.1:99999 is 127.0.0.1:34463, and so was 127.0.0.1:99999?x=1)."""
     if target.startswith(_PORTLESS_SCHEMES):
         return target
+    if (found := _NOT_IN_A_TARGET.search(target)) is not None:
+        raise ValueError(
+            f"target {target!r} holds {found.group()!r}: a target is host:port or a gRPC "
+            "URI, without a query, a fragment or whitespace"
+        )
     addresses = target.rsplit("/", 1)[-1]  # dns:///host:port, dns://resolver/host:port
     for scheme in _ADDRESS_SCHEMES:
         addresses = addresses.removeprefix(scheme)
@@ -68,7 +80,11 @@ def checked_target(target: str) -> str:
             port = address.split(":", 1)[1]
         else:
             port = ""  # no port (gRPC's default), or an IPv6 address without brackets
-        if port.isdigit() and int(port) not in _PORTS:
+        if not port:
+            continue
+        if _PORT_DIGITS.fullmatch(port) is None:
+            raise ValueError(f"target {target!r}: port {port!r} is not a number 1 to 65535")
+        if int(port) not in _PORTS:
             raise ValueError(f"target {target!r}: port {port} is outside 1..65535")
     return target
 
