@@ -26,6 +26,7 @@ from classify_client import (
     BatchItem,
     ClassifyClient,
     DeadlineExpired,
+    InternalError,
     InvalidRequest,
     PollPolicy,
     RateLimited,
@@ -775,6 +776,36 @@ async def test_a_refused_poll_keeps_the_rest_of_its_round_from_being_sent(kind: 
     assert {type(item.error) for item in items} == {StillProcessing}
     # The polls already in flight when the first refusal came, and none after it.
     assert 1 <= scripted.polls <= POLLS_AT_ONCE
+
+
+class OneResultShort(ScriptedBatches):
+    """Every ClassifyBatch call answered with one result fewer than it has items."""
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        done = pb.ClassifyResponse(status=pb.RESULT_STATUS_DONE)
+        return pb.ClassifyBatchResponse(
+            results=[pb.ClassifyBatchResult(response=done) for _ in request.items[1:]]
+        )
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_batch_answer_short_of_a_result_raises_internal_error_naming_the_call(
+    kind: str,
+) -> None:
+    """zip(strict=True) raised a bare ValueError, as if the caller's arguments were wrong,
+    and the call's request ID was lost."""
+    async with (
+        scripted_server(OneResultShort()) as address,
+        batch_client(kind, address) as classify_batch,
+    ):
+        with pytest.raises(InternalError) as short:
+            await classify_batch(["a", "b", "c"], request_id="short-1", timeout=5)
+    assert (short.value.code, short.value.request_id) == (grpc.StatusCode.INTERNAL, "short-1")
+    assert short.value.message == (
+        "ClassifyBatch answered 2 results for 3 items: the contract gives one per item, in order"
+    )
 
 
 async def test_a_client_certificate_gets_through_a_front_door_that_asks_for_one(

@@ -20,6 +20,7 @@ from classify_client.errors import (
     REQUEST_ID_HEADER,
     RESULT_TRACE_ID,
     ClassifyError,
+    InternalError,
     StillProcessing,
     error_from_status,
 )
@@ -301,6 +302,22 @@ def renumbered(error: ClassifyError, sent_as: str, caller_s: str) -> ClassifyErr
     error.message = error.message.replace(sent_as, caller_s)
     error.args = (error.message,)
     return error
+
+
+def check_batch_answer(
+    sent: list[int], response: pb.ClassifyBatchResponse, request_id: str
+) -> None:
+    """Refuse a ClassifyBatch answer without exactly one result per item `sent`, as the
+    server's bug, under the call's `request_id`: the contract pairs them by position,
+    so no result could be given to its item (record_batch's zip raised a bare
+    ValueError, which no caller expects of a call)."""
+    if len(response.results) != len(sent):
+        raise InternalError(
+            f"ClassifyBatch answered {len(response.results)} results for {len(sent)} "
+            "items: the contract gives one per item, in order",
+            code=grpc.StatusCode.INTERNAL,
+            request_id=request_id,
+        )
 
 
 def record_batch(

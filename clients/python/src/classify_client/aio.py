@@ -36,6 +36,7 @@ from classify_client._shared import (
     call_metadata,
     channel_arguments,
     channel_credentials,
+    check_batch_answer,
     checked_batch_request_id,
     checked_target,
     client_closed,
@@ -244,6 +245,7 @@ class AsyncClassifyClient:
                     request_id,
                     attempts,
                 )
+                check_batch_answer(pending, response, request_id)
             except ClassifyError as error:
                 if not answered:
                     raise
