@@ -4,6 +4,7 @@ when given."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -75,6 +76,27 @@ def test_only_retryable_codes_are_retried_and_max_attempts_counts_the_first_try(
 def test_a_bad_retry_setting_is_refused_naming_it(settings: dict[str, float], named: str) -> None:
     with pytest.raises(ValueError, match=f"^{named} "):
         RetryPolicy(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("policy", "settings", "named"),
+    [
+        (RetryPolicy, {"initial_backoff_seconds": math.nan}, "initial_backoff_seconds nan"),
+        (RetryPolicy, {"max_backoff_seconds": math.inf}, "max_backoff_seconds inf"),
+        (RetryPolicy, {"multiplier": math.nan}, "multiplier nan"),
+        (RetryPolicy, {"pushback_jitter": math.nan}, "pushback_jitter nan"),
+        (PollPolicy, {"initial_interval_seconds": math.nan}, "initial_interval_seconds nan"),
+        (PollPolicy, {"max_interval_seconds": math.inf}, "max_interval_seconds inf"),
+        (PollPolicy, {"multiplier": math.inf}, "multiplier inf"),
+    ],
+)
+def test_a_policy_setting_that_is_not_finite_is_refused_naming_it(
+    policy: type[RetryPolicy | PollPolicy], settings: dict[str, float], named: str
+) -> None:
+    """NaN passed every bound check, and infinity all but one: a retry then died in
+    time.sleep (ValueError for NaN, OverflowError for infinity) or never came."""
+    with pytest.raises(ValueError, match=f"^{named} must be a finite number$"):
+        policy(**settings)  # type: ignore[arg-type]
 
 
 def test_polls_start_short_and_grow_to_the_longest_interval() -> None:

@@ -37,6 +37,7 @@ the service sends no poll interval, so the client starts at
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -69,6 +70,17 @@ DEFAULT_POLL_MAX_SECONDS = 1.0
 DEFAULT_POLL_MULTIPLIER = 1.5
 
 
+def refuse_non_finite(policy: object) -> None:
+    """Refuse a policy with a float field that is NaN or infinite, naming the field: NaN
+    passes every comparison its bounds are checked with, and either one then failed
+    the first retry inside time.sleep (ValueError, OverflowError) or made a retry
+    never happen, without a word."""
+    for setting in dataclasses.fields(policy):  # type: ignore[arg-type]
+        value = getattr(policy, setting.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{setting.name} {value!r} must be a finite number")
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and when a failed call is tried again."""
@@ -88,6 +100,7 @@ class RetryPolicy:
     random: Callable[[], float] = field(default=random.random, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         if not 1 <= self.max_attempts <= 10:
             raise ValueError(f"max_attempts {self.max_attempts} must be 1 to 10")
         if self.initial_backoff_seconds <= 0:
@@ -138,6 +151,7 @@ class PollPolicy:
     multiplier: float = DEFAULT_POLL_MULTIPLIER
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         if self.initial_interval_seconds <= 0:
             raise ValueError(
                 f"initial_interval_seconds {self.initial_interval_seconds} must be > 0"
