@@ -962,6 +962,17 @@ async def test_a_call_on_a_closed_client_raises_value_error_saying_so(kind: str)
         client.get_result("any-1")
 
 
+@pytest.mark.parametrize("client", [ClassifyClient, AsyncClassifyClient])
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_an_empty_api_key_is_refused_as_blank_not_sent_as_none(
+    client: type[ClassifyClient | AsyncClassifyClient], blank: str
+) -> None:
+    """A key of spaces was refused, but an empty one (a variable read with a default of
+    "") was sent as no key at all, to be refused UNAUTHENTICATED by the server."""
+    with pytest.raises(ValueError, match=r"^the API key is blank: pass None to send no key$"):
+        client(f"127.0.0.1:{closed_port()}", api_key=blank)
+
+
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
 async def test_wait_for_connection_on_a_closed_client_raises_value_error_saying_so(
     kind: str,

@@ -178,12 +178,13 @@ def check_certificate_and_key(cert_file: str | Path, key_file: str | Path) -> No
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The header that carries `api_key` (None or "": no key), without the whitespace
-    around it, as the CLI sends it: a key read from a file or a variable often ends in
-    a newline. A blank key is refused rather than sent as none without a word; a key
-    with a character a header value cannot hold (a newline, a non-ASCII letter) is
-    refused here: gRPC failed such a call as INTERNAL, which says a bug."""
-    if not api_key:
+    """The header that carries `api_key` (None: no key), without the whitespace around
+    it, as the CLI sends it: a key read from a file or a variable often ends in a
+    newline. A blank key, "" too, is refused rather than sent as none without a word
+    (`api_key=os.environ.get("KEY", "")` with the variable unset); a key with a
+    character a header value cannot hold (a newline, a non-ASCII letter) is refused
+    here: gRPC failed such a call as INTERNAL, which says a bug."""
+    if api_key is None:
         return ()
     api_key = api_key.strip()
     if not api_key:
