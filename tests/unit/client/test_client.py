@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -990,6 +991,24 @@ async def test_wait_for_connection_on_a_closed_client_raises_value_error_saying_
     client.close()
     with pytest.raises(ValueError, match=r"^the client is closed"):
         client.wait_for_connection(5)
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+@pytest.mark.parametrize("seconds", [None, math.nan, math.inf, 0, -1])
+async def test_wait_for_connection_refuses_a_timeout_that_is_no_bound(
+    kind: str, seconds: float | None
+) -> None:
+    """None and NaN waited for ever on a server that is down, where the check exists
+    to fail fast."""
+    refused = r"^wait_for_connection timeout .* must be a number of seconds above 0"
+    address = f"127.0.0.1:{closed_port()}"
+    if kind == "asyncio":
+        async with AsyncClassifyClient(address) as aio_client:
+            with pytest.raises(ValueError, match=refused):
+                await asyncio.wait_for(aio_client.wait_for_connection(seconds), 2)  # type: ignore[arg-type]
+        return
+    with ClassifyClient(address) as client, pytest.raises(ValueError, match=refused):
+        client.wait_for_connection(seconds)  # type: ignore[arg-type]
 
 
 class HeldOrRefused(ScriptedBatches):

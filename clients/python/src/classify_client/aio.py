@@ -57,6 +57,7 @@ from classify_client.retry import (
     PollPolicy,
     RetryEvent,
     RetryPolicy,
+    checked_connection_wait,
     checked_timeout,
     is_connection_failure,
 )
@@ -125,6 +126,7 @@ class AsyncClassifyClient:
         """Whether the channel connects (and completes TLS, where set) within `timeout`
         seconds (see ClassifyClient.wait_for_connection)."""
         self._refuse_if_closed()  # gRPC's own refusal is its UsageError
+        timeout = checked_connection_wait(timeout)
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except TimeoutError:

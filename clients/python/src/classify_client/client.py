@@ -56,6 +56,7 @@ from classify_client.retry import (
     PollPolicy,
     RetryEvent,
     RetryPolicy,
+    checked_connection_wait,
     checked_timeout,
     is_connection_failure,
 )
@@ -127,6 +128,7 @@ class ClassifyClient:
         # NOTE: on a closed channel gRPC's readiness thread died with a traceback, and
         # this waited all of `timeout` to say False.
         self._refuse_if_closed()
+        timeout = checked_connection_wait(timeout)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:

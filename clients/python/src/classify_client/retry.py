@@ -196,6 +196,18 @@ def checked_timeout(seconds: float | None) -> float | None:
     return seconds
 
 
+def checked_connection_wait(seconds: float) -> float:
+    """`seconds` if wait_for_connection can wait that long: above 0 and at most
+    MAX_TIMEOUT_SECONDS. Unlike a call's timeout, None is refused: it waited for ever
+    on a server that is down, the one thing the check is for (and NaN did the same)."""
+    if seconds is None or not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_SECONDS):
+        raise ValueError(
+            f"wait_for_connection timeout {seconds!r} must be a number of seconds above 0 "
+            f"and at most {MAX_TIMEOUT_SECONDS} (one year)"
+        )
+    return seconds
+
+
 def is_connection_failure(error: ClassifyError) -> bool:
     """Whether `error` is gRPC's own UNAVAILABLE: no server answered the attempt (none
     could be connected to, or the connection broke), so the server sent no ErrorInfo."""
