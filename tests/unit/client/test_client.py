@@ -1012,20 +1012,20 @@ async def test_wait_for_connection_refuses_a_timeout_that_is_no_bound(
 
 
 class HeldOrRefused(ScriptedBatches):
-    """Classify calls held unanswered until cancelled; with `refuse`, each refused
-    RATE_LIMITED with a RetryInfo of 300 ms instead."""
+    """Classify calls held unanswered until cancelled; with `retry_ms`, each refused
+    RATE_LIMITED with a RetryInfo of that many milliseconds instead."""
 
-    def __init__(self, *, refuse: bool = False) -> None:
+    def __init__(self, *, retry_ms: int | None = None) -> None:
         super().__init__()
-        self.refuse = refuse
+        self.retry_ms = retry_ms
 
     async def Classify(  # noqa: N802 - the gRPC method's name
         self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClassifyResponse:
         self.calls += 1
-        if not self.refuse:
+        if self.retry_ms is None:
             await asyncio.Event().wait()  # until the call is cancelled
-        refusal = refusal_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", 300)
+        refusal = refusal_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", self.retry_ms)
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             refusal.message,
@@ -1064,7 +1064,7 @@ async def test_a_client_closed_while_a_call_waits_to_retry_ends_it_with_value_er
 ) -> None:
     """After its backoff the retry met gRPC's own refusal of the closed channel: a
     ValueError about an RPC, or (asyncio) a UsageError, no ValueError at all."""
-    scripted = HeldOrRefused(refuse=True)
+    scripted = HeldOrRefused(retry_ms=300)
     closing: list[asyncio.Task[None]] = []
     async with scripted_server(scripted) as address:
         if kind == "asyncio":
@@ -1081,6 +1081,21 @@ async def test_a_client_closed_while_a_call_waits_to_retry_ends_it_with_value_er
                 await asyncio.to_thread(client.classify, STRIKER, request_id="closed-2")
     assert scripted.calls == 1
     assert closed.value.__notes__ == ["the call was sent under request ID closed-2"]
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_retry_info_delay_over_an_hour_is_not_waited_for_even_without_a_deadline(
+    kind: str,
+) -> None:
+    """With timeout=None the client waited out whatever the server said: a delay of 10^10 s
+    crashed the sync client's time.sleep with OverflowError, and the asyncio client
+    slept for centuries."""
+    scripted = HeldOrRefused(retry_ms=10**13)
+    async with scripted_server(scripted) as address:
+        with pytest.raises(RateLimited) as refused:
+            await asyncio.wait_for(classify_with(kind, address, STRIKER, timeout=None), 5)
+    assert scripted.calls == 1
+    assert (refused.value.retry_after_seconds, refused.value.attempts) == (1e10, 1)
 
 
 async def test_an_api_key_is_sent_without_surrounding_whitespace_and_a_blank_one_refused(

@@ -27,7 +27,7 @@ from classify_client._shared import (
     ProcessingPolls,
     batch_chunks,
 )
-from classify_client.retry import MIN_SECONDS_FOR_A_CALL, Deadline
+from classify_client.retry import MAX_RETRY_INFO_SECONDS, MIN_SECONDS_FOR_A_CALL, Deadline
 
 
 def refused(code: grpc.StatusCode, retry_after: float | None = None) -> ClassifyError:
@@ -186,6 +186,26 @@ def test_what_the_same_call_would_meet_again_is_not_retried() -> None:
     )
     assert policy.delay_before_retry(stored, 1) is None
     assert policy.delay_before_retry(refused(grpc.StatusCode.UNAVAILABLE), 1) is not None
+
+
+def test_a_retry_info_delay_over_an_hour_is_not_waited_for_even_without_a_deadline() -> None:
+    """Waited out with no deadline, 10^10 s crashed time.sleep (OverflowError), and any
+    long delay held the call for as long."""
+    policy = RetryPolicy(random=lambda: 0.0)
+    hour = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, MAX_RETRY_INFO_SECONDS)
+    assert policy.delay_before_retry(hour, 1) == MAX_RETRY_INFO_SECONDS
+    longer = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, MAX_RETRY_INFO_SECONDS + 1)
+    assert policy.delay_before_retry(longer, 1) is None
+    # A poll so refused ends its item StillProcessing (the result is kept), naming it.
+    processing = pb.ClassifyResponse(request_id="r-1", status=pb.RESULT_STATUS_PROCESSING)
+    items = [BatchItem(response=processing)]
+    polls = ProcessingPolls(items, PollPolicy())
+    assert polls.wait_before_next_round(Deadline(None)) is not None
+    centuries = refused(grpc.StatusCode.RESOURCE_EXHAUSTED, 1e10)
+    polls.record(0, centuries)
+    assert polls.wait_before_next_round(Deadline(None)) is None
+    assert isinstance(items[0].error, StillProcessing)
+    assert items[0].error.attempt_errors == (centuries,)
 
 
 def test_a_retry_or_poll_is_made_only_with_time_for_a_call_left_after_its_wait() -> None:

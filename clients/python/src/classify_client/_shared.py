@@ -4,6 +4,7 @@ batch chunks and results, and the rounds of GetResult polls. Nothing here does I
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import re
@@ -26,6 +27,7 @@ from classify_client.errors import (
 )
 from classify_client.gen.ai.classify.v1 import classify_service_pb2 as pb
 from classify_client.retry import (
+    MAX_RETRY_INFO_SECONDS,
     MIN_SECONDS_FOR_A_CALL,
     RETRYABLE_CODES,
     Deadline,
@@ -478,7 +480,8 @@ class ProcessingPolls:
         leave no time to poll waits only as long as leaves it: giving up there left up
         to a whole interval (a second by default) of the deadline unused, and a result
         ready in it unfetched. A server's delay that leaves no time is not shortened:
-        a poll sent sooner would only be refused again."""
+        a poll sent sooner would only be refused again; nor is one over
+        MAX_RETRY_INFO_SECONDS waited out, deadline or none."""
         self._pending = [index for index in self._pending if self._processing(index)]
         if deadline.remaining() is None:
             for index in self._pending:
@@ -490,13 +493,16 @@ class ProcessingPolls:
             return None
         self._round += 1
         pushback, self._pushback = self._pushback, 0.0
-        interval = max(self._poll.interval(self._round), pushback)
-        if deadline.allows_wait(interval):
-            return interval
-        left = deadline.remaining()
-        cut_short = None if left is None else left - MIN_SECONDS_FOR_A_CALL
-        if cut_short is not None and cut_short - LAST_ROUND_SLACK_SECONDS > pushback:
-            return cut_short - LAST_ROUND_SLACK_SECONDS
+        # An infinite pushback is a RetryInfo delay longer than the client waits
+        # (MAX_RETRY_INFO_SECONDS): no round comes after it, deadline or none.
+        if math.isfinite(pushback):
+            interval = max(self._poll.interval(self._round), pushback)
+            if deadline.allows_wait(interval):
+                return interval
+            left = deadline.remaining()
+            cut_short = None if left is None else left - MIN_SECONDS_FOR_A_CALL
+            if cut_short is not None and cut_short - LAST_ROUND_SLACK_SECONDS > pushback:
+                return cut_short - LAST_ROUND_SLACK_SECONDS
         for index in self._pending:
             self._items[index] = BatchItem(error=self._still_processing(index))
         self._pending = []
@@ -523,8 +529,11 @@ class ProcessingPolls:
             self._items[index] = BatchItem(error=self._still_processing(index))
         elif poll_refused_for_now(outcome):
             self._refused.setdefault(index, deque(maxlen=MAX_REFUSED_POLLS)).append(outcome)
-            delay = (outcome.retry_after_seconds or 0.0) * (
-                1 + POLL_PUSHBACK_JITTER * random.random()
+            hint = outcome.retry_after_seconds or 0.0
+            delay = (
+                hint * (1 + POLL_PUSHBACK_JITTER * random.random())
+                if hint <= MAX_RETRY_INFO_SECONDS
+                else math.inf
             )
             self._pushback = max(self._pushback, delay)
         else:

@@ -12,7 +12,9 @@ attempt n+1 the client waits:
 
 - the server's google.rpc.RetryInfo delay where the error carries one (its
   pushback), never less, plus up to `pushback_jitter` of it more so that many
-  refused callers do not return at the same instant;
+  refused callers do not return at the same instant; a delay over
+  MAX_RETRY_INFO_SECONDS is not waited for, even without a deadline: the error
+  is raised, its `retry_after_seconds` saying when to come back;
 - else `random(0, min(initial_backoff * multiplier**(n-1), max_backoff))`.
 
 A retry that follows a connection-level UNAVAILABLE (no ErrorInfo: gRPC itself
@@ -54,6 +56,10 @@ MIN_SECONDS_FOR_A_CALL = 0.05
 # an absolute deadline in int64 nanoseconds, which overflows past about 7.4e9 s from
 # now, and such a call then ends at once with DEADLINE_EXCEEDED. None is no deadline.
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600
+# The longest server RetryInfo delay the client waits out, seconds: one hour. A longer one
+# is the caller's to decide on (the error says it): waited without a deadline, it slept
+# hours, or (past about 9e9 s) time.sleep raised OverflowError.
+MAX_RETRY_INFO_SECONDS = 3600.0
 # A6 defaults a client may keep: 4 tries in all, 0.1 s growing to 5 s.
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.1
@@ -124,8 +130,8 @@ class RetryPolicy:
             return None  # the stored outcome of earlier work: asking again gets it again
         if error.retry_after_seconds is not None:
             hint = error.retry_after_seconds
-            if hint < 0:
-                return None
+            if not 0 <= hint <= MAX_RETRY_INFO_SECONDS:
+                return None  # A6's "do not retry", or longer than the client waits
             return hint + hint * self.pushback_jitter * self.random()
         if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return None  # not an overload refusal: a limit the same call meets again
