@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,13 @@ from orchestrator.metrics import PROCESSING_TOTAL
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, closed_port, metric_sum, wait_until
 from tests.unit.capability.test_serving import device_occupied
-from tests.unit.client.test_client import CLIENT_MADE_REQUEST_ID, KEY, front_door, target
+from tests.unit.client.test_client import (
+    CLIENT_MADE_REQUEST_ID,
+    KEY,
+    front_door,
+    scripted_server,
+    target,
+)
 from tests.unit.test_tls import make_certificates, tls_front_door
 
 SHORT = "Shares fell after the earnings call"
@@ -688,17 +693,9 @@ class SlowBatches(pb_grpc.ClassifyServiceServicer):
         )
 
 
-@contextlib.asynccontextmanager
-async def slow_batches(delays: list[float]) -> AsyncIterator[str]:
+def slow_batches(delays: list[float]) -> contextlib.AbstractAsyncContextManager[str]:
     """The address of a SlowBatches server."""
-    server = grpc.aio.server()
-    pb_grpc.add_ClassifyServiceServicer_to_server(SlowBatches(delays), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(grace=0)
+    return scripted_server(SlowBatches(delays))
 
 
 async def test_the_timeout_of_a_file_is_each_batch_calls_so_a_long_file_is_not_cut_short(

@@ -287,6 +287,25 @@ async def test_an_item_whose_time_runs_out_while_gathering_is_never_sent(
     assert texts_computed(capability) - computed_before == 1
 
 
+@contextlib.asynccontextmanager
+async def front_door_on(
+    routes: str, directory: Path, **upstream: int
+) -> AsyncIterator[tuple[OrchestratorServer, classify_service_pb2_grpc.ClassifyServiceAsyncStub]]:
+    """An orchestrator of its own on `routes` (routes.yaml's text), with the `upstream_*`
+    coalescing settings given, and a stub for it; stopped when the block ends."""
+    path = directory / "routes.yaml"
+    path.write_text(routes)
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=path, **upstream), registry=CollectorRegistry()
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield server, classify_service_pb2_grpc.ClassifyServiceStub(channel)
+    finally:
+        await server.stop(grace_seconds=0)
+
+
 async def test_batch_items_gather_for_as_long_as_their_caller_waits_and_each_call_gets_its_timeout(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
@@ -298,8 +317,7 @@ async def test_batch_items_gather_for_as_long_as_their_caller_waits_and_each_cal
     pod = FlakyPod(capability.port, failing=False)
     pod.delay_seconds = 0.05  # 25 calls one after another: 1.25 s at the least
     await pod.start()
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(
+    routes = (
         "version: 1\n"
         "backends:\n"
         f"  slow: {{model: topic-static, targets: ['{pod.address}'], timeout: 300ms}}\n"
@@ -309,22 +327,15 @@ async def test_batch_items_gather_for_as_long_as_their_caller_waits_and_each_cal
         "    backend: slow\n"
         "    fallback: [spare]\n"
     )
-    server = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes, upstream_batch_max_items=8, upstream_calls_in_flight=1
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with front_door_on(
+            routes, tmp_path, upstream_batch_max_items=8, upstream_calls_in_flight=1
+        ) as (_, stub):
             items = [pb.ClassifyRequest(text=f"{STRIKER} ({n})") for n in range(200)]
             started = asyncio.get_running_loop().time()
             answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=60)
             took = asyncio.get_running_loop().time() - started
     finally:
-        await server.stop(grace_seconds=0)
         await pod.stop()
     assert took >= 1.25
     failed = [result.error.message for result in answer.results if result.HasField("error")]
@@ -1029,23 +1040,15 @@ async def test_calls_in_flight_to_a_replica_stay_within_its_reported_queue_capac
     capability = await start_capability(
         models=("topic-static",), queue_capacity=16, max_batch_size=8
     )
-    routes = tmp_path / "routes.yaml"
-    routes.write_text(static_routes(f"127.0.0.1:{capability.port}"))
-    server = OrchestratorServer(
-        orchestrator_settings(
-            routes_file=routes, upstream_batch_max_items=64, upstream_calls_in_flight=2
-        ),
-        registry=CollectorRegistry(),
-    )
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
-            await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
-            items = [pb.ClassifyRequest(text=f"{STRIKER} {n}") for n in range(200)]
-            answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
-    finally:
-        await server.stop(grace_seconds=0)
+    async with front_door_on(
+        static_routes(f"127.0.0.1:{capability.port}"),
+        tmp_path,
+        upstream_batch_max_items=64,
+        upstream_calls_in_flight=2,
+    ) as (server, stub):
+        await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=30)
+        items = [pb.ClassifyRequest(text=f"{STRIKER} {n}") for n in range(200)]
+        answer = await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=items), timeout=30)
     refused = metric_sum(
         capability.registry, ADMISSIONS_REFUSED_TOTAL, model="topic-static", reason="QUEUE_FULL"
     )
