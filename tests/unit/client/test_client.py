@@ -921,8 +921,9 @@ def test_tls_files_that_cannot_work_are_refused_when_the_client_is_made(
         ("127.0.0.1:+99999", "port '+99999' is not a number 1 to 65535"),
         ("[::1]:99999x", "port '99999x' is not a number 1 to 65535"),
         ("127.0.0.1:\u0664\u0664\u0663", "is not a number 1 to 65535"),  # Arabic-Indic 443
+        ("127.0.0.1:99999/", "names no address after its last '/'"),
     ],
-    ids=["query", "fragment", "whitespace", "plus", "suffix", "non-ascii-digits"],
+    ids=["query", "fragment", "whitespace", "plus", "suffix", "non-ascii-digits", "slash"],
 )
 def test_a_target_whose_port_grpc_would_wrap_is_refused_however_it_is_written(
     target: str, refusal: str

@@ -76,6 +76,10 @@ def checked_target(target: str) -> str:
     addresses = target.rsplit("/", 1)[-1]  # dns:///host:port, dns://resolver/host:port
     for scheme in _ADDRESS_SCHEMES:
         addresses = addresses.removeprefix(scheme)
+    if not addresses:
+        # `host:port/` and `dns:///` name nothing gRPC can dial: every call waited out
+        # its deadline to fail DEADLINE_EXCEEDED, which read as a slow server.
+        raise ValueError(f"target {target!r} names no address after its last '/'")
     for address in addresses.split(","):
         if address.startswith("["):
             _, _, port = address.partition("]:")
