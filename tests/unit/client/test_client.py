@@ -1064,8 +1064,9 @@ async def test_a_client_closed_while_a_call_waits_to_retry_ends_it_with_value_er
     kind: str,
 ) -> None:
     """After its backoff the retry met gRPC's own refusal of the closed channel: a
-    ValueError about an RPC, or (asyncio) a UsageError, no ValueError at all."""
-    scripted = HeldOrRefused(retry_ms=300)
+    ValueError about an RPC, or (asyncio) a UsageError, no ValueError at all; and only
+    once the backoff (here the server's RetryInfo: 20 s) had been waited out."""
+    scripted = HeldOrRefused(retry_ms=20_000)
     closing: list[asyncio.Task[None]] = []
     async with scripted_server(scripted) as address:
         if kind == "asyncio":
@@ -1074,12 +1075,12 @@ async def test_a_client_closed_while_a_call_waits_to_retry_ends_it_with_value_er
                 closing.append(asyncio.get_running_loop().create_task(aio_client.close()))
 
             aio_client = AsyncClassifyClient(address, on_retry=close_during_the_backoff)
-            with pytest.raises(ValueError, match=r"^the client is closed") as closed:
-                await aio_client.classify(STRIKER, request_id="closed-2")
+            call = aio_client.classify(STRIKER, request_id="closed-2", timeout=60)
         else:
             client = ClassifyClient(address, on_retry=lambda _: client.close())
-            with pytest.raises(ValueError, match=r"^the client is closed") as closed:
-                await asyncio.to_thread(client.classify, STRIKER, request_id="closed-2")
+            call = asyncio.to_thread(client.classify, STRIKER, request_id="closed-2", timeout=60)
+        with pytest.raises(ValueError, match=r"^the client is closed") as closed:
+            await asyncio.wait_for(call, 10)
     assert scripted.calls == 1
     assert closed.value.__notes__ == ["the call was sent under request ID closed-2"]
 

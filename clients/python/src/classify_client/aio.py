@@ -14,6 +14,7 @@ request and trace IDs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -97,6 +98,8 @@ class AsyncClassifyClient:
         credentials = channel_credentials(tls, ca_file, cert_file, key_file)
         options = channel_arguments(channel_options)
         self._closed = False
+        # Set by close(): wakes the calls waiting to retry or poll (_pause).
+        self._closing = asyncio.Event()
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options=options)
             if credentials is not None
@@ -120,6 +123,7 @@ class AsyncClassifyClient:
 
     async def close(self) -> None:
         self._closed = True
+        self._closing.set()
         await self._channel.close()
 
     async def wait_for_connection(self, timeout: float) -> bool:
@@ -260,7 +264,7 @@ class AsyncClassifyClient:
             if retry is None or not deadline.allows_wait(retry.delay_seconds):
                 return
             self._notify(retry)
-            await asyncio.sleep(retry.delay_seconds)
+            await self._pause(retry.delay_seconds)
 
     async def _follow(
         self, response: pb.ClassifyResponse, deadline: Deadline
@@ -295,7 +299,7 @@ class AsyncClassifyClient:
                 polls.record(index, await self._poll_result(request_id, deadline))
 
         while (wait := polls.wait_before_next_round(deadline)) is not None:
-            await asyncio.sleep(wait)
+            await self._pause(wait)
             await asyncio.gather(*(poll(index, request_id) for index, request_id in polls.due()))
         return items
 
@@ -353,11 +357,16 @@ class AsyncClassifyClient:
                 if delay is None or not deadline.allows_wait(delay):
                     raise attempts.give_up(error) from failure
             self._notify(RetryEvent(method, attempts.made, error, delay))
-            await asyncio.sleep(delay)
+            await self._pause(delay)
             # No server answered: gRPC fails a fail-fast call at once until it has
             # connected again, so the retry waits for that, within the deadline (a call
             # without one stays fail-fast, never to wait for ever on a server gone).
             wait_for_ready = is_connection_failure(error) and deadline.remaining() is not None
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or until the client is closed (see ClassifyClient._pause)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
 
     def _closed_under_this_task(self) -> bool:
         """Whether a CancelledError is the closing of the channel under a call in flight,

@@ -13,7 +13,7 @@ request and trace IDs.
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -95,6 +95,8 @@ class ClassifyClient:
         credentials = channel_credentials(tls, ca_file, cert_file, key_file)
         options = channel_arguments(channel_options)
         self._closed = False
+        # Set by close(): wakes the calls waiting to retry or poll (_pause).
+        self._closing = threading.Event()
         self._channel = (
             grpc.secure_channel(target, credentials, options=options)
             if credentials is not None
@@ -118,6 +120,7 @@ class ClassifyClient:
 
     def close(self) -> None:
         self._closed = True
+        self._closing.set()
         self._channel.close()
 
     def wait_for_connection(self, timeout: float) -> bool:
@@ -252,7 +255,7 @@ class ClassifyClient:
             if retry is None or not deadline.allows_wait(retry.delay_seconds):
                 return
             self._notify(retry)
-            time.sleep(retry.delay_seconds)
+            self._pause(retry.delay_seconds)
 
     def _follow(self, response: pb.ClassifyResponse, deadline: Deadline) -> pb.ClassifyResponse:
         """`response`, or (while it is PROCESSING) the answer GetResult polls get."""
@@ -267,7 +270,7 @@ class ClassifyClient:
         ProcessingPolls), until each is DONE, has failed, or the deadline comes."""
         polls = ProcessingPolls(items, self._poll)
         while (wait := polls.wait_before_next_round(deadline)) is not None:
-            time.sleep(wait)
+            self._pause(wait)
             for index, request_id in polls.due():
                 # One after another, a round of many polls ran into the deadline and
                 # sent the last ones with no time left: each failed, and the front door
@@ -331,11 +334,17 @@ class ClassifyClient:
                 if delay is None or not deadline.allows_wait(delay):
                     raise attempts.give_up(error) from failure
             self._notify(RetryEvent(method, attempts.made, error, delay))
-            time.sleep(delay)
+            self._pause(delay)
             # No server answered: gRPC fails a fail-fast call at once until it has
             # connected again, so the retry waits for that, within the deadline (a call
             # without one stays fail-fast, never to wait for ever on a server gone).
             wait_for_ready = is_connection_failure(error) and deadline.remaining() is not None
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or until the client is closed: a call then ends at once, with
+        the closed client's error, where it waited out its backoff (a server's RetryInfo
+        may ask for minutes) before it learnt that."""
+        self._closing.wait(seconds)
 
     def _notify(self, event: RetryEvent) -> None:
         if self._on_retry is not None:
