@@ -201,6 +201,31 @@ async def test_expired_request_is_evicted_while_the_device_is_busy_and_never_com
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="topic-minilm") == texts_before
 
 
+async def test_texts_whose_callers_deadlines_pass_in_the_queue_are_each_counted(
+    start_capability: StartCapability,
+) -> None:
+    """A caller's deadline passes before this server's copy of it (by the time the call
+    took to arrive), and its cancellation took the text out of the queue uncounted:
+    of 30 texts held past their deadlines, 25-29 were counted."""
+    server = await start_capability(models=("topic-minilm",))
+    worker = server.pool.workers[0]
+    async with classify_stub(server) as stub, device_occupied(worker):
+        calls = [
+            stub.Classify(pb.ClassifyRequest(text=f"{TEXTS[i % 8]} {i}"), timeout=0.4 + 0.01 * i)
+            for i in range(30)
+        ]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert [
+            outcome.code() for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)
+        ] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 30
+
+        def counted(metric: str, **labels: str) -> float:
+            return metric_sum(server.registry, metric, model="topic-minilm", **labels)
+
+        await wait_until(lambda: counted(DEADLINE_EXCEEDED_TOTAL, stage="queue") == 30)
+        assert counted(EVICTIONS_TOTAL) == 30
+
+
 async def minilm_in_batches_of_two(
     start_capability: StartCapability,
 ) -> tuple[CapabilityServer, DeviceWorker, ModelReplica, EncodedText]:
