@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from tokenizers import Tokenizer
 # and headlines 3.5-5.7 characters a token, Python source 3.7, URLs 2.7, hex 1.9, CJK
 # 1; 16 leaves room for about three times the sparsest. Only text built otherwise
 # (words over 100 characters, each one [UNK]; long runs of spaces) can hold fewer
-# tokens than the budget within the cut, and then the model reads fewer of them.
+# tokens than the budget within the cut, and then the model reads fewer of them. The
+# cut starts at the text's first character that is not whitespace (text_window).
 MAX_CHARS_PER_TOKEN = 16
 # The word stand-in texts repeat (TextTokenizer.stand_in): any word will do, as long as
 # it is the tokenizer's own id and not one fixed for MiniLM's 30,522-token vocabulary.
@@ -28,6 +30,22 @@ WORD_START = "\u2581"
 
 # What a tokenizer call may end with that is no failure of the tokenizer.
 _NOT_A_FAILURE = (KeyboardInterrupt, SystemExit, GeneratorExit)
+_LEADING_WHITESPACE = re.compile(r"\s*")
+
+
+def text_window(text: str, max_chars: int) -> tuple[str, bool]:
+    """The part of `text` the tokenizer is given, at most `max_chars` characters, and
+    whether any of the text was left out.
+
+    A text longer than that is cut from its first character that is not whitespace:
+    one opening with a page of blank lines or spaces (text taken from a PDF or an HTML
+    page) was cut to nothing else, and refused as unreadable (UNREADABLE_TEXT) however
+    many words followed. A text within it is given whole, as it is."""
+    if len(text) <= max_chars:
+        return text, False
+    leading = _LEADING_WHITESPACE.match(text)  # always matches, if only nothing
+    start = leading.end() if leading is not None else 0
+    return text[start : start + max_chars], len(text) - start > max_chars
 
 
 class TokenizerFailed(RuntimeError):
@@ -174,7 +192,7 @@ class TextTokenizer:
 
         Each text is first cut to `max_length * MAX_CHARS_PER_TOKEN` characters, more
         than its tokens within the budget can span, so the tokenizer's work is bounded
-        by the budget rather than by the text's length.
+        by the budget rather than by the text's length (text_window).
         """
         if max_length < self.special_tokens_per_text:
             raise ValueError(
@@ -184,9 +202,8 @@ class TextTokenizer:
         max_chars = max_length * MAX_CHARS_PER_TOKEN
         # The reference lowercases before tokenizing when do_lower_case is set; this
         # tokenizer's normalizer lowercases too, so for MiniLM the flag changes nothing.
-        prepared = [
-            text[:max_chars].lower() if self._lowercase else text[:max_chars] for text in texts
-        ]
+        windows = [text_window(text, max_chars) for text in texts]
+        prepared = [window.lower() if self._lowercase else window for window, _ in windows]
         # The fast variant skips the character offsets of each token, which nothing
         # here reads: about a sixth less time for a batch of short texts.
         try:  # inline, not panics_as_failures(): this is every request's path
@@ -198,7 +215,7 @@ class TextTokenizer:
 
         encoded: list[EncodedText] = []
         unreadable = self.unreadable_ids
-        for text, encoding in zip(texts, encodings, strict=True):
+        for (_, cut), encoding in zip(windows, encodings, strict=True):
             ids = encoding.ids
             too_long = len(ids) > max_length
             if too_long:
@@ -207,7 +224,7 @@ class TextTokenizer:
                 ids = [*ids[: max_length - 1], ids[-1]]
             # A text cut short lost tokens too, even in the rare case that what is left
             # fits the budget.
-            truncated = too_long or len(text) > max_chars
+            truncated = too_long or cut
             # What the model reads: the tokens within the budget, less [CLS] and [SEP].
             # Stops at the first known token, the first one in almost every text.
             readable = any(ids[i] not in unreadable for i in range(1, len(ids) - 1))

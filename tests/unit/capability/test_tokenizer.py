@@ -73,3 +73,19 @@ def test_a_text_cut_short_is_reported_truncated_even_when_its_tokens_fit(
     (encoded,) = tokenizer.encode_each([spaced], 8)
     assert recording.received_chars == [8 * MAX_CHARS_PER_TOKEN]
     assert (len(encoded), encoded.truncated) == (3, True)  # [CLS] word [SEP]
+
+
+@pytest.mark.parametrize(
+    ("padding", "budget"),
+    [(" " * 5_000, 256), ("\n" * 4_200, 256), ("\t \r\n" * 20, 3)],
+    ids=["spaces", "blank-lines", "mixed-short-budget"],
+)
+def test_a_text_opening_with_whitespace_past_the_cut_is_read_from_its_first_word(
+    tokenizer: TextTokenizer, padding: str, budget: int
+) -> None:
+    """Cut from its first character, the window held whitespace alone: [CLS] [SEP], the
+    text refused as unreadable however many words followed."""
+    (padded, plain) = tokenizer.encode_each([padding + PROSE, PROSE], budget)
+    assert padded.readable
+    assert padded.ids == plain.ids
+    assert padded.truncated == plain.truncated
