@@ -136,7 +136,6 @@ async def emoji_reader(
     return await start_capability(model_root=tmp_path / "models", models=(STATIC,))
 
 
-
 async def test_a_text_opening_with_a_page_of_whitespace_is_read_not_refused(
     capability: CapabilityServer,
 ) -> None:
@@ -146,6 +145,7 @@ async def test_a_text_opening_with_a_page_of_whitespace_is_read_not_refused(
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         answer = await stub.Classify(pb.ClassifyRequest(text="\n" * 5_000 + STRIKER))
     assert (answer.labels[0].name, answer.truncated) == ("sports", False)
+
 
 async def test_the_front_door_falls_back_to_a_model_that_reads_it_and_names_the_item(
     capability: CapabilityServer,
