@@ -31,12 +31,14 @@ from bench.harness import (
     process_cpu_seconds,
     unary_call,
 )
-from bench.load_clients import ProcessShare, percentile
+from bench.load_clients import UNANSWERED, ProcessShare, is_late, percentile
 from bench.naive_server import NaiveServicer
+from capability.server import CapabilityServer
 from orchestrator.routing import load_routes
 from orchestrator.security import load_api_keys
 from orchestrator.server import OrchestratorServer
-from tests.conftest import closed_port
+from tests.conftest import StartOrchestrator, closed_port
+from tests.unit.orchestrator.test_policy import dead_primary_with_fallback
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -82,6 +84,29 @@ async def test_failed_calls_count_in_the_latencies_and_the_warm_up_as_an_error()
     assert 0 < result["p50_ms"] <= result["p99_ms"]
     assert percentile([10.0, 50.0], 0.5) == 10.0
     assert percentile([float(n) for n in range(1, 101)], 0.99) == 99.0
+
+
+async def test_answers_of_a_fallback_model_count_as_failed_not_served(
+    orchestrator_with: StartOrchestrator, capability: CapabilityServer
+) -> None:
+    """The front door's primary is down and its fallback answers: a benchmark of the
+    primary counted those answers as its own throughput. Warm-up items count too."""
+    server = await orchestrator_with(dead_primary_with_fallback(capability.port))
+    target = f"127.0.0.1:{server.port}"
+    unary = await drive(target, 1, 0.3, unary_call())
+    batch = await drive(target, 1, 0.3, batch_call(4), items_per_call=4)
+
+    assert (unary["texts"], unary["errors"]) == (0, unary["calls"] + 1)
+    assert unary["first_error"] == "answered by the fallback model topic-static"
+    assert (batch["texts"], batch["errors"]) == (0, (batch["calls"] + 1) * 4)
+
+
+def test_a_call_that_ran_out_unanswered_is_not_counted_late_as_well() -> None:
+    assert is_late("OK", 0.36, 0.3)
+    assert is_late("RESOURCE_EXHAUSTED: OVERLOADED", 0.36, 0.3)
+    assert not is_late("OK", 0.34, 0.3)
+    assert not is_late(UNANSWERED, 0.36, 0.3)
+    assert not is_late("OK", 10.0, None)
 
 
 async def test_unimplemented_batch_call_is_raised_not_counted(naive_target: str) -> None:
