@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import statistics
@@ -207,7 +208,7 @@ def main() -> None:
             f"{n['p50_ms']:>7.1f} {n['p99_ms']:>7.1f} "
             f"{n['requests_per_second'] / n['adjacent_ceiling']:>9.2f} "
             f"{n['other_processes_cores']:>6.2f} | "
-            f"{o['requests_per_second'] / n['requests_per_second']:>10.2f}"
+            f"{o['requests_per_second'] / (n['requests_per_second'] or math.nan):>10.2f}"
         )
     print(
         "/adj ceil: throughput over the ceiling probed right before and after that level; "

@@ -339,8 +339,12 @@ class Gate:
         own_p50 = (before["p50_ms"] + after["p50_ms"]) / 2
         result["capability_texts_per_second"] = own_rate
         result["capability_p50_ms"] = own_p50
-        result["ratio_to_capability"] = result["texts_per_second"] / own_rate
-        result["p50_over_capability"] = result["p50_ms"] / own_p50
+        # NaN where the capability answered nothing: the check then fails, where the
+        # division stopped the gate with a traceback.
+        result["ratio_to_capability"] = (
+            result["texts_per_second"] / own_rate if own_rate > 0 else math.nan
+        )
+        result["p50_over_capability"] = result["p50_ms"] / own_p50 if own_p50 > 0 else math.nan
         self.levels[level.name] = result
         self.levels[direct.name] = after
 
