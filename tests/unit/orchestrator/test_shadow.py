@@ -21,6 +21,7 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
 from classify_common.nodes import UPSTREAM_CALL
+from orchestrator import shadow as shadow_module
 from orchestrator.metrics import (
     MODEL_FALLBACK_TOTAL,
     REQUEST_DURATION_SECONDS,
@@ -138,7 +139,6 @@ async def test_shadow_of_a_different_model_counts_each_disagreement_and_logs_its
     orchestrator_with: StartOrchestrator,
     capability: CapabilityServer,
     start_capability: StartCapability,
-    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Two capability servers: the session's for topic-minilm, one of its own for the shadow.
     shadow_server = await start_capability(models=("topic-static",))
@@ -153,17 +153,23 @@ async def test_shadow_of_a_different_model_counts_each_disagreement_and_logs_its
     assert 0 < len(differing) < len(SHORT_TEXTS), "the texts must show both outcomes"
     request_ids = [f"shadow-diff-{i}" for i in range(len(SHORT_TEXTS))]
 
-    answers = await classify_texts(server, SHORT_TEXTS, request_ids)
-
-    await wait_until(lambda: compared(server) == len(SHORT_TEXTS), "every call compared")
+    collector = LineCollector()  # the lines as the server writes them, IDs and all
+    logger = logging.getLogger(shadow_module.__name__)
+    logger.addHandler(collector)
+    try:
+        answers = await classify_texts(server, SHORT_TEXTS, request_ids)
+        await wait_until(lambda: compared(server) == len(SHORT_TEXTS), "every call compared")
+    finally:
+        logger.removeHandler(collector)
     assert comparisons(server, "disagree") == len(differing)
     assert comparisons(server, "agree") == len(SHORT_TEXTS) - len(differing)
     assert [a.labels[0].name for a in answers] == primary  # never the shadow's answer
     # The primary call's request and trace IDs: the shadow runs in a context of its own.
+    lines = [json.loads(line) for line in collector.lines]
     logged = {
-        (record.request_id, record.trace_id)  # type: ignore[attr-defined]
-        for record in caplog.records
-        if record.getMessage() == "shadow disagreement"
+        (line["request_id"], line["trace_id"])
+        for line in lines
+        if line["event"] == "shadow disagreement"
     }
     assert logged == {(request_ids[i], answers[i].trace_id) for i in differing}
 
