@@ -33,13 +33,13 @@ from classify_common.serving import (
     stop_watcher,
     thaw_heap,
 )
-from classify_common.settings import SettingsError, read_secret
+from classify_common.settings import SettingsError, read_token
 
 log = logging.getLogger(__name__)
 
 
 def internal_gate(settings: CapabilitySettings) -> InternalTokenGate | None:
-    token = read_secret(settings, "internal_token_file")
+    token = read_token(settings, "internal_token_file")
     if token is None:
         log.warning("no internal token: any caller may use this server (development only)")
         return None

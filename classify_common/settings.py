@@ -332,6 +332,25 @@ def read_secret(settings: Settings, name: str) -> str | None:
     return secret
 
 
+def read_token(settings: Settings, name: str) -> str | None:
+    """`read_secret`, for a token sent as a gRPC header value (x-internal-token): one
+    that holds anything but printable ASCII without spaces (0x21-0x7E), a line break or a
+    tab inside, is refused at start. gRPC refuses it in every call's metadata, and every
+    request failed INTERNAL while the servers reported SERVING. (A Redis password is sent
+    in the Redis protocol, which carries any byte: read_secret alone reads it.)"""
+    token = read_secret(settings, name)
+    if token is not None and (bad := _first_unsendable(token)) is not None:
+        raise SettingsError(
+            f"{settings.names(name)}: the token holds {bad!r}: a gRPC header value carries "
+            "only printable ASCII characters, without spaces"
+        )
+    return token
+
+
+def _first_unsendable(token: str) -> str | None:
+    return next((char for char in token if not "!" <= char <= "~"), None)
+
+
 def check_range(value: float, low: float, high: float, flag: str, env: str) -> None:
     """For bounds that depend on another setting; declared bounds go in `setting()`."""
     if not _within(value, low, high):

@@ -25,7 +25,7 @@ from classify_common.serving import (
     stop_watcher,
     thaw_heap,
 )
-from classify_common.settings import SettingsError, read_secret, setting_file
+from classify_common.settings import SettingsError, read_token, setting_file
 from orchestrator.calls import RoutingState
 from orchestrator.config import OrchestratorSettings
 from orchestrator.dispatch import Dispatcher
@@ -70,7 +70,7 @@ class OrchestratorServer:
         keys = self._load_api_keys_at_start(settings) if settings.auth == "required" else None
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
-        self._internal_token = read_secret(settings, "internal_token_file")
+        self._internal_token = read_token(settings, "internal_token_file")
         self.state = open_shared_state(
             settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
         )

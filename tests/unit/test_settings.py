@@ -11,9 +11,11 @@ import torch
 
 from capability.batching.settings import DEFAULT_MAX_BATCH_SIZE
 from capability.config import CapabilitySettings
+from capability.server import internal_gate
 from capability.server import main as capability_main
 from classify_common.settings import SettingsError, read_secret
 from orchestrator.config import OrchestratorSettings
+from orchestrator.server import OrchestratorServer
 from tests.hostile_files import OVERSIZE_YAML_COMMENT, TOO_DEEP_YAML, nested_aliases
 
 
@@ -304,6 +306,44 @@ def test_a_secret_file_it_cannot_use_is_refused_naming_its_flag_and_variable(
     ):
         read_secret(capability, "internal_token_file")
     assert read_secret(CapabilitySettings.from_args([], environ={}), "internal_token_file") is None
+
+
+@pytest.mark.parametrize(
+    ("token", "shown"),
+    [("abc\ndef", "'\\n'"), ("tökén", "'ö'"), ("abc\tdef", "'\\t'"), ("abc def", "' '")],
+    ids=["line-break", "non-ascii", "tab", "space"],
+)
+def test_an_internal_token_no_grpc_header_can_carry_stops_both_servers_at_start(
+    tmp_path: Path, token: str, shown: str
+) -> None:
+    """gRPC refuses such a token as a header value in every call (each request failed
+    INTERNAL while the servers reported SERVING): the start refuses it instead."""
+    path = tmp_path / "token"
+    path.write_text(token + "\n", encoding="utf-8")
+    orchestrator = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--internal-token-file", str(path)], environ={}
+    )
+    with pytest.raises(SettingsError) as refused:
+        OrchestratorServer(orchestrator)
+    assert str(refused.value) == (
+        f"--internal-token-file / ORCHESTRATOR_INTERNAL_TOKEN_FILE: the token holds {shown}: "
+        "a gRPC header value carries only printable ASCII characters, without spaces"
+    )
+    capability = CapabilitySettings.from_args(["--internal-token-file", str(path)], environ={})
+    with pytest.raises(
+        SettingsError, match=r"^--internal-token-file / CAPABILITY_INTERNAL_TOKEN_FILE: "
+    ):
+        internal_gate(capability)
+
+
+def test_a_password_file_keeps_spaces_and_non_ascii_characters(tmp_path: Path) -> None:
+    """Redis carries any byte in a password: only the token must fit a header."""
+    path = tmp_path / "password"
+    path.write_text("pass wörd\n", encoding="utf-8")
+    settings = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--state-password-file", str(path)], environ={}
+    )
+    assert read_secret(settings, "state_password_file") == "pass wörd"
 
 
 def test_a_byte_size_that_is_not_finite_is_refused_by_flag_and_variable(
