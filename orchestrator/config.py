@@ -173,11 +173,14 @@ class OrchestratorSettings(ServerSettings):
     # Redis does not answer, each limits a tenant to 1/N of its rate and burst
     # (orchestrator/state/limits.py). 0 (the default): --processes, this host's. A
     # worker's settings say --processes 1 (orchestrator/workers.py), so 0 is replaced
-    # by the set's count when the supervisor's settings are built (check_together).
+    # by the set's count when the supervisor's settings are built (check_together),
+    # which refuses a count below --processes (the tenant would get more than its rate)
+    # and one without --state-url.
     state_processes: int = setting(
         0,
-        "orchestrator processes sharing --state-url's Redis, on all hosts (0: --processes); "
-        "while it does not answer, each grants a tenant 1/N of its rate and burst",
+        "orchestrator processes sharing --state-url's Redis, on all hosts (0: --processes; "
+        "else at least --processes, and needs --state-url); while it does not answer, each "
+        "grants a tenant 1/N of its rate and burst",
         int,
         low=0,
         high=100_000,
@@ -267,6 +270,23 @@ class OrchestratorSettings(ServerSettings):
                 f"--processes / ORCHESTRATOR_PROCESSES {self.processes} needs shared state: "
                 "set --state-url / ORCHESTRATOR_STATE_URL to a redis:// URL (each process "
                 "would otherwise keep its own results and rate limits)"
+            )
+        if self.state_processes not in (0, self.processes) and self.state_url is None:
+            # A process without Redis limits tenants alone, at their full rate: a
+            # count of sharers means nothing there (a worker's settings, --processes 1
+            # and the resolved count, always come with the --state-url that needed it).
+            raise SettingsError(
+                f"--state-processes / ORCHESTRATOR_STATE_PROCESSES {self.state_processes} "
+                "counts the processes sharing --state-url / ORCHESTRATOR_STATE_URL's Redis, "
+                "and none is set"
+            )
+        if 0 < self.state_processes < self.processes:
+            # Each process grants 1/N of a tenant's bucket while Redis does not answer:
+            # fewer than those serving this port would grant the tenant more than its rate.
+            raise SettingsError(
+                f"--state-processes / ORCHESTRATOR_STATE_PROCESSES {self.state_processes} is "
+                f"fewer than --processes / ORCHESTRATOR_PROCESSES {self.processes}: it counts "
+                "every process sharing the Redis, on all hosts (0: --processes)"
             )
         if self.state_processes == 0:
             # NOTE: resolved once, here: replace() builds a worker's settings from these,

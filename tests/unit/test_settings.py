@@ -75,6 +75,39 @@ def test_more_than_one_orchestrator_process_needs_a_redis_state_url() -> None:
     assert shared.processes == len(os.sched_getaffinity(0))
 
 
+def test_fewer_processes_sharing_redis_than_serve_the_port_are_refused() -> None:
+    """Each process grants 1/N of a tenant's bucket while Redis does not answer: 2 of 4
+    would have granted the tenant twice its rate."""
+    with pytest.raises(SettingsError) as refused:
+        OrchestratorSettings.from_args(
+            ["--auth", "disabled", "--processes", "4", "--state-processes", "2"],
+            environ={"ORCHESTRATOR_STATE_URL": "redis://127.0.0.1:6379"},
+        )
+    assert str(refused.value) == (
+        "--state-processes / ORCHESTRATOR_STATE_PROCESSES 2 is fewer than --processes / "
+        "ORCHESTRATOR_PROCESSES 4: it counts every process sharing the Redis, on all hosts "
+        "(0: --processes)"
+    )
+    more = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--processes", "4", "--state-processes", "12"],
+        environ={"ORCHESTRATOR_STATE_URL": "redis://127.0.0.1:6379"},
+    )
+    assert (more.processes, more.state_processes) == (4, 12)
+
+
+def test_processes_sharing_redis_without_a_redis_are_refused() -> None:
+    with pytest.raises(
+        SettingsError,
+        match=r"^--state-processes / ORCHESTRATOR_STATE_PROCESSES 4 counts the processes "
+        r"sharing --state-url / ORCHESTRATOR_STATE_URL's Redis, and none is set$",
+    ):
+        OrchestratorSettings.from_args(["--auth", "disabled", "--state-processes", "4"], environ={})
+    alone = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--state-processes", "1"], environ={}
+    )
+    assert alone.state_processes == 1
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
