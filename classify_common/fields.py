@@ -12,6 +12,7 @@ it into its own error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -126,10 +127,22 @@ class Fields:
         low: float | None = None,
         high: float | None = None,
     ) -> float:
+        """An int or a float, as a float: finite (NaN passed every bound, since it
+        compares false with everything) and within `low`..`high`."""
         value = self.raw(key, default)
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise FieldRefused(self.path(key), f"{value!r} is not a number")
-        return self._within(key, float(value), low, high)
+        try:
+            number = float(value)
+        except OverflowError:
+            # A YAML int past a float's range (400 digits): float() raised OverflowError,
+            # a traceback at start and a failed reload, with no file or line named.
+            raise FieldRefused(
+                self.path(key), f"a whole number of {len(str(abs(value)))} digits is too large"
+            ) from None
+        if not math.isfinite(number):
+            raise FieldRefused(self.path(key), f"{spoken_number(number)} is not a finite number")
+        return self._within(key, number, low, high)
 
     def optional_integer(self, key: str) -> int | None:
         """An integer, or None when the key is absent or null."""

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from capability.config import CapabilitySettings
 from classify_common.fields import FieldRefused, Fields, read_yaml
+from orchestrator.routing.table import load_routes
+from orchestrator.security import load_api_keys
 
 DEFAULT_BURST = 10
 
@@ -79,3 +83,59 @@ def test_a_value_refused_while_reading_a_file_is_named_by_file_and_line(tmp_path
     located = rf"^{re.escape(str(path))}:3: tenants\.acme\.burst: 'many' is not an integer$"
     with pytest.raises(FieldRefused, match=located):
         read_yaml(path, read)
+
+
+# A YAML int past a float's range: float() of it raised OverflowError.
+PAST_FLOAT = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (float("nan"), r"^tenants\.acme\.rate: nan is not a finite number$"),
+        (float("inf"), r"^tenants\.acme\.rate: inf is not a finite number$"),
+        (-float("inf"), r"^tenants\.acme\.rate: -inf is not a finite number$"),
+        (int(PAST_FLOAT), r"^tenants\.acme\.rate: a whole number of 401 digits is too large$"),
+    ],
+    ids=["nan", "inf", "minus-inf", "past-float"],
+)
+def test_a_number_that_is_not_finite_is_refused_by_its_path(value: float, message: str) -> None:
+    """Unbounded too: NaN passed every bound, comparing false with everything."""
+    with pytest.raises(FieldRefused, match=message):
+        Fields({"rate": value}, "tenants.acme").number("rate")
+
+
+def _keys_file(path: Path) -> None:
+    path.write_text(f"tenants:\n  acme: {{rate_per_second: {PAST_FLOAT}, burst: 3}}\n")
+    load_api_keys(path)
+
+
+def _routes_file(path: Path) -> None:
+    path.write_text(
+        "version: 1\nbackends:\n  a: {model: topic-minilm, targets: ['127.0.0.1:1']}\n"
+        f"routes:\n  - name: d\n    backend: a\nretry_budget: {{ratio: {PAST_FLOAT}}}\n"
+    )
+    load_routes(path)
+
+
+def _model_config(path: Path) -> None:
+    path.write_text(f"topic-minilm:\n  max_wait_ms: {PAST_FLOAT}\n")
+    CapabilitySettings.from_args(["--model-config", str(path)], environ={})
+
+
+@pytest.mark.parametrize(
+    ("load", "where"),
+    [
+        (_keys_file, ":2: tenants.acme.rate_per_second"),
+        (_routes_file, ":7: retry_budget.ratio"),
+        (_model_config, ":2: topic-minilm.max_wait_ms"),
+    ],
+    ids=["keys", "routes", "model-config"],
+)
+def test_a_whole_number_past_a_floats_range_is_refused_naming_file_and_line(
+    tmp_path: Path, load: Callable[[Path], None], where: str
+) -> None:
+    """It was an OverflowError: a traceback at start, and a reload that failed."""
+    path = tmp_path / "document.yaml"
+    with pytest.raises(ValueError, match=re.escape(f"{path}{where}: a whole number of 401 ")):
+        load(path)

@@ -780,12 +780,12 @@ async def test_a_callers_baggage_is_not_read_at_the_front_door(
     [
         pytest.param(
             "tenants:\n  acme: {rate_per_second: .nan, burst: 3}\n",
-            "{path}:4: tenants.acme: rate_per_second nan must be a finite number above 0",
+            "{path}:4: tenants.acme.rate_per_second: nan is not a finite number",
             id="rate-nan",
         ),
         pytest.param(
             "tenants:\n  acme: {rate_per_second: .inf, burst: 3}\n",
-            "{path}:4: tenants.acme: rate_per_second inf must be a finite number above 0",
+            "{path}:4: tenants.acme.rate_per_second: inf is not a finite number",
             id="rate-inf",
         ),
         pytest.param(
