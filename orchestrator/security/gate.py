@@ -73,9 +73,13 @@ class CallerGate:
     def replace_keys(self, keys: ApiKeys) -> None:
         """An edit of the keys file, applied: the calls that follow are identified by its
         keys (a key it leaves out is refused from the next call on), and their tenants
-        limited by its limits (RateLimits.set_limits)."""
-        self._keys = keys
+        limited by its limits (RateLimits.set_limits).
+
+        NOTE: the limits first: should setting them fail, the keys in force stay with
+        their own limits, rather than the edit's keys with the old limits (the watcher
+        reports the edit as refused, and the keys in force as kept)."""
         self._limits.set_limits(keys.tenant_limits)
+        self._keys = keys
 
     def authenticate(self, method: str, metadata: Mapping[str, str]) -> str:
         try:

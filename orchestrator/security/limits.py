@@ -14,9 +14,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from classify_common.settings import spoken_number
+
 # What a check grants: (tokens left, or None for an unlimited tenant; calls granted;
 # seconds to wait before retrying the rest, 0 when all were granted).
 Grant = tuple[float | None, int, float]
+
+# Upper bounds of a tenant's limit: far above any real one (a billion calls a second,
+# or at once), and low enough that a bucket's float arithmetic stays exact to a token.
+# A burst past a float's range loaded, then float(burst) raised OverflowError when the
+# limiter was built: a traceback at start, a half-applied edit at a reload.
+MAX_RATE_PER_SECOND = 10**9
+MAX_BURST = 10**9
 
 
 class RateLimits(Protocol):
@@ -32,9 +41,9 @@ class RateLimits(Protocol):
 
 @dataclass(frozen=True)
 class TokenBucketSettings:
-    # Sustained calls per second: finite, > 0.
+    # Sustained calls per second: finite, > 0, at most MAX_RATE_PER_SECOND.
     rate_per_second: float
-    # Calls allowed at once after a quiet spell, >= 1.
+    # Calls allowed at once after a quiet spell: 1..MAX_BURST.
     burst: int
 
     def __post_init__(self) -> None:
@@ -44,8 +53,15 @@ class TokenBucketSettings:
             raise ValueError(
                 f"rate_per_second {self.rate_per_second} must be a finite number above 0"
             )
+        if self.rate_per_second > MAX_RATE_PER_SECOND:
+            raise ValueError(
+                f"rate_per_second {spoken_number(self.rate_per_second)} is above "
+                f"{MAX_RATE_PER_SECOND}"
+            )
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             raise ValueError(f"burst {self.burst!r} must be an integer, at least 1")
+        if self.burst > MAX_BURST:
+            raise ValueError(f"burst {self.burst} is above {MAX_BURST}")
 
 
 def share_of_bucket(settings: TokenBucketSettings, processes: int) -> TokenBucketSettings:

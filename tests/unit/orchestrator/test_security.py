@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from orchestrator.metrics import (
     API_KEYS_RELOADS_TOTAL,
     AUTH_FAILURES_TOTAL,
     RATE_LIMITED_TOTAL,
+    OrchestratorMetrics,
 )
 from orchestrator.security import KeysFileError, hash_key, load_api_keys, new_key
+from orchestrator.security.gate import CallerGate
 from orchestrator.security.limits import TenantRateLimits, TokenBucketSettings
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream import errors as upstream_errors
@@ -57,6 +59,8 @@ from tests.status_details import error_info, error_reason, refusal, trailers_of,
 
 ACME_KEY, OTHER_KEY, ADMIN_KEY = new_key(), new_key(), new_key()
 TOKEN = "internal-token-for-tests"
+# A YAML int past a float's range.
+PAST_FLOAT = "1" + "0" * 400
 Start = Callable[..., Awaitable[tuple[OrchestratorServer, CapabilityServer]]]
 
 
@@ -347,6 +351,33 @@ async def test_a_tenants_limit_edited_in_the_keys_file_holds_without_a_restart(
     other = await refusal(call(orchestrator, metadata=bearer(OTHER_KEY)))
     assert error_info(other).metadata["tenant"] == "other"
     assert metric_sum(orchestrator.registry, RATE_LIMITED_TOTAL) == 2
+
+
+class _RefusingLimits(TenantRateLimits):
+    def set_limits(self, limits: Mapping[str, TokenBucketSettings]) -> None:
+        raise RuntimeError("the limits of the edit cannot be set")
+
+
+def test_a_keys_edit_whose_limits_cannot_be_set_leaves_the_keys_in_force(
+    tmp_path: Path,
+) -> None:
+    """replace_keys swapped the keys, then failed setting the limits: the edit's keys
+    were in force with the limits before it, while the watcher reported it refused."""
+    before = tmp_path / "before.yaml"
+    before.write_text(keys_file())
+    edited = tmp_path / "edited.yaml"
+    edited_key = new_key()
+    edited.write_text(keys_file(acme_key=edited_key))
+    in_force = load_api_keys(before)
+    gate = CallerGate(
+        in_force,
+        OrchestratorMetrics(CollectorRegistry()),
+        limits=_RefusingLimits(in_force.tenant_limits),
+    )
+    with pytest.raises(RuntimeError):
+        gate.replace_keys(load_api_keys(edited))
+    assert gate.identifies({"authorization": f"Bearer {ACME_KEY}"})
+    assert not gate.identifies({"authorization": f"Bearer {edited_key}"})
 
 
 def test_an_edited_limit_keeps_what_the_bucket_held_up_to_the_new_burst() -> None:
@@ -787,6 +818,18 @@ async def test_a_callers_baggage_is_not_read_at_the_front_door(
             "tenants:\n  acme: {rate_per_second: .inf, burst: 3}\n",
             "{path}:4: tenants.acme.rate_per_second: inf is not a finite number",
             id="rate-inf",
+        ),
+        # A burst past a float's range loaded, then float(burst) in the limiter raised
+        # OverflowError: a traceback at start.
+        pytest.param(
+            f"tenants:\n  acme: {{rate_per_second: 2, burst: {PAST_FLOAT}}}\n",
+            f"{{path}}:4: tenants.acme: burst {PAST_FLOAT} is above 1000000000",
+            id="burst-past-float",
+        ),
+        pytest.param(
+            "tenants:\n  acme: {rate_per_second: 1000000001, burst: 3}\n",
+            "{path}:4: tenants.acme: rate_per_second 1000000001 is above 1000000000",
+            id="rate-above-bound",
         ),
         pytest.param(
             "tenants:\n  acme: {rate_per_second: 2, burst: 3}\n"
