@@ -8,10 +8,13 @@ ServerSettings.
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
+
+from redis.asyncio.connection import parse_url
 
 from classify_common.server_settings import (
     ServerSettings,
@@ -333,8 +336,9 @@ class OrchestratorSettings(ServerSettings):
 
 def state_url_problem(url: str) -> str | None:
     """What is wrong with a --state-url, in words that never repeat the URL: it may hold
-    the Redis password. None when it is a redis:// or rediss:// URL with a host and a
-    port that parses (a bad port was a traceback from urllib at the first call)."""
+    the Redis password. None when it is a redis:// or rediss:// URL with a host, a
+    port that parses (a bad port was a traceback from urllib at the first call) and a
+    query redis-py reads."""
     if not url.startswith(STATE_URL_SCHEMES):
         return "not a redis:// or rediss:// URL"
     try:
@@ -347,4 +351,12 @@ def state_url_problem(url: str) -> str | None:
         return "its port is not a number from 0 to 65535"
     if not parts.hostname:
         return "it names no host"
+    try:
+        # What start-up's BlockingConnectionPool.from_url parses: a query value it
+        # cannot read (?db=x, ?socket_timeout=abc) passed here and was a traceback there.
+        parse_url(url)
+    except ValueError as exc:
+        # NOTE: its own words only when they name the query key, never the value or URL.
+        named = re.fullmatch(r"Invalid value for '(\w+)' in connection URL\.", str(exc))
+        return f"its {named[1]!r} query value is not valid" if named else "redis-py cannot parse it"
     return None

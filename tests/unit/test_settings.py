@@ -116,6 +116,12 @@ def test_processes_sharing_redis_without_a_redis_are_refused() -> None:
         ("redis://:hunter2@/0", "it names no host"),
         ("redis://:hunter2@[::1:6379/0", "not a valid URL"),
         ("http://:hunter2@r:6379", "not a redis:// or rediss:// URL"),
+        # Taken here, then a ValueError traceback from redis-py's from_url at start.
+        ("redis://:hunter2@r:6379?db=x", "its 'db' query value is not valid"),
+        (
+            "rediss://:hunter2@r:6380/0?socket_timeout=abc",
+            "its 'socket_timeout' query value is not valid",
+        ),
     ],
 )
 def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
@@ -126,6 +132,14 @@ def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
     with pytest.raises(SettingsError) as refused:
         OrchestratorSettings.from_args(["--auth", "disabled", "--state-url", url], environ={})
     assert str(refused.value) == f"--state-url / ORCHESTRATOR_STATE_URL: {problem}"
+
+
+def test_a_state_url_query_redis_py_reads_is_taken() -> None:
+    url = "redis://:hunter2@r:6379?db=2&socket_timeout=1.5"
+    settings = OrchestratorSettings.from_args(
+        ["--auth", "disabled", "--state-url", url], environ={}
+    )
+    assert settings.state_url == url
 
 
 def test_environment_overrides_default_and_flag_overrides_environment() -> None:
