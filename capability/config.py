@@ -28,6 +28,7 @@ root) is refused at start-up, naming the file, its line and the served models
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -176,13 +177,28 @@ def _refused_batching_key(spec: Fields, message: str, max_wait_ms: float) -> Fie
     return FieldRefused(spec.path(field) if field in spec.raw_keys() else spec.where, message)
 
 
+# A CUDA device as torch.device reads it: str.isdigit also took `cuda:00` and other
+# scripts' digits (`cuda:\u0660`), which torch then refused with a RuntimeError traceback.
+CUDA_DEVICE_NAME = re.compile(r"cuda:(0|[1-9][0-9]*)")
+
+
 def check_cuda_devices(names: Sequence[str]) -> None:
-    """Refuse `cuda:N` names this machine has no device for (torch would fail later,
-    inside a worker, with its own assertion)."""
+    """Refuse a name that is not `cuda:N` as torch reads it, one named twice (two workers
+    on one device passed sharded's two-device rule), and `cuda:N` names this machine
+    has no device for (torch would fail later, inside a worker, with its own assertion)."""
+    for at, name in enumerate(names):
+        if not CUDA_DEVICE_NAME.fullmatch(name):
+            raise SettingsError(
+                f"--device / CAPABILITY_DEVICE: {name!r} is not cuda:N "
+                "(N a device index in the digits 0-9, without a leading zero)"
+            )
+        if name in names[:at]:
+            raise SettingsError(
+                f"--device / CAPABILITY_DEVICE: {name!r} is named twice (one worker per device)"
+            )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for name in names:
-        index = name.removeprefix("cuda:")
-        if not index.isdigit() or int(index) >= count:
+        if int(name.removeprefix("cuda:")) >= count:
             have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
             raise SettingsError(f"--device / CAPABILITY_DEVICE: {name!r}: this machine has {have}")
 
@@ -216,7 +232,8 @@ class CapabilitySettings(ServerSettings):
     )
     # "auto" is one worker per CUDA device, else CPU (checked in check_together).
     device: str = setting(
-        DEFAULT_DEVICE, "auto, cpu, or cuda:N[,cuda:M] (auto: every CUDA device, else CPU)"
+        DEFAULT_DEVICE,
+        "auto, cpu, or cuda:N[,cuda:M] (auto: every CUDA device, else CPU; each device once)",
     )
     cpu_workers: int = setting(
         DEFAULT_CPU_WORKERS, "CPU workers (when on the CPU)", int, low=1, high=64

@@ -162,6 +162,42 @@ def test_unknown_device_is_refused() -> None:
         CapabilitySettings.from_args(["--device", "tpu"], environ={})
 
 
+@pytest.fixture
+def two_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a machine with cuda:0 and cuda:1 reports itself (the names are checked
+    before any device is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.parametrize("device", ["cuda:00", "cuda:\u0660", "cuda:+1", "cuda: 1", "cuda:1,cuda:"])
+@pytest.mark.usefixtures("two_cuda_devices")
+def test_a_cuda_device_torch_cannot_read_is_refused_naming_the_flag(device: str) -> None:
+    """str.isdigit took `cuda:00` and other scripts' digits; torch.device then refused
+    them with a RuntimeError traceback at start."""
+    bad = device.split(",")[-1].strip()
+    with pytest.raises(SettingsError) as refused:
+        CapabilitySettings.from_args(["--device", device], environ={})
+    assert str(refused.value) == (
+        f"--device / CAPABILITY_DEVICE: {bad!r} is not cuda:N (N a device index in the "
+        "digits 0-9, without a leading zero)"
+    )
+
+
+@pytest.mark.usefixtures("two_cuda_devices")
+def test_a_cuda_device_named_twice_is_refused() -> None:
+    """Two workers on one device passed sharded's rule of two devices."""
+    with pytest.raises(SettingsError) as refused:
+        CapabilitySettings.from_args(
+            ["--device", "cuda:0,cuda:0", "--residency", "sharded"], environ={}
+        )
+    assert str(refused.value) == (
+        "--device / CAPABILITY_DEVICE: 'cuda:0' is named twice (one worker per device)"
+    )
+    taken = CapabilitySettings.from_args(["--device", "cuda:1, cuda:0"], environ={})
+    assert taken.device == "cuda:1, cuda:0"
+
+
 def test_grace_period_is_bounded() -> None:
     with pytest.raises(SettingsError, match="--grace-seconds / CAPABILITY_GRACE_SECONDS"):
         CapabilitySettings(grace_seconds=301)
