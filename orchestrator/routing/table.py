@@ -43,21 +43,23 @@ SUPPORTED_VERSION = 1
 DEFAULT_TIMEOUT_SECONDS = 5.0
 # The slots a request ID falls in (match.percent_slot); percent routes share them out.
 PERCENT_SLOTS = 100
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
+# NOTE: [0-9], never \d, which matches every script's digits: a port in Arabic-Indic
+# digits passed, and int() read it.
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s)$")
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$")
 # host:port, [ipv6]:port, dns:///name:port (a name looked up again and again, each
 # address a replica: a Kubernetes headless service's pods), or a fixed list in
 # gRPC's form, ipv4:a.b.c.d:port,... or ipv6:[a::b]:port,...
-_IPV4_PORT = r"\d{1,3}(?:\.\d{1,3}){3}:\d{1,5}"
-_IPV6_PORT = r"\[[0-9a-fA-F:]+\]:\d{1,5}"
+_IPV4_PORT = r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}:[0-9]{1,5}"
+_IPV6_PORT = r"\[[0-9a-fA-F:]+\]:[0-9]{1,5}"
 _TARGET = re.compile(
-    r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$|^dns:///[^\s:/]+:\d{1,5}$"
+    r"^[^\s:/]+:[0-9]{1,5}$|^\[[0-9a-fA-F:]+\]:[0-9]{1,5}$|^dns:///[^\s:/]+:[0-9]{1,5}$"
     rf"|^ipv4:{_IPV4_PORT}(?:,{_IPV4_PORT})*$|^ipv6:{_IPV6_PORT}(?:,{_IPV6_PORT})*$"
 )
 # Every :port of a target (after a host, a bracketed IPv6 address or a list's comma),
 # and every dotted quad: checked for range, which the pattern above cannot say.
-_PORT = re.compile(r":(\d{1,5})(?:,|$)")
-_DOTTED_QUAD = re.compile(r"(?:^|[:/,])(\d{1,3}(?:\.\d{1,3}){3})(?=:)")
+_PORT = re.compile(r":([0-9]{1,5})(?:,|$)")
+_DOTTED_QUAD = re.compile(r"(?:^|[:/,])([0-9]{1,3}(?:\.[0-9]{1,3}){3})(?=:)")
 # Every bracketed IPv6 address: checked as one, which the pattern above cannot do
 # (`[:::]` passed, and every call to it failed UNAVAILABLE).
 _BRACKETED = re.compile(r"\[([^\]]*)\]")

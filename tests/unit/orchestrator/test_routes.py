@@ -92,6 +92,23 @@ def test_ipv6_targets_in_either_form_are_taken(tmp_path: Path) -> None:
             '"ipv4:10.0.0.7:50052,10.0.0.8:0"',
             "targets[1]: 'ipv4:10.0.0.7:50052,10.0.0.8:0' has a port outside 1..65535",
         ),
+        # `\d` took every script's digits, and int() read them: a port in Arabic-Indic
+        # digits (as a duration's number) passed.
+        (
+            '"10.0.0.7:50052"',
+            '"localhost:\u0665\u0660\u0660\u0665\u0662"',
+            "targets[1]: 'localhost:\u0665\u0660\u0660\u0665\u0662' is not host:port",
+        ),
+        (
+            '"10.0.0.7:50052"',
+            '"ipv4:10.0.0.7:\u0665\u0660\u0660\u0665\u0662"',
+            "targets[1]: 'ipv4:10.0.0.7:\u0665\u0660\u0660\u0665\u0662' is not host:port",
+        ),
+        (
+            "timeout: 250ms",
+            "timeout: \u0662\u0665\u0660ms",
+            "backends.topic-minilm.timeout: '\u0662\u0665\u0660ms' is not a duration",
+        ),
         (
             '"10.0.0.7:50052"',
             '"999.0.0.7:50052"',
