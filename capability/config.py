@@ -62,6 +62,7 @@ from classify_common.settings import (
     path_value,
     setting,
     setting_file,
+    spoken_number,
 )
 
 DEFAULT_PORT = 50052
@@ -172,7 +173,9 @@ def _refused_batching_key(spec: Fields, message: str, max_wait_ms: float) -> Fie
     field = message.split(" ", 1)[0]
     if field == "max_wait_seconds":
         return FieldRefused(
-            spec.path("max_wait_ms"), f"max_wait_ms {max_wait_ms:g} is outside 0..1000"
+            # Exactly as written: :g printed 1000.0000001 as "1000 is outside 0..1000".
+            spec.path("max_wait_ms"),
+            f"max_wait_ms {spoken_number(max_wait_ms)} is outside 0..1000",
         )
     return FieldRefused(spec.path(field) if field in spec.raw_keys() else spec.where, message)
 

@@ -557,6 +557,15 @@ MISSPELT_CONFIG = "topic-static:\n  max_batch_size: 8\ntopic-minlm:\n  residency
             "  max_wait_ms: 5000\n",
             ":2: topic-static.max_wait_ms: max_wait_ms 5000 is outside 0..1000",
         ),
+        # As written: :g printed it "1000", inside the bounds it named.
+        (
+            "  max_wait_ms: 1000.0000001\n",
+            ":2: topic-static.max_wait_ms: max_wait_ms 1000.0000001 is outside 0..1000",
+        ),
+        (
+            "  max_wait_ms: -0.0000001\n",
+            ":2: topic-static.max_wait_ms: max_wait_ms -0.0000001 is outside 0..1000",
+        ),
         (
             "  queue_capacity: 8\n  length_buckets: [64, 32]\n",
             ":3: topic-static.length_buckets: length_buckets (64, 32) must be ascending positive "
