@@ -233,7 +233,11 @@ class Settings:
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ
     ) -> Self:
         """Settings from flags, else environment variables, else the declared defaults."""
-        parser = argparse.ArgumentParser(prog=cls.PROG, description=cls.DESCRIPTION)
+        # NOTE: allow_abbrev off: argparse took `--max-wait 5` as --max-wait-ms, and a
+        # flag cut short (or one a later release adds beside it) quietly set another.
+        parser = argparse.ArgumentParser(
+            prog=cls.PROG, description=cls.DESCRIPTION, allow_abbrev=False
+        )
         for each in cls.declared():
             parser.add_argument(
                 each.flag,

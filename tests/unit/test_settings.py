@@ -142,6 +142,26 @@ def test_a_state_url_query_redis_py_reads_is_taken() -> None:
     assert settings.state_url == url
 
 
+@pytest.mark.parametrize(
+    ("settings", "argv"),
+    [
+        (CapabilitySettings, ["--max-wait", "5"]),
+        (CapabilitySettings, ["--metrics", "-1"]),
+        (OrchestratorSettings, ["--auth", "disabled", "--state-proc", "4"]),
+    ],
+)
+def test_a_flag_cut_short_is_refused_not_taken_as_the_flag_it_begins(
+    settings: type[CapabilitySettings] | type[OrchestratorSettings],
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse's prefix matching took `--max-wait 5` as --max-wait-ms 5."""
+    with pytest.raises(SystemExit) as exited:
+        settings.from_args(argv, environ={})
+    assert exited.value.code == 2
+    assert f"error: unrecognized arguments: {argv[-2]} {argv[-1]}" in capsys.readouterr().err
+
+
 def test_environment_overrides_default_and_flag_overrides_environment() -> None:
     environ = {"CAPABILITY_PORT": "6000", "CAPABILITY_DEVICE": "cpu"}
     assert CapabilitySettings.from_args([], environ=environ).port == 6000
