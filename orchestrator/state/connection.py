@@ -145,12 +145,14 @@ class RedisState:
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "client_name": "classify-orchestrator",
         }
-        password = read_secret(settings, "state_password_file")
-        if password is not None:
-            options["password"] = password
         if settings.state_ca_file is not None:
             options["ssl_ca_certs"] = str(settings.state_ca_file)
         pool = BlockingConnectionPool.from_url(settings.state_url, **options)
+        password = read_secret(settings, "state_password_file")
+        if password is not None:
+            # NOTE: set after from_url, not passed to it: from_url lets the URL's own
+            # options override those passed in, so a password in the URL would win.
+            pool.connection_kwargs["password"] = password
         return cls(
             Redis.from_pool(pool),  # the client owns the pool: closing it closes both
             metrics,

@@ -1056,6 +1056,26 @@ async def test_a_redis_that_refuses_the_connection_stops_start_up_naming_the_set
     assert "wrong" not in message
 
 
+async def test_the_password_file_wins_over_a_password_in_the_url(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """redis-py's from_url lets the URL's options override those passed to it: the
+    URL's old password was sent, and a rotated one in --state-password-file ignored."""
+    assert redis_server.command("CONFIG", "SET", "requirepass", "newpw") == "+OK"
+    password_file = tmp_path / "state-password"
+    password_file.write_text("newpw\n")
+    settings = orchestrator_settings(
+        state_url=f"redis://:oldpw@127.0.0.1:{redis_server.port}/0",
+        state_password_file=password_file,
+    )
+    state = RedisState.from_settings(settings, StateMetrics(CollectorRegistry()))
+    try:
+        assert await state.check_at_start() is True
+        assert await state.run("ping", state.client.ping) is True
+    finally:
+        await state.close()
+
+
 async def test_a_refused_command_says_so_and_its_cause_is_logged_with_its_message(
     redis_state: RedisState, caplog: pytest.LogCaptureFixture
 ) -> None:
