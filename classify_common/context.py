@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import re
+import time
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -83,18 +84,28 @@ def bind_request(context: RequestContext) -> None:
     _current.set(context)
 
 
-# Seconds the current call had left when its handler began (None: no deadline).
+# Seconds the current call had left when its handler began (None: no deadline), and
+# its deadline on time.monotonic()'s clock.
 _arrived_with: ContextVar[float | None] = ContextVar("classify_arrived_with", default=None)
+_deadline: ContextVar[float | None] = ContextVar("classify_deadline", default=None)
 
 
 def bind_time_left_on_arrival(seconds: float | None) -> None:
     _arrived_with.set(seconds)
+    _deadline.set(None if seconds is None else time.monotonic() + seconds)
 
 
 def time_left_on_arrival() -> float | None:
     """Seconds the current call's deadline left it when its handler began, None when it
     has no deadline (or outside a call)."""
     return _arrived_with.get()
+
+
+def time_left() -> float | None:
+    """Seconds the current call's deadline leaves it now (negative once past), None when
+    it has no deadline (or outside a call)."""
+    deadline = _deadline.get()
+    return None if deadline is None else deadline - time.monotonic()
 
 
 @functools.lru_cache(maxsize=1024)  # once per tenant, not per call

@@ -42,6 +42,13 @@ STATE_OPERATION_SECONDS = "classify_state_operation_seconds"
 STATE_UP = "classify_state_up"
 # Connections one process keeps to Redis; calls beyond that wait (within the timeout).
 MAX_CONNECTIONS = 64
+# Kept from a command's time when the caller's deadline bounds it (run()'s `within`):
+# time to go on without Redis and still answer.
+DEADLINE_MARGIN_SECONDS = 0.03
+# A command cut short by its caller's deadline starts the rest after a failure only
+# when it had at least this fraction of --state-timeout-ms: a Redis that stays silent
+# that long is failing, not merely slower than one call's deadline.
+FAILING_FRACTION = 0.5
 
 # Redis answered, with an error: a wrong password or user, a database number it does
 # not have, a command it refuses. Waiting does not help these (see check_at_start).
@@ -166,10 +173,17 @@ class RedisState:
         command: Callable[[], Awaitable[T]],
         *,
         skip_while_resting: bool = True,
+        within: float | None = None,
     ) -> T:
         """`command()`'s answer; StateUnavailable when Redis fails, is slower than the
         timeout, or failed less than the retry period ago (then nothing is sent, unless
-        `skip_while_resting` is False: the probe, and outcomes stored again)."""
+        `skip_while_resting` is False: the probe, and outcomes stored again).
+
+        `within`: the seconds the caller has left (its call's deadline; None: no
+        deadline). The command is given that less DEADLINE_MARGIN_SECONDS when it is
+        less than the timeout, so the caller goes on without Redis in time rather than
+        being cancelled while it waits (uncounted, and starting no rest: each call
+        after it waited on a stalled Redis too, and failed DEADLINE_EXCEEDED)."""
         now = self._clock()
         if skip_while_resting and now < self._resting_until:
             self._metrics.count(operation, "skipped")
@@ -178,12 +192,25 @@ class RedisState:
                 retry_after_seconds=self._resting_until - now,
                 operation=operation,
             )
+        timeout = self.timeout_seconds
+        if within is not None:
+            timeout = max(0.0, min(timeout, within - DEADLINE_MARGIN_SECONDS))
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.timeout_seconds):
+            async with asyncio.timeout(timeout):
                 answer = await command()
         except (TimeoutError, RedisError, OSError) as exc:
             _raise_if_cancelled(exc)
+            if isinstance(exc, TimeoutError) and timeout < self.timeout_seconds * FAILING_FRACTION:
+                # NOTE: cut short by a deadline too near to tell a failing Redis from a
+                # tight one: counted, but no rest started, so a tenant's tight deadlines
+                # never send the whole process to its fallback while Redis is well.
+                self._metrics.count(operation, "timeout")
+                raise StateUnavailable(
+                    "the shared state store did not answer before the call's deadline",
+                    retry_after_seconds=0.0,
+                    operation=operation,
+                ) from exc
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
             raise self._failed(operation, outcome, exc) from exc
         self._metrics.answered(operation, time.perf_counter() - started)

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from functools import partial
 
+from classify_common.context import time_left
 from classify_common.errors import StateUnavailable
 from orchestrator.security.limits import (
     Grant,
@@ -159,7 +160,7 @@ class RedisRateLimits:
         args = [settings.rate_per_second, settings.burst, calls]
         try:
             granted, left = await self._state.run(
-                "rate_limit", lambda: self._take(keys=keys, args=args)
+                "rate_limit", lambda: self._take(keys=keys, args=args), within=time_left()
             )
         except StateUnavailable:
             return self._fallback.take(tenant, calls)

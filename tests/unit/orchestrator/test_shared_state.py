@@ -352,6 +352,55 @@ async def test_redis_stopped_calls_are_answered_counted_and_state_returns_with_i
     assert (await classify(server)).labels[0].name == "sports"
 
 
+def state_outcomes(server: OrchestratorServer, operation: str) -> dict[str, float]:
+    return {
+        outcome: metric_sum(
+            server.registry, STATE_OPERATIONS_TOTAL, operation=operation, outcome=outcome
+        )
+        for outcome in ("ok", "error", "timeout", "skipped")
+    }
+
+
+async def test_a_call_whose_deadline_precedes_the_state_timeout_goes_on_without_a_stalled_redis(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """A 0.3 s deadline, a 0.5 s --state-timeout-ms, Redis stalled (SIGSTOP): the call
+    was cancelled in its rate-limit check, uncounted and starting no rest, so it and
+    every call after it failed DEADLINE_EXCEEDED. Its check now gives up in time,
+    counted, the call is answered from the process's share, and the next skips Redis."""
+    server = await start_shared(capability, burst=100, state_timeout_ms=500, state_retry_seconds=5)
+    await classify(server)  # connections opened and the script loaded
+    redis_server.pause()
+    try:
+        stalled = await code_of(classify(server, within=0.3))
+        after = await code_of(classify(server, within=0.3))
+    finally:
+        redis_server.resume()
+    assert (stalled, after) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
+    assert state_outcomes(server, "rate_limit") == {
+        "ok": 1,
+        "error": 0,
+        "timeout": 1,
+        "skipped": 1,
+    }
+
+
+async def test_a_deadline_too_tight_to_tell_a_failing_redis_starts_no_rest(
+    redis_state: RedisState, redis_server: RedisServer
+) -> None:
+    """Cut short by its caller's deadline well within --state-timeout-ms, a command
+    that Redis did not answer is counted but starts no rest: a tenant's tight
+    deadlines must not send every call in the process to its fallback."""
+    await redis_state.run("ping", redis_state.client.ping)
+    redis_server.pause()
+    try:
+        with pytest.raises(StateUnavailable):
+            await redis_state.run("rate_limit", redis_state.client.ping, within=0.035)
+    finally:
+        redis_server.resume()
+    assert await redis_state.run("rate_limit", redis_state.client.ping) is True
+
+
 async def code_of(call: Awaitable[object]) -> grpc.StatusCode:
     try:
         await call
