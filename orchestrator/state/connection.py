@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -42,6 +43,8 @@ STATE_OPERATION_SECONDS = "classify_state_operation_seconds"
 STATE_UP = "classify_state_up"
 # Connections one process keeps to Redis; calls beyond that wait (within the timeout).
 MAX_CONNECTIONS = 64
+# Written at start (check_at_start), expiring at once: Redis takes writes from this user.
+START_CHECK_KEY = KEY_PREFIX + "start-check"
 # Kept from a command's time when the caller's deadline bounds it (run()'s `within`):
 # time to go on without Redis and still answer.
 DEADLINE_MARGIN_SECONDS = 0.03
@@ -60,7 +63,7 @@ log = logging.getLogger(__name__)
 
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
-    result_hold, result_finish, result_get, result_lease, ping) and outcome (ok, error,
+    result_hold, result_finish, result_get, result_lease, ping, start_check) and outcome (ok, error,
     timeout, skipped)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -129,6 +132,7 @@ class RedisState:
         self._failing = False
         self._probe: asyncio.Task[None] | None = None
         self._closing = False
+        self._scripts: list[AsyncScript] = []
 
     @classmethod
     def from_settings(cls, settings: OrchestratorSettings, metrics: StateMetrics) -> RedisState:
@@ -166,6 +170,13 @@ class RedisState:
             timeout_seconds=timeout,
             retry_seconds=settings.state_retry_seconds,
         )
+
+    def register_script(self, source: str) -> AsyncScript:
+        """A Lua script, run by EVALSHA (loaded again when Redis lacks it); check_at_start
+        loads every script registered before it."""
+        script = self.client.register_script(source)
+        self._scripts.append(script)
+        return script
 
     async def run(
         self,
@@ -253,17 +264,47 @@ class RedisState:
         """Whether Redis answers at start-up (False: serve without it until it does).
 
         SettingsError when it answers with a refusal (a wrong password, a database
-        number it lacks): that never mends itself, so start-up stops and says which
-        settings to fix, rather than serving degraded for as long as it runs."""
+        number it lacks, a user not allowed scripts or writes, a read-only replica):
+        that never mends itself, so start-up stops and says which settings to fix,
+        rather than serving degraded for as long as it runs.
+
+        NOTE: a PING alone passed for a user without scripting (+@all -@scripting) and
+        for a replica; then every rate-limit check was refused (NOPERM, READONLY) and
+        fell back to the process's share for good. So the scripts are loaded, and a key
+        that expires at once is written, as every call's commands will."""
         failure = await self._ping()
+        if failure is None:
+            failure = await self._check_commands()
         if failure is not None and isinstance(failure.__cause__, REFUSALS):
             raise SettingsError(
                 "--state-url / ORCHESTRATOR_STATE_URL: Redis refused the connection "
                 f"({describe(failure.__cause__)}); check the password (in the URL or "
-                "--state-password-file / ORCHESTRATOR_STATE_PASSWORD_FILE) and the "
-                "database number (the URL's path)"
+                "--state-password-file / ORCHESTRATOR_STATE_PASSWORD_FILE), the "
+                "database number (the URL's path), that the user may run scripts and "
+                f"write {KEY_PREFIX}* keys, and that the URL names a primary, not a replica"
             ) from failure.__cause__
         return failure is None
+
+    async def _check_commands(self) -> StateUnavailable | None:
+        """Load the registered scripts and write START_CHECK_KEY (expiring at once), in
+        one round trip: the failure, or None."""
+
+        async def load_and_write() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for script in self._scripts:
+                    pipe.script_load(script.script)
+                pipe.set(START_CHECK_KEY, "1", px=1)
+                # Not raised by execute(): it prefixes the command, a whole script here.
+                answers = await pipe.execute(raise_on_error=False)
+            for answer in answers:
+                if isinstance(answer, Exception):
+                    raise answer
+
+        try:
+            await self.run("start_check", load_and_write, skip_while_resting=False)
+        except StateUnavailable as failure:
+            return failure
+        return None
 
     def start_probe(self) -> None:
         """PING Redis every --state-retry-seconds, in one task, until close()."""

@@ -103,8 +103,8 @@ class RedisRateLimits:
         self._sharers = sharers
         self._limits = dict(limits)
         self._fallback = TenantRateLimits(self._shares(limits))
-        self._take = state.client.register_script(_TAKE)
-        self._rebase_bucket = state.client.register_script(_REBASE)
+        self._take = state.register_script(_TAKE)
+        self._rebase_bucket = state.register_script(_REBASE)
         # Rebases under way after an edit, held until they end (the loop keeps only a
         # weak reference to a task).
         self._rebasing: set[asyncio.Task[None]] = set()

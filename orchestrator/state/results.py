@@ -314,10 +314,10 @@ class RedisResultStore:
         self._ttl_seconds = ttl_seconds
         self._retry_max = retry_max_seconds
         self._clock = clock
-        self._hold_script = state.client.register_script(_HOLD)
-        self._finish_script = state.client.register_script(_FINISH)
-        self._renew_lease_script = state.client.register_script(_RENEW_LEASE)
-        self._get_script = state.client.register_script(_GET)
+        self._hold_script = state.register_script(_HOLD)
+        self._finish_script = state.register_script(_FINISH)
+        self._renew_lease_script = state.register_script(_RENEW_LEASE)
+        self._get_script = state.register_script(_GET)
         self.process_id = process_id()
         self._lease_ms = int(PROCESS_LEASE_SECONDS * 1000)
         self._renewing_lease: asyncio.Task[None] | None = None

@@ -1105,6 +1105,36 @@ async def test_a_redis_that_refuses_the_connection_stops_start_up_naming_the_set
     assert "wrong" not in message
 
 
+@pytest.mark.parametrize(
+    ("setup", "user", "cause"),
+    [
+        (
+            ("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-@scripting"),
+            "limited:pw@",
+            "NoPermissionError: this user has no permissions to run the 'script|load' command",
+        ),
+        (("REPLICAOF", "127.0.0.1", "1"), "", "ReadOnlyError: You can't write against a read only"),
+    ],
+    ids=["user_without_scripting", "read_only_replica"],
+)
+async def test_a_redis_that_refuses_the_commands_calls_need_stops_start_up(
+    tmp_path: Path, redis_server: RedisServer, setup: tuple[str, ...], user: str, cause: str
+) -> None:
+    """A PING alone passed for these; then every rate-limit check was refused (NOPERM,
+    READONLY) and fell back to the process's share for as long as it ran."""
+    assert redis_server.command(*setup) == "+OK"
+    server = unstarted_orchestrator(tmp_path, f"redis://{user}127.0.0.1:{redis_server.port}/0")
+    try:
+        with pytest.raises(SettingsError) as refused:
+            await server.start()
+    finally:
+        await server.state.close()
+    message = str(refused.value)
+    assert message.startswith("--state-url / ORCHESTRATOR_STATE_URL: Redis refused")
+    assert cause in message
+    assert "may run scripts" in message
+
+
 async def test_the_password_file_wins_over_a_password_in_the_url(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
