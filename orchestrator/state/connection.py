@@ -154,7 +154,14 @@ class RedisState:
             # process's own buckets for --state-retry-seconds. A refused connect fails
             # the retry at once; a timeout is never retried (the command may have run).
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            "client_name": "classify-orchestrator",
+            # NOTE: a new connection's set-up runs inside its first command's timeout,
+            # and redis-py's defaults spent a round trip each on HELLO 3, CLIENT
+            # MAINT_NOTIFICATIONS (both for RESP3, which nothing here needs), CLIENT
+            # SETNAME and CLIENT SETINFO: a Redis a quarter of the timeout away was
+            # never reached from a cold start. RESP2, no name, no driver info: none
+            # of them (docs/deploy.md: the timeout and round trips).
+            "protocol": 2,
+            "driver_info": None,
         }
         if settings.state_ca_file is not None:
             options["ssl_ca_certs"] = str(settings.state_ca_file)

@@ -492,6 +492,28 @@ class SlowReplies:
             sink.close()
 
 
+async def test_a_redis_a_third_of_the_timeout_away_is_reached_from_a_cold_start(
+    redis_server: RedisServer,
+) -> None:
+    """Replies 35 ms late, the default 100 ms --state-timeout-ms. A new connection sent
+    CLIENT SETNAME and CLIENT SETINFO before the command, each a round trip inside its
+    timeout: from a cold start no command was ever answered."""
+    async with SlowReplies(redis_server.port) as slow:
+        slow.delay = 0.035
+        registry = CollectorRegistry()
+        state = RedisState.from_settings(
+            orchestrator_settings(state_url=slow.url), StateMetrics(registry)
+        )
+        limits = RedisRateLimits(state, {"t": TokenBucketSettings(10, 10)}, sharers=2)
+        try:
+            assert await state.check_at_start() is True
+            assert await limits.try_acquire("t") == (9.0, 1, 0.0)
+        finally:
+            await state.close()
+    answered = metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="ok")
+    assert answered == 1
+
+
 async def classify_batch(
     server: OrchestratorServer, request_ids: list[str], within: float
 ) -> pb.ClassifyBatchResponse:
