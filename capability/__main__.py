@@ -1,8 +1,9 @@
 import os
 
-from classify_common.early_stop import stop_on_signals_until_serving
+from classify_common.early_stop import stop_on_signals_until_serving, stop_with_launcher
 
 stop_on_signals_until_serving()
+stop_with_launcher()
 
 # How long torch's idle OpenMP threads spin before they sleep, read once when torch
 # loads. GNU OpenMP's default (300,000 spins) keeps them burning a core for a while

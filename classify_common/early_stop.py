@@ -8,7 +8,8 @@ the kernel shields from signals it does not handle, was ignored: the server went
 to start and serve, and the pod waited out its grace period to be killed. Here they
 end it at once, with exit status 0, as a stop during the rest of the start does.
 Here too, a process's stop when the process that started it dies
-(`stop_when_parent_dies`). Only the standard library: this must be quick to import.
+(`stop_when_parent_dies`, `stop_with_launcher`). Only the standard library: this
+must be quick to import.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from types import FrameType
 
 # prctl(2): the signal this process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+# The process ID of the process that started this server and stops it (`make run`'s
+# tools/run_stack.py), when it asks the server to stop with it (stop_with_launcher).
+LAUNCHER_PID_VARIABLE = "CLASSIFY_LAUNCHER_PID"
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -54,3 +58,18 @@ def stop_when_parent_dies(parent: int) -> bool:
         error = ctypes.get_errno()
         raise OSError(error, f"prctl(PR_SET_PDEATHSIG): {os.strerror(error)}")
     return os.getppid() == parent
+
+
+def stop_with_launcher() -> None:
+    """Stop when the process named by LAUNCHER_PID_VARIABLE, which started this one,
+    dies (SIGTERM: the server drains), and exit at once if it already has; nothing
+    without the variable. Taken out of the environment as it is read, so that the
+    processes this one starts (an orchestrator's workers) do not read it: their parent
+    is this process, and they stop with it by their own means.
+
+    Asked by the launcher rather than done by it between fork and exec (a preexec_fn):
+    the launcher runs gRPC's threads by then, and code run in a child forked from a
+    threaded process can deadlock on a lock one of them held."""
+    launcher = os.environ.pop(LAUNCHER_PID_VARIABLE, "")
+    if launcher.isdigit() and not stop_when_parent_dies(int(launcher)):
+        sys.exit(f"the process that started this server ({launcher}) has exited")

@@ -1,6 +1,7 @@
-from classify_common.early_stop import stop_on_signals_until_serving
+from classify_common.early_stop import stop_on_signals_until_serving, stop_with_launcher
 
 stop_on_signals_until_serving()
+stop_with_launcher()
 
 from orchestrator.server import main  # noqa: E402 - after the handlers above
 

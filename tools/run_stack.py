@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import secrets
 import signal
@@ -32,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from classify_common.early_stop import stop_when_parent_dies  # noqa: E402
+from classify_common.early_stop import LAUNCHER_PID_VARIABLE  # noqa: E402
 from orchestrator.security import hash_key, new_key  # noqa: E402
 from tools.make_credentials import write_private  # noqa: E402
 
@@ -66,23 +65,15 @@ def start_server(
     arguments: Sequence[str], environment: Mapping[str, str]
 ) -> subprocess.Popen[bytes]:
     """`python ARGUMENTS...` (a server: `-m capability`) in a session of its own, out of
-    reach of the terminal's Ctrl-C (this script stops it), and sent SIGTERM by the
-    kernel if this script dies without stopping it: killed (SIGKILL, the OOM killer),
-    it left both servers serving their ports, and the next `make run` found them
-    taken."""
+    reach of the terminal's Ctrl-C (this script stops it), asked to stop when this
+    script dies without stopping it (classify_common.early_stop.stop_with_launcher):
+    killed (SIGKILL, the OOM killer), it left both servers serving their ports, and the
+    next `make run` found them taken."""
     return subprocess.Popen(
         [sys.executable, *arguments],
-        env=environment,
+        env={**environment, LAUNCHER_PID_VARIABLE: str(os.getpid())},
         start_new_session=True,
-        preexec_fn=functools.partial(stop_with_launcher, os.getpid()),
     )
-
-
-def stop_with_launcher(launcher: int) -> None:
-    """In a server's process, before it runs (Popen's preexec_fn): stop it when process
-    `launcher` dies, and at once if that already happened."""
-    if not stop_when_parent_dies(launcher):
-        os._exit(1)
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:

@@ -374,9 +374,14 @@ async def test_a_server_make_run_started_is_stopped_when_the_script_is_killed(
 ) -> None:
     """tools/run_stack.py SIGKILLed (the OOM killer, `kill -9`) left both servers
     serving, and the next `make run` found their ports taken: each server now gets
-    SIGTERM, on which it drains and exits. Here the 'server' writes a file on it."""
+    SIGTERM, on which it drains and exits. Here the 'server' does what both servers'
+    __main__ do first, and writes a file on SIGTERM."""
+    for main in ("capability", "orchestrator"):
+        assert "\nstop_with_launcher()\n" in (REPO_ROOT / main / "__main__.py").read_text()
     stopped = tmp_path / "stopped"
     server = (
+        "from classify_common.early_stop import stop_with_launcher\n"
+        "stop_with_launcher()\n"
         "import signal, sys, time\n"
         "def stop(signum, frame):\n"
         f"    open({str(stopped)!r}, 'w').close()\n"
