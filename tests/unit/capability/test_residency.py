@@ -356,7 +356,7 @@ async def test_twenty_models_with_a_budget_for_five_all_answer_correctly_under_r
 
     # Each round sends one text to every model at once, the texts rotating over the
     # models: twenty cold starts compete for five places.
-    rounds = 3
+    rounds = 2
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         for turn in range(rounds):

@@ -1,4 +1,5 @@
-"""`make lint-deploy` passes on deploy/, and each of its checks catches a planted fault.
+"""Each check of `make lint-deploy` catches a planted fault (`make lint` runs it on
+deploy/ itself).
 
 Each fault test copies deploy/ to a temporary folder, plants one fault, and runs
 the checker on the copy: through `make lint-deploy DEPLOY_DIR=...` once (the
@@ -51,14 +52,6 @@ def plant(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-def test_make_lint_deploy_passes_on_the_deploy_files() -> None:
-    result = run_make("lint-deploy")
-
-    assert result.returncode == 0, result.stdout + result.stderr
-    for check in ("hadolint", "compose", "k8s", "prometheus", "grafana", "routes", "yaml"):
-        assert f"{check}: ok" in result.stdout
-
-
 def test_make_lint_deploy_fails_on_an_unpinned_base_image(deploy_copy: Path) -> None:
     plant(
         deploy_copy / "docker" / "orchestrator.Dockerfile",
@@ -71,7 +64,12 @@ def test_make_lint_deploy_fails_on_an_unpinned_base_image(deploy_copy: Path) -> 
     assert result.returncode != 0
     assert "DL3007" in result.stderr  # "Using latest is prone to errors"
     assert "hadolint: FAILED" in result.stdout
-    assert "k8s: ok" in result.stdout  # the other checks still ran
+    # The other checks still ran, and passed on the unchanged files; compose's ran but
+    # finds its build contexts (../) missing beside the copy. (`make lint`, which `make
+    # test` runs, is the same target on deploy/ itself.)
+    assert "compose: " in result.stdout
+    for check in ("k8s", "prometheus", "grafana", "routes", "yaml"):
+        assert f"{check}: ok" in result.stdout
 
 
 @pytest.mark.parametrize(
