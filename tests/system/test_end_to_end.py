@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -168,7 +169,7 @@ def test_command_line_client_classifies_a_file_with_one_line_per_text(
     assert striker.split("  ")[-1].startswith("The striker scored twice")
     assert blank.startswith("error       INVALID_ARGUMENT: ")
     assert "items[1].text" in blank
-    assert "(request " in blank
+    assert re.search(r"\(request [0-9a-f-]+, trace [0-9a-f]{32}\)", blank), blank
     assert business.split()[0] == "business"
 
 

@@ -331,6 +331,49 @@ def test_a_file_for_a_server_that_is_down_fails_within_the_timeout(
     )
 
 
+def test_a_one_call_file_for_a_server_that_is_down_gets_no_hint_to_raise_the_timeout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """No server answered, so none was slow: the hint to raise --timeout beside the one
+    that nothing listens there sent the user the wrong way."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n")  # one call: sent without waiting for a connection
+    place = nowhere()
+    status, out, err = run(capsys, "--target", place, "--file", str(lines), "--timeout", "0.5")
+    assert (status, out) == (1, "")
+    assert err.splitlines()[-1].startswith(f"hint: no server answered at {place}: ")
+    assert "raise it" not in err
+
+
+async def test_a_file_line_past_the_first_call_is_named_by_its_place_in_the_file(
+    orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Each call of up to 1,024 lines was numbered from 0 by the server: line 1,028's
+    error named items[3], as line 4's did. Each error line carries both IDs."""
+    texts = [SHORT] * 1030
+    texts[3] = ""
+    texts[1027] = "   "
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(texts) + "\n")
+    status, out, _ = await run_against(orchestrator, capsys, "--file", str(lines))
+    assert status == 1
+    output = out.splitlines()
+    assert len(output) == 1030
+    for number, line in ((4, output[3]), (1028, output[1027])):
+        assert line.startswith("error       INVALID_ARGUMENT: "), line
+        assert f"items[{number - 1}].text" in line, line
+        assert re.search(r"\(request [0-9a-f-]+, trace [0-9a-f]{32}\)", line), line
+    status, out, _ = await run_against(orchestrator, capsys, "--json", "--file", str(lines))
+    assert status == 1
+    fields = [
+        violation["field"]
+        for answer in map(json.loads, out.splitlines())
+        if "error" in answer
+        for violation in answer["error"]["violations"]
+    ]
+    assert fields == ["items[3].text", "items[1027].text"]
+
+
 async def test_a_file_with_a_byte_order_mark_and_crlf_echoes_each_text_as_written(
     orchestrator: OrchestratorServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -799,7 +842,7 @@ def test_a_kept_results_failed_work_shows_the_trace_it_ran_in() -> None:
     ]
     assert error_json(failed)["error"]["resultTraceId"] == "work-trace"
     line = format_item(BatchItem(error=failed), "a headline")
-    assert "(request kept-1, work trace work-trace)" in line
+    assert "(request kept-1, trace poll-trace, work trace work-trace)" in line
 
 
 def test_a_backend_timeout_in_the_services_routes_gets_no_hint_to_raise_the_timeout() -> None:

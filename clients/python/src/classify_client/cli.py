@@ -64,6 +64,7 @@ from classify_client._shared import (
     batch_chunks,
     checked_batch_request_id,
     new_request_id,
+    renumbered,
 )
 from classify_client.errors import RESULT_TRACE_ID
 from classify_client.retry import MAX_TIMEOUT_SECONDS, is_connection_failure
@@ -142,7 +143,8 @@ def format_item(item: BatchItem, text: str) -> str:
         work = f", work trace {work_trace}" if work_trace else ""
         return (
             f"error       {error.code.name}: {error_message(error)}  "
-            f"(request {error.request_id or '-'}{work})  {echo!r}"
+            f"(request {error.request_id or '-'}, trace {error.trace_id or '-'}{work})  "
+            f"{echo!r}"
         )
     response = item.response
     assert response is not None
@@ -546,6 +548,15 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
                 raise  # refused whole before any answer: one error, as for one text
             chunk_texts = texts[chunk[0] :]
             items = [BatchItem(error=error)] * len(chunk_texts)
+        else:
+            # The server numbered the items of its one call from 0; the user's lines
+            # are numbered across the file (line 1,028 is items[1027], not items[3]).
+            items = [
+                BatchItem(error=renumbered(item.error, f"items[{position}]", f"items[{index}]"))
+                if item.error is not None and position != index
+                else item
+                for position, (item, index) in enumerate(zip(items, chunk, strict=True))
+            ]
         for item, text in zip(items, chunk_texts, strict=True):
             if args.json:
                 print(json.dumps(item_json(item), ensure_ascii=False))
@@ -652,7 +663,11 @@ def run_and_report(args: argparse.Namespace) -> int:
             print(NO_KEY_HINT, file=sys.stderr)
         if never_reached_a_server(error):
             print(unreachable_hint(args.target, error), file=sys.stderr)
-        if args.file is not None and failed_past_the_deadline(error):
+        if (
+            args.file is not None
+            and failed_past_the_deadline(error)
+            and not never_reached_a_server(error)  # no server to be slow: no timeout hint
+        ):
             print(deadline_hint("the first call", args.timeout), file=sys.stderr)
         return EXIT_FAILED
 
