@@ -64,13 +64,14 @@ log = logging.getLogger(__name__)
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
     result_hold, result_finish, result_get, result_lease, ping, start_check) and outcome (ok, error,
-    timeout, skipped)."""
+    timeout, skipped: not sent)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._operations = Counter(
             STATE_OPERATIONS_TOTAL,
             "Commands to the shared state store (Redis), by operation and outcome: ok, "
-            "error, timeout, or skipped (not sent: the store failed moments ago).",
+            "error, timeout, or skipped (not sent: the store failed moments ago, or the "
+            "call's deadline left no time for it).",
             ["operation", "outcome"],
             registry=registry,
         )
@@ -144,7 +145,6 @@ class RedisState:
             "max_connections": MAX_CONNECTIONS,
             "timeout": None,  # waiting for a free connection is bounded by run()'s timeout
             "socket_connect_timeout": timeout,
-            "socket_timeout": timeout,
             # NOTE: redis-py retries failed commands by default, with backoff; here a
             # failed command fails at once and run() decides what happens next, with
             # one exception: a command that finds its pooled connection dropped is sent
@@ -171,6 +171,13 @@ class RedisState:
             # NOTE: set after from_url, not passed to it: from_url lets the URL's own
             # options override those passed in, so a password in the URL would win.
             pool.connection_kwargs["password"] = password
+        # NOTE: no socket timeout (a ?socket_timeout= in the URL included): run()'s
+        # timeout bounds every command, its connection's set-up included. With one,
+        # redis-py writes each command under asyncio.wait_for, which in Python 3.11
+        # drops a cancellation that lands while the write finishes: a command given
+        # next to no time by its call's deadline was written, then waited the whole
+        # socket timeout for its answer from a stalled Redis, far past the deadline.
+        pool.connection_kwargs["socket_timeout"] = None
         return cls(
             Redis.from_pool(pool),  # the client owns the pool: closing it closes both
             metrics,
@@ -201,7 +208,8 @@ class RedisState:
         deadline). The command is given that less DEADLINE_MARGIN_SECONDS when it is
         less than the timeout, so the caller goes on without Redis in time rather than
         being cancelled while it waits (uncounted, and starting no rest: each call
-        after it waited on a stalled Redis too, and failed DEADLINE_EXCEEDED)."""
+        after it waited on a stalled Redis too, and failed DEADLINE_EXCEEDED). When
+        that leaves it no time at all, it is not sent: skipped, as during a rest."""
         now = self._clock()
         if skip_while_resting and now < self._resting_until:
             self._metrics.count(operation, "skipped")
@@ -212,7 +220,17 @@ class RedisState:
             )
         timeout = self.timeout_seconds
         if within is not None:
-            timeout = max(0.0, min(timeout, within - DEADLINE_MARGIN_SECONDS))
+            timeout = min(timeout, within - DEADLINE_MARGIN_SECONDS)
+            if timeout <= 0:
+                # Not sent: no answer could come in time, and a command cut off as it
+                # starts closes its connection (the next one opens another). Skipped,
+                # not timed out: Redis was not asked, so it says nothing of Redis.
+                self._metrics.count(operation, "skipped")
+                raise StateUnavailable(
+                    "the call's deadline left no time to ask the shared state store",
+                    retry_after_seconds=0.0,
+                    operation=operation,
+                )
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):

@@ -37,7 +37,11 @@ from orchestrator.security.limits import TokenBucketSettings
 from orchestrator.server import START_ERRORS, OrchestratorServer
 from orchestrator.state import RedisRateLimits, RedisResultStore, RedisState, StateMetrics
 from orchestrator.state import results as state_results
-from orchestrator.state.connection import STATE_OPERATIONS_TOTAL, STATE_UP
+from orchestrator.state.connection import (
+    DEADLINE_MARGIN_SECONDS,
+    STATE_OPERATIONS_TOTAL,
+    STATE_UP,
+)
 from orchestrator.state.results import (
     PENDING,
     PROCESS_LEASE_PREFIX,
@@ -399,6 +403,70 @@ async def test_a_deadline_too_tight_to_tell_a_failing_redis_starts_no_rest(
     finally:
         redis_server.resume()
     assert await redis_state.run("rate_limit", redis_state.client.ping) is True
+
+
+@pytest.mark.parametrize("left", [0.0, 1e-6], ids=["none", "a_microsecond"])
+async def test_a_command_with_next_to_no_time_left_does_not_wait_on_a_stalled_redis(
+    redis_server: RedisServer, left: float
+) -> None:
+    """Its call's deadline leaves a command no time, or a microsecond, past the margin;
+    Redis is stalled (SIGSTOP), --state-timeout-ms 500. The command was written all
+    the same, and the cancellation meant to end it was lost in redis-py's write
+    (asyncio.wait_for, in Python 3.11): it waited the whole timeout, far past the
+    deadline, and was counted an error that started a rest for every call."""
+    registry = CollectorRegistry()
+    state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url, state_timeout_ms=500),
+        StateMetrics(registry),
+    )
+    try:
+        await state.run("rate_limit", state.client.ping)  # a pooled connection
+        redis_server.pause()
+        try:
+            started = time.perf_counter()
+            with pytest.raises(StateUnavailable):
+                await state.run(
+                    "rate_limit", state.client.ping, within=DEADLINE_MARGIN_SECONDS + left
+                )
+            waited = time.perf_counter() - started
+        finally:
+            redis_server.resume()
+        assert waited < 0.25
+        assert await state.run("rate_limit", state.client.ping) is True  # no rest started
+    finally:
+        await state.close()
+    failed = metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="error")
+    assert failed == 0
+
+
+async def test_a_command_its_deadline_leaves_no_time_for_is_not_sent(
+    redis_server: RedisServer,
+) -> None:
+    """Not sent, and counted as skipped, not as Redis timing out: with a healthy Redis,
+    a tenant's tight deadlines must not feed the alert, nor close a connection a call."""
+    registry = CollectorRegistry()
+    state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url), StateMetrics(registry)
+    )
+    try:
+        before = await state.run("ping", lambda: state.client.info("stats"))
+        with pytest.raises(StateUnavailable) as refused:
+            await state.run("rate_limit", state.client.ping, within=0.02)
+        after = await state.run("ping", lambda: state.client.info("stats"))
+    finally:
+        await state.close()
+    # One command between the two reads, the first INFO itself: no PING, and no new
+    # connection (a command cut off as it starts closes its own).
+    assert after["total_commands_processed"] - before["total_commands_processed"] == 1
+    assert after["total_connections_received"] == before["total_connections_received"]
+    assert refused.value.retry_after_seconds == 0.0
+    outcomes = {
+        outcome: metric_sum(
+            registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome=outcome
+        )
+        for outcome in ("ok", "error", "timeout", "skipped")
+    }
+    assert outcomes == {"ok": 0, "error": 0, "timeout": 0, "skipped": 1}
 
 
 async def code_of(call: Awaitable[object]) -> grpc.StatusCode:
