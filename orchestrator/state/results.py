@@ -34,7 +34,9 @@ When Redis does not answer:
   outcomes (MAX_UNSTORED_BYTES in all) wait so: past that the oldest is let go
   (logged). A graceful stop tries each once more. Every try is counted as a
   result_finish;
-- get: StateUnavailable (UNAVAILABLE), and the client polls again later;
+- get: StateUnavailable (UNAVAILABLE), and the client polls again later; a poll
+  whose deadline comes before --state-timeout-ms waits for Redis until 30 ms
+  before it (connection.DEADLINE_MARGIN_SECONDS), and is answered that in time;
 - the lease: not renewed, and tried again every PROCESS_LEASE_RETRY_SECONDS.
   After an outage longer than the lease, a poll in the moments (up to that
   retry) before a process's lease is back may answer ServerDraining for work
@@ -71,6 +73,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ai.classify.v1 import classify_service_pb2 as pb
+from classify_common.context import time_left
 from classify_common.errors import (
     FieldViolation,
     InternalError,
@@ -533,7 +536,12 @@ class RedisResultStore:
             RESULT_PROCESS_PREFIX + member,
         ]
         args = [PROCESS_LEASE_PREFIX]
-        answer = await self._state.run("result_get", lambda: self._get_script(keys=keys, args=args))
+        # Within the poll's deadline, as a rate-limit check: cancelled at the deadline
+        # instead, the read of a stalled Redis went uncounted, started no rest, and
+        # the poller got a bare DEADLINE_EXCEEDED, no IDs, no retry hint.
+        answer = await self._state.run(
+            "result_get", lambda: self._get_script(keys=keys, args=args), within=time_left()
+        )
         lapsed_process = None
         if isinstance(answer, list):  # pending, and its process's lease has lapsed
             value, lapsed_process = answer

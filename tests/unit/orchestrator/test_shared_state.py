@@ -142,11 +142,14 @@ async def classify(
         return response
 
 
-async def get_result(server: OrchestratorServer, request_id: str) -> pb.ClassifyResponse:
+async def get_result(
+    server: OrchestratorServer, request_id: str, within: float | None = None
+) -> pb.ClassifyResponse:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         response: pb.ClassifyResponse = await stub_for(channel).GetResult(
             pb.GetResultRequest(request_id=request_id),
             metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+            timeout=within,
         )
         return response
 
@@ -403,6 +406,70 @@ async def test_a_deadline_too_tight_to_tell_a_failing_redis_starts_no_rest(
     finally:
         redis_server.resume()
     assert await redis_state.run("rate_limit", redis_state.client.ping) is True
+
+
+async def test_a_poll_whose_deadline_precedes_the_state_timeout_is_answered_in_time(
+    capability: CapabilityServer, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A GetResult with a 0.4 s deadline, a 1 s --state-timeout-ms, Redis stalled
+    (SIGSTOP); the caller is not rate limited (auth off), so the poll's read is its
+    only command. It was cancelled at the deadline: uncounted, and the poller got a
+    bare DEADLINE_EXCEEDED from its own gRPC, with no IDs. It now gives up before
+    the deadline, counted, and says UNAVAILABLE (STATE_UNAVAILABLE) with its IDs."""
+    _, routes = write_shared_files(tmp_path, capability, "topic-static", burst=1)
+    server = OrchestratorServer(
+        orchestrator_settings(
+            routes_file=routes,
+            state_url=redis_server.url,
+            state_timeout_ms=1000,
+            state_retry_seconds=5,
+        ),
+        registry=CollectorRegistry(),
+    )
+    await server.start()
+    try:
+        # A connection opened and the script loaded while Redis answers.
+        assert (await refusal(get_result(server, "poll-1"))).code() == grpc.StatusCode.NOT_FOUND
+        redis_server.pause()
+        try:
+            failed = await refusal(get_result(server, "poll-1", within=0.4))
+        finally:
+            redis_server.resume()
+    finally:
+        await server.stop(grace_seconds=0)
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(failed) == "STATE_UNAVAILABLE"
+    assert error_info(failed).metadata["x-request-id"] == "poll-1"
+    assert state_outcomes(server, "result_get") == {
+        "ok": 1,
+        "error": 0,
+        "timeout": 1,
+        "skipped": 0,
+    }
+
+
+async def test_a_rate_limited_poll_is_answered_in_time_by_a_stalled_redis(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """As above for a rate-limited tenant: its check takes the poll's time up to the
+    margin, and the read, given what is left, is not sent and says so in time."""
+    server = await start_shared(capability, burst=100, state_timeout_ms=1000, state_retry_seconds=5)
+    assert (await refusal(get_result(server, "poll-2"))).code() == grpc.StatusCode.NOT_FOUND
+    redis_server.pause()
+    try:
+        failed = await refusal(get_result(server, "poll-2", within=0.4))
+    finally:
+        redis_server.resume()
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_reason(failed) == "STATE_UNAVAILABLE"
+    assert error_info(failed).metadata["x-request-id"] == "poll-2"
+    assert state_outcomes(server, "rate_limit")["timeout"] == 1
+    assert state_outcomes(server, "result_get") == {
+        "ok": 1,
+        "error": 0,
+        "timeout": 0,
+        "skipped": 1,
+    }
 
 
 @pytest.mark.parametrize("left", [0.0, 1e-6], ids=["none", "a_microsecond"])
