@@ -64,14 +64,15 @@ log = logging.getLogger(__name__)
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
     result_hold, result_finish, result_get, result_lease, ping, start_check) and outcome (ok, error,
-    timeout, skipped: not sent)."""
+    timeout, skipped: not sent, cancelled: its caller stopped waiting)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._operations = Counter(
             STATE_OPERATIONS_TOTAL,
             "Commands to the shared state store (Redis), by operation and outcome: ok, "
-            "error, timeout, or skipped (not sent: the store failed moments ago, or the "
-            "call's deadline left no time for it).",
+            "error, timeout, skipped (not sent: the store failed moments ago, or the "
+            "call's deadline left no time for it), or cancelled (its caller stopped "
+            "waiting: the client went, or the server stops).",
             ["operation", "outcome"],
             registry=registry,
         )
@@ -235,8 +236,15 @@ class RedisState:
         try:
             async with asyncio.timeout(timeout):
                 answer = await command()
+        except asyncio.CancelledError:
+            # Its caller stopped waiting: the client went, or the server stops (the
+            # timeout above ends as TimeoutError). Counted, or a stall whose callers
+            # went away showed only answers; not as a failure: it says nothing of
+            # Redis, and starts no rest.
+            self._metrics.count(operation, "cancelled")
+            raise
         except (TimeoutError, RedisError, OSError) as exc:
-            _raise_if_cancelled(exc)
+            self._raise_if_cancelled(operation, exc)
             if isinstance(exc, TimeoutError) and timeout < self.timeout_seconds * FAILING_FRACTION:
                 # NOTE: cut short by a deadline too near to tell a failing Redis from a
                 # tight one: counted, but no rest started, so a tenant's tight deadlines
@@ -270,6 +278,18 @@ class RedisState:
             retry_after_seconds=self._retry,
             operation=operation,
         )
+
+    def _raise_if_cancelled(self, operation: str, failure: BaseException) -> None:
+        """Raise CancelledError, counted as cancelled, where the task running a command
+        was cancelled and what reached here is another exception: something below
+        turned the cancellation into a failure. Counted as one, the probe and the
+        lease's renewal took it for Redis failing and went on, and the close()
+        awaiting them waited for ever: a test run stopped in a fixture's teardown
+        until CI's limit."""
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            self._metrics.count(operation, "cancelled")
+            raise asyncio.CancelledError from failure
 
     async def ping(self) -> bool:
         """Whether Redis answers a PING now, rest or not; sets classify_state_up."""
@@ -337,7 +357,7 @@ class RedisState:
             self._probe = asyncio.create_task(self._probe_forever(), name="state-probe")
 
     async def _probe_forever(self) -> None:
-        # Until close(), not only until cancelled: see _raise_if_cancelled.
+        # Until close(), not only until cancelled: see RedisState._raise_if_cancelled.
         while not self._closing:
             await asyncio.sleep(self._retry)
             await self.ping()
@@ -350,17 +370,6 @@ class RedisState:
                 await self._probe
             self._probe = None
         await self.client.aclose()
-
-
-def _raise_if_cancelled(failure: BaseException) -> None:
-    """Raise CancelledError where the task running a command was cancelled and what
-    reached here is another exception: something below turned the cancellation into
-    a failure. Counted as one, the probe and the lease's renewal took it for Redis
-    failing and went on, and the close() awaiting them waited for ever: a test run
-    stopped in a fixture's teardown until CI's limit."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError from failure
 
 
 def describe(cause: BaseException) -> str:

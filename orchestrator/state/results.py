@@ -364,7 +364,7 @@ class RedisResultStore:
         keys = [PROCESS_LEASE_PREFIX + self.process_id]
         args = [self._lease_ms, self._ttl_ms]
         wait = PROCESS_LEASE_RENEW_SECONDS
-        while not self._closed:  # not only until cancelled (connection._raise_if_cancelled)
+        while not self._closed:  # not only until cancelled (RedisState._raise_if_cancelled)
             await asyncio.sleep(wait)
             # Sent even while Redis rests after a failure, as the probe is, and tried
             # again soon after a failure: once Redis answers again after an outage

@@ -472,6 +472,43 @@ async def test_a_rate_limited_poll_is_answered_in_time_by_a_stalled_redis(
     }
 
 
+async def test_a_check_whose_caller_goes_while_redis_is_stalled_is_counted_cancelled(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """The client cancels its call while the call's rate-limit check waits on a
+    stalled Redis (SIGSTOP; no deadline, a 2 s --state-timeout-ms). The command was
+    counted nowhere: the metric showed a stalled Redis's commands as answers only.
+    It is counted cancelled: not a failure (no rest starts, and the alert does not
+    read it), and its connection goes back to the pool, closed."""
+    server = await start_shared(capability, burst=100, state_timeout_ms=2000, state_retry_seconds=5)
+    await classify(server)  # a pooled connection, the script loaded
+
+    def cancelled() -> float:
+        return metric_sum(
+            server.registry, STATE_OPERATIONS_TOTAL, operation="rate_limit", outcome="cancelled"
+        )
+
+    redis_server.pause()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            call = stub_for(channel).Classify(
+                pb.ClassifyRequest(text=STRIKER),
+                metadata=(("authorization", f"Bearer {ACME_KEY}"),),
+            )
+            await asyncio.sleep(0.3)  # the check waits on Redis
+            call.cancel()
+            await wait_until(lambda: cancelled() == 1, "the check counted cancelled")
+    finally:
+        redis_server.resume()
+    assert (await classify(server)).labels[0].name == "sports"
+    assert state_outcomes(server, "rate_limit") == {
+        "ok": 2,
+        "error": 0,
+        "timeout": 0,
+        "skipped": 0,
+    }
+
+
 @pytest.mark.parametrize("left", [0.0, 1e-6], ids=["none", "a_microsecond"])
 async def test_a_command_with_next_to_no_time_left_does_not_wait_on_a_stalled_redis(
     redis_server: RedisServer, left: float
