@@ -50,14 +50,17 @@ def keys_file_text(key: str, tenant: str, rate_per_second: float, burst: int) ->
     name = quoted_tenant(tenant)
     # NOTE: not :g, whose 1e-07 YAML reads as a string and 1.23457e+06 rounds the rate.
     rate = spoken_number(rate_per_second)
+    # `keys` comes last, so that an entry `new-key` prints, appended to the file (as
+    # deploy/README.md shows), lands in its list; after `tenants`, it broke the file.
     return (
-        "# Made by tools/make_credentials.py; add keys with "
-        "`python -m orchestrator.security new-key`.\n"
+        "# Made by tools/make_credentials.py. Add keys with "
+        "`python -m orchestrator.security new-key`\n"
+        "# and append its entry: `keys` stays the last section of this file.\n"
+        "tenants:\n"
+        f"  {name}: {{rate_per_second: {rate}, burst: {burst}}}\n"
         "keys:\n"
         f"  - id: {quoted_tenant(tenant + '-1')}\n    sha256: {hash_key(key)}\n"
         f"    tenant: {name}\n    role: user\n"
-        "tenants:\n"
-        f"  {name}: {{rate_per_second: {rate}, burst: {burst}}}\n"
     )
 
 

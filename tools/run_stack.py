@@ -87,6 +87,21 @@ def stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.kill()
 
 
+def local_keys_file_text(key: str) -> str:
+    """`make run`'s keys file: `key` for tenant `local`, without a rate limit."""
+    return (
+        "# Made by `make run`. Add keys with `python -m orchestrator.security new-key`\n"
+        "# and append its entry: `keys` stays the last section of this file.\n"
+        "# Tenant `local` has no rate limit. To give it one (calls per second, and\n"
+        "# calls at once after a quiet spell), uncomment the two lines below; the\n"
+        "# running orchestrator applies the edit within a second or two.\n"
+        "# tenants:\n"
+        "#   local: {rate_per_second: 200, burst: 400}\n"
+        "keys:\n"
+        f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n"
+    )
+
+
 def ensure_local_credentials() -> dict[str, str]:
     """Create, once, a local API key (user role) and the internal token, under .run/.
 
@@ -103,17 +118,7 @@ def ensure_local_credentials() -> dict[str, str]:
     if not (key_file.is_file() and keys_file.is_file()):
         key = new_key()
         write_private(key_file, key + "\n", replace=True)
-        write_private(
-            keys_file,
-            "# Made by `make run`; add keys with `python -m orchestrator.security new-key`.\n"
-            "# Tenant `local` has no rate limit. To give it one (calls per second, and\n"
-            "# calls at once after a quiet spell), add this and restart `make run`:\n"
-            "#   tenants:\n"
-            "#     local: {rate_per_second: 200, burst: 400}\n"
-            "keys:\n"
-            f"  - id: make-run\n    sha256: {hash_key(key)}\n    tenant: local\n    role: user\n",
-            replace=True,
-        )
+        write_private(keys_file, local_keys_file_text(key), replace=True)
         print(f"created a local API key in {key_file} (the client reads it from there)")
     if not token_file.is_file():
         write_private(token_file, secrets.token_urlsafe(32) + "\n", replace=True)

@@ -20,7 +20,7 @@ def main() -> None:
     args = parser.parse_args()
     key = new_key()
     print(f"key (shown once; give it to the client): {key}")
-    print("entry for the keys file:")
+    print("entry for the keys file, under `keys:`:")
     print(f"  - id: {quoted_tenant(args.id)}")  # a YAML string too: `on`, `#laptop`
     print(f"    sha256: {hash_key(key)}")
     print(f"    tenant: {quoted_tenant(args.tenant)}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -31,6 +33,8 @@ from capability.config import CapabilitySettings
 from classify_common.nodes import NODES
 from orchestrator.config import OrchestratorSettings
 from orchestrator.routing import load_routes
+from orchestrator.security import load_api_keys
+from tests.conftest import REPO_ROOT
 from tests.unit.deploy.manifests import (
     DEPLOY_DIR,
     DOCKER_DIR,
@@ -45,6 +49,7 @@ from tests.unit.deploy.manifests import (
     parse_duration_seconds,
 )
 from tools import make_credentials
+from tools import run_stack as tools_run_stack
 
 NAMESPACE = "classify"
 JAEGER_OTLP_GRPC_PORT = 4317
@@ -283,6 +288,40 @@ def test_compose_credentials_are_the_files_the_servers_read_and_no_more(
     assert [path.name for path in token_only.iterdir()] == [make_credentials.INTERNAL_TOKEN_FILE]
     token_file = make_credentials.INTERNAL_TOKEN_FILE
     assert (token_only / token_file).read_text() == (made / token_file).read_text()
+
+
+def test_a_key_appended_to_made_keys_files_as_documented_is_loaded(tmp_path: Path) -> None:
+    """deploy/README.md adds a key by appending `new-key`'s entry (`cat >>`): after the
+    file's `tenants` section, as make_credentials.py wrote it, the entry broke the file
+    (refused; the running orchestrator kept the old keys, and a restart failed on it).
+    `make run`'s file likewise, with its commented rate limit turned on."""
+    made = tmp_path / "credentials"
+    assert make_credentials.main([str(made), "--tenant=local"]) == 0
+    printed = subprocess.run(
+        [sys.executable, "-m", "orchestrator.security", "new-key", "--id", "ci", "--tenant", "ci"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    entry = printed.split("\n", 2)[2]  # after the key line and the entry's heading
+    keys_file = made / make_credentials.API_KEYS_FILE
+    with keys_file.open("a") as appended:
+        appended.write(entry)
+    loaded = load_api_keys(keys_file)
+    assert sorted(c.tenant for c in loaded.callers_by_hash.values()) == ["ci", "local"]
+    assert set(loaded.tenant_limits) == {"local"}
+
+    made_by_make_run = tools_run_stack.local_keys_file_text("ck_local")
+    uncommented = made_by_make_run.replace("# tenants:\n", "tenants:\n").replace(
+        "#   local: {", "  local: {"
+    )
+    assert uncommented != made_by_make_run
+    run_keys = tmp_path / "run-api-keys.yaml"
+    run_keys.write_text(uncommented + entry)
+    loaded = load_api_keys(run_keys)
+    assert sorted(c.tenant for c in loaded.callers_by_hash.values()) == ["ci", "local"]
+    assert loaded.tenant_limits["local"].rate_per_second == 200
 
 
 def test_compose_prometheus_scrapes_both_services_on_their_metrics_ports() -> None:

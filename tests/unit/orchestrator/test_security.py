@@ -581,7 +581,7 @@ def test_the_entry_new_key_prints_names_the_tenant_as_given(tmp_path: Path, tena
         text=True,
     ).stdout
     key = printed.splitlines()[0].rsplit(" ", 1)[1]
-    entry = printed.split("entry for the keys file:\n", 1)[1]
+    entry = printed.split("\n", 2)[2]  # after the key line and the entry's heading
     path = tmp_path / "keys.yaml"
     path.write_text("keys:\n" + entry)
     caller = load_api_keys(path).identify(key)
