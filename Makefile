@@ -49,17 +49,24 @@ REDIS_SERVER := build/tools/redis/redis-server
 help:
 	@echo "make run    set up, then start capability + orchestrator on the CPU"
 	@echo "make test   set up, then lint and run the whole test suite"
-	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, check-deps, lint-deploy"
+	@echo "make setup  the virtualenv, pinned dependencies and generated stubs (run and test do it first)"
+	@echo "make lint   buf lint, buf breaking (against $(BUF_AGAINST)), ruff, mypy, check-deps, check-routes, lint-deploy"
+	@echo "make pytest  the test suite alone"
+	@echo "make check-deps  every import declared, every lock up to date"
+	@echo "make check-routes  check routes.yaml as the orchestrator would load it"
 	@echo "make lint-deploy  static checks of deploy/: hadolint, Compose schema, Kubernetes schemas, promtool, yamllint"
 	@echo "make proto  regenerate Python stubs from proto/ (the services' and the client package's)"
 	@echo "make dist   build the classify-client wheel into $(DIST_DIR)"
 	@echo "make bundles  build the topic-minilm and topic-static bundles into $(MODEL_ROOT)"
 	@echo "make bench  model quality, capability server, front door (tables, build/bench/*.json, *.png)"
+	@echo "make bench-models  the shipped models' accuracy and speed on labelled headlines (fp32, bf16)"
+	@echo "make bench-capability  the capability server alone against the in-process ceiling and a naive server"
 	@echo "make bench-front-door  orchestrator + capability under load, against the model's ceiling"
 	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
 	@echo "make bench-gate  the performance gate make test runs: ratios to adjacent ceilings (about 1 minute)"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
 	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock"
+	@echo "make clean  remove the virtualenv, build/, generated stubs and caches"
 
 setup: $(VENV_STAMP) $(STUB_STAMP) ssh-keygen
 

@@ -18,6 +18,7 @@ checked on every machine, and the full-stack sweep is skipped with a note
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import subprocess
@@ -249,6 +250,10 @@ def run_stack_sweep() -> int:
 
 
 if __name__ == "__main__":
+    # No options; --help says what it does instead of starting the sweep.
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     checks_passed = asyncio.run(main())
     sweep_status = run_stack_sweep()
     if not checks_passed:
