@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import math
 import re
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -992,6 +994,46 @@ async def test_wait_for_connection_on_a_closed_client_raises_value_error_saying_
     client.close()
     with pytest.raises(ValueError, match=r"^the client is closed"):
         client.wait_for_connection(5)
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_client_closed_under_wait_for_connection_ends_it_with_value_error(
+    kind: str,
+) -> None:
+    """The sync client's wait went on for its whole timeout and said False, as if no
+    server were there: closing the channel drops gRPC's readiness watch without a word.
+    The listener takes the connection and never answers, so the wait is under way (the
+    channel dials only once asked to connect) and would go on till its timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.setblocking(False)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        accepted: list[socket.socket] = []
+
+        def dialled() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                accepted.append(silent.accept()[0])
+            return bool(accepted)
+
+        started = time.monotonic()
+        if kind == "asyncio":
+            aio_client = AsyncClassifyClient(address)
+            waiting: asyncio.Future[bool] = asyncio.ensure_future(
+                aio_client.wait_for_connection(30)
+            )
+            await wait_until(dialled, "the client dialled the listener")
+            await aio_client.close()
+        else:
+            client = ClassifyClient(address)
+            waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_for_connection, 30))
+            await wait_until(dialled, "the client dialled the listener")
+            client.close()
+        try:
+            with pytest.raises(ValueError, match=r"^the client is closed"):
+                await asyncio.wait_for(waiting, 10)
+        finally:
+            for connection in accepted:
+                connection.close()
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)

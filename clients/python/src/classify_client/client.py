@@ -97,6 +97,11 @@ class ClassifyClient:
         self._closed = False
         # Set by close(): wakes the calls waiting to retry or poll (_pause).
         self._closing = threading.Event()
+        # The readiness futures of the wait_for_connection calls in progress, which
+        # close() cancels (see wait_for_connection); the lock orders a wait's start
+        # against close(), so that none starts on a channel close() has missed.
+        self._readiness: set[grpc.Future[None]] = set()
+        self._readiness_lock = threading.Lock()
         self._channel = (
             grpc.secure_channel(target, credentials, options=options)
             if credentials is not None
@@ -119,8 +124,14 @@ class ClassifyClient:
         self.close()
 
     def close(self) -> None:
-        self._closed = True
+        with self._readiness_lock:
+            self._closed = True
+            # Each future is cancelled once, by whoever takes it out of the set: gRPC's
+            # cancel() called twice raises TypeError.
+            waiting, self._readiness = self._readiness, set()
         self._closing.set()
+        for ready in waiting:
+            ready.cancel()
         self._channel.close()
 
     def wait_for_connection(self, timeout: float) -> bool:
@@ -129,13 +140,29 @@ class ClassifyClient:
         this first: a server that is down then fails it in `timeout`, where the calls
         would wait for it to come up until their deadline."""
         # NOTE: on a closed channel gRPC's readiness thread died with a traceback, and
-        # this waited all of `timeout` to say False.
+        # this waited all of `timeout` to say False. Closing the channel under a wait
+        # did the same: gRPC drops the readiness future's subscription without a word,
+        # so close() cancels the future, and the wait ends with the closed client's error.
         self._refuse_if_closed()
         timeout = checked_connection_wait(timeout)
+        with self._readiness_lock:
+            self._refuse_if_closed()
+            ready = grpc.channel_ready_future(self._channel)
+            self._readiness.add(ready)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
         except grpc.FutureTimeoutError:
             return False
+        except grpc.FutureCancelledError:
+            if self._closed:
+                raise client_closed() from None
+            raise
+        finally:
+            with self._readiness_lock:
+                ours = ready in self._readiness
+                self._readiness.discard(ready)
+            if ours:
+                ready.cancel()  # after a timeout, stop watching the channel
         return True
 
     def classify(
