@@ -99,6 +99,29 @@ def test_a_policy_setting_that_is_not_finite_is_refused_naming_it(
         policy(**settings)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("policy", "settings", "named"),
+    [
+        (PollPolicy, {"max_interval_seconds": 7200.0}, "max_interval_seconds 7200.0"),
+        (
+            PollPolicy,
+            {"initial_interval_seconds": 1e10, "max_interval_seconds": 1e10},
+            "max_interval_seconds 10000000000.0",
+        ),
+        (RetryPolicy, {"max_backoff_seconds": 86400}, "max_backoff_seconds 86400"),
+    ],
+)
+def test_a_policy_wait_longer_than_the_client_waits_for_a_server_is_refused_naming_it(
+    policy: type[RetryPolicy | PollPolicy], settings: dict[str, float], named: str
+) -> None:
+    """Any length was taken: a call without a deadline slept hours between polls, and
+    past about 9.2e9 s the sync client's wait raised OverflowError."""
+    with pytest.raises(ValueError, match=f"^{named} must be at most 3600 seconds "):
+        policy(**settings)  # type: ignore[arg-type]
+    longest = {"max_interval_seconds" if policy is PollPolicy else "max_backoff_seconds": 3600}
+    assert policy(**longest)  # type: ignore[arg-type]
+
+
 def test_polls_start_short_and_grow_to_the_longest_interval() -> None:
     poll = PollPolicy(initial_interval_seconds=0.1, multiplier=2, max_interval_seconds=0.5)
     assert [poll.interval(n) for n in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])

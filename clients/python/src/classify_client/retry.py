@@ -34,7 +34,8 @@ names how many attempts were made and carries the earlier ones' errors
 
 While a Classify answer is PROCESSING, `PollPolicy` spaces the GetResult polls:
 the service sends no poll interval, so the client starts at
-`initial_interval` and grows it by `multiplier` up to `max_interval`.
+`initial_interval` and grows it by `multiplier` up to `max_interval`. Neither
+policy waits longer than MAX_POLICY_WAIT_SECONDS between two tries or two polls.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ MAX_TIMEOUT_SECONDS = 365 * 24 * 3600
 # is the caller's to decide on (the error says it): waited without a deadline, it slept
 # hours, or (past about 9e9 s) time.sleep raised OverflowError.
 MAX_RETRY_INFO_SECONDS = 3600.0
+# The longest wait a policy of the client's own may set between two tries or two polls
+# (max_backoff_seconds, max_interval_seconds), seconds: as long as the longest server
+# delay it waits out. Unbounded, a call without a deadline slept hours, or (past about
+# 9.2e9 s, threading.TIMEOUT_MAX) the sync client's wait raised OverflowError.
+MAX_POLICY_WAIT_SECONDS = MAX_RETRY_INFO_SECONDS
 # A6 defaults a client may keep: 4 tries in all, 0.1 s growing to 5 s.
 DEFAULT_MAX_ATTEMPTS = 4
 DEFAULT_INITIAL_BACKOFF_SECONDS = 0.1
@@ -87,6 +93,15 @@ def refuse_non_finite(policy: object) -> None:
             raise ValueError(f"{setting.name} {value!r} must be a finite number")
 
 
+def refuse_longer_than_the_client_waits(name: str, seconds: float) -> None:
+    """Refuse a policy's longest wait over MAX_POLICY_WAIT_SECONDS, naming the field."""
+    if seconds > MAX_POLICY_WAIT_SECONDS:
+        raise ValueError(
+            f"{name} {seconds!r} must be at most {MAX_POLICY_WAIT_SECONDS:g} seconds "
+            "(one hour, the longest server RetryInfo delay the client waits out)"
+        )
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and when a failed call is tried again."""
@@ -95,7 +110,7 @@ class RetryPolicy:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     # Backoff cap before the first retry, seconds, > 0 (used without pushback).
     initial_backoff_seconds: float = DEFAULT_INITIAL_BACKOFF_SECONDS
-    # Backoff cap's ceiling, seconds, >= initial_backoff_seconds.
+    # Backoff cap's ceiling, seconds, >= initial_backoff_seconds, <= MAX_POLICY_WAIT_SECONDS.
     max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS
     # Growth of the backoff cap per retry, >= 1.
     multiplier: float = DEFAULT_BACKOFF_MULTIPLIER
@@ -116,6 +131,7 @@ class RetryPolicy:
                 f"max_backoff_seconds {self.max_backoff_seconds} must be at least "
                 f"initial_backoff_seconds {self.initial_backoff_seconds}"
             )
+        refuse_longer_than_the_client_waits("max_backoff_seconds", self.max_backoff_seconds)
         if self.multiplier < 1:
             raise ValueError(f"multiplier {self.multiplier} must be at least 1")
         if not 0 <= self.pushback_jitter <= 1:
@@ -151,7 +167,8 @@ class PollPolicy:
 
     # First wait after the PROCESSING answer, seconds, > 0.
     initial_interval_seconds: float = DEFAULT_POLL_INITIAL_SECONDS
-    # Longest wait between two polls, seconds, >= initial_interval_seconds.
+    # Longest wait between two polls, seconds, >= initial_interval_seconds,
+    # <= MAX_POLICY_WAIT_SECONDS.
     max_interval_seconds: float = DEFAULT_POLL_MAX_SECONDS
     # Growth per poll, >= 1.
     multiplier: float = DEFAULT_POLL_MULTIPLIER
@@ -167,6 +184,7 @@ class PollPolicy:
                 f"max_interval_seconds {self.max_interval_seconds} must be at least "
                 f"initial_interval_seconds {self.initial_interval_seconds}"
             )
+        refuse_longer_than_the_client_waits("max_interval_seconds", self.max_interval_seconds)
         if self.multiplier < 1:
             raise ValueError(f"multiplier {self.multiplier} must be at least 1")
 
