@@ -127,6 +127,17 @@ def test_polls_start_short_and_grow_to_the_longest_interval() -> None:
     assert [poll.interval(n) for n in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
 
 
+def test_a_schedule_that_has_long_reached_its_ceiling_stays_there_without_overflowing() -> None:
+    """The power was computed before the ceiling was applied: the default poll schedule
+    raised OverflowError at its 1,752nd round (about half an hour of 1 s polls, within
+    a deadline of up to a year or none), a multiplier of 10 at its 310th, and a retry
+    multiplier of 1e40 at the 9th attempt."""
+    assert PollPolicy().interval(1_800) == 1.0
+    assert PollPolicy(multiplier=10).interval(400) == 1.0
+    policy = RetryPolicy(max_attempts=10, multiplier=1e40, random=lambda: 0.5)
+    assert policy.delay_before_retry(refused(grpc.StatusCode.UNAVAILABLE), attempt=9) == 2.5
+
+
 def test_a_poll_interval_past_the_deadline_is_cut_short_for_one_last_poll() -> None:
     """A round whose interval would leave no time to poll gave up there: with a 1 s
     interval, up to a second of the deadline went unused, and a result ready in it was

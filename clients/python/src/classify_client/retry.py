@@ -151,9 +151,8 @@ class RetryPolicy:
             return hint + hint * self.pushback_jitter * self.random()
         if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return None  # not an overload refusal: a limit the same call meets again
-        cap = min(
-            self.initial_backoff_seconds * self.multiplier ** (attempt - 1),
-            self.max_backoff_seconds,
+        cap = grown(
+            self.initial_backoff_seconds, self.multiplier, attempt - 1, self.max_backoff_seconds
         )
         return cap * self.random()
 
@@ -190,10 +189,20 @@ class PollPolicy:
 
     def interval(self, poll: int) -> float:
         """Seconds to wait before poll number `poll` (1 = the first GetResult)."""
-        return min(
-            self.initial_interval_seconds * self.multiplier ** (poll - 1),
-            self.max_interval_seconds,
+        return grown(
+            self.initial_interval_seconds, self.multiplier, poll - 1, self.max_interval_seconds
         )
+
+
+def grown(initial: float, multiplier: float, steps: int, ceiling: float) -> float:
+    """`initial` grown by `multiplier` `steps` times, at most `ceiling`. The power alone
+    overflowed a float long after the ceiling was reached (the default poll schedule's
+    1.5 ** n past 1,751 rounds, half an hour of polls at its 1 s), and the
+    OverflowError ended the call; with `multiplier` >= 1 an overflow is past any ceiling."""
+    try:
+        return min(initial * multiplier**steps, ceiling)
+    except OverflowError:
+        return ceiling
 
 
 @dataclass(frozen=True)
