@@ -22,6 +22,7 @@ from classify_common.tls import client_tls, server_tls
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartCapability, orchestrator_settings, static_routes
 from tests.status_details import refusal
+from tests.unit.test_start_up import settings_refusal
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -76,6 +77,41 @@ def make_certificates(directory: Path) -> None:
             "san.ext",
             cwd=directory,
         )
+
+
+# What `openssl ca` needs to sign with make_certificates' CA at dates of the test's
+# choosing: `openssl req -x509` and `x509 -req` take only a number of days from now
+# (OpenSSL 3.0 has no -not_before).
+CA_CONFIG = """\
+[ca]
+default_ca = test
+[test]
+database = index.txt
+new_certs_dir = .
+serial = serial
+default_md = sha256
+policy = any
+unique_subject = no
+[any]
+commonName = supplied
+"""
+
+
+def make_certificate_valid_between(directory: Path, name: str, start: str, end: str) -> Path:
+    """`name`.pem (returned) and `name`.key in `directory`, where make_certificates has
+    made its CA: a certificate it signed, valid from `start` to `end` (YYYYMMDDHHMMSSZ)."""
+    (directory / "ca.cnf").write_text(CA_CONFIG)
+    (directory / "index.txt").touch()
+    openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory,
+    )  # fmt: skip
+    openssl(
+        "ca", "-batch", "-config", "ca.cnf", "-create_serial", "-notext",
+        "-cert", "ca.pem", "-keyfile", "ca.key", "-in", f"{name}.csr", "-out", f"{name}.pem",
+        "-startdate", start, "-enddate", end, cwd=directory,
+    )  # fmt: skip
+    return directory / f"{name}.pem"
 
 
 @contextlib.asynccontextmanager
@@ -224,3 +260,50 @@ def test_a_weak_certificate_grpc_serves_is_taken_and_an_encrypted_key_is_refused
     )  # fmt: skip
     with pytest.raises(SettingsError, match=r"are not a PEM certificate and its key"):
         server_tls(tmp_path / "weak.pem", tmp_path / "locked.key", None, "flags")
+
+
+def test_a_certificate_outside_its_validity_period_is_refused_naming_its_dates(
+    tmp_path: Path,
+) -> None:
+    """OpenSSL loads a certificate whatever its dates and gRPC serves it: the server
+    started, said SERVING, and every handshake failed (UNAVAILABLE). Its own and the
+    upstream client certificate are both refused, the file and its dates named."""
+    make_certificates(tmp_path)
+    expired = make_certificate_valid_between(
+        tmp_path, "expired", "20200101000000Z", "20210101000000Z"
+    )
+    early = make_certificate_valid_between(tmp_path, "early", "20990101000000Z", "20991231235959Z")
+    with pytest.raises(SettingsError) as refused:
+        server_tls(expired, tmp_path / "expired.key", None, "flags")
+    assert str(refused.value) == (
+        f"flags: {expired} has expired: it was valid from 2020-01-01 00:00:00 UTC to "
+        "2021-01-01 00:00:00 UTC"
+    )
+    with pytest.raises(SettingsError) as refused:
+        client_tls(tmp_path / "ca.pem", early, tmp_path / "early.key", "flags")
+    assert str(refused.value) == (
+        f"flags: {early} is not valid yet: it is valid from 2099-01-01 00:00:00 UTC to "
+        "2099-12-31 23:59:59 UTC"
+    )
+
+
+def test_a_server_given_an_expired_certificate_stops_at_start_with_exit_status_2(
+    tmp_path: Path,
+) -> None:
+    """The real command, as an operator runs it: one line naming the flags and variables,
+    the file and its dates, exit status 2, no traceback, as other bad settings."""
+    make_certificates(tmp_path)
+    expired = make_certificate_valid_between(
+        tmp_path, "expired", "20200101000000Z", "20210101000000Z"
+    )
+    refusal = settings_refusal(
+        "orchestrator",
+        *("--auth", "disabled", "--port", "0", "--metrics-port", "-1"),
+        *("--tls-cert-file", str(expired), "--tls-key-file", str(tmp_path / "expired.key")),
+    )
+    assert refusal == (
+        "--tls-cert-file / ORCHESTRATOR_TLS_CERT_FILE, --tls-key-file / ORCHESTRATOR_TLS_KEY_FILE, "
+        "--tls-client-ca-file / ORCHESTRATOR_TLS_CLIENT_CA_FILE: "
+        f"{expired} has expired: it was valid from 2020-01-01 00:00:00 UTC to "
+        "2021-01-01 00:00:00 UTC"
+    )
