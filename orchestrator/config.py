@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 
 from classify_common.server_settings import (
     ServerSettings,
@@ -53,6 +53,22 @@ DEFAULT_STATE_RETRY_SECONDS = 1.0
 DEFAULT_PROCESSES = 1
 MAX_PROCESSES = 256
 STATE_URL_SCHEMES = ("redis://", "rediss://")
+# The query keys a --state-url may hold: those redis-py parses into a connection's
+# options, and the texts its connections take as written (the user, the password, the
+# client certificate and the other ssl_ files). Not the other texts it would hand on:
+# decode_responses=false, a non-empty text, would turn every reply into a str.
+STATE_URL_QUERY_KEYS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {
+    "username",
+    "password",
+    "client_name",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ciphers",
+}
 
 
 def processes_count(text: str) -> int:
@@ -338,7 +354,7 @@ def state_url_problem(url: str) -> str | None:
     """What is wrong with a --state-url, in words that never repeat the URL: it may hold
     the Redis password. None when it is a redis:// or rediss:// URL with a host, a
     port that parses (a bad port was a traceback from urllib at the first call) and a
-    query redis-py reads."""
+    query of STATE_URL_QUERY_KEYS that redis-py reads."""
     if not url.startswith(STATE_URL_SCHEMES):
         return "not a redis:// or rediss:// URL"
     try:
@@ -351,6 +367,16 @@ def state_url_problem(url: str) -> str | None:
         return "its port is not a number from 0 to 65535"
     if not parts.hostname:
         return "it names no host"
+    # NOTE: redis-py hands a query key it has no parser for to its connection as a
+    # keyword argument: a misspelt one (?sokcet_timeout=1), or one only a TLS connection
+    # takes given to redis://, was a TypeError traceback at start. The names only, never
+    # the values (a password may be among them).
+    for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if key not in STATE_URL_QUERY_KEYS:
+            taken = ", ".join(sorted(STATE_URL_QUERY_KEYS))
+            return f"its query key {key!r} is not one the orchestrator takes ({taken})"
+        if key.startswith("ssl_") and parts.scheme != "rediss":
+            return f"its query key {key!r} is for rediss:// (TLS) only"
     try:
         # What start-up's BlockingConnectionPool.from_url parses: a query value it
         # cannot read (?db=x, ?socket_timeout=abc) passed here and was a traceback there.

@@ -108,6 +108,16 @@ def test_processes_sharing_redis_without_a_redis_are_refused() -> None:
     assert alone.state_processes == 1
 
 
+# The query keys a --state-url may hold, as a refusal of another lists them.
+REDIS_QUERY_KEYS = (
+    "client_name, db, health_check_interval, legacy_responses, max_connections, password, "
+    "protocol, retry_on_timeout, socket_connect_timeout, socket_keepalive, socket_read_size, "
+    "socket_timeout, ssl_ca_certs, ssl_ca_path, ssl_cert_reqs, ssl_certfile, "
+    "ssl_check_hostname, ssl_ciphers, ssl_exclude_verify_flags, ssl_include_verify_flags, "
+    "ssl_keyfile, ssl_min_version, ssl_password, timeout, username"
+)
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
@@ -122,6 +132,21 @@ def test_processes_sharing_redis_without_a_redis_are_refused() -> None:
             "rediss://:hunter2@r:6380/0?socket_timeout=abc",
             "its 'socket_timeout' query value is not valid",
         ),
+        # Taken here, then a TypeError traceback from redis-py's connection at start.
+        (
+            "redis://:hunter2@r:6379/0?db=1&sokcet_timeout=hunter2",
+            "its query key 'sokcet_timeout' is not one the orchestrator takes "
+            f"({REDIS_QUERY_KEYS})",
+        ),
+        (
+            "redis://:hunter2@r:6379/0?decode_responses=false",
+            "its query key 'decode_responses' is not one the orchestrator takes "
+            f"({REDIS_QUERY_KEYS})",
+        ),
+        (
+            "redis://:hunter2@r:6379/0?ssl_cert_reqs=none",
+            "its query key 'ssl_cert_reqs' is for rediss:// (TLS) only",
+        ),
     ],
 )
 def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
@@ -134,8 +159,15 @@ def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
     assert str(refused.value) == f"--state-url / ORCHESTRATOR_STATE_URL: {problem}"
 
 
-def test_a_state_url_query_redis_py_reads_is_taken() -> None:
-    url = "redis://:hunter2@r:6379?db=2&socket_timeout=1.5"
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:hunter2@r:6379?db=2&socket_timeout=1.5",
+        "redis://r:6379/0?username=classify&password=hunter2&client_name=front-door",
+        "rediss://r:6380/0?ssl_certfile=c.pem&ssl_keyfile=c.key&ssl_check_hostname=false",
+    ],
+)
+def test_a_state_url_query_redis_py_reads_is_taken(url: str) -> None:
     settings = OrchestratorSettings.from_args(
         ["--auth", "disabled", "--state-url", url], environ={}
     )

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from capability.config import CapabilitySettings
 from orchestrator.config import OrchestratorSettings
-from tests.conftest import REPO_ROOT, ProcessStarter, closed_port, write_routes
+from tests.conftest import REPO_ROOT, ProcessStarter, RedisServer, closed_port, write_routes
 
 PORT_IN_USE = "the port is in use, or the host is not an address of this machine"
 # Longest a refused start may take: the capability server imports torch first. A start
@@ -247,6 +247,19 @@ def test_a_state_ca_file_is_checked_at_start_as_the_other_tls_files_are(
     garbage.write_text("not a certificate\n")
     assert settings_refusal("orchestrator", *state, "--state-ca-file", str(garbage)).startswith(
         f"--state-ca-file / ORCHESTRATOR_STATE_CA_FILE: {garbage} holds no PEM CA certificate"
+    )
+
+
+def test_a_state_url_query_key_the_orchestrator_cannot_take_stops_the_start_with_one_line(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py hands an unknown key to its connection: a misspelt one was a TypeError
+    traceback from the first command at start, exit status 1."""
+    misspelt = f"{redis_server.url}?sokcet_timeout=1"
+    refusal = settings_refusal("orchestrator", "--auth", "disabled", "--state-url", misspelt)
+    assert refusal.startswith(
+        "--state-url / ORCHESTRATOR_STATE_URL: its query key 'sokcet_timeout' is not one "
+        "the orchestrator takes (client_name, db, "
     )
 
 
