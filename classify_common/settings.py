@@ -105,6 +105,16 @@ class Spec:
     # Appended to a bounds or test error in parentheses ("0 picks a free port").
     note: str = ""
 
+    def read(self, text: str) -> Any:
+        """The value a flag's or variable's text gives. A word (one of `choices`, or any
+        text `parse` keeps as it is) is read without the spaces around it, as int() and
+        float() read a number: `ORCHESTRATOR_PORT="50051 "` (a space left in an env file)
+        was taken where `ORCHESTRATOR_AUTH="disabled "` was refused as not `disabled`.
+        A path keeps its spaces: a file's name may hold them."""
+        if self.choices or self.parse is str:
+            text = text.strip()
+        return self.parse(text)
+
     def check(self, value: Any, flag: str, env: str) -> None:
         """Raise SettingsError, naming flag and variable, for a value out of bounds."""
         if value is None:
@@ -270,7 +280,7 @@ def _flag_parser(each: Declared) -> Callable[[str], Any]:
 
     def parse(text: str) -> Any:
         try:
-            return each.spec.parse(text)
+            return each.spec.read(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not valid: {exc} (also settable as {each.env})"
@@ -291,7 +301,7 @@ def _from_environment(each: Declared, environ: Mapping[str, str]) -> Any:
         # An empty flag is still refused: it was typed.
         return each.default
     try:
-        return each.spec.parse(text)
+        return each.spec.read(text)
     except ValueError as exc:
         raise SettingsError(f"{each.flag} / {each.env}: {text!r} is not valid: {exc}") from exc
 

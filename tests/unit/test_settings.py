@@ -409,6 +409,31 @@ def test_log_levels_are_checked_and_read_in_any_case() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("settings", "name", "text", "value"),
+    [
+        (CapabilitySettings, "log_level", " debug ", "DEBUG"),
+        (CapabilitySettings, "graph", "eager ", "eager"),
+        (CapabilitySettings, "device", " cpu", "cpu"),
+        (CapabilitySettings, "default_model", "topic-static\t", "topic-static"),
+        (OrchestratorSettings, "concurrency_limit", "off\r", "off"),
+        (OrchestratorSettings, "port", " 7070 ", 7070),
+    ],
+)
+def test_a_word_is_read_without_the_spaces_around_it_as_a_number_is(
+    settings: type[CapabilitySettings | OrchestratorSettings], name: str, text: str, value: object
+) -> None:
+    """A number's spaces went (int() and float() drop them) and a word's stayed: a
+    variable with a trailing space or a carriage return from an env file, `off\r`, was
+    refused as not `off`, while the port beside it was taken."""
+    fixed = ["--auth", "disabled"] if settings is OrchestratorSettings else []
+    flag = "--" + name.replace("_", "-")
+    variable = settings.ENV_PREFIX + name.upper()
+    by_flag = settings.from_args([*fixed, flag, text], environ={})
+    by_variable = settings.from_args(fixed, environ={variable: text})
+    assert getattr(by_flag, name) == getattr(by_variable, name) == value
+
+
 def test_a_default_model_the_server_does_not_serve_is_refused_naming_those_it_does() -> None:
     settings = CapabilitySettings.from_args(["--default-model", "nosuch"], environ={})
     with pytest.raises(SettingsError) as refused:
