@@ -53,6 +53,33 @@ def read_yaml(path: Path, read: Callable[[Any], T]) -> T:
         raise FieldRefused(exc.where, exc.problem, file=str(path), line=line) from None
 
 
+def _yaml_hint(value: object, *, whole: bool = False) -> str:
+    """What to write instead of a number in exponent form that YAML read as a string, as
+    `: ...` to follow a refusal; "" for anything else. PyYAML reads YAML 1.1, where a
+    float with an exponent needs a dot and a signed exponent: `1.5e1` and `1e3` are
+    strings, and "'1e3' is not a number" read as nonsense. `whole`: an integer is
+    wanted, which no exponent form gives (YAML reads 1.0e+3 as a float)."""
+    if not isinstance(value, str) or not {"e", "E"} & set(value):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    why = (
+        ": YAML reads it as a string (YAML 1.1 takes an exponent only after a dot and with a sign)"
+    )
+    if whole:
+        return f"{why}, so write {int(number)}" if number.is_integer() else why
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    if not exponent.startswith(("+", "-")):
+        exponent = "+" + exponent
+    return f"{why}, so write {spoken_number(number)} or {mantissa}e{exponent}"
+
+
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
@@ -116,7 +143,9 @@ class Fields:
     ) -> int:
         value = self.raw(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise FieldRefused(self.path(key), f"{value!r} is not an integer")
+            raise FieldRefused(
+                self.path(key), f"{value!r} is not an integer{_yaml_hint(value, whole=True)}"
+            )
         return int(self._within(key, value, low, high))
 
     def number(
@@ -131,7 +160,7 @@ class Fields:
         compares false with everything) and within `low`..`high`."""
         value = self.raw(key, default)
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise FieldRefused(self.path(key), f"{value!r} is not a number")
+            raise FieldRefused(self.path(key), f"{value!r} is not a number{_yaml_hint(value)}")
         try:
             number = float(value)
         except OverflowError:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from capability.config import CapabilitySettings
 from classify_common.fields import FieldRefused, Fields, read_yaml
@@ -71,6 +72,33 @@ def test_an_optional_value_is_none_when_absent_or_null_and_checked_when_present(
     assert spec.optional_integer("burst") is None
     with pytest.raises(FieldRefused, match=r"^ratio: 'high' is not a number$"):
         spec.optional_number("ratio")
+
+
+@pytest.mark.parametrize(
+    ("written", "read", "message"),
+    [
+        ("1.5e1", "number", "'1.5e1' is not a number: YAML reads it as a string (YAML 1.1 "
+         "takes an exponent only after a dot and with a sign), so write 15 or 1.5e+1"),
+        ("1e-3", "number", "'1e-3' is not a number: YAML reads it as a string (YAML 1.1 "
+         "takes an exponent only after a dot and with a sign), so write 0.001 or 1.0e-3"),
+        ("1e3", "integer", "'1e3' is not an integer: YAML reads it as a string (YAML 1.1 "
+         "takes an exponent only after a dot and with a sign), so write 1000"),
+        ("12e", "number", "'12e' is not a number"),
+    ],
+)  # fmt: skip
+def test_a_number_yaml_read_as_a_string_is_refused_saying_what_to_write(
+    written: str, read: str, message: str
+) -> None:
+    """PyYAML reads YAML 1.1, where `1.5e1` and `1e3` are strings: the refusal said
+    "'1.5e1' is not a number" of what reads as one. The form it suggests is read as
+    the number meant."""
+    value = yaml.safe_load(f"rate: {written}")["rate"]
+    with pytest.raises(FieldRefused) as refused:
+        getattr(Fields({"rate": value}, "tenants.acme"), read)("rate")
+    assert str(refused.value) == f"tenants.acme.rate: {message}"
+    suggested = message.rpartition(" or ")[2]
+    if read == "number" and " or " in message:
+        assert yaml.safe_load(f"rate: {suggested}")["rate"] == float(written)
 
 
 def test_a_value_refused_while_reading_a_file_is_named_by_file_and_line(tmp_path: Path) -> None:

@@ -263,6 +263,23 @@ def test_a_state_url_query_key_the_orchestrator_cannot_take_stops_the_start_with
     )
 
 
+def test_an_exponent_yaml_reads_as_a_string_stops_the_start_saying_what_to_write(
+    tmp_path: Path, routes: Path
+) -> None:
+    """`rate_per_second: 1e3` in the keys file stopped the start with "'1e3' is not a
+    number", of a value that reads as one."""
+    keys = tmp_path / "api-keys.yaml"
+    keys.write_text("keys: []\ntenants:\n  acme: {rate_per_second: 1e3, burst: 10}\n")
+    refusal = start_refusal(
+        "orchestrator",
+        *("--routes-file", str(routes), "--port", "0", "--api-keys-file", str(keys)),
+    )
+    assert refusal.endswith(
+        "tenants.acme.rate_per_second: '1e3' is not a number: YAML reads it as a string "
+        "(YAML 1.1 takes an exponent only after a dot and with a sign), so write 1000 or 1.0e+3"
+    ), refusal
+
+
 @pytest.mark.parametrize(
     ("server", "flag", "names", "before_logs"),
     [
