@@ -69,6 +69,22 @@ STATE_URL_QUERY_KEYS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {
     "ssl_ca_path",
     "ssl_ciphers",
 }
+# Those that would set what the orchestrator sets itself (orchestrator.state.connection),
+# with why it does: redis-py lets a URL's options win over those passed beside it, so
+# each was either undone there or quietly undid it (?protocol=3 sent HELLO again;
+# ?ssl_ca_certs= replaced --state-ca-file's CA, and went unchecked at start; a
+# ?socket_timeout= was cut short by --state-timeout-ms, or failed every command).
+STATE_URL_KEYS_SET_HERE = {
+    "socket_timeout": "--state-timeout-ms bounds each command",
+    "socket_connect_timeout": (
+        "--state-timeout-ms bounds each command, a new connection's set-up included"
+    ),
+    "timeout": "--state-timeout-ms bounds a command's wait for a free connection",
+    "max_connections": "each process keeps its own number of connections",
+    "protocol": "it speaks RESP2, which needs no HELLO round trip",
+    "retry_on_timeout": "a command that timed out is never sent again, since it may have run",
+    "ssl_ca_certs": "give the CA with --state-ca-file, which is checked at start",
+}
 
 
 def processes_count(text: str) -> int:
@@ -372,14 +388,17 @@ def state_url_problem(url: str) -> str | None:
     # takes given to redis://, was a TypeError traceback at start. The names only, never
     # the values (a password may be among them).
     for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if key in STATE_URL_KEYS_SET_HERE:
+            why = STATE_URL_KEYS_SET_HERE[key]
+            return f"its query key {key!r} sets what the orchestrator sets itself: {why}"
         if key not in STATE_URL_QUERY_KEYS:
-            taken = ", ".join(sorted(STATE_URL_QUERY_KEYS))
+            taken = ", ".join(sorted(STATE_URL_QUERY_KEYS - STATE_URL_KEYS_SET_HERE.keys()))
             return f"its query key {key!r} is not one the orchestrator takes ({taken})"
         if key.startswith("ssl_") and parts.scheme != "rediss":
             return f"its query key {key!r} is for rediss:// (TLS) only"
     try:
         # What start-up's BlockingConnectionPool.from_url parses: a query value it
-        # cannot read (?db=x, ?socket_timeout=abc) passed here and was a traceback there.
+        # cannot read (?db=x, ?socket_read_size=abc) passed here and was a traceback there.
         parse_url(url)
     except ValueError as exc:
         # NOTE: its own words only when they name the query key, never the value or URL.

@@ -110,11 +110,10 @@ def test_processes_sharing_redis_without_a_redis_are_refused() -> None:
 
 # The query keys a --state-url may hold, as a refusal of another lists them.
 REDIS_QUERY_KEYS = (
-    "client_name, db, health_check_interval, legacy_responses, max_connections, password, "
-    "protocol, retry_on_timeout, socket_connect_timeout, socket_keepalive, socket_read_size, "
-    "socket_timeout, ssl_ca_certs, ssl_ca_path, ssl_cert_reqs, ssl_certfile, "
-    "ssl_check_hostname, ssl_ciphers, ssl_exclude_verify_flags, ssl_include_verify_flags, "
-    "ssl_keyfile, ssl_min_version, ssl_password, timeout, username"
+    "client_name, db, health_check_interval, legacy_responses, password, socket_keepalive, "
+    "socket_read_size, ssl_ca_path, ssl_cert_reqs, ssl_certfile, ssl_check_hostname, "
+    "ssl_ciphers, ssl_exclude_verify_flags, ssl_include_verify_flags, ssl_keyfile, "
+    "ssl_min_version, ssl_password, username"
 )
 
 
@@ -129,8 +128,8 @@ REDIS_QUERY_KEYS = (
         # Taken here, then a ValueError traceback from redis-py's from_url at start.
         ("redis://:hunter2@r:6379?db=x", "its 'db' query value is not valid"),
         (
-            "rediss://:hunter2@r:6380/0?socket_timeout=abc",
-            "its 'socket_timeout' query value is not valid",
+            "rediss://:hunter2@r:6380/0?socket_read_size=abc",
+            "its 'socket_read_size' query value is not valid",
         ),
         # Taken here, then a TypeError traceback from redis-py's connection at start.
         (
@@ -147,6 +146,22 @@ REDIS_QUERY_KEYS = (
             "redis://:hunter2@r:6379/0?ssl_cert_reqs=none",
             "its query key 'ssl_cert_reqs' is for rediss:// (TLS) only",
         ),
+        # Taken, and the URL's value won over the orchestrator's own.
+        (
+            "redis://:hunter2@r:6379/0?db=1&socket_timeout=1.5",
+            "its query key 'socket_timeout' sets what the orchestrator sets itself: "
+            "--state-timeout-ms bounds each command",
+        ),
+        (
+            "rediss://:hunter2@r:6380/0?protocol=3",
+            "its query key 'protocol' sets what the orchestrator sets itself: it speaks RESP2, "
+            "which needs no HELLO round trip",
+        ),
+        (
+            "rediss://:hunter2@r:6380/0?ssl_ca_certs=/etc/ca.pem",
+            "its query key 'ssl_ca_certs' sets what the orchestrator sets itself: give the CA "
+            "with --state-ca-file, which is checked at start",
+        ),
     ],
 )
 def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
@@ -162,7 +177,7 @@ def test_a_state_url_that_cannot_work_is_refused_without_repeating_its_password(
 @pytest.mark.parametrize(
     "url",
     [
-        "redis://:hunter2@r:6379?db=2&socket_timeout=1.5",
+        "redis://:hunter2@r:6379?db=2&socket_keepalive=true",
         "redis://r:6379/0?username=classify&password=hunter2&client_name=front-door",
         "rediss://r:6380/0?ssl_certfile=c.pem&ssl_keyfile=c.key&ssl_check_hostname=false",
     ],
