@@ -172,7 +172,7 @@ class RedisState:
             # NOTE: set after from_url, not passed to it: from_url lets the URL's own
             # options override those passed in, so a password in the URL would win.
             pool.connection_kwargs["password"] = password
-        # NOTE: no socket timeout (a ?socket_timeout= in the URL included): run()'s
+        # NOTE: no socket timeout (settings refuse a ?socket_timeout= in the URL): run()'s
         # timeout bounds every command, its connection's set-up included. With one,
         # redis-py writes each command under asyncio.wait_for, which in Python 3.11
         # drops a cancellation that lands while the write finishes: a command given
