@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -755,6 +756,60 @@ async def test_the_timeout_of_a_file_is_each_batch_calls_so_a_long_file_is_not_c
     out, err = capsys.readouterr()
     assert (status, err) == (0, "")
     assert [line.split()[0] for line in out.splitlines()] == ["sports"] * 2049
+
+
+class GoneAfterOneBatch(SlowBatches):
+    """Answers the first ClassifyBatch, then stops its server under the second."""
+
+    def __init__(self) -> None:
+        super().__init__([0])
+        self.server: grpc.aio.Server | None = None
+        self.stopping: asyncio.Task[None] | None = None
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        if self.calls == 1 and self.server is not None:
+            self.calls += 1
+            # Stopped from a task of its own: awaited here, the stop waits on this
+            # handler, which it cancels, and the port may stay open.
+            self.stopping = asyncio.create_task(self.server.stop(grace=0))
+            await asyncio.sleep(60)
+        return await super().ClassifyBatch(request, context)
+
+
+async def test_a_file_whose_server_goes_mid_run_gives_up_within_the_timeout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Ten calls under `--timeout 1`: the server gone at the second, the client's retry
+    waited for it to come back until the run's deadline (10 s), then advised raising
+    --timeout."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n" * 10 * 1024)
+    servicer = GoneAfterOneBatch()
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.server = server
+    await server.start()
+    try:
+        started = time.monotonic()
+        status = await asyncio.to_thread(
+            main, ["--target", f"127.0.0.1:{port}", "--timeout", "1", "--file", str(lines)]
+        )
+        took = time.monotonic() - started
+    finally:
+        await server.stop(grace=0)
+    out, err = capsys.readouterr()
+    assert status == 1
+    output = out.splitlines()
+    assert [line.split()[0] for line in output] == ["sports"] * 1024 + ["error"] * 9 * 1024
+    assert output[1024].startswith("error       UNAVAILABLE: ")
+    assert took < 6, took  # about --timeout after the loss, not the run's 10 s
+    assert err == (
+        f"hint: the server at 127.0.0.1:{port} stopped answering during the run and did "
+        "not come back within --timeout (1 s); the texts not answered are errors\n"
+    )
 
 
 async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(

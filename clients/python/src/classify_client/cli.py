@@ -55,6 +55,7 @@ from classify_client import (
     BatchItem,
     ClassifyClient,
     ClassifyError,
+    RetryEvent,
     StillProcessing,
     Unauthenticated,
     pb,
@@ -504,6 +505,41 @@ def split_lines(source: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
+class ServerLost(Exception):
+    """A `--file` run's server stopped answering and did not come back within
+    --timeout; `error` is the call's last failure."""
+
+    def __init__(self, error: ClassifyError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class LostServerWatch:
+    """A `--file` client's `on_retry`: after a call failed for want of a server, wait
+    up to --timeout for it to come back, else give up (ServerLost). Left to the
+    client, the retry waited for it until the run's deadline, --timeout times the
+    run's calls: a server gone during a 6,000-line file held it a minute."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.client: ClassifyClient | None = None
+
+    def __call__(self, event: RetryEvent) -> None:
+        if (
+            self.client is not None
+            and is_connection_failure(event.error)
+            and not self.client.wait_for_connection(self.timeout)
+        ):
+            raise ServerLost(event.error)
+
+
+def lost_server_hint(target: str, timeout: float) -> str:
+    return (
+        f"hint: the server at {target} stopped answering during the run and did not "
+        f"come back within --timeout ({timeout:g} s); the texts not answered are errors"
+    )
+
+
 def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
     """Send the texts with ClassifyBatch, a call at a time; print one line (or JSON
     object) per text as each call is answered. Printed at the end of the whole run, a
@@ -528,6 +564,7 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
     # One name for every call of the run, as one classify_batch gives its calls.
     request_id = checked_batch_request_id(args.request_id) or new_request_id()
     failed = late = 0
+    lost = False
     for number, chunk in enumerate(chunks):
         chunk_texts = [texts[index] for index in chunk]
         try:
@@ -543,6 +580,12 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
                 timeout=max(deadline - time.monotonic(), SPENT_SECONDS),
                 wait=args.wait,
             )
+        except ServerLost as gone:
+            if number == 0:
+                raise gone.error from None  # no answer yet: one error, as for one text
+            lost = True
+            chunk_texts = texts[chunk[0] :]
+            items = [BatchItem(error=gone.error)] * len(chunk_texts)
         except ClassifyError as error:
             if number == 0:
                 raise  # refused whole before any answer: one error, as for one text
@@ -566,7 +609,9 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
         late += sum(failed_past_the_deadline(item.error) for item in items)
         if len(chunk_texts) > len(chunk):
             break  # this call's error was also that of the texts after it
-    if late:
+    if lost:
+        print(lost_server_hint(args.target, args.timeout), file=sys.stderr)
+    elif late:
         texts_failed = f"{late} text{'s' if late != 1 else ''}"
         print(deadline_hint(texts_failed, args.timeout), file=sys.stderr)
     return 0 if not failed else EXIT_FAILED
@@ -594,8 +639,9 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
     }
     ca_file, cert_file, key_file = files.values()
     key = api_key(args.api_key, args.target)
+    watch = LostServerWatch(args.timeout) if args.file is not None else None
     try:
-        return ClassifyClient(
+        client = ClassifyClient(
             args.target,
             api_key=key,
             tls=args.tls,
@@ -603,12 +649,16 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
             cert_file=cert_file,
             key_file=key_file,
             timeout=args.timeout,
+            on_retry=watch,
         )
     except OSError as error:
         what = next((name for name, path in files.items() if path == error.filename), "a file")
         raise UnusableInput(f"cannot read {what} {error.filename}: {error.strerror}") from error
     except ValueError as error:  # a key no header can carry, half a client certificate
         raise UnusableInput(str(error)) from error
+    if watch is not None:
+        watch.client = client
+    return client
 
 
 def require_utf8(value: str, what: str) -> None:
