@@ -40,7 +40,13 @@ from classify_common.context import (
     is_valid_request_id,
     new_request_id,
 )
-from classify_common.errors import MethodNotServed, ServiceError, UnreadableText, grpc_code_for
+from classify_common.errors import (
+    MethodNotServed,
+    ServiceError,
+    UnreadableText,
+    grpc_code_for,
+    is_routine_refusal,
+)
 from classify_common.intake import current_batch_intake, item_status
 from classify_common.nodes import RequestTrace, current_trace
 from classify_common.tracing import format_trace_id
@@ -301,7 +307,9 @@ def _log_failed_item(text: TextRequest, error: ServiceError, call_request_id: st
     ID, when it has a trace of its own), naming the call it came in. The call's `rpc`
     line names only the call, which the orchestrator merged from many requests: a
     failure of one of them, logged as a single Classify's would be, must be found by
-    that request's ID. Items answered are not logged one by one."""
+    that request's ID. Items answered are not logged one by one, nor, but at DEBUG,
+    items refused for their text or for load (is_routine_refusal): the orchestrator's
+    line for the request says those, and the metrics count them."""
     fields: dict[str, object] = {
         "request_id": text.request_id,
         "code": grpc_code_for(error).name,
@@ -311,7 +319,8 @@ def _log_failed_item(text: TextRequest, error: ServiceError, call_request_id: st
     }
     if text.trace is not None:
         fields["trace_id"] = format_trace_id(text.trace.server_span)
-    log.warning("batch item failed", extra=fields)
+    level = logging.DEBUG if is_routine_refusal(error) else logging.WARNING
+    log.log(level, "batch item failed", extra=fields)
 
 
 def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:

@@ -429,6 +429,19 @@ def is_fallback_eligible(error: ServiceError) -> bool:
     )
 
 
+def is_routine_refusal(error: ServiceError) -> bool:
+    """Whether `error` refuses a request for its text (InvalidRequest: a validation
+    rule, UnreadableText) or for load and time (Overloaded, a deadline passed or out of
+    reach), outcomes the metrics count by reason and nothing to repair in a server:
+    logged per item and per attempt, a ClassifyBatch of 1,024 texts no model reads
+    wrote 5,121 orchestrator and 2,064 capability lines (3 MB, WARNINGs among them,
+    for an 8 KB request), and overload wrote a line for every item it refused. A
+    backend's own timeout (BackendTimedOut) is not routine: it says a backend is slow."""
+    return isinstance(error, InvalidRequest | Overloaded | DeadlineExpired) and not isinstance(
+        error, BackendTimedOut
+    )
+
+
 def grpc_code_for(error: ServiceError) -> grpc.StatusCode:
     for cls in type(error).__mro__:
         code = GRPC_CODE_BY_ERROR.get(cls)

@@ -24,6 +24,7 @@ from classify_common.errors import (
     ServiceError,
     UnreadableText,
     is_fallback_eligible,
+    is_routine_refusal,
 )
 from classify_common.nodes import (
     BACKEND_SELECT,
@@ -162,7 +163,8 @@ class RouteCaller:
                 if _tells_more(error, failure):
                     failure, failed_on = error, backend
                 call.fallback_reason = error.reason
-                log.info(
+                log.log(
+                    logging.DEBUG if is_routine_refusal(error) else logging.INFO,
                     "backend failed",
                     extra={"route": route.name, "backend": backend.name, "reason": error.reason},
                 )

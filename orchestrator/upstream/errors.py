@@ -34,6 +34,7 @@ from classify_common.errors import (
     ServiceError,
     UnreadableText,
     UnscorableText,
+    is_routine_refusal,
 )
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ def _translate(
         # fallback answers, and counted only as its reason (MODEL_NOT_SERVED).
         cause = MISCONFIGURATION_CAUSES.get(code, "the capability answered a code it should not")
         log.error("capability call failed unexpectedly", extra={**fields, "cause": cause})
+    elif is_routine_refusal(error):
+        log.debug("capability call failed", extra=fields)  # see is_routine_refusal
     else:
         log.warning("capability call failed", extra=fields)
     return error
