@@ -364,7 +364,7 @@ def state_outcomes(server: OrchestratorServer, operation: str) -> dict[str, floa
         outcome: metric_sum(
             server.registry, STATE_OPERATIONS_TOTAL, operation=operation, outcome=outcome
         )
-        for outcome in ("ok", "error", "timeout", "skipped")
+        for outcome in ("ok", "error", "timeout", "deadline", "skipped")
     }
 
 
@@ -387,13 +387,14 @@ async def test_a_call_whose_deadline_precedes_the_state_timeout_goes_on_without_
     assert state_outcomes(server, "rate_limit") == {
         "ok": 1,
         "error": 0,
-        "timeout": 1,
+        "timeout": 1,  # 270 ms of 500: over half, so Redis's own
+        "deadline": 0,
         "skipped": 1,
     }
 
 
 async def test_a_deadline_too_tight_to_tell_a_failing_redis_starts_no_rest(
-    redis_state: RedisState, redis_server: RedisServer
+    redis_state: RedisState, redis_server: RedisServer, state_registry: CollectorRegistry
 ) -> None:
     """Cut short by its caller's deadline well within --state-timeout-ms, a command
     that Redis did not answer is counted but starts no rest: a tenant's tight
@@ -406,6 +407,17 @@ async def test_a_deadline_too_tight_to_tell_a_failing_redis_starts_no_rest(
     finally:
         redis_server.resume()
     assert await redis_state.run("rate_limit", redis_state.client.ping) is True
+    # Counted as the deadline's, not as Redis timing out (which the alert reads).
+    outcomes = {
+        outcome: metric_sum(
+            state_registry,
+            STATE_OPERATIONS_TOTAL,
+            operation="rate_limit",
+            outcome=outcome,
+        )
+        for outcome in ("ok", "timeout", "deadline")
+    }
+    assert outcomes == {"ok": 1, "timeout": 0, "deadline": 1}
 
 
 async def test_a_poll_whose_deadline_precedes_the_state_timeout_is_answered_in_time(
@@ -443,7 +455,8 @@ async def test_a_poll_whose_deadline_precedes_the_state_timeout_is_answered_in_t
     assert state_outcomes(server, "result_get") == {
         "ok": 1,
         "error": 0,
-        "timeout": 1,
+        "timeout": 0,
+        "deadline": 1,  # 370 ms of 1 s: the deadline's, not Redis's
         "skipped": 0,
     }
 
@@ -463,11 +476,12 @@ async def test_a_rate_limited_poll_is_answered_in_time_by_a_stalled_redis(
     assert failed.code() == grpc.StatusCode.UNAVAILABLE
     assert error_reason(failed) == "STATE_UNAVAILABLE"
     assert error_info(failed).metadata["x-request-id"] == "poll-2"
-    assert state_outcomes(server, "rate_limit")["timeout"] == 1
+    assert state_outcomes(server, "rate_limit")["deadline"] == 1
     assert state_outcomes(server, "result_get") == {
         "ok": 1,
         "error": 0,
         "timeout": 0,
+        "deadline": 0,
         "skipped": 1,
     }
 
@@ -505,6 +519,7 @@ async def test_a_check_whose_caller_goes_while_redis_is_stalled_is_counted_cance
         "ok": 2,
         "error": 0,
         "timeout": 0,
+        "deadline": 0,
         "skipped": 0,
     }
 
@@ -765,11 +780,19 @@ async def test_a_stalled_redis_still_answers_calls_and_batches_with_their_ids_in
         assert "result_kept" not in item_info.metadata
 
 
+@pytest.fixture
+def state_registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
 @pytest_asyncio.fixture
-async def redis_state(redis_server: RedisServer) -> AsyncIterator[RedisState]:
-    """A connection to `redis_server`, as an orchestrator opens it."""
+async def redis_state(
+    redis_server: RedisServer, state_registry: CollectorRegistry
+) -> AsyncIterator[RedisState]:
+    """A connection to `redis_server`, as an orchestrator opens it, counting its commands
+    in `state_registry`."""
     settings = orchestrator_settings(state_url=redis_server.url)
-    state = RedisState.from_settings(settings, StateMetrics(CollectorRegistry()))
+    state = RedisState.from_settings(settings, StateMetrics(state_registry))
     yield state
     await state.close()
 
