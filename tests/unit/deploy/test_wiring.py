@@ -766,3 +766,14 @@ def test_dashboard_has_slo_root_cause_and_capacity_views() -> None:
         "classify_shadow_comparisons_total",
     ):
         assert needed in exprs
+
+
+def test_the_fleets_state_processes_count_every_process_a_rollout_runs() -> None:
+    """While Redis does not answer, each orchestrator process grants a tenant 1/N of
+    its rate: N was the replicas' processes (4), and a rolling update's surge pod made
+    them six, which together granted 150% of every tenant's rate."""
+    deployment = k8s_resource("Deployment", "orchestrator")
+    env = env_values(container(deployment, "orchestrator"))
+    surge = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    at_once = (deployment["spec"]["replicas"] + surge) * int(env["ORCHESTRATOR_PROCESSES"])
+    assert int(env["ORCHESTRATOR_STATE_PROCESSES"]) >= at_once
