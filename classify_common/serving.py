@@ -10,12 +10,13 @@ first, so load balancers drain the server before in-flight calls are cut.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -169,6 +170,60 @@ def reflection_v1_handler(servicer: Any) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": info})
 
 
+class OpenStreams:
+    """Long-lived streams of one kind (`what`: "health watches") open at once on a
+    server: at most `max_open`, and at most `max_per_host` from one caller's address
+    (every connection from it counts; None: no share of its own). A stream past either
+    is refused RESOURCE_EXHAUSTED, with `advice` on what to do instead.
+
+    For streams that need no credentials: each holds memory for as long as its caller
+    keeps it open, and nothing else bounds how many a caller opens (see
+    MAX_HEALTH_WATCHES)."""
+
+    def __init__(
+        self, what: str, advice: str, max_open: int, max_per_host: int | None = None
+    ) -> None:
+        self._what = what
+        self._advice = advice
+        self._max_open = max_open
+        self._max_per_host = max_per_host if max_per_host is not None else max_open
+        self._open = 0
+        self._by_host: dict[str, int] = {}
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    @contextlib.asynccontextmanager
+    async def held(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        """A place for the stream `context` is the call of, for as long as the block
+        runs; refuses the call if there is none. The block must be the whole of the
+        call's handler (a coroutine: a handler that is an async generator may be left
+        at a `yield` by a cancelled call, and would keep its place until collected)."""
+        host = peer_host(context.peer())
+        if self._open >= self._max_open:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_open} {self._what} are open on this server; {self._advice}",
+            )
+        if self._by_host.get(host, 0) >= self._max_per_host:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._max_per_host} {self._what} are open from {host}; {self._advice}",
+            )
+        self._open += 1
+        self._by_host[host] = self._by_host.get(host, 0) + 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+            left = self._by_host[host] - 1
+            if left:
+                self._by_host[host] = left
+            else:
+                del self._by_host[host]
+
+
 class BoundedHealthServicer(health.aio.HealthServicer):
     """gRPC's health service, refusing a Watch beyond `max_watches` open at once, or
     beyond `max_per_host` from one caller's address, with RESOURCE_EXHAUSTED (see
@@ -176,40 +231,17 @@ class BoundedHealthServicer(health.aio.HealthServicer):
 
     def __init__(self, max_watches: int, max_per_host: int | None = None) -> None:
         super().__init__()
-        self._max_watches = max_watches
-        self._max_per_host = max_per_host if max_per_host is not None else max_watches
-        self._watches = 0
-        self._by_host: dict[str, int] = {}
+        self.watches = OpenStreams("health watches", "use Check", max_watches, max_per_host)
 
     @property
     def open_watches(self) -> int:
-        return self._watches
+        return self.watches.open
 
     async def Watch(  # noqa: N802 - the gRPC method's name
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
-        host = peer_host(context.peer())
-        if self._watches >= self._max_watches:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._max_watches} health watches are open on this server; use Check",
-            )
-        if self._by_host.get(host, 0) >= self._max_per_host:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._max_per_host} health watches are open from {host}; use Check",
-            )
-        self._watches += 1
-        self._by_host[host] = self._by_host.get(host, 0) + 1
-        try:
+        async with self.watches.held(context):
             await super().Watch(request, context)
-        finally:
-            self._watches -= 1
-            left = self._by_host[host] - 1
-            if left:
-                self._by_host[host] = left
-            else:
-                del self._by_host[host]
 
 
 def listen_address(host: str, port: int) -> str:
