@@ -115,6 +115,14 @@ MAX_HEALTH_WATCHES = 1000
 # one target share a subchannel), so an address holds one per orchestrator process
 # behind it: a host of over 100 processes, or callers that all come from one address
 # (a service mesh's sidecar, NAT), need the share raised or off (0).
+# Server reflection's streams (both names, v1 and v1alpha, together) open at once on one
+# server, and of those from one address. Reflection needs no credentials either, and a
+# stream that has been asked once holds about 25 KB for as long as its caller keeps it
+# open: 10,384 took an orchestrator up by 256 MB. The tools it is for (`buf curl`,
+# grpcurl) hold one for the length of a command, so these are far above their use; a
+# stream left idle goes with its connection, as a Watch does (grpc.max_connection_age).
+MAX_REFLECTION_STREAMS = 100
+REFLECTION_STREAMS_PER_ADDRESS = 10
 # How long before the end of a stop's grace the calls still in their handlers are
 # answered SERVER_DRAINING, so that the answer is written before gRPC cancels them.
 CUT_OFF_MARGIN_SECONDS = 0.1
@@ -244,6 +252,33 @@ class BoundedHealthServicer(health.aio.HealthServicer):
             await super().Watch(request, context)
 
 
+class BoundedReflectionServicer(reflection.aio.ReflectionServicer):
+    """gRPC's server reflection, refusing a ServerReflectionInfo stream beyond
+    `max_streams` open at once, or beyond `max_per_host` from one caller's address,
+    with RESOURCE_EXHAUSTED (see MAX_REFLECTION_STREAMS); the answers are as before."""
+
+    def __init__(
+        self, service_names: Sequence[str], max_streams: int, max_per_host: int | None = None
+    ) -> None:
+        super().__init__(service_names)
+        self.streams = OpenStreams(
+            "reflection streams", "try again later", max_streams, max_per_host
+        )
+
+    async def ServerReflectionInfo(  # type: ignore[override]  # noqa: N802 - the gRPC method's name
+        self,
+        request_iterator: AsyncIterator[reflection_pb2.ServerReflectionRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """grpcio-reflection's answers, written here (a coroutine rather than its async
+        generator, so that the stream's place is freed whenever the call ends)."""
+        async with self.streams.held(context):
+            # An async generator, which grpcio-reflection annotates as a coroutine.
+            answers: Any = super().ServerReflectionInfo(request_iterator, context)
+            async for response in answers:
+                await context.write(response)
+
+
 def listen_address(host: str, port: int) -> str:
     """`host:port` as gRPC binds it, an IPv6 address in brackets (`[::1]:50051`); `host`
     with or without them. gRPC reads `::1:50051` as a name, and refused it."""
@@ -344,11 +379,14 @@ class GrpcServing:
         # NOTE: v1 is served but not listed: a listed service must have its descriptor
         # to give (`buf curl --list-methods` asks for each one's), and only v1alpha's is
         # in the process.
-        reflecting = reflection.aio.ReflectionServicer(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflecting = BoundedReflectionServicer(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            MAX_REFLECTION_STREAMS,
+            REFLECTION_STREAMS_PER_ADDRESS,
         )
         self.add_service(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflecting)
         self.server.add_generic_rpc_handlers((reflection_v1_handler(reflecting),))
+        self.reflection = reflecting
         self.port = 0
         self.metrics_port = 0
 
