@@ -435,10 +435,12 @@ def is_routine_refusal(error: ServiceError) -> bool:
     reach), outcomes the metrics count by reason and nothing to repair in a server:
     logged per item and per attempt, a ClassifyBatch of 1,024 texts no model reads
     wrote 5,121 orchestrator and 2,064 capability lines (3 MB, WARNINGs among them,
-    for an 8 KB request), and overload wrote a line for every item it refused. A
-    backend's own timeout (BackendTimedOut) is not routine: it says a backend is slow."""
+    for an 8 KB request), and overload wrote a line for every item it refused. Not
+    routine: a backend's own timeout (BackendTimedOut: a backend is slow; logged where
+    it is told apart, orchestrator.upstream.pool) and device memory pressure (a
+    device short of memory)."""
     return isinstance(error, InvalidRequest | Overloaded | DeadlineExpired) and not isinstance(
-        error, BackendTimedOut
+        error, BackendTimedOut | DeviceMemoryPressure
     )
 
 

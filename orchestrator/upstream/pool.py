@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -54,6 +55,8 @@ from orchestrator.upstream.coalescer import (
     ReplicaCoalescer,
 )
 from orchestrator.upstream.load import ReplicaLoad, read_load_report
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COALESCING = CoalescingSettings()
 DEFAULT_CONCURRENCY = ConcurrencySettings()
@@ -521,6 +524,19 @@ class BackendPool:
             # Out of time here.
             overloaded = True
             if self._timed_out_first(timeout, client_remaining, time.perf_counter() - started):
+                # The one line that names the replica: the translation of the call's
+                # DEADLINE_EXCEEDED cannot tell the backend's timeout from the caller's
+                # deadline, and logs at DEBUG (classify_common.errors.is_routine_refusal).
+                log.warning(
+                    "capability call failed",
+                    extra={
+                        "backend": self.backend.name,
+                        "target": target,
+                        "code": grpc.StatusCode.DEADLINE_EXCEEDED.name,
+                        "details": "no answer within the backend's timeout",
+                        "backend_timeout_ms": round(timeout * 1000),
+                    },
+                )
                 raise BackendTimedOut(
                     f"backend {self.backend.name} did not answer within its "
                     f"{timeout * 1000:.0f} ms timeout",

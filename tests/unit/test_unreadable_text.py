@@ -29,11 +29,15 @@ from capability.bundle.minilm import parse_tokenizer
 from capability.metrics import ADMISSIONS_REFUSED_TOTAL
 from capability.server import CapabilityServer
 from classify_common.errors import (
+    BackendTimedOut,
     ConcurrencyLimited,
+    DeadlineExpired,
+    DeviceMemoryPressure,
     FieldViolation,
     InvalidRequest,
     ModelUnavailable,
     UnreadableText,
+    is_routine_refusal,
 )
 from classify_common.intake import item_status
 from classify_common.metrics import INTERNAL_ERRORS_TOTAL
@@ -297,3 +301,22 @@ async def test_a_batch_of_texts_no_model_reads_writes_no_warning_and_a_line_per_
     assert lines[("orchestrator.batch_items", "batch item failed")] == 64
     noisy = ("capability.service", "orchestrator.upstream.errors", "orchestrator.calls")
     assert [line for line in lines if line[0] in noisy] == []
+
+
+@pytest.mark.parametrize(
+    ("error", "routine"),
+    [
+        (UnreadableText([FieldViolation("text", RULE, "no word")]), True),
+        (InvalidRequest([FieldViolation("text", "string.min_len", "empty")]), True),
+        (ConcurrencyLimited("over the limit", retry_after_seconds=0.1), True),
+        (DeadlineExpired("out of time"), True),
+        (DeviceMemoryPressure("device memory past its threshold", retry_after_seconds=1.0), False),
+        (BackendTimedOut("no answer within the backend's timeout"), False),
+        (ModelUnavailable("no replica"), False),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_only_refusals_of_a_text_or_for_load_are_routine(error: Exception, routine: bool) -> None:
+    """Routine ones are logged at DEBUG per attempt; a device short of memory or a slow
+    backend is something to repair, and keeps its WARNING."""
+    assert is_routine_refusal(error) is routine  # type: ignore[arg-type]

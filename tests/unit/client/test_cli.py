@@ -812,6 +812,62 @@ async def test_a_file_whose_server_goes_mid_run_gives_up_within_the_timeout(
     )
 
 
+class GoneBeforeTheResend(SlowBatches):
+    """Answers the first ClassifyBatch but its second item, refused RATE_LIMITED with a
+    RetryInfo of 0.2 s, and stops its server before the resend comes."""
+
+    def __init__(self) -> None:
+        super().__init__([0])
+        self.server: grpc.aio.Server | None = None
+        self.stopping: asyncio.Task[None] | None = None
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        answer = await super().ClassifyBatch(request, context)
+        info, retry = any_pb2.Any(), any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason="RATE_LIMITED", domain="test"))
+        delay = error_details_pb2.RetryInfo()
+        delay.retry_delay.FromMilliseconds(200)
+        retry.Pack(delay)
+        refused = status_pb2.Status(
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            message="slow down",
+            details=[info, retry],
+        )
+        answer.results[1].CopyFrom(pb.ClassifyBatchResult(error=refused))
+        assert self.server is not None
+        self.stopping = asyncio.create_task(self.server.stop(grace=0.05))
+        return answer
+
+
+async def test_answers_a_call_had_are_kept_when_its_server_goes_before_a_resend(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The lost-server watch ended the call with an exception of its own, past the
+    client's handling of a failed call, which keeps the items answered: every line
+    of the call was printed as an error, its answers lost."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("a\nb\nc\n")
+    servicer = GoneBeforeTheResend()
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.server = server
+    await server.start()
+    try:
+        status = await asyncio.to_thread(
+            main, ["--target", f"127.0.0.1:{port}", "--timeout", "2", "--file", str(lines)]
+        )
+    finally:
+        await server.stop(grace=0)
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert [line.split()[0] for line in out.splitlines()] == ["sports", "error", "sports"]
+    assert out.splitlines()[1].startswith("error       UNAVAILABLE: ")
+    assert err.startswith(f"hint: the server at 127.0.0.1:{port} stopped answering")
+
+
 async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -103,6 +103,48 @@ async def test_backend_timeout_is_passed_down_and_reported_as_deadline_exceeded(
     assert trailers_of(error)["x-request-id"]
 
 
+async def test_a_replica_past_the_backends_timeout_is_logged_at_warning_naming_it(
+    capability: CapabilityServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stalled replica: its call runs out at the backend's timeout, long before the
+    caller's deadline. The only line naming the replica is a WARNING (the translation
+    of the call's DEADLINE_EXCEEDED, which cannot tell whose time ran out, logs at
+    DEBUG), as the runbook's DEADLINE_EXPIRED step reads it."""
+    pod = FlakyPod(capability.port, failing=False)
+    pod.answering.clear()  # stalled
+    await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        f"backends:\n  pod: {{model: topic-minilm, targets: ['{pod.address}'], timeout: 200ms}}\n"
+        "routes:\n  - name: default\n    backend: pod\n    retry: {max_attempts: 1}\n"
+    )
+    server = OrchestratorServer(
+        orchestrator_settings(routes_file=routes), registry=CollectorRegistry()
+    )
+    await server.start()
+    try:
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+                error = await refusal(stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20))
+    finally:
+        pod.answering.set()
+        await server.stop(grace_seconds=0)
+        await pod.stop()
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error_info(error).metadata["backend_timeout_ms"] == "200"
+    warned = [
+        vars(r)
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.getMessage() == "capability call failed"
+    ]
+    assert [(w["target"], w["backend_timeout_ms"], w["code"]) for w in warned] == [
+        (pod.address, 200, "DEADLINE_EXCEEDED")
+    ]
+
+
 async def test_get_result_answers_not_found_for_unknown_request(
     orchestrator_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
 ) -> None:

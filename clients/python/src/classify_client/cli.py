@@ -505,32 +505,31 @@ def split_lines(source: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-class ServerLost(Exception):
-    """A `--file` run's server stopped answering and did not come back within
-    --timeout; `error` is the call's last failure."""
-
-    def __init__(self, error: ClassifyError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class LostServerWatch:
     """A `--file` client's `on_retry`: after a call failed for want of a server, wait
-    up to --timeout for it to come back, else give up (ServerLost). Left to the
-    client, the retry waited for it until the run's deadline, --timeout times the
-    run's calls: a server gone during a 6,000-line file held it a minute."""
+    up to --timeout (within the run's `deadline`) for it to come back, else give up:
+    `lost` is then that failure, raised as the call's error. Left to the client, the
+    retry waited for the server until the run's deadline, --timeout times the run's
+    calls: a server gone during a 6,000-line file held it a minute.
+
+    Raised as the call's error (a ClassifyError), it ends the ClassifyBatch call as a
+    failure of the call would: the items it had answered keep their answers."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.client: ClassifyClient | None = None
+        self.deadline: float | None = None  # time.monotonic() at the run's end
+        self.lost: ClassifyError | None = None
 
     def __call__(self, event: RetryEvent) -> None:
-        if (
-            self.client is not None
-            and is_connection_failure(event.error)
-            and not self.client.wait_for_connection(self.timeout)
-        ):
-            raise ServerLost(event.error)
+        if self.client is None or not is_connection_failure(event.error):
+            return
+        wait = self.timeout
+        if self.deadline is not None:
+            wait = min(wait, self.deadline - time.monotonic())
+        if wait <= 0 or not self.client.wait_for_connection(wait):
+            self.lost = event.error
+            raise event.error
 
 
 def lost_server_hint(target: str, timeout: float) -> str:
@@ -540,7 +539,9 @@ def lost_server_hint(target: str, timeout: float) -> str:
     )
 
 
-def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
+def classify_file(
+    client: ClassifyClient, texts: list[str], args: argparse.Namespace, watch: LostServerWatch
+) -> int:
     """Send the texts with ClassifyBatch, a call at a time; print one line (or JSON
     object) per text as each call is answered. Printed at the end of the whole run, a
     100 MB file held every request and answer at once (1.08 GB) and `| head -1` read
@@ -561,10 +562,10 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
             "balancer, TLS)"
         )
     deadline = time.monotonic() + min(args.timeout * len(chunks), MAX_TIMEOUT_SECONDS)
+    watch.deadline = deadline
     # One name for every call of the run, as one classify_batch gives its calls.
     request_id = checked_batch_request_id(args.request_id) or new_request_id()
     failed = late = 0
-    lost = False
     for number, chunk in enumerate(chunks):
         chunk_texts = [texts[index] for index in chunk]
         try:
@@ -580,12 +581,6 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
                 timeout=max(deadline - time.monotonic(), SPENT_SECONDS),
                 wait=args.wait,
             )
-        except ServerLost as gone:
-            if number == 0:
-                raise gone.error from None  # no answer yet: one error, as for one text
-            lost = True
-            chunk_texts = texts[chunk[0] :]
-            items = [BatchItem(error=gone.error)] * len(chunk_texts)
         except ClassifyError as error:
             if number == 0:
                 raise  # refused whole before any answer: one error, as for one text
@@ -600,6 +595,12 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
                 else item
                 for position, (item, index) in enumerate(zip(items, chunk, strict=True))
             ]
+            if watch.lost is not None:
+                # The server went after answering some of this call's items: the
+                # lines after the call were never sent.
+                never_sent = texts[chunk[-1] + 1 :]
+                chunk_texts += never_sent
+                items += [BatchItem(error=watch.lost)] * len(never_sent)
         for item, text in zip(items, chunk_texts, strict=True):
             if args.json:
                 print(json.dumps(item_json(item), ensure_ascii=False))
@@ -609,7 +610,7 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
         late += sum(failed_past_the_deadline(item.error) for item in items)
         if len(chunk_texts) > len(chunk):
             break  # this call's error was also that of the texts after it
-    if lost:
+    if watch.lost is not None:
         print(lost_server_hint(args.target, args.timeout), file=sys.stderr)
     elif late:
         texts_failed = f"{late} text{'s' if late != 1 else ''}"
@@ -631,7 +632,8 @@ def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.Classif
     )
 
 
-def open_client(args: argparse.Namespace) -> ClassifyClient:
+def open_client(args: argparse.Namespace, watch: LostServerWatch | None = None) -> ClassifyClient:
+    """The client the flags describe; `watch`, its on_retry, is given the client."""
     files = {
         "the CA file": args.ca_file or file_variable("CLASSIFY_CA_FILE"),
         "the certificate file": args.cert_file or file_variable("CLASSIFY_CERT_FILE"),
@@ -639,7 +641,6 @@ def open_client(args: argparse.Namespace) -> ClassifyClient:
     }
     ca_file, cert_file, key_file = files.values()
     key = api_key(args.api_key, args.target)
-    watch = LostServerWatch(args.timeout) if args.file is not None else None
     try:
         client = ClassifyClient(
             args.target,
@@ -686,9 +687,11 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             require_utf8(value, what)
-    with open_client(args) as client:
+    watch = LostServerWatch(args.timeout) if texts is not None else None
+    with open_client(args, watch) as client:
         if texts is not None:
-            return classify_file(client, texts, args)
+            assert watch is not None
+            return classify_file(client, texts, args, watch)
         response = classify_one(client, args)
     if args.json:
         print(json.dumps(json_format.MessageToDict(response), indent=2, ensure_ascii=False))

@@ -200,7 +200,9 @@ def grown(initial: float, multiplier: float, steps: int, ceiling: float) -> floa
     1.5 ** n past 1,751 rounds, half an hour of polls at its 1 s), and the
     OverflowError ended the call; with `multiplier` >= 1 an overflow is past any ceiling."""
     try:
-        return min(initial * multiplier**steps, ceiling)
+        # Floats: an int multiplier's exact power grew dearer every poll (3 ** 3e6 took
+        # 0.4 s) instead of overflowing.
+        return min(float(initial) * float(multiplier) ** steps, ceiling)
     except OverflowError:
         return ceiling
 
