@@ -243,13 +243,12 @@ def test_make_run_key_has_no_rate_limit_and_its_file_shows_how_to_set_one(
     assert caller.tenant == "local"
     assert keys.tenant_limits == {}
 
-    # The commented example, uncommented, is a limit the orchestrator accepts.
-    example = [
-        line.removeprefix("#   ")
-        for line in keys_file.read_text().splitlines()
-        if line.startswith("#   ")
-    ]
-    keys_file.write_text(keys_file.read_text() + "\n".join(example) + "\n")
+    # The commented example, uncommented where it stands (as the file says), is a limit
+    # the orchestrator accepts.
+    lines = keys_file.read_text().splitlines()
+    start = lines.index("# tenants:")
+    lines[start : start + 2] = [line.removeprefix("# ") for line in lines[start : start + 2]]
+    keys_file.write_text("\n".join(lines) + "\n")
     limit = load_api_keys(keys_file).tenant_limits["local"]
     assert (limit.rate_per_second, limit.burst) == (200, 400)
 
