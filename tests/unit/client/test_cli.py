@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -758,22 +759,44 @@ async def test_the_timeout_of_a_file_is_each_batch_calls_so_a_long_file_is_not_c
     assert [line.split()[0] for line in out.splitlines()] == ["sports"] * 2049
 
 
-class GoneAfterOneBatch(SlowBatches):
-    """Answers the first ClassifyBatch, then stops its server under the second."""
+class StoppingBatches(SlowBatches):
+    """SlowBatches (answered at once) that may stop their own server from a handler."""
 
     def __init__(self) -> None:
         super().__init__([0])
         self.server: grpc.aio.Server | None = None
         self.stopping: asyncio.Task[None] | None = None
 
+    def stop_server(self, grace: float) -> None:
+        # From a task of its own: awaited in a handler, the stop waits on that handler,
+        # which it cancels, and the port may stay open.
+        assert self.server is not None
+        self.stopping = asyncio.create_task(self.server.stop(grace=grace))
+
+
+@contextlib.asynccontextmanager
+async def serving(servicer: StoppingBatches) -> AsyncIterator[str]:
+    """`servicer` on a loopback port, which it may stop itself; its address."""
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.server = server
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=0)
+
+
+class GoneAfterOneBatch(StoppingBatches):
+    """Answers the first ClassifyBatch, then stops its server under the second."""
+
     async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
         self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClassifyBatchResponse:
-        if self.calls == 1 and self.server is not None:
+        if self.calls == 1:
             self.calls += 1
-            # Stopped from a task of its own: awaited here, the stop waits on this
-            # handler, which it cancels, and the port may stay open.
-            self.stopping = asyncio.create_task(self.server.stop(grace=0))
+            self.stop_server(grace=0)
             await asyncio.sleep(60)
         return await super().ClassifyBatch(request, context)
 
@@ -786,20 +809,12 @@ async def test_a_file_whose_server_goes_mid_run_gives_up_within_the_timeout(
     --timeout."""
     lines = tmp_path / "lines.txt"
     lines.write_text(f"{SHORT}\n" * 10 * 1024)
-    servicer = GoneAfterOneBatch()
-    server = grpc.aio.server()
-    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    servicer.server = server
-    await server.start()
-    try:
+    async with serving(GoneAfterOneBatch()) as address:
         started = time.monotonic()
         status = await asyncio.to_thread(
-            main, ["--target", f"127.0.0.1:{port}", "--timeout", "1", "--file", str(lines)]
+            main, ["--target", address, "--timeout", "1", "--file", str(lines)]
         )
         took = time.monotonic() - started
-    finally:
-        await server.stop(grace=0)
     out, err = capsys.readouterr()
     assert status == 1
     output = out.splitlines()
@@ -807,19 +822,14 @@ async def test_a_file_whose_server_goes_mid_run_gives_up_within_the_timeout(
     assert output[1024].startswith("error       UNAVAILABLE: ")
     assert took < 6, took  # about --timeout after the loss, not the run's 10 s
     assert err == (
-        f"hint: the server at 127.0.0.1:{port} stopped answering during the run and did "
+        f"hint: the server at {address} stopped answering during the run and did "
         "not come back within --timeout (1 s); the texts not answered are errors\n"
     )
 
 
-class GoneBeforeTheResend(SlowBatches):
+class GoneBeforeTheResend(StoppingBatches):
     """Answers the first ClassifyBatch but its second item, refused RATE_LIMITED with a
     RetryInfo of 0.2 s, and stops its server before the resend comes."""
-
-    def __init__(self) -> None:
-        super().__init__([0])
-        self.server: grpc.aio.Server | None = None
-        self.stopping: asyncio.Task[None] | None = None
 
     async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
         self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -836,8 +846,7 @@ class GoneBeforeTheResend(SlowBatches):
             details=[info, retry],
         )
         answer.results[1].CopyFrom(pb.ClassifyBatchResult(error=refused))
-        assert self.server is not None
-        self.stopping = asyncio.create_task(self.server.stop(grace=0.05))
+        self.stop_server(grace=0.05)
         return answer
 
 
@@ -849,23 +858,15 @@ async def test_answers_a_call_had_are_kept_when_its_server_goes_before_a_resend(
     of the call was printed as an error, its answers lost."""
     lines = tmp_path / "lines.txt"
     lines.write_text("a\nb\nc\n")
-    servicer = GoneBeforeTheResend()
-    server = grpc.aio.server()
-    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    servicer.server = server
-    await server.start()
-    try:
+    async with serving(GoneBeforeTheResend()) as address:
         status = await asyncio.to_thread(
-            main, ["--target", f"127.0.0.1:{port}", "--timeout", "2", "--file", str(lines)]
+            main, ["--target", address, "--timeout", "2", "--file", str(lines)]
         )
-    finally:
-        await server.stop(grace=0)
     out, err = capsys.readouterr()
     assert status == 1
     assert [line.split()[0] for line in out.splitlines()] == ["sports", "error", "sports"]
     assert out.splitlines()[1].startswith("error       UNAVAILABLE: ")
-    assert err.startswith(f"hint: the server at 127.0.0.1:{port} stopped answering")
+    assert err.startswith(f"hint: the server at {address} stopped answering")
 
 
 async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
