@@ -17,8 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -757,116 +755,6 @@ async def test_the_timeout_of_a_file_is_each_batch_calls_so_a_long_file_is_not_c
     out, err = capsys.readouterr()
     assert (status, err) == (0, "")
     assert [line.split()[0] for line in out.splitlines()] == ["sports"] * 2049
-
-
-class StoppingBatches(SlowBatches):
-    """SlowBatches (answered at once) that may stop their own server from a handler."""
-
-    def __init__(self) -> None:
-        super().__init__([0])
-        self.server: grpc.aio.Server | None = None
-        self.stopping: asyncio.Task[None] | None = None
-
-    def stop_server(self, grace: float) -> None:
-        # From a task of its own: awaited in a handler, the stop waits on that handler,
-        # which it cancels, and the port may stay open.
-        assert self.server is not None
-        self.stopping = asyncio.create_task(self.server.stop(grace=grace))
-
-
-@contextlib.asynccontextmanager
-async def serving(servicer: StoppingBatches) -> AsyncIterator[str]:
-    """`servicer` on a loopback port, which it may stop itself; its address."""
-    server = grpc.aio.server()
-    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    servicer.server = server
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(grace=0)
-
-
-class GoneAfterOneBatch(StoppingBatches):
-    """Answers the first ClassifyBatch, then stops its server under the second."""
-
-    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
-        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ClassifyBatchResponse:
-        if self.calls == 1:
-            self.calls += 1
-            self.stop_server(grace=0)
-            await asyncio.sleep(60)
-        return await super().ClassifyBatch(request, context)
-
-
-async def test_a_file_whose_server_goes_mid_run_gives_up_within_the_timeout(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """Ten calls under `--timeout 1`: the server gone at the second, the client's retry
-    waited for it to come back until the run's deadline (10 s), then advised raising
-    --timeout."""
-    lines = tmp_path / "lines.txt"
-    lines.write_text(f"{SHORT}\n" * 10 * 1024)
-    async with serving(GoneAfterOneBatch()) as address:
-        started = time.monotonic()
-        status = await asyncio.to_thread(
-            main, ["--target", address, "--timeout", "1", "--file", str(lines)]
-        )
-        took = time.monotonic() - started
-    out, err = capsys.readouterr()
-    assert status == 1
-    output = out.splitlines()
-    assert [line.split()[0] for line in output] == ["sports"] * 1024 + ["error"] * 9 * 1024
-    assert output[1024].startswith("error       UNAVAILABLE: ")
-    assert took < 6, took  # about --timeout after the loss, not the run's 10 s
-    assert err == (
-        f"hint: the server at {address} stopped answering during the run and did "
-        "not come back within --timeout (1 s); the texts not answered are errors\n"
-    )
-
-
-class GoneBeforeTheResend(StoppingBatches):
-    """Answers the first ClassifyBatch but its second item, refused RATE_LIMITED with a
-    RetryInfo of 0.2 s, and stops its server before the resend comes."""
-
-    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
-        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ClassifyBatchResponse:
-        answer = await super().ClassifyBatch(request, context)
-        info, retry = any_pb2.Any(), any_pb2.Any()
-        info.Pack(error_details_pb2.ErrorInfo(reason="RATE_LIMITED", domain="test"))
-        delay = error_details_pb2.RetryInfo()
-        delay.retry_delay.FromMilliseconds(200)
-        retry.Pack(delay)
-        refused = status_pb2.Status(
-            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-            message="slow down",
-            details=[info, retry],
-        )
-        answer.results[1].CopyFrom(pb.ClassifyBatchResult(error=refused))
-        self.stop_server(grace=0.05)
-        return answer
-
-
-async def test_answers_a_call_had_are_kept_when_its_server_goes_before_a_resend(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """The lost-server watch ended the call with an exception of its own, past the
-    client's handling of a failed call, which keeps the items answered: every line
-    of the call was printed as an error, its answers lost."""
-    lines = tmp_path / "lines.txt"
-    lines.write_text("a\nb\nc\n")
-    async with serving(GoneBeforeTheResend()) as address:
-        status = await asyncio.to_thread(
-            main, ["--target", address, "--timeout", "2", "--file", str(lines)]
-        )
-    out, err = capsys.readouterr()
-    assert status == 1
-    assert [line.split()[0] for line in out.splitlines()] == ["sports", "error", "sports"]
-    assert out.splitlines()[1].startswith("error       UNAVAILABLE: ")
-    assert err.startswith(f"hint: the server at {address} stopped answering")
 
 
 async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(

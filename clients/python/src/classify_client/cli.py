@@ -55,7 +55,6 @@ from classify_client import (
     BatchItem,
     ClassifyClient,
     ClassifyError,
-    RetryEvent,
     StillProcessing,
     Unauthenticated,
     pb,
@@ -505,43 +504,7 @@ def split_lines(source: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-class LostServerWatch:
-    """A `--file` client's `on_retry`: after a call failed for want of a server, wait
-    up to --timeout (within the run's `deadline`) for it to come back, else give up:
-    `lost` is then that failure, raised as the call's error. Left to the client, the
-    retry waited for the server until the run's deadline, --timeout times the run's
-    calls: a server gone during a 6,000-line file held it a minute.
-
-    Raised as the call's error (a ClassifyError), it ends the ClassifyBatch call as a
-    failure of the call would: the items it had answered keep their answers."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.client: ClassifyClient | None = None
-        self.deadline: float | None = None  # time.monotonic() at the run's end
-        self.lost: ClassifyError | None = None
-
-    def __call__(self, event: RetryEvent) -> None:
-        if self.client is None or not is_connection_failure(event.error):
-            return
-        wait = self.timeout
-        if self.deadline is not None:
-            wait = min(wait, self.deadline - time.monotonic())
-        if wait <= 0 or not self.client.wait_for_connection(wait):
-            self.lost = event.error
-            raise event.error
-
-
-def lost_server_hint(target: str, timeout: float) -> str:
-    return (
-        f"hint: the server at {target} stopped answering during the run and did not "
-        f"come back within --timeout ({timeout:g} s); the texts not answered are errors"
-    )
-
-
-def classify_file(
-    client: ClassifyClient, texts: list[str], args: argparse.Namespace, watch: LostServerWatch
-) -> int:
+def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Namespace) -> int:
     """Send the texts with ClassifyBatch, a call at a time; print one line (or JSON
     object) per text as each call is answered. Printed at the end of the whole run, a
     100 MB file held every request and answer at once (1.08 GB) and `| head -1` read
@@ -562,7 +525,6 @@ def classify_file(
             "balancer, TLS)"
         )
     deadline = time.monotonic() + min(args.timeout * len(chunks), MAX_TIMEOUT_SECONDS)
-    watch.deadline = deadline
     # One name for every call of the run, as one classify_batch gives its calls.
     request_id = checked_batch_request_id(args.request_id) or new_request_id()
     failed = late = 0
@@ -595,12 +557,6 @@ def classify_file(
                 else item
                 for position, (item, index) in enumerate(zip(items, chunk, strict=True))
             ]
-            if watch.lost is not None:
-                # The server went after answering some of this call's items: the
-                # lines after the call were never sent.
-                never_sent = texts[chunk[-1] + 1 :]
-                chunk_texts += never_sent
-                items += [BatchItem(error=watch.lost)] * len(never_sent)
         for item, text in zip(items, chunk_texts, strict=True):
             if args.json:
                 print(json.dumps(item_json(item), ensure_ascii=False))
@@ -610,9 +566,7 @@ def classify_file(
         late += sum(failed_past_the_deadline(item.error) for item in items)
         if len(chunk_texts) > len(chunk):
             break  # this call's error was also that of the texts after it
-    if watch.lost is not None:
-        print(lost_server_hint(args.target, args.timeout), file=sys.stderr)
-    elif late:
+    if late:
         texts_failed = f"{late} text{'s' if late != 1 else ''}"
         print(deadline_hint(texts_failed, args.timeout), file=sys.stderr)
     return 0 if not failed else EXIT_FAILED
@@ -632,8 +586,7 @@ def classify_one(client: ClassifyClient, args: argparse.Namespace) -> pb.Classif
     )
 
 
-def open_client(args: argparse.Namespace, watch: LostServerWatch | None = None) -> ClassifyClient:
-    """The client the flags describe; `watch`, its on_retry, is given the client."""
+def open_client(args: argparse.Namespace) -> ClassifyClient:
     files = {
         "the CA file": args.ca_file or file_variable("CLASSIFY_CA_FILE"),
         "the certificate file": args.cert_file or file_variable("CLASSIFY_CERT_FILE"),
@@ -642,7 +595,7 @@ def open_client(args: argparse.Namespace, watch: LostServerWatch | None = None) 
     ca_file, cert_file, key_file = files.values()
     key = api_key(args.api_key, args.target)
     try:
-        client = ClassifyClient(
+        return ClassifyClient(
             args.target,
             api_key=key,
             tls=args.tls,
@@ -650,16 +603,12 @@ def open_client(args: argparse.Namespace, watch: LostServerWatch | None = None) 
             cert_file=cert_file,
             key_file=key_file,
             timeout=args.timeout,
-            on_retry=watch,
         )
     except OSError as error:
         what = next((name for name, path in files.items() if path == error.filename), "a file")
         raise UnusableInput(f"cannot read {what} {error.filename}: {error.strerror}") from error
     except ValueError as error:  # a key no header can carry, half a client certificate
         raise UnusableInput(str(error)) from error
-    if watch is not None:
-        watch.client = client
-    return client
 
 
 def require_utf8(value: str, what: str) -> None:
@@ -687,11 +636,9 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             require_utf8(value, what)
-    watch = LostServerWatch(args.timeout) if texts is not None else None
-    with open_client(args, watch) as client:
+    with open_client(args) as client:
         if texts is not None:
-            assert watch is not None
-            return classify_file(client, texts, args, watch)
+            return classify_file(client, texts, args)
         response = classify_one(client, args)
     if args.json:
         print(json.dumps(json_format.MessageToDict(response), indent=2, ensure_ascii=False))
