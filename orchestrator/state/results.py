@@ -36,7 +36,7 @@ When Redis does not answer:
   result_finish;
 - get: StateUnavailable (UNAVAILABLE), and the client polls again later; a poll
   whose deadline comes before --state-timeout-ms waits for Redis until 30 ms
-  before it (connection.DEADLINE_MARGIN_SECONDS), and is answered that in time;
+  before it (connection.DEADLINE_MARGIN_SECONDS), and is answered in time;
 - the lease: not renewed, and tried again every PROCESS_LEASE_RETRY_SECONDS.
   After an outage longer than the lease, a poll in the moments (up to that
   retry) before a process's lease is back may answer ServerDraining for work
