@@ -473,7 +473,7 @@ async def test_a_poll_whose_deadline_precedes_the_state_timeout_is_answered_in_t
         "ok": 1,
         "error": 0,
         "timeout": 0,
-        "deadline": 1,  # 370 ms of 1 s: the deadline's, not Redis's
+        "deadline": 1,  # 200 ms of 1 s: the deadline's, not Redis's
         "skipped": 0,
     }
 
