@@ -37,6 +37,7 @@ from classify_common.intake import (
     NO_REFUSALS,
     BatchIntake,
     bind_batch_intake,
+    current_batch_intake,
 )
 from classify_common.nodes import (
     AUTH_VALIDATE,
@@ -51,7 +52,7 @@ from classify_common.nodes import (
     RATE_LIMIT_CHECK,
     node,
 )
-from classify_common.validation import validate_batch, validate_request
+from classify_common.validation import validate_batch, validate_request, with_item_refusals
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,10 @@ def _validate_batch(request: Any, span: trace.Span) -> BatchIntake:
     """Check a batch: its broken items are bound as its intake (and returned); a batch
     that breaks the batch rules raises InvalidRequest."""
     try:
-        intake = BatchIntake(validate_batch(request))
+        # Items whose strings were not UTF-8 were refused as the call arrived
+        # (classify_common.interceptor).
+        unreadable = current_batch_intake().refused
+        intake = BatchIntake(with_item_refusals(validate_batch(request), unreadable))
     except InvalidRequest as error:
         _record_violations(span, error.violations)
         raise

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -56,7 +57,13 @@ from classify_common.errors import (
     internal_error,
     status_for,
 )
-from classify_common.intake import BATCH_METHODS, CLASSIFYING_METHODS
+from classify_common.intake import (
+    BATCH_METHODS,
+    CLASSIFYING_METHODS,
+    MAX_BATCH_ITEMS,
+    BatchIntake,
+    bind_batch_intake,
+)
 from classify_common.logs import log_event
 from classify_common.metrics import RequestOutcomes, RpcMetrics
 from classify_common.nodes import (
@@ -88,6 +95,8 @@ from classify_common.tracing import (
     get_tracer,
     start_server_span,
 )
+from classify_common.utf8 import read_with_bad_strings
+from classify_common.validation import items_of
 
 CONTRACT_METHOD_PREFIX = "/ai.classify.v1."
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -469,21 +478,38 @@ def _receive(
                 span.set_attribute(CLASSIFY_OUTCOME, OUTCOME_NOT_READ)
                 request = parse(b"")
         except DecodeError:
-            # NOTE: not the decoder's text, which names protobuf's internals.
-            message = (
-                f"not a protobuf request message of {method.lstrip('/')}, "
-                "or a string field in it is not valid UTF-8"
-            )
-            refused = InvalidRequest([FieldViolation("", "wire_format", message)])
-            # Marked as the refusal it is; _Undecodable, raised in here, marked the node
-            # as a bug (error status), whose trace is kept whatever the sampling.
-            mark_error(span, refused)
-        else:
+            request, refused = _read_with_bad_strings(method, raw)
+            if refused is not None:
+                # Marked as the refusal it is; _Undecodable, raised in here, marked the
+                # node as a bug (error status), whose trace is kept whatever the sampling.
+                mark_error(span, refused)
+        if refused is None:
             if admission.on_receive is not None:
                 admission.on_receive(headers, request, span)
             return request
     assert refused is not None
     raise _Undecodable(refused)
+
+
+def _read_with_bad_strings(method: str, raw: bytes) -> tuple[Any, InvalidRequest | None]:
+    """A request that did not decode: the request with its broken items refused on
+    their own (bound as the batch's intake), when only strings that are not UTF-8 broke
+    it and each is in an item of a batch; else the refusal of the whole call, naming
+    the strings when those broke it."""
+    service, _, name = method.lstrip("/").rpartition("/")
+    request_type = descriptor_pool.Default().FindServiceByName(service).FindMethodByName(name)
+    request_class = message_factory.GetMessageClass(request_type.input_type)
+    read = read_with_bad_strings(request_class, raw, most_elements=MAX_BATCH_ITEMS)
+    if read is None:
+        # NOTE: not the decoder's text, which names protobuf's internals.
+        message = f"not a protobuf request message of {method.lstrip('/')}"
+        return None, InvalidRequest([FieldViolation("", "wire_format", message)])
+    request, bad = read
+    by_item = items_of([string.violation() for string in bad]) if method in BATCH_METHODS else None
+    if by_item is None:
+        return None, InvalidRequest([string.violation() for string in bad])
+    bind_batch_intake(BatchIntake(by_item))
+    return request, None
 
 
 def _timed_serializer(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

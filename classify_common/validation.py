@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import protovalidate
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
-from classify_common.errors import FieldViolation, InvalidRequest
+from classify_common.errors import FieldViolation, InvalidRequest, ServiceError
 from classify_common.intake import MAX_BATCH_ITEMS, MAX_BATCH_TOTAL_CHARS
 
 # A Validator caches compiled rules per message type; one per process.
@@ -103,17 +103,49 @@ def validate_batch(message: Message) -> dict[int, InvalidRequest]:
     oversized = _oversized_batch(message)
     if oversized:
         raise InvalidRequest(oversized)
+    by_item, whole = _split_by_item(_collect(message))
+    if whole:
+        raise InvalidRequest(whole)
+    return by_item
+
+
+def items_of(violations: Sequence[FieldViolation]) -> dict[int, InvalidRequest] | None:
+    """A batch's `violations` as the refusals of the items they belong to, by index;
+    None when one belongs to no item (the batch itself is broken)."""
+    by_item, whole = _split_by_item(violations)
+    return None if whole else by_item
+
+
+def with_item_refusals(
+    validated: Mapping[int, InvalidRequest], earlier: Mapping[int, ServiceError]
+) -> dict[int, ServiceError]:
+    """The items `validate_batch` refused, with those refused before it (`earlier`:
+    strings that were not UTF-8, classify_common.utf8) refused for that too. A rule
+    broken by such a string's stand-in (its U+FFFD) is left out: the caller did not
+    send that text."""
+    merged: dict[int, ServiceError] = dict(validated)
+    for index, error in earlier.items():
+        first = error.violations if isinstance(error, InvalidRequest) else ()
+        named = {violation.field for violation in first}
+        later = validated[index].violations if index in validated else ()
+        others = [violation for violation in later if violation.field not in named]
+        merged[index] = InvalidRequest([*first, *others]) if first else error
+    return merged
+
+
+def _split_by_item(
+    violations: Sequence[FieldViolation],
+) -> tuple[dict[int, InvalidRequest], list[FieldViolation]]:
+    """`violations` by the item they belong to, and those of the batch as a whole."""
     by_item: defaultdict[int, list[FieldViolation]] = defaultdict(list)
     whole: list[FieldViolation] = []
-    for violation in _collect(message):
+    for violation in violations:
         match = _ITEM_PATH.match(violation.field)
         if match is None:
             whole.append(violation)
         else:
             by_item[int(match.group(1))].append(violation)
-    if whole:
-        raise InvalidRequest(whole)
-    return {index: InvalidRequest(violations) for index, violations in by_item.items()}
+    return {index: InvalidRequest(found) for index, found in by_item.items()}, whole
 
 
 def _oversized_batch(message: Message) -> list[FieldViolation]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry
 
@@ -107,6 +108,74 @@ async def test_one_invalid_item_is_refused_with_its_field_and_the_others_are_ans
     assert info.reason == "INVALID_REQUEST"
     assert info.metadata["x-request-id"] == "item-1"
     assert info.metadata["x-trace-id"] == first.response.trace_id
+
+
+def with_bytes(message: pb.ClassifyBatchRequest, *swaps: tuple[bytes, bytes]) -> bytes:
+    """`message` on the wire with each marker (`swaps`: marker, bytes of the same length)
+    replaced: strings that are not UTF-8, as a C++ client, which checks only in debug
+    builds, sends them (Python's protobuf refuses to encode them)."""
+    raw = message.SerializeToString()
+    for marker, replacement in swaps:
+        assert raw.count(marker) == 1
+        assert len(replacement) == len(marker)
+        raw = raw.replace(marker, replacement)
+    return raw
+
+
+async def classify_batch_raw(port: int, raw: bytes) -> pb.ClassifyBatchResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/ai.classify.v1.ClassifyService/ClassifyBatch"
+        )
+        return pb.ClassifyBatchResponse.FromString(await call(raw, timeout=30))
+
+
+@pytest.mark.parametrize("server", ["orchestrator", "capability"])
+async def test_an_item_whose_strings_are_not_utf8_is_refused_alone_naming_them(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """protobuf refuses a whole message for one string that is not UTF-8, without
+    saying which: an item read from a Latin-1 file failed the other items of its
+    batch, as `wire_format` with no field."""
+    port = request.getfixturevalue(server).port
+    message = pb.ClassifyBatchRequest(
+        items=[
+            pb.ClassifyRequest(text=STRIKER, request_id="item-0"),
+            pb.ClassifyRequest(text="Caf# prices rose again", request_id="item-1"),
+            pb.ClassifyRequest(text=SHARES, request_id="item#2"),
+        ]
+    )
+    raw = with_bytes(message, (b"Caf#", b"Caf\xe9"), (b"item#2", b"item\xff2"))
+    with pytest.raises(DecodeError):  # what a server's plain decoding makes of it
+        pb.ClassifyBatchRequest.FromString(raw)
+
+    first, bad_text, bad_id = (await classify_batch_raw(port, raw)).results
+    assert first.response.request_id == "item-0"
+    assert first.response.labels[0].name == "sports"
+    for bad in (bad_text, bad_id):
+        assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert item_error_info(bad.error).metadata["x-trace-id"] == first.response.trace_id
+    assert item_violations(bad_text.error) == [("items[1].text", "utf8")]
+    assert "byte 0xe9 at offset 3" in str(bad_text.error.details)
+    assert item_error_info(bad_text.error).metadata["x-request-id"] == "item-1"
+    # Only the UTF-8 rule: not the ID pattern its stand-in (U+FFFD) breaks; the item is
+    # answered under a fresh ID, as one whose request_id breaks the pattern.
+    assert item_violations(bad_id.error) == [("items[2].request_id", "utf8")]
+    assert is_valid_request_id(item_error_info(bad_id.error).metadata["x-request-id"])
+
+
+async def test_an_item_context_that_is_not_utf8_refuses_its_item(
+    capability: CapabilityServer,
+) -> None:
+    message = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER)],
+        item_contexts=[pb.ItemContext(cache_scope="tenant#")],
+    )
+    # An item's context belongs to its item, as violations of its rules do.
+    (answer,) = (
+        await classify_batch_raw(capability.port, with_bytes(message, (b"#", b"\x80")))
+    ).results
+    assert item_violations(answer.error) == [("item_contexts[0].cache_scope", "utf8")]
 
 
 async def test_batch_answers_equal_single_answers(orchestrator: OrchestratorServer) -> None:
