@@ -21,9 +21,10 @@ Handlers therefore only convert messages and call the domain layer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
@@ -51,6 +52,7 @@ from classify_common.errors import (
     FieldViolation,
     InternalError,
     InvalidRequest,
+    MethodNotServed,
     ServerDraining,
     ServiceError,
     grpc_code_for,
@@ -106,6 +108,12 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 READ_UNIDENTIFIED_BYTES = 64 * 1024
 # The receive node's `classify.outcome` for a request left unread.
 OUTCOME_NOT_READ = "not_read"
+# The method (span name, `rpc.method`, metrics label) of a call to a method this
+# server does not have, as OpenTelemetry's conventions name a method outside the
+# known set; the log line names the method asked for, up to this many characters.
+UNKNOWN_METHOD = "_OTHER"
+MAX_METHOD_NAME_SHOWN = 200
+_UNKNOWN_METHOD_ATTRIBUTES = {RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC, RPC_METHOD: UNKNOWN_METHOD}
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +214,12 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
         if wrapped is not None:
             return wrapped
         handler = await continuation(handler_call_details)
+        if handler is None:
+            return grpc.stream_stream_rpc_method_handler(
+                functools.partial(self._refuse_unknown_method, method)
+            )
         if (
-            handler is None
-            or handler.unary_unary is None
+            handler.unary_unary is None
             or handler.request_deserializer is None
             or handler.response_serializer is None
             or not method.startswith(CONTRACT_METHOD_PREFIX)
@@ -329,6 +340,43 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             return payload
 
         return run_lifecycle
+
+    async def _refuse_unknown_method(
+        self,
+        method: str,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """UNIMPLEMENTED for a method no service on this server has, as gRPC would
+        answer, but with the call's request and trace IDs and its access-log line
+        (gRPC's own answer had neither: a client built from a newer contract, or
+        pointed at the wrong address, had nothing to quote). A stream handler answers
+        any kind of call, and reads none of its messages."""
+        started = time.perf_counter()
+        metadata = tuple(context.invocation_metadata() or ())
+        span = start_server_span(UNKNOWN_METHOD, metadata, _UNKNOWN_METHOD_ATTRIBUTES)
+        request_trace = RequestTrace(span, self._metrics.observe_node, observes_own_nodes=False)
+        ids = bind_ids(metadata, format_trace_id(span))
+        shown = (
+            method if len(method) <= MAX_METHOD_NAME_SHOWN else f"{method[:MAX_METHOD_NAME_SHOWN]}…"
+        )
+        refused = MethodNotServed(
+            f"this server has no method {shown!r}: see the services its reflection lists"
+        )
+        code = grpc_code_for(refused)
+        try:
+            await self._abort(context, span, refused, ids, request_trace)
+        except _DeadlinePassed:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            raise
+        finally:
+            # Under one name: the caller chooses the method's, which as a label would
+            # let anyone grow the metrics' series without bound.
+            elapsed = time.perf_counter() - started
+            self._metrics.observe(UNKNOWN_METHOD, code.name, elapsed)
+            request_trace.log_fields["requested_method"] = shown
+            self._log_request(UNKNOWN_METHOD, code, elapsed, None, request_trace)
+            self._end_when_done(context, span, code, request_trace, times_send=False)
 
     async def _answer_bug(
         self,

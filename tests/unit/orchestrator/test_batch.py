@@ -130,14 +130,20 @@ async def classify_batch_raw(port: int, raw: bytes) -> pb.ClassifyBatchResponse:
         return pb.ClassifyBatchResponse.FromString(await call(raw, timeout=30))
 
 
-@pytest.mark.parametrize("server", ["orchestrator", "capability"])
+@pytest.fixture(params=["orchestrator", "capability"])
+def either_server(
+    request: pytest.FixtureRequest, orchestrator: OrchestratorServer, capability: CapabilityServer
+) -> OrchestratorServer | CapabilityServer:
+    return orchestrator if request.param == "orchestrator" else capability
+
+
 async def test_an_item_whose_strings_are_not_utf8_is_refused_alone_naming_them(
-    server: str, request: pytest.FixtureRequest
+    either_server: OrchestratorServer | CapabilityServer,
 ) -> None:
     """protobuf refuses a whole message for one string that is not UTF-8, without
     saying which: an item read from a Latin-1 file failed the other items of its
     batch, as `wire_format` with no field."""
-    port = request.getfixturevalue(server).port
+    port = either_server.port
     message = pb.ClassifyBatchRequest(
         items=[
             pb.ClassifyRequest(text=STRIKER, request_id="item-0"),
