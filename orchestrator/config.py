@@ -50,6 +50,7 @@ DEFAULT_BACKLOG = BacklogSettings()
 MAX_CONCURRENCY_LIMIT = 100_000
 DEFAULT_STATE_TIMEOUT_MS = 100
 DEFAULT_STATE_RETRY_SECONDS = 1.0
+DEFAULT_STATE_LEASE_SECONDS = 10.0
 DEFAULT_PROCESSES = 1
 MAX_PROCESSES = 256
 STATE_URL_SCHEMES = ("redis://", "rediss://")
@@ -193,6 +194,18 @@ class OrchestratorSettings(ServerSettings):
         float,
         low=0.01,
         high=60,
+        unit="s",
+    )
+    # A process's lease on the PROCESSING results it holds in Redis, renewed every
+    # quarter of it: after the process dies, polls of them answer "send again" once
+    # it lapses (orchestrator.state.results). Shorter hands over sooner; longer rides
+    # out longer stalls of a process's event loop or of Redis.
+    state_lease_seconds: float = setting(
+        DEFAULT_STATE_LEASE_SECONDS,
+        "lease on this process's PROCESSING results: polls say 'call again' this long after death",
+        float,
+        low=1,
+        high=300,
         unit="s",
     )
     # Worker processes on one port (SO_REUSEPORT) under a supervisor; more than 1

@@ -104,5 +104,6 @@ def open_shared_state(
         settings.results_capacity,
         settings.results_ttl_seconds,
         retry_max_seconds=settings.state_retry_seconds,
+        lease_seconds=settings.state_lease_seconds,
     )
     return SharedState(results, limits, redis)

@@ -13,9 +13,9 @@ local store keeps it.
 A process that dies holding results (SIGKILL, the OOM killer) leaves them
 PROCESSING with nothing running behind them; no outcome will ever be written.
 So a held result also names the process holding it, and each process keeps a
-lease in Redis that it renews every PROCESS_LEASE_RENEW_SECONDS while it runs
+lease in Redis that it renews every quarter of --state-lease-seconds while it runs
 (the hold itself starts it): a poll that finds a result still pending whose
-process's lease has lapsed (PROCESS_LEASE_SECONDS without a renewal) answers
+process's lease has lapsed (--state-lease-seconds without a renewal) answers
 ServerDraining with the result's trace ID, as the entry a graceful stop writes
 does: send the call again. Leases are in Redis's clock (TIME in the scripts),
 so the orchestrators' clocks need not agree. A renewed lease, not a deadline
@@ -124,12 +124,11 @@ def backoff_ceiling(failed_tries: int, longest: float) -> float:
     return min(doubled, longest)
 
 
-# A process's lease on the results it holds (s): renewed every PROCESS_LEASE_RENEW_SECONDS,
-# so three renewals in a row may fail (a Redis blip, a stalled event loop) before polls
-# give up on its results. A dead process's results answer "send again" at most this long
-# after it died.
-PROCESS_LEASE_SECONDS = 10.0
-PROCESS_LEASE_RENEW_SECONDS = 2.5
+# A process's lease on the results it holds is renewed every quarter of it
+# (--state-lease-seconds, 10 s by default), so three renewals in a row may fail (a Redis
+# blip, a stalled event loop) before polls give up on its results. A dead process's
+# results answer "send again" at most the lease after it died.
+PROCESS_LEASE_RENEWALS = 4
 # After a renewal failed, the next try comes this soon.
 PROCESS_LEASE_RETRY_SECONDS = 0.25
 
@@ -303,10 +302,12 @@ class RedisResultStore:
         ttl_seconds: float,
         *,
         retry_max_seconds: float = 1.0,
+        lease_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`retry_max_seconds`: the longest backoff between tries to store an outcome
-        again (--state-retry-seconds)."""
+        again (--state-retry-seconds); `lease_seconds`: this process's lease on the
+        results it holds (--state-lease-seconds)."""
         if capacity < 1 or ttl_seconds <= 0:
             raise ValueError("the result store needs a capacity of 1 or more and a positive TTL")
         self._state = state
@@ -322,7 +323,8 @@ class RedisResultStore:
         self._renew_lease_script = state.register_script(_RENEW_LEASE)
         self._get_script = state.register_script(_GET)
         self.process_id = process_id()
-        self._lease_ms = int(PROCESS_LEASE_SECONDS * 1000)
+        self._lease_ms = int(lease_seconds * 1000)
+        self._lease_renew_seconds = lease_seconds / PROCESS_LEASE_RENEWALS
         self._renewing_lease: asyncio.Task[None] | None = None
         self._closed = False
         # By `<tenant>/<request id>`, oldest first; a later outcome of the same name
@@ -363,7 +365,7 @@ class RedisResultStore:
     async def _renew_lease_until_closed(self) -> None:
         keys = [PROCESS_LEASE_PREFIX + self.process_id]
         args = [self._lease_ms, self._ttl_ms]
-        wait = PROCESS_LEASE_RENEW_SECONDS
+        wait = self._lease_renew_seconds
         while not self._closed:  # not only until cancelled (RedisState._raise_if_cancelled)
             await asyncio.sleep(wait)
             # Sent even while Redis rests after a failure, as the probe is, and tried
@@ -382,7 +384,7 @@ class RedisResultStore:
                 log.exception("renewing the results lease failed unexpectedly")
                 wait = PROCESS_LEASE_RETRY_SECONDS
             else:
-                wait = PROCESS_LEASE_RENEW_SECONDS
+                wait = self._lease_renew_seconds
 
     async def finish(
         self,
@@ -518,7 +520,7 @@ class RedisResultStore:
                 extra={"request_ids": [outcome.request_id for outcome in self._unstored.values()]},
             )
         if leased:
-            # Ended now, not PROCESS_LEASE_SECONDS later: any result still pending here
+            # Ended now, not the lease later: any result still pending here
             # has nothing running behind it any more.
             lease = PROCESS_LEASE_PREFIX + self.process_id
             with contextlib.suppress(StateUnavailable):

@@ -218,6 +218,11 @@ async def test_a_result_whose_orchestrator_stopped_is_not_left_processing(
     assert error_info(polled).metadata["result_trace_id"] == answer.trace_id
 
 
+# The lease of the process killed below (--state-lease-seconds): long enough for the
+# poll right after the kill to come within it on a busy machine.
+KILLED_LEASE_SECONDS = 2
+
+
 async def test_a_result_whose_orchestrator_process_was_killed_is_not_left_processing(
     capability: CapabilityServer,
     start_shared: StartShared,
@@ -234,6 +239,7 @@ async def test_a_result_whose_orchestrator_process_was_killed_is_not_left_proces
         *("--port", "0", "--metrics-port", "0", "--routes-file", str(routes)),
         *("--auth", "required", "--api-keys-file", str(keys)),
         *("--state-url", redis_server.url, "--state-retry-seconds", "0.05"),
+        *("--state-lease-seconds", str(KILLED_LEASE_SECONDS)),
     )
     survivor = await start_shared(capability, model="topic-minilm", burst=1000)
     async with device_occupied(capability.pool.workers[0]):
@@ -261,10 +267,10 @@ async def test_a_result_whose_orchestrator_process_was_killed_is_not_left_proces
         await wait_until(
             not_processing,
             "the killed process's result no longer PROCESSING",
-            limit_seconds=state_results.PROCESS_LEASE_SECONDS + 5,
+            limit_seconds=KILLED_LEASE_SECONDS + 5,
         )
         polled = await refusal(get_result(survivor, "killed-1"))
-    assert time.monotonic() - killed_at <= state_results.PROCESS_LEASE_SECONDS + 5
+    assert time.monotonic() - killed_at <= KILLED_LEASE_SECONDS + 5
     assert polled.code() == grpc.StatusCode.UNAVAILABLE
     assert error_reason(polled) == "SERVER_DRAINING"
     assert error_info(polled).metadata["result_trace_id"] == answer.trace_id
@@ -909,23 +915,17 @@ async def test_a_later_call_with_the_same_request_id_keeps_its_place_in_redis(
 
 # Leases: each process renews its own, so the results of one that died are given up.
 
+# Leases the stores of a test take (renewed every quarter of that).
 LEASE_SECONDS = 0.4
-
-
-@pytest.fixture
-def short_leases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Leases of LEASE_SECONDS, renewed every quarter of that (the stores made after)."""
-    monkeypatch.setattr(state_results, "PROCESS_LEASE_SECONDS", LEASE_SECONDS)
-    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEW_SECONDS", LEASE_SECONDS / 4)
 
 
 async def test_a_living_process_keeps_its_results_processing_past_its_lease(
     new_store: NewStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Renewed 15 times a lease: a stall of the shared machine must not lapse it here.
-    monkeypatch.setattr(state_results, "PROCESS_LEASE_SECONDS", 1.5)
-    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEW_SECONDS", 0.1)
-    holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEWALS", 15)
+    holder = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.5)
+    poller = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.5)
     token = await holder.hold("alive", pb.ClassifyResponse(trace_id="t", status=PROCESSING))
     assert token is not None
     await asyncio.sleep(3.5)  # past two leases: renewed, not lapsed
@@ -934,14 +934,14 @@ async def test_a_living_process_keeps_its_results_processing_past_its_lease(
     assert (await poller.get("alive")).status == DONE
 
 
-@pytest.mark.usefixtures("short_leases")
 async def test_a_result_whose_process_stopped_renewing_is_answered_send_again(
     new_store: NewStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The holder stops renewing with the result unwritten: its own polls still say
     PROCESSING, but another process's answer SERVER_DRAINING with the trace the work
     ran in, and log which process held it."""
-    holder, poller = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    holder = new_store(capacity=10, ttl_seconds=60, lease_seconds=LEASE_SECONDS)
+    poller = new_store(capacity=10, ttl_seconds=60, lease_seconds=LEASE_SECONDS)
     pending = pb.ClassifyResponse(trace_id="abc", status=PROCESSING)
     assert await holder.hold("orphan", pending) is not None
     assert holder._renewing_lease is not None
@@ -975,14 +975,14 @@ async def hold_as_the_last_version(state: RedisState, request_id: str, token: st
     await state.client.set(RESULT_TOKEN_PREFIX + member, token, px=60_000)
 
 
-@pytest.mark.usefixtures("short_leases")
 async def test_the_last_versions_pending_results_stay_processing_until_their_ttl(
     redis_state: RedisState, new_store: NewStore
 ) -> None:
     """A rolling upgrade: a result the last version holds names no process, and one it
     held again after this version did names another call's token; neither is given up,
     whatever the leases (the TTL bounds them, as before)."""
-    store, stopped = new_store(capacity=10, ttl_seconds=60), new_store(capacity=10, ttl_seconds=60)
+    store = new_store(capacity=10, ttl_seconds=60, lease_seconds=LEASE_SECONDS)
+    stopped = new_store(capacity=10, ttl_seconds=60, lease_seconds=LEASE_SECONDS)
     await hold_as_the_last_version(redis_state, "old", "o")
     assert await stopped.hold("again", pb.ClassifyResponse(status=PROCESSING)) is not None
     await stopped.close()
