@@ -23,6 +23,7 @@ from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream import errors as upstream_errors
+from orchestrator.upstream import pool
 from orchestrator.upstream.pool import call_timeout
 from tests.conftest import (
     STRIKER,
@@ -315,12 +316,33 @@ async def test_each_failed_upstream_item_is_logged_under_its_own_request_id(
     assert sorted(failed) == [f"dead-{i}" for i in range(8)]
 
 
-async def test_a_replica_back_after_a_long_outage_is_called_again_within_seconds(
-    start_capability: StartCapability, orchestrator_to: StartOrchestratorTo
+# Reconnect backoff (first, longest) for the outage test: a fifth of the pool's, so
+# that a few seconds down tell it from gRPC's own (1 s first, 1.6x a try, up to 120 s).
+TEST_RECONNECT_BACKOFF_MS = (100, 400)
+
+
+async def test_a_replica_back_after_an_outage_is_dialled_within_the_capped_backoff(
+    start_capability: StartCapability,
+    orchestrator_to: StartOrchestratorTo,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """gRPC's reconnect backoff grows to 120 s by default: after 20 s down, a replica
+    """gRPC's reconnect backoff grows 1.6x a try up to 120 s: after 20 s down, a replica
     back on its address waited several seconds more for its first call (40 s after a
-    150 s outage), however many callers failed meanwhile."""
+    150 s outage), however many callers failed meanwhile. The pool caps it
+    (RECONNECT_BACKOFF_MS, 2 s); capped here at 0.4 s, the address is dialled again
+    every 0.4 s or so while nothing listens properly on it, and a replica back there
+    is called within about that."""
+    options = [
+        (name, value)
+        for name, value in pool.CHANNEL_OPTIONS
+        if name not in ("grpc.initial_reconnect_backoff_ms", "grpc.max_reconnect_backoff_ms")
+    ]
+    options += [
+        ("grpc.initial_reconnect_backoff_ms", TEST_RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", TEST_RECONNECT_BACKOFF_MS[1]),
+    ]
+    assert len(options) == len(pool.CHANNEL_OPTIONS)  # both were set
+    monkeypatch.setattr(pool, "CHANNEL_OPTIONS", tuple(options))
     replica = await start_capability(models=("topic-minilm",))
     port = replica.port
     server = await orchestrator_to([f"127.0.0.1:{port}"])
@@ -328,12 +350,28 @@ async def test_a_replica_back_after_a_long_outage_is_called_again_within_seconds
         stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
         await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=20)
         await replica.stop(grace_seconds=0)
+        # Down: the port takes connections and closes them at once, so each dial the
+        # orchestrator makes is counted.
+        dials = 0
+
+        def count_dial(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal dials
+            dials += 1
+            writer.close()
+
+        down = await asyncio.start_server(count_dial, "127.0.0.1", port, reuse_address=True)
         loop = asyncio.get_running_loop()
-        down_until = loop.time() + 20
+        down_for = 4.0
+        down_until = loop.time() + down_for
         while loop.time() < down_until:  # callers keep failing while it is down
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.3)
+        down.close()
+        await down.wait_closed()
+        # About ten dials (0.1, 0.16, 0.26, 0.4, 0.4, ... s apart, with gRPC's 20%
+        # jitter); gRPC's own backoff dials 3 times in 4 s (1, 1.6, 2.6 s apart).
+        assert dials >= 6, dials
         await start_capability(models=("topic-minilm",), port=port)
         back_at = loop.time()
         while True:
@@ -341,7 +379,6 @@ async def test_a_replica_back_after_a_long_outage_is_called_again_within_seconds
                 await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=1)
                 break
             except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.1)
-        # The capped backoff (2 s, with gRPC's 20% jitter), a connection and a health
-        # check; the default's next try came 4-8 s after the return.
-        assert loop.time() - back_at < 3.5
+                await asyncio.sleep(0.05)
+        # The capped backoff (0.4 s, with jitter), a connection and a health check.
+        assert loop.time() - back_at < 1.5
