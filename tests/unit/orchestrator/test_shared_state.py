@@ -922,13 +922,13 @@ LEASE_SECONDS = 0.4
 async def test_a_living_process_keeps_its_results_processing_past_its_lease(
     new_store: NewStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Renewed 15 times a lease: a stall of the shared machine must not lapse it here.
-    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEWALS", 15)
-    holder = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.5)
-    poller = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.5)
+    # Renewed every 0.1 s: a stall of the shared machine must not lapse it here.
+    monkeypatch.setattr(state_results, "PROCESS_LEASE_RENEWALS", 10)
+    holder = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.0)
+    poller = new_store(capacity=10, ttl_seconds=60, lease_seconds=1.0)
     token = await holder.hold("alive", pb.ClassifyResponse(trace_id="t", status=PROCESSING))
     assert token is not None
-    await asyncio.sleep(3.5)  # past two leases: renewed, not lapsed
+    await asyncio.sleep(2.3)  # past two leases: renewed, not lapsed
     assert (await poller.get("alive")).status == PROCESSING
     await holder.finish("alive", token, response=pb.ClassifyResponse(status=DONE))
     assert (await poller.get("alive")).status == DONE
