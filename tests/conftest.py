@@ -342,6 +342,15 @@ async def orchestrator(
     await server.stop(grace_seconds=0)
 
 
+@pytest.fixture(params=["orchestrator", "capability"])
+def either_server(
+    request: pytest.FixtureRequest, orchestrator: OrchestratorServer, capability: CapabilityServer
+) -> OrchestratorServer | CapabilityServer:
+    """The session's orchestrator, then its capability server: a test of what both
+    servers do alike (the lifecycle interceptor's) runs once on each."""
+    return orchestrator if request.param == "orchestrator" else capability
+
+
 @pytest_asyncio.fixture(scope="session")
 async def orchestrator_stub(
     orchestrator: OrchestratorServer,

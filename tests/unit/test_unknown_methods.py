@@ -22,19 +22,13 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
-@pytest.fixture(params=["orchestrator", "capability"])
-def target(
-    request: pytest.FixtureRequest, orchestrator: OrchestratorServer, capability: CapabilityServer
-) -> OrchestratorServer | CapabilityServer:
-    return orchestrator if request.param == "orchestrator" else capability
-
-
 async def test_an_unknown_method_is_unimplemented_with_the_calls_ids(
-    target: OrchestratorServer | CapabilityServer,
+    either_server: OrchestratorServer | CapabilityServer,
     interceptor_log: LineCollector,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger=interceptor.__name__)  # the "rpc" lines
+    target = either_server
     counted_before = metric_sum(target.registry, RPC_REQUESTS_TOTAL, method=UNKNOWN_METHOD)
     newer = "/ai.classify.v1.ClassifyService/ClassifyStream"
     long_name = "/x." + "y" * 300 + "/Z"

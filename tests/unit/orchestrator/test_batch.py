@@ -130,13 +130,6 @@ async def classify_batch_raw(port: int, raw: bytes) -> pb.ClassifyBatchResponse:
         return pb.ClassifyBatchResponse.FromString(await call(raw, timeout=30))
 
 
-@pytest.fixture(params=["orchestrator", "capability"])
-def either_server(
-    request: pytest.FixtureRequest, orchestrator: OrchestratorServer, capability: CapabilityServer
-) -> OrchestratorServer | CapabilityServer:
-    return orchestrator if request.param == "orchestrator" else capability
-
-
 async def test_an_item_whose_strings_are_not_utf8_is_refused_alone_naming_them(
     either_server: OrchestratorServer | CapabilityServer,
 ) -> None:
