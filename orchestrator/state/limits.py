@@ -40,6 +40,14 @@ BUCKET_PREFIX = KEY_PREFIX + "bucket:"
 
 log = logging.getLogger(__name__)
 
+# A bucket's key lapses once it would have refilled (it starts full when next read),
+# but not later than this (ms, about 317 years): Redis reads a Lua number handed to a
+# command as its text (`%.17g`), which from 1e17 on is `1e+17`, no integer to
+# PEXPIRE. A tenant of a tiny rate that had spent a large burst (10^6 calls at one
+# every three years) failed every check of its bucket.
+MAX_BUCKET_LAPSE_MS = 10**13
+_LAPSE = f"math.min(math.ceil((burst - tokens) / rate * 1000) + 1000, {MAX_BUCKET_LAPSE_MS})"
+
 # KEYS[1] the bucket. ARGV: rate (tokens/s), burst, calls. Returns {calls granted,
 # tokens left as text} (a Lua number would come back truncated to an integer).
 _TAKE = """
@@ -59,9 +67,9 @@ tokens = math.min(burst, tokens + math.max(0, now_s - updated) * rate)
 local granted = math.min(calls, math.floor(tokens))
 tokens = tokens - granted
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'updated', tostring(now_s))
-redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[1], LAPSE)
 return {granted, tostring(tokens)}
-"""
+""".replace("LAPSE", _LAPSE)
 
 # KEYS[1] the bucket. ARGV: the limit before an edit of the keys file (rate, burst),
 # the limit after it (rate, burst). The bucket refilled up to now at the limit before,
@@ -85,9 +93,9 @@ local now_s = tonumber(now[1]) + tonumber(now[2]) / 1000000
 tokens = math.min(before_burst, tokens + math.max(0, now_s - updated) * before_rate)
 tokens = math.min(burst, tokens)
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'updated', tostring(now_s))
-redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[1], LAPSE)
 return 1
-"""
+""".replace("LAPSE", _LAPSE)
 
 
 class RedisRateLimits:

@@ -43,6 +43,7 @@ from orchestrator.state.connection import (
     STATE_OPERATIONS_TOTAL,
     STATE_UP,
 )
+from orchestrator.state.limits import BUCKET_PREFIX, MAX_BUCKET_LAPSE_MS
 from orchestrator.state.results import (
     PENDING,
     PROCESS_LEASE_PREFIX,
@@ -1452,3 +1453,37 @@ async def test_an_edited_limit_rebases_the_tenants_redis_bucket(
     assert granted < 50
     edits = metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit_edit", outcome="ok")
     assert edits == 1
+
+
+async def test_a_bucket_that_takes_ages_to_refill_is_kept_in_redis(
+    redis_server: RedisServer,
+) -> None:
+    """Its key lapses once the bucket would be full again: a million calls spent at one
+    every three years (1e-8 a second) is 10^17 ms, which Redis reads as `1e+17` (it
+    reads a Lua number handed to a command as its text), no integer to PEXPIRE: every
+    check of the bucket failed, and the tenant's calls went by the process's share.
+    The lapse is capped."""
+    registry = CollectorRegistry()
+    state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url), StateMetrics(registry)
+    )
+    limits = RedisRateLimits(state, {"patient": TokenBucketSettings(1e-8, 10**6)}, sharers=1)
+    try:
+        assert (await limits.try_acquire("patient", 10**6))[1] == 10**6
+        assert (await limits.try_acquire("patient", 1))[1] == 0  # spent, for three years
+        limits.set_limits({"patient": TokenBucketSettings(1e-9, 10**6)})  # rebased
+        await wait_until(
+            lambda: metric_sum(registry, STATE_OPERATIONS_TOTAL, operation="rate_limit_edit") == 1,
+            "the rebase",
+        )
+        lapse_ms = await state.client.pttl(BUCKET_PREFIX + "patient")
+    finally:
+        await state.close()
+    assert 0 < lapse_ms <= MAX_BUCKET_LAPSE_MS
+    outcomes = {
+        (s.labels["operation"], s.labels["outcome"]): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == STATE_OPERATIONS_TOTAL and s.value
+    }
+    assert outcomes == {("rate_limit", "ok"): 2, ("rate_limit_edit", "ok"): 1}
