@@ -712,10 +712,13 @@ class ReplicaCoalescer:
             span.end()
             for timer in timers:
                 timer.cancel()
-        # A replica that refused every item as not serving the model counts as one
-        # that did not answer (see _not_answered). Stops at the first answered item.
+        # A replica that failed every item as a failed call says it did not answer
+        # (see _not_answered: UNAVAILABLE, a broken device's MODEL_FAULT among them, or
+        # NOT_FOUND) counts as one that did not answer, as a single call would: counted
+        # as answered, a pod whose device broke reset its count at every merged call
+        # and was never ejected under load. Stops at the first item it served.
         unserved = bool(response.results) and all(
-            result.HasField("error") and result.error.code == _NOT_FOUND
+            result.HasField("error") and result.error.code in _NOT_ANSWERED_CODES
             for result in response.results
         )
         round_trip = self._answered(len(items), sent_at, not unserved)
@@ -925,7 +928,11 @@ def _not_answered(exc: grpc.aio.AioRpcError) -> bool:
     return not any(key == REQUEST_ID_HEADER for key, _ in exc.trailing_metadata() or ())
 
 
-_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+# The codes of an item's error that, on every item of a call, say the replica did not
+# answer (as _not_answered says of a failed call).
+_NOT_ANSWERED_CODES = frozenset(
+    code.value[0] for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+)
 
 
 def _record_gathered(item: UpstreamItem, now: float) -> None:

@@ -630,6 +630,62 @@ async def test_a_call_whose_last_waiter_runs_out_of_time_is_let_go_and_a_long_on
         assert unanswered == ["call"]
 
 
+class FailingItems(OneResultShort):
+    """Answers a ClassifyBatch OK with each item's outcome by its request ID: `ok-…`
+    served, `fault-…` MODEL_FAULT (UNAVAILABLE: a broken device), `gone-…` NOT_FOUND,
+    anything else INVALID_ARGUMENT (a refusal of the text)."""
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        answer = pb.ClassifyBatchResponse()
+        codes = {"fault": grpc.StatusCode.UNAVAILABLE, "gone": grpc.StatusCode.NOT_FOUND}
+        for item in request.items:
+            result = answer.results.add()
+            kind = item.request_id.partition("-")[0]
+            if kind == "ok":
+                result.response.request_id = item.request_id
+            else:
+                code = codes.get(kind, grpc.StatusCode.INVALID_ARGUMENT)
+                result.error.code = code.value[0]
+                result.error.message = f"planted {kind}"
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("request_ids", "answered"),
+    [
+        (("fault-1", "fault-2"), False),
+        (("fault-1", "gone-2"), False),
+        (("fault-1", "ok-2"), True),
+        (("refused-1", "fault-2"), True),
+    ],
+    ids=["all-faulted", "faulted-or-not-served", "one-served", "one-refused"],
+)
+async def test_a_merged_call_failing_every_item_as_unanswered_counts_as_not_answered(
+    request_ids: tuple[str, str], answered: bool
+) -> None:
+    """A replica whose device broke answers a merged call OK, each item MODEL_FAULT
+    (UNAVAILABLE). Counted as answered, it reset its failures at every merged call, so
+    under load (when calls merge) it was never ejected and cost each call sent to it
+    a retry. Such a call counts as one a single call failing UNAVAILABLE is; a call
+    with any item served, or refused for the text, counts as answered."""
+    outcomes: list[str] = []
+    counts = {
+        "on_answered": lambda: outcomes.append("answered"),
+        "on_no_answer": lambda: outcomes.append("not answered"),
+    }
+    async with coalescer_before(FailingItems(), **counts) as coalescer:
+        await asyncio.gather(
+            *(
+                coalescer.classify(minilm_request(name), seconds=30, trace_metadata=())
+                for name in request_ids
+            ),
+            return_exceptions=True,
+        )
+    assert outcomes == ["answered" if answered else "not answered"]  # one merged call
+
+
 def minilm_request(request_id: str) -> pb.ClassifyRequest:
     return pb.ClassifyRequest(text=STRIKER, model="topic-minilm", request_id=request_id)
 
