@@ -29,6 +29,7 @@ import grpc
 from classify_common.errors import (
     BackendTimedOut,
     ConcurrencyLimited,
+    DeadlineUnreachable,
     DeviceMemoryPressure,
     ModelNotServed,
     ServiceError,
@@ -121,6 +122,11 @@ class RetryPolicy:
             # the time a fallback could answer in (and the last try, cut by the
             # caller's deadline, would end in a failure no fallback may take).
             return GiveUp.NO_REPLICA_ANSWERS
+        if isinstance(failure, DeadlineUnreachable) and not untried_replica:
+            # The replica refused before any work: its queue is longer than the time
+            # left (a route that retries DEADLINE_EXCEEDED). Asked again after a backoff,
+            # with less time left, it refuses again; the fallback is what may answer.
+            return GiveUp.NO_REPLICA_IN_TIME
         if (
             isinstance(failure, DeviceMemoryPressure)
             and not untried_replica
@@ -161,6 +167,7 @@ class GiveUp(enum.Enum):
     NO_REPLICA_SERVES = "no_replica_serves"
     NO_REPLICA_ANSWERS = "no_replica_answers"
     NO_ROOM_IN_TIME = "no_room_in_time"
+    NO_REPLICA_IN_TIME = "no_replica_in_time"
     DEADLINE_TOO_NEAR = "deadline_too_near"
     BUDGET_EXHAUSTED = "budget_exhausted"
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import grpc
+
 from classify_common.errors import (
     ConcurrencyLimited,
+    DeadlineUnreachable,
     DeviceMemoryPressure,
     ModelNotFound,
     ModelUnavailable,
@@ -84,6 +87,26 @@ def test_a_lone_replica_without_room_for_longer_than_is_left_is_not_asked_again(
     assert isinstance(
         POLICY.decide(full, 1, 0.2, roomy_budget(), untried_replica=False), RetryAfter
     )
+
+
+def test_a_lone_replica_that_refused_for_its_queue_is_not_asked_again() -> None:
+    """DEADLINE_UNREACHABLE is refused before any work: the replica's queue is longer
+    than the time left. On a route that retries DEADLINE_EXCEEDED, the same replica
+    was asked again after each backoff (five times, 0.8 s, before the fallback
+    answered), refusing every time and counting each refusal as overload."""
+    retrying = RetryPolicy(
+        max_attempts=5,
+        initial_backoff_seconds=0.1,
+        max_backoff_seconds=0.4,
+        retryable_codes=frozenset({grpc.StatusCode.DEADLINE_EXCEEDED}),
+    )
+    unreachable = DeadlineUnreachable("the queue is longer than the time left")
+    assert (
+        retrying.decide(unreachable, 1, 2.0, roomy_budget(), untried_replica=False)
+        is GiveUp.NO_REPLICA_IN_TIME
+    )
+    # Another replica's queue may be shorter.
+    assert isinstance(retrying.decide(unreachable, 1, 2.0, roomy_budget()), RetryAfter)
 
 
 def test_a_backoff_that_would_end_inside_the_answer_margin_gives_up_without_a_token() -> None:
