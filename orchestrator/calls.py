@@ -153,6 +153,9 @@ class RouteCaller:
         call.state.retry_budget.record_request()
         failure: ServiceError | None = None
         failed_on = route.backend
+        # How the primary failed: what a fallback's answer is counted under (the failure
+        # the caller would hear may be a later backend's).
+        primary_failure: ServiceError | None = None
         for backend in route.backends:
             try:
                 response = await self._call_backend(call, backend)
@@ -160,6 +163,8 @@ class RouteCaller:
                 if not is_fallback_eligible(error):
                     self._fail(call, backend, error)
                     raise
+                if primary_failure is None:
+                    primary_failure = error
                 if _tells_more(error, failure):
                     failure, failed_on = error, backend
                 call.fallback_reason = error.reason
@@ -170,9 +175,9 @@ class RouteCaller:
                 )
                 continue
             if backend is not route.backend:
-                assert failure is not None
+                assert primary_failure is not None
                 self._metrics.fallbacks.labels(
-                    route.name, route.backend.name, backend.name, failure.reason
+                    route.name, route.backend.name, backend.name, primary_failure.reason
                 ).inc()
             return self._complete(call, backend, response)
         assert failure is not None, "a route has at least one backend"

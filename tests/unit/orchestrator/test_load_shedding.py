@@ -231,6 +231,51 @@ async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failu
     assert fallbacks == 1  # the refused fallback is no fallback served
 
 
+async def test_a_fallback_answer_is_counted_under_how_the_primary_failed(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    """The primary refuses before any work (DEADLINE_UNREACHABLE), the first fallback is
+    down (UNAVAILABLE: what the caller would hear, had no one answered), the second
+    answers. model_fallback_total{from="refusing"} counted it under the first
+    fallback's reason, which the primary never gave: the runbook reads the labels as
+    which primary failed, and how."""
+    refusing = FlakyPod(capability.port, failing=False)
+    refusing.refusing_unreachable = True
+    down = FlakyPod(capability.port, failing=True)
+    for pod in (refusing, down):
+        await pod.start()
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "version: 1\n"
+        "backends:\n"
+        f"  refusing: {{model: topic-minilm, targets: ['{refusing.address}']}}\n"
+        f"  down: {{model: topic-minilm, targets: ['{down.address}']}}\n"
+        f"  live: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
+        "routes:\n"
+        "  - name: default\n"
+        "    backend: refusing\n"
+        "    fallback: [down, live]\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+    server = await orchestrator_with(routes)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            answer = await stub.Classify(pb.ClassifyRequest(text=STRIKER), timeout=5)
+    finally:
+        await server.stop(grace_seconds=0)
+        for pod in (refusing, down):
+            await pod.stop()
+    assert (answer.fallback, refusing.calls, down.calls) == (True, 1, 1)
+    counted = {
+        (sample.labels["from"], sample.labels["to"], sample.labels["reason"]): sample.value
+        for family in server.registry.collect()
+        for sample in family.samples
+        if sample.name == MODEL_FALLBACK_TOTAL
+    }
+    assert counted == {("refusing", "live", "DEADLINE_UNREACHABLE"): 1}
+
+
 async def test_a_fallback_refused_under_its_own_timeout_is_no_timeout_of_its_own(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
