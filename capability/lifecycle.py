@@ -68,7 +68,7 @@ from capability.metrics import CapabilityMetrics
 from capability.result_cache import read_warm_texts
 from capability.workers import WorkerPool
 from classify_common.documents import MAX_DOCUMENT_BYTES
-from classify_common.errors import ModelNotFound, ReloadRefused
+from classify_common.errors import ModelNotFound, ModelNotReady, ReloadRefused
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 
 log = logging.getLogger(__name__)
@@ -415,6 +415,13 @@ class ModelLifecycle:
         """ModelService.ReloadModel: load `version` of a served model and pin the model to
         it, or (None) load the newest and unpin it. Returns (new, previous version)."""
         async with self._lock(name):
+            if self.loading(name):
+                # NOT_FOUND (pool.serving's) would tell an orchestrator's fleet reload,
+                # during a rolling restart, that this server does not serve the model.
+                raise ModelNotReady(
+                    f"model {name!r} is loading its first version; reload it once it serves",
+                    model=name,
+                )
             previous = self.pool.serving(name)
             target = version or await asyncio.to_thread(self.root.newest, name)
             if target is None:

@@ -169,6 +169,12 @@ async def test_get_model_says_loading_while_the_first_version_loads(
             )
             other = await refusal(models.GetModel(model_pb.GetModelRequest(name="topic-minilm")))
             assert other.code() == grpc.StatusCode.NOT_FOUND
+            # Not NOT_FOUND ("not served here"), which an orchestrator's fleet reload
+            # during a rolling restart took for a server without the model.
+            reload = model_pb.ReloadModelRequest(name="topic-static")
+            reload_refused = await refusal(models.ReloadModel(reload))
+            assert reload_refused.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_reason(reload_refused) == "MODEL_NOT_READY"
 
             await write_to_fifo(hot, f"{STRIKER}\n", warm_up)
             await warm_up
