@@ -9,7 +9,8 @@ A signature is checked in three steps, so each refusal says what is wrong:
 
     check-novalidate   the signature is well formed and matches the manifest's bytes
     find-principals    its key is in the trusted-signers file
-    verify             and, as that principal, passes every allowed-signers option
+    verify             and, as a principal of a line listing it, passes every
+                       allowed-signers option (each such line's principal is tried)
 
 The bytes checked are the very bytes the loader then parses, passed on stdin, so a
 manifest swapped between the check and the parse cannot slip through. Likewise the
@@ -19,6 +20,7 @@ link), and all three steps check that one copy.
 
 from __future__ import annotations
 
+import base64
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +45,8 @@ SIGNATURE_NAMESPACE = "classify-bundle"
 # Seconds one ssh-keygen call may take; each is a few milliseconds of CPU.
 SSH_KEYGEN_TIMEOUT_SECONDS = 30.0
 SSH_KEYGEN = "ssh-keygen"
+# Principals of lines listing the signing key a check tries at most (one ssh-keygen each).
+MAX_PRINCIPALS_TRIED = 8
 
 
 def sign_manifest(directory: Path, key: Path) -> Path:
@@ -120,28 +124,76 @@ def _check_signature_file(signature: Path, raw: bytes, trusted_signers: Path) ->
         raise BundleSignerUntrusted(
             f"{SIGNATURE_FILE}: signed by a key not in the trusted signers ({trusted_signers})"
         )
-    principal = principals[0].split(",")[0]
-    verified = _ssh_keygen(
-        [
-            "-Y",
-            "verify",
-            "-f",
-            str(trusted_signers),
-            "-I",
-            principal,
-            "-n",
-            SIGNATURE_NAMESPACE,
-            "-s",
-            str(signature),
-        ],
-        raw,
-    )
-    if verified.returncode != 0:
-        raise BundleSignatureInvalid(
-            f"{SIGNATURE_FILE}: refused for signer {principal!r} of {trusted_signers} "
-            f"({_reason(verified)})"
+    # find-principals names the first line listing the key; the key may stand on other
+    # lines too (an allowed-signers file shared with git: `dev@… namespaces="git"` first,
+    # `release@… namespaces="classify-bundle"` after), and verify checks one principal's.
+    first = principals[0].split(",")[0]
+    candidates = [first, *_other_principals(signature, trusted_signers, first)]
+    refusals: list[str] = []
+    for principal in candidates[:MAX_PRINCIPALS_TRIED]:
+        verified = _ssh_keygen(
+            [
+                "-Y",
+                "verify",
+                "-f",
+                str(trusted_signers),
+                "-I",
+                principal,
+                "-n",
+                SIGNATURE_NAMESPACE,
+                "-s",
+                str(signature),
+            ],
+            raw,
         )
-    return principal
+        if verified.returncode == 0:
+            return principal
+        refusals.append(f"{principal!r}: {_reason(verified)}")
+    raise BundleSignatureInvalid(
+        f"{SIGNATURE_FILE}: refused for every signer of {trusted_signers} listing its key "
+        f"({'; '.join(refusals)})"
+    )
+
+
+def _other_principals(signature: Path, trusted_signers: Path, first: str) -> list[str]:
+    """The principals, other than `first`, of the trusted-signers lines that list the
+    signature's own key (a line for a certificate authority names the CA's key, and is
+    left to find-principals). Lines are read as OpenSSH writes them: the principals
+    first, the key's base64 a field of its own."""
+    key = _signing_key(signature.read_bytes())
+    if key is None:
+        return []
+    found: list[str] = []
+    try:
+        text = trusted_signers.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields or fields[0].startswith("#") or key not in fields[1:]:
+            continue
+        for principal in fields[0].split(","):
+            if principal != first and principal not in found:
+                found.append(principal)
+    return found
+
+
+def _signing_key(armored: bytes) -> str | None:
+    """The public key inside an SSH signature (PROTOCOL.sshsig: "SSHSIG", a version,
+    then the key as a length-prefixed blob), base64 as allowed-signers lines hold it;
+    None when it cannot be read."""
+    body = b"".join(line for line in armored.splitlines() if line and not line.startswith(b"-----"))
+    try:
+        blob = base64.b64decode(body, validate=True)
+    except ValueError:
+        return None
+    if len(blob) < 14 or blob[:6] != b"SSHSIG":
+        return None
+    length = int.from_bytes(blob[10:14], "big")
+    key = blob[14 : 14 + length]
+    if len(key) != length:
+        return None
+    return base64.b64encode(key).decode("ascii")
 
 
 def _ssh_keygen(arguments: list[str], stdin: bytes) -> subprocess.CompletedProcess[bytes]:

@@ -19,7 +19,12 @@ import pytest
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
-from capability.bundle import BundleSignerUntrusted, check_manifest_signature, sign_manifest
+from capability.bundle import (
+    BundleSignatureInvalid,
+    BundleSignerUntrusted,
+    check_manifest_signature,
+    sign_manifest,
+)
 from capability.bundle.__main__ import main as bundle_command
 from capability.bundle.signing import SIGNATURE_FILE
 from capability.config import CapabilitySettings
@@ -147,6 +152,37 @@ def test_signature_check_returns_the_signers_principal(tmp_path: Path, keys: Key
     raw = (tmp_path / "manifest.json").read_bytes()
 
     assert check_manifest_signature(tmp_path, raw, keys.signers) == "release@example.test"
+
+
+def test_a_key_listed_for_git_first_and_for_bundles_after_verifies_as_the_bundle_signer(
+    tmp_path: Path, keys: Keys
+) -> None:
+    """An allowed-signers file shared with git lists the key twice, once a namespace.
+    find-principals names only the first line, and verify as that principal refused a
+    good signature ("not permitted for use in signature namespace")."""
+    key_type, key = keys.trusted.with_suffix(".pub").read_text().split()[:2]
+    shared = tmp_path / "allowed-signers"
+    shared.write_text(
+        f'dev@example.test namespaces="git" {key_type} {key}\n'
+        f'release@example.test,ci@example.test namespaces="classify-bundle" {key_type} {key}\n'
+    )
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text('{"files": {}, "format_version": 1}\n')
+    sign_manifest(bundle, keys.trusted)
+    raw = (bundle / "manifest.json").read_bytes()
+
+    assert check_manifest_signature(bundle, raw, shared) == "release@example.test"
+
+    # No line lets the key sign bundles: refused, naming what each principal was told.
+    shared.write_text(
+        f'dev@example.test namespaces="git" {key_type} {key}\n'
+        f'ops@example.test namespaces="file" {key_type} {key}\n'
+    )
+    with pytest.raises(BundleSignatureInvalid) as refused:
+        check_manifest_signature(bundle, raw, shared)
+    assert "'dev@example.test': " in str(refused.value)
+    assert "'ops@example.test': " in str(refused.value)
 
 
 def test_signing_writes_past_a_link_planted_at_its_partial_file(tmp_path: Path, keys: Keys) -> None:
