@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from capability.bundle import BundleError, LoadedBundle, ModelLoadError
+from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded, ModelLoadError
 from capability.bundle.errors import BundleFileMissing
 from capability.bundle.files import BundleFolder
 from capability.config import CapabilitySettings, ModelServingSettings
@@ -264,6 +264,15 @@ class ServedFolder:
     change: str | None  # FOLDER_REMOVED or FOLDER_REPLACED as last found; None: as loaded
 
 
+# A version refused for want of room on the device (MemoryBudgetExceeded: the bundle is
+# sound, the device too full for it just then) is tried again with its files unchanged,
+# first this long after the refusal, then twice as long after each refusal more, up to
+# the longest. Remembered as a broken bundle is, it stayed unloaded once the room came
+# (another model's load finished, a version retired) until someone touched its files.
+ROOM_RETRY_FIRST_SECONDS = 5.0
+ROOM_RETRY_LONGEST_SECONDS = 300.0
+
+
 @dataclass
 class RefusedVersion:
     """A version folder whose load was refused, why, and what its files looked like."""
@@ -272,10 +281,28 @@ class RefusedVersion:
     last_seen: Fingerprint | None  # at the watcher's latest look
     reason: str  # as logged; GetModel reports it
     refused_at: datetime  # UTC
+    # For a refusal for room: the event loop's time of its next try, and the wait
+    # before the one after; None for a refusal that only a change of files can lift.
+    room_retry_at: float | None = None
+    room_retry_seconds: float = ROOM_RETRY_FIRST_SECONDS
 
     @classmethod
-    def now(cls, files: Fingerprint | None, reason: str) -> RefusedVersion:
-        return cls(files, files, reason, datetime.now(UTC))
+    def now(
+        cls,
+        files: Fingerprint | None,
+        error: Exception | str,
+        earlier: RefusedVersion | None = None,
+    ) -> RefusedVersion:
+        """The refusal of a version whose files were `files`, by `error`; `earlier`, the
+        version's refusal before this one, spaces out its tries for room."""
+        refused = cls(files, files, str(error), datetime.now(UTC))
+        if isinstance(error, MemoryBudgetExceeded):
+            wait = ROOM_RETRY_FIRST_SECONDS
+            if earlier is not None and earlier.room_retry_at is not None:
+                wait = min(earlier.room_retry_seconds * 2, ROOM_RETRY_LONGEST_SECONDS)
+            refused.room_retry_at = asyncio.get_running_loop().time() + wait
+            refused.room_retry_seconds = wait
+        return refused
 
 
 class ModelLifecycle:
@@ -383,7 +410,7 @@ class ModelLifecycle:
             try:
                 await self._load(name, version)
             except (ModelLoadError, OSError) as exc:
-                self._refused[(name, version)] = RefusedVersion.now(files, str(exc))
+                self._refused[(name, version)] = RefusedVersion.now(files, exc)
                 self._metrics.reloads.labels(name, "refused").inc()
                 log.error(
                     "version refused at start; trying the version before it",
@@ -466,7 +493,8 @@ class ModelLifecycle:
         try:
             bundle = await self._load(name, target)
         except (ModelLoadError, OSError) as exc:
-            self._refused[(name, target)] = RefusedVersion.now(files, str(exc))
+            earlier = self._refused.get((name, target))
+            self._refused[(name, target)] = RefusedVersion.now(files, exc, earlier)
             self._metrics.reloads.labels(name, "refused").inc()
             log.warning(
                 "reload refused",
@@ -624,6 +652,17 @@ class ModelLifecycle:
         than verified (every weight byte hashed) on each poll."""
         refused = self._refused[(name, version)]
         files = await self._read_fingerprint(name, version)
+        if (
+            files is not None
+            and refused.room_retry_at is not None
+            and asyncio.get_running_loop().time() >= refused.room_retry_at
+        ):
+            self._metrics.reload_retries.labels(name).inc()
+            log.info(
+                "version refused for want of room, trying it again",
+                extra={"model": name, "version": version, "waited_s": refused.room_retry_seconds},
+            )
+            return True
         if files is None or files == refused.refused_as:
             return False
         if files != refused.last_seen:
@@ -639,8 +678,13 @@ class ModelLifecycle:
         """The folder's fingerprint, with the model's warm_texts file, read off the event
         loop (a model root on a network volume can take a while to stat); None when it
         cannot be read just now."""
-        warm_texts = self.settings_for(name).warm_texts
-        also = () if warm_texts is None else (warm_texts,)
+        # A version refused for its signer is tried again once the trusted signers
+        # change (the key added), as once its files do.
+        also = tuple(
+            path
+            for path in (self.settings_for(name).warm_texts, self.pool.trusted_signers)
+            if path is not None
+        )
         try:
             return await asyncio.to_thread(self.root.fingerprint, name, version, also)
         except (ModelNotFound, OSError):

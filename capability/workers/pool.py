@@ -226,6 +226,11 @@ class WorkerPool:
         first = self.workers[0]
         return {name: replica.bundle for name, replica in sorted(first.replicas.items())}
 
+    @property
+    def trusted_signers(self) -> Path | None:
+        """The allowed-signers file a bundle's signature is checked against, if any."""
+        return self._trusted_signers
+
     def serving(self, name: str) -> LoadedBundle:
         bundle = self.models().get(name)
         if bundle is None:

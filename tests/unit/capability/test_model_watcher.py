@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
+from capability import lifecycle
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelRoot
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
@@ -334,6 +335,29 @@ async def test_a_version_refused_for_its_warm_texts_is_tried_again_once_they_are
 
     hot.write_text(f"{STRIKER}\n")
     await loaded_at_its_one_retry(server, "2")
+
+
+async def test_a_version_refused_for_want_of_room_is_tried_again_with_its_files_unchanged(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bundle is sound, the device was too full for it just then (another model's
+    load, a version retiring). Remembered as a broken bundle is, it stayed unloaded
+    once the room came, until someone touched its files or restarted the server."""
+    monkeypatch.setattr(lifecycle, "ROOM_RETRY_FIRST_SECONDS", 0.3)
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
+    (worker,) = server.pool.workers
+    room = worker.memory_budget_bytes
+    worker.memory_budget_bytes = worker.held_bytes() + 1  # no room for a second version
+    deploy(model_root, root, "2", staged_as=".2.partial")
+    await wait_until(lambda: reloads(server, "refused") == 1, "version 2 refused")
+    refused_at = asyncio.get_running_loop().time()
+    worker.memory_budget_bytes = room  # the room comes back
+
+    await loaded_at_its_one_retry(server, "2")
+    assert asyncio.get_running_loop().time() - refused_at >= 0.25  # not at the next poll
 
 
 async def test_a_warm_texts_file_that_is_not_utf8_is_refused_and_the_watcher_goes_on(

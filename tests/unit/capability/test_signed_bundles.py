@@ -28,7 +28,7 @@ from capability.bundle import (
 from capability.bundle.__main__ import main as bundle_command
 from capability.bundle.signing import SIGNATURE_FILE
 from capability.config import CapabilitySettings
-from capability.metrics import RELOADS_TOTAL
+from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.settings import SettingsError
 from tests.conftest import REPO_ROOT, STRIKER, StartCapability, metric_sum, wait_until
@@ -231,6 +231,32 @@ async def test_unsigned_version_found_by_the_watcher_is_refused_and_old_version_
     )
 
     assert server.pool.serving(MODEL).version == "1"
+
+
+async def test_a_version_refused_for_its_signer_loads_once_the_signer_is_trusted(
+    model_root: Path, tmp_path: Path, keys: Keys, start_capability: StartCapability
+) -> None:
+    """Trusting the key (a line added to the trusted-signers file) changes no file of the
+    version: the watcher never tried it again, and it waited for a ReloadModel."""
+    signers = tmp_path / "allowed-signers"
+    shutil.copy(keys.signers, signers)
+    root = tmp_path / "models"
+    copy_version(model_root, root, "1", keys.trusted)
+    server = await start_capability(
+        model_root=root, models=(MODEL,), trusted_signers=signers, watch_seconds=0.1
+    )
+    staging = copy_version(model_root, tmp_path / "staging", "2", keys.stranger)
+    staging.rename(root / MODEL / "2")
+    await wait_until(
+        lambda: metric_sum(server.registry, RELOADS_TOTAL, model=MODEL, outcome="refused") == 1,
+        "version 2 refused",
+    )
+
+    key_type, key = keys.stranger.with_suffix(".pub").read_text().split()[:2]
+    with signers.open("a") as trusted:
+        trusted.write(f"stranger@example.test {key_type} {key}\n")
+    await wait_until(lambda: server.pool.serving(MODEL).version == "2", "version 2 serving")
+    assert metric_sum(server.registry, RELOAD_RETRIES_TOTAL, model=MODEL) == 1
 
 
 def test_verify_command_refuses_an_unsigned_bundle_given_trusted_signers(
