@@ -565,7 +565,12 @@ class ModelLifecycle:
         holds another bundle since it was loaded (once per change, not every poll).
         One stat of its manifest.json a poll; the file is hashed only when the stat
         changed, or once for each version that starts serving."""
-        manifest = serving.directory / MANIFEST
+        # The version's folder as its name resolves now, not the one it was loaded from:
+        # a numbered link re-pointed since (`2 -> .release-2b`) leaves the folder loaded
+        # untouched, and the next start serves the other bundle under the same name.
+        named = self.root.root / name / serving.version
+        folder = Path(await asyncio.to_thread(os.path.realpath, named))
+        manifest = folder / MANIFEST
         state = await asyncio.to_thread(_manifest_state, manifest)
         seen = self._served_folders.get(name)
         if seen is not None and seen.digest != serving.digest:
@@ -575,7 +580,7 @@ class ModelLifecycle:
         change = await asyncio.to_thread(_folder_change, manifest, serving.digest)
         self._served_folders[name] = ServedFolder(serving.digest, state, change)
         was = None if seen is None else seen.change
-        fields = {"model": name, "version": serving.version, "folder": str(serving.directory)}
+        fields = {"model": name, "version": serving.version, "folder": str(folder)}
         if change is None:
             if was is not None:
                 log.info("serving version's folder holds the served bundle again", extra=fields)

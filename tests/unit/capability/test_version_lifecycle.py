@@ -320,6 +320,26 @@ async def test_a_serving_versions_folder_replaced_then_removed_is_logged_and_cou
     assert reloads(server, "ok") == 0
 
 
+async def test_a_serving_numbered_link_pointed_at_another_bundle_is_logged_and_counted(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """`2 -> .release-2` serves; `2` is then pointed at `.release-2b`, another bundle. The
+    folder loaded was left as it was, so nothing was seen, and the next start served the
+    other bundle under the same version name."""
+    server, root = await watching(model_root, tmp_path, start_capability, "1")
+    deploy(model_root, root, ".release-2")
+    (root / MODEL / "2").symlink_to(".release-2")
+    await wait_until(lambda: reloads(server, "ok") == 1, "version 2 loaded")
+    other = deploy(model_root, root, ".release-2b")
+    (other / "manifest.json").write_bytes((other / "manifest.json").read_bytes() + b"\n")
+    (root / MODEL / "2.new").symlink_to(".release-2b")
+    (root / MODEL / "2.new").rename(root / MODEL / "2")  # re-pointed at once, as `ln -sfn`
+
+    await wait_until(lambda: folder_changes(server, FOLDER_REPLACED) == 1, "re-pointing seen")
+    assert await serving_version(server) == "2"
+    assert reloads(server, "ok") == 1
+
+
 async def test_a_load_under_way_when_the_server_stops_is_abandoned_and_logged(
     model_root: Path,
     tmp_path: Path,
