@@ -251,6 +251,12 @@ def _route_match(spec: Fields) -> RouteMatch:
         models = [models]
     if not isinstance(models, list):
         raise RoutesFileError(spec.path("model"), "expected a model name or a list of them")
+    if "model" in spec and not models:
+        # Read as no condition, `model: []` beside `priority: batch` took every batch
+        # call, whatever model it named.
+        raise RoutesFileError(
+            spec.path("model"), "an empty list names no model; name one, or leave the key out"
+        )
     for index, model in enumerate(models):
         _model_name(model, f"{spec.path('model')}[{index}]")
     priority = spec.raw("priority", None)
@@ -259,6 +265,10 @@ def _route_match(spec: Fields) -> RouteMatch:
     low, high = _char_count(spec, "min_chars"), _char_count(spec, "max_chars")
     if low == 0:
         low = None  # every text has 0 characters or more: no condition (see is_catch_all)
+    if high == 0:
+        raise RoutesFileError(
+            spec.path("max_chars"), "0 matches no text (every text has a character or more)"
+        )
     if low is not None and high is not None and low > high:
         raise RoutesFileError(spec.where, "min_chars is greater than max_chars")
     header = (

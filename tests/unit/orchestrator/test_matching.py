@@ -224,6 +224,14 @@ def test_explain_names_the_route_why_others_were_skipped_and_the_backends(
             "routes[1].match: an empty match matches everything",
         ),
         (
+            ("match: {priority: batch}", "match: {model: [], priority: batch}"),
+            "routes[1].match.model: an empty list names no model",
+        ),
+        (
+            ("match: {min_chars: 1000, max_chars: 100000}", "match: {max_chars: 0}"),
+            "routes[2].match.max_chars: 0 matches no text",
+        ),
+        (
             ("  - name: batch\n    match: {priority: batch}\n", "  - name: batch\n"),
             "routes[1]: matches everything; the routes after it are never used",
         ),
