@@ -194,6 +194,22 @@ def test_a_load_report_is_trusted_for_a_second_past_its_queue_then_not() -> None
     assert load.wait_at(100.8 + REPORT_LIFETIME_SECONDS + 0.01) == 0.0
 
 
+def fallback_chain(**addresses: str) -> str:
+    """routes.yaml with one backend of topic-minilm per keyword (its name, its replica's
+    address), and one route: the first the primary, the others its fallbacks in order,
+    one attempt each."""
+    primary, *fallbacks = addresses
+    backends = "".join(
+        f"  {name}: {{model: topic-minilm, targets: ['{address}']}}\n"
+        for name, address in addresses.items()
+    )
+    return (
+        f"version: 1\nbackends:\n{backends}routes:\n  - name: default\n"
+        f"    backend: {primary}\n    fallback: [{', '.join(fallbacks)}]\n"
+        "    retry: {max_attempts: 1}\n"
+    )
+
+
 async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failure(
     capability: CapabilityServer, busy_pod: FlakyPod, tmp_path: Path
 ) -> None:
@@ -203,17 +219,7 @@ async def test_a_fallback_that_refuses_before_any_work_leaves_the_primarys_failu
     down = FlakyPod(capability.port, failing=True)
     await down.start()
     routes = tmp_path / "routes.yaml"
-    routes.write_text(
-        "version: 1\n"
-        "backends:\n"
-        f"  down: {{model: topic-minilm, targets: ['{down.address}']}}\n"
-        f"  busy: {{model: topic-minilm, targets: ['{busy_pod.address}']}}\n"
-        "routes:\n"
-        "  - name: default\n"
-        "    backend: down\n"
-        "    fallback: [busy]\n"
-        "    retry: {max_attempts: 1}\n"
-    )
+    routes.write_text(fallback_chain(down=down.address, busy=busy_pod.address))
     server = await orchestrator_with(routes)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -246,16 +252,9 @@ async def test_a_fallback_answer_is_counted_under_how_the_primary_failed(
         await pod.start()
     routes = tmp_path / "routes.yaml"
     routes.write_text(
-        "version: 1\n"
-        "backends:\n"
-        f"  refusing: {{model: topic-minilm, targets: ['{refusing.address}']}}\n"
-        f"  down: {{model: topic-minilm, targets: ['{down.address}']}}\n"
-        f"  live: {{model: topic-minilm, targets: ['127.0.0.1:{capability.port}']}}\n"
-        "routes:\n"
-        "  - name: default\n"
-        "    backend: refusing\n"
-        "    fallback: [down, live]\n"
-        "    retry: {max_attempts: 1}\n"
+        fallback_chain(
+            refusing=refusing.address, down=down.address, live=f"127.0.0.1:{capability.port}"
+        )
     )
     server = await orchestrator_with(routes)
     try:
