@@ -148,22 +148,26 @@ def _model_serving(spec: Fields, defaults: ModelServingSettings) -> ModelServing
     cache_hit_floor = spec.optional_number("cache_hit_floor")
     spec.refuse_unknown()
     if warm_texts is not None and not isinstance(warm_texts, str):
-        raise SettingsError(f"warm_texts {warm_texts!r} is not a file name")
+        raise FieldRefused(spec.path("warm_texts"), f"{warm_texts!r} is not a file name")
     try:
         batching = BatchingSettings(
             max_batch_size, max_wait_ms / 1000, queue_capacity, length_buckets
         )
     except SettingsError as exc:
         raise _refused_batching_key(spec, str(exc), max_wait_ms) from exc
-    return ModelServingSettings(
-        batching,
-        precision,
-        graph,
-        residency,
-        idle_seconds,
-        None if warm_texts is None else Path(warm_texts),
-        cache_hit_floor,
-    )
+    try:
+        return ModelServingSettings(
+            batching,
+            precision,
+            graph,
+            residency,
+            idle_seconds,
+            None if warm_texts is None else Path(warm_texts),
+            cache_hit_floor,
+        )
+    except SettingsError as exc:
+        # At the key's line, as a batching key's: these were put at the model's.
+        raise _refused_key(spec, str(exc)) from exc
 
 
 def _refused_batching_key(spec: Fields, message: str, max_wait_ms: float) -> FieldRefused:
@@ -177,6 +181,13 @@ def _refused_batching_key(spec: Fields, message: str, max_wait_ms: float) -> Fie
             spec.path("max_wait_ms"),
             f"max_wait_ms {spoken_number(max_wait_ms)} is outside 0..1000",
         )
+    return _refused_key(spec, message)
+
+
+def _refused_key(spec: Fields, message: str) -> FieldRefused:
+    """A setting's refusal, whose message starts with the setting's name, put to that
+    key of the file (its line), or to the model's entry when the file does not set it."""
+    field = message.split(" ", 1)[0]
     return FieldRefused(spec.path(field) if field in spec.raw_keys() else spec.where, message)
 
 

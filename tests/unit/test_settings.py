@@ -294,7 +294,7 @@ def test_per_model_settings_file_overrides_batching_and_names_bad_keys(tmp_path:
     assert static.graph == "eager"
     assert settings.default_serving().graph == "torchscript"
     config.write_text("topic-static:\n  graph: jit\n")
-    with pytest.raises(SettingsError, match=r"topic-static: graph 'jit' is not one of"):
+    with pytest.raises(SettingsError, match=r":2: topic-static\.graph: graph 'jit' is not one of"):
         CapabilitySettings(model_config=config).with_model_config()
     config.write_text("topic-static:\n  max_batch: 64\n")
     with pytest.raises(SettingsError, match=r"topic-static\.max_batch: unknown key"):

@@ -577,6 +577,19 @@ MISSPELT_CONFIG = "topic-static:\n  max_batch_size: 8\ntopic-minlm:\n  residency
             ":3: topic-static.length_buckets: length_buckets (64, 32) must be ascending positive "
             "integers",
         ),
+        # The other settings too (they were put at the model's line).
+        (
+            "  max_batch_size: 8\n  residency: ondemand\n",
+            ":3: topic-static.residency: residency 'ondemand' is not one of",
+        ),
+        (
+            "  max_batch_size: 8\n  cache_hit_floor: 1.5\n",
+            ":3: topic-static.cache_hit_floor: cache_hit_floor 1.5 is outside 0..1",
+        ),
+        (
+            "  max_batch_size: 8\n  warm_texts: [hot.txt]\n",
+            ":3: topic-static.warm_texts: ['hot.txt'] is not a file name",
+        ),
     ],
 )
 def test_a_batching_value_out_of_range_is_refused_at_its_own_line_and_key(
@@ -587,7 +600,9 @@ def test_a_batching_value_out_of_range_is_refused_at_its_own_line_and_key(
     config.write_text("topic-static:\n" + entry)
     with pytest.raises(SettingsError) as refused:
         CapabilitySettings(model_config=config).with_model_config()
-    assert str(refused.value) == f"--model-config / CAPABILITY_MODEL_CONFIG: {config}{refusal}"
+    assert str(refused.value).startswith(
+        f"--model-config / CAPABILITY_MODEL_CONFIG: {config}{refusal}"
+    )
 
 
 async def test_a_model_config_entry_for_a_model_not_served_stops_the_start(
