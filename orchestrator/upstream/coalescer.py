@@ -921,18 +921,17 @@ def _not_answered(exc: grpc.aio.AioRpcError) -> bool:
     replica slow from load answers some calls in time, and each answer resets its
     count."""
     code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+    if code in _NOT_ANSWERED:
         return True
     if code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return False
     return not any(key == REQUEST_ID_HEADER for key, _ in exc.trailing_metadata() or ())
 
 
-# The codes of an item's error that, on every item of a call, say the replica did not
-# answer (as _not_answered says of a failed call).
-_NOT_ANSWERED_CODES = frozenset(
-    code.value[0] for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
-)
+# The codes that say the replica did not answer: a failed call's (_not_answered), and,
+# on every item of a merged call, the items' errors' (as google.rpc.Status numbers).
+_NOT_ANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+_NOT_ANSWERED_CODES = frozenset(code.value[0] for code in _NOT_ANSWERED)
 
 
 def _record_gathered(item: UpstreamItem, now: float) -> None:

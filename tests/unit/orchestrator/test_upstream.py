@@ -380,5 +380,6 @@ async def test_a_replica_back_after_an_outage_is_dialled_within_the_capped_backo
                 break
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.05)
-        # The capped backoff (0.4 s, with jitter), a connection and a health check.
-        assert loop.time() - back_at < 1.5
+        # The capped backoff (0.4 s, with jitter), a connection and a health check; loose,
+        # for a busy machine (the dials above are what tell the cap from gRPC's backoff).
+        assert loop.time() - back_at < 2.5
