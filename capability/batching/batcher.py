@@ -397,7 +397,7 @@ class Batcher:
                 self._record(computed, outcome)
                 trace_batch(computed, outcome, self.bundle, self._device.name)
             non_finite = outcome.finite_rows.count(False)
-            fault = await self._non_finite_fault(non_finite, len(computed)) if non_finite else None
+            fault = await self._non_finite_fault(non_finite, computed) if non_finite else None
             for row, request in enumerate(computed):
                 if request.future.done():
                     continue  # the caller went away; the result has no one to go to
@@ -429,9 +429,11 @@ class Batcher:
                 ModelFault(f"the batch failed on {self._device.name}: {type(exc).__name__}"),
             )
 
-    async def _non_finite_fault(self, non_finite: int, computed: int) -> ServiceError:
-        """What the `non_finite` texts of a batch of `computed` that the model gave
-        non-finite scores are answered.
+    async def _non_finite_fault(
+        self, non_finite: int, computed: list[PendingRequest[TextResult]]
+    ) -> ServiceError:
+        """What the `non_finite` texts of the `computed` texts of a batch that the model
+        gave non-finite scores are answered.
 
         When it scored the batch's other texts, or scores a probe text alone now (one
         more forward, on this path only), the model works and these texts are what it
@@ -440,11 +442,23 @@ class Batcher:
         fails alike everywhere (an audit saw one text computed 12 times, and a healthy
         replica ejected, when these were retried). Otherwise the model itself is broken
         here: ModelFault, retried elsewhere, and the replica may be ejected."""
-        if non_finite < computed or await self._probe_scores():
+        if non_finite < len(computed) or await self._probe_scores():
             self._unscorable.inc(non_finite)
             return UnscorableText(
                 "the model gave non-finite scores for this text; it scores others"
             )
+        # No exception reached _finish, yet the batch failed as one that raised does:
+        # counted and logged alike, so the runbook's device check sees a broken model.
+        log.error(
+            "batch failed",
+            extra={
+                "model": self.name,
+                "worker": self._device.name,
+                "reason": "non-finite scores for every text, a probe text's included",
+                "request_ids": [request.request_id for request in computed],
+            },
+        )
+        self._batch_failures.inc()
         return ModelFault("the model produced non-finite scores")
 
     async def _probe_scores(self) -> bool:

@@ -10,6 +10,7 @@ still score it."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
+from capability.batching.batcher import PROBE_TEXT
 from capability.bundle import write_manifest
 from capability.metrics import BATCH_FAILURES_TOTAL, UNSCORABLE_TEXTS_TOTAL
 from capability.server import CapabilityServer
@@ -36,15 +38,18 @@ MODEL = "topic-minilm"
 POISON = "A zebra crossed the road"
 
 
-def model_root_with_a_poisoned_word(model_root: Path, root: Path) -> Path:
-    """topic-minilm version 1 whose embedding of "zebra" overflows to non-finite
-    scores; every other text scores as before."""
+def model_root_with_a_poisoned_word(
+    model_root: Path, root: Path, words: tuple[str, ...] = ("zebra",)
+) -> Path:
+    """topic-minilm version 1 whose embedding of each of `words` overflows to
+    non-finite scores; every other text scores as before."""
     bundle = root / MODEL / "1"
     shutil.copytree(model_root / MODEL / "1", bundle)
     (bundle / "manifest.json.sig").unlink(missing_ok=True)
-    word = Tokenizer.from_file(str(bundle / "tokenizer.json")).token_to_id("zebra")
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     embeddings = load_file(bundle / "embeddings.safetensors")
-    embeddings["embeddings.word_embeddings.weight"][word] = 3e38
+    for word in words:
+        embeddings["embeddings.word_embeddings.weight"][tokenizer.token_to_id(word)] = 3e38
     save_file(embeddings, bundle / "embeddings.safetensors")
     write_manifest(bundle)
     return root
@@ -80,6 +85,30 @@ async def test_the_capability_answers_the_text_unscorable_and_the_others(
     registry = poisoned.registry
     assert metric_sum(registry, UNSCORABLE_TEXTS_TOTAL, model=MODEL) == 2
     assert metric_sum(registry, BATCH_FAILURES_TOTAL, model=MODEL) == 0
+
+
+async def test_a_model_that_scores_no_text_is_a_counted_and_logged_batch_failure(
+    model_root: Path,
+    tmp_path: Path,
+    start_capability: StartCapability,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The probe text scores non-finite too, so the model is what is broken here: the
+    runbook's device check (the counter and the log line `batch failed`) must see it."""
+    probe_word = PROBE_TEXT.split()[1]  # "committee"
+    root = model_root_with_a_poisoned_word(model_root, tmp_path / "models", ("zebra", probe_word))
+    broken = await start_capability(model_root=root, models=(MODEL,))
+    with caplog.at_level(logging.ERROR, logger="capability"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{broken.port}") as channel:
+            stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+            failed = await refusal(stub.Classify(pb.ClassifyRequest(text=POISON)))
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(failed).reason == "MODEL_FAULT"
+    assert metric_sum(broken.registry, BATCH_FAILURES_TOTAL, model=MODEL) == 1
+    assert metric_sum(broken.registry, UNSCORABLE_TEXTS_TOTAL, model=MODEL) == 0
+    (line,) = [r for r in caplog.records if r.getMessage() == "batch failed"]
+    assert (line.model, line.worker) == (MODEL, "cpu:0")  # type: ignore[attr-defined]
+    assert "non-finite" in str(line.reason)  # type: ignore[attr-defined]
 
 
 async def test_the_front_door_neither_retries_nor_ejects_and_the_fallback_scores_it(
