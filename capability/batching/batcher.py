@@ -3,7 +3,7 @@ when the device is the replica's, hands them to the device thread and answers th
 
 Two named slots hold the batches handed to the device thread:
 
-    queue ──next_batch──────▶ running     computing now, or next in line on the device
+    queue ──take_batch──────▶ running     computing now, or next in line on the device
           ──take_full_batch─▶ following   already full: queued on the device thread
                                           behind `running`, so it starts the moment
                                           the device frees, not when this loop next
@@ -257,7 +257,11 @@ class Batcher:
 
     async def _serve_turn(self) -> None:
         """Run batches until the queue holds no full one (or another model waits)."""
-        self.running = self._submit(await self.queue.next_batch(self._select))
+        # Taken at once: the window was waited out before the turn. The head may have
+        # changed meanwhile (a more urgent text came, the head was withdrawn), and its
+        # new window, waited out here, kept the device idle and every other model
+        # waiting behind the turn.
+        self.running = self._submit(self.queue.take_batch(self._select))
         loop = asyncio.get_running_loop()
         while self.running is not None:
             if self.running.started_at is None:

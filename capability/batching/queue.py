@@ -395,6 +395,13 @@ class RequestQueue(Generic[ResultT]):
         evicted): the caller holds the device, and must not keep it waiting for more.
         """
         await self.wait_batch_ready()
+        return self.take_batch(select)
+
+    def take_batch(self, select: Select[ResultT] | None = None) -> list[PendingRequest[ResultT]]:
+        """Take the next batch now, as next_batch does once it is ready, without waiting:
+        for a caller that waited for the batch before it took the device (the head may
+        have changed since, and a new head's window would be waited out holding it).
+        Empty when the queue is."""
         head = self._head()
         return [] if head is None else self._take(head, select)
 

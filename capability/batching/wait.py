@@ -2,9 +2,10 @@
 
 Predictions come from the replica's learned service times (service_time.py),
 the batches already handed to the device thread (the batcher's `running` and
-`following` slots), and its queue as it stands: the device first finishes what
-it was handed, the queue ahead of a new text drains in full batches, then the
-text's own batch runs. They decide the retry-after hint of a full queue, the
+`following` slots, and those of the other models sharing the device), and its
+queue as it stands: the device first finishes what it was handed, the full
+batches of the queue ahead of a new text drain, then the text's own batch, which
+the queue's remainder joins, runs. They decide the retry-after hint of a full queue, the
 refusal of a text whose deadline is shorter than the device's handed-over work
 and its own batch, and the load report the capability sends with each answer.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from capability.batching.queue import RequestQueue
@@ -36,24 +37,37 @@ MIN_DRAIN_SECONDS = 0.001
 
 
 class WaitPredictor:
-    """One replica's wait predictions; `queue()` is its queue and `handed_over()` the
-    batches on its device thread (both its Batcher's)."""
+    """One replica's wait predictions; `queue()` is its queue, `handed_over()` the
+    batches it handed to its device thread (both its Batcher's), and `neighbours()` the
+    predictors of the other replicas on that device (other models, a retiring version),
+    whose handed-over batches are ahead of its texts too."""
 
     def __init__(
         self,
         settings: BatchingSettings,
         queue: Callable[[], RequestQueue[Any]],
         handed_over: Callable[[], tuple[SubmittedBatch | None, ...]] = tuple,
+        neighbours: Callable[[], Iterable[WaitPredictor]] = tuple,
     ):
         self.settings = settings
         self.service_time = ServiceTimeModel()
         self._queue = queue
         self._handed_over = handed_over
+        self._neighbours = neighbours
 
     def device_busy_seconds(self) -> float:
-        """Time the device needs to finish the batches already handed to it: what is
-        left of the one computing (by its predicted time), then the one behind it."""
+        """Time the device needs to finish the batches already handed to it, by every
+        replica on it: what is left of the one computing, then those behind it."""
         now = asyncio.get_running_loop().time()
+        busy = self.handed_over_seconds(now)
+        for neighbour in self._neighbours():
+            if neighbour is not self:
+                busy += neighbour.handed_over_seconds(now)
+        return busy
+
+    def handed_over_seconds(self, now: float) -> float:
+        """Time the device needs to finish this replica's batches handed to it, each by
+        its predicted time (less what has passed of the one computing)."""
         busy = 0.0
         for batch in self._handed_over():
             if batch is None:
@@ -65,18 +79,24 @@ class WaitPredictor:
         return busy
 
     def drain_seconds(self, depth: int) -> float:
-        """Time a queue of `depth` texts takes to drain in full batches of short texts."""
-        full_batches = math.ceil(depth / self.settings.max_batch_size)
+        """Time a queue of `depth` texts takes to drain in batches of short texts (the
+        retry-after hint of a full queue)."""
+        return max(self._full_batches_seconds(depth, math.ceil), MIN_DRAIN_SECONDS)
+
+    def _full_batches_seconds(self, depth: int, count: Callable[[float], int]) -> float:
+        """Time `count(depth / max_batch_size)` full batches of short texts take."""
         per_batch = self.service_time.predict(
             self.settings.max_batch_size, self.settings.length_buckets[0]
         )
-        return max(full_batches * per_batch, MIN_DRAIN_SECONDS)
+        return count(depth / self.settings.max_batch_size) * per_batch
 
     def queue_wait_seconds(self) -> float:
         """Time a text admitted now is expected to wait before its own batch starts: the
-        device's handed-over work, then the queue ahead of it."""
-        queue = self._queue()
-        return self.device_busy_seconds() + (self.drain_seconds(len(queue)) if queue else 0.0)
+        device's handed-over work, then the full batches of the queue ahead of it (a
+        remainder smaller than a batch joins the text's own, service_seconds)."""
+        depth = len(self._queue())
+        ahead = self._full_batches_seconds(depth, math.floor) if depth else 0.0
+        return self.device_busy_seconds() + ahead
 
     def service_seconds(self, tokens: int) -> float:
         """Time the batch a text of `tokens` tokens would join takes on the device."""

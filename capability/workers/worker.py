@@ -42,7 +42,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -238,9 +238,13 @@ class ModelReplica:
         self.shards: list[tuple[torch.device, range]] = []
         self.batcher: Batcher
         # Built before the Batcher, which takes its drain estimate for retry hints; it
-        # reads the Batcher's queue and device slots when asked.
+        # reads the Batcher's queue and device slots, and those of the other replicas
+        # on this device, when asked.
         self.predictor = WaitPredictor(
-            settings, lambda: self.batcher.queue, lambda: self.batcher.handed_over()
+            settings,
+            lambda: self.batcher.queue,
+            lambda: self.batcher.handed_over(),
+            worker.wait_predictors,
         )
         self.batcher = Batcher(
             bundle,
@@ -765,6 +769,14 @@ class DeviceWorker:
                 retry_after_seconds=0.5,
                 worker=self.name,
             )
+
+    def wait_predictors(self) -> Iterator[WaitPredictor]:
+        """The wait predictors of the replicas whose batches this device computes:
+        serving and retiring versions."""
+        for replica in self.replicas.values():
+            yield replica.predictor
+        for replica in self._retiring_replicas:
+            yield replica.predictor
 
     def held_bytes(self) -> int:
         """Footprints of the versions whose weights are on the device: serving, and

@@ -330,6 +330,73 @@ def device_takes_ten_seconds_a_batch(replica: ModelReplica, encoded: EncodedText
         replica.predictor.service_time.record(texts, len(encoded), 10.0)
 
 
+async def test_the_batching_window_is_not_waited_out_while_holding_the_device(
+    start_capability: StartCapability,
+) -> None:
+    """Batches of two and a 1 s window. While the device is held, two short
+    batch-priority texts fill a batch, so the loop asks for the device's turn; then a
+    long interactive text becomes the head, in another length bucket, its window just
+    opened. Once the loop has the turn it must serve at once: it waited out the new
+    head's window holding the turn, the device idle and every other model waiting
+    behind it (an audit: a 0.02 s call took 0.8 s). Bound: half the window."""
+    server = await start_capability(models=("topic-static",), max_batch_size=2, max_wait_ms=1000)
+    worker = server.pool.workers[0]
+    replica = worker.replicas["topic-static"]
+    loop = asyncio.get_running_loop()
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker):
+            filled = [
+                asyncio.ensure_future(
+                    stub.Classify(pb.ClassifyRequest(text=text, priority=pb.PRIORITY_BATCH))
+                )
+                for text in TEXTS[:2]
+            ]
+            await wait_until(lambda: queue_has(replica, 2))
+            await wait_until(lambda: worker.others_waiting, "the loop waiting for the turn")
+            long = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=" ".join(TEXTS))))
+            await wait_until(lambda: queue_has(replica, 3))
+            released_at = loop.time()
+        await long
+        answered_after = loop.time() - released_at
+        await asyncio.gather(*filled)
+    assert answered_after < 0.5, answered_after
+
+
+async def test_a_batch_of_another_model_on_the_device_is_ahead_of_this_models_texts(
+    start_capability: StartCapability,
+) -> None:
+    """topic-minilm and topic-static share the worker's device thread. A minilm batch
+    that the fit says takes 10 s is on it, and topic-static's queue is empty: a static
+    text with 2 s left is refused DEADLINE_UNREACHABLE at once, and static's load report
+    names the wait. Both counted only static's own batches: it reported no wait and
+    admitted the text, which expired queued, after its caller had waited."""
+    server = await start_capability(models=("topic-minilm", "topic-static"))
+    worker = server.pool.workers[0]
+    minilm = worker.replicas["topic-minilm"]
+    encoded = minilm.bundle.classifier.tokenize([TEXTS[0]])[0]
+    device_takes_ten_seconds_a_batch(minilm, encoded)
+    async with classify_stub(server) as stub:
+        async with device_occupied(worker, take_turn=False):
+            handed = minilm.admit(Admission(encoded, PRIORITY_INTERACTIVE, "m0", None))
+            await wait_until(lambda: minilm.batcher.running is not None, "minilm's batch")
+            report = pb.LoadReport.FromString(server.pool.load_report("topic-static"))
+            request = pb.ClassifyRequest(text=TEXTS[0], model="topic-static")
+            refused = await refusal(stub.Classify(request, timeout=2.0))
+            assert not handed.done()  # answered while the device was still held
+        await handed
+    assert report.predicted_queue_wait.ToNanoseconds() > 9e9
+    assert refused.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error_reason(refused) == "DEADLINE_UNREACHABLE"
+    assert "the device is busy for about" in (refused.details() or "")
+    stages = {
+        stage: metric_sum(
+            server.registry, DEADLINE_EXCEEDED_TOTAL, model="topic-static", stage=stage
+        )
+        for stage in ("admission", "queue")
+    }
+    assert stages == {"admission": 1, "queue": 0}
+
+
 async def test_a_batch_keeps_the_texts_that_end_in_time_and_is_topped_up_as_it_is_taken(
     start_capability: StartCapability,
 ) -> None:
@@ -699,21 +766,21 @@ async def test_crashed_batching_loop_restarts_and_serves_what_was_queued(
     server = await start_capability(models=("topic-minilm",))
     worker = server.pool.workers[0]
     replica = worker.replicas["topic-minilm"]
-    forming = replica.queue.next_batch
+    forming = replica.queue.take_batch
     crashes = 0
 
-    async def crash_once(*args: Any) -> Any:
+    def crash_once(*args: Any) -> Any:
         # Fault injection: a bug in the loop itself, not in the model (see _supervise).
         nonlocal crashes
         if crashes == 0:
             crashes += 1
             raise RuntimeError("injected fault in batch forming")
-        return await forming(*args)
+        return forming(*args)
 
     restarts = metric_sum(server.registry, WORKER_RESTARTS_TOTAL, worker=worker.name)
     async with classify_stub(server) as stub:
         async with device_occupied(worker):
-            monkeypatch.setattr(replica.queue, "next_batch", crash_once)
+            monkeypatch.setattr(replica.queue, "take_batch", crash_once)
             call = asyncio.ensure_future(stub.Classify(pb.ClassifyRequest(text=TEXTS[0])))
             await wait_until(lambda: len(replica.queue) == 1)
         response = await call

@@ -31,10 +31,17 @@ async def test_the_queue_ahead_drains_in_full_batches_then_the_own_batch_runs() 
     assert predictor.queue_wait_seconds() == 0.0
     alone = predictor.service_seconds(10)
     assert alone == pytest.approx(0.011, abs=0.001)
-    for n in range(6):
+    queue.admit(short_text(), priority=0, request_id="r0", deadline=None)
+    # One queued: no batch is ahead of a new text, which joins the queued one's (it was
+    # counted as a whole batch ahead, and again in the text's own batch: 431 ms
+    # reported for a 27 ms answer in an audit).
+    assert predictor.queue_wait_seconds() == 0.0
+    assert predictor.service_seconds(10) == pytest.approx(0.012, abs=0.001)
+    for n in range(1, 6):
         queue.admit(short_text(), priority=0, request_id=f"r{n}", deadline=None)
-    # Six queued: two full batches of four (14 ms each) ahead of a new text.
-    assert predictor.queue_wait_seconds() == pytest.approx(0.028, abs=0.002)
+    # Six queued: one full batch of four (14 ms) ahead of a new text, which joins the
+    # other two's.
+    assert predictor.queue_wait_seconds() == pytest.approx(0.014, abs=0.001)
     assert predictor.wait_seconds(10) > predictor.queue_wait_seconds()
 
 
@@ -114,3 +121,27 @@ async def test_a_batch_too_slow_for_some_deadlines_takes_the_most_texts_that_fit
     # When the whole batch ends in time, all go.
     assert predictor.texts_that_fit(tokens, [now + 0.05] * 4, now)[0] == (True,) * 4
     assert predictor.texts_that_fit([], [], now) == ((), 0.0)
+
+
+async def test_the_batches_other_models_handed_to_the_same_device_count_too() -> None:
+    """Two models share a worker's device thread: a batch of the first's on it is ahead
+    of any text of the second's, predicted by the first's own service times (an audit
+    saw the second report no wait, admit a 300 ms deadline and let it expire queued
+    while the first computed for 2 s)."""
+    settings = BatchingSettings(max_batch_size=4)
+    queue: RequestQueue[object] = RequestQueue(settings, retry_after=lambda depth: 0.01)
+    now = asyncio.get_running_loop().time()
+    slots = (handed_over_batch(4, None),)
+    slow = WaitPredictor(settings, lambda: queue, lambda: slots)
+    for size in (1, 2, 4, 8):
+        slow.service_time.record(size, 16, 0.100 * size)  # 400 ms a batch of four
+    fast = WaitPredictor(settings, lambda: queue, neighbours=lambda: (slow,))
+    for size in (1, 2, 4, 8):
+        fast.service_time.record(size, 16, 0.001 * size)
+    assert fast.device_busy_seconds() == pytest.approx(0.400, abs=0.001)
+    assert fast.queue_wait_seconds() == pytest.approx(0.400, abs=0.001)
+    refusal = fast.deadline_refusal(10, now + 0.300, now)
+    assert refusal is not None
+    assert "the device is busy for about 400 ms" in refusal.message
+    # Its own batches are not counted twice by a neighbour that lists it.
+    assert slow.device_busy_seconds() == pytest.approx(0.400, abs=0.001)
