@@ -12,6 +12,7 @@ import contextlib
 import math
 import re
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,9 +29,12 @@ from classify_client import (
     AsyncClassifyClient,
     BatchItem,
     ClassifyClient,
+    ClientError,
     DeadlineExpired,
     InternalError,
     InvalidRequest,
+    MessageTooLarge,
+    Overloaded,
     PollPolicy,
     RateLimited,
     ResultNotFound,
@@ -343,13 +347,22 @@ async def test_tls_with_the_servers_ca_file_answers_and_default_roots_do_not_tru
 ) -> None:
     make_certificates(tmp_path)
     once = RetryPolicy(max_attempts=1)
+    # A bundle as Mozilla's are written: comment lines, in UTF-8, between the
+    # certificates. gRPC trusts it; the client's own check raised TypeError on it.
+    commented = tmp_path / "commented-ca.pem"
+    commented.write_bytes(
+        "# Issuer: CN=Főtanúsítvány\n".encode() + (tmp_path / "ca.pem").read_bytes()
+    )
     async with tls_front_door(tmp_path, capability.port) as server:
         async with AsyncClassifyClient(target(server), ca_file=tmp_path / "ca.pem") as trusting:
             response = await trusting.classify(STRIKER)
+        with ClassifyClient(target(server), ca_file=commented) as trusting_commented:
+            commented_response = await asyncio.to_thread(trusting_commented.classify, STRIKER)
         async with AsyncClassifyClient(target(server), tls=True, retry=once) as default_roots:
             with pytest.raises(Unavailable) as untrusted:
                 await default_roots.classify(STRIKER, timeout=5)
     assert response.labels[0].name == "sports"
+    assert commented_response.labels[0].name == "sports"
     # Refused in the handshake: no server answered, so no reason and no trace ID; the
     # request ID is the one the client sent the call under.
     assert (untrusted.value.code, untrusted.value.reason, untrusted.value.trace_id) == (
@@ -905,6 +918,12 @@ def test_tls_files_that_cannot_work_are_refused_when_the_client_is_made(
         ClassifyClient(address, ca_file=not_pem)
     with pytest.raises(ValueError, match="holds no usable PEM CA certificate"):
         AsyncClassifyClient(address, ca_file=tmp_path / "client.key")
+    # A DER certificate, a common mistake for PEM: refused as not PEM (it raised
+    # TypeError, and the command-line client printed a traceback).
+    der = tmp_path / "ca.der"
+    der.write_bytes(ssl.PEM_cert_to_DER_cert((tmp_path / "ca.pem").read_text()))
+    with pytest.raises(ValueError, match=f"^ca_file {der} holds no usable PEM CA cert"):
+        ClassifyClient(address, ca_file=der)
     with pytest.raises(ValueError, match=r"are not a PEM certificate and its private key \("):
         ClassifyClient(
             address,
@@ -1155,3 +1174,25 @@ async def test_an_api_key_is_sent_without_surrounding_whitespace_and_a_blank_one
     ):
         response = await client.classify(STRIKER)
     assert response.labels[0].name == "sports"
+
+
+@pytest.mark.parametrize("kind", CLIENT_KINDS)
+async def test_a_message_over_grpcs_size_limit_is_a_client_error_not_an_overload(
+    kind: str, capability: CapabilityServer
+) -> None:
+    """gRPC refuses a request over 8 MiB itself: RESOURCE_EXHAUSTED with no reason. It
+    was Overloaded, whose contract is "retry after a while": a caller who did so looped
+    on a text that can never be sent."""
+    address = f"127.0.0.1:{capability.port}"
+    with pytest.raises(MessageTooLarge) as refused:
+        await classify_with(kind, address, "é" * 4_500_000)
+    error = refused.value
+    assert isinstance(error, ClientError)
+    assert not isinstance(error, Overloaded)
+    assert (error.code, error.reason, error.attempts) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "",
+        1,
+    )
+    assert "message larger than max" in error.message
+    assert CLIENT_MADE_REQUEST_ID.fullmatch(error.request_id)

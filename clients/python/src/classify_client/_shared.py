@@ -154,15 +154,30 @@ def channel_credentials(
     )
 
 
+# A PEM certificate block; what lies between blocks (a bundle's comment lines, in any
+# encoding) is not read, by gRPC nor here.
+PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL
+)
+
+
 def check_ca_bundle(ca_file: str | Path, data: bytes) -> None:
     """Refuse a CA file that holds no PEM certificate gRPC could trust."""
+    blocks = PEM_CERTIFICATE.findall(data)
+    if not blocks:
+        # DER, say, a common mistake: gRPC reads PEM only.
+        raise ValueError(
+            f"ca_file {ca_file} holds no usable PEM CA certificate (no PEM certificate block)"
+        )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
-        # A str is read as PEM (bytes would be DER, which gRPC does not read).
-        context.load_verify_locations(cadata=data.decode("latin-1"))
-    except ssl.SSLError as error:
+        # Only the blocks: ssl takes PEM as an ASCII str, and refused (TypeError) a
+        # bundle whose comment lines held any other byte, which gRPC trusts.
+        context.load_verify_locations(cadata="\n".join(b.decode("latin-1") for b in blocks))
+    except (ssl.SSLError, TypeError) as error:
+        reason = error.reason if isinstance(error, ssl.SSLError) else None
         raise ValueError(
-            f"ca_file {ca_file} holds no usable PEM CA certificate ({error.reason or error})"
+            f"ca_file {ca_file} holds no usable PEM CA certificate ({reason or error})"
         ) from None
 
 

@@ -5,6 +5,7 @@
     │   ├── InvalidRequest        INVALID_ARGUMENT, with one FieldViolation per broken rule
     │   ├── Unauthenticated       UNAUTHENTICATED: no, unknown or wrong API key
     │   ├── PermissionDenied      PERMISSION_DENIED: the key's role may not do this
+    │   ├── MessageTooLarge       RESOURCE_EXHAUSTED from gRPC itself: a message over its limit
     │   └── NotFound              NOT_FOUND
     │       ├── ModelNotFound
     │       └── ResultNotFound    GetResult: unknown or expired request ID
@@ -42,6 +43,7 @@ found in the server's logs and traces.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -57,6 +59,9 @@ RESULT_TRACE_ID = "result_trace_id"
 RESULT_KEPT = "result_kept"
 # The trailer in which gRPC servers send the google.rpc.Status with its details.
 STATUS_DETAILS_TRAILER = "grpc-status-details-bin"
+# gRPC's own refusal of a message over its size limit, sent or received ("Received
+# message larger than max (9000041 vs. 8388608)"): it carries no reason.
+GRPC_SIZE_LIMIT = re.compile(r"\b(?:Sent|Received) message larger than max\b")
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,12 @@ class InvalidRequest(ClientError):
 
 class Unauthenticated(ClientError):
     """The call carries no API key, or one the server does not accept."""
+
+
+class MessageTooLarge(ClientError):
+    """gRPC refused a message over its size limit (RESOURCE_EXHAUSTED "... message
+    larger than max", before any service code ran): send a smaller one. Not an
+    Overloaded, whose contract, retry after a while, would loop forever here."""
 
 
 class PermissionDenied(ClientError):
@@ -291,6 +302,8 @@ def error_from_status(
         elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             violations += _field_violations(detail)
     cls = ERROR_BY_REASON.get(info.reason) or ERROR_BY_CODE.get(code, InternalError)
+    if cls is Overloaded and not info.reason and GRPC_SIZE_LIMIT.search(status.message):
+        cls = MessageTooLarge
     if cls is DeadlineExpired and info.metadata.get(RESULT_KEPT) == "true":
         cls = StillProcessing  # get_result(request_id) fetches it later
     trailers = trailers or {}
