@@ -779,6 +779,56 @@ async def test_texts_failed_past_the_deadline_end_with_a_hint_about_the_timeout(
     )
 
 
+class StopsAfterOneBatch(SlowBatches):
+    """Answers the first ClassifyBatch call, then its server stops (`gone` is set once
+    it has)."""
+
+    def __init__(self) -> None:
+        super().__init__([0])
+        self.server: grpc.aio.Server | None = None
+        self.gone = asyncio.Event()
+
+    async def ClassifyBatch(  # noqa: N802 - the gRPC method's name
+        self, request: pb.ClassifyBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ClassifyBatchResponse:
+        # Stopping with a grace: this call is still answered, no later one is taken in.
+        assert self.server is not None
+        stopping = asyncio.ensure_future(self.server.stop(grace=5))
+        stopping.add_done_callback(lambda _: self.gone.set())
+        await asyncio.sleep(0.05)
+        return await super().ClassifyBatch(request, context)
+
+
+async def test_a_server_lost_after_the_first_call_gets_the_unreachable_hint_not_the_timeouts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The texts after the server went failed DEADLINE_EXCEEDED, having waited for it to
+    come back; the hint said to raise --timeout for a slow service, though no server
+    was there to be slow."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text(f"{SHORT}\n" * 1025)
+    servicer = StopsAfterOneBatch()
+    server = grpc.aio.server()
+    pb_grpc.add_ClassifyServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.server = server
+    await server.start()
+    place = f"127.0.0.1:{port}"
+    try:
+        status = await asyncio.to_thread(
+            main, ["--target", place, "--timeout", "1", "--file", str(lines)]
+        )
+    finally:
+        await server.stop(grace=0)
+    out, err = capsys.readouterr()
+    assert servicer.gone.is_set()
+    assert status == 1
+    last = out.splitlines()[1024]
+    assert last.split()[:2] == ["error", "DEADLINE_EXCEEDED:"], last
+    assert err.splitlines()[-1].startswith(f"hint: no server answered at {place}: "), err
+    assert "raise it" not in err
+
+
 class RefusingFrontDoor(pb_grpc.ClassifyServiceServicer):
     """Answers every Classify UNAVAILABLE with an ErrorInfo reason and no trace ID, as a
     server (or a proxy that speaks the service's errors) that was reached does."""

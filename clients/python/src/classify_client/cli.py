@@ -528,6 +528,9 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
     # One name for every call of the run, as one classify_batch gives its calls.
     request_id = checked_batch_request_id(args.request_id) or new_request_id()
     failed = late = 0
+    # A call that reached no server (it went after the first call): the hint is that
+    # nothing answered, not to raise --timeout for a slow service.
+    unreached: ClassifyError | None = None
     for number, chunk in enumerate(chunks):
         chunk_texts = [texts[index] for index in chunk]
         try:
@@ -563,9 +566,15 @@ def classify_file(client: ClassifyClient, texts: list[str], args: argparse.Names
             else:
                 print(format_item(item, text))
         failed += sum(not item.ok for item in items)
-        late += sum(failed_past_the_deadline(item.error) for item in items)
+        for item in items:
+            if item.error is not None and never_reached_a_server(item.error):
+                unreached = unreached or item.error
+            elif failed_past_the_deadline(item.error):
+                late += 1
         if len(chunk_texts) > len(chunk):
             break  # this call's error was also that of the texts after it
+    if unreached is not None:
+        print(unreachable_hint(args.target, unreached), file=sys.stderr)
     if late:
         texts_failed = f"{late} text{'s' if late != 1 else ''}"
         print(deadline_hint(texts_failed, args.timeout), file=sys.stderr)
