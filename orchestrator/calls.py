@@ -185,12 +185,14 @@ class RouteCaller:
         raise failure
 
     def _fail(self, call: UpstreamCall, backend: Backend, error: ServiceError) -> None:
-        """What a call that fails with `error` from `backend` leaves behind: the backend
-        and the attempts in its log line (as an answered call's), and the count of an
-        INTERNAL answer that no exception of ours raised."""
+        """What a call that fails with `error` from `backend` leaves behind: the backend,
+        the model it was bound for and the attempts in its log line (as an answered
+        call's), and the count of an INTERNAL answer that no exception of ours raised."""
         request_trace = current_trace()
         if request_trace is not None:
-            request_trace.log_fields.update(backend=backend.name, attempts=call.attempts)
+            request_trace.log_fields.update(
+                backend=backend.name, model=backend.model, attempts=call.attempts
+            )
         if isinstance(error, InternalError):
             self._on_internal_error()
 

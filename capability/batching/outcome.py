@@ -148,11 +148,6 @@ def trace_batch(
         emit_node(trace, H2D_COPY, marks.assembled, marks.copied, clock)
         emit_node(trace, CUDA_LAUNCH, marks.copied, marks.forwarded, {**clock, **model})
         emit_node(trace, POSTPROCESS, marks.forwarded, done, clock)
-        trace.log_fields.update(
-            model=model_name,
-            model_version=version,
-            worker=worker_name,
-            batch_size=len(batch),
-            tokens=len(request.encoded),
-        )
+        # The model, version and worker are there since admission (Admitter.admit_group).
+        trace.log_fields.update(batch_size=len(batch), tokens=len(request.encoded))
     batch_span.end(end_time=done)

@@ -146,14 +146,11 @@ def answered_from_cache(
 
 def record_cache_hit(request_trace: RequestTrace | None, replica: ModelReplica) -> None:
     """A cache hit's nodes: `queue_admit` at once, saying so, and the device nodes as
-    skipped (emit_skipped_nodes), so its trace still has all 17; its log line names the
-    model that answered, as a computed answer's does."""
+    skipped (emit_skipped_nodes), so its trace still has all 17. (Its log line names
+    the model that answered since admission, as a computed answer's does.)"""
     if request_trace is None:
         return
     worker = replica.worker.name
-    request_trace.log_fields.update(
-        model=replica.bundle.name, model_version=replica.bundle.version, worker=worker
-    )
     now = time.time_ns()
     attributes: dict[str, AttributeValue] | None = None
     if request_trace.makes_spans:
@@ -224,6 +221,14 @@ class Admitter:
     ) -> list[asyncio.Future[TextResult] | ServiceError]:
         """Tokenize texts bound for one replica (one call per `max_length`) and admit
         them in one step; each gets its future or the error that refused it."""
+        # Here, not as each is answered: a refused or failed text's log line names the
+        # model, version and worker too (the runbook looks for one failing worker).
+        bundle, worker = replica.bundle, replica.worker.name
+        for text in texts:
+            if text.trace is not None:
+                text.trace.log_fields.update(
+                    model=bundle.name, model_version=bundle.version, worker=worker
+                )
         replica.begin_arrival(len(texts))
         try:
             by_length: dict[int | None, list[int]] = {}

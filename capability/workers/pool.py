@@ -565,6 +565,13 @@ class WorkerPool:
         if self.draining:
             raise ServerDraining("the server is shutting down; send the request elsewhere")
         replica = self._least_loaded(model)
+        request_trace = current_trace()
+        if request_trace is not None:  # on every outcome's log line (Admitter.admit_group)
+            request_trace.log_fields.update(
+                model=replica.bundle.name,
+                model_version=replica.bundle.version,
+                worker=replica.worker.name,
+            )
         replica.begin_arrival()
         try:
             with node(TOKENIZE) as span:
@@ -582,7 +589,7 @@ class WorkerPool:
                 else None
             )
             if cached is not None:
-                record_cache_hit(current_trace(), replica)
+                record_cache_hit(request_trace, replica)
                 return cached
             if not replica.is_resident:
                 await self._bring_onto_device(replica, len(encoded), deadline)
@@ -599,7 +606,7 @@ class WorkerPool:
                     replica.worker.check_memory(model)
                     future = replica.admit(
                         Admission(
-                            encoded, priority_lane(priority), request_id, deadline, current_trace()
+                            encoded, priority_lane(priority), request_id, deadline, request_trace
                         )
                     )
                 except ServiceError as refused:

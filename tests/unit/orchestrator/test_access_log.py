@@ -19,6 +19,7 @@ from classify_common import interceptor
 from tests.conftest import (
     STRIKER,
     LineCollector,
+    StartCapability,
     StartOrchestrator,
     routes_text,
     wait_until,
@@ -71,6 +72,37 @@ async def test_a_failed_calls_line_names_the_backend_that_failed_and_the_attempt
     line = rpc_line(interceptor_log, "failing-1")
     assert (line["code"], line["reason"]) == ("UNAVAILABLE", "MODEL_UNAVAILABLE")
     assert (line["route"], line["backend"], line["attempts"]) == ("default", "pod", 3)
+    # The model it was bound for, as an answered call's line names the one that answered:
+    # the runbook greps failing calls' lines for one model.
+    assert line["model"] == "topic-minilm"
+
+
+async def test_a_capability_refusals_line_names_the_model_version_and_worker(
+    start_capability: StartCapability,
+    interceptor_log: LineCollector,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refused QUEUE_FULL on a worker whose queue is full: the line had none of `model`,
+    `model_version` and `worker`, which only an answered call's carried, so the runbook's
+    look for one failing worker in the failing calls' lines found nothing."""
+    server = await start_capability(models=("topic-static",), queue_capacity=1)
+    caplog.set_level(logging.INFO, logger=interceptor.__name__)
+    (worker,) = server.pool.workers
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        async with device_occupied(worker):
+            queued = asyncio.ensure_future(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="queued-1"))
+            )
+            await wait_until(lambda: len(worker.replicas["topic-static"].queue) == 1, "queued")
+            error = await refusal(
+                stub.Classify(pb.ClassifyRequest(text=STRIKER, request_id="refused-1"))
+            )
+        await queued
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    line = rpc_line(interceptor_log, "refused-1")
+    assert line["reason"] == "QUEUE_FULL"
+    assert (line["model"], line["model_version"], line["worker"]) == ("topic-static", "1", "cpu:0")
 
 
 async def test_a_processing_answers_line_says_the_budget_ran_out(
