@@ -267,7 +267,9 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
             if len(headers) < len(metadata):  # a key repeated (or a binary value)
                 mark_repeated_credentials(metadata, headers)
             server_span = start_server_span(span_name, metadata, span_attributes)
-            request_trace = RequestTrace(server_span, observe_node, observes_own_nodes=counts_nodes)
+            request_trace = RequestTrace(
+                server_span, observe_node, observes_own_nodes=counts_nodes, started=started
+            )
             bind_trace(request_trace)
             # Current for the whole call, so every node and outgoing call is its child.
             attached = otel_context.attach(request_trace.parent_context)

@@ -256,6 +256,10 @@ class RequestTrace:
     # where its call ends: a ClassifyBatch call's items count one each, and a call
     # answered PROCESSING counts when its work ends (classify_common.metrics).
     outcome_counted_elsewhere: bool = False
+    # When the request's handler began (time.perf_counter): what the request latency
+    # histogram times from, the front door's own steps (auth, rate limits, validation)
+    # included. A ClassifyBatch item's is its call's.
+    started: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         # Node spans cost tens of microseconds each: they are made only when

@@ -278,7 +278,7 @@ def item_trace(
         parent = None  # not a usable traceparent: the item stays in the call's trace
     if not call_trace.makes_spans:
         span = call_trace.server_span if parent is None else get_current_span(parent)
-        return RequestTrace(span, call_trace.observe_node)
+        return RequestTrace(span, call_trace.observe_node, started=call_trace.started)
     attributes: dict[str, str | int] = {CLASSIFY_REQUEST_ID: request_id}
     if index is not None:
         attributes[CLASSIFY_BATCH_INDEX] = index
@@ -288,7 +288,7 @@ def item_trace(
         links=() if parent is None else [Link(call_trace.server_span.get_span_context())],
         attributes=attributes,
     )
-    return RequestTrace(item_span, call_trace.observe_node)
+    return RequestTrace(item_span, call_trace.observe_node, started=call_trace.started)
 
 
 def item_time_left(

@@ -174,7 +174,9 @@ class Dispatcher:
         request_trace = current_trace()
         if request_trace is not None:
             request_trace.log_fields["route"] = route.name
-        started = time.perf_counter()
+            started = request_trace.started
+        else:
+            started = time.perf_counter()
         deadline = None
         if client_remaining is not None:
             deadline = asyncio.get_running_loop().time() + client_remaining

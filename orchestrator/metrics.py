@@ -249,7 +249,8 @@ class OrchestratorMetrics:
         )
         self.request_duration = Histogram(
             REQUEST_DURATION_SECONDS,
-            "Classify calls from routing to answer, by route, answering model and code.",
+            "Classify calls (and ClassifyBatch items) from the handler's start to the"
+            " answer, by route, answering model and code.",
             ["route", "model", "code"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=registry,

@@ -30,7 +30,11 @@ from classify_common.errors import (
     status_for,
 )
 from classify_common.settings import SettingsError
-from orchestrator.metrics import API_KEYS_RELOADS_TOTAL, RATE_LIMITED_TOTAL
+from orchestrator.metrics import (
+    API_KEYS_RELOADS_TOTAL,
+    RATE_LIMITED_TOTAL,
+    REQUEST_DURATION_SECONDS,
+)
 from orchestrator.results import LocalResultStore
 from orchestrator.security import hash_key, new_key
 from orchestrator.security.limits import TokenBucketSettings
@@ -780,6 +784,27 @@ async def test_a_deadline_before_the_budget_keeps_the_result_though_redis_answer
                 f"the kept result of {request_id}",
                 limit_seconds=10,
             )
+
+
+async def test_the_request_latency_histogram_times_the_front_doors_own_steps(
+    capability: CapabilityServer, start_shared: StartShared, redis_server: RedisServer
+) -> None:
+    """Redis stalled: the call's rate-limit check waits out the 300 ms state timeout
+    before the process's share answers it. The histogram the latency objective reads
+    began timing after routing, so this wait, like any of auth, rate limits and
+    validation, never showed in it nor in its alert."""
+    server = await start_shared(capability, burst=100, state_timeout_ms=300)
+    await classify(server)  # connections opened and the script loaded
+    labels = {"route": "default", "code": "OK"}
+    before = metric_sum(server.registry, REQUEST_DURATION_SECONDS + "_sum", **labels)
+    redis_server.pause()
+    try:
+        await classify(server, within=5)
+    finally:
+        redis_server.resume()
+    waited = metric_sum(server.registry, REQUEST_DURATION_SECONDS + "_sum", **labels) - before
+    assert state_outcomes(server, "rate_limit")["timeout"] == 1
+    assert waited >= 0.25, waited
 
 
 async def test_a_stalled_redis_still_answers_calls_and_batches_with_their_ids_in_time(
