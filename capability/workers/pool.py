@@ -686,9 +686,11 @@ class WorkerPool:
                     waiting.append((index, admission))
         try:
             answers = await self._answers_of(waiting, outcomes, on_refused)
-        except asyncio.CancelledError:
+        except BaseException:
+            # The caller went, or its early answer could not be sent: the texts still
+            # queued are abandoned (their futures cancelled), and their places free now.
             for replica in {replica for replica, _ in routed}:
-                replica.batcher.withdraw_gone()  # the caller went: its places are free now
+                replica.batcher.withdraw_gone()
             raise
         for (index, _), answer in zip(waiting, answers, strict=True):
             outcomes[index] = _as_outcome(answer, self._on_internal_error)

@@ -36,6 +36,7 @@ from capability.metrics import (
 )
 from capability.model import EncodedText
 from capability.server import CapabilityServer
+from capability.workers.admission import TextRequest
 from classify_common.context import EARLY_RESULTS_HEADER, EARLY_RESULTS_REQUEST_HEADER
 from classify_common.errors import ExpiredInQueue, ModelFault, ServerDraining
 from classify_common.metrics import NODE_DURATION_SECONDS
@@ -43,6 +44,7 @@ from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import unpack
 from tests.unit.capability.test_residency import copy_under_names, room_for
+from tests.unit.capability.test_serving import device_occupied
 from tests.unit.capability.test_serving import TEXTS, classify_stub, device_occupied
 
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
@@ -700,3 +702,29 @@ async def test_a_batch_for_two_models_cancelled_while_one_waits_leaves_nothing_q
         # Answered, not QUEUE_FULL; and none of the withdrawn texts was computed.
         await stub.Classify(pb.ClassifyRequest(text=STRIKER, model="static-a"), timeout=30)
     assert metric_sum(server.registry, MODEL_TEXTS_TOTAL, model="static-a") == computed + 1
+
+
+async def test_a_failed_early_answer_frees_the_places_of_the_texts_it_abandons(
+    start_capability: StartCapability,
+) -> None:
+    """The refusals of a batch call are sent first (on_refused, the early answer); when
+    that send fails (the connection broke), the texts still queued are abandoned. Only
+    a cancelled call freed their places: after any other failure they held them until
+    a batch or their timers took them, refusing others QUEUE_FULL meanwhile and counted
+    as evicted at their deadlines."""
+    server = await start_capability(models=("topic-static",))
+    (worker,) = server.pool.workers
+    replica = worker.replicas["topic-static"]
+    now = asyncio.get_running_loop().time()
+
+    async def connection_lost(refusals: object) -> None:
+        raise RuntimeError("the early answer could not be sent")
+
+    texts = [
+        TextRequest("topic-static", STRIKER, None, PRIORITY_INTERACTIVE, "late", now - 1),
+        TextRequest("topic-static", STRIKER, None, PRIORITY_INTERACTIVE, "queued", None),
+    ]
+    async with device_occupied(worker):
+        with pytest.raises(RuntimeError, match="could not be sent"):
+            await server.pool.classify_many(texts, connection_lost)
+        assert len(replica.queue) == 0
