@@ -44,7 +44,6 @@ from classify_common.nodes import BATCH_SPAN_NAME, NODES
 from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import unpack
 from tests.unit.capability.test_residency import copy_under_names, room_for
-from tests.unit.capability.test_serving import device_occupied
 from tests.unit.capability.test_serving import TEXTS, classify_stub, device_occupied
 
 CAPABILITY_NODES = [node.name for node in NODES if node.service == "capability"]
