@@ -31,7 +31,7 @@ one text on all cores.
 Prints two tables (markdown), writes build/bench/front_door.json and a plot of
 throughput against p99 per system, build/bench/front_door.png.
 
-    python bench/front_door.py [--device cpu|cuda] [--seconds 5] [--orchestrator-processes 1]
+    python bench/front_door.py [--device cpu|cuda|cuda:N] [--seconds 5] [--orchestrator-processes 1]
         [--torch-threads N] [--front-door-only]
 """
 
@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import statistics
 import sys
@@ -409,9 +410,25 @@ class FrontDoorBench:
             self.run(system, MODEL, CONCURRENCY, unary_call(), {name: server}, server)
 
 
+def bench_device(text: str) -> str:
+    """The device the bench measures on, as the capability's --device takes it: `cuda`
+    is cuda:0, where the in-process ceiling runs (the capability refuses a bare `cuda`,
+    and `make gpu-check`'s sweep failed on every GPU machine for it)."""
+    if text == "cuda":
+        return "cuda:0"
+    if text == "cpu" or re.fullmatch(r"cuda:(0|[1-9][0-9]*)", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: the capability's device")
+    parser.add_argument(
+        "--device",
+        type=bench_device,
+        default="cpu",
+        help="cpu, cuda (cuda:0) or cuda:N: the device of the capability and the ceiling",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="load per level")
     parser.add_argument(
         "--orchestrator-processes", type=int, default=1, help="its --processes (>1: with Redis)"

@@ -33,7 +33,9 @@ from bench.harness import (
 )
 from bench.load_clients import UNANSWERED, ProcessShare, is_late, percentile
 from bench.naive_server import NaiveServicer
+from capability.config import CapabilitySettings
 from capability.server import CapabilityServer
+from classify_common.settings import SettingsError
 from orchestrator.routing import load_routes
 from orchestrator.security import load_api_keys
 from orchestrator.server import OrchestratorServer
@@ -510,3 +512,20 @@ def test_a_phase_whose_callers_took_the_machine_says_so() -> None:
     caveat = callers_caveat({"cores_used": {"client": 1.35}}, cpus=2)
     assert "took 1.35 of the 2 cores" in caveat
     assert callers_caveat({"cores_used": {"client": 1.35}}, cpus=8) == ""
+
+
+@pytest.mark.parametrize(("asked", "served_on"), [("cpu", "cpu"), ("cuda", "cuda:0")])
+def test_the_front_door_bench_starts_the_capability_on_a_device_it_accepts(
+    asked: str, served_on: str
+) -> None:
+    """`make gpu-check`'s sweep asks for `--device cuda`, which the capability refuses
+    (it takes cuda:N): the sweep failed on every GPU machine, healthy or not. What the
+    bench hands on names one device, the one its in-process ceiling measures."""
+    device = front_door.bench_device(asked)
+    assert device == served_on
+    if device == "cpu":
+        assert CapabilitySettings(device=device).device == "cpu"
+        return
+    # No GPU here: refused for want of the device, not for the way it is written.
+    with pytest.raises(SettingsError, match="this machine has"):
+        CapabilitySettings(device=device)
