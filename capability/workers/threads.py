@@ -32,15 +32,23 @@ from torch import Tensor
 
 def cpu_threads_per_worker(cpu_workers: int, torch_threads: int = 0) -> int:
     """torch intra-op threads for each CPU worker's device thread: `torch_threads`, or
-    with 0 all cores split between the CPU workers.
+    with 0 all usable cores split between the CPU workers.
 
     All cores, with none kept back for the serving loop: measured on 2 cores through
     the front door (alternated A/B, 32 and 128 clients), two threads served 349-357
     and 442-447 requests/s, one thread 273-287 and 302-319. The loop's ~0.4 ms of CPU
     per request is worth less than the core it would keep idle.
     """
-    cores = os.cpu_count() or 1
-    return torch_threads or max(1, cores // max(1, cpu_workers))
+    return torch_threads or max(1, usable_cores() // max(1, cpu_workers))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one
+    (a container's cpuset, `taskset`), which os.cpu_count() ignores, counting the
+    host's every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def use_intra_op_threads(threads: int) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -153,3 +156,19 @@ class _Spy:
 
     def score(self, fn: object, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return self._lanes.score(self._score, input_ids, attention_mask)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to tell one from all")
+def test_all_cores_are_those_the_process_may_run_on() -> None:
+    """A container's cpuset (or `taskset`) limits the cores a process may run on, but
+    os.cpu_count() counts the host's: every CPU worker took the host's cores, more
+    threads than it could run."""
+    script = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from capability.workers.threads import cpu_threads_per_worker; "
+        "print(cpu_threads_per_worker(1))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "1"

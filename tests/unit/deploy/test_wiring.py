@@ -212,12 +212,20 @@ def test_compose_gpu_replicas_each_reserve_their_own_gpu() -> None:
 
 
 def test_compose_cpu_profile_reserves_no_gpu_and_runs_on_the_cpu() -> None:
+    threads = set()
     for service in CAPABILITY_CPU_SERVICES:
         spec = compose_services()[service]
         assert spec["profiles"] == ["cpu"]
         assert "deploy" not in spec
-        assert capability_settings(compose_environment(service)).device == "cpu"
+        settings = capability_settings(compose_environment(service))
+        assert settings.device == "cpu"
         assert spec["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+        threads.add(settings.torch_threads)
+    # Named, the same for both: left at 0, each replica took every core of the host,
+    # and the two on one host ran twice as many compute threads as it has cores (the
+    # oversubscription capability/workers/threads.py measures as a loss).
+    (each,) = threads
+    assert each > 0
 
 
 @pytest.mark.parametrize("service", SERVER_SERVICES)
