@@ -20,6 +20,11 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+# NOTE: torch.cuda.utilization reads NVML through pynvml (nvidia-ml-py), which torch
+# does not depend on: without it classify_device_utilisation was never exported on any
+# GPU. Imported here, unused, so that the capability's requirements must declare it
+# (tools/check_imports.py); loading it touches no driver.
+import pynvml  # type: ignore[import-untyped]  # noqa: F401
 import torch
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -98,10 +103,7 @@ def read_device_memory(device: torch.device) -> DeviceMemory | None:
     if device.type != "cuda":
         return None
     _, total = torch.cuda.mem_get_info(device)
-    try:
-        utilisation: float | None = torch.cuda.utilization(device) / 100
-    except (ModuleNotFoundError, RuntimeError):  # no pynvml / NVML here
-        utilisation = None
+    utilisation = _utilisation(device)
     return DeviceMemory(
         allocated_bytes=torch.cuda.memory_allocated(device),
         reserved_bytes=torch.cuda.memory_reserved(device),
@@ -166,9 +168,11 @@ class DeviceMemoryCollector(Collector):
 
 
 def _utilisation(device: torch.device) -> float | None:
+    """NVML's busy share of a CUDA device, 0..1; None on the CPU, or where NVML cannot
+    be read (no driver library in the container)."""
     if device.type != "cuda":
         return None
     try:
         return float(torch.cuda.utilization(device)) / 100
-    except (ModuleNotFoundError, RuntimeError):  # no pynvml / NVML here
+    except (ModuleNotFoundError, RuntimeError):
         return None
