@@ -42,7 +42,7 @@ PROMTOOL := build/tools/promtool
 # Debian's Redis, unpacked without root, for the tests of shared state (tools/redis_server.py).
 REDIS_SERVER := build/tools/redis/redis-server
 
-.PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock clean check-routes \
+.PHONY: help setup ssh-keygen run test lint proto dist bundles buf-lint buf-breaking ruff mypy pytest lock lock-upgrade clean check-routes \
 	check-deps lint-on-both-cores \
 	lint-deploy bench bench-capability bench-models bench-front-door bench-overload bench-gate gpu-check
 
@@ -65,7 +65,8 @@ help:
 	@echo "make bench-overload  goodput, late answers and refusals when callers far outnumber capacity"
 	@echo "make bench-gate  the performance gate make test runs: ratios to adjacent ceilings (about 1 minute)"
 	@echo "make gpu-check  on a CUDA machine: a worker per GPU, batch-size sweep, TF32, the stack's sweep"
-	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock"
+	@echo "make lock   re-resolve requirements/*.in into hash-pinned requirements/*.lock, keeping locked versions"
+	@echo "make lock-upgrade  the same, every package at its newest allowed release"
 	@echo "make clean  remove the virtualenv, build/, generated stubs and caches"
 
 setup: $(VENV_STAMP) $(STUB_STAMP) ssh-keygen
@@ -201,6 +202,10 @@ $(REDIS_SERVER): | $(VENV_STAMP)
 # Every lock, from every .in, in one run (tools/lock.py): needs PyPI.
 lock: $(VENV_STAMP)
 	$(PY) tools/lock.py
+
+# Every package at the newest release its .in allows (`make lock` keeps locked versions).
+lock-upgrade: $(VENV_STAMP)
+	$(PY) tools/lock.py --upgrade
 
 # Under 10 minutes in all on the 2-core development machine.
 bench: bench-models bench-capability bench-front-door bench-overload

@@ -1,6 +1,6 @@
 """Resolve requirements/*.in into hash-pinned locks: `make lock` runs this, and only this.
 
-    python tools/lock.py [--check]
+    python tools/lock.py [--check] [--upgrade]
 
 Each lock names every package its installed set needs, direct and transitive, as
 `name==version --hash=sha256:...`, and is installed with
@@ -13,7 +13,10 @@ resolver (`pip install --dry-run --report`), which records the sha256 of every f
 picked: the wheel for CPython 3.11 on Linux x86_64, as both images and our machines are.
 
 - dev.lock is resolved first; the other sets are resolved under its pins as constraints,
-  so a package has the same version and hash in every lock it appears in.
+  so a package has the same version and hash in every lock it appears in. A package
+  the locks already pin keeps its version (given to dev's resolution as a constraint),
+  so a new requirement adds itself and what it needs, and nothing else moves;
+  `--upgrade` (`make lock-upgrade`) resolves everything afresh.
 - Packages in requirements/no-deps.txt are resolved without their dependencies, at the
   pin given there, into every lock whose .in names them.
 - torch goes into torch-cpu.lock alone and is installed in its own step: the build served
@@ -201,12 +204,27 @@ def render_own_step(lock: str, pin: Pin, source: str) -> str:
     )
 
 
-def write_locks(out: Path) -> None:
-    """Resolve every set and write its lock (and the own-step locks) into `out`."""
+def locked_versions(directory: Path) -> list[str]:
+    """`name==version` of every package the locks in `directory` pin now."""
+    pinned = []
+    for lock in sorted(directory.glob("*.lock")):
+        for line in lock.read_text().splitlines():
+            match = re.match(r"([A-Za-z0-9._-]+)==([^\s;]+)", line)
+            if match is not None:
+                pinned.append(f"{normalize(match.group(1))}=={match.group(2)}")
+    return sorted(set(pinned))
+
+
+def write_locks(out: Path, keep: list[str] | None = None) -> None:
+    """Resolve every set and write its lock (and the own-step locks) into `out`; `keep`
+    (`name==version` lines) constrains dev's resolution, whose pins constrain the rest."""
     no_deps = no_deps_pins()
     own_step: dict[str, tuple[Pin, str]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         constraints: Path | None = None
+        if keep:
+            constraints = Path(scratch) / "kept-pins.txt"
+            constraints.write_text("".join(f"{line}\n" for line in keep))
         for name in LOCKED_SETS:
             lines = requirement_lines(name)
             skipped = sorted({str(requirement_name(line)) for line in lines} & set(no_deps))
@@ -218,7 +236,7 @@ def write_locks(out: Path) -> None:
                     own_step[pin.name] = (pin, name)
             kept = [pin for pin in pins if pin.name not in OWN_STEP]
             (out / f"{name}.lock").write_text(render(name, kept, unresolved))
-            if constraints is None:
+            if name == LOCKED_SETS[0]:
                 constraints = Path(scratch) / "dev-pins.txt"
                 constraints.write_text("".join(f"{p.name}=={p.version}\n" for p in pins))
     for package, (lock, _) in OWN_STEP.items():
@@ -249,13 +267,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="resolve nothing; exit 1 if a lock is out of date with its requirement files",
     )
+    parser.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="resolve every package afresh (the newest releases the .in files allow); "
+        "without it a package already locked keeps its version",
+    )
     args = parser.parse_args(argv)
     if args.check:
         stale = stale_locks(REQUIREMENTS)
         for lock in stale:
             print(f"{lock} is out of date with its requirement files: run `make lock`")
         return 1 if stale else 0
-    write_locks(REQUIREMENTS)
+    # NOTE: kept unless asked: adding one package took every other package's newest
+    # patch release with it (grpcio among them), and each is a change to test.
+    write_locks(REQUIREMENTS, None if args.upgrade else locked_versions(REQUIREMENTS))
     return 0
 
 

@@ -71,6 +71,24 @@ def test_a_package_has_the_same_version_and_hash_in_every_lock() -> None:
             assert first[1] == pin, f"{package}: {first[0]}.lock has {first[1]}, {name}.lock {pin}"
 
 
+def test_make_lock_keeps_every_version_the_locks_pin(tmp_path: Path) -> None:
+    """What `make lock` hands pip's resolver as constraints, unless --upgrade: every
+    package each lock pins, at its version (the own-step torch included, without its
+    local label). Without them, adding one package took the newest patch release of
+    every other, grpcio among them."""
+    for name in ALL_LOCKS:
+        shutil.copy(REQUIREMENTS / f"{name}.lock", tmp_path)
+    kept = lock.locked_versions(tmp_path)
+    expected = {
+        f"{package}=={version}"
+        for name in ALL_LOCKS
+        for package, (version, _) in pins(name).items()
+    }
+    assert set(kept) == expected
+    assert "torch==2.13.0" in kept
+    assert len(kept) == len(set(kept))
+
+
 @pytest.mark.parametrize("name", lock.LOCKED_SETS)
 def test_every_declared_package_is_in_its_lock(name: str) -> None:
     declared = {
