@@ -19,7 +19,8 @@ as it was taken in, while its event loop ran less than a millisecond behind.
 So the gate watches the time each call has left when its handler begins. While
 more than `max_late_share` of a tenant's recent calls with deadlines arrived
 with less than LATE_SECONDS left (less than the orchestrator keeps to answer, so
-they are refused anyway), the front door is behind for that tenant: its calls
+they are refused anyway), and one still arrived late in the last
+RECENT_LATE_SECONDS, the front door is behind for that tenant: its calls
 are refused at once, before validation and routing, with RESOURCE_EXHAUSTED
 (FRONT_DOOR_BUSY) and a retry-after hint. Those with time left get the hint
 while their callers still wait, and so do the late ones whose last few
@@ -45,6 +46,7 @@ All methods run on the event loop thread.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -64,6 +66,13 @@ SMOOTHING = 0.02
 # calls expire in gRPC's queue before any handler runs, and the few that arrive
 # must keep the share up between them.
 HALF_LIFE_SECONDS = 10.0
+# The front door is behind only while late calls still arrive: one within this many
+# seconds. The share is how far behind; this, whether it still is. Without it, a share
+# raised by a crowd that has since left came down only by calls in time and with
+# time, and the crowd's refused callers, told to wait up to MAX_HINT_SECONDS, sent
+# none: after a collapse under 1,024 callers, 32 callers arriving in time were all
+# refused for the seconds after (`make bench-overload`, "healthy right after": 0 OK).
+RECENT_LATE_SECONDS = 1.0
 # Retry-after hints: at least this, at most MAX_HINT_SECONDS, jittered by ±JITTER.
 MIN_HINT_SECONDS = 0.05
 MAX_HINT_SECONDS = 5.0
@@ -94,8 +103,9 @@ class FrontDoorBacklog:
         self.settings = settings
         self._clock = clock
         # Per tenant: the smoothed share of its calls with deadlines that arrived late,
-        # and when it was last updated.
+        # and when it was last updated; and when its last late call arrived.
         self._shares: dict[str, tuple[float, float]] = {}
+        self._last_late: dict[str, float] = {}
         # Retry-after hints, spread over the rate calls are taken in.
         self._pacer = RetryPacer(
             clock=clock,
@@ -111,19 +121,28 @@ class FrontDoorBacklog:
         return share * float(0.5 ** ((self._clock() - updated) / HALF_LIFE_SECONDS))
 
     def behind(self, tenant: str) -> bool:
+        """Whether the tenant's calls are refused now: over its share of late arrivals,
+        and one arrived late lately (RECENT_LATE_SECONDS)."""
+        return self._behind(tenant, self.late_share(tenant), self._clock())
+
+    def _behind(self, tenant: str, share: float, now: float) -> bool:
         limit = self.settings.max_late_share
-        return limit > 0 and self.late_share(tenant) > limit
+        if limit <= 0 or share <= limit:
+            return False
+        return now - self._last_late.get(tenant, -math.inf) < RECENT_LATE_SECONDS
 
     def admit(self, tenant: str, time_left: float | None) -> None:
         """Count a call of `tenant` whose handler began with `time_left` seconds (None: no
         deadline); FrontDoorBusy while the front door is behind for the tenant."""
         # A call without a deadline was taken in with all the time it wants: in time.
         late = time_left is not None and time_left < LATE_SECONDS
+        now = self._clock()
         share = self.late_share(tenant)
         share += SMOOTHING * (float(late) - share)
-        self._shares[tenant] = (share, self._clock())
-        limit = self.settings.max_late_share
-        if limit <= 0 or share <= limit:
+        self._shares[tenant] = (share, now)
+        if late:
+            self._last_late[tenant] = now
+        if not self._behind(tenant, share, now):
             self._pacer.count()  # it gets past the door
             return
         raise FrontDoorBusy(

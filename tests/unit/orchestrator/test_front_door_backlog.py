@@ -22,6 +22,7 @@ from orchestrator.policy.backlog import (
     JITTER,
     MAX_HINT_SECONDS,
     MIN_HINT_SECONDS,
+    RECENT_LATE_SECONDS,
     BacklogSettings,
     FrontDoorBacklog,
 )
@@ -172,6 +173,33 @@ def test_the_share_fades_with_time_so_old_news_refuses_no_one() -> None:
     assert backlog.behind("a")
     now[0] = 30.0
     backlog.admit("a", 0.2)
+    assert not backlog.behind("a")
+
+
+def test_once_no_call_arrives_late_the_door_opens_whatever_the_share() -> None:
+    """A crowd arrived late, then left: its share stays high (calls in time bring it
+    down one by one, and time slowly), but no late call comes any more. The callers
+    that come then, in time, were all refused for the seconds after, told to wait
+    up to 5 s each (`make bench-overload`: 0 OK in its "healthy right after" phase);
+    they are let in a second after the last late call. While late calls still come,
+    the door stays shut."""
+    now = [0.0]
+    backlog = FrontDoorBacklog(BacklogSettings(max_late_share=0.1), clock=lambda: now[0])
+    for index in range(200):  # two seconds of a crowd whose calls arrive late
+        now[0] = index / 100
+        with contextlib.suppress(FrontDoorBusy):
+            backlog.admit("a", 0.0)
+    assert backlog.late_share("a") > 0.8
+    now[0] = 2.5  # half a second after the last late call: still behind
+    with pytest.raises(FrontDoorBusy):
+        backlog.admit("a", None)
+    now[0] = 3.0 + RECENT_LATE_SECONDS / 2
+    with pytest.raises(FrontDoorBusy):
+        backlog.admit("a", 0.005)  # late again: the crowd is still there
+    now[0] += RECENT_LATE_SECONDS + 0.01
+    assert backlog.late_share("a") > 0.5
+    for _ in range(32):
+        backlog.admit("a", None)  # none refused
     assert not backlog.behind("a")
 
 
