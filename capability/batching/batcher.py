@@ -56,6 +56,7 @@ from capability.batching.settings import BatchingSettings
 from capability.batching.wait import WaitPredictor
 from capability.bundle import LoadedBundle
 from capability.metrics import (
+    DEADLINE_STAGE_ADMISSION,
     DEADLINE_STAGE_DEVICE,
     DEADLINE_STAGE_QUEUE,
     CapabilityMetrics,
@@ -176,6 +177,9 @@ class Batcher:
             stage: metrics.deadline_exceeded.labels(model, stage)
             for stage in (DEADLINE_STAGE_QUEUE, DEADLINE_STAGE_DEVICE)
         }
+        # Counted by the pool (a refusal at admission), made here with the other two so
+        # that all three stages are exported from the model's load, at 0.
+        metrics.deadline_exceeded.labels(model, DEADLINE_STAGE_ADMISSION)
         self._batch_failures = metrics.batch_failures.labels(model, worker)
         self._unscorable = metrics.unscorable_texts.labels(model)
         self._restarts = metrics.worker_restarts.labels(worker)

@@ -851,3 +851,14 @@ async def test_the_service_time_fit_starts_from_warm_forwards_only(
     server = await start_capability(models=("topic-minilm",), memory_warm_up=memory_warm_up)
     replica = server.pool.workers[0].replicas["topic-minilm"]
     assert replica.predictor.service_time.observations == len(WARM_UP_SHAPES)
+
+
+async def test_every_stage_a_deadline_can_pass_at_is_exported_from_the_load_at_zero(
+    start_capability: StartCapability,
+) -> None:
+    """`admission` appeared only once a text was refused there, so a query of its rate
+    read "no data" rather than 0 (queue and device were there from the load)."""
+    server = await start_capability(models=("topic-static",))
+    for stage in ("admission", "queue", "device"):
+        labels = {"model": "topic-static", "stage": stage}
+        assert server.registry.get_sample_value(DEADLINE_EXCEEDED_TOTAL, labels) == 0, stage
