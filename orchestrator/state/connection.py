@@ -61,6 +61,12 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class StateNotAsked(StateUnavailable):
+    """Redis was not asked: the call's deadline left no time for an answer. It says
+    nothing of Redis (no rest starts); what a stand-in grants instead, Redis's own
+    bucket has not paid for (RedisRateLimits keeps the debt)."""
+
+
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
     result_hold, result_finish, result_get, result_lease, ping, start_check) and outcome (ok, error,
@@ -229,7 +235,7 @@ class RedisState:
                 # starts closes its connection (the next one opens another). Skipped,
                 # not timed out: Redis was not asked, so it says nothing of Redis.
                 self._metrics.count(operation, "skipped")
-                raise StateUnavailable(
+                raise StateNotAsked(
                     "the call's deadline left no time to ask the shared state store",
                     retry_after_seconds=0.0,
                     operation=operation,

@@ -15,13 +15,17 @@ bound, however Redis flaps: in any span of T seconds, the fallback buckets
 grant at most rate x T + burst + N - 1 calls, on top of at most rate x T +
 burst from Redis's bucket. A process that gets more than 1/N of a tenant's
 calls refuses some sooner while Redis is away. Each such check counts as a
-failed (or skipped) `rate_limit` operation.
+failed (or skipped) `rate_limit` operation. A call whose deadline leaves no time
+to ask Redis takes from this process's bucket too, and Redis's bucket pays for it
+at the tenant's next check: unpaid, callers choosing such deadlines had this
+process's share on top of Redis's bucket whenever they liked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from functools import partial
 
@@ -34,7 +38,7 @@ from orchestrator.security.limits import (
     seconds_until_granted,
     share_of_bucket,
 )
-from orchestrator.state.connection import KEY_PREFIX, RedisState
+from orchestrator.state.connection import KEY_PREFIX, RedisState, StateNotAsked
 
 BUCKET_PREFIX = KEY_PREFIX + "bucket:"
 
@@ -111,6 +115,11 @@ class RedisRateLimits:
         self._sharers = sharers
         self._limits = dict(limits)
         self._fallback = TenantRateLimits(self._shares(limits))
+        # Per tenant: tokens the stand-in granted to calls too hurried to ask Redis
+        # (StateNotAsked), which Redis's bucket pays first at the tenant's next check.
+        # Unpaid, a tenant whose callers chose such deadlines had the stand-in's share
+        # on top of Redis's bucket (twice its burst, in a review helper's run).
+        self._owed: dict[str, int] = {}
         self._take = state.register_script(_TAKE)
         self._rebase_bucket = state.register_script(_REBASE)
         # Rebases under way after an edit, held until they end (the loop keeps only a
@@ -165,16 +174,28 @@ class RedisRateLimits:
         if settings is None:
             return None, calls, 0.0
         keys = [BUCKET_PREFIX + tenant]
-        args = [settings.rate_per_second, settings.burst, calls]
+        owed = self._owed.get(tenant, 0)
+        args = [settings.rate_per_second, settings.burst, owed + calls]
         try:
-            granted, left = await self._state.run(
+            taken, left = await self._state.run(
                 "rate_limit", lambda: self._take(keys=keys, args=args), within=time_left()
             )
+        except StateNotAsked:
+            grant = self._fallback.take(tenant, calls)
+            # At most a burst's worth: a debt beyond it would refuse the tenant for
+            # longer than its bucket ever holds.
+            self._owed[tenant] = min(owed + grant[1], math.ceil(settings.burst))
+            return grant
         except StateUnavailable:
             return self._fallback.take(tenant, calls)
+        # The debt first, as the calls it stood for came first.
+        repaid = min(int(taken), owed)
+        if repaid:
+            self._owed[tenant] = owed - repaid
+        granted = int(taken) - repaid
         if granted:
-            self._fallback.charge(tenant, int(granted))
+            self._fallback.charge(tenant, granted)
         tokens = float(left)
         if granted == calls:
             return tokens, calls, 0.0
-        return tokens, int(granted), seconds_until_granted(tokens, calls - int(granted), settings)
+        return tokens, granted, seconds_until_granted(tokens, calls - granted, settings)
