@@ -217,6 +217,11 @@ class Batcher:
             context=contextvars.Context(),
         )
 
+    @property
+    def loop_running(self) -> bool:
+        """Whether the batching loop runs (started, and not stopped)."""
+        return self._task is not None and not self._task.done()
+
     async def stop(self, error: Exception) -> None:
         """Answer everything queued with `error` and end the loop; batches handed over
         are answered with ModelFault."""

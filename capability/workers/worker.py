@@ -1258,7 +1258,9 @@ class DeviceWorker:
         # An eviction or a copy outlives its cancelled caller, and needs the device
         # thread; shielded, so that a cancelled close does not cancel them halfway.
         await asyncio.gather(*map(asyncio.shield, self._evictions), return_exceptions=True)
-        for replica in self.replicas.values():
+        # The retiring versions too: a drain whose grace ran out cancelled their
+        # retiring, and their batching loops went on running.
+        for replica in [*self.replicas.values(), *self._retiring_replicas]:
             await replica.stop(ServerDraining("the server is shutting down"))
         self._device_thread.close()
         if self.lanes is not None:

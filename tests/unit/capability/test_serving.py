@@ -812,6 +812,30 @@ async def test_request_routed_before_a_reload_is_served_by_the_old_version_then_
     await wait_until(lambda: old.stopped)
 
 
+async def test_a_stop_whose_grace_runs_out_stops_a_version_still_retiring(
+    model_root: Path, tmp_path: Path, start_capability: StartCapability
+) -> None:
+    """A swap's old version waits for what was routed to it; a server stopping with a
+    text still on its way to it runs out of grace. Its retiring was cancelled with the
+    drain, and the close stopped only the serving versions: the old one's batching
+    loop was left running (an application embedding the server kept it)."""
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    server = await start_capability(model_root=root, models=("topic-static",))
+    worker = server.pool.workers[0]
+    old = worker.replicas["topic-static"]
+    old.begin_arrival()  # a text on its way to version 1, which never arrives
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "2")
+    await server.lifecycle.reload("topic-static", "2")
+
+    def stopped_and_looping() -> tuple[bool, bool]:
+        return old.stopped, old.batcher.loop_running
+
+    assert stopped_and_looping() == (False, True)
+    await server.stop(grace_seconds=0.2)
+    assert stopped_and_looping() == (True, False)
+
+
 async def test_queue_depth_is_still_reported_after_the_old_version_retires(
     model_root: Path, tmp_path: Path, start_capability: StartCapability
 ) -> None:
