@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.rpc import error_details_pb2, status_pb2
 
@@ -35,6 +36,23 @@ MAX_BATCH_ITEMS: int = (
     .repeated.max_items
 )
 
+
+
+def texts_in_batch(request: Any) -> int:
+    """How many texts a batch request counts as, for its rate limit and its outcomes: one
+    per item, and one for a batch the batch rules refuse whole, so that nothing is
+    served (no items, more than it may hold, `item_contexts` that do not match them, or
+    more characters than it may hold). Such a call once took a token per item it
+    carried, and counted as that many refused requests: a 500,000-item call as
+    500,000, which held the error-budget alerts' ratio down."""
+    items = len(request.items)
+    if not 1 <= items <= MAX_BATCH_ITEMS or len(request.item_contexts) not in (0, items):
+        return 1
+    # NOTE: not ByteSize() as a cheaper bound first: upb serialises the message to
+    # size it, three times the cost of this sum (780 against 260 µs at 1 MB).
+    if sum(len(item.text) for item in request.items) > MAX_BATCH_TOTAL_CHARS:
+        return 1
+    return items
 
 @dataclass(frozen=True)
 class BatchIntake:

@@ -65,6 +65,7 @@ from classify_common.intake import (
     MAX_BATCH_ITEMS,
     BatchIntake,
     bind_batch_intake,
+    texts_in_batch,
 )
 from classify_common.logs import log_event
 from classify_common.metrics import RequestOutcomes, RpcMetrics
@@ -113,6 +114,7 @@ OUTCOME_NOT_READ = "not_read"
 # known set; the log line names the method asked for, up to this many characters.
 UNKNOWN_METHOD = "_OTHER"
 MAX_METHOD_NAME_SHOWN = 200
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 _UNKNOWN_METHOD_ATTRIBUTES = {RPC_SYSTEM_NAME: RPC_SYSTEM_GRPC, RPC_METHOD: UNKNOWN_METHOD}
 
 log = logging.getLogger(__name__)
@@ -327,8 +329,13 @@ class RequestLifecycleInterceptor(grpc.aio.ServerInterceptor):
                 self._metrics.observe(method, code.name, elapsed, exemplar)
                 if outcomes is not None and not request_trace.outcome_counted_elsewhere:
                     # A call refused whole, before its items were served, is a refusal
-                    # of every text it carried.
-                    requests = max(len(request.items), 1) if is_batch and request is not None else 1
+                    # of every text it carried; but a caller that names no key says
+                    # nothing we count on (its items are anyone's to multiply).
+                    requests = (
+                        texts_in_batch(request)
+                        if is_batch and request is not None and code != _UNAUTHENTICATED
+                        else 1
+                    )
                     route = str(request_trace.log_fields.get("route", ""))
                     outcomes.count(route, code.name, reason, requests)
                 self._log_request(method, code, elapsed, time_left, request_trace)

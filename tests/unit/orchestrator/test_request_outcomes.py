@@ -7,6 +7,8 @@ whatever its work's fate."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -18,6 +20,7 @@ from orchestrator.metrics import REQUEST_DURATION_SECONDS
 from orchestrator.server import OrchestratorServer
 from tests.conftest import STRIKER, StartOrchestrator, closed_port, metric_sum, wait_until
 from tests.unit.capability.test_serving import device_occupied
+from tests.unit.orchestrator.test_batch import front_door_for_a_small_tenant
 
 BATCH_METHOD = "/ai.classify.v1.ClassifyService/ClassifyBatch"
 
@@ -81,7 +84,9 @@ async def test_each_batch_item_and_call_counts_once_by_its_own_outcome(
     assert outcomes(server) == {
         ("default", "OK", ""): 1,
         ("broken", "UNAVAILABLE", "MODEL_UNAVAILABLE"): 3,  # two items and the call
-        ("", "INVALID_ARGUMENT", "INVALID_REQUEST"): 4,  # one item, a call of three
+        # One item, and a call of three that the batch rules refused whole (it names
+        # no text to serve, so it counts once, as its rate limit does).
+        ("", "INVALID_ARGUMENT", "INVALID_REQUEST"): 2,
     }
     # Per RPC, both batch calls were one call each, the first answered OK.
     assert metric_sum(server.registry, RPC_REQUESTS_TOTAL, method=BATCH_METHOD, code="OK") == 1
@@ -122,3 +127,37 @@ async def test_a_processing_answer_counts_when_its_work_ends_with_the_works_outc
     durations = f"{REQUEST_DURATION_SECONDS}_count"
     assert metric_sum(server.registry, durations, route="default", code="PROCESSING") == 2
     assert metric_sum(server.registry, durations, route="default", code="OK") == 0
+
+
+async def test_a_call_refused_whole_by_who_sent_it_or_the_batch_rules_counts_once(
+    capability: CapabilityServer, tmp_path: Path
+) -> None:
+    # A keyless caller's 500 items, and a keyed batch over the 1,024 items a call may
+    # carry, each counted as that many refused requests: anyone who reached the front
+    # door could outweigh an outage in the error-budget ratio.
+    blank_items = [pb.ClassifyRequest(text="")]
+    async with (
+        front_door_for_a_small_tenant(capability, tmp_path) as server,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as keyless:
+            await stub.ClassifyBatch(pb.ClassifyBatchRequest(items=blank_items * 500))
+        with pytest.raises(grpc.aio.AioRpcError) as too_many:
+            await stub.ClassifyBatch(
+                pb.ClassifyBatchRequest(items=blank_items * 1_025),
+                metadata=(("authorization", "Bearer limited-secret"),),
+            )
+        served = await stub.ClassifyBatch(
+            pb.ClassifyBatchRequest(items=[pb.ClassifyRequest(text=STRIKER)] * 2),
+            metadata=(("authorization", "Bearer limited-secret"),),
+            timeout=30,
+        )
+    assert keyless.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [result.WhichOneof("outcome") for result in served.results] == ["response"] * 2
+    assert outcomes(server) == {
+        ("", "UNAUTHENTICATED", "UNAUTHENTICATED"): 1,
+        ("", "INVALID_ARGUMENT", "INVALID_REQUEST"): 1,
+        ("default", "OK", ""): 2,
+    }
