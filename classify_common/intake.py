@@ -37,7 +37,6 @@ MAX_BATCH_ITEMS: int = (
 )
 
 
-
 def texts_in_batch(request: Any) -> int:
     """How many texts a batch request counts as, for its rate limit and its outcomes: one
     per item, and one for a batch the batch rules refuse whole, so that nothing is
@@ -53,6 +52,7 @@ def texts_in_batch(request: Any) -> int:
     if sum(len(item.text) for item in request.items) > MAX_BATCH_TOTAL_CHARS:
         return 1
     return items
+
 
 @dataclass(frozen=True)
 class BatchIntake:
