@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from tokenizers import Tokenizer
 # 1; 16 leaves room for about three times the sparsest. Only text built otherwise
 # (words over 100 characters, each one [UNK]; long runs of spaces) can hold fewer
 # tokens than the budget within the cut, and then the model reads fewer of them. The
-# cut starts at the text's first character that is not whitespace (text_window).
+# cut starts at the text's first character that is not blank (text_window).
 MAX_CHARS_PER_TOKEN = 16
 # The word stand-in texts repeat (TextTokenizer.stand_in): any word will do, as long as
 # it is the tokenizer's own id and not one fixed for MiniLM's 30,522-token vocabulary.
@@ -30,20 +31,40 @@ WORD_START = "\u2581"
 
 # What a tokenizer call may end with that is no failure of the tokenizer.
 _NOT_A_FAILURE = (KeyboardInterrupt, SystemExit, GeneratorExit)
-_LEADING_WHITESPACE = re.compile(r"\s*")
+
+
+def _blank_characters() -> str:
+    """The characters the contract's `text.not_blank` rule counts as blank (Unicode's
+    separators, Z; control and format characters, Cc and Cf), as a regex class body.
+
+    Python's `re` has no `\\p{...}`, so they are read from unicodedata: 247 code points,
+    all within planes 0, 1 and 14 (plane 15 and 16 are private use), which take 50 ms
+    to scan, against 300 for every plane."""
+    planes = (*range(0x20000), *range(0xE0000, 0xE1000))
+    blank = (chr(c) for c in planes if unicodedata.category(chr(c)) in _BLANK_CATEGORIES)
+    return "".join(re.escape(char) for char in blank)
+
+
+_BLANK_CATEGORIES = frozenset({"Zs", "Zl", "Zp", "Cc", "Cf"})
+# What a cut text's window skips at its start: whitespace, and what the tokenizer drops
+# unread (a zero-width space, a byte-order mark, NUL), which the contract counts as
+# blank too. Skipping whitespace alone, a long text opening with 4,100 zero-width
+# spaces was cut to nothing the model reads, and refused as unreadable.
+_LEADING_BLANKS = re.compile(rf"[\s{_blank_characters()}]*")
 
 
 def text_window(text: str, max_chars: int) -> tuple[str, bool]:
     """The part of `text` the tokenizer is given, at most `max_chars` characters, and
     whether any of the text was left out.
 
-    A text longer than that is cut from its first character that is not whitespace:
+    A text longer than that is cut from its first character that is not blank (not
+    whitespace, nor a character the contract's `text.not_blank` counts as blank):
     one opening with a page of blank lines or spaces (text taken from a PDF or an HTML
     page) was cut to nothing else, and refused as unreadable (UNREADABLE_TEXT) however
     many words followed. A text within it is given whole, as it is."""
     if len(text) <= max_chars:
         return text, False
-    leading = _LEADING_WHITESPACE.match(text)  # always matches, if only nothing
+    leading = _LEADING_BLANKS.match(text)  # always matches, if only nothing
     start = leading.end() if leading is not None else 0
     return text[start : start + max_chars], len(text) - start > max_chars
 

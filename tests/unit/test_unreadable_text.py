@@ -153,6 +153,23 @@ async def test_a_text_opening_with_a_page_of_whitespace_is_read_not_refused(
     assert (answer.labels[0].name, answer.truncated) == ("sports", False)
 
 
+@pytest.mark.parametrize(
+    "blank_start",
+    ["\u200b" * 4_100, "\ufeff" + "\x00" * 4_100, "\u00ad" * 4_100, "\u2028\u3000" * 2_050],
+    ids=["zero-width spaces", "a byte-order mark and NULs", "soft hyphens", "separators"],
+)
+async def test_a_text_opening_with_characters_the_contract_counts_as_blank_is_read(
+    capability: CapabilityServer, blank_start: str
+) -> None:
+    """The window skipped whitespace only: past a window's worth of characters the
+    tokenizer drops unread (but `\\s` does not match), such a text was cut to nothing
+    the model reads and refused UNREADABLE_TEXT."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        stub = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await stub.Classify(pb.ClassifyRequest(text=blank_start + STRIKER))
+    assert (answer.labels[0].name, answer.truncated) == ("sports", False)
+
+
 async def test_the_front_door_falls_back_to_a_model_that_reads_it_and_names_the_item(
     capability: CapabilityServer,
     emoji_reader: CapabilityServer,
