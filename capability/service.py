@@ -141,6 +141,7 @@ class ClassifyServicer(pb_grpc.ClassifyServiceServicer):
             )
         if call_trace is not None:
             call_trace.log_fields["items_failed"] = failed
+            call_trace.log_fields.update(_one_replica_of(texts))
         return answer
 
     def _text_of(
@@ -311,6 +312,9 @@ def _log_failed_item(text: TextRequest, error: ServiceError, call_request_id: st
     items refused for their text or for load (is_routine_refusal): the orchestrator's
     line for the request says those, and the metrics count them."""
     fields: dict[str, object] = {
+        # The model, version and worker it was admitted to (admit_group): the runbook
+        # looks for one failing worker in these lines.
+        **(text.trace.log_fields if text.trace is not None else {}),
         "request_id": text.request_id,
         "code": grpc_code_for(error).name,
         "reason": error.reason,
@@ -321,6 +325,21 @@ def _log_failed_item(text: TextRequest, error: ServiceError, call_request_id: st
         fields["trace_id"] = format_trace_id(text.trace.server_span)
     level = logging.DEBUG if is_routine_refusal(error) else logging.WARNING
     log.log(level, "batch item failed", extra=fields)
+
+
+def _one_replica_of(texts: Sequence[TextRequest]) -> dict[str, object]:
+    """`model`, `model_version` and `worker` for a batch call's `rpc` line, where every
+    item that reached a replica reached the same one (as the orchestrator's merged
+    calls do); nothing where they went to several, or none did."""
+    replica_keys = ("model", "model_version", "worker")
+    replicas = {
+        tuple(text.trace.log_fields.get(key) for key in replica_keys)
+        for text in texts
+        if text.trace is not None and "worker" in text.trace.log_fields
+    }
+    if len(replicas) != 1:
+        return {}
+    return dict(zip(replica_keys, replicas.pop(), strict=True))
 
 
 def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:

@@ -400,7 +400,7 @@ def _leave_item(
     if trace is None or not trace.outcome_counted_elsewhere:
         _count_outcome(outcomes, trace, failure)
     if result.HasField("error"):
-        _log_failed_item(result.error, call_ids, failure)
+        _log_failed_item(result.error, call_ids, failure, trace)
     # Only an item span of its own is ended here; the call's ends with the call.
     if trace is not None and trace.makes_spans:
         _end_item_span(trace.server_span, failure)
@@ -434,7 +434,10 @@ def _end_item_span(span: Span, failure: BaseException | None) -> None:
 
 
 def _log_failed_item(
-    status: status_pb2.Status, call_ids: RequestContext, failure: BaseException | None
+    status: status_pb2.Status,
+    call_ids: RequestContext,
+    failure: BaseException | None,
+    trace: RequestTrace | None,
 ) -> None:
     """A line for an item that failed, under its own request and trace IDs (bound to
     its task), naming the call it came in: the call's own `rpc` line names only the
@@ -455,7 +458,15 @@ def _log_failed_item(
                 packed.Unpack(info)
                 reason = info.reason
                 break
-    fields = {"code": code, "reason": reason, "call_request_id": call_ids.request_id}
+    # What its trace gathered too (route, backend, model, attempts, the merged call's
+    # upstream_request_id): the runbook finds a failing backend or replica by them, as
+    # in a single call's `rpc` line.
+    fields = {
+        **(trace.log_fields if trace is not None else {}),
+        "code": code,
+        "reason": reason,
+        "call_request_id": call_ids.request_id,
+    }
     log_event(log, "batch item failed", fields)
 
 

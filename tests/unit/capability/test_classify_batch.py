@@ -670,6 +670,38 @@ async def test_a_failed_item_of_a_batch_call_is_logged_under_its_own_ids(
     assert (vars(rpc)["items"], vars(rpc)["items_failed"]) == (2, 1)
 
 
+async def test_a_batch_calls_lines_name_the_model_version_and_worker_its_items_reached(
+    capability: CapabilityServer,
+    capability_stub: classify_service_pb2_grpc.ClassifyServiceAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The runbook looks for one failing worker in the failed calls' lines: a batch
+    call's `rpc` line and its failed items' lines named none of them (a single call's
+    did), and batch calls are how the orchestrator sends under load."""
+    worker = capability.pool.workers[0]
+    items = [pb.ClassifyRequest(text=STRIKER, request_id=f"late-{n}") for n in range(2)]
+    contexts = [pb.ItemContext(timeout=timeout_of(0.2))] * 2
+    with caplog.at_level(logging.DEBUG):
+        async with device_occupied(worker):
+            answer, _ = await classify_batch(capability_stub, items, contexts)
+        await wait_until(
+            lambda: any(r.getMessage() == "rpc" for r in caplog.records), "the call's rpc line"
+        )
+    assert outcomes(answer) == ["error", "error"]
+    served_by = {
+        key: vars(record)[key]
+        for record in caplog.records
+        if record.getMessage() == "batch item failed"
+        for key in ("model", "worker")
+    }
+    assert served_by == {"model": "topic-minilm", "worker": worker.name}
+    failed = [vars(r) for r in caplog.records if r.getMessage() == "batch item failed"]
+    assert sorted(line["request_id"] for line in failed) == ["late-0", "late-1"]
+    assert {line["model_version"] for line in failed} == {"1"}
+    (rpc,) = [vars(r) for r in caplog.records if r.getMessage() == "rpc"]
+    assert (rpc["model"], rpc["model_version"], rpc["worker"]) == ("topic-minilm", "1", worker.name)
+
+
 async def test_a_batch_for_two_models_cancelled_while_one_waits_leaves_nothing_queued(
     start_capability: StartCapability, model_root: Path, tmp_path: Path
 ) -> None:

@@ -333,3 +333,35 @@ async def test_items_whose_caller_went_away_are_logged_cancelled_not_expired(
     finally:
         items_log.removeHandler(collector)
     assert logged() == {"gone-0": ("CANCELLED", ""), "gone-1": ("CANCELLED", "")}
+
+
+async def test_a_failed_items_line_names_its_route_backend_model_and_attempts(
+    orchestrator_with: StartOrchestrator,
+    capability: CapabilityServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The runbook finds a failing backend by these, as in a single call's `rpc` line;
+    an item's line said only its code, reason and call."""
+    collector = LineCollector()
+    items_log = logging.getLogger(batch_items.__name__)
+    items_log.addHandler(collector)
+    caplog.set_level(logging.INFO, logger=batch_items.__name__)  # "batch item failed"
+    server = await orchestrator_with(routes_with_a_dead_backend(f"127.0.0.1:{capability.port}"))
+    items = [
+        pb.ClassifyRequest(text=STRIKER, request_id="to-the-dead", model="dead"),
+        pb.ClassifyRequest(text=STRIKER, request_id="to-the-living"),
+    ]
+    try:
+        response = await classify_batch(server.port, items)
+    finally:
+        items_log.removeHandler(collector)
+    assert [result.WhichOneof("outcome") for result in response.results] == ["error", "response"]
+    (line,) = [json.loads(line) for line in collector.lines]
+    assert line["request_id"] == "to-the-dead"
+    assert (line["code"], line["route"], line["backend"], line["model"]) == (
+        "UNAVAILABLE",
+        "dead",
+        "dead",
+        "topic-minilm",
+    )
+    assert line["attempts"] >= 1
