@@ -91,23 +91,29 @@ class FleetModels:
     async def list_models(self, request: model_pb.ListModelsRequest) -> model_pb.ListModelsResponse:
         """Each model once per version its replicas serve (version and digest), sorted by
         name, the version most replicas serve first (the first asked among equals); each
-        entry is the answer of the first replica that serves it."""
-        served: dict[tuple[str, str, str], list[model_pb.ModelInfo]] = {}
+        entry is the answer of the first replica that serves it. Every replica is asked
+        at once, as GetModel asks them, and those that have not answered
+        STRAGGLER_SECONDS after the first answer are left out: asked in turn, each
+        frozen replica added its backend's whole timeout, and a caller with a shorter
+        deadline got nothing although the others had answered. When none answers, the
+        call fails as GetModel's does (an empty list said the fleet served nothing)."""
         with self._routing_held() as state:
-            for pool, target, stub in self._replicas(state):
-                try:
-                    listed = await stub.ListModels(
-                        request,
-                        timeout=pool.backend.timeout_seconds,
-                        metadata=_call_metadata(pool.credentials),
-                    )
-                except grpc.aio.AioRpcError as error:
-                    translate_upstream_error(
-                        error, pool.backend.name, target, classifying=False
-                    )  # logs it
-                    continue
-                for info in listed.models:
-                    served.setdefault((info.name, info.version, info.digest), []).append(info)
+            replicas = self._replicas(state)
+            asked = [asyncio.ensure_future(_list(replica, request)) for replica in replicas]
+            try:
+                await _first_answers(asked, STRAGGLER_SECONDS)
+            finally:
+                for task in asked:
+                    task.cancel()
+                await asyncio.gather(*asked, return_exceptions=True)
+        answered = [t for t in asked if t.done() and not t.cancelled()]
+        answers = [t.result() for t in answered if t.exception() is None]
+        if asked and not answers:
+            raise _first_telling(answered)
+        served: dict[tuple[str, str, str], list[model_pb.ModelInfo]] = {}
+        for listed in answers:  # in the order asked
+            for info in listed.models:
+                served.setdefault((info.name, info.version, info.digest), []).append(info)
         by_name = sorted(served.values(), key=lambda infos: (infos[0].name, -len(infos)))
         listed_models = [infos[0] for infos in by_name]
         for info in listed_models:
@@ -137,9 +143,7 @@ class FleetModels:
         answers = [t.result() for t in answered if t.exception() is None]
         if answers:
             return _most_served(request.name, answers, asked=len(asked))
-        errors = [error for t in answered if (error := t.exception()) is not None]
-        unanswered = (ModelUnavailable, DeadlineExpired)
-        raise next((e for e in errors if not isinstance(e, unanswered)), errors[-1])
+        raise _first_telling(answered)
 
     async def reload_model(
         self, request: model_pb.ReloadModelRequest
@@ -178,6 +182,32 @@ class FleetModels:
 
 # Codes of a replica that did not answer: the call says nothing of the model.
 _NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _first_telling(failed: Sequence[asyncio.Future[Any]]) -> BaseException:
+    """What a fleet call answers when no replica did: the first error that says more
+    than "no answer" (down, or out of time), else the last replica's."""
+    errors = [error for t in failed if (error := t.exception()) is not None]
+    unanswered = (ModelUnavailable, DeadlineExpired)
+    return next((e for e in errors if not isinstance(e, unanswered)), errors[-1])
+
+
+async def _list(
+    replica: tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub],
+    request: model_pb.ListModelsRequest,
+) -> model_pb.ListModelsResponse:
+    pool, target, stub = replica
+    try:
+        response: model_pb.ListModelsResponse = await stub.ListModels(
+            request,
+            timeout=pool.backend.timeout_seconds,
+            metadata=_call_metadata(pool.credentials),
+        )
+    except grpc.aio.AioRpcError as error:
+        raise translate_upstream_error(
+            error, pool.backend.name, target, classifying=False
+        ) from error
+    return response
 
 
 async def _describe(

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from ai.classify.v1 import model_service_pb2_grpc
 from capability.server import CapabilityServer
-from tests.conftest import StartCapability, StartOrchestrator, wait_until
+from tests.conftest import StartCapability, StartOrchestrator, closed_port, wait_until
 from tests.unit.orchestrator.test_reload import (
     applied_reloads,
     replace_file,
@@ -179,9 +179,9 @@ class HeldLister(HeldReplica):
 async def test_a_routes_edit_waits_for_an_operator_call_walking_the_replicas(
     capability: CapabilityServer, tmp_path: Path
 ) -> None:
-    """ListModels (as ReloadModel) asks the replicas in turn. An edit applied while it
-    waited on the first closed the old routes' channels under it: the call ended
-    CANCELLED, unanswered, and the replicas after the first were never asked."""
+    """An edit applied while ListModels waited on a replica closed the old routes'
+    channels under it: the call ended CANCELLED, unanswered (ReloadModel, which asks
+    the replicas in turn, never asked those after it)."""
     held = HeldLister()
     server = grpc.aio.server()
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(held, server)
@@ -192,8 +192,7 @@ async def test_a_routes_edit_waits_for_an_operator_call_walking_the_replicas(
     def routes_with(timeout: str) -> str:
         return (
             "version: 1\nbackends:\n"
-            f"  static: {{model: {MODEL}, targets: ['127.0.0.1:{port}',"
-            f" '127.0.0.1:{capability.port}'], timeout: {timeout}}}\n"
+            f"  static: {{model: {MODEL}, targets: ['127.0.0.1:{port}'], timeout: {timeout}}}\n"
             "routes:\n  - name: default\n    backend: static\n"
         )
 
@@ -214,6 +213,52 @@ async def test_a_routes_edit_waits_for_an_operator_call_walking_the_replicas(
         held.release.set()
         await orchestrator.stop(grace_seconds=0)
         await server.stop(grace=0)
-    # Both replicas asked, and both answers in: the held one's version and the other's.
-    served = {(info.name, info.version) for info in listed.models}
-    assert {(MODEL, "9"), (MODEL, "1")} <= served
+    # The held replica's answer, given after the edit, is the call's.
+    assert [(info.name, info.version) for info in listed.models] == [(MODEL, "9")]
+
+
+async def test_list_models_does_not_wait_for_a_replica_that_does_not_answer(
+    capability: CapabilityServer, orchestrator_with: StartOrchestrator
+) -> None:
+    """ListModels asked the replicas in turn, each up to its backend's timeout: one
+    frozen replica held the call 30 s here, past the caller's 5 s, although the other
+    had answered at once."""
+    held = HeldLister()
+    server = grpc.aio.server()
+    model_service_pb2_grpc.add_ModelServiceServicer_to_server(held, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        orchestrator = await orchestrator_with(
+            "version: 1\nbackends:\n"
+            f"  static: {{model: {MODEL}, targets: ['127.0.0.1:{port}',"
+            f" '127.0.0.1:{capability.port}'], timeout: 30s}}\n"
+            f"  gone: {{model: gone, targets: ['127.0.0.1:{closed_port()}']}}\n"
+            "routes:\n"
+            "  - {name: gone, match: {model: gone}, backend: gone}\n"
+            "  - {name: default, backend: static}\n"
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+            models = model_service_pb2_grpc.ModelServiceStub(channel)
+            listed = await models.ListModels(model_pb.ListModelsRequest(), timeout=5)
+        assert held.asked == 1
+        # The frozen replica's version 9 is in no entry.
+        assert [info.version for info in listed.models if info.name == MODEL] == ["1"]
+    finally:
+        held.release.set()
+        await server.stop(grace=0)
+
+
+async def test_list_models_with_no_replica_answering_is_unavailable_not_an_empty_fleet(
+    orchestrator_with: StartOrchestrator,
+) -> None:
+    orchestrator = await orchestrator_with(
+        "version: 1\nbackends:\n"
+        f"  gone: {{model: {MODEL}, targets: ['127.0.0.1:{closed_port()}']}}\n"
+        "routes:\n  - name: default\n    backend: gone\n"
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await models.ListModels(model_pb.ListModelsRequest(), timeout=15)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
