@@ -36,6 +36,15 @@ MAX_BATCH_ITEMS: int = (
     .repeated.max_items
 )
 
+# Most characters (code points) of one text: the contract's `string.max_len`, read from
+# it. Every text routed has 1..MAX_TEXT_CHARS characters (validation comes first).
+MAX_TEXT_CHARS: int = (
+    classify_service_pb2.ClassifyRequest.DESCRIPTOR.fields_by_name["text"]
+    .GetOptions()
+    .Extensions[validate_pb2.field]
+    .string.max_len
+)
+
 
 def texts_in_batch(request: Any) -> int:
     """How many texts a batch request counts as, for its rate limit and its outcomes: one

@@ -27,6 +27,7 @@ from classify_common.documents import (
     read_document,
 )
 from classify_common.fields import FieldRefused, Fields, type_name
+from classify_common.intake import MAX_TEXT_CHARS
 from classify_common.model_names import MODEL_NAME_RULE, is_model_name
 from orchestrator.policy import OutlierSettings, RetryBudgetSettings, RetryPolicy
 from orchestrator.routing.match import (
@@ -263,11 +264,22 @@ def _route_match(spec: Fields) -> RouteMatch:
     if priority is not None and priority not in PRIORITIES:
         raise RoutesFileError(spec.path("priority"), f"{priority!r} is not one of {PRIORITIES}")
     low, high = _char_count(spec, "min_chars"), _char_count(spec, "max_chars")
-    if low == 0:
-        low = None  # every text has 0 characters or more: no condition (see is_catch_all)
+    # Every text routed has 1..MAX_TEXT_CHARS characters (the contract's rules come
+    # first): a bound that every text meets is no condition (see is_catch_all). Read
+    # as one, `min_chars: 1` on an early route took every call unnoticed, the routes
+    # after it dead, and on the last route it was refused as not the default.
+    if low is not None and low <= 1:
+        low = None
+    if high is not None and high >= MAX_TEXT_CHARS:
+        high = None
     if high == 0:
         raise RoutesFileError(
             spec.path("max_chars"), "0 matches no text (every text has a character or more)"
+        )
+    if low is not None and low > MAX_TEXT_CHARS:
+        raise RoutesFileError(
+            spec.path("min_chars"),
+            f"{low} matches no text (a text has at most {MAX_TEXT_CHARS:,} characters)",
         )
     if low is not None and high is not None and low > high:
         raise RoutesFileError(spec.where, "min_chars is greater than max_chars")

@@ -390,6 +390,26 @@ REFUSED_AT_THEIR_VALUE = [
         "8: routes[0]: matches everything; the routes after it are never used",
         id="min-chars-zero",
     ),
+    # Every text has 1..100,000 characters: these bounds hold for every call.
+    pytest.param(
+        "    match: {min_chars: 1}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "8: routes[0]: matches everything; the routes after it are never used",
+        id="min-chars-one",
+    ),
+    pytest.param(
+        "    match: {max_chars: 100000}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "8: routes[0]: matches everything; the routes after it are never used",
+        id="max-chars-the-contracts",
+    ),
+    pytest.param(
+        "    match: {min_chars: 100001}\n"
+        "    backend: topic-minilm\n  - name: rest\n    backend: topic-minilm\n",
+        "9: routes[0].match.min_chars: 100001 matches no text (a text has at most 100,000 "
+        "characters)",
+        id="min-chars-past-the-contracts",
+    ),
     pytest.param(
         "    backend: topic-minilm\n    retry:\n      retryable_codes: [UNAVAILABLE]\n"
         "      max_attempts: 9\n",
@@ -425,3 +445,17 @@ def test_a_backend_name_yaml_reads_as_a_bool_is_refused_asking_for_quotes(
     with pytest.raises(RoutesFileError) as caught:
         load_text(tmp_path, VALID.replace("  topic-minilm:\n", "  on:\n"))
     assert "backends: backend name True is not a string: quote the name" in str(caught.value)
+
+
+def test_a_last_route_whose_bounds_every_text_meets_is_the_default(tmp_path: Path) -> None:
+    # Refused as "must match everything", which it does: every text has 1..100,000
+    # characters.
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        VALID.replace(
+            "    backend: topic-minilm\n",
+            "    backend: topic-minilm\n    match: {min_chars: 1, max_chars: 100000}\n",
+        )
+    )
+    (route,) = load_routes(path).routes
+    assert route.match.is_catch_all
