@@ -80,8 +80,24 @@ def export_endpoint_is_set(environ: Mapping[str, str]) -> bool:
     return _first(environ, TRACES_ENDPOINT_VARIABLES) is not None
 
 
-def exporter_timeout_is_set(environ: Mapping[str, str]) -> bool:
-    return _first(environ, TRACES_TIMEOUT_VARIABLES) is not None
+def exporter_timeout_seconds(environ: Mapping[str, str]) -> float | None:
+    """OTEL_EXPORTER_OTLP_(TRACES_)TIMEOUT in seconds, None where unset.
+
+    The specification gives it in milliseconds, as every other SDK reads it; the
+    Python exporter reads it as seconds when left to itself, so 10000 (10 s) became
+    2 h 46 min, for which one hung connection to the collector held the export thread
+    while every span was dropped."""
+    found = _first(environ, TRACES_TIMEOUT_VARIABLES)
+    if found is None:
+        return None
+    name, text = found
+    try:
+        millis = float(text)
+    except ValueError as exc:
+        raise SettingsError(f"{name}: {text!r} is not a number of milliseconds") from exc
+    if not 0 < millis < float("inf"):
+        raise SettingsError(f"{name}: {text!r} is not a positive number of milliseconds")
+    return millis / 1000
 
 
 def check_otlp_protocol(environ: Mapping[str, str]) -> None:

@@ -200,14 +200,21 @@ class KeepingBatchExport(SpanProcessor):
             if room < len(spans):
                 self._drops.add("queue_full", len(spans) - max(room, 0))
                 spans = spans[: max(room, 0)]
+            was_idle = not self._queue
             self._queue.extend(spans)
-            if len(self._queue) >= self._limits.batch_size:
+            # The first span wakes the idle loop (to wait out the delay); a full batch
+            # cuts the delay short.
+            if was_idle or len(self._queue) >= self._limits.batch_size:
                 self._ready.notify()
 
     def _export_loop(self) -> None:
         batch_size = self._limits.batch_size
         while True:
             with self._ready:
+                # Idle, nothing to wake for but a span or the stop: with
+                # OTEL_BSP_SCHEDULE_DELAY=0 a timed wait here spun a whole core.
+                while not self._stopping and not self._queue:
+                    self._ready.wait()
                 if not self._stopping and len(self._queue) < batch_size:
                     self._ready.wait(self._limits.delay_millis / 1000)
                 batch = [self._queue.popleft() for _ in range(min(batch_size, len(self._queue)))]

@@ -96,9 +96,7 @@ def configure_tracing(
         # NOTE: endpoint and insecure left None make the exporter read the variables
         # (an http:// endpoint is plaintext); headers are always read from them.
         # The exporter's own timeout variable, when set, wins over the batch's.
-        timeout = (
-            None if otel_environment.exporter_timeout_is_set(environ) else limits.timeout_seconds
-        )
+        timeout = otel_environment.exporter_timeout_seconds(environ) or limits.timeout_seconds
         exporter = OTLPSpanExporter(
             endpoint=otlp_endpoint or None,
             insecure=True if otlp_endpoint else None,

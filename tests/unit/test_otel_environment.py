@@ -13,6 +13,7 @@ from classify_common.otel_environment import (
     check_plaintext_endpoint,
     export_endpoint_is_set,
     export_limits,
+    exporter_timeout_seconds,
     trace_sampling,
 )
 from classify_common.settings import SettingsError
@@ -92,6 +93,17 @@ def test_batch_variables_set_the_export_limits() -> None:
         queue_size=100, delay_millis=50, timeout_millis=2000, batch_size=10
     )
     assert export_limits({}) == ExportLimits()
+
+
+def test_the_exporters_timeout_variables_are_milliseconds_as_the_specification_says() -> None:
+    # Left to the Python exporter, 10000 (10 s) was read as 10,000 seconds.
+    assert exporter_timeout_seconds({"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}) == 10.0
+    both = {"OTEL_EXPORTER_OTLP_TIMEOUT": "10000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "250"}
+    assert exporter_timeout_seconds(both) == 0.25
+    assert exporter_timeout_seconds({}) is None
+    for text in ("ten", "0", "-5", "inf"):
+        with pytest.raises(SettingsError, match=r"OTEL_EXPORTER_OTLP_TIMEOUT: .* milliseconds"):
+            exporter_timeout_seconds({"OTEL_EXPORTER_OTLP_TIMEOUT": text})
 
 
 def test_a_batch_larger_than_the_queue_is_refused() -> None:

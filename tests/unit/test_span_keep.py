@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -16,6 +20,7 @@ from classify_common.span_export import (
     HELD_TRACES_NOW,
     SPANS_DROPPED_TOTAL,
     ExportDrops,
+    ExportLimits,
     KeepingBatchExport,
 )
 
@@ -115,3 +120,36 @@ def test_the_unsampled_traces_held_are_a_gauge() -> None:
     held = registry.get_sample_value(HELD_TRACES_NOW)
     provider.shutdown()
     assert held == 3
+
+
+def _thread_cpu_seconds(native_id: int) -> float:
+    """User and system CPU time of one of this process's threads, from /proc."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_with_no_delay_between_exports_the_idle_export_thread_sleeps() -> None:
+    """OTEL_BSP_SCHEDULE_DELAY=0 (export each span at once) is allowed; the idle loop
+    waited `delay` for spans in a loop, and spun a whole core while nothing came."""
+    exporter = InMemorySpanExporter()
+    processor = KeepingBatchExport(
+        exporter, drops=ExportDrops(), limits=ExportLimits(delay_millis=0)
+    )
+    try:
+        native_id = processor._thread.native_id
+        assert native_id is not None
+        before = _thread_cpu_seconds(native_id)
+        time.sleep(1.0)
+        idle_cpu = _thread_cpu_seconds(native_id) - before
+        provider = TracerProvider()
+        provider.add_span_processor(processor)
+        provider.get_tracer("test").start_span("one").end()
+        deadline = time.monotonic() + 10
+        while not exporter.get_finished_spans() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        processor.shutdown()
+    # A spinning thread got a core's share of the second (0.3 s or more even with the
+    # machine busy); a sleeping one, nothing a clock tick can show.
+    assert idle_cpu < 0.05
+    assert [span.name for span in exporter.get_finished_spans()] == ["one"]
