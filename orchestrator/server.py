@@ -71,6 +71,10 @@ class OrchestratorServer:
         if keys is None:
             log.warning("authentication is disabled: every caller is anonymous (development only)")
         self._internal_token = read_token(settings, "internal_token_file")
+        # Read once, as the token is: read again at each routes edit, a CA file being
+        # rotated (or a client certificate expired) refused every edit, a comment's
+        # included, as a bad routes file, which `check` then passed.
+        self._upstream_tls = settings.upstream_tls()
         self.state = open_shared_state(
             settings, keys.tenant_limits if keys else {}, StateMetrics(self.registry)
         )
@@ -128,7 +132,7 @@ class OrchestratorServer:
             table.outlier_ejection,
             on_ejected=count_ejection,
             internal_token=self._internal_token,
-            tls=self.settings.upstream_tls(),
+            tls=self._upstream_tls,
             coalescing=self.settings.coalescing(),
             metrics=self.metrics.upstream,
             concurrency=self.settings.concurrency(),

@@ -19,9 +19,18 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from classify_common.settings import SettingsError
 from classify_common.tls import client_tls, server_tls
+from orchestrator.metrics import ROUTES_FILE_REFUSED
 from orchestrator.server import OrchestratorServer
-from tests.conftest import STRIKER, StartCapability, orchestrator_settings, static_routes
+from tests.conftest import (
+    STRIKER,
+    StartCapability,
+    metric_sum,
+    orchestrator_settings,
+    static_routes,
+    wait_until,
+)
 from tests.status_details import refusal
+from tests.unit.orchestrator.test_reload import applied_reloads, replace_file
 from tests.unit.test_start_up import settings_refusal
 
 
@@ -176,6 +185,42 @@ async def test_tls_front_door_and_mutual_tls_to_the_capability_server(
                 classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(request, timeout=5)
             )
         assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_routes_edit_is_applied_while_the_upstream_ca_file_is_being_rotated(
+    start_capability: StartCapability, tmp_path: Path
+) -> None:
+    """The upstream TLS files were read again at each routes edit: while the CA file
+    was being replaced (or the client certificate had expired), every edit, a comment
+    included, was refused as a bad routes file (and alerted on), which `check` passed."""
+    make_certificates(tmp_path)
+    capability = await start_capability(
+        models=("topic-static",),
+        tls_cert_file=tmp_path / "server.pem",
+        tls_key_file=tmp_path / "server.key",
+        tls_client_ca_file=tmp_path / "ca.pem",
+    )
+    upstream_ca = tmp_path / "upstream-ca.pem"
+    upstream_ca.write_bytes((tmp_path / "ca.pem").read_bytes())
+    trust = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
+    async with tls_front_door(
+        tmp_path,
+        capability.port,
+        routes_poll_seconds=0.05,
+        upstream_ca_file=upstream_ca,
+        upstream_cert_file=tmp_path / "client.pem",
+        upstream_key_file=tmp_path / "client.key",
+    ) as orchestrator:
+        upstream_ca.write_text("being rotated\n")
+        routes = tmp_path / "routes.yaml"
+        replace_file(routes, routes.read_text() + "# a comment\n")
+        await wait_until(lambda: applied_reloads(orchestrator) == 1, "the edit applied")
+        async with grpc.aio.secure_channel(f"127.0.0.1:{orchestrator.port}", trust) as channel:
+            response = await classify_service_pb2_grpc.ClassifyServiceStub(channel).Classify(
+                pb.ClassifyRequest(text=STRIKER), timeout=30
+            )
+        assert response.labels[0].name == "sports"
+        assert metric_sum(orchestrator.registry, ROUTES_FILE_REFUSED) == 0
 
 
 async def test_the_command_line_client_speaks_tls_with_the_default_roots_when_told(
