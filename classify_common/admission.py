@@ -253,6 +253,29 @@ def _ignore_callers_cache_scopes(request: Any) -> None:
     for context in request.item_contexts:
         if context.cache_scope:
             context.ClearField("cache_scope")
+    _forget_cache_scope_refusals()
+
+
+def _forget_cache_scope_refusals() -> None:
+    """Drop what the UTF-8 check (before any rule) refused in the scopes just cleared:
+    a value that is ignored must not get its item refused for its bytes either."""
+    intake = current_batch_intake()
+    if not intake.refused:
+        return
+    kept: dict[int, ServiceError] = {}
+    for index, error in intake.refused.items():
+        if isinstance(error, InvalidRequest):
+            left = [v for v in error.violations if not v.field.endswith(_CACHE_SCOPE_PATH_END)]
+            if not left:
+                continue
+            if len(left) < len(error.violations):
+                error = InvalidRequest(left)
+        kept[index] = error
+    bind_batch_intake(BatchIntake(kept))
+
+
+# How a violation of an item's `ItemContext.cache_scope` ends its field path.
+_CACHE_SCOPE_PATH_END = ".cache_scope"
 
 
 def _validate_single(request: Any, span: trace.Span) -> BatchIntake:

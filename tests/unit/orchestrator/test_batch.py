@@ -177,6 +177,22 @@ async def test_an_item_context_that_is_not_utf8_refuses_its_item(
     assert item_violations(answer.error) == [("item_contexts[0].cache_scope", "utf8")]
 
 
+async def test_a_cache_scope_the_front_door_ignores_refuses_nothing_for_its_bytes(
+    orchestrator: OrchestratorServer,
+) -> None:
+    """The orchestrator sets each item's scope from the caller's tenant and ignores the
+    caller's: bytes in it that are not UTF-8 still got the item refused (`utf8`)."""
+    message = pb.ClassifyBatchRequest(
+        items=[pb.ClassifyRequest(text=STRIKER), pb.ClassifyRequest(text="Caf# prices rose")],
+        item_contexts=[pb.ItemContext(cache_scope="tenant#"), pb.ItemContext()],
+    )
+    raw = with_bytes(message, (b"tenant#", b"tenant\x80"), (b"Caf#", b"Caf\xe9"))
+    served, bad_text = (await classify_batch_raw(orchestrator.port, raw)).results
+    assert served.response.labels[0].name == "sports"
+    # Another item's string is still refused as before.
+    assert item_violations(bad_text.error) == [("items[1].text", "utf8")]
+
+
 async def test_batch_answers_equal_single_answers(orchestrator: OrchestratorServer) -> None:
     texts = [STRIKER, SHARES, "A new telescope found water on a distant planet"]
     batch = await classify_batch(orchestrator.port, [pb.ClassifyRequest(text=t) for t in texts])
