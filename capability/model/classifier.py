@@ -50,6 +50,9 @@ DEFAULT_GRAPH = "torchscript"
 # Tokens per text of the example a graph is traced on (fewer for a model that reads
 # fewer): sizes are traced as sizes, so any short length serves every length.
 TRACE_TOKENS = 8
+# Tokens per text for a call that names no `max_length`: the contract's "absent means
+# 512", capped by the model's own maximum.
+DEFAULT_TOKEN_BUDGET = 512
 
 
 class Lanes(Protocol):
@@ -140,7 +143,9 @@ class TextClassifier:
         allows budgets from 1 and promises truncation, not refusal; a budget below
         [CLS] + [SEP] would leave the tokenizer nothing to keep."""
         if max_length is None:
-            return self.max_seq_length
+            # The contract's default, capped as any budget is: the model's own maximum
+            # read 1,024 tokens for a bundle that allows them (a static-embedding one).
+            return min(DEFAULT_TOKEN_BUDGET, self.max_seq_length)
         least = self.tokenizer.special_tokens_per_text + 1
         return max(min(max_length, self.max_seq_length), least)
 

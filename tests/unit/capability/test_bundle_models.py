@@ -194,3 +194,24 @@ def test_tokenize_on_other_threads_while_run_serves(minilm: LoadedBundle) -> Non
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     reference_ids = [list(text.ids) for text in classifier.tokenize(texts)]
     assert all(ids == reference_ids for ids in encoded_by_thread.values())
+
+
+def test_a_call_without_max_length_reads_512_tokens_of_a_model_that_allows_more(
+    tmp_path: Path, model_root: Path
+) -> None:
+    """The contract says an absent `max_length` means 512, capped by the model's own;
+    a bundle allowing 1,024 (a static-embedding one may) read 1,024 for it."""
+    bundle = tmp_path / "topic-static" / "1"
+    shutil.copytree(model_root / "topic-static" / "1", bundle)
+    (bundle / "manifest.json.sig").unlink(missing_ok=True)
+    config = json.loads((bundle / "config.json").read_text(encoding="utf-8"))
+    config["max_seq_length"] = 1024
+    (bundle / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    write_manifest(bundle)
+    classifier = load_bundle(bundle).classifier
+    assert classifier.token_budget(None) == 512
+    assert classifier.token_budget(1024) == 1024
+    # 700 words of one token each: cut at 512 tokens, whole at 1,024.
+    text = " ".join(["goal"] * 700)
+    assert classifier.classify([text]).truncated == (True,)
+    assert classifier.classify([text], max_length=1024).truncated == (False,)
