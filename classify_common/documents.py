@@ -46,6 +46,8 @@ MAX_DOCUMENT_BYTES = 256 * 1024
 # Collections (mappings, lists) nested inside one another, the outermost counting 1.
 # routes.yaml needs 6 (`routes[0].match.header.values`); JSON bundle files need 3.
 MAX_DOCUMENT_DEPTH = 32
+# Characters a YAML integer may be written in (sign, prefix and underscores included).
+MAX_INTEGER_CHARS = 100
 
 
 class DocumentRefused(ValueError):
@@ -140,6 +142,7 @@ def _decode(data: bytes | str, source: str) -> str:
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
 
 
 class _BoundedComposer(Composer):
@@ -177,7 +180,18 @@ class _BoundedComposer(Composer):
                 event.start_mark,
             )
         if not isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
+            if node is not None and node.tag == _INT_TAG and len(node.value) > MAX_INTEGER_CHARS:
+                # A hex or binary literal escapes Python's 4,300-digit limit as it is
+                # read, and then every message that named the value raised ValueError
+                # (str() of it) instead of naming the file and line.
+                self._refuse(
+                    MalformedDocument,
+                    f"a whole number written in {len(node.value):,} characters; "
+                    f"no setting needs more than {MAX_INTEGER_CHARS}",
+                    node.start_mark,
+                )
+            return node
         if self._depth >= self._max_depth:
             self._refuse(
                 DocumentTooDeep,

@@ -154,16 +154,18 @@ def _model_config(path: Path) -> None:
 @pytest.mark.parametrize(
     ("load", "where"),
     [
-        (_keys_file, ":2: tenants.acme.rate_per_second"),
-        (_routes_file, ":7: retry_budget.ratio"),
-        (_model_config, ":2: topic-minilm.max_wait_ms"),
+        (_keys_file, ":2:"),
+        (_routes_file, ":7:"),
+        (_model_config, ":2:"),
     ],
     ids=["keys", "routes", "model-config"],
 )
 def test_a_whole_number_past_a_floats_range_is_refused_naming_file_and_line(
     tmp_path: Path, load: Callable[[Path], None], where: str
 ) -> None:
-    """It was an OverflowError: a traceback at start, and a reload that failed."""
+    """It was an OverflowError: a traceback at start, and a reload that failed. No
+    integer a setting needs is written in over 100 characters: refused as it is read."""
     path = tmp_path / "document.yaml"
-    with pytest.raises(ValueError, match=re.escape(f"{path}{where}: a whole number of 401 ")):
+    written = r"(\d+:)? a whole number written in 401 characters"
+    with pytest.raises(ValueError, match=re.escape(f"{path}{where}") + written):
         load(path)
