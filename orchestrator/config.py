@@ -301,6 +301,11 @@ class OrchestratorSettings(ServerSettings):
         high=10_000,
     )
 
+    # Not a flag: the processes of the --processes set this one serves in (set by
+    # orchestrator/workers.py for each worker; 1 for a process alone). Each holds its
+    # share of routes.yaml's `max_concurrency`, which the file gives for the set.
+    set_processes: int = 1
+
     def check_together(self) -> None:
         super().check_together()
         check_range(
@@ -365,6 +370,7 @@ class OrchestratorSettings(ServerSettings):
             latency_tolerance=self.concurrency_latency_tolerance,
             min_limit=self.concurrency_min_limit,
             max_limit=self.concurrency_max_limit,
+            processes=self.set_processes,
         )
 
     def backlog(self) -> BacklogSettings:

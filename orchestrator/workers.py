@@ -26,9 +26,10 @@ One Python process is one event loop: about a core of serving. With
   (WorkerMetrics); what it counted after that scrape is lost with it.
 
 Each worker gets its share (1/N, rounded up) of the per-backend adaptive
-concurrency limits and of the calls in flight per capability replica
-(`one_worker_of`): those are per process, and the flags say what the set may
-hold, so N workers do not send a backend N times what one process would.
+concurrency limits, of routes.yaml's `max_concurrency`, of the calls in flight
+per capability replica and of the shadow calls in flight (`one_worker_of`):
+those are per process, and the flags and the file say what the set may hold,
+so N workers do not send a backend N times what one process would.
 
 What the merged /metrics loses: exemplars (a histogram bucket's trace ID), and
 the difference between gauges that add up (calls in flight: the set's total)
@@ -87,6 +88,7 @@ from classify_common.serving import (
 )
 from orchestrator.config import OrchestratorSettings
 from orchestrator.metrics import API_KEYS_FILE_REFUSED, LATE_ARRIVAL_SHARE, ROUTES_FILE_REFUSED
+from orchestrator.policy.concurrency import share_of
 from orchestrator.state.connection import STATE_UP
 
 WORKER_RESTARTS_TOTAL = "classify_worker_restarts_total"
@@ -529,22 +531,21 @@ def one_worker_of(settings: OrchestratorSettings, port: int) -> OrchestratorSett
     coalescers, so N workers would hold N times the calls in flight a backend (or a
     replica) should see. The flags' values are therefore for the set, and each of N
     workers gets 1/N of them, rounded up (at least 1): the lowest and highest
-    adaptive limits and the calls in flight per replica."""
+    adaptive limits, the calls in flight per replica and the shadow calls in flight;
+    and of each backend's routes.yaml `max_concurrency` (`set_processes`), which every
+    worker reads from the file."""
     workers = settings.processes
     return replace(
         settings,
         processes=1,
+        set_processes=workers,
         port=port,
         metrics_port=METRICS_DISABLED,
         concurrency_min_limit=share_of(settings.concurrency_min_limit, workers),
         concurrency_max_limit=share_of(settings.concurrency_max_limit, workers),
         upstream_calls_in_flight=share_of(settings.upstream_calls_in_flight, workers),
+        shadow_max_in_flight=share_of(settings.shadow_max_in_flight, workers),
     )
-
-
-def share_of(total: int, workers: int) -> int:
-    """One worker's part of `total`: total / workers rounded up, at least 1."""
-    return max(1, -(-total // workers))
 
 
 # One sample of the merged /metrics: (family, sample name, sorted labels).

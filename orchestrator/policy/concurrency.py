@@ -108,6 +108,9 @@ class ConcurrencySettings:
     # Refused callers a second per answer, over which retry-after hints stretch,
     # 0.01..100.
     retry_budget: float = 0.2
+    # Processes of one --processes set, each holding its share (share_of) of a
+    # backend's routes.yaml `max_concurrency`, which is for the set, 1..1024.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.latency_tolerance <= 100:
@@ -122,6 +125,8 @@ class ConcurrencySettings:
             raise ValueError(
                 f"probe_interval_seconds {self.probe_interval_seconds} is outside 1..3600"
             )
+        if not 1 <= self.processes <= 1024:
+            raise ValueError(f"processes {self.processes} is outside 1..1024")
         if not 1 <= self.probe_samples <= 1000:
             raise ValueError(f"probe_samples {self.probe_samples} is outside 1..1000")
         if not 0.01 <= self.retry_budget <= 100:
@@ -294,3 +299,8 @@ class AdaptiveConcurrencyLimit:
         one given by the time between answers (stretched under the retry budget), so
         that refused callers come back about as fast as slots free up."""
         return self._pacer.hint(floor=self.median_latency or DEFAULT_RETRY_AFTER_SECONDS)
+
+
+def share_of(total: int, processes: int) -> int:
+    """One process's part of `total`: total / processes rounded up, at least 1."""
+    return max(1, -(-total // processes))

@@ -38,7 +38,11 @@ from orchestrator.metrics import (
     UpstreamMetrics,
 )
 from orchestrator.policy import OutlierDetector, OutlierSettings
-from orchestrator.policy.concurrency import AdaptiveConcurrencyLimit, ConcurrencySettings
+from orchestrator.policy.concurrency import (
+    AdaptiveConcurrencyLimit,
+    ConcurrencySettings,
+    share_of,
+)
 from orchestrator.policy.retries import DEADLINE_SAFETY_MARGIN_SECONDS
 from orchestrator.routing import Backend
 from orchestrator.security.gate import current_caller
@@ -170,6 +174,13 @@ class BackendPool:
         resolve_interval_seconds: float = RESOLVE_INTERVAL_SECONDS,
     ) -> None:
         self.backend = backend
+        # This process's share of the backend's max_concurrency, which routes.yaml
+        # gives for the whole --processes set (each worker reads the same file).
+        self.max_concurrency = (
+            None
+            if backend.max_concurrency is None
+            else share_of(backend.max_concurrency, concurrency.processes)
+        )
         # Its replicas are the addresses _follow_addresses hands it.
         self.outliers = OutlierDetector((), outliers, on_ejected=on_ejected)
         self.concurrency = AdaptiveConcurrencyLimit(concurrency) if concurrency.adaptive else None
@@ -423,7 +434,7 @@ class BackendPool:
     def concurrency_limit(self) -> float | None:
         """The limit on calls in flight in force now: the lower of the backend's
         max_concurrency and its adaptive limit; None when it has neither."""
-        static = self.backend.max_concurrency
+        static = self.max_concurrency
         adaptive = None if self.concurrency is None else self.concurrency.limit
         if static is None:
             return adaptive
@@ -449,7 +460,7 @@ class BackendPool:
         """Take a slot under the backend's limits, or raise ConcurrencyLimited at once:
         refused before any work, and not retried on this backend (its retry would meet
         the same limit), so the fallback takes it at once."""
-        limit = self.backend.max_concurrency
+        limit = self.max_concurrency
         if limit is not None and self.calls_in_flight >= limit:
             self._count_refused_at_max()
             raise ConcurrencyLimited(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -9,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -30,12 +32,16 @@ from prometheus_client.openmetrics.parser import (
 from classify_common.serving import METRICS_DISABLED
 from orchestrator import workers
 from orchestrator.metrics import LATE_ARRIVAL_SHARE
+from orchestrator.policy import OutlierSettings
+from orchestrator.policy.concurrency import ConcurrencySettings, share_of
+from orchestrator.routing import Backend
 from orchestrator.state.connection import STATE_UP
+from orchestrator.upstream.pool import BackendPool
 from orchestrator.workers import LOOP_HEARTBEAT, WorkerMetrics, one_worker_of
 from tests.conftest import REPO_ROOT, closed_port, orchestrator_settings
 
 
-def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> None:
+async def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> None:
     settings = orchestrator_settings(
         processes=3,
         state_url="redis://127.0.0.1:6379/0",
@@ -49,6 +55,26 @@ def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> None:
     assert (worker.concurrency_min_limit, worker.concurrency_max_limit) == (11, 342)
     assert worker.upstream_calls_in_flight == 1
     assert worker.concurrency().max_limit == 342
+    # What the file and the other flags give for the set, too: each worker read
+    # routes.yaml's max_concurrency and held the whole of it, and 64 shadow calls.
+    assert worker.shadow_max_in_flight == share_of(settings.shadow_max_in_flight, 3)
+    backend = Backend("capped", "topic-minilm", ("127.0.0.1:1",), 5.0, max_concurrency=10)
+    static_only = replace(worker.concurrency(), adaptive=False)
+    async with _pool_of(backend, static_only) as pool:
+        assert (pool.max_concurrency, pool.concurrency_limit()) == (4, 4.0)
+    async with _pool_of(backend, settings.concurrency()) as alone:
+        assert alone.max_concurrency == 10
+
+
+@contextlib.asynccontextmanager
+async def _pool_of(
+    backend: Backend, concurrency: ConcurrencySettings
+) -> AsyncIterator[BackendPool]:
+    pool = BackendPool(backend, OutlierSettings(), concurrency=concurrency)
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 def test_a_single_call_in_flight_is_not_divided_to_none() -> None:
