@@ -201,7 +201,11 @@ class FrontDoorAdmission(_MethodChecks):
         with node(RATE_LIMIT_CHECK, {CLASSIFY_TENANT: tenant}):
             if self._gate is not None:
                 await self._gate.check_rate_limit(tenant, 1)
-        raise error
+        # Its refusal is validation's, as a rule broken would be: the trace of such
+        # bytes lacked the node, which the docs promise an invalid request.
+        with node(INPUT_VALIDATE) as span:
+            _record_violations(span, error.violations)
+            raise error
 
     def _authenticate(self, headers: Mapping[str, str]) -> str:
         with node(AUTH_VALIDATE) as span:

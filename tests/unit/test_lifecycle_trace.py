@@ -313,6 +313,31 @@ async def test_an_invalid_request_names_its_violations_on_input_validate(
     assert dict(front.attributes or {})["rpc.response.status_code"] == "INVALID_ARGUMENT"
 
 
+async def test_a_request_whose_bytes_do_not_decode_has_the_nodes_of_an_invalid_one(
+    orchestrator: OrchestratorServer, span_exporter: InMemorySpanExporter
+) -> None:
+    """A text that is not UTF-8 is refused as validation refuses (rule `utf8`), but
+    its trace lacked `input_validate`, which every invalid request's has."""
+    raw = pb.ClassifyRequest(text="Caf# prices rose").SerializeToString().replace(b"#", b"\xe9")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}") as channel:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/ai.classify.v1.ClassifyService/Classify"
+        )
+        error = await refusal(call(raw, timeout=30))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = await settled_trace(span_exporter, trailers_of(error)["x-trace-id"], 6)
+    assert [s.name for s in spans if s.name in NODE_NAMES] == [
+        "grpc_receive",
+        "auth_validate",
+        "rate_limit_check",
+        "input_validate",
+        "response_send",
+    ]
+    validate = dict(only(spans, "input_validate").attributes or {})
+    assert validate["classify.violation_fields"] == ("text",)
+    assert validate["rpc.response.status_code"] == "INVALID_ARGUMENT"
+
+
 async def test_a_cache_hit_has_every_node_once_and_its_device_nodes_say_they_were_skipped(
     start_capability: StartCapability,
     orchestrator_with: StartOrchestrator,
