@@ -331,15 +331,22 @@ def _one_replica_of(texts: Sequence[TextRequest]) -> dict[str, object]:
     """`model`, `model_version` and `worker` for a batch call's `rpc` line, where every
     item that reached a replica reached the same one (as the orchestrator's merged
     calls do); nothing where they went to several, or none did."""
-    replica_keys = ("model", "model_version", "worker")
-    replicas = {
-        tuple(text.trace.log_fields.get(key) for key in replica_keys)
-        for text in texts
-        if text.trace is not None and "worker" in text.trace.log_fields
-    }
-    if len(replicas) != 1:
+    replica: tuple[object, object, object] | None = None
+    for text in texts:
+        if text.trace is None:
+            continue
+        fields = text.trace.log_fields
+        worker = fields.get("worker")
+        if worker is None:
+            continue  # refused before it reached a replica
+        this = (fields["model"], fields["model_version"], worker)
+        if replica is None:
+            replica = this
+        elif this != replica:
+            return {}
+    if replica is None:
         return {}
-    return dict(zip(replica_keys, replicas.pop(), strict=True))
+    return dict(zip(("model", "model_version", "worker"), replica, strict=True))
 
 
 def _item_trace_id(text: TextRequest, call_trace_id: str) -> str:
