@@ -160,6 +160,13 @@ async def test_a_replica_reporting_a_long_queue_is_passed_over_for_one_that_can_
         f" '127.0.0.1:{capability.port}']}}\n"
         "routes:\n  - name: default\n    backend: minilm\n"
     )
+    # A queue that outlasts the six calls on a busy machine too: 800 ms of it drained
+    # (by the orchestrator's reckoning) while a slow run's calls were still made, and
+    # the busy pod had its turn again, rightly.
+    longer = pb.LoadReport()
+    longer.CopyFrom(LONG_QUEUE)
+    longer.predicted_queue_wait.FromSeconds(10)
+    busy_pod.load_report = longer.SerializeToString()
     server = await orchestrator_with(routes)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
