@@ -143,6 +143,15 @@ class RedisState:
         self._probe: asyncio.Task[None] | None = None
         self._closing = False
         self._scripts: list[AsyncScript] = []
+        # One per pooled connection: a command waits for one before its timeout starts.
+        # Waiting inside it, a burst of this process's own commands (a ClassifyBatch of
+        # 1,024 items past its budget, each holding its result's place) timed out at
+        # the pool with Redis well: counted as Redis failing, and every call went
+        # without it for --state-retry-seconds.
+        pool_size = getattr(client.connection_pool, "max_connections", None)
+        self._connections = asyncio.Semaphore(
+            pool_size if isinstance(pool_size, int) and 0 < pool_size < 2**31 else MAX_CONNECTIONS
+        )
 
     @classmethod
     def from_settings(cls, settings: OrchestratorSettings, metrics: StateMetrics) -> RedisState:
@@ -227,19 +236,44 @@ class RedisState:
                 retry_after_seconds=self._resting_until - now,
                 operation=operation,
             )
+        waited = 0.0
+        if self._connections.locked():  # every connection busy with this process's own
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(
+                    None if within is None else max(within - DEADLINE_MARGIN_SECONDS, 0)
+                ):
+                    await self._connections.acquire()
+            except TimeoutError:
+                raise self._not_asked(operation) from None
+            waited = time.perf_counter() - started
+        else:
+            await self._connections.acquire()
+        try:
+            return await self._send(operation, command, None if within is None else within - waited)
+        finally:
+            self._connections.release()
+
+    def _not_asked(self, operation: str) -> StateNotAsked:
+        # Not sent: no answer could come in time, and a command cut off as it starts
+        # closes its connection (the next one opens another). Skipped, not timed out:
+        # Redis was not asked, so it says nothing of Redis.
+        self._metrics.count(operation, "skipped")
+        return StateNotAsked(
+            "the call's deadline left no time to ask the shared state store",
+            retry_after_seconds=0.0,
+            operation=operation,
+        )
+
+    async def _send(
+        self, operation: str, command: Callable[[], Awaitable[T]], within: float | None
+    ) -> T:
+        """`command()` on a connection of its own, within the timeout (run())."""
         timeout = self.timeout_seconds
         if within is not None:
             timeout = min(timeout, within - DEADLINE_MARGIN_SECONDS)
             if timeout <= 0:
-                # Not sent: no answer could come in time, and a command cut off as it
-                # starts closes its connection (the next one opens another). Skipped,
-                # not timed out: Redis was not asked, so it says nothing of Redis.
-                self._metrics.count(operation, "skipped")
-                raise StateNotAsked(
-                    "the call's deadline left no time to ask the shared state store",
-                    retry_after_seconds=0.0,
-                    operation=operation,
-                )
+                raise self._not_asked(operation)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):

@@ -621,6 +621,51 @@ async def test_a_command_its_deadline_leaves_no_time_for_is_not_sent(
     assert outcomes == {"ok": 0, "error": 0, "timeout": 0, "skipped": 1}
 
 
+SPIN_20_MS = """
+local started = redis.call('TIME')
+repeat
+  local now = redis.call('TIME')
+until (now[1] - started[1]) * 1000000 + now[2] - started[2] >= 20000
+return 1
+"""
+
+
+async def test_a_burst_of_the_processs_own_commands_waits_for_connections_not_failing(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout covered the wait for a pooled connection: a ClassifyBatch of 1,024
+    items past its budget, each holding its result's place at once, timed out at the
+    pool with Redis well, counted as Redis failing, and every call then went without
+    it for --state-retry-seconds. Here: 2 connections, 40 commands of 20 ms each."""
+    monkeypatch.setattr(state_connection, "MAX_CONNECTIONS", 2)
+    registry = CollectorRegistry()
+    state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url, state_timeout_ms=100),
+        StateMetrics(registry),
+    )
+
+    def a_20_ms_command() -> Awaitable[object]:
+        # A script that spins 20 ms (a blocking command's own timeout is checked only
+        # ten times a second).
+        return state.client.eval(SPIN_20_MS, 0)
+
+    try:
+        answers = await asyncio.gather(
+            *(state.run("result_hold", a_20_ms_command) for _ in range(40))
+        )
+        assert await state.run("ping", state.client.ping) is True  # no rest started
+    finally:
+        await state.close()
+    assert answers == [1] * 40
+    outcomes = {
+        outcome: metric_sum(
+            registry, STATE_OPERATIONS_TOTAL, operation="result_hold", outcome=outcome
+        )
+        for outcome in ("ok", "timeout", "skipped")
+    }
+    assert outcomes == {"ok": 40, "timeout": 0, "skipped": 0}
+
+
 async def code_of(call: Awaitable[object]) -> grpc.StatusCode:
     try:
         await call
