@@ -67,6 +67,11 @@ class StateNotAsked(StateUnavailable):
     bucket has not paid for (RedisRateLimits keeps the debt)."""
 
 
+class StateFailed(StateUnavailable):
+    """Redis was asked and did not answer in time, or failed: the command may have run
+    (its answer lost), as a timeout cannot tell."""
+
+
 class StateMetrics:
     """How the shared state store answered, by operation (rate_limit, rate_limit_edit,
     result_hold, result_finish, result_get, result_lease, ping, start_check) and outcome (ok, error,
@@ -308,7 +313,7 @@ class RedisState:
             log.warning("shared state store answers again", extra={"operation": operation})
         return answer
 
-    def _failed(self, operation: str, outcome: str, cause: Exception) -> StateUnavailable:
+    def _failed(self, operation: str, outcome: str, cause: Exception) -> StateFailed:
         self._metrics.count(operation, outcome)
         self._resting_until = self._clock() + self._retry
         if not self._failing:  # one line per outage, not one per call
@@ -318,7 +323,7 @@ class RedisState:
                 extra={"operation": operation, "outcome": outcome, "error": describe(cause)},
             )
         answered = "refused the command" if isinstance(cause, REFUSALS) else "did not answer"
-        return StateUnavailable(
+        return StateFailed(
             f"the shared state store {answered} ({outcome})",
             retry_after_seconds=self._retry,
             operation=operation,

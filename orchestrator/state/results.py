@@ -78,12 +78,13 @@ from classify_common.errors import (
     FieldViolation,
     InternalError,
     InvalidRequest,
+    ResultNotFound,
     ServerDraining,
     ServiceError,
     StateUnavailable,
 )
 from orchestrator.results import new_hold_token, result_not_found, result_owner
-from orchestrator.state.connection import KEY_PREFIX, RedisState
+from orchestrator.state.connection import KEY_PREFIX, RedisState, StateFailed
 
 RESULT_PREFIX = KEY_PREFIX + "result:"
 # Beside each result, the token of the call holding it (orchestrator.results). A key of
@@ -346,7 +347,15 @@ class RedisResultStore:
         args += [RESULT_PROCESS_PREFIX, self.process_id, self._lease_ms]
         try:
             await self._state.run("result_hold", lambda: self._hold_script(keys=keys, args=args))
-        except StateUnavailable:
+        except StateFailed:
+            # Redis may have run the hold and its answer been lost (a timeout): the place
+            # would answer PROCESSING until it expired, filled by no one, while the
+            # caller is answered directly. Marked not kept, as a call answered at once
+            # is (stored again later while Redis is away; a hold that never ran leaves
+            # nothing for it to mark).
+            await self.finish(request_id, token, error=_answered_directly(request_id))
+            return None
+        except StateUnavailable:  # not asked: nothing was held
             return None
         self._start_renewing_lease_if_needed()
         return token
@@ -621,3 +630,13 @@ def _with_subclasses(cls: type[ServiceError]) -> Iterator[type[ServiceError]]:
 
 
 _ERRORS_BY_REASON = {error.reason: error for error in _with_subclasses(ServiceError)}
+
+
+def _answered_directly(request_id: str) -> ResultNotFound:
+    """What a poll learns of a call whose place in the store may have been held, but
+    whose holding failed: the call was answered when its work ended, and nothing kept."""
+    return ResultNotFound(
+        "no result is kept for this request ID: its call was answered directly "
+        "(the result store failed as its place was held)",
+        request_id=request_id,
+    )

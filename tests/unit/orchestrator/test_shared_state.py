@@ -1083,6 +1083,41 @@ async def test_a_finished_result_names_no_process_for_an_older_hold_to_inherit(
     assert (await poller.get("r")).status == PROCESSING
 
 
+async def test_a_hold_whose_answer_was_lost_is_marked_not_kept_not_left_pending(
+    redis_server: RedisServer, redis_state: RedisState, new_store: NewStore
+) -> None:
+    """Redis stalled as a place was held: the hold timed out (its caller answered
+    directly, nothing to store), and Redis ran it once it resumed. Polls answered
+    PROCESSING for a result no one would fill, until the holder's lease lapsed (and
+    for as long as its other results kept the lease renewed)."""
+    holder = new_store(capacity=10, ttl_seconds=60)
+    poller_state = RedisState.from_settings(
+        orchestrator_settings(state_url=redis_server.url), StateMetrics(CollectorRegistry())
+    )
+    poller = RedisResultStore(poller_state, capacity=10, ttl_seconds=60)
+    # A pooled connection, and the scripts loaded (as check_at_start loads them): a
+    # hold sent to a Redis that lacks its script runs nothing.
+    assert await holder.hold("first", pb.ClassifyResponse(status=PROCESSING)) is not None
+    redis_server.pause()
+    try:
+        assert await holder.hold("lost", pb.ClassifyResponse(status=PROCESSING)) is None
+    finally:
+        redis_server.resume()
+
+    async def marked_not_kept() -> bool:
+        try:
+            await poller.get("lost")
+        except ResultNotFound as refused:
+            return "answered directly" in refused.message
+        return False
+
+    try:
+        await wait_until(marked_not_kept, "the place marked not kept")
+    finally:
+        await poller.close()
+        await poller_state.close()
+
+
 async def test_a_graceful_stop_ends_the_lease_at_once(new_store: NewStore) -> None:
     """A result still pending when its process stops gracefully (Redis did not take
     its outcome) has nothing behind it: polls say so at once, not a lease later."""
