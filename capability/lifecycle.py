@@ -100,9 +100,18 @@ def is_newer(candidate: str, serving: str) -> bool:
     return not is_numbered(serving) or int(candidate) > int(serving)
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # not ours to look into: versions() says so when asked
+        return False
+
+
 class ModelRoot:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
+        # Folders this server may not read, each logged once (the watcher looks often).
+        self._unreadable: set[Path] = set()
 
     def model_names(self) -> list[str]:
         """The model folders a server can serve: named by the model-name rule, with a
@@ -122,6 +131,8 @@ class ModelRoot:
         if not is_model_name(name):
             return f"{name!r} is not a model name ({MODEL_NAME_RULE})"
         if not self.versions(name):
+            if self._model_folder(name) in self._unreadable:
+                return "this server may not read it (its owner or mode)"
             return (
                 "no numbered version folder (1, 2, ...) holding manifest.json; "
                 "named or hidden ones load only when ReloadModel names them"
@@ -131,20 +142,50 @@ class ModelRoot:
     def _folders(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(path for path in self.root.iterdir() if path.is_dir())
+        return sorted(path for path in self.root.iterdir() if _is_dir(path))
 
     def versions(self, name: str) -> list[str]:
         """Numbered version folders of `name` that hold a manifest, oldest first; named
-        ones (`3.tmp`, `canary`) are left out: they load only when asked for by name."""
+        ones (`3.tmp`, `canary`) are left out: they load only when asked for by name.
+
+        A folder this server may not read (another user's, mode 700) is left out too,
+        and logged once: its PermissionError stopped the start, although another
+        model was asked for, and live, every look of the watcher failed as a bug."""
         folder = self._model_folder(name)
-        if not folder.is_dir():
+        if not self._is_readable_dir(folder):
             return []
-        found = [
-            path.name
-            for path in folder.iterdir()
-            if is_numbered(path.name) and path.is_dir() and (path / MANIFEST).is_file()
-        ]
+        found = []
+        for path in sorted(folder.iterdir()):
+            if not is_numbered(path.name) or not self._is_readable_dir(path):
+                continue
+            try:
+                holds_manifest = (path / MANIFEST).is_file()
+            except OSError as exc:
+                self._left_out(path, exc)
+                continue
+            if holds_manifest:
+                found.append(path.name)
         return sorted(found, key=int)
+
+    def _is_readable_dir(self, path: Path) -> bool:
+        """Whether `path` is a folder this server may list; one it may not is logged."""
+        try:
+            if not path.is_dir():
+                return False
+            os.listdir(path)  # what a later look needs: PermissionError here, not there
+        except OSError as exc:
+            self._left_out(path, exc)
+            return False
+        self._unreadable.discard(path)  # readable again: said once more if it changes
+        return True
+
+    def _left_out(self, path: Path, error: OSError) -> None:
+        if path not in self._unreadable:
+            self._unreadable.add(path)
+            log.warning(
+                "model folder left out: this server may not read it",
+                extra={"path": str(path), "error": f"{type(error).__name__}: {error.strerror}"},
+            )
 
     def newest(self, name: str) -> str | None:
         versions = self.versions(name)

@@ -4,9 +4,12 @@ a rollback by ReloadModel that it leaves alone, and errors it outlives."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +29,7 @@ from capability.lifecycle import ModelRoot
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
 from classify_common.nodes import BATCH_SPAN_NAME
-from tests.conftest import STRIKER, StartCapability, metric_sum, wait_until
+from tests.conftest import REPO_ROOT, STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import refusal
 from tests.unit.capability.own_bundle import PANICS_ON_WARM_UP, split_first_by
 
@@ -543,3 +546,55 @@ async def test_calls_are_answered_while_the_model_root_is_slow_to_list(
         slow.let_go.set()
         if reloading is not None:
             await reloading
+
+
+# Run as root, a process reads every folder whatever its mode: the look at the model root
+# runs in a child process without the capabilities that let it (as a server runs, under
+# a user of its own).
+AS_A_PLAIN_USER = (
+    ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all"]
+    if os.geteuid() == 0
+    else []
+)
+LOOK_AT_THE_ROOT = """
+import json, sys
+from pathlib import Path
+from capability.lifecycle import ModelRoot
+root = ModelRoot(Path(sys.argv[1]))
+print(json.dumps([root.versions("topic-static"), [p.name for p, _ in root.skipped_folders()]]))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0 and shutil.which("setpriv") is None,
+    reason="root reads every folder, and setpriv (util-linux) is not here to drop that",
+)
+def test_a_folder_the_server_may_not_read_is_left_out_not_a_failed_start(
+    tmp_path: Path, model_root: Path
+) -> None:
+    """Another user's folder (mode 700) under the model root: its PermissionError
+    stopped the start, although another model was asked for, and live, each look of
+    the watcher failed as a bug (a refused reload counted every poll)."""
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    (root / "topic-static" / "2").mkdir()
+    (root / "topic-static" / "2" / "manifest.json").write_text("{}")
+    (root / "other-model" / "1").mkdir(parents=True)
+    (root / "other-model" / "1" / "manifest.json").write_text("{}")
+    closed = [root / "topic-static" / "2", root / "other-model"]
+    for folder in closed:
+        folder.chmod(0)
+    try:
+        looked = subprocess.run(
+            [*AS_A_PLAIN_USER, sys.executable, "-c", LOOK_AT_THE_ROOT, str(root)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for folder in closed:
+            folder.chmod(0o755)
+    assert looked.returncode == 0, looked.stderr
+    assert json.loads(looked.stdout) == [["1"], ["other-model"]]
+    assert looked.stderr.count("model folder left out: this server may not read it") == 2
