@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
+
 from capability.bundle import BundleError, LoadedBundle, MemoryBudgetExceeded, ModelLoadError
 from capability.bundle.errors import BundleFileMissing
 from capability.bundle.files import BundleFolder
@@ -565,24 +567,35 @@ class ModelLifecycle:
         settings = self.settings_for(name)
         if settings.cache_hit_floor is not None:
             self._metrics.result_cache_hit_floor.labels(name).set(settings.cache_hit_floor)
-        return await self.pool.load(
-            directory,
-            settings.batching,
-            settings.precision,
-            graph=settings.graph,
-            expected_name=name,
-            # As listed, not as resolved: a version folder linked to another within the
-            # root (`2 -> .release-2`, `2 -> 1`) served under its target's name, and the
-            # watcher, seeing "newer" numbered folders, reloaded it every poll.
-            version=version,
-            residency=settings.residency,
-            idle_seconds=settings.idle_seconds,
-            warm_texts=(
-                ()
-                if settings.warm_texts is None
-                else await asyncio.to_thread(read_warm_texts, settings.warm_texts)
-            ),
+        warm_texts = (
+            ()
+            if settings.warm_texts is None
+            else await asyncio.to_thread(read_warm_texts, settings.warm_texts)
         )
+        try:
+            return await self.pool.load(
+                directory,
+                settings.batching,
+                settings.precision,
+                graph=settings.graph,
+                expected_name=name,
+                # As listed, not as resolved: a version folder linked to another within
+                # the root (`2 -> .release-2`, `2 -> 1`) served under its target's name,
+                # and the watcher, seeing "newer" numbered folders, reloaded it every poll.
+                version=version,
+                residency=settings.residency,
+                idle_seconds=settings.idle_seconds,
+                warm_texts=warm_texts,
+            )
+        except torch.OutOfMemoryError as exc:
+            # The device had less room than the ledger's prediction (another process
+            # on the GPU, fragmentation): a refusal for room, tried again for room and,
+            # at start, the version before it tried. As the bug it was taken for, a
+            # ReloadModel answered INTERNAL and the start failed outright.
+            raise MemoryBudgetExceeded(
+                f"the device ran out of memory loading version {version} of {name!r} "
+                f"({str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+            ) from exc
 
     async def watch(self, interval_seconds: float) -> None:
         """Reload a model whenever a newer numbered version folder than the serving one

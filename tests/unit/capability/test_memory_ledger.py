@@ -9,9 +9,11 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
@@ -195,6 +197,45 @@ async def test_a_reload_over_budget_is_refused_and_the_serving_version_stays(
         answer = await classify.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-static"))
         assert answer.model.version == "1"
     assert metric_sum(server.registry, DEVICE_CACHE_RELEASES_TOTAL, reason="refused") == 1
+
+
+async def test_a_device_out_of_memory_while_loading_is_a_refusal_for_room_not_a_bug(
+    start_capability: StartCapability,
+    model_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU with less room than the ledger foresaw (another process on it) raises
+    torch.OutOfMemoryError as the weights move over or the largest warm-up runs: taken
+    for a bug, ReloadModel answered INTERNAL, the version was never tried again for
+    room, and at start the version before it was not tried. No GPU here: the error is
+    raised where a device's would be, as version 2 is prepared."""
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    server = await start_capability(model_root=root)
+    worker = server.pool.workers[0]
+    prepare = worker.prepare
+
+    async def out_of_memory_for_version_2(bundle: Any, *args: Any, **kwargs: Any) -> Any:
+        if bundle.version == "2":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return await prepare(bundle, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "prepare", out_of_memory_for_version_2)
+    shutil.copytree(root / "topic-static" / "1", root / "topic-static" / "2")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = model_service_pb2_grpc.ModelServiceStub(channel)
+        error = await refusal(
+            stub.ReloadModel(model_pb.ReloadModelRequest(name="topic-static", version="2"))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "the device ran out of memory loading version 2" in (error.details() or "")
+        classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answer = await classify.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-static"))
+        assert answer.model.version == "1"
+    ((version, refused),) = await server.lifecycle.refusals("topic-static")
+    assert version == "2"
+    assert refused.room_retry_at is not None  # tried again for room, not left for good
 
 
 @pytest.mark.parametrize(
