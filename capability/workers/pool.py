@@ -360,6 +360,17 @@ class WorkerPool:
             if isinstance(outcome, BaseException):
                 raise outcome
         bundles = [bundle for bundle in loaded if isinstance(bundle, LoadedBundle)]
+        digests = {bundle.digest for bundle in bundles}
+        if len(digests) > 1:
+            # Each worker reads and verifies the folder on its own: one rewritten while
+            # they read it (a re-publish under the same number) served two bundles as
+            # one version, and GetModel, the cache and the folder check saw only the
+            # first worker's.
+            raise BundleError(
+                f"manifest.json: the folder changed while the workers read it ({len(digests)} "
+                f"different bundles, digests {', '.join(sorted(d[:12] for d in digests))}); "
+                "copy a version in whole, then it loads"
+            )
         if expected_name is not None and bundles[0].name != expected_name:
             raise BundleError(
                 f"config.json: names model {bundles[0].name!r}, but the bundle sits under "

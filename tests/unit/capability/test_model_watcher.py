@@ -4,6 +4,7 @@ a rollback by ReloadModel that it leaves alone, and errors it outlives."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -24,10 +25,12 @@ from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc, model_service_pb2_grpc
 from ai.classify.v1 import model_service_pb2 as model_pb
 from capability import lifecycle
+from capability.bundle import write_manifest
 from capability.config import CapabilitySettings
 from capability.lifecycle import ModelRoot
 from capability.metrics import RELOAD_RETRIES_TOTAL, RELOADS_TOTAL
 from capability.server import CapabilityServer
+from capability.workers import pool as pool_module
 from classify_common.nodes import BATCH_SPAN_NAME
 from tests.conftest import REPO_ROOT, STRIKER, StartCapability, metric_sum, wait_until
 from tests.status_details import refusal
@@ -598,3 +601,53 @@ def test_a_folder_the_server_may_not_read_is_left_out_not_a_failed_start(
     assert looked.returncode == 0, looked.stderr
     assert json.loads(looked.stdout) == [["1"], ["other-model"]]
     assert looked.stderr.count("model folder left out: this server may not read it") == 2
+
+
+async def test_a_version_rewritten_while_two_workers_read_it_is_refused_not_served_split(
+    start_capability: StartCapability,
+    model_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each worker reads and verifies the version folder on its own. Re-published under
+    the same number while they read it (a label renamed), the workers served two
+    bundles as one version: answers named `sport` and `sports` at once, and GetModel
+    and the folder check saw the first worker's alone. Here the second worker's read
+    waits until the first's is done, and the folder is rewritten in between."""
+    root = tmp_path / "models"
+    shutil.copytree(model_root / "topic-static" / "1", root / "topic-static" / "1")
+    server = await start_capability(model_root=root, cpu_workers=2)
+    version_2 = root / "topic-static" / "2"
+    shutil.copytree(root / "topic-static" / "1", version_2)
+    (version_2 / "manifest.json.sig").unlink(missing_ok=True)
+    load_on = pool_module._load_on
+    first_read = threading.Event()
+    reads = itertools.count()
+
+    def read_then_republish(directory: Path, *args: Any) -> Any:
+        if next(reads) == 0:
+            try:
+                return load_on(directory, *args)
+            finally:
+                first_read.set()
+        first_read.wait(30)
+        config = json.loads((directory / "config.json").read_text())
+        config["labels"][1]["name"] = "sport"
+        (directory / "config.json").write_text(json.dumps(config))
+        write_manifest(directory)
+        return load_on(directory, *args)
+
+    monkeypatch.setattr(pool_module, "_load_on", read_then_republish)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        error = await refusal(
+            models.ReloadModel(model_pb.ReloadModelRequest(name="topic-static", version="2"))
+        )
+        classify = classify_service_pb2_grpc.ClassifyServiceStub(channel)
+        answers = [
+            await classify.Classify(pb.ClassifyRequest(text=STRIKER, model="topic-static"))
+            for _ in range(4)
+        ]
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the folder changed while the workers read it" in (error.details() or "")
+    assert {(a.model.version, a.labels[0].name) for a in answers} == {("1", "sports")}
