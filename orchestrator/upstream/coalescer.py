@@ -110,6 +110,7 @@ from classify_common.errors import (
     DeadlineExpired,
     DeadlineUnreachable,
     ModelFault,
+    ModelUnavailable,
     ServiceError,
 )
 from classify_common.intake import MAX_BATCH_TOTAL_CHARS
@@ -275,6 +276,8 @@ class ReplicaCoalescer:
         self._replica_queue_capacity = replica_queue_capacity
         self._retry_after = retry_after
         self._waiting: list[UpstreamItem] = []
+        # Closed (close()): the replica left; nothing more is sent to it.
+        self._closed = False
         # One timer for the waiting items, at the earliest of their deadlines (a timer
         # per item cost the orchestrator 2-3 µs an item to start and cancel).
         self._expiry: asyncio.TimerHandle | None = None
@@ -525,6 +528,10 @@ class ReplicaCoalescer:
     def _send_waiting(self) -> None:
         """Send what is waiting, as many calls as free slots allow."""
         self._send_scheduled = False
+        if self._closed:
+            self._answer_left_behind(self._waiting)
+            self._waiting = []
+            return
         now = asyncio.get_running_loop().time()
         while self._waiting:
             if self._may_leave(len(self._waiting)):
@@ -611,6 +618,14 @@ class ReplicaCoalescer:
                 await self._call_one(items[0], sent_at)
             else:
                 await self._call_many(items, sent_at)
+        except asyncio.CancelledError:
+            # Cancelled with items still waiting for it: its channel was closed as the
+            # replica left (a name's look-up dropped its address). grpc.aio cancels the
+            # call locally, with no status to answer them by; unanswered, a caller
+            # without a deadline waited for ever (every caller has gone from a call
+            # cancelled as unwanted).
+            self._answer_left_behind(items)
+            raise
         except Exception as exc:  # a bug here must not leave a caller without an answer
             log.exception(
                 "upstream call failed unexpectedly",
@@ -900,16 +915,36 @@ class ReplicaCoalescer:
                 item.future.set_exception(error)
 
     async def close(self) -> None:
-        """Wait for the calls in flight that a caller still waits for (they get their
-        answers); cancel those that no caller does (their callers answered or gone,
-        but not cancelled). After a stop's grace period every caller has gone, and a
-        call to a frozen replica would otherwise hold the process up to the backend's
-        timeout."""
-        for task, items in list(self._calls.items()):
-            if all(item.future.done() for item in items):
-                task.cancel()
-        if self._calls:
+        """Send nothing more: the items waiting are answered UNAVAILABLE at once (their
+        route retries them on another replica). Wait for the calls in flight that a
+        caller still waits for (they get their answers); cancel those that no caller
+        does (their callers answered or gone, but not cancelled). After a stop's grace
+        period every caller has gone, and a call to a frozen replica would otherwise
+        hold the process up to the backend's timeout.
+
+        The items waiting behind a call in flight once left as it came back, after the
+        wait here had taken its list of calls: the channel closed next cancelled that
+        new call, and its items were never answered."""
+        self._closed = True
+        self._answer_left_behind(self._waiting)
+        self._waiting = []
+        while self._calls:
+            for task, items in list(self._calls.items()):
+                if all(item.future.done() for item in items):
+                    task.cancel()
             await asyncio.gather(*self._calls, return_exceptions=True)
+
+    def _answer_left_behind(self, items: Sequence[UpstreamItem]) -> None:
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(
+                    ModelUnavailable(
+                        f"replica {self._target} of backend {self._backend} left (its "
+                        "address is gone, or the routes changed) before the call was "
+                        "answered",
+                        backend=self._backend,
+                    )
+                )
 
 
 def _not_answered(exc: grpc.aio.AioRpcError) -> bool:

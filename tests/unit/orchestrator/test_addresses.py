@@ -4,6 +4,7 @@ pod's address checked against the name it was found under."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from ai.classify.v1 import classify_service_pb2 as pb
 from ai.classify.v1 import classify_service_pb2_grpc
 from capability.server import CapabilityServer
+from classify_common.errors import ModelUnavailable
 from classify_common.tls import ClientTls
 from orchestrator.metrics import OUTLIER_EJECTIONS_TOTAL
 from orchestrator.policy import OutlierSettings
@@ -223,3 +225,49 @@ async def test_an_address_found_under_a_name_is_checked_against_that_name(
         assert "Hostname Verification" in (error.details() or "")
     finally:
         await server.stop(grace=None)
+
+
+async def test_calls_waiting_for_a_pod_that_leaves_are_answered_unavailable_at_once(
+    capability: CapabilityServer,
+) -> None:
+    """Items gathered behind a call in flight to a pod the name stops listing: its
+    coalescer's close waited for the call in flight alone; as that came back, the
+    items left in a new call, which the channel closed next cancelled locally. They
+    were never answered (a caller without a deadline waited for ever) and the pool's
+    calls in flight never came down. UNAVAILABLE is what a route retries elsewhere."""
+    leaving = FlakyPod(capability.port, "127.0.0.1", failing=False)
+    await leaving.start()
+    staying = FlakyPod(capability.port, "127.0.0.2", failing=False)
+    await staying.start(port=leaving.port)
+    leaving.delay_seconds = 0.5  # the call in flight that the others gather behind
+    answer = ["127.0.0.1"]
+
+    async def lookup(host: str, port: int) -> Sequence[str]:
+        return answer
+
+    backend = Backend("minilm", "topic-minilm", (f"dns:///pods.test:{leaving.port}",), 5.0)
+    pool = BackendPool(backend, OutlierSettings(), lookup=lookup, resolve_interval_seconds=0.02)
+
+    async def classify(text: str) -> pb.ClassifyResponse:
+        request = pb.ClassifyRequest(text=text, model="topic-minilm")
+        return await pool.classify(request, target=pool.pick(), client_remaining=None)
+
+    try:
+        await wait_until(lambda: pool.replicas == (leaving.address,))
+        in_flight = asyncio.ensure_future(classify(STRIKER))
+        await wait_until(lambda: leaving.calls == 1, "the first call at the pod")
+        gathered = [asyncio.ensure_future(classify(f"{STRIKER} {n}")) for n in range(3)]
+        coalescer = pool.coalescers[leaving.address]
+        await wait_until(lambda: coalescer.waiting == 3, "three items gathered behind it")
+        answer = ["127.0.0.2"]  # the pod leaves
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*gathered, return_exceptions=True), timeout=10
+        )
+        assert [type(outcome) for outcome in outcomes] == [ModelUnavailable] * 3
+        assert (await in_flight).labels[0].name == "sports"  # the call in flight answered
+        await wait_until(lambda: pool.in_flight == 0, "no call left counted in flight")
+        assert leaving.calls == 1
+    finally:
+        await pool.close()
+        await leaving.stop()
+        await staying.stop()
