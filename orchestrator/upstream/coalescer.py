@@ -19,8 +19,9 @@ the same loop turn, as a plain `Classify`.
 Interactive items never gather behind batch work alone: while every call in
 flight carries only `PRIORITY_BATCH` items (a bulk ClassifyBatch sent as
 such), interactive items leave at once in a call of their own, one beyond
-`max_in_flight`, and the capability, which takes interactive texts before
-batch ones, computes them next. Without it a single call waited out two
+`max_in_flight` (as many as the replica's queue has room for, a batch being
+computed counted out of it), and the capability, which takes interactive
+texts before batch ones, computes them next. Without it a single call waited out two
 calls of 128 bulk items (a second or more).
 
 Why a second call must be full: a partial call sent while one is in flight
@@ -455,13 +456,21 @@ class ReplicaCoalescer:
         )
 
     def _take_interactive(self) -> list[UpstreamItem]:
-        """The interactive items gathering (up to one call's worth), taken out of
-        `_waiting`; the batch-priority ones stay, in order."""
+        """The interactive items gathering (up to one call's worth, and what the replica's
+        queue holds beside the batch calls in flight), taken out of `_waiting`; the
+        batch-priority ones stay, in order.
+
+        The room counts one batch of the calls in flight as computing, out of the
+        queue (the replica takes interactive texts first, so they wait for that one
+        alone). Sent past the queue's room, 36 of 100 interactive calls beside 256
+        bulk items in flight were refused QUEUE_FULL, which the adaptive limit took
+        for overload."""
+        most = min(self._settings.max_items, self._queue_room() + self._full_call())
         taken: list[UpstreamItem] = []
         kept: list[UpstreamItem] = []
         chars = 0
         for item in self._waiting:
-            fits = len(taken) < self._settings.max_items and (
+            fits = len(taken) < most and (
                 not taken or chars + len(item.request.text) <= MAX_BATCH_TOTAL_CHARS
             )
             if item.request.priority != pb.PRIORITY_BATCH and fits:

@@ -24,7 +24,7 @@ from ai.classify.v1 import classify_service_pb2_grpc
 from capability.metrics import ADMISSIONS_REFUSED_TOTAL, MODEL_TEXTS_TOTAL
 from capability.server import CapabilityServer
 from capability.workers import DeviceWorker
-from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ModelFault
+from classify_common.errors import DeadlineExpired, DeadlineUnreachable, ModelFault, ServiceError
 from classify_common.nodes import NODE_NAMES
 from orchestrator.metrics import (
     DEADLINE_UNREACHABLE_TOTAL,
@@ -33,6 +33,8 @@ from orchestrator.metrics import (
     UPSTREAM_CALL_ITEMS,
     UPSTREAM_ITEMS_EXPIRED_TOTAL,
 )
+from orchestrator.policy import OutlierSettings
+from orchestrator.routing import Backend
 from orchestrator.server import OrchestratorServer
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.coalescer import (
@@ -42,6 +44,7 @@ from orchestrator.upstream.coalescer import (
     ReplicaCoalescer,
 )
 from orchestrator.upstream.load import read_load_report
+from orchestrator.upstream.pool import BackendPool
 from tests.conftest import (
     STRIKER,
     StartCapability,
@@ -1113,3 +1116,54 @@ async def test_calls_in_flight_to_a_replica_stay_within_its_reported_queue_capac
     # The warm-up call, then calls of 16 items at most.
     upstream_calls = metric_sum(server.registry, f"{UPSTREAM_CALL_ITEMS}_count")
     assert upstream_calls >= 1 + 200 / 16
+
+
+async def test_interactive_items_beside_bulk_work_stay_within_the_replicas_queue(
+    start_capability: StartCapability,
+) -> None:
+    """A replica's queue of 32 taken up by a call of 32 bulk items (two batches of 8 out
+    of it, for the busy device): interactive items went beside the bulk call all at
+    once, past the queue's room, and the replica refused 8 of 24 QUEUE_FULL (which the
+    adaptive limit takes for overload). They leave as the room allows: a batch's worth
+    now, the rest as calls come back; none is refused."""
+    capability = await start_capability(
+        models=("topic-minilm",), max_batch_size=8, queue_capacity=32
+    )
+    backend = Backend("minilm", "topic-minilm", (f"127.0.0.1:{capability.port}",), 30.0)
+    pool = BackendPool(backend, OutlierSettings())
+    target = pool.replicas[0]
+
+    async def classify(text: str, priority: pb.Priority.ValueType) -> str:
+        request = pb.ClassifyRequest(text=text, model="topic-minilm", priority=priority)
+        try:
+            await pool.classify(request, target=target, client_remaining=None)
+        except ServiceError as refused:
+            return refused.reason
+        return "OK"
+
+    try:
+        assert await classify(STRIKER, pb.PRIORITY_BATCH) == "OK"  # its load report
+        replica = capability.pool.workers[0].replicas["topic-minilm"]
+        async with device_occupied(capability.pool.workers[0], take_turn=False):
+            bulk = [
+                asyncio.ensure_future(classify(f"{STRIKER} {n}", pb.PRIORITY_BATCH))
+                for n in range(32)
+            ]
+            # Two batches of 8 out of the queue: one handed to the device, one next.
+            await wait_until(lambda: len(replica.queue) == 16, "16 bulk items queued")
+            interactive = [
+                asyncio.ensure_future(
+                    classify(
+                        f"Shares fell after the bank cut its forecast {n}", pb.PRIORITY_INTERACTIVE
+                    )
+                )
+                for n in range(24)
+            ]
+            await wait_until(lambda: len(replica.queue) == 24, "8 interactive items queued")
+            for _ in range(5):  # anything more would leave within a few loop turns
+                await asyncio.sleep(0)
+            assert pool.coalescers[target].waiting == 16
+        outcomes = collections.Counter(await asyncio.gather(*bulk, *interactive))
+    finally:
+        await pool.close()
+    assert outcomes == {"OK": 56}
