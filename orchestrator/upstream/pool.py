@@ -375,7 +375,9 @@ class BackendPool:
 
     def _record_load(self, target: str, raw: bytes) -> ReplicaLoad | None:
         load = read_load_report(raw, asyncio.get_running_loop().time())
-        if load is not None:
+        # Not for a replica gone from the name's addresses while its call was in flight:
+        # kept, its report outlived it, and a new pod given its address started from it.
+        if load is not None and target in self.replicas:
             self.loads[target] = load
         return load
 

@@ -240,6 +240,7 @@ async def test_calls_waiting_for_a_pod_that_leaves_are_answered_unavailable_at_o
     staying = FlakyPod(capability.port, "127.0.0.2", failing=False)
     await staying.start(port=leaving.port)
     leaving.delay_seconds = 0.5  # the call in flight that the others gather behind
+    leaving.load_report = pb.LoadReport(max_batch_size=8, queue_capacity=256).SerializeToString()
     answer = ["127.0.0.1"]
 
     async def lookup(host: str, port: int) -> Sequence[str]:
@@ -265,6 +266,8 @@ async def test_calls_waiting_for_a_pod_that_leaves_are_answered_unavailable_at_o
         )
         assert [type(outcome) for outcome in outcomes] == [ModelUnavailable] * 3
         assert (await in_flight).labels[0].name == "sports"  # the call in flight answered
+        # Its load report, which came back after the pod left, is not kept for it.
+        assert leaving.address not in pool.loads
         await wait_until(lambda: pool.in_flight == 0, "no call left counted in flight")
         assert leaving.calls == 1
     finally:
