@@ -361,7 +361,9 @@ class OrchestratorSettings(ServerSettings):
             )
 
     def coalescing(self) -> CoalescingSettings:
-        return CoalescingSettings(self.upstream_batch_max_items, self.upstream_calls_in_flight)
+        return CoalescingSettings(
+            self.upstream_batch_max_items, self.upstream_calls_in_flight, self.set_processes
+        )
 
     def concurrency(self) -> ConcurrencySettings:
         return replace(

@@ -135,6 +135,7 @@ from classify_common.nodes import (
 )
 from classify_common.tracing import get_tracer, inject_context, spans_are_exported
 from orchestrator.metrics import UNREACHABLE_CALL_TIME, UNREACHABLE_REPORTED_WAIT
+from orchestrator.policy.concurrency import share_of
 from orchestrator.upstream.call_time import CallTimeModel, TripTime
 from orchestrator.upstream.errors import translate_item_status, translate_upstream_error
 from orchestrator.upstream.load import ReplicaLoad
@@ -174,12 +175,17 @@ class CoalescingSettings:
     # arrive while a call is in flight gather for the next one; only a full call (one
     # batch on the replica) leaves beside a call in flight.
     max_in_flight: int = 2
+    # Processes of one --processes set, each sending to the same replicas: each keeps
+    # its share (share_of) of a replica's reported queue capacity, 1..1024.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_items <= 1024:
             raise ValueError(f"max_items {self.max_items} is not within 1..1024")
         if not 1 <= self.max_in_flight <= 64:
             raise ValueError(f"max_in_flight {self.max_in_flight} is not within 1..64")
+        if not 1 <= self.processes <= 1024:
+            raise ValueError(f"processes {self.processes} is not within 1..1024")
 
 
 # The request's log-line field naming the merged call (its request ID) that carried it
@@ -446,7 +452,9 @@ class ReplicaCoalescer:
         capacity = self._replica_queue_capacity()
         if capacity <= 0:
             return self._settings.max_items
-        return capacity - self._items_in_flight
+        # With --processes N, every worker sends to the replica: each had its whole
+        # queue, and N of them sent N times what it holds.
+        return share_of(capacity, self._settings.processes) - self._items_in_flight
 
     def _beside_batch_calls_only(self) -> bool:
         """Whether interactive items may leave now in a call of their own, one beyond

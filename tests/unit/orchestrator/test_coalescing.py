@@ -84,6 +84,7 @@ def coalescer_on(
     on_unreachable: Callable[[str], None] = lambda cause: None,
     predicted_wait: Callable[[], float] = lambda: 0.0,
     replica_batch_size: Callable[[], int] = lambda: 0,
+    replica_queue_capacity: Callable[[], int] = lambda: 0,
 ) -> ReplicaCoalescer:
     """A coalescer in front of the real capability server, as a backend pool makes one."""
     return ReplicaCoalescer(
@@ -98,6 +99,7 @@ def coalescer_on(
         on_load=lambda raw: read_load_report(raw, asyncio.get_running_loop().time()),
         predicted_wait=predicted_wait,
         replica_batch_size=replica_batch_size,
+        replica_queue_capacity=replica_queue_capacity,
     )
 
 
@@ -1167,3 +1169,36 @@ async def test_interactive_items_beside_bulk_work_stay_within_the_replicas_queue
     finally:
         await pool.close()
     assert outcomes == {"OK": 56}
+
+
+async def test_one_of_two_processes_sends_half_of_a_replicas_queue(
+    start_capability: StartCapability,
+) -> None:
+    """With --processes N every worker sends to the same replicas: each sent up to the
+    whole queue the replica reported, so together N times what it holds, and the rest
+    was refused QUEUE_FULL. One worker of two sends half."""
+    capability = await start_capability(
+        models=("topic-minilm",), max_batch_size=8, queue_capacity=32
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel,
+            capability,
+            CoalescingSettings(processes=2),
+            replica_queue_capacity=lambda: 32,  # as the replica reports it
+        )
+
+        async def classify(n: int) -> pb.ClassifyResponse:
+            request = pb.ClassifyRequest(
+                text=f"{STRIKER} {n}", model="topic-minilm", priority=pb.PRIORITY_BATCH
+            )
+            return await coalescer.classify(request, seconds=30, trace_metadata=())
+
+        async with device_occupied(capability.pool.workers[0]):
+            calls = [asyncio.ensure_future(classify(n)) for n in range(32)]
+            await wait_until(lambda: coalescer.in_flight == 1, "the first call sent")
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert coalescer.waiting == 16  # the call carries the worker's half alone
+        answers = await asyncio.gather(*calls)
+    assert len(answers) == 32

@@ -58,6 +58,7 @@ async def test_each_worker_gets_its_share_of_the_sets_limits_rounded_up() -> Non
     # What the file and the other flags give for the set, too: each worker read
     # routes.yaml's max_concurrency and held the whole of it, and 64 shadow calls.
     assert worker.shadow_max_in_flight == share_of(settings.shadow_max_in_flight, 3)
+    assert worker.coalescing().processes == 3  # each sends a third of a replica's queue
     backend = Backend("capped", "topic-minilm", ("127.0.0.1:1",), 5.0, max_concurrency=10)
     static_only = replace(worker.concurrency(), adaptive=False)
     async with _pool_of(backend, static_only) as pool:
