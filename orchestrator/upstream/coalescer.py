@@ -519,6 +519,15 @@ class ReplicaCoalescer:
         # has gathered: counting from the first one back errs towards sending it, as
         # does counting it in the next call when more than max_items gathered first.
         sent_at = max(now, min(self._expected_back, default=now))
+        # Behind more items than one call takes, the calls of those go first, each in
+        # one of the slots as they free: counted as leaving with the first call back,
+        # an item behind 900 waiting was let in and then refused as its turn came,
+        # 0.84 s later with 145 ms left, too late for a fallback to help.
+        # (A call as large as one may be: errs towards sending, as above.)
+        per_call = self._settings.max_items
+        calls_ahead = len(self._waiting) // per_call
+        if calls_ahead:
+            sent_at += calls_ahead * self.call_time.predict(per_call) / self._settings.max_in_flight
         # It leaves with the items gathered before it and with those that gather after
         # it, so its call is as large as calls have lately been, or larger. Counting
         # only the items before it judged the first items of each call by a call of a

@@ -1202,3 +1202,34 @@ async def test_one_of_two_processes_sends_half_of_a_replicas_queue(
             assert coalescer.waiting == 16  # the call carries the worker's half alone
         answers = await asyncio.gather(*calls)
     assert len(answers) == 32
+
+
+async def test_an_item_behind_more_than_a_call_is_judged_by_the_calls_ahead_of_it(
+    capability: CapabilityServer,
+) -> None:
+    """Calls of 4 items have been taking 1 s, one call in flight at a time, and 8 items
+    (two calls) wait ahead: an item with 2.5 s left cannot make it (its call leaves in
+    2 s, then takes 1). Judged as leaving with the first call back, it was let in, and
+    refused only as its turn came, too late for its route's fallback."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capability.port}") as channel:
+        coalescer = coalescer_on(
+            channel, capability, CoalescingSettings(max_items=4, max_in_flight=1)
+        )
+
+        def classify(text: str, seconds: float) -> asyncio.Future[pb.ClassifyResponse]:
+            request = pb.ClassifyRequest(text=text, model="topic-minilm")
+            return asyncio.ensure_future(
+                coalescer.classify(request, seconds=seconds, trace_metadata=())
+            )
+
+        async with device_occupied(capability.pool.workers[0]):
+            calls = [classify(STRIKER, 60)]
+            await wait_until(lambda: coalescer.in_flight == 1, "the first call sent")
+            calls += [classify(f"{STRIKER} {n}", 60) for n in range(8)]
+            await wait_until(lambda: coalescer.waiting == 8, "two calls' worth waiting")
+            for _ in range(40):
+                coalescer.call_time.record(4, 1.0)
+            with pytest.raises(DeadlineUnreachable, match="busy for about 2"):
+                await classify(TEXTS[1], 2.5)
+            assert coalescer.waiting == 8
+        assert len(await asyncio.gather(*calls)) == 9
