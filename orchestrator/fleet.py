@@ -71,9 +71,7 @@ class FleetModels:
             state.leave()
 
     @staticmethod
-    def _replicas(
-        state: RoutingState, model: str | None = None
-    ) -> list[tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub]]:
+    def _replicas(state: RoutingState, model: str | None = None) -> list[Replica]:
         """(pool, address, its ModelService) of every distinct replica (each pod behind a
         name) in `state`, of one model's backends if given. The stubs are taken now: a
         pod that leaves while a reload walks the list fails its own call, not the walk."""
@@ -192,13 +190,16 @@ def _first_telling(failed: Sequence[asyncio.Future[Any]]) -> BaseException:
     return next((e for e in errors if not isinstance(e, unanswered)), errors[-1])
 
 
-async def _list(
-    replica: tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub],
-    request: model_pb.ListModelsRequest,
-) -> model_pb.ListModelsResponse:
+# A replica as fleet calls take it: its backend's pool, its address, its ModelService.
+Replica = tuple[BackendPool, str, "model_pb_grpc.ModelServiceAsyncStub"]  # the stub: typing only
+
+
+async def _ask(replica: Replica, method: str, request: Any) -> Any:
+    """`method` of the replica's ModelService, within its backend's timeout; a failure
+    as the ServiceError it means (logged)."""
     pool, target, stub = replica
     try:
-        response: model_pb.ListModelsResponse = await stub.ListModels(
+        return await getattr(stub, method)(
             request,
             timeout=pool.backend.timeout_seconds,
             metadata=_call_metadata(pool.credentials),
@@ -207,24 +208,19 @@ async def _list(
         raise translate_upstream_error(
             error, pool.backend.name, target, classifying=False
         ) from error
+
+
+async def _list(
+    replica: Replica, request: model_pb.ListModelsRequest
+) -> model_pb.ListModelsResponse:
+    response: model_pb.ListModelsResponse = await _ask(replica, "ListModels", request)
     return response
 
 
 async def _describe(
-    replica: tuple[BackendPool, str, model_pb_grpc.ModelServiceAsyncStub],
-    request: model_pb.GetModelRequest,
+    replica: Replica, request: model_pb.GetModelRequest
 ) -> model_pb.GetModelResponse:
-    pool, target, stub = replica
-    try:
-        response: model_pb.GetModelResponse = await stub.GetModel(
-            request,
-            timeout=pool.backend.timeout_seconds,
-            metadata=_call_metadata(pool.credentials),
-        )
-    except grpc.aio.AioRpcError as error:
-        raise translate_upstream_error(
-            error, pool.backend.name, target, classifying=False
-        ) from error
+    response: model_pb.GetModelResponse = await _ask(replica, "GetModel", request)
     _for_caller(response.model)
     return response
 
