@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -96,18 +96,9 @@ class FleetModels:
         deadline got nothing although the others had answered. When none answers, the
         call fails as GetModel's does (an empty list said the fleet served nothing)."""
         with self._routing_held() as state:
-            replicas = self._replicas(state)
-            asked = [asyncio.ensure_future(_list(replica, request)) for replica in replicas]
-            try:
-                await _first_answers(asked, STRAGGLER_SECONDS)
-            finally:
-                for task in asked:
-                    task.cancel()
-                await asyncio.gather(*asked, return_exceptions=True)
-        answered = [t for t in asked if t.done() and not t.cancelled()]
-        answers = [t.result() for t in answered if t.exception() is None]
-        if asked and not answers:
-            raise _first_telling(answered)
+            answers = await _answers_of(
+                self._replicas(state), lambda replica: _list(replica, request)
+            )
         served: dict[tuple[str, str, str], list[model_pb.ModelInfo]] = {}
         for listed in answers:  # in the order asked
             for info in listed.models:
@@ -130,18 +121,8 @@ class FleetModels:
             replicas = self._replicas(state, request.name)
             if not replicas:
                 raise ModelNotFound(f"no backend serves model {request.name!r}", model=request.name)
-            asked = [asyncio.ensure_future(_describe(replica, request)) for replica in replicas]
-            try:
-                await _first_answers(asked, STRAGGLER_SECONDS)
-            finally:
-                for task in asked:
-                    task.cancel()
-                await asyncio.gather(*asked, return_exceptions=True)
-        answered = [t for t in asked if t.done() and not t.cancelled()]
-        answers = [t.result() for t in answered if t.exception() is None]
-        if answers:
-            return _most_served(request.name, answers, asked=len(asked))
-        raise _first_telling(answered)
+            answers = await _answers_of(replicas, lambda replica: _describe(replica, request))
+        return _most_served(request.name, answers, asked=len(replicas))
 
     async def reload_model(
         self, request: model_pb.ReloadModelRequest
@@ -182,6 +163,26 @@ class FleetModels:
 _NO_ANSWER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+async def _answers_of(
+    replicas: Sequence[Replica], ask: Callable[[Replica], Awaitable[T]]
+) -> list[T]:
+    """Every replica asked at once; the answers of those that answered by
+    STRAGGLER_SECONDS after the first did, in the order asked. With none (of some
+    asked), the failure _first_telling picks is raised."""
+    asked = [asyncio.ensure_future(ask(replica)) for replica in replicas]
+    try:
+        await _first_answers(asked, STRAGGLER_SECONDS)
+    finally:
+        for task in asked:
+            task.cancel()
+        await asyncio.gather(*asked, return_exceptions=True)
+    answered = [task for task in asked if task.done() and not task.cancelled()]
+    answers = [task.result() for task in answered if task.exception() is None]
+    if asked and not answers:
+        raise _first_telling(answered)
+    return answers
+
+
 def _first_telling(failed: Sequence[asyncio.Future[Any]]) -> BaseException:
     """What a fleet call answers when no replica did: the first error that says more
     than "no answer" (down, or out of time), else the last replica's."""
@@ -192,6 +193,7 @@ def _first_telling(failed: Sequence[asyncio.Future[Any]]) -> BaseException:
 
 # A replica as fleet calls take it: its backend's pool, its address, its ModelService.
 Replica = tuple[BackendPool, str, "model_pb_grpc.ModelServiceAsyncStub"]  # the stub: typing only
+T = TypeVar("T")
 
 
 async def _ask(replica: Replica, method: str, request: Any) -> Any:
