@@ -21,8 +21,8 @@ flight carries only `PRIORITY_BATCH` items (a bulk ClassifyBatch sent as
 such), interactive items leave at once in a call of their own, one beyond
 `max_in_flight` (as many as the replica's queue has room for, a batch being
 computed counted out of it), and the capability, which takes interactive
-texts before batch ones, computes them next. Without it a single call waited out two
-calls of 128 bulk items (a second or more).
+texts before batch ones, computes them next. Without it a single call waited
+out two calls of 128 bulk items (a second or more).
 
 Why a second call must be full: a partial call sent while one is in flight
 stops gathering early, and splits the callers in flight into three groups
