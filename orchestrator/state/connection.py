@@ -48,6 +48,10 @@ START_CHECK_KEY = KEY_PREFIX + "start-check"
 # Kept from a command's time when the caller's deadline bounds it (run()'s `within`):
 # time to go on without Redis and still answer.
 DEADLINE_MARGIN_SECONDS = 0.03
+# Less time than this left for a command, it is not sent (as with none): the event
+# loop's timers fire to the millisecond (libuv), so a command given a fraction of one
+# was cut off as it started, counted `deadline` where the call's time had run out.
+LEAST_COMMAND_SECONDS = 0.002
 # A command cut short by its caller's deadline starts the rest after a failure only
 # when it had at least this fraction of --state-timeout-ms: a Redis that stays silent
 # that long is failing, not merely slower than one call's deadline.
@@ -277,7 +281,7 @@ class RedisState:
         timeout = self.timeout_seconds
         if within is not None:
             timeout = min(timeout, within - DEADLINE_MARGIN_SECONDS)
-            if timeout <= 0:
+            if timeout < LEAST_COMMAND_SECONDS:
                 raise self._not_asked(operation)
         started = time.perf_counter()
         try:
