@@ -154,32 +154,26 @@ class ModelRoot:
         and logged once: its PermissionError stopped the start, although another
         model was asked for, and live, every look of the watcher failed as a bug."""
         folder = self._model_folder(name)
-        if not self._is_readable_dir(folder):
+        try:
+            if not folder.is_dir():
+                return []
+            entries = sorted(folder.iterdir())
+        except OSError as exc:
+            self._left_out(folder, exc)
             return []
+        self._unreadable.discard(folder)  # readable (again): said once more if it changes
         found = []
-        for path in sorted(folder.iterdir()):
-            if not is_numbered(path.name) or not self._is_readable_dir(path):
+        for path in entries:
+            if not is_numbered(path.name):
                 continue
             try:
-                holds_manifest = (path / MANIFEST).is_file()
+                if path.is_dir() and (path / MANIFEST).is_file():
+                    found.append(path.name)
             except OSError as exc:
                 self._left_out(path, exc)
                 continue
-            if holds_manifest:
-                found.append(path.name)
+            self._unreadable.discard(path)
         return sorted(found, key=int)
-
-    def _is_readable_dir(self, path: Path) -> bool:
-        """Whether `path` is a folder this server may list; one it may not is logged."""
-        try:
-            if not path.is_dir():
-                return False
-            os.listdir(path)  # what a later look needs: PermissionError here, not there
-        except OSError as exc:
-            self._left_out(path, exc)
-            return False
-        self._unreadable.discard(path)  # readable again: said once more if it changes
-        return True
 
     def _left_out(self, path: Path, error: OSError) -> None:
         if path not in self._unreadable:
