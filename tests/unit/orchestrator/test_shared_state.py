@@ -636,11 +636,13 @@ async def test_a_burst_of_the_processs_own_commands_waits_for_connections_not_fa
     """The timeout covered the wait for a pooled connection: a ClassifyBatch of 1,024
     items past its budget, each holding its result's place at once, timed out at the
     pool with Redis well, counted as Redis failing, and every call then went without
-    it for --state-retry-seconds. Here: 2 connections, 40 commands of 20 ms each."""
+    it for --state-retry-seconds. Here: 2 connections, 60 commands of 20 ms each
+    (the last waits 600 ms for a connection) and a 250 ms timeout, which a command
+    once on a connection needs at most 40 ms of (the other connection's script)."""
     monkeypatch.setattr(state_connection, "MAX_CONNECTIONS", 2)
     registry = CollectorRegistry()
     state = RedisState.from_settings(
-        orchestrator_settings(state_url=redis_server.url, state_timeout_ms=100),
+        orchestrator_settings(state_url=redis_server.url, state_timeout_ms=250),
         StateMetrics(registry),
     )
 
@@ -651,19 +653,19 @@ async def test_a_burst_of_the_processs_own_commands_waits_for_connections_not_fa
 
     try:
         answers = await asyncio.gather(
-            *(state.run("result_hold", a_20_ms_command) for _ in range(40))
+            *(state.run("result_hold", a_20_ms_command) for _ in range(60))
         )
         assert await state.run("ping", state.client.ping) is True  # no rest started
     finally:
         await state.close()
-    assert answers == [1] * 40
+    assert answers == [1] * 60
     outcomes = {
         outcome: metric_sum(
             registry, STATE_OPERATIONS_TOTAL, operation="result_hold", outcome=outcome
         )
         for outcome in ("ok", "timeout", "skipped")
     }
-    assert outcomes == {"ok": 40, "timeout": 0, "skipped": 0}
+    assert outcomes == {"ok": 60, "timeout": 0, "skipped": 0}
 
 
 async def code_of(call: Awaitable[object]) -> grpc.StatusCode:
